@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 __all__ = [
+    "ActorDeadError",
+    "ActorNotFoundError",
+    "ActorNameTakenError",
+    "ActorHandlerError",
+    "MailboxFullError",
+    "AskTimeoutError",
+    "TransportClosedError",
+    "PeerLostError",
+    "ProtocolError",
+    "MessageTooLargeError",
+    "InvalidAddressError",
     "MStarError",
     "GraphValidationError",
+    "WalkDeadlockError",
     "WalkExecutionError",
+    "BenchConfigError",
+    "BenchTargetError",
+    "InvalidSamplingParamsError",
+    "RequestNotFoundError",
+    "DuplicateRequestError",
+    "KVCacheCapacityError",
+    "CheckpointError",
+    "UnsupportedModelError",
 ]
 
 
@@ -25,3 +45,87 @@ class WalkExecutionError(MStarError, RuntimeError):
         self.node = node
         self.walk = walk
         self.request_id = request_id
+
+
+class BenchConfigError(MStarError, ValueError):
+    """Raised when a benchmark's load, requests, targets or output options are invalid."""
+
+
+class BenchTargetError(MStarError, RuntimeError):
+    """Raised when a benchmark target answers with an error or a malformed response."""
+
+
+class WalkDeadlockError(MStarError, RuntimeError):
+    """Raised when every unfinished partition of a request waits for a stream chunk that cannot come."""
+
+
+class InvalidSamplingParamsError(MStarError, ValueError):
+    """Raised when `SamplingParams` hold an out-of-range value (temperature, top-k, top-p, ...)."""
+
+
+class RequestNotFoundError(MStarError, KeyError):
+    """Raised when an engine is asked about a request id it does not hold."""
+
+
+class DuplicateRequestError(MStarError, ValueError):
+    """Raised when an engine is given a request id that it already holds."""
+
+
+class KVCacheCapacityError(MStarError, ValueError):
+    """Raised when a request can never fit the KV cache (too long for its blocks or max length)."""
+
+
+class CheckpointError(MStarError, ValueError):
+    """Raised when a checkpoint directory lacks files or holds missing or unexpected tensors."""
+
+
+class UnsupportedModelError(MStarError, ValueError):
+    """Raised when a model config asks for an architecture feature mstar does not implement."""
+
+
+class ActorDeadError(MStarError, RuntimeError):
+    """Raised when a message targets an actor that stopped or never existed, or was queued when it stopped."""
+
+
+class ActorNotFoundError(MStarError, LookupError):
+    """Raised when `ActorSystem.lookup` finds no actor under the given name at the given address."""
+
+
+class ActorNameTakenError(MStarError, ValueError):
+    """Raised when `ActorSystem.spawn` is given a name that a running actor already holds."""
+
+
+class ActorHandlerError(MStarError, RuntimeError):
+    """Raised at the asker when the actor's handler raised; names the original exception type."""
+
+    def __init__(self, message: str, *, error_type: str = "Exception") -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class MailboxFullError(MStarError, RuntimeError):
+    """Raised when a message is sent to an actor whose bounded mailbox is full."""
+
+
+class AskTimeoutError(MStarError, TimeoutError):
+    """Raised when `ActorRef.ask` gets no reply within its timeout."""
+
+
+class TransportClosedError(MStarError, ConnectionError):
+    """Raised when a channel, listener or actor system is used after it was closed."""
+
+
+class PeerLostError(MStarError, ConnectionError):
+    """Raised when a peer actor system disconnects or misses its heartbeats (its process died)."""
+
+
+class ProtocolError(MStarError, ValueError):
+    """Raised when frames do not decode into a valid wire message, or a message is not part of the protocol."""
+
+
+class MessageTooLargeError(MStarError, ValueError):
+    """Raised when an encoded message exceeds the link's `max_message_bytes`."""
+
+
+class InvalidAddressError(MStarError, ValueError):
+    """Raised when a transport address is malformed, has an unknown scheme or binds a non-loopback host without opt-in."""
