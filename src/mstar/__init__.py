@@ -2,6 +2,58 @@
 
 from __future__ import annotations
 
+from mstar.errors import GraphValidationError, MStarError, WalkDeadlockError, WalkExecutionError
+from mstar.graph import (
+    EMIT,
+    MODALITIES,
+    Connection,
+    DynamicLoop,
+    Emission,
+    GraphEdge,
+    GraphNode,
+    Loop,
+    ModelGraph,
+    Parallel,
+    Sequential,
+    StreamingGraphEdge,
+    WalkStateMachine,
+    run_reference,
+)
+from mstar.streaming import (
+    Chunk,
+    ChunkPolicy,
+    FixedChunkPolicy,
+    LeftContextChunkPolicy,
+    SlidingWindowChunkPolicy,
+    StreamBuffer,
+)
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "EMIT",
+    "MODALITIES",
+    "Chunk",
+    "ChunkPolicy",
+    "Connection",
+    "DynamicLoop",
+    "Emission",
+    "FixedChunkPolicy",
+    "GraphEdge",
+    "GraphNode",
+    "GraphValidationError",
+    "LeftContextChunkPolicy",
+    "Loop",
+    "MStarError",
+    "ModelGraph",
+    "Parallel",
+    "Sequential",
+    "SlidingWindowChunkPolicy",
+    "StreamBuffer",
+    "StreamingGraphEdge",
+    "WalkDeadlockError",
+    "WalkExecutionError",
+    "WalkStateMachine",
+    "__version__",
+    "run_reference",
+]

@@ -1,0 +1,53 @@
+"""The `mstar` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from mstar.demo import run_demo
+
+    return run_demo(text=args.text, out=args.out, seed=args.seed)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from mstar.zoo import list_models
+
+    for name, summary in list_models().items():
+        print(f"{name:24s} {summary}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """Build the argument parser for every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="mstar", description="Serve composite multimodal models declared as graphs plus walks."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="build a composite example model, print its graph, run requests")
+    demo.add_argument("--text", default="Hello from mstar!", help="the request's input text")
+    demo.add_argument("--out", type=Path, default=None, help="write the spoken audio to this WAV file")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    demo.set_defaults(func=_cmd_demo)
+
+    models = sub.add_parser("models", help="list the models mstar can serve")
+    models.set_defaults(func=_cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `mstar` command line."""
+    args = make_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The `mstar` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import pytest
+
+from mstar.cli import main
+
+
+def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo.wav"
+    assert main(["demo", "--text", "hi", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "model toy-composite" in text
+    assert "partition Vocoder" in text
+    assert "request 'speak'" in text and "request 'draw'" in text
+    with wave.open(str(out)) as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 16000)
+        assert f.getnframes() > 0
+
+
+def test_models_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    assert "toy-composite" in capsys.readouterr().out
+
+
+def test_entry_point_help_and_bad_usage() -> None:
+    ok = subprocess.run([sys.executable, "-m", "mstar.cli", "--help"], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and "demo" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "mstar.cli", "nope"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
