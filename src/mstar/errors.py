@@ -15,6 +15,7 @@ __all__ = [
     "MessageTooLargeError",
     "InvalidAddressError",
     "MStarError",
+    "PlacementError",
     "GraphValidationError",
     "WalkDeadlockError",
     "WalkExecutionError",
@@ -129,3 +130,7 @@ class MessageTooLargeError(MStarError, ValueError):
 
 class InvalidAddressError(MStarError, ValueError):
     """Raised when a transport address is malformed, has an unknown scheme or binds a non-loopback host without opt-in."""
+
+
+class PlacementError(MStarError, ValueError):
+    """Raised when a placement file is missing, malformed, or does not fit the model's graph."""

@@ -1,0 +1,128 @@
+"""Placement: which worker rank hosts which (node, walk), from a YAML file.
+
+```yaml
+model: orpheus
+node_groups:
+  - {node_names: [LLM], ranks: [0], graph_walks: [prefill]}
+  - {node_names: [LLM], ranks: [1], graph_walks: [decode]}
+  - {node_names: [snac_decoder], ranks: [0]}
+```
+
+A group without ``graph_walks`` covers its nodes in every walk that uses them. Every
+(node, walk) pair of the graph must be covered by exactly one group. A group with several
+ranks spreads requests over them (replicas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import msgspec.yaml
+
+from mstar.errors import PlacementError
+from mstar.graph import ModelGraph
+
+__all__ = ["NodeGroup", "Placement"]
+
+
+class NodeGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Nodes (optionally only in some walks) hosted by the given ranks."""
+
+    node_names: list[str]
+    ranks: list[int]
+    graph_walks: list[str] | None = None
+
+
+class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    node_groups: list[NodeGroup]
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A validated map from (node, walk) to the ranks that host it."""
+
+    groups: tuple[NodeGroup, ...]
+    model: str | None = None
+
+    @classmethod
+    def colocated(cls, graph: ModelGraph) -> Placement:
+        """Place every node of ``graph`` on rank 0: the default, one process."""
+        return cls((NodeGroup(sorted(graph.nodes), [0]),), graph.name)
+
+    @classmethod
+    def from_yaml(cls, source: str | Path) -> Placement:
+        """Parse a placement file (a path, or YAML text).
+
+        Raises:
+            PlacementError: The file is missing or not a valid placement.
+        """
+        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))):
+            path = Path(source)
+            if not path.is_file():
+                raise PlacementError(f"placement file {str(path)!r} does not exist")
+            text = path.read_text()
+            where = str(path)
+        else:
+            text, where = str(source), "placement"
+        try:
+            spec = msgspec.yaml.decode(text, type=_PlacementFile)
+        except msgspec.ValidationError as exc:
+            raise PlacementError(f"{where}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise PlacementError(f"{where} is not valid YAML: {exc}") from None
+        return cls(tuple(spec.node_groups), spec.model)
+
+    def resolve(self, graph: ModelGraph, num_ranks: int | None = None) -> dict[tuple[str, str], tuple[int, ...]]:
+        """Check this placement against ``graph``; return (node, walk) -> ranks.
+
+        Raises:
+            PlacementError: Naming the unknown node or walk, the unavailable rank, the
+                (node, walk) placed twice or not at all.
+        """
+        if self.model is not None and self.model != graph.name:
+            raise PlacementError(f"placement is for model {self.model!r}, not {graph.name!r}")
+        uses = {(n.name, w) for w in graph.walks for n in graph.walk_nodes(w)}
+        out: dict[tuple[str, str], tuple[int, ...]] = {}
+        for i, group in enumerate(self.groups):
+            where = f"node_groups[{i}]"
+            _check_ranks(where, group.ranks, num_ranks)
+            if not group.node_names:
+                raise PlacementError(f"{where}: node_names is empty")
+            for node in group.node_names:
+                if node not in graph.nodes:
+                    raise PlacementError(f"{where}: unknown node {node!r} (nodes: {', '.join(sorted(graph.nodes))})")
+            for walk in group.graph_walks or ():
+                if walk not in graph.walks:
+                    raise PlacementError(f"{where}: unknown walk {walk!r} (walks: {', '.join(graph.walks)})")
+            walks: Iterable[str] = group.graph_walks if group.graph_walks is not None else graph.walks
+            for node in group.node_names:
+                covered = [(node, w) for w in walks if (node, w) in uses]
+                if group.graph_walks is not None and not covered:
+                    raise PlacementError(f"{where}: node {node!r} is used by none of {group.graph_walks}")
+                for key in covered:
+                    if key in out:
+                        raise PlacementError(f"{where}: node {node!r} in walk {key[1]!r} is already placed")
+                    out[key] = tuple(group.ranks)
+        for node, walk in sorted(uses - out.keys()):
+            raise PlacementError(f"node {node!r} in walk {walk!r} has no placement: add it to a node group")
+        return out
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Return every rank this placement uses, sorted."""
+        return tuple(sorted({r for g in self.groups for r in g.ranks}))
+
+
+def _check_ranks(where: str, ranks: list[int], num_ranks: int | None) -> None:
+    if not ranks:
+        raise PlacementError(f"{where}: ranks is empty")
+    if len(set(ranks)) != len(ranks):
+        raise PlacementError(f"{where}: ranks {ranks} has duplicates")
+    for r in ranks:
+        if r < 0 or (num_ranks is not None and r >= num_ranks):
+            available = "none" if num_ranks == 0 else f"0..{num_ranks - 1}" if num_ranks else ">= 0"
+            raise PlacementError(f"{where}: rank {r} is not available (ranks {available})")
