@@ -1,0 +1,92 @@
+"""The attention-backend interface and the per-step batch description backends read.
+
+A step's tokens are one flat batch: the chunks of all scheduled sequences, concatenated.
+
+```
+ tokens      | s0: 5 prefill tokens | s1: 1 | s2: 1 |      query_start_loc = [0, 5, 6, 7]
+ kv (after)  | s0: 5                | s1: 9 | s2: 33|      seq_lens        = [5, 9, 33]
+```
+
+The paged K/V cache of one layer is a pair of tensors `(k_cache, v_cache)`, each
+`[num_slots // block_size, block_size, num_kv_heads, head_dim]` (FlashInfer's "NHD"
+layout); the last block is a sink that padded tokens write into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["AttentionBackend", "AttentionMetadata"]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Host-side description of one step's batch, shared by every layer.
+
+    Attributes:
+        num_tokens: tokens in the flat batch.
+        slot_mapping: `[num_tokens]` int64 cache slot each token's K/V is written to (device).
+        query_start_loc: `[num_seqs + 1]` offsets of each sequence's chunk in the batch.
+        seq_lens: `[num_seqs]` K/V length of each sequence once this step has written.
+        block_tables: per sequence, its blocks covering `seq_lens` (host lists).
+        kv_limits: `[num_tokens]` exclusive end of the keys each query sees (positions
+            within its own sequence), or None when every query is plain causal.
+        block_size: slots per block.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: list[list[int]]
+    kv_limits: np.ndarray | None
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        """Count the sequences in the batch."""
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        """Return each sequence's number of query tokens in this step."""
+        return np.diff(self.query_start_loc)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Whether every sequence contributes exactly one (causal) query token."""
+        return self.num_tokens == self.num_seqs and self.kv_limits is None
+
+
+class AttentionBackend(Protocol):
+    """Paged attention for one step; `plan` once, then `forward` once per layer."""
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare the step (index tensors, kernel plans) from `metadata`."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Write `k`, `v` into the cache, then attend `q` over each sequence's keys.
+
+        Args:
+            q: `[num_tokens, num_heads, head_dim]`.
+            k: `[num_tokens, num_kv_heads, head_dim]` (new keys of this step).
+            v: like `k`.
+            kv_cache: this layer's `(k_cache, v_cache)`.
+            scale: the softmax scale (usually `head_dim ** -0.5`).
+
+        Returns:
+            `[num_tokens, num_heads, head_dim]`.
+        """
+        ...

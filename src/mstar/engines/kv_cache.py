@@ -1,0 +1,85 @@
+"""KV-cache geometry, sizing from a memory budget, and allocation.
+
+```
+ cache tensor  [num_layers, 2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
+ layer l       (cache[l, 0], cache[l, 1])      each an "NHD" paged cache
+ block num_blocks (the extra one) is a sink for padded tokens (CUDA-graph batch slots)
+```
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mstar.errors import KVCacheCapacityError
+
+__all__ = ["KVCacheSpec", "allocate_kv_cache", "available_memory_bytes", "num_blocks_for_budget"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """What a model needs per cached token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Return the bytes one block takes across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Return the free memory of `device` (CUDA: free device memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def num_blocks_for_budget(
+    spec: KVCacheSpec, block_size: int, budget: int | float, device: torch.device
+) -> int:
+    """Return how many blocks fit in `budget`.
+
+    Args:
+        spec: the model's per-token cache needs.
+        block_size: slots per block.
+        budget: bytes (an int), or a fraction in (0, 1] of `device`'s free memory.
+        device: where the cache will live.
+    """
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise KVCacheCapacityError(
+                f"a fractional KV-cache budget must be in (0, 1], got {budget}"
+            )
+        num_bytes = int(available_memory_bytes(device) * budget)
+    else:
+        num_bytes = int(budget)
+    num_blocks = num_bytes // spec.bytes_per_block(block_size) - 1  # minus the sink block
+    if num_blocks < 1:
+        raise KVCacheCapacityError(
+            f"a KV-cache budget of {num_bytes} bytes holds no block of {block_size} tokens "
+            f"({spec.bytes_per_block(block_size)} bytes each); raise the budget"
+        )
+    return num_blocks
+
+
+def allocate_kv_cache(
+    spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device
+) -> torch.Tensor:
+    """Allocate the zeroed cache tensor (zeros: masked-out reads must stay finite)."""
+    shape = (spec.num_layers, 2, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+    return torch.zeros(shape, dtype=spec.dtype, device=device)

@@ -1,0 +1,140 @@
+"""All device work of a KV-cache engine: inputs, forward, block copies, sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
+from mstar.engines.paged_model import PagedKVContext, PagedModel
+from mstar.engines.sampler import Sampler
+from mstar.engines.scheduler import SchedulerOutput
+from mstar.engines.sequence import Sequence
+
+__all__ = ["ModelRunner", "PreparedBatch"]
+
+
+class PreparedBatch:
+    """Host and device inputs of one step."""
+
+    __slots__ = ("input_ids", "logits_indices", "metadata", "positions", "sample_seqs")
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        sample_seqs: list[Sequence],
+    ) -> None:
+        self.input_ids = input_ids
+        self.positions = positions
+        self.metadata = metadata
+        self.logits_indices = logits_indices
+        self.sample_seqs = sample_seqs
+
+
+class ModelRunner:
+    """Run scheduled steps of a `PagedModel` over a paged cache on one device."""
+
+    def __init__(
+        self,
+        model: PagedModel,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        *,
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler | None = None,
+    ) -> None:
+        """Create a runner; `kv_cache` comes from `allocate_kv_cache`."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler or Sampler()
+        self.sink_slot = (kv_cache.shape[2] - 1) * block_size
+        self.ctx = PagedKVContext(backend, [(layer[0], layer[1]) for layer in kv_cache])
+
+    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+        """Flatten the scheduled chunks into model inputs and attention metadata."""
+        size = self.block_size
+        num_seqs = len(out.scheduled)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        seq_lens = np.empty(num_seqs, dtype=np.int64)
+        ids: list[int] = []
+        positions_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        block_tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        has_masks = any(item.seq.mask_segments for item in out.scheduled)
+        limit_parts: list[np.ndarray] = []
+        total = 0
+        for i, item in enumerate(out.scheduled):
+            seq, start, n = item.seq, item.start, item.num_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            positions_parts.append(pos)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slot_parts.append(table[pos // size] * size + pos % size)
+            block_tables.append(seq.block_table)
+            if has_masks:
+                if seq.mask_segments:
+                    limit_parts.append(np.array([seq.kv_limit(p) for p in range(start, end)]))
+                else:
+                    limit_parts.append(pos + 1)
+            total += n
+            query_start_loc[i + 1] = total
+            seq_lens[i] = end
+            if item.samples:
+                logits_rows.append(total - 1)
+                sample_seqs.append(seq)
+        positions = np.concatenate(positions_parts)
+        metadata = AttentionMetadata(
+            num_tokens=total,
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            kv_limits=np.concatenate(limit_parts) if has_masks else None,
+            block_size=size,
+        )
+        return PreparedBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            sample_seqs=sample_seqs,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all layers, K and V) for copy-on-write."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, *, return_logits: bool = False
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Run one step.
+
+        Returns:
+            The sampled token of every chunk that samples, in order, and (when
+            `return_logits`) their raw logits `[rows, vocab]` before any processing.
+        """
+        self.copy_blocks(out.block_copies)
+        batch = self.prepare(out)
+        self.backend.plan(batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, self.ctx)
+        if not batch.sample_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        raw = logits.clone() if return_logits else None
+        tokens = self.sampler(logits, batch.sample_seqs)
+        return [int(t) for t in tokens.tolist()], raw

@@ -1,0 +1,320 @@
+"""Llama-family decoder on the paged KV cache, with Hugging Face parameter names.
+
+RMSNorm, rotary embeddings (default, linear and llama3 scaling), grouped-query attention
+and a SiLU-gated MLP; a checkpoint directory of `LlamaForCausalLM` (config.json +
+safetensors) loads directly:
+
+```
+model.embed_tokens.weight                        [vocab, hidden]
+model.layers.{i}.input_layernorm.weight          [hidden]
+model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+model.layers.{i}.post_attention_layernorm.weight [hidden]
+model.layers.{i}.mlp.{gate,up,down}_proj.weight
+model.norm.weight                                [hidden]
+lm_head.weight                                   [vocab, hidden]  (absent when tied)
+```
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.paged_model import PagedKVContext
+from mstar.errors import UnsupportedModelError
+from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
+
+__all__ = ["LlamaCausalLM", "LlamaConfig", "load_llama", "rope_inv_freq"]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """The architecture fields of a Hugging Face Llama `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | Any) -> LlamaConfig:
+        """Read a `config.json` dict or a transformers `LlamaConfig` (v4 or v5 layout)."""
+        raw: dict[str, Any] = config if isinstance(config, dict) else config.to_dict()
+        model_type = raw.get("model_type", "llama")
+        if model_type != "llama":
+            raise UnsupportedModelError(
+                f"expected a Llama config (model_type 'llama'), got {model_type!r}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"only hidden_act 'silu' is supported, got {act!r}")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            kv_heads = int(raw.get("num_key_value_heads") or heads)
+            # transformers v5 moves theta and scaling into one "rope_parameters" dict.
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=None if rope_type == "default" else rope,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            )
+        except KeyError as exc:
+            raise UnsupportedModelError(f"Llama config lacks the field {exc.args[0]!r}") from exc
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Return the rotary inverse frequencies `[head_dim // 2]` (float32), scaled as configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        low_wavelen = original / low
+        high_wavelen = original / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, blended, scaled)
+    raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged cache."""
+
+    def __init__(self, config: LlamaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
+        """Attend the flat batch `x` `[tokens, hidden]`."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        out = ctx.attend(self.layer_index, q, k, v, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated feed-forward block."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residuals."""
+
+    def __init__(self, config: LlamaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
+        """Apply the layer."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    """Embeddings, decoder layers and the final norm (HF's `LlamaModel`)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaCausalLM(nn.Module):
+    """A Llama causal LM for `KVCacheEngine` (`PagedModel`)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        """Build the module with uninitialised-but-finite weights for `config`."""
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Rotary tables for every position, built once (float32, as transformers does).
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Return the cache geometry."""
+        return KVCacheSpec(
+            num_layers=self.config.num_hidden_layers,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.model.embed_tokens.weight.dtype,
+        )
+
+    @property
+    def max_position(self) -> int:
+        """Return the longest supported sequence."""
+        return self.config.max_position_embeddings
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
+        """Return final hidden states `[tokens, hidden]` for a flat token batch."""
+        x = self.model.embed_tokens(input_ids)
+        dtype = x.dtype
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states to vocabulary logits."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(hidden, weight)
+
+
+def load_llama(
+    checkpoint_dir: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> LlamaCausalLM:
+    """Build a `LlamaCausalLM` from a Hugging Face checkpoint directory.
+
+    Args:
+        checkpoint_dir: holds `config.json` and safetensors weights (sharded or not).
+        device: where the weights go.
+        dtype: weight dtype; default float32 on CPU, the checkpoint's dtype on CUDA.
+    """
+    config = LlamaConfig.from_hf(load_hf_config(checkpoint_dir))
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.float32
+        if device.type == "cuda" and config.torch_dtype in ("bfloat16", "float16"):
+            dtype = getattr(torch, config.torch_dtype)
+    with torch.device("meta"):
+        model = LlamaCausalLM(config)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    _fill_rope(model, config, device)  # derived tables are not in checkpoints
+    ignore = ["lm_head.weight"] if config.tie_word_embeddings else []
+    load_into_module(model, checkpoint_dir, ignore=ignore)
+    return model.eval()
+
+
+def _fill_rope(model: LlamaCausalLM, config: LlamaConfig, device: torch.device) -> None:
+    inv_freq = rope_inv_freq(config).to(device)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    model.rope_cos = angles.cos()
+    model.rope_sin = angles.sin()
