@@ -1,0 +1,80 @@
+"""Benchmark harness: load patterns, client-side metrics, baselines, table/JSON/PNG reports.
+
+Every speed claim in mstar comes from here, measured as the field measures (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+from mstar.bench.audio import AudioFormat, PcmFrameCounter, WavStreamReader
+from mstar.bench.http_targets import (
+    ChatTarget,
+    GenerateTarget,
+    HttpTarget,
+    ImagesTarget,
+    SpeechTarget,
+)
+from mstar.bench.loadgen import (
+    ClosedLoop,
+    LoadPattern,
+    OfflineWaves,
+    OpenLoop,
+    arrival_offsets,
+    draw_requests,
+    make_requests,
+)
+from mstar.bench.metrics import (
+    METRIC_DEFINITIONS,
+    RequestMetrics,
+    Stats,
+    Summary,
+    chunk_on_time,
+    compute_stats,
+    is_streaming_viable,
+    request_metrics,
+    summarize,
+)
+from mstar.bench.records import BenchRequest, OutputEvent, RequestRecord, Usage
+from mstar.bench.report import plot_png, print_table, result_to_dict, write_json
+from mstar.bench.runner import BenchResult, PointResult, Ratio, run_benchmark
+from mstar.bench.targets import CallableTarget, Target
+
+__all__ = [
+    "METRIC_DEFINITIONS",
+    "AudioFormat",
+    "BenchRequest",
+    "BenchResult",
+    "CallableTarget",
+    "ChatTarget",
+    "ClosedLoop",
+    "GenerateTarget",
+    "HttpTarget",
+    "ImagesTarget",
+    "LoadPattern",
+    "OfflineWaves",
+    "OpenLoop",
+    "OutputEvent",
+    "PcmFrameCounter",
+    "PointResult",
+    "Ratio",
+    "RequestMetrics",
+    "RequestRecord",
+    "SpeechTarget",
+    "Stats",
+    "Summary",
+    "Target",
+    "Usage",
+    "WavStreamReader",
+    "arrival_offsets",
+    "chunk_on_time",
+    "compute_stats",
+    "draw_requests",
+    "is_streaming_viable",
+    "make_requests",
+    "plot_png",
+    "print_table",
+    "request_metrics",
+    "result_to_dict",
+    "run_benchmark",
+    "summarize",
+    "write_json",
+]

@@ -1,0 +1,7 @@
+"""`python -m mstar.bench`: the same as `mstar bench`."""
+
+from __future__ import annotations
+
+from mstar.bench.cli import main
+
+raise SystemExit(main())
