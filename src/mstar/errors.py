@@ -15,6 +15,8 @@ __all__ = [
     "MessageTooLargeError",
     "InvalidAddressError",
     "MStarError",
+    "EngineClosedError",
+    "RequestAbortedError",
     "PlacementError",
     "GraphValidationError",
     "WalkDeadlockError",
@@ -134,3 +136,11 @@ class InvalidAddressError(MStarError, ValueError):
 
 class PlacementError(MStarError, ValueError):
     """Raised when a placement file is missing, malformed, or does not fit the model's graph."""
+
+
+class EngineClosedError(MStarError, RuntimeError):
+    """Raised when work is submitted to, or still pending in, an engine that has closed."""
+
+
+class RequestAbortedError(MStarError, RuntimeError):
+    """Raised when a request's pending work is dropped because the request was aborted."""

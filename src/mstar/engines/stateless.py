@@ -1,0 +1,206 @@
+"""`StatelessEngine`: continuous batching for nodes without cross-step state.
+
+Encoders, decoders, codecs and CFG combines keep nothing between calls, so whatever inputs
+are pending for a node, from any requests, can run as one batch. Each step takes up to
+``max_batch_size`` pending inputs in arrival order (waiting up to ``max_wait_s`` for the
+batch to fill when it is short), runs the node once, and splits the outputs back to the
+requests that submitted them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mstar.errors import EngineClosedError, RequestAbortedError
+
+__all__ = ["BatchedNode", "StatelessEngine", "StatelessEngineConfig", "batched"]
+
+
+class BatchedNode(Protocol):
+    """A node's computation over a batch: one input mapping per request in, one output out."""
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        """Run the node on ``batch``; return outputs in the same order."""
+        ...
+
+
+def batched(fn: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> BatchedNode:
+    """Adapt a per-request node callable to the batched interface (a loop over the batch)."""
+
+    def run(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [fn(inputs) for inputs in batch]
+
+    return run
+
+
+@dataclass(frozen=True)
+class StatelessEngineConfig:
+    """Batching limits of a `StatelessEngine`.
+
+    Attributes:
+        max_batch_size: Most inputs run in one step.
+        max_wait_s: How long a short batch waits for more inputs (0: run at once).
+    """
+
+    max_batch_size: int = 32
+    max_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    inputs: Mapping[str, Any]
+    future: asyncio.Future[Mapping[str, Any]]
+
+
+class StatelessEngine:
+    """Batch a node's pending inputs across requests; an async context manager.
+
+    Args:
+        node: The node's name (for errors and metrics).
+        module: The node's batched computation.
+        config: Batching limits.
+        executor: Where steps run; None runs them on the event loop's thread, which suits
+            tiny CPU nodes; pass a single-thread executor for real device work so the event
+            loop never blocks.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        module: BatchedNode,
+        config: StatelessEngineConfig | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        self.node = node
+        self.module = module
+        self.config = config or StatelessEngineConfig()
+        self.executor = executor
+        self.num_steps = 0
+        self.batch_sizes: deque[int] = deque(maxlen=1024)  # recent batch sizes, for metrics
+        self._queue: deque[_Pending] = deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> StatelessEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"stateless:{self.node}")
+
+    async def aclose(self) -> None:
+        """Stop the step loop; pending submissions fail with `EngineClosedError`."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        while self._queue:
+            p = self._queue.popleft()
+            if not p.future.done():
+                p.future.set_exception(EngineClosedError(f"engine for node {self.node!r} closed"))
+
+    @property
+    def num_pending(self) -> int:
+        """Return how many inputs wait for a step."""
+        return len(self._queue)
+
+    def pending_request_ids(self) -> set[str]:
+        """Return the requests with inputs waiting for a step."""
+        return {p.request_id for p in self._queue}
+
+    async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Queue one request's inputs; return its outputs once the batch ran.
+
+        Raises:
+            EngineClosedError: The engine is closed.
+            RequestAbortedError: The request was aborted before its batch ran.
+            Exception: Whatever the node raised for the batch.
+        """
+        if self._closed:
+            raise EngineClosedError(f"engine for node {self.node!r} is closed")
+        future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(request_id, inputs, future))
+        self._wakeup.set()
+        return await future
+
+    def abort(self, request_id: str) -> int:
+        """Drop a request's pending inputs; return how many were dropped."""
+        keep: deque[_Pending] = deque()
+        dropped = 0
+        for p in self._queue:
+            if p.request_id == request_id:
+                dropped += 1
+                if not p.future.done():
+                    p.future.set_exception(RequestAbortedError(f"request {request_id!r} was aborted"))
+            else:
+                keep.append(p)
+        self._queue = keep
+        return dropped
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            if cfg.max_wait_s > 0 and len(self._queue) < cfg.max_batch_size:
+                deadline = loop.time() + cfg.max_wait_s
+                while len(self._queue) < cfg.max_batch_size and (left := deadline - loop.time()) > 0:
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), left)
+                    except TimeoutError:
+                        break
+            batch = [self._queue.popleft() for _ in range(min(cfg.max_batch_size, len(self._queue)))]
+            batch = [p for p in batch if not p.future.done()]  # cancelled while waiting
+            if batch:
+                await self._step(batch)
+
+    async def _step(self, batch: list[_Pending]) -> None:
+        try:
+            outputs = await self._call([p.inputs for p in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0].future.done() or batch[0].future.set_exception(exc)
+                return
+            # Rerun one by one so a bad input fails only its own request.
+            for p in batch:
+                await self._step([p])
+            return
+        for p, out in zip(batch, outputs, strict=True):
+            if not p.future.done():
+                p.future.set_result(out)
+
+    async def _call(self, inputs: list[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        self.num_steps += 1
+        self.batch_sizes.append(len(inputs))
+        if self.executor is None:
+            outputs = self.module(inputs)
+        else:
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
+        if len(outputs) != len(inputs):
+            raise RuntimeError(f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}")
+        return outputs
