@@ -10,6 +10,7 @@ requests that submitted them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -111,10 +112,8 @@ class StatelessEngine:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         while self._queue:
             p = self._queue.popleft()
@@ -184,7 +183,8 @@ class StatelessEngine:
             outputs = await self._call([p.inputs for p in batch])
         except Exception as exc:
             if len(batch) == 1:
-                batch[0].future.done() or batch[0].future.set_exception(exc)
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(exc)
                 return
             # Rerun one by one so a bad input fails only its own request.
             for p in batch:
