@@ -166,7 +166,14 @@ def save_state_dict(
     directory = Path(checkpoint_dir)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    tensors = {name: t.detach().contiguous().cpu() for name, t in state.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        t = t.detach().contiguous().cpu()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()  # tied weights: safetensors refuses shared storage
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
     if max_shard_bytes is None:
         save_file(tensors, str(directory / _SINGLE), metadata={"format": "pt"})
         return
