@@ -15,6 +15,7 @@ __all__ = [
     "MessageTooLargeError",
     "InvalidAddressError",
     "MStarError",
+    "ModelLoadError",
     "EngineClosedError",
     "RequestAbortedError",
     "PlacementError",
@@ -144,3 +145,7 @@ class EngineClosedError(MStarError, RuntimeError):
 
 class RequestAbortedError(MStarError, RuntimeError):
     """Raised when a request's pending work is dropped because the request was aborted."""
+
+
+class ModelLoadError(MStarError, RuntimeError):
+    """Raised when a model, its factory or its checkpoint cannot be loaded."""

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from mstar.graph.interpreter import Emission, NodeFn, WalkStateMachine, concat_values, run_reference
+from mstar.graph.interpreter import (
+    Emission,
+    NodeFn,
+    WalkStateMachine,
+    accumulated_edges,
+    concat_values,
+    run_reference,
+)
 from mstar.graph.model_graph import Connection, ModelGraph
 from mstar.graph.nodes import EMIT, MODALITIES, Edge, GraphEdge, GraphNode, StreamingGraphEdge
 from mstar.graph.walks import DynamicLoop, Loop, Parallel, Section, Sequential, iter_node_refs
@@ -24,6 +31,7 @@ __all__ = [
     "Sequential",
     "StreamingGraphEdge",
     "WalkStateMachine",
+    "accumulated_edges",
     "concat_values",
     "iter_node_refs",
     "run_reference",

@@ -20,7 +20,7 @@ from mstar.graph.nodes import EMIT, Edge, GraphEdge, GraphNode, StreamingGraphEd
 from mstar.graph.walks import DynamicLoop, Loop, Parallel, Section, Sequential, iter_node_refs
 from mstar.streaming import Chunk, FixedChunkPolicy, StreamBuffer
 
-__all__ = ["Emission", "NodeFn", "WalkStateMachine", "concat_values", "run_reference"]
+__all__ = ["Emission", "NodeFn", "WalkStateMachine", "accumulated_edges", "concat_values", "run_reference"]
 
 NodeFn = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 """A node's computation: input name -> value in, output (or signal) name -> value out."""
@@ -53,7 +53,10 @@ class Emission:
 
 
 def concat_values(values: list[Any]) -> Any:
-    """Concatenate per-iteration values: tensors along dim 0 (scalars stacked), lists joined."""
+    """Concatenate per-iteration values: tensors along dim 0 (scalars stacked), lists joined.
+
+    No values (the producer never output the name) concatenate to an empty list.
+    """
     if values and all(isinstance(v, torch.Tensor) for v in values):
         return torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
     if values and all(isinstance(v, list | tuple) for v in values):
@@ -187,9 +190,9 @@ class _Run:
             acc = _Accumulator(sec.accumulated_outputs, _body_names(sec.body))
             for _ in range(sec.max_iters):
                 yield from self._section(walk, sec.body, env, [*accs, acc])
-            for (node, name), values in acc.held.items():
-                edges = [e for e in self.graph.nodes[node].outputs if e.name == name and e.dst not in acc.body]
-                self._route(walk, self.graph.nodes[node], name, concat_values(values), edges, env, accs)
+            for node, name, edges in accumulated_edges(sec, self.graph):
+                values = acc.held.get((node.name, name), [])
+                self._route(walk, node, name, concat_values(values), edges, env, accs)
         else:
             assert isinstance(sec, DynamicLoop)
             env.signals.pop(sec.stop, None)
@@ -243,6 +246,19 @@ class _Run:
                 env.values[(e.dst, e.name)] = value
                 if isinstance(e, GraphEdge) and e.persist:
                     self.persistent[(e.dst, e.name)] = value
+
+
+def accumulated_edges(loop: Loop, graph: ModelGraph) -> list[tuple[GraphNode, str, list[Edge]]]:
+    """Return (producer, name, edges leaving the loop) for each accumulated output of a loop."""
+    body = _body_names(loop.body)
+    out = []
+    for name in sorted(body):
+        node = graph.nodes[name]
+        for acc_name in sorted(loop.accumulated_outputs & node.output_names):
+            edges = [e for e in node.outputs if e.name == acc_name and e.dst not in body]
+            if edges:
+                out.append((node, acc_name, edges))
+    return out
 
 
 def _body_names(section: Section) -> frozenset[str]:

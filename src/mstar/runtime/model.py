@@ -1,0 +1,135 @@
+"""The model contract: what a composite model supplies so the runtime can serve it.
+
+A model is its graph and walks, the engine type of each node, a factory for each node's
+computation, request pre- and post-processing, and the per-request walk state machine.
+Nothing model-specific lives in the runtime.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.errors import ModelLoadError
+from mstar.graph import Emission, ModelGraph
+
+__all__ = [
+    "EngineType",
+    "Model",
+    "ModelSpec",
+    "Output",
+    "PreparedRequest",
+    "Request",
+]
+
+
+class EngineType(enum.StrEnum):
+    """Which engine runs a node."""
+
+    KV_CACHE = "kv_cache"
+    STATELESS = "stateless"
+
+
+@dataclass
+class Request:
+    """One client request: a task name and its data (text, images, parameters)."""
+
+    task: str
+    data: dict[str, Any] = field(default_factory=dict)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class PreparedRequest:
+    """What preprocessing makes of a request: node inputs and the state machine's state."""
+
+    inputs: dict[str, dict[str, Any]]
+    state: Any = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output streamed to the client (after the model's postprocessing)."""
+
+    request_id: str
+    modality: str
+    name: str
+    data: Any
+    node: str
+    walk: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build a model in any process: an import path and keyword arguments.
+
+    Worker processes are started with ``spawn`` and build their own copy of the model
+    from this spec (nothing is pickled).
+    """
+
+    factory: str  # "package.module:callable"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Model:
+        """Import the factory and call it.
+
+        Raises:
+            ModelLoadError: The factory cannot be imported or does not return a `Model`.
+        """
+        module_name, _, attr = self.factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ModelLoadError(f"cannot import model factory {self.factory!r}: {exc}") from exc
+        model = factory(**dict(self.kwargs))
+        if not isinstance(model, Model):
+            raise ModelLoadError(f"{self.factory!r} returned {type(model).__name__}, not a Model")
+        return model
+
+
+class Model(ABC):
+    """A composite model, declared once (DESIGN.md §2.2)."""
+
+    name: str = "model"
+
+    @abstractmethod
+    def graph(self) -> ModelGraph:
+        """Return the model's graph, walks and partitions."""
+
+    @abstractmethod
+    def engine_types(self) -> Mapping[str, EngineType]:
+        """Return the engine type of every node."""
+
+    @abstractmethod
+    def submodule(self, node: str, device: torch.device) -> Any:
+        """Return the computation for ``node`` on ``device``.
+
+        For a `EngineType.STATELESS` node, a `mstar.engines.stateless.BatchedNode`.
+        """
+
+    @abstractmethod
+    def preprocess(self, request: Request) -> PreparedRequest:
+        """Turn a client request into node inputs and state (raise ValueError if invalid)."""
+
+    @abstractmethod
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        """Return the partition's first walk for this request, or None."""
+
+    @abstractmethod
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        """Return the walk after ``finished``, or None when the partition is done."""
+
+    def tasks(self) -> tuple[str, ...]:
+        """Return the task names this model accepts."""
+        return ()
+
+    def postprocess(self, request_id: str, emission: Emission) -> Output:
+        """Turn an emitted value into a client output (default: as is)."""
+        return Output(request_id, emission.modality, emission.name, emission.value, emission.node, emission.walk)
