@@ -76,7 +76,10 @@ METRIC_DEFINITIONS: dict[str, str] = {
     ),
     "image_latency_s": "image latency: seconds from sending to receiving each image",
     "jct_s": "JCT: seconds from sending to the last action/video/latent output of the job",
-    "throughput": "per second of the measured phase's wall time (first send to last end)",
+    "throughput": (
+        "throughput: successful requests, output tokens, audio seconds, images per second of "
+        "the measured phase's wall time (first send to last end)"
+    ),
 }
 
 
@@ -123,9 +126,17 @@ def time_to_first_audio(record: RequestRecord) -> float | None:
     return chunks[0].time_s if chunks else None
 
 
+def _seconds(samples_by_rate: dict[int, int]) -> float:
+    # Sum whole samples per rate and divide once: adding per-chunk float durations drifts.
+    return sum(samples / rate for rate, samples in samples_by_rate.items())
+
+
 def audio_duration(record: RequestRecord) -> float:
     """Return the seconds of audio a request received."""
-    return sum(e.audio_s for e in audio_chunks(record))
+    samples_by_rate: dict[int, int] = {}
+    for chunk in audio_chunks(record):
+        samples_by_rate[chunk.sample_rate] = samples_by_rate.get(chunk.sample_rate, 0) + chunk.num_samples
+    return _seconds(samples_by_rate)
 
 
 def real_time_factor(record: RequestRecord) -> float | None:
@@ -156,10 +167,10 @@ def chunk_on_time(chunks: Sequence[OutputEvent]) -> list[bool]:
         One flag per chunk; empty for no chunks.
     """
     flags: list[bool] = []
-    received_s = 0.0
+    received: dict[int, int] = {}  # samples received so far, by sample rate
     for i, chunk in enumerate(chunks):
-        flags.append(i == 0 or received_s >= chunk.time_s - chunks[0].time_s)
-        received_s += chunk.audio_s
+        flags.append(i == 0 or _seconds(received) >= chunk.time_s - chunks[0].time_s)
+        received[chunk.sample_rate] = received.get(chunk.sample_rate, 0) + chunk.num_samples
     return flags
 
 

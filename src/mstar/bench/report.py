@@ -17,15 +17,24 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from mstar.bench.metrics import METRIC_DEFINITIONS, Stats, Summary
+from mstar.bench.metrics import METRIC_DEFINITIONS, Summary
 from mstar.bench.runner import BenchResult, metric_value
 
-__all__ = ["JSON_SCHEMA", "plot_png", "print_table", "result_to_dict", "write_json"]
+__all__ = [
+    "JSON_SCHEMA",
+    "make_distribution_table",
+    "make_ratio_table",
+    "make_table",
+    "plot_png",
+    "print_table",
+    "result_to_dict",
+    "write_json",
+]
 
 JSON_SCHEMA = "mstar.bench/1"
 
-# (header, summary field) of the distributions shown in the table, in milliseconds.
-_LATENCY_COLUMNS: tuple[tuple[str, str], ...] = (
+# (header, summary field) of the latency distributions, shown in milliseconds.
+_LATENCIES: tuple[tuple[str, str], ...] = (
     ("TTFT", "ttft_s"),
     ("TPOT", "tpot_s"),
     ("ITL", "itl_s"),
@@ -34,13 +43,18 @@ _LATENCY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("JCT", "jct_s"),
     ("E2E", "e2e_s"),
 )
-# (header, summary field, format) of the rates shown in the table.
-_RATE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("req/s", "requests_per_s", "{:.2f}"),
-    ("tok/s", "output_tokens_per_s", "{:.1f}"),
-    ("audio s/s", "audio_s_per_s", "{:.2f}"),
-    ("img/s", "images_per_s", "{:.2f}"),
+# (header, summary field) of the rates.
+_RATES: tuple[tuple[str, str], ...] = (
+    ("req/s", "requests_per_s"),
+    ("tok/s", "output_tokens_per_s"),
+    ("audio s/s", "audio_s_per_s"),
+    ("img/s", "images_per_s"),
 )
+# Short headers of the ratio table.
+_RATIO_HEADERS = {
+    **{key: header for header, key in _RATES},
+    **{f"{key}.p50": f"{header} p50" for header, key in _LATENCIES},
+}
 
 
 def _label(point: float) -> str:
@@ -53,10 +67,12 @@ def _present(result: BenchResult, key: str) -> bool:
     return any(metric_value(p.summary, key) for p in result.points)
 
 
-def _ms(stats: Stats | None) -> str:
-    if stats is None:
-        return "-"
-    return " / ".join(f"{1e3 * v:.1f}" for v in (stats.mean, stats.p50, stats.p95, stats.p99))
+def _num(value: float) -> str:
+    # About three significant digits without switching to exponents.
+    for bound, fmt in ((100.0, "{:.0f}"), (10.0, "{:.1f}"), (1.0, "{:.2f}")):
+        if abs(value) >= bound:
+            return fmt.format(value)
+    return f"{value:.3f}"
 
 
 def _used_definitions(result: BenchResult) -> list[str]:
@@ -69,22 +85,26 @@ def _used_definitions(result: BenchResult) -> list[str]:
     return [METRIC_DEFINITIONS[k] for k in keys]
 
 
-def make_table(result: BenchResult) -> Table:
-    """Return the results table: one row per (load point, target)."""
-    table = Table(title=f"{result.name}: {result.load_kind} sweep", show_lines=False)
-    table.add_column(result.load_kind, justify="right")
-    table.add_column("target")
-    table.add_column("ok/failed", justify="right")
-    rates = [col for col in _RATE_COLUMNS if col[1] == "requests_per_s" or _present(result, col[1])]
-    for header, _, _ in rates:
-        table.add_column(header, justify="right")
-    latencies = [
+def _latencies_present(result: BenchResult) -> list[tuple[str, str]]:
+    return [
         (header, key)
-        for header, key in _LATENCY_COLUMNS
+        for header, key in _LATENCIES
         if any(p.summary.stats(key) is not None for p in result.points)
     ]
+
+
+def make_table(result: BenchResult) -> Table:
+    """Return the summary table: one row per (load point, target), rates and medians."""
+    table = Table(title=f"{result.name}: {result.load_kind} sweep")
+    table.add_column(result.load_kind, justify="right")
+    table.add_column("target")
+    table.add_column("ok/fail", justify="right")
+    rates = [col for col in _RATES if col[1] == "requests_per_s" or _present(result, col[1])]
+    for header, _ in rates:
+        table.add_column(header, justify="right")
+    latencies = _latencies_present(result)
     for header, _ in latencies:
-        table.add_column(f"{header} ms\nmean/p50/p95/p99", justify="right")
+        table.add_column(f"{header}\np50 ms", justify="right")
     has_audio = any(p.summary.rtf is not None for p in result.points)
     if has_audio:
         table.add_column("RTF\np50", justify="right")
@@ -97,14 +117,39 @@ def make_table(result: BenchResult) -> Table:
                 target,
                 f"{summary.num_requests - summary.num_failed}/{summary.num_failed}",
             ]
-            row += [fmt.format(getattr(summary, key)) for _, key, fmt in rates]
-            row += [_ms(summary.stats(key)) for _, key in latencies]
+            row += [_num(getattr(summary, key)) for _, key in rates]
+            for _, key in latencies:
+                stats = summary.stats(key)
+                row.append("-" if stats is None else _num(1e3 * stats.p50))
             if has_audio:
-                row.append("-" if summary.rtf is None else f"{summary.rtf.p50:.3f}")
-                row.append(
-                    "-" if summary.viable_fraction is None else f"{100 * summary.viable_fraction:.0f}"
-                )
+                row.append("-" if summary.rtf is None else _num(summary.rtf.p50))
+                viable = summary.viable_fraction
+                row.append("-" if viable is None else f"{100 * viable:.0f}")
             table.add_row(*row)
+    return table
+
+
+def make_distribution_table(result: BenchResult) -> Table:
+    """Return every latency distribution: one row per (load point, target, metric)."""
+    table = Table(title=f"{result.name}: latency distributions (ms)")
+    table.add_column(result.load_kind, justify="right")
+    table.add_column("target")
+    table.add_column("metric")
+    for header in ("n", "mean", "p50", "p95", "p99"):
+        table.add_column(header, justify="right")
+    latencies = _latencies_present(result)
+    for point in result.load_points:
+        for target in result.targets:
+            summary = result.result(target, point).summary
+            for header, key in latencies:
+                stats = summary.stats(key)
+                if stats is None:
+                    continue
+                values = (stats.mean, stats.p50, stats.p95, stats.p99)
+                table.add_row(
+                    _label(point), target, header, str(stats.count), *(_num(1e3 * v) for v in values)
+                )
+        table.add_section()
     return table
 
 
@@ -116,12 +161,12 @@ def make_ratio_table(result: BenchResult) -> Table | None:
     metrics = list(dict.fromkeys(r.metric for r in ratios))
     table = Table(
         title=f"{result.primary} vs baselines (> 1: {result.primary} better; "
-        "throughput primary/baseline, latency baseline/primary)"
+        "rates: primary / baseline; latencies: baseline / primary)"
     )
     table.add_column(result.load_kind, justify="right")
     table.add_column("baseline")
     for metric in metrics:
-        table.add_column(metric, justify="right")
+        table.add_column(_RATIO_HEADERS.get(metric, metric), justify="right")
     for point in result.load_points:
         for baseline in result.baselines:
             values = {r.metric: r.value for r in ratios if r.point == point and r.baseline == baseline}
@@ -134,9 +179,10 @@ def make_ratio_table(result: BenchResult) -> Table | None:
 
 
 def print_table(result: BenchResult, console: Console | None = None) -> None:
-    """Print the results table, the ratios against baselines, and the metric definitions."""
+    """Print the summary, the latency distributions, the ratios and the metric definitions."""
     console = console or Console()
     console.print(make_table(result))
+    console.print(make_distribution_table(result))
     ratio_table = make_ratio_table(result)
     if ratio_table is not None:
         console.print(ratio_table)
@@ -254,7 +300,10 @@ def plot_png(result: BenchResult, path: str | Path) -> Path:
         axis.set_xticks(xs, [_label(p) for p in points])
         axis.set_xlabel(f"{result.load_kind} ({result.load_unit})")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize="small")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize="small")
+        else:
+            axis.text(0.5, 0.5, "no successful requests", ha="center", transform=axis.transAxes)
     figure.suptitle(result.name)
     figure.savefig(path, dpi=110)
     return path

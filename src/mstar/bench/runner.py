@@ -256,7 +256,8 @@ async def run_benchmark(
     }
     console.print(f"[bold]{name}[/bold]: configuration")
     for key, value in run_config.items():
-        console.print(f"  {key}: {value}", highlight=False, markup=False)
+        text = str(value)  # the JSON keeps it whole; the terminal gets a line
+        console.print(f"  {key}: {text if len(text) <= 100 else text[:99] + '…'}", highlight=False, markup=False)
 
     points: list[PointResult] = []
     bar = Progress(
