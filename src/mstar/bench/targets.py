@@ -92,12 +92,19 @@ class CallableTarget:
                 f"target {self.name!r}: calling {self._fn!r} returned {type(outputs).__name__}, "
                 "not an async iterator; write it as `async def f(request): ... yield ...`"
             )
-        async for output in outputs:
-            if self._to_events is not None:
-                for item in self._to_events(output):
-                    yield _checked(self.name, item)
-            else:
-                yield _checked(self.name, output)
+        try:
+            async for output in outputs:
+                if self._to_events is not None:
+                    for item in self._to_events(output):
+                        yield _checked(self.name, item)
+                else:
+                    yield _checked(self.name, output)
+        finally:
+            # Close the wrapped generator now, not at garbage collection, so an engine
+            # sees a request abandoned mid-stream (error, cancellation) right away.
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _checked(name: str, item: object) -> TargetItem:
