@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mstar.bench.cli import main
+from mstar.bench.cli import add_bench_arguments, bench_command, main
 
 Server = tuple[str, list[tuple[str, Any]]]
 
@@ -112,3 +113,18 @@ def test_every_request_failing_exits_1(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(argv) == 1
     assert "every request failed" in capsys.readouterr().err
     assert (tmp_path / "mstar-bench.json").exists()  # failures are results too
+
+
+def test_wires_into_a_subcommand_parser(tmp_path: Path) -> None:
+    module = tmp_path / "engines.py"
+    module.write_text(FUNCTIONS)
+    parser = argparse.ArgumentParser(prog="mstar")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=bench_command)
+    args = parser.parse_args(
+        ["bench", "--target", f"{module}:fast", "--concurrency", "1", "--no-progress", "--out", str(tmp_path)]
+    )
+    assert args.func(args) == 0
+    assert (tmp_path / "mstar-bench.json").exists() and (tmp_path / "mstar-bench.png").exists()

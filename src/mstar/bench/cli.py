@@ -28,7 +28,15 @@ from mstar.bench.runner import BenchResult, run_benchmark
 from mstar.bench.targets import CallableTarget, Target
 from mstar.errors import BenchConfigError, MStarError
 
-__all__ = ["DEFAULT_PROMPTS", "add_bench_arguments", "load_callable", "main", "run_bench"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "add_bench_arguments",
+    "bench_command",
+    "load_callable",
+    "main",
+    "make_parser",
+    "run_bench",
+]
 
 DEFAULT_PROMPTS = (
     "The quick brown fox jumps over the lazy dog near the quiet river bank.",
@@ -246,16 +254,12 @@ def _runner() -> asyncio.Runner:
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `mstar bench`; return 0, 1 when every measured request failed, 2 on bad options."""
-    parser = argparse.ArgumentParser(
-        prog="mstar bench",
-        description="Measure latency and throughput the way the field does: closed/open loop "
-        "or offline load; TTFT, ITL, TPOT, E2E, TTFA, RTF, streaming viability, image latency, "
-        "JCT; baselines in the same run. Writes a table, JSON and a PNG plot.",
-    )
-    add_bench_arguments(parser)
-    args = parser.parse_args(argv)
+def bench_command(args: argparse.Namespace) -> int:
+    """Run a parsed `mstar bench`; return 0, 1 when every measured request failed, 2 on bad options.
+
+    Wire it into a subcommand parser with `add_bench_arguments(p)` and
+    `p.set_defaults(func=bench_command)`.
+    """
     try:
         with _runner() as runner:
             result = runner.run(run_bench(args))
@@ -268,3 +272,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mstar bench: every request failed; first error: {first_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """Return the stand-alone parser of `python -m mstar.bench`."""
+    parser = argparse.ArgumentParser(
+        prog="mstar bench",
+        description="Measure latency and throughput the way the field does: closed/open loop "
+        "or offline load; TTFT, ITL, TPOT, E2E, TTFA, RTF, streaming viability, image latency, "
+        "JCT; baselines in the same run. Writes a table, JSON and a PNG plot.",
+    )
+    add_bench_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `mstar bench` from command-line arguments; return its exit code."""
+    return bench_command(make_parser().parse_args(argv))
