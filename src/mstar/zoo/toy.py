@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mstar.engines.stateless import BatchedNode, batched
 from mstar.graph import (
     EMIT,
     Connection,
@@ -35,9 +36,10 @@ from mstar.graph import (
     Sequential,
     StreamingGraphEdge,
 )
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
 
-__all__ = ["ToyConfig", "ToyPlan", "make_toy_graph", "make_toy_inputs", "make_toy_nodes"]
+__all__ = ["ToyConfig", "ToyModel", "ToyPlan", "make_toy_graph", "make_toy_inputs", "make_toy_nodes"]
 
 
 @dataclass(frozen=True)
@@ -190,3 +192,53 @@ def make_toy_nodes(cfg: ToyConfig = ToyConfig(), seed: int = 0) -> dict[str, Nod
         "combine": combine,
         "vae": vae,
     }
+
+
+class ToyModel(Model):
+    """`toy-composite` as a servable model: every node stateless, weights from ``seed``.
+
+    Request: ``Request(task="speak" | "draw", data={"text": ..., "seed": ...})``.
+    """
+
+    name = "toy-composite"
+
+    def __init__(self, seed: int = 0, **config: Any) -> None:
+        self.seed = seed
+        self.config = ToyConfig(**config)
+        self._graph = make_toy_graph(self.config)
+        self._nodes = make_toy_nodes(self.config, seed)
+        self._plan = ToyPlan()
+
+    def graph(self) -> ModelGraph:
+        """Return the toy graph."""
+        return self._graph
+
+    def engine_types(self) -> dict[str, EngineType]:
+        """Return STATELESS for every node."""
+        return dict.fromkeys(self._graph.nodes, EngineType.STATELESS)
+
+    def submodule(self, node: str, device: torch.device) -> BatchedNode:
+        """Return the node's computation, batched by looping (the toy nodes are tiny)."""
+        return batched(self._nodes[node])
+
+    def tasks(self) -> tuple[str, ...]:
+        """Return the two tasks."""
+        return ("speak", "draw")
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        """Check the task and text; build inputs."""
+        if request.task not in self.tasks():
+            raise ValueError(f"task must be one of {list(self.tasks())}, got {request.task!r}")
+        text = request.data.get("text", "")
+        if not isinstance(text, str) or not text:
+            raise ValueError("data['text'] must be a non-empty string")
+        seed = int(request.data.get("seed", 0))
+        return PreparedRequest(make_toy_inputs(text, self.config, seed), request.task)
+
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        """Return the partition's first walk for the task."""
+        return self._plan.first_walk(partition, state)
+
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        """Return the next walk."""
+        return self._plan.next_walk(partition, state, finished)

@@ -1,0 +1,201 @@
+"""The worker's work: host node engines, run walk shares, move values to peer workers.
+
+The `Worker` actor wraps this with messages. One worker runs per device (rank); it hosts
+an engine for every node placed on its rank, runs its share of each walk it is told to
+start (a `WalkRunner` task per walk instance), hands values for other ranks to the outbox,
+and reports emissions, stream items and walk completion to the conductor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
+from mstar.errors import MStarError
+from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
+from mstar.runtime.conductor_core import StartWalk
+from mstar.runtime.model import EngineType, Model
+from mstar.runtime.walk_runner import ValueKey, WalkRunner
+
+__all__ = ["WorkerConfig", "WorkerCore", "WorkerOutbox"]
+
+Slot = tuple[str, str]
+_RunKey = tuple[str, int]  # (request id, walk seq)
+
+# Remember this many released requests, to drop values that were in flight to them.
+_TOMBSTONES = 4096
+
+
+class WorkerOutbox(Protocol):
+    """Where a worker's messages go."""
+
+    def walk_done(self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]) -> None:
+        """Tell the conductor this rank finished its share of a walk."""
+        ...
+
+    def walk_failed(self, request_id: str, walk_seq: int, rank: int, error: Exception) -> None:
+        """Tell the conductor a walk failed here."""
+        ...
+
+    def emitted(self, request_id: str, emission: Emission) -> None:
+        """Send an emission to the conductor."""
+        ...
+
+    def stream_item(self, request_id: str, slot: Slot, value: Any) -> None:
+        """Send a stream item to the conductor."""
+        ...
+
+    def node_value(self, rank: int, request_id: str, walk_seq: int, key: ValueKey, value: Any) -> None:
+        """Send a value to the worker of another rank."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker runs its engines.
+
+    Attributes:
+        device: Torch device of this rank ("cpu", "cuda:0").
+        offload_steps: Run engine steps on a thread of their own so the event loop never
+            blocks on device work (False runs them inline: lowest latency for tiny nodes).
+        stateless: Batching limits of stateless engines.
+    """
+
+    device: str = "cpu"
+    offload_steps: bool = True
+    stateless: StatelessEngineConfig = StatelessEngineConfig()
+
+
+class _Ports:
+    """The `WalkPorts` of one walk instance."""
+
+    __slots__ = ("request_id", "walk", "walk_seq", "worker")
+
+    def __init__(self, worker: WorkerCore, request_id: str, walk: str, walk_seq: int) -> None:
+        self.worker, self.request_id, self.walk, self.walk_seq = worker, request_id, walk, walk_seq
+
+    def fire(self, node: str, inputs: Mapping[str, Any]) -> Awaitable[Mapping[str, Any]]:
+        return self.worker.engines[node].submit(self.request_id, inputs)
+
+    def send(self, rank: int, key: ValueKey, value: Any) -> None:
+        self.worker.outbox.node_value(rank, self.request_id, self.walk_seq, key, value)
+
+    def emit(self, node: str, name: str, modality: str, value: Any) -> None:
+        part = self.worker.graph.node_partition[node]
+        self.worker.outbox.emitted(self.request_id, Emission(part, self.walk, node, name, modality, value))
+
+    def stream(self, node: str, edge: StreamingGraphEdge, value: Any) -> None:
+        self.worker.outbox.stream_item(self.request_id, (edge.dst, edge.name), value)
+
+
+class WorkerCore:
+    """Engines and walk shares of one rank; an async context manager."""
+
+    def __init__(
+        self,
+        rank: int,
+        model: Model,
+        graph: ModelGraph,
+        placement: Mapping[tuple[str, str], tuple[int, ...]],
+        outbox: WorkerOutbox,
+        config: WorkerConfig | None = None,
+    ) -> None:
+        self.rank, self.model, self.graph, self.outbox = rank, model, graph, outbox
+        self.config = config or WorkerConfig()
+        self.node_names = sorted({node for (node, _), ranks in placement.items() if rank in ranks})
+        self.engines: dict[str, StatelessEngine] = {}
+        self.runners: dict[_RunKey, WalkRunner] = {}
+        self.tasks: dict[_RunKey, asyncio.Task[None]] = {}
+        self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def __aenter__(self) -> WorkerCore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Build this rank's node engines."""
+        if self.config.offload_steps:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"mstar-rank{self.rank}")
+        device = torch.device(self.config.device)
+        types = self.model.engine_types()
+        for node in self.node_names:
+            kind = types.get(node)
+            if kind != EngineType.STATELESS:
+                raise MStarError(f"node {node!r}: engine type {kind!r} is not supported by this worker yet")
+            engine = StatelessEngine(node, self.model.submodule(node, device), self.config.stateless, self._executor)
+            engine.start()
+            self.engines[node] = engine
+
+    async def aclose(self) -> None:
+        """Cancel running walks and close the engines."""
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for engine in self.engines.values():
+            await engine.aclose()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    # --- messages ------------------------------------------------------------------------
+
+    def start_walk(self, cmd: StartWalk) -> None:
+        """Start this rank's share of a walk."""
+        key = (cmd.request_id, cmd.walk_seq)
+        if cmd.request_id in self._released:
+            return
+        ports = _Ports(self, cmd.request_id, cmd.walk, cmd.walk_seq)
+        runner = WalkRunner(self.graph, cmd.walk, self.rank, cmd.node_ranks, cmd.initial, ports, cmd.request_id)
+        self.runners[key] = runner
+        self.tasks[key] = asyncio.get_running_loop().create_task(self._run(key, runner), name=f"walk:{key}")
+        for value_key, value in self.early.pop(key, ()):
+            runner.deliver(value_key, value)
+
+    def deliver(self, request_id: str, walk_seq: int, key: ValueKey, value: Any) -> None:
+        """Accept a value from another rank's share of a walk."""
+        runner = self.runners.get((request_id, walk_seq))
+        if runner is not None:
+            runner.deliver(key, value)
+        elif request_id not in self._released:
+            self.early.setdefault((request_id, walk_seq), []).append((key, value))
+
+    def release(self, request_id: str) -> None:
+        """Drop everything held for a request: walk tasks, queued inputs, early values."""
+        self._released[request_id] = None
+        while len(self._released) > _TOMBSTONES:
+            self._released.popitem(last=False)
+        for key in [k for k in self.tasks if k[0] == request_id]:
+            self.tasks.pop(key).cancel()
+            self.runners.pop(key, None)
+        for key in [k for k in self.early if k[0] == request_id]:
+            del self.early[key]
+        for engine in self.engines.values():
+            engine.abort(request_id)
+
+    async def _run(self, key: _RunKey, runner: WalkRunner) -> None:
+        request_id, walk_seq = key
+        try:
+            persisted = await runner.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._forget(key)
+            self.outbox.walk_failed(request_id, walk_seq, self.rank, exc)
+            return
+        self._forget(key)
+        self.outbox.walk_done(request_id, walk_seq, self.rank, persisted)
+
+    def _forget(self, key: _RunKey) -> None:
+        self.runners.pop(key, None)
+        self.tasks.pop(key, None)

@@ -1,0 +1,199 @@
+"""ConductorCore + WorkerCore wired directly: the whole request lifecycle against the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+
+from mstar.errors import RequestAbortedError, WalkExecutionError
+from mstar.graph import Emission, run_reference
+from mstar.runtime import Placement
+from mstar.runtime.conductor_core import (
+    Command,
+    ConductorCore,
+    Deliver,
+    Fail,
+    Finish,
+    Release,
+    StartWalk,
+)
+from mstar.runtime.model import Output, Request
+from mstar.runtime.walk_runner import ValueKey
+from mstar.runtime.worker_core import WorkerConfig, WorkerCore
+from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
+
+Slot = tuple[str, str]
+
+
+class Direct:
+    """Conductor and workers in one event loop; messages are call_soon hops (FIFO per loop)."""
+
+    def __init__(self, model: ToyModel, placement: dict[str, list[int]]) -> None:
+        graph = model.graph()
+        groups = "\n".join(f"  - {{node_names: [{n}], ranks: {r}}}" for n, r in placement.items())
+        resolved = Placement.from_yaml(f"node_groups:\n{groups}\n").resolve(graph)
+        self.core = ConductorCore(model, graph, resolved)
+        ranks = sorted({r for rs in placement.values() for r in rs})
+        self.workers = {
+            r: WorkerCore(r, model, graph, resolved, self._outbox(r), WorkerConfig(offload_steps=False)) for r in ranks
+        }
+        self.outputs: dict[str, list[Output]] = defaultdict(list)
+        self.results: dict[str, asyncio.Future[None]] = {}
+
+    def _later(self, fn: Any, *args: Any) -> None:
+        asyncio.get_running_loop().call_soon(fn, *args)
+
+    def _outbox(self, rank: int) -> Any:
+        d = self
+
+        class Outbox:
+            def walk_done(self, rid: str, seq: int, r: int, persisted: dict[Slot, Any]) -> None:
+                d._later(lambda: d.execute(d.core.walk_done(rid, seq, r, persisted)))
+
+            def walk_failed(self, rid: str, seq: int, r: int, error: Exception) -> None:
+                d._later(lambda: d.execute(d.core.walk_failed(rid, seq, error)))
+
+            def emitted(self, rid: str, emission: Emission) -> None:
+                d._later(lambda: d.execute(d.core.emitted(rid, emission)))
+
+            def stream_item(self, rid: str, slot: Slot, value: Any) -> None:
+                d._later(lambda: d.execute(d.core.stream_item(rid, slot, value)))
+
+            def node_value(self, to: int, rid: str, seq: int, key: ValueKey, value: Any) -> None:
+                d._later(d.workers[to].deliver, rid, seq, key, value)
+
+        return Outbox()
+
+    def execute(self, commands: list[Command]) -> None:
+        for c in commands:
+            if isinstance(c, StartWalk):
+                self._later(self.workers[c.rank].start_walk, c)
+            elif isinstance(c, Deliver):
+                self.outputs[c.output.request_id].append(c.output)
+            elif isinstance(c, Release):
+                for r in c.ranks:
+                    self._later(self.workers[r].release, c.request_id)
+            elif isinstance(c, Finish):
+                self.results[c.request_id].set_result(None)
+            elif isinstance(c, Fail):
+                self.results[c.request_id].set_exception(c.error)
+
+    async def run(self, request: Request) -> list[Output]:
+        self.results[request.request_id] = asyncio.get_running_loop().create_future()
+        self.execute(self.core.submit(request))
+        await self.results[request.request_id]
+        return self.outputs[request.request_id]
+
+    async def __aenter__(self) -> Direct:
+        for w in self.workers.values():
+            await w.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for w in self.workers.values():
+            await w.aclose()
+
+    def assert_empty(self) -> None:
+        assert self.core.requests == {}
+        for w in self.workers.values():
+            assert (w.runners, w.tasks, w.early) == ({}, {}, {})
+            assert all(e.num_pending == 0 for e in w.engines.values())
+
+
+def grouped(items: list[Any]) -> dict[tuple[str, str], list[Any]]:
+    out: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for e in items:
+        out[(e.node, e.name)].append(e.data if isinstance(e, Output) else e.value)
+    return out
+
+
+def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
+    got, want = grouped(outputs), grouped(emissions)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert len(got[key]) == len(want[key]), key
+        for a, b in zip(got[key], want[key], strict=True):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), key
+
+
+PLACEMENTS = {
+    "colocated": {n: [0] for n in ("encoder", "lm", "vocoder", "init", "cond", "uncond", "combine", "vae")},
+    "spread": {"encoder": [1], "lm": [0], "vocoder": [2], "init": [2], "cond": [0], "uncond": [1], "combine": [2], "vae": [0]},
+    "replicas": {"encoder": [0, 1], "lm": [0, 1], "vocoder": [2], "init": [0], "cond": [1], "uncond": [2], "combine": [0, 1], "vae": [2]},
+}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS.values(), ids=PLACEMENTS.keys())
+@pytest.mark.parametrize("task", ["speak", "draw"])
+async def test_outputs_equal_the_reference(placement: dict[str, list[int]], task: str) -> None:
+    model = ToyModel(seed=4)
+    async with Direct(model, placement) as d:
+        for i, text in enumerate(["hello", "composite models", "x"]):
+            outputs = await d.run(Request(task, {"text": text, "seed": i}))
+            want = run_reference(model.graph(), model._nodes, make_toy_inputs(text, model.config, i), ToyPlan(), state=task)
+            assert_same(outputs, want)
+        d.assert_empty()
+
+
+async def test_many_concurrent_requests_with_random_aborts_leave_nothing_behind() -> None:
+    model = ToyModel(seed=1)
+    rng = random.Random(0)
+    async with Direct(model, PLACEMENTS["spread"]) as d:
+        requests = [Request(rng.choice(["speak", "draw"]), {"text": f"req {i}", "seed": i}) for i in range(40)]
+        runs = [asyncio.ensure_future(d.run(r)) for r in requests]
+        aborted = set()
+        for _ in range(15):
+            await asyncio.sleep(0)
+            victim = rng.choice(requests)
+            d.execute(d.core.abort(victim.request_id))
+            aborted.add(victim.request_id)
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        for request, result in zip(requests, results, strict=True):
+            if isinstance(result, Exception):
+                assert isinstance(result, RequestAbortedError) and request.request_id in aborted
+            else:
+                inputs = make_toy_inputs(request.data["text"], model.config, request.data["seed"])
+                assert_same(result, run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task))
+        for _ in range(10):  # let in-flight releases land
+            await asyncio.sleep(0)
+        d.assert_empty()
+
+
+async def test_a_failing_node_fails_only_its_request() -> None:
+    model = ToyModel(seed=2)
+    vae = model._nodes["vae"]
+
+    def flaky_vae(inputs: Any) -> Any:
+        if float(inputs["x"].sum()) > 0:
+            raise RuntimeError("decoder exploded")
+        return vae(inputs)
+
+    model._nodes["vae"] = flaky_vae
+    async with Direct(model, PLACEMENTS["spread"]) as d:
+        results = await asyncio.gather(
+            *(d.run(Request("draw", {"text": "t", "seed": s})) for s in range(8)), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, Exception)]
+        assert failures and len(failures) < 8
+        for f in failures:
+            assert isinstance(f, WalkExecutionError)
+            assert (f.node, f.walk) == ("vae", "image_gen")
+            assert "decoder exploded" in str(f)
+        assert await d.run(Request("speak", {"text": "still serving"}))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        d.assert_empty()
+
+
+async def test_invalid_requests_are_rejected_at_submit() -> None:
+    async with Direct(ToyModel(), PLACEMENTS["colocated"]) as d:
+        with pytest.raises(ValueError, match="task must be one of"):
+            d.core.submit(Request("sing", {"text": "la"}))
+        with pytest.raises(ValueError, match="must be a non-empty string"):
+            d.core.submit(Request("speak", {"text": ""}))
+        assert d.core.requests == {}
