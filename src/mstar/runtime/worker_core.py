@@ -12,7 +12,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -70,7 +70,7 @@ class WorkerConfig:
 
     device: str = "cpu"
     offload_steps: bool = True
-    stateless: StatelessEngineConfig = StatelessEngineConfig()
+    stateless: StatelessEngineConfig = field(default_factory=StatelessEngineConfig)
 
 
 class _Ports:
