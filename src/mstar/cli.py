@@ -37,6 +37,12 @@ def make_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     demo.set_defaults(func=_cmd_demo)
 
+    from mstar.bench.cli import add_bench_arguments, bench_command
+
+    bench = sub.add_parser("bench", help="benchmark a target (an HTTP server or async callables) against baselines")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=bench_command)
+
     models = sub.add_parser("models", help="list the models mstar can serve")
     models.set_defaults(func=_cmd_models)
     return parser
