@@ -30,6 +30,7 @@ __all__ = [
     "KVCacheCapacityError",
     "CheckpointError",
     "UnsupportedModelError",
+    "AudioTokenError",
 ]
 
 
@@ -149,3 +150,7 @@ class RequestAbortedError(MStarError, RuntimeError):
 
 class ModelLoadError(MStarError, RuntimeError):
     """Raised when a model, its factory or its checkpoint cannot be loaded."""
+
+
+class AudioTokenError(MStarError, ValueError):
+    """Raised when a speech LM emits a token that is not a valid audio code for its frame position."""
