@@ -1,5 +1,43 @@
-"""Transports chosen by address scheme: inproc, ipc, tcp, shared memory, CUDA IPC."""
+"""Transports chosen by address scheme: inproc, ipc, tcp; shared-memory and CUDA IPC tensors."""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from mstar.transport import inproc as _inproc  # noqa: F401  (registers inproc://)
+from mstar.transport import zeromq as _zeromq  # noqa: F401  (registers ipc:// and tcp://)
+from mstar.transport.allocator import ArenaAllocator
+from mstar.transport.base import (
+    Address,
+    Channel,
+    Listener,
+    Transport,
+    connect,
+    get_transport,
+    listen,
+    parse_address,
+    register_transport,
+)
+from mstar.transport.codec import LinkCodec
+from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor, is_cuda_ipc_available
+from mstar.transport.janitor import sweep_stale
+from mstar.transport.shm import ArenaMapping, SharedArena, is_shm_available
+
+__all__ = [
+    "Address",
+    "ArenaAllocator",
+    "ArenaMapping",
+    "Channel",
+    "LinkCodec",
+    "Listener",
+    "SharedArena",
+    "Transport",
+    "connect",
+    "export_cuda_tensor",
+    "get_transport",
+    "import_cuda_tensor",
+    "is_cuda_ipc_available",
+    "is_shm_available",
+    "listen",
+    "parse_address",
+    "register_transport",
+    "sweep_stale",
+]

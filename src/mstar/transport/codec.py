@@ -1,0 +1,296 @@
+"""`LinkCodec`: envelopes to multipart frames and back, with tensors out of band.
+
+    frame 0: msgpack envelope; each tensor in it is a TensorRef(dtype, shape, loc)
+    frame 1..n: raw bytes of the tensors whose loc is FrameLoc(i)
+
+A tensor's bytes go, by preference: as CUDA IPC handles (CUDA tensor, peer on this machine in
+another process); into a slot of this system's shared arena (CPU tensor of at least
+`shm_min_bytes`, peer on this machine, arena not full); else as a separate frame, sent
+without a copy. A frame is read by the transport later, so a tensor must not be modified
+after it was sent. Decoding accepts only what `messages` declares, checks every tensor
+against its frame or slot, and raises `ProtocolError` for anything else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from mstar.errors import MessageTooLargeError, ProtocolError
+from mstar.messages import (
+    CudaIpcLoc,
+    Envelope,
+    FrameLoc,
+    ShmLoc,
+    TensorRef,
+    make_decoder,
+    make_encoder,
+)
+from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor
+from mstar.transport.shm import ArenaMapping, SharedArena
+
+__all__ = ["DTYPES", "LinkCodec", "frame_nbytes", "salvage_call_id"]
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+def frame_nbytes(frame: Any) -> int:
+    """Return the size in bytes of one frame (bytes, buffer, numpy array or zmq.Frame)."""
+    nbytes = getattr(frame, "nbytes", None)
+    return int(nbytes) if nbytes is not None else len(frame)
+
+
+def _as_buffer(frame: Any) -> Any:
+    # zmq.Frame exposes its bytes through `.buffer` without copying.
+    buffer = getattr(frame, "buffer", None)
+    return frame if buffer is None else buffer
+
+
+def _read_uint(data: memoryview, pos: int, size: int) -> tuple[int, int]:
+    return int.from_bytes(data[pos : pos + size], "big"), pos + size
+
+
+def _read_header(data: memoryview, pos: int) -> tuple[str, int, int]:
+    """Read one msgpack array, str or int header at `pos`: (kind, value or length, next pos)."""
+    byte = data[pos]
+    pos += 1
+    if byte <= 0x7F:
+        return "int", byte, pos
+    if byte >= 0xE0:
+        return "int", byte - 0x100, pos
+    if 0x90 <= byte <= 0x9F:
+        return "array", byte & 0x0F, pos
+    if 0xA0 <= byte <= 0xBF:
+        return "str", byte & 0x1F, pos
+    sizes = {0xCC: ("int", 1), 0xCD: ("int", 2), 0xCE: ("int", 4), 0xCF: ("int", 8),
+             0xD9: ("str", 1), 0xDA: ("str", 2), 0xDB: ("str", 4), 0xDC: ("array", 2), 0xDD: ("array", 4)}
+    if byte not in sizes:
+        raise ValueError("not a header")
+    kind, size = sizes[byte]
+    value, pos = _read_uint(data, pos, size)
+    return kind, value, pos
+
+
+def salvage_call_id(frames: Sequence[Any]) -> int | None:
+    """Return the call id of a rejected `Ask`, reading only the start of its header.
+
+    The header of an ask starts `["Ask", target, call_id, ...`; nothing after that is read,
+    so this works on oversize and half-valid messages alike.
+    """
+    if not frames:
+        return None
+    try:
+        data = memoryview(_as_buffer(frames[0])).cast("B")
+        kind, length, pos = _read_header(data, 0)
+        if kind != "array" or length < 3:
+            return None
+        kind, length, pos = _read_header(data, pos)
+        if kind != "str" or bytes(data[pos : pos + length]) != b"Ask":
+            return None
+        kind, length, pos = _read_header(data, pos + length)
+        if kind != "str":
+            return None
+        kind, call_id, _ = _read_header(data, pos + length)
+    except (ValueError, IndexError, TypeError):
+        return None
+    return call_id if kind == "int" else None
+
+
+class LinkCodec:
+    """Encode and decode the envelopes of one link.
+
+    Args:
+        max_message_bytes: largest message (all frames together) sent or accepted.
+        shm_min_bytes: smallest CPU tensor sent through the shared arena.
+
+    The actor system fills in what the handshake tells it: `local_arena` once the peer has
+    mapped this system's arena, `peer_arena` once this side mapped the peer's, `cuda_ipc`
+    when the peer is another process on this machine.
+    """
+
+    def __init__(self, *, max_message_bytes: int, shm_min_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.shm_min_bytes = shm_min_bytes
+        self.local_arena: SharedArena | None = None
+        self.peer_arena: ArenaMapping | None = None
+        self.cuda_ipc = False
+        # Slots of `local_arena` the peer holds; freed on its ArenaRelease or when the link dies.
+        self.sent_slots: set[int] = set()
+        self._encoder = make_encoder(self._enc_hook)
+        self._decoder = make_decoder(self._dec_hook)
+        self._out: list[Any] | None = None
+        self._new_slots: list[int] = []
+        self._in: Sequence[Any] | None = None
+        self._in_used: list[bool] = []
+
+    # ------------------------------------------------------------------------- encoding
+
+    def encode(self, envelope: Envelope) -> list[Any]:
+        """Return the frames of `envelope`.
+
+        Raises:
+            ProtocolError: the envelope holds a value the protocol does not know.
+            MessageTooLargeError: the frames exceed `max_message_bytes`.
+        """
+        frames: list[Any] = [b""]
+        self._out = frames
+        self._new_slots = []
+        try:
+            frames[0] = self._encoder.encode(envelope)
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            self._free_new_slots()
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError(f"cannot encode {type(envelope).__name__}: {exc}") from exc
+        finally:
+            self._out = None
+        nbytes = sum(frame_nbytes(f) for f in frames)
+        if nbytes > self.max_message_bytes:
+            self._free_new_slots()
+            raise MessageTooLargeError(
+                f"{type(envelope).__name__} is {nbytes} bytes, over the link's limit of "
+                f"{self.max_message_bytes} (raise max_message_bytes or send less)"
+            )
+        return frames
+
+    def _free_new_slots(self) -> None:
+        for offset in self._new_slots:
+            self.sent_slots.discard(offset)
+            if self.local_arena is not None:
+                self.local_arena.free(offset)
+        self._new_slots = []
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor_ref(obj)
+        raise TypeError(f"{type(obj).__name__} is not part of the wire protocol")
+
+    def _tensor_ref(self, tensor: torch.Tensor) -> TensorRef:
+        name = _DTYPE_NAMES.get(tensor.dtype)
+        if name is None:
+            raise ProtocolError(f"dtype {tensor.dtype} cannot travel on the wire")
+        if tensor.layout != torch.strided:
+            raise ProtocolError(f"only dense tensors travel on the wire, not {tensor.layout}")
+        tensor = tensor.detach()
+        shape = tuple(tensor.shape)
+        if tensor.device.type == "cuda":
+            if self.cuda_ipc and tensor.numel() > 0:
+                return TensorRef(name, shape, export_cuda_tensor(tensor))
+            tensor = tensor.cpu()
+        elif tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        arena = self.local_arena
+        if arena is not None and nbytes >= self.shm_min_bytes:
+            offset = arena.write(tensor)
+            if offset is not None:
+                self.sent_slots.add(offset)
+                self._new_slots.append(offset)
+                return TensorRef(name, shape, ShmLoc(offset, nbytes))
+        assert self._out is not None
+        flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+        self._out.append(flat.view(torch.uint8).numpy())
+        return TensorRef(name, shape, FrameLoc(len(self._out) - 1))
+
+    def release(self, offsets: Sequence[int]) -> None:
+        """Free arena slots the peer gave back.
+
+        Raises:
+            ProtocolError: an offset is not a slot this link sent (nothing is freed then).
+        """
+        arena = self.local_arena
+        if any(offset not in self.sent_slots for offset in offsets) or arena is None:
+            raise ProtocolError("the peer released arena slots it was not sent")
+        for offset in offsets:
+            self.sent_slots.remove(offset)
+            arena.free(offset)
+
+    def release_all(self) -> None:
+        """Free every slot the peer still holds (the link is gone)."""
+        arena = self.local_arena
+        if arena is not None and not arena.is_closed:
+            for offset in self.sent_slots:
+                arena.free(offset)
+        self.sent_slots.clear()
+
+    # ------------------------------------------------------------------------- decoding
+
+    def decode(self, frames: Sequence[Any]) -> Envelope:
+        """Return the envelope held by `frames`, with its tensors rebuilt.
+
+        Raises:
+            MessageTooLargeError: the frames exceed `max_message_bytes`.
+            ProtocolError: the frames are not exactly one valid envelope and its tensors.
+        """
+        if not frames:
+            raise ProtocolError("empty message")
+        nbytes = sum(frame_nbytes(f) for f in frames)
+        if nbytes > self.max_message_bytes:
+            raise MessageTooLargeError(
+                f"received a {nbytes}-byte message, over the limit of {self.max_message_bytes}"
+            )
+        self._in = frames
+        self._in_used = [False] * len(frames)
+        try:
+            envelope = self._decoder.decode(_as_buffer(frames[0]))
+        except (msgspec.DecodeError, TypeError, ValueError) as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError(f"malformed message: {exc}") from exc
+        finally:
+            self._in = None
+        if not all(self._in_used[1:]):
+            raise ProtocolError("message carries frames that no tensor refers to")
+        return envelope
+
+    def _dec_hook(self, type_: type, obj: Any) -> Any:
+        if type_ is not torch.Tensor:
+            raise TypeError(f"unexpected type {type_!r}")
+        try:
+            ref = msgspec.convert(obj, TensorRef)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"malformed tensor ref: {exc}") from exc
+        return self._tensor(ref)
+
+    def _tensor(self, ref: TensorRef) -> torch.Tensor:
+        dtype = DTYPES.get(ref.dtype)
+        if dtype is None:
+            raise ProtocolError(f"unknown dtype {ref.dtype!r}")
+        loc = ref.loc
+        if isinstance(loc, CudaIpcLoc):
+            return import_cuda_tensor(loc, dtype, ref.shape)
+        nbytes = math.prod(ref.shape) * _ITEMSIZE[ref.dtype]
+        if isinstance(loc, ShmLoc):
+            if self.peer_arena is None:
+                raise ProtocolError("tensor in a shared arena this side has not mapped")
+            if loc.nbytes != nbytes:
+                raise ProtocolError(f"arena slot holds {loc.nbytes} bytes, the tensor needs {nbytes}")
+            return self.peer_arena.tensor(loc.offset, nbytes, dtype, ref.shape)
+        assert self._in is not None
+        index = loc.index
+        if index >= len(self._in) or self._in_used[index]:
+            raise ProtocolError(f"tensor refers to missing or reused frame {index}")
+        self._in_used[index] = True
+        buffer = _as_buffer(self._in[index])
+        if frame_nbytes(buffer) != nbytes:
+            raise ProtocolError(f"frame {index} holds {frame_nbytes(buffer)} bytes, the tensor needs {nbytes}")
+        if nbytes == 0:
+            return torch.empty(ref.shape, dtype=dtype)
+        if isinstance(buffer, bytes):
+            # Tensors must be writable; immutable bytes only come from tests and tools.
+            buffer = bytearray(buffer)
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(ref.shape)
+
