@@ -67,6 +67,9 @@ class Cluster:
             def stream(self, node: str, edge: StreamingGraphEdge, value: Any) -> None:
                 cluster.streamed[(edge.dst, edge.name)].append(value)
 
+            def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> None:
+                return None  # these nodes have no native loop: fire per iteration
+
         return Ports()
 
     async def run_walk(self, walk: str, persistent: dict[Slot, Any]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,6 +66,14 @@ class WalkPorts(Protocol):
 
     def stream(self, node: str, edge: StreamingGraphEdge, value: Any) -> None:
         """Append one item to a stream into another partition (via the conductor)."""
+        ...
+
+    def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> AsyncIterator[Mapping[str, Any]] | None:
+        """Run a `DynamicLoop` over a local node natively, yielding each step's outputs.
+
+        Return None when the node's engine has no native loop (the runner then fires the
+        node once per iteration).
+        """
         ...
 
 
@@ -173,6 +181,8 @@ class WalkRunner:
             assert isinstance(sec, DynamicLoop)
             inner = stops | {sec.stop}
             env.signals.pop(sec.stop, None)
+            if await self._native_loop(sec, env, accs, inner):
+                return
             i = 0
             while sec.max_iters is None or i < sec.max_iters:
                 await self._section(sec.body, env, accs, inner)
@@ -181,19 +191,51 @@ class WalkRunner:
                     break
 
     async def _fire(self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
-        self._fired[node.name] += 1
-        tag = str(self._fired[node.name])
-        args: dict[str, Any] = {}
-        for name in node.inputs:
-            if (node.name, name) not in env.values:
-                raise self._error(node, f"input {name!r} is missing when the node fires")
-            args[name] = await self._resolve(env.values[(node.name, name)])
+        args = await self._inputs(node, env)
         try:
             out = await self.ports.fire(node.name, args)
         except WalkExecutionError:
             raise
         except Exception as exc:
             raise self._error(node, f"node raised {type(exc).__name__}: {exc}") from exc
+        self._absorb(node, out, env, accs, stops)
+
+    async def _native_loop(self, loop: DynamicLoop, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> bool:
+        """Hand a `DynamicLoop` over one local node to its engine, if the engine loops natively.
+
+        A KV-cache engine runs the whole loop as its decode loop (continuous batching, the
+        stop check per step); each step's outputs are routed as a firing's would be.
+        """
+        node = loop.body
+        if not isinstance(node, GraphNode) or self.node_ranks[node.name] != self.rank:
+            return False
+        steps = self.ports.loop(node.name, await self._inputs(node, env), loop.max_iters)
+        if steps is None:
+            return False
+        try:
+            async for out in steps:
+                self._absorb(node, out, env, accs, stops)
+        except WalkExecutionError:
+            raise
+        except Exception as exc:
+            raise self._error(node, f"node raised {type(exc).__name__}: {exc}") from exc
+        env.signals.pop(loop.stop, None)
+        return True
+
+    async def _inputs(self, node: GraphNode, env: _Env) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        for name in node.inputs:
+            if (node.name, name) not in env.values:
+                raise self._error(node, f"input {name!r} is missing when the node fires")
+            args[name] = await self._resolve(env.values[(node.name, name)])
+        return args
+
+    def _absorb(
+        self, node: GraphNode, out: Mapping[str, Any], env: _Env, accs: list[_Acc], stops: frozenset[str]
+    ) -> None:
+        """Route one firing's outputs and signals."""
+        self._fired[node.name] += 1
+        tag = str(self._fired[node.name])
         unknown = set(out) - node.output_names - node.signals
         if unknown:
             raise self._error(node, f"node returned unknown outputs {sorted(unknown)}")

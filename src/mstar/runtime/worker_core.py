@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.errors import MStarError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
@@ -84,6 +85,12 @@ class _Ports:
     def fire(self, node: str, inputs: Mapping[str, Any]) -> Awaitable[Mapping[str, Any]]:
         return self.worker.engines[node].submit(self.request_id, inputs)
 
+    def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> AsyncIterator[Mapping[str, Any]] | None:
+        engine = self.worker.engines[node]
+        if isinstance(engine, KVNodeEngine):
+            return engine.loop(self.request_id, inputs, max_iters)
+        return None
+
     def send(self, rank: int, key: ValueKey, value: Any) -> None:
         self.worker.outbox.node_value(rank, self.request_id, self.walk_seq, key, value)
 
@@ -110,7 +117,7 @@ class WorkerCore:
         self.rank, self.model, self.graph, self.outbox = rank, model, graph, outbox
         self.config = config or WorkerConfig()
         self.node_names = sorted({node for (node, _), ranks in placement.items() if rank in ranks})
-        self.engines: dict[str, StatelessEngine] = {}
+        self.engines: dict[str, StatelessEngine | KVNodeEngine] = {}
         self.runners: dict[_RunKey, WalkRunner] = {}
         self.tasks: dict[_RunKey, asyncio.Task[None]] = {}
         self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
@@ -132,9 +139,14 @@ class WorkerCore:
         types = self.model.engine_types()
         for node in self.node_names:
             kind = types.get(node)
-            if kind != EngineType.STATELESS:
-                raise MStarError(f"node {node!r}: engine type {kind!r} is not supported by this worker yet")
-            engine = StatelessEngine(node, self.model.submodule(node, device), self.config.stateless, self._executor)
+            module = self.model.submodule(node, device)
+            engine: StatelessEngine | KVNodeEngine
+            if kind == EngineType.STATELESS:
+                engine = StatelessEngine(node, module, self.config.stateless, self._executor)
+            elif kind == EngineType.KV_CACHE:
+                engine = KVNodeEngine(node, module, self._executor, device=self.config.device)
+            else:
+                raise MStarError(f"node {node!r} has engine type {kind!r}; expected one of {[t.value for t in EngineType]}")
             engine.start()
             self.engines[node] = engine
 

@@ -1,0 +1,242 @@
+"""`KVNodeEngine`: a `KVCacheEngine` serving one graph node, inside a worker's event loop.
+
+A KV-cache node (an LLM backbone, a talker) keeps each request's cache across walks: a
+``prefill`` walk fires the node once, and a ``decode`` walk's `DynamicLoop` over the node is
+the engine's own decode loop under continuous batching, with the stop check per request per
+step. The model side of the node is a `KVNode`: it turns the node's inputs into a `KVTurn`
+(the tokens to append and how to sample) and each sampled token into the node's outputs.
+
+All engine calls happen on one thread (the step executor), between steps, so the event
+loop never blocks on device work and never races the step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
+from mstar.engines.masks import AttentionMask
+from mstar.engines.paged_model import PagedModel
+from mstar.engines.sampling_params import SamplingParams
+from mstar.engines.sequence import FinishReason, LogitsProcessor, SequenceStatus
+from mstar.errors import EngineClosedError, RequestAbortedError, RequestNotFoundError
+
+__all__ = ["KVNode", "KVNodeEngine", "KVTurn"]
+
+
+@dataclass(frozen=True)
+class KVTurn:
+    """What one walk asks of a KV-cache node for one request.
+
+    Attributes:
+        new_token_ids: Tokens to append before sampling (the prompt on the first walk; none
+            to continue from the last sampled token).
+        sampling_params: How to sample; ``max_tokens`` is capped by the walk's step count.
+        mask: Attention among the new tokens (default causal).
+        logits_processor: Per-step hook on this request's logits (constrained decoding).
+    """
+
+    new_token_ids: list[int]
+    sampling_params: SamplingParams
+    mask: AttentionMask | None = None
+    logits_processor: LogitsProcessor | None = None
+
+
+class KVNode(Protocol):
+    """The model side of a KV-cache node (what `Model.submodule` returns for one)."""
+
+    model: PagedModel
+    engine_config: KVCacheEngineConfig
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        """Turn the node's inputs for one walk into tokens to append and sampling settings."""
+        ...
+
+    def outputs(self, request_id: str, token_id: int, is_last: bool) -> Mapping[str, Any]:
+        """Return the node's outputs (and signals) for one sampled token.
+
+        ``is_last`` is True on the walk's final token; a node looped by a `DynamicLoop`
+        must raise the loop's stop signal exactly then.
+        """
+        ...
+
+
+@dataclass
+class _Walk:
+    queue: asyncio.Queue[tuple[int, bool] | BaseException]
+
+
+class KVNodeEngine:
+    """Continuous batching for one KV-cache node; an async context manager."""
+
+    def __init__(
+        self, node: str, kv_node: KVNode, executor: Executor | None, device: str | None = None
+    ) -> None:
+        self.node = node
+        self.kv_node = kv_node
+        self.engine = KVCacheEngine(kv_node.model, kv_node.engine_config, device=device)
+        self.executor = executor
+        self.num_steps = 0
+        self._walks: dict[str, _Walk] = {}
+        self._stopped: set[str] = set()  # requests whose last walk ended on a stop token
+        self._ops: list[tuple[str, Callable[[], object]]] = []  # engine calls before the next step
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv:{self.node}")
+
+    async def aclose(self) -> None:
+        """Stop stepping; walks in flight fail with `EngineClosedError`."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for walk in self._walks.values():
+            walk.queue.put_nowait(EngineClosedError(f"engine for node {self.node!r} closed"))
+        self._walks.clear()
+
+    @property
+    def num_pending(self) -> int:
+        """Return how many walks run here now."""
+        return len(self._walks)
+
+    @property
+    def num_requests(self) -> int:
+        """Return how many requests hold state here (running or between walks)."""
+        return self.engine.num_requests
+
+    async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Fire the node once for a request (one sampled token)."""
+        outputs = [out async for out in self.loop(request_id, inputs, 1)]
+        return outputs[-1]
+
+    async def loop(
+        self, request_id: str, inputs: Mapping[str, Any], max_steps: int | None
+    ) -> AsyncIterator[Mapping[str, Any]]:
+        """Run up to ``max_steps`` decode steps for a request; yield each step's outputs.
+
+        Raises:
+            EngineClosedError: The engine closed.
+            RequestAbortedError: The request was released while running.
+        """
+        if self._closed:
+            raise EngineClosedError(f"engine for node {self.node!r} is closed")
+        if request_id in self._walks:
+            raise RuntimeError(f"request {request_id!r} already runs a walk on node {self.node!r}")
+        is_first = not self._holds(request_id)
+        if request_id in self._stopped:
+            return  # the last walk sampled a stop token: nothing follows it
+        turn = self.kv_node.turn(request_id, inputs, is_first=is_first)
+        params = turn.sampling_params
+        if max_steps is not None:
+            params = replace(params, max_tokens=min(params.max_tokens, max_steps))
+        walk = _Walk(asyncio.Queue())
+        self._walks[request_id] = walk
+        if is_first:
+            self._ops.append(
+                (
+                    request_id,
+                    lambda: self.engine.add_request(
+                        request_id,
+                        turn.new_token_ids,
+                        params,
+                        mask=turn.mask,
+                        keep_alive=True,
+                        logits_processor=turn.logits_processor,
+                    ),
+                )
+            )
+        else:
+            self._ops.append(
+                (
+                    request_id,
+                    lambda: self.engine.resume(
+                        request_id, turn.new_token_ids, params, mask=turn.mask
+                    ),
+                )
+            )
+        self._wakeup.set()
+        try:
+            while True:
+                item = await walk.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                token, is_last = item
+                yield self.kv_node.outputs(request_id, token, is_last)
+                if is_last:
+                    break
+        finally:
+            self._walks.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's cache and any walk it runs here (partition done, or aborted)."""
+        self._stopped.discard(request_id)
+        walk = self._walks.pop(request_id, None)
+        if walk is not None:
+            walk.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
+        self._ops.append((request_id, lambda: self.engine.abort(request_id)))
+        self._wakeup.set()
+
+    abort = release
+
+    def _holds(self, request_id: str) -> bool:
+        try:
+            return self.engine.get_sequence(request_id).status is SequenceStatus.PAUSED
+        except RequestNotFoundError:
+            return False
+
+    def _step(
+        self,
+    ) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], FinishReason | None]]]:
+        """Apply queued engine calls, then run one step (on the step thread)."""
+        ops, self._ops = self._ops, []
+        failed: list[tuple[str, BaseException]] = []
+        for request_id, op in ops:
+            try:
+                op()
+            except Exception as exc:  # a bad request fails alone
+                failed.append((request_id, exc))
+        if not self.engine.has_unfinished():
+            return failed, []
+        return failed, [
+            (o.request_id, list(o.new_token_ids), o.finish_reason if o.finished else None)
+            for o in self.engine.step()
+        ]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._ops and not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                if self.executor is None:
+                    failed, results = self._step()
+                else:
+                    failed, results = await loop.run_in_executor(self.executor, self._step)
+            except Exception as step_error:  # the model itself failed: every walk in the step fails
+                for w in list(self._walks.values()):
+                    w.queue.put_nowait(step_error)
+                continue
+            self.num_steps += 1
+            for request_id, error in failed:
+                if (walk := self._walks.get(request_id)) is not None:
+                    walk.queue.put_nowait(error)
+            for request_id, tokens, reason in results:
+                if (walk := self._walks.get(request_id)) is None:
+                    continue
+                if reason in (FinishReason.STOP, FinishReason.STOP_CHECK):
+                    self._stopped.add(request_id)
+                for i, token in enumerate(tokens):
+                    walk.queue.put_nowait((token, reason is not None and i == len(tokens) - 1))

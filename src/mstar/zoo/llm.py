@@ -1,0 +1,182 @@
+"""`llama`: any local Hugging Face Llama-architecture checkpoint as a one-partition model.
+
+Graph: one KV-cache node ``llm``; walk ``prefill`` fires it once on the prompt (the first
+token), walk ``decode`` is a `DynamicLoop` over it: the engine's decode loop, until a stop
+token or ``max_tokens``. Every sampled token is emitted (modality ``text``) as its id; the
+serving layer detokenizes incrementally.
+
+Request: ``Request("generate", {"prompt": str} | {"messages": [...]} |
+{"prompt_token_ids": [...]}, plus sampling keys: max_tokens, temperature, top_p, top_k,
+repetition_penalty, seed, ignore_eos})``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.engines.kv_engine import KVCacheEngineConfig
+from mstar.engines.kv_node import KVTurn
+from mstar.engines.sampling_params import SamplingParams
+from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.zoo.hf_checkpoint import load_hf_config
+from mstar.zoo.llama import LlamaCausalLM, load_llama
+
+__all__ = ["LlamaKVNode", "TextLLM", "make_llm_graph"]
+
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+
+
+def make_llm_graph(name: str = "llama") -> ModelGraph:
+    """Return the prefill/decode graph of a text LLM."""
+    llm = GraphNode(
+        "llm",
+        {"tokens", "params"},
+        [GraphEdge("llm", "tokens", persist=True), GraphEdge(EMIT, "tokens", modality="text")],
+        signals={"stop"},
+    )
+    return ModelGraph(
+        name=name,
+        walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop")},
+        partitions={"LLM": ["prefill", "decode"]},
+        inputs={"llm": {"tokens", "params"}},
+    )
+
+
+class LlamaKVNode:
+    """The ``llm`` node: a Llama on the paged KV cache, sampling per request."""
+
+    def __init__(
+        self,
+        model: LlamaCausalLM,
+        engine_config: KVCacheEngineConfig,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.model = model
+        self.engine_config = engine_config
+        self.eos_token_ids = eos_token_ids
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        """Prefill the prompt for one token; then decode the rest of ``max_tokens``."""
+        params: dict[str, Any] = inputs["params"]
+        stop = () if params.get("ignore_eos") else self.eos_token_ids
+        sampling = SamplingParams(
+            **{k: params[k] for k in _SAMPLING_KEYS if k in params and k != "max_tokens"},
+            max_tokens=1 if is_first else max(1, int(params.get("max_tokens", 16)) - 1),
+            stop_token_ids=tuple(stop),
+        )
+        tokens = [int(t) for t in inputs["tokens"]] if is_first else []
+        return KVTurn(tokens, sampling)
+
+    def outputs(self, request_id: str, token_id: int, is_last: bool) -> Mapping[str, Any]:
+        """Emit the token; raise ``stop`` on the walk's last one."""
+        return {"tokens": torch.tensor([token_id]), "stop": is_last}
+
+
+class TextLLM(Model):
+    """A Llama-architecture checkpoint directory served as a text model."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        *,
+        name: str = "llama",
+        engine_config: Mapping[str, Any] | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        self.name = name
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.hf_config = load_hf_config(self.checkpoint_dir)
+        self.engine_config = KVCacheEngineConfig(**dict(engine_config or {}))
+        self.dtype = getattr(torch, dtype) if dtype else None
+        self._graph = make_llm_graph(name)
+        self.tokenizer: Any = None
+        if (self.checkpoint_dir / "tokenizer.json").exists() or (
+            self.checkpoint_dir / "tokenizer_config.json"
+        ).exists():
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(self.checkpoint_dir), local_files_only=True
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Return the checkpoint's end-of-sequence ids (config.json and the tokenizer)."""
+        ids: set[int] = set()
+        eos = self.hf_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def graph(self) -> ModelGraph:
+        """Return the prefill/decode graph."""
+        return self._graph
+
+    def engine_types(self) -> dict[str, EngineType]:
+        """Return KV_CACHE for the one node."""
+        return {"llm": EngineType.KV_CACHE}
+
+    def tasks(self) -> tuple[str, ...]:
+        """Return the one task."""
+        return ("generate",)
+
+    def submodule(self, node: str, device: torch.device) -> LlamaKVNode:
+        """Load the checkpoint onto ``device``."""
+        return LlamaKVNode(
+            load_llama(self.checkpoint_dir, device=device, dtype=self.dtype),
+            self.engine_config,
+            self.eos_token_ids,
+        )
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        """Tokenize the prompt (or apply the chat template) and collect sampling settings."""
+        if request.task not in self.tasks():
+            raise ValueError(f"task must be 'generate', got {request.task!r}")
+        data = request.data
+        if "prompt_token_ids" in data:
+            tokens = [int(t) for t in data["prompt_token_ids"]]
+        elif self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids")
+        elif "messages" in data:
+            tokens = list(
+                self.tokenizer.apply_chat_template(
+                    data["messages"], add_generation_prompt=True, tokenize=True
+                )
+            )
+        elif isinstance(data.get("prompt"), str):
+            tokens = list(self.tokenizer(data["prompt"])["input_ids"])
+        else:
+            raise ValueError("send one of prompt (string), messages (chat) or prompt_token_ids")
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        vocab = int(self.hf_config["vocab_size"])
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params = {k: data[k] for k in (*_SAMPLING_KEYS, "ignore_eos") if k in data}
+        max_tokens = params.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
+        return PreparedRequest({"llm": {"tokens": torch.tensor(tokens), "params": params}})
+
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        """Start with prefill."""
+        return "prefill"
+
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        """Decode after prefill, then stop."""
+        return "decode" if finished == "prefill" else None
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Return the text of token ids (empty without a tokenizer)."""
+        return (
+            ""
+            if self.tokenizer is None
+            else str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        )

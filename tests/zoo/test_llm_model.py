@@ -1,0 +1,87 @@
+"""The `llama` text model through the runtime: greedy tokens equal transformers' generate."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mstar.runtime.model import Request
+from mstar.zoo.llm import TextLLM
+from tests.helpers import Direct
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=3, bos_token_id=1, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_greedy(path: Path, prompt: list[int], max_tokens: int, eos: int | None) -> list[int]:
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+        eos_token_id=eos, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+async def test_greedy_tokens_match_transformers(tiny_llama_dir: Path) -> None:
+    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 64, "block_size": 8})
+    prompts = [[1, 5, 9, 22, 40], [1, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
+    async with Direct(model, {"llm": [0]}) as d:
+        runs = [
+            d.run(Request("generate", {"prompt_token_ids": p, "max_tokens": 24, "ignore_eos": True, "temperature": 0.0}))
+            for p in prompts
+        ]
+        results = await asyncio.gather(*runs)  # batched together by the engine
+        d.assert_empty()
+        engine = d.workers[0].engines["llm"]
+        await asyncio.sleep(0)
+    for prompt, outputs in zip(prompts, results, strict=True):
+        got = [int(o.data[0]) for o in outputs]
+        assert got == hf_greedy(tiny_llama_dir, prompt, 24, eos=None)
+        assert {(o.walk, o.modality) for o in outputs} == {("prefill", "text"), ("decode", "text")}
+    assert engine.num_requests == 0  # every sequence's blocks were released
+
+
+async def test_stop_token_ends_the_request(tiny_llama_dir: Path) -> None:
+    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 64, "block_size": 8})
+    prompt = [1, 5, 9, 22, 40]
+    free = hf_greedy(tiny_llama_dir, prompt, 30, eos=None)
+    stop = free[5]  # pretend the 6th generated token is end-of-sequence
+    model.hf_config["eos_token_id"] = stop
+    async with Direct(model, {"llm": [0]}) as d:
+        outputs = await d.run(Request("generate", {"prompt_token_ids": prompt, "max_tokens": 30, "temperature": 0.0}))
+        at = free.index(stop)
+        first = await d.run(
+            Request("generate", {"prompt_token_ids": [*prompt, *free[:at]], "max_tokens": 30, "temperature": 0.0})
+        )
+    assert [int(o.data[0]) for o in outputs] == free[: at + 1]
+    # a prompt whose first sampled token is the stop token: decode never runs
+    assert [int(o.data[0]) for o in first] == [stop]
+
+
+async def test_bad_requests_fail_with_clear_errors(tiny_llama_dir: Path) -> None:
+    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 64, "block_size": 8})
+    async with Direct(model, {"llm": [0]}) as d:
+        with pytest.raises(ValueError, match="has no tokenizer: send prompt_token_ids"):
+            d.core.submit(Request("generate", {"prompt": "hello"}))
+        with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 96\)"):
+            d.core.submit(Request("generate", {"prompt_token_ids": [1, 500]}))
+        with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+            d.core.submit(Request("generate", {"prompt_token_ids": [1], "max_tokens": 0}))
+        with pytest.raises(Exception, match="needs up to"):
+            await d.run(Request("generate", {"prompt_token_ids": [1, 2], "max_tokens": 100_000}))
+        d.assert_empty()
