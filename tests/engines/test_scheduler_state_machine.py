@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
-    consumes,
     initialize,
     invariant,
     precondition,
