@@ -1,0 +1,445 @@
+#!/usr/bin/env python
+"""Benchmark mstar's actor transports against raw floors measured in the same run.
+
+For each transport (inproc, ipc, tcp):
+- `ActorRef.ask` round trip of a small message (p50, p99) next to the raw floor: a bare
+  asyncio-queue ping-pong (inproc) or a bare pyzmq DEALER/ROUTER ping-pong on the same scheme
+  with the peer in another process (ipc, tcp);
+- one-way throughput of small messages (`tell`) next to the same raw floors;
+- 16 MiB tensor handoff (ask carrying a tensor, acknowledged by the receiver) through the
+  shared-memory arena and as ZeroMQ frames, next to a raw /dev/shm copy and a raw pyzmq
+  16 MiB send.
+
+Peers of ipc/tcp runs live in processes started with `spawn`. Targets: ask within 2x of the
+floor (inproc) and 1.5x (ZeroMQ), p50; shared-memory handoff at least 10 GB/s.
+
+    .venv/bin/python scripts/bench_transport.py [--loop uvloop] [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from mstar.actors import Actor, ActorSystem, SystemConfig
+from mstar.actors.process import SystemProcess
+from mstar.messages import Ack, Ping, Pong, TensorBundle
+
+TENSOR_BYTES = 16 << 20
+SMALL_PAYLOAD = b"x" * 16
+
+
+# ------------------------------------------------------------------------------- peer actors
+
+
+class Echo(Actor):
+    """Answer a Ping with a Pong."""
+
+    async def handle(self, message: Any) -> Any:
+        return Pong(message.seq, message.payload)
+
+
+class Sink(Actor):
+    """Count told Pings; answer a Pong with the count; acknowledge tensors."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def handle(self, message: Any) -> Any:
+        if type(message) is Ping:
+            self.count += 1
+            return None
+        if type(message) is Pong:
+            count, self.count = self.count, 0
+            return Pong(count)
+        return Ack()
+
+
+async def setup_peer(system: ActorSystem) -> None:
+    """Spawn the benchmark's actors (runs in the peer process too)."""
+    await system.spawn(Echo, name="echo")
+    await system.spawn(Sink, name="sink", mailbox_size=1 << 20)
+
+
+# --------------------------------------------------------------------------------- raw peers
+
+
+def _raw_zmq_peer(endpoints: list[str], loop_name: str, ready: Any) -> None:
+    """A bare pyzmq ROUTER per endpoint: echo b"p", count b"t", report on b"c", ack tensors."""
+
+    async def serve() -> None:
+        ctx = zmq.asyncio.Context.instance()
+        socks = []
+        for endpoint in endpoints:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.bind(endpoint)
+            socks.append(sock)
+        ready.send_bytes(json.dumps([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks]).encode())
+
+        async def run(sock: zmq.asyncio.Socket) -> None:
+            count = 0
+            while True:
+                frames = await sock.recv_multipart(copy=False)
+                kind = frames[1].bytes
+                if kind == b"p":
+                    await sock.send_multipart([frames[0], frames[1], frames[2]], copy=False)
+                elif kind == b"t":
+                    count += 1
+                elif kind == b"c":
+                    await sock.send_multipart([frames[0], str(count).encode()])
+                    count = 0
+                else:
+                    await sock.send_multipart([frames[0], b"ok"])
+
+        await asyncio.gather(*(run(s) for s in socks))
+
+    _run_loop(loop_name, serve())
+
+
+def _run_loop(loop_name: str, main: Awaitable[None]) -> None:
+    if loop_name == "uvloop":
+        import uvloop
+
+        uvloop.run(main)  # type: ignore[arg-type]
+    else:
+        asyncio.run(main)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- measurements
+
+
+def percentiles(samples_ns: list[int]) -> dict[str, float]:
+    ordered = sorted(samples_ns)
+    return {
+        "p50_us": ordered[len(ordered) // 2] / 1e3,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] / 1e3,
+    }
+
+
+async def time_calls(call: Callable[[], Awaitable[Any]], n: int, warmup: int) -> list[int]:
+    for _ in range(warmup):
+        await call()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        await call()
+        samples.append(clock() - t0)
+    return samples
+
+
+async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
+    """Bare asyncio-queue ping-pong between two tasks, and one-way queue throughput."""
+    to_peer: asyncio.Queue[Any] = asyncio.Queue()
+    back: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def peer() -> None:
+        while True:
+            item = await to_peer.get()
+            if item is None:
+                return
+            back.put_nowait(item)
+
+    task = asyncio.create_task(peer())
+
+    async def ping() -> None:
+        to_peer.put_nowait(1)
+        await back.get()
+
+    samples = await time_calls(ping, n, warmup)
+    to_peer.put_nowait(None)
+    await task
+
+    counted = asyncio.Event()
+    sink: asyncio.Queue[Any] = asyncio.Queue()
+    total = n * 4
+
+    async def consumer() -> None:
+        for _ in range(total):
+            await sink.get()
+        counted.set()
+
+    task = asyncio.create_task(consumer())
+    t0 = time.perf_counter()
+    for i in range(total):
+        sink.put_nowait(i)
+        if i % 256 == 255:
+            await asyncio.sleep(0)  # let the consumer run, as a sender loop would
+    await counted.wait()
+    rate = total / (time.perf_counter() - t0)
+    await task
+    return samples, rate
+
+
+async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[str, Any]:
+    """Bare pyzmq DEALER ping-pong, one-way throughput and 16 MiB sends to the raw peer."""
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+
+    async def ping() -> None:
+        await sock.send_multipart([b"p", SMALL_PAYLOAD])
+        await sock.recv_multipart(copy=False)
+
+    samples = await time_calls(ping, n, warmup)
+    total = n * 4
+    t0 = time.perf_counter()
+    for _ in range(total):
+        await sock.send_multipart([b"t", SMALL_PAYLOAD])
+    await sock.send_multipart([b"c"])
+    got = int((await sock.recv_multipart())[0])
+    rate = total / (time.perf_counter() - t0)
+    assert got == total, (got, total)
+
+    tensor = torch.randn(TENSOR_BYTES // 4)
+    buffer = tensor.view(torch.uint8).numpy()
+
+    async def send_tensor() -> None:
+        await sock.send_multipart([b"x", buffer], copy=False)
+        await sock.recv_multipart()
+
+    tensor_samples = await time_calls(send_tensor, n_tensors, 3)
+    sock.close(linger=0)
+    return {"rtt": samples, "rate": rate, "tensor": tensor_samples}
+
+
+def shm_copy_floor(n: int) -> list[int]:
+    """Copy 16 MiB into a prefaulted /dev/shm mapping (the one copy an arena handoff makes)."""
+    path = Path("/dev/shm") / f"mstar-bench-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, TENSOR_BYTES)
+        mapping = mmap.mmap(fd, TENSOR_BYTES, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+        path.unlink()
+    dst = torch.frombuffer(mapping, dtype=torch.uint8)
+    dst.zero_()
+    src = torch.randn(TENSOR_BYTES // 4).view(torch.uint8)
+    samples = []
+    for _ in range(n + 3):
+        t0 = time.perf_counter_ns()
+        dst.copy_(src)
+        samples.append(time.perf_counter_ns() - t0)
+    del dst
+    mapping.close()
+    return samples[3:]
+
+
+async def mstar_runs(
+    client: ActorSystem, address: str, n: int, warmup: int, n_tensors: int
+) -> dict[str, Any]:
+    echo = client.ref("echo", address)
+    sink = client.ref("sink", address)
+    ping = Ping(1, SMALL_PAYLOAD)
+    samples = await time_calls(lambda: echo.ask(ping), n, warmup)
+
+    total = n * 4
+    await sink.ask(Pong())  # reset the count
+    t0 = time.perf_counter()
+    for i in range(total):
+        sink.tell(ping)
+        if i % 256 == 255:
+            await asyncio.sleep(0)  # let links and peers run, as a sender loop would
+    got = (await sink.ask(Pong())).seq
+    rate = total / (time.perf_counter() - t0)
+    assert got == total, (got, total)
+
+    bundle = TensorBundle({"x": torch.randn(TENSOR_BYTES // 4)})
+    tensor_samples = await time_calls(lambda: sink.ask(bundle), n_tensors, 3)
+    return {"rtt": samples, "rate": rate, "tensor": tensor_samples}
+
+
+def gbps(samples_ns: list[int]) -> float:
+    return TENSOR_BYTES / statistics.median(samples_ns)  # bytes per ns == GB/s
+
+
+# -------------------------------------------------------------------------------------- main
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    n, warmup, n_tensors = args.n, args.n // 10, args.tensors
+    results: dict[str, Any] = {}
+    config = SystemConfig(shm_arena_bytes=args.arena_mib << 20)
+    frames_config = SystemConfig(shm_arena_bytes=0)
+
+    # inproc: two systems in this process.
+    floor_rtt, floor_rate = await queue_floor(n, warmup)
+    async with ActorSystem(config) as server, ActorSystem(config) as client:
+        address = await server.serve("inproc://bench")
+        await setup_peer(server)
+        await client.connect(address)
+        ours = await mstar_runs(client, address, n, warmup, n_tensors)
+    results["inproc"] = {
+        "floor": {**percentiles(floor_rtt), "msgs_per_s": floor_rate},
+        "mstar": {**percentiles(ours["rtt"]), "msgs_per_s": ours["rate"]},
+        "handoff_gbps": {"by reference": gbps(ours["tensor"])},
+    }
+
+    # ipc and tcp: peers in spawned processes.
+    context = multiprocessing.get_context("spawn")
+    ours_end, theirs = context.Pipe()
+    raw = context.Process(
+        target=_raw_zmq_peer, args=(["ipc://" + _ipc_path("raw"), "tcp://127.0.0.1:*"], args.loop, theirs),
+        daemon=True,
+    )
+    raw.start()
+    raw_ipc, raw_tcp = json.loads(ours_end.recv_bytes())
+    serve = ["ipc://", "tcp://127.0.0.1:0"]
+    shm_peer = SystemProcess(f"{Path(__file__).stem}:setup_peer", serve=serve, config=config, loop=args.loop)
+    frames_peer = SystemProcess(
+        f"{Path(__file__).stem}:setup_peer", serve=serve, config=frames_config, loop=args.loop
+    )
+    try:
+        shm_ipc, shm_tcp = await asyncio.to_thread(shm_peer.start)
+        frames_ipc, frames_tcp = await asyncio.to_thread(frames_peer.start)
+        shm_floor = shm_copy_floor(n_tensors)
+        for scheme, raw_ep, shm_ep, frames_ep in (
+            ("ipc", raw_ipc, shm_ipc, frames_ipc),
+            ("tcp", raw_tcp, shm_tcp, frames_tcp),
+        ):
+            floor = await zmq_floor(raw_ep, n, warmup, n_tensors)
+            async with ActorSystem(config) as client:
+                await client.connect(shm_ep)
+                ours = await mstar_runs(client, shm_ep, n, warmup, n_tensors)
+            async with ActorSystem(frames_config) as client:
+                await client.connect(frames_ep)
+                framed = await mstar_runs(client, frames_ep, max(n // 5, 100), warmup, n_tensors)
+            results[scheme] = {
+                "floor": {**percentiles(floor["rtt"]), "msgs_per_s": floor["rate"]},
+                "mstar": {**percentiles(ours["rtt"]), "msgs_per_s": ours["rate"]},
+                "handoff_gbps": {
+                    "shm arena": gbps(ours["tensor"]),
+                    "zmq frames": gbps(framed["tensor"]),
+                    "raw /dev/shm copy": gbps(shm_floor),
+                    "raw pyzmq send": gbps(floor["tensor"]),
+                },
+            }
+    finally:
+        await asyncio.to_thread(shm_peer.stop)
+        await asyncio.to_thread(frames_peer.stop)
+        raw.kill()
+        raw.join()
+    return results
+
+
+def _ipc_path(tag: str) -> str:
+    return f"/tmp/mstar-bench-{os.getpid()}-{tag}.sock"
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    failures = []
+    print()
+    print(f"{'transport':<10}{'':>8}{'p50 us':>10}{'p99 us':>10}{'msgs/s':>12}")
+    for name, r in results.items():
+        floor_label = "queue" if name == "inproc" else "pyzmq"
+        for label, row in ((floor_label, r["floor"]), ("mstar", r["mstar"])):
+            print(f"{name:<10}{label:>8}{row['p50_us']:>10.1f}{row['p99_us']:>10.1f}{row['msgs_per_s']:>12.0f}")
+        p50 = r["mstar"]["p50_us"] / r["floor"]["p50_us"]
+        p99 = r["mstar"]["p99_us"] / r["floor"]["p99_us"]
+        rate = r["mstar"]["msgs_per_s"] / r["floor"]["msgs_per_s"]
+        target = 2.0 if name == "inproc" else 1.5
+        ok = p50 <= target
+        r["ratios"] = {"ask_p50": p50, "ask_p99": p99, "tell_throughput": rate}
+        print(
+            f"{name:<10}{'ratio':>8}{p50:>9.2f}x{p99:>9.2f}x{rate:>11.2f}x   "
+            f"ask p50 target <= {target}x: {'PASS' if ok else 'FAIL'}"
+        )
+        if not ok:
+            failures.append(f"{name} ask p50 ratio {p50:.2f}x > {target}x")
+    print()
+    print("16 MiB tensor handoff (ask carrying the tensor, acknowledged), GB/s:")
+    for name, r in results.items():
+        cells = ", ".join(f"{k} {v:.1f}" for k, v in r["handoff_gbps"].items())
+        print(f"  {name:<8} {cells}")
+        if "shm arena" in r["handoff_gbps"]:
+            shm = r["handoff_gbps"]["shm arena"]
+            ok = shm >= 10.0
+            ratio = shm / r["handoff_gbps"]["raw /dev/shm copy"]
+            print(f"  {'':<8} shm arena / raw copy {ratio:.2f}x; target >= 10 GB/s: {'PASS' if ok else 'FAIL'}")
+            if not ok:
+                failures.append(f"{name} shm handoff {shm:.1f} GB/s < 10")
+    return failures
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = range(len(names))
+    ax1.bar([x - 0.2 for x in xs], [results[n]["floor"]["p50_us"] for n in names], 0.4, label="raw floor")
+    ax1.bar([x + 0.2 for x in xs], [results[n]["mstar"]["p50_us"] for n in names], 0.4, label="mstar ask")
+    ax1.set_xticks(list(xs), names)
+    ax1.set_ylabel("round trip p50 (us)")
+    ax1.set_yscale("log")
+    ax1.legend()
+    rows = [(f"{n}: {k}", v) for n in names for k, v in results[n]["handoff_gbps"].items() if n != "inproc"]
+    ax2.barh([r[0] for r in rows], [r[1] for r in rows])
+    ax2.axvline(10.0, color="red", linestyle="--", label="target 10 GB/s")
+    ax2.set_xlabel("16 MiB handoff (GB/s)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    parser.add_argument("--n", type=int, default=5000, help="round trips per measurement")
+    parser.add_argument("--tensors", type=int, default=30, help="16 MiB handoffs per measurement")
+    parser.add_argument("--arena-mib", type=int, default=128, help="shared arena size")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    args = parser.parse_args()
+    if args.quick:
+        args.n, args.tensors = 500, 8
+    print("bench_transport configuration:")
+    print(f"  python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
+          f"libzmq {zmq.zmq_version()}, loop {args.loop}")
+    print(f"  cpus {os.cpu_count()}, torch threads {torch.get_num_threads()}")
+    print(f"  small message: Ping with a {len(SMALL_PAYLOAD)}-byte payload; {args.n} round trips "
+          f"(+{args.n // 10} warm-up), {args.n * 4} one-way messages")
+    print(f"  tensor: {TENSOR_BYTES >> 20} MiB float32, {args.tensors} handoffs; arena {args.arena_mib} MiB")
+    if args.loop == "uvloop":
+        import uvloop
+
+        results = uvloop.run(run(args))
+    else:
+        results = asyncio.run(run(args))
+    failures = report(results, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "transport.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
+    plot(results, args.out / "transport.png")
+    print(f"\nwrote {args.out / 'transport.json'} and {args.out / 'transport.png'}")
+    if failures:
+        print("targets missed: " + "; ".join(failures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""`PeerLink`: one channel to a peer actor system, with its handshake, calls and upkeep.
+
+The client side sends `Hello` first; the server answers with its own. Each side that can map
+the other's shared arena does so and says `ArenaAttached`; from then on the other side sends
+large CPU tensors through its arena. Both sides send a `Heartbeat` when they sent nothing else
+for a heartbeat interval; a link that hears nothing for the heartbeat timeout is lost, and
+its pending asks fail with `PeerLostError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mstar import errors
+from mstar.errors import (
+    ActorHandlerError,
+    MessageTooLargeError,
+    PeerLostError,
+    ProtocolError,
+    TransportClosedError,
+)
+from mstar.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    ArenaAttached,
+    ArenaRelease,
+    Ask,
+    Envelope,
+    ErrorReply,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Reply,
+    Tell,
+)
+from mstar.transport.base import Channel
+from mstar.transport.janitor import is_pid_alive, sweep_stale
+from mstar.transport.shm import ArenaMapping
+
+if TYPE_CHECKING:
+    from mstar.actors.system import ActorSystem
+
+__all__ = ["PeerLink", "RemoteReply", "error_from_reply", "error_reply"]
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT = Heartbeat()
+
+# Error kinds a peer may name in an ErrorReply, rebuilt here as the same class.
+_REBUILDABLE: dict[str, type[errors.MStarError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.ActorDeadError,
+        errors.ActorNotFoundError,
+        errors.MailboxFullError,
+        errors.ProtocolError,
+        errors.MessageTooLargeError,
+        errors.TransportClosedError,
+        errors.PeerLostError,
+    )
+}
+
+
+def error_reply(call_id: int, error: BaseException) -> ErrorReply:
+    """Describe `error` for the asker of call `call_id`."""
+    if isinstance(error, ActorHandlerError):
+        return ErrorReply(call_id, "ActorHandlerError", str(error), error.error_type)
+    kind = type(error).__name__
+    if kind not in _REBUILDABLE:
+        return ErrorReply(call_id, "ActorHandlerError", f"{kind}: {error}", kind)
+    return ErrorReply(call_id, kind, str(error))
+
+
+def error_from_reply(reply: ErrorReply) -> errors.MStarError:
+    """Rebuild the error a peer reported."""
+    cls = _REBUILDABLE.get(reply.kind)
+    if cls is None:
+        return ActorHandlerError(reply.message, error_type=reply.error_type or reply.kind)
+    return cls(reply.message)
+
+
+class RemoteReply:
+    """Where the answer to a peer's ask goes: back over its link, under its call id."""
+
+    __slots__ = ("call_id", "link")
+
+    def __init__(self, link: PeerLink, call_id: int) -> None:
+        self.link = link
+        self.call_id = call_id
+
+    def resolve(self, value: Any) -> None:
+        if value is not None and type(value) not in MESSAGE_TYPES:
+            self.fail(ProtocolError(
+                f"reply of type {type(value).__name__} is not a wire message "
+                "(add it to mstar.messages.Message)"
+            ))
+            return
+        try:
+            self.link.send(Reply(self.call_id, value))
+        except (ProtocolError, MessageTooLargeError) as exc:
+            self.fail(exc)
+        except TransportClosedError:
+            pass
+
+    def fail(self, error: BaseException) -> None:
+        with contextlib.suppress(TransportClosedError, ProtocolError, MessageTooLargeError):
+            self.link.send(error_reply(self.call_id, error))
+
+
+class PeerLink:
+    """One channel to a peer system.
+
+    Args:
+        system: the owning system.
+        channel: the channel.
+        address: the address this side connected to (None when the peer connected to us).
+    """
+
+    def __init__(self, system: ActorSystem, channel: Channel, address: str | None) -> None:
+        self.system = system
+        self.channel = channel
+        self.codec = channel.codec
+        self.address = address
+        self.is_client = address is not None
+        self.peer: Hello | None = None
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.last_recv = self.last_send = time.monotonic()
+        self.is_closed = False
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._releases: collections.deque[int] = collections.deque()
+        self._release_scheduled = False
+
+    def __repr__(self) -> str:
+        peer = self.address or (self.peer.addresses[0] if self.peer and self.peer.addresses else "?")
+        return f"PeerLink({peer})"
+
+    @property
+    def label(self) -> str:
+        """The peer's best known address, for messages."""
+        if self.address is not None:
+            return self.address
+        if self.peer is not None and self.peer.addresses:
+            return self.peer.addresses[-1]
+        return "an unidentified peer"
+
+    def send(self, envelope: Envelope) -> None:
+        """Send an envelope (see `Channel.send` for errors)."""
+        self.channel.send(envelope)
+        self.last_send = time.monotonic()
+
+    def send_heartbeat(self) -> None:
+        """Send a heartbeat, unless the channel is already closed."""
+        with contextlib.suppress(TransportClosedError):
+            self.send(_HEARTBEAT)
+
+    def send_goodbye(self, reason: str) -> None:
+        """Tell the peer this side closes the link on purpose."""
+        self.send(Goodbye(reason))
+
+    def start(self) -> None:
+        """Open the handshake (client side)."""
+        self.send(self.system._hello())
+
+    # ---------------------------------------------------------------------------- incoming
+
+    def on_envelope(self, envelope: Envelope) -> None:
+        """Handle one envelope from the peer (the channel's sink)."""
+        self.last_recv = time.monotonic()
+        kind = type(envelope)
+        try:
+            if kind is Tell or kind is Ask:
+                if self.peer is None:
+                    raise ProtocolError("message before the handshake")
+                self.system._deliver(self, envelope)  # type: ignore[arg-type]
+            elif kind is Reply or kind is ErrorReply:
+                future = self.pending.pop(envelope.call_id, None)  # type: ignore[union-attr]
+                if future is not None and not future.done():
+                    if kind is Reply:
+                        future.set_result(envelope.body)  # type: ignore[union-attr]
+                    else:
+                        future.set_exception(error_from_reply(envelope))  # type: ignore[arg-type]
+            elif kind is Heartbeat:
+                pass
+            elif kind is Hello:
+                self._on_hello(envelope)  # type: ignore[arg-type]
+            elif kind is ArenaRelease:
+                if self.codec is not None:
+                    self.codec.release(envelope.offsets)  # type: ignore[union-attr]
+            elif kind is ArenaAttached:
+                if self.codec is not None and self.system._arena is not None:
+                    self.codec.local_arena = self.system._arena
+            elif kind is Goodbye:
+                reason = envelope.reason or "no reason given"  # type: ignore[union-attr]
+                self.lose(PeerLostError(f"{self.label} closed the link ({reason})"), graceful=True)
+        except ProtocolError as exc:
+            log.warning("protocol violation from %s: %s", self.label, exc)
+            if kind is Hello or self.peer is None:
+                self.lose(exc)
+        except Exception:
+            # A bug here must not take the link (or, for in-process links, the sender) down.
+            log.exception("failed to handle %s from %s", kind.__name__, self.label)
+
+    def _on_hello(self, hello: Hello) -> None:
+        if self.peer is not None:
+            raise ProtocolError("second Hello on one link")
+        if hello.protocol != PROTOCOL_VERSION:
+            with contextlib.suppress(TransportClosedError, ProtocolError):
+                self.send(Goodbye(f"protocol {PROTOCOL_VERSION} expected, got {hello.protocol}"))
+            raise ProtocolError(
+                f"peer speaks wire protocol {hello.protocol}, this side {PROTOCOL_VERSION}"
+            )
+        self.peer = hello
+        if not self.is_client:
+            self.send(self.system._hello())
+        self.system._register_link(self, hello)
+        codec = self.codec
+        if codec is not None:
+            codec.max_message_bytes = min(
+                codec.max_message_bytes, hello.max_message_bytes or codec.max_message_bytes
+            )
+            same_host = hello.host_id == self.system._host_id
+            codec.cuda_ipc = same_host and hello.pid != os.getpid() and torch.cuda.is_available()
+            if same_host and hello.arena is not None and self.system.config.shm_arena_bytes > 0:
+                try:
+                    codec.peer_arena = ArenaMapping(hello.arena.name, hello.arena.nbytes, self._queue_release)
+                except (OSError, ProtocolError) as exc:
+                    log.info("not mapping the arena of %s: %s", self.label, exc)
+                else:
+                    self.send(ArenaAttached())
+        if not self.handshake.done():
+            self.handshake.set_result(None)
+
+    # ------------------------------------------------------------------------ arena slots
+
+    def _queue_release(self, offset: int) -> None:
+        # Runs when a tensor view of the peer's arena dies, in whichever thread dropped it.
+        self._releases.append(offset)
+        if self._release_scheduled or self.is_closed:
+            return
+        self._release_scheduled = True
+        try:
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._flush_releases)
+            else:
+                self._loop.call_soon_threadsafe(self._flush_releases)
+        except RuntimeError:
+            pass  # the loop is closed: the link is gone, and the owner frees everything
+
+    def _flush_releases(self) -> None:
+        self._release_scheduled = False
+        offsets = []
+        while self._releases:
+            offsets.append(self._releases.popleft())
+        if offsets and not self.is_closed:
+            with contextlib.suppress(TransportClosedError):
+                self.send(ArenaRelease(offsets))
+
+    # ------------------------------------------------------------------------------ close
+
+    def lose(self, error: Exception, *, graceful: bool = False) -> None:
+        """Close the link: fail pending asks with `error`, free its arena slots, forget it.
+
+        Args:
+            error: what pending asks fail with.
+            graceful: the peer said goodbye, or this side is closing (logged quietly).
+        """
+        if self.is_closed:
+            return
+        self.is_closed = True
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        if not self.handshake.done():
+            self.handshake.set_exception(error)
+            self.handshake.exception()  # retrieved: connect() may not be waiting
+        if self.codec is not None:
+            self.codec.release_all()
+            if self.codec.peer_arena is not None:
+                self.codec.peer_arena.close()
+        self.system._forget_link(self)
+        peer = self.peer
+        if (
+            isinstance(error, PeerLostError)
+            and peer is not None
+            and peer.pid != os.getpid()
+            and not is_pid_alive(peer.pid)
+        ):
+            sweep_stale(peer.pid)
+        if graceful or isinstance(error, TransportClosedError):
+            log.info("closed link to %s: %s", self.label, error)
+        else:
+            log.warning("lost link to %s: %s", self.label, error)
+        self.system._spawn_task(self.channel.aclose())

@@ -1,0 +1,198 @@
+"""`SystemProcess`: an actor system in a child process, for workers on other devices.
+
+The child is started with the `spawn` method (a forked child of a process that ran torch can
+hang on its first parallel op). It serves the given addresses, runs a setup coroutine named
+as `"package.module:function"` (which spawns its actors), reports the bound addresses, and
+runs until told to stop (SIGTERM), until its parent closes the lifeline pipe, or until its
+parent dies. Only strings cross the process boundary at start-up.
+
+    proc = SystemProcess("myapp.workers:setup_worker", serve=["ipc://"])
+    addresses = proc.start()                 # blocks: use asyncio.to_thread in async code
+    worker = system.ref("worker", addresses[0])
+    ...
+    proc.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import multiprocessing
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+
+from mstar.actors.config import SystemConfig
+from mstar.actors.system import ActorSystem
+from mstar.errors import PeerLostError
+
+__all__ = ["SystemProcess"]
+
+
+def _resolve(path: str) -> Callable[[ActorSystem], Awaitable[None]]:
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"setup must look like 'package.module:function', got {path!r}")
+    function = getattr(importlib.import_module(module), name)
+    if not callable(function):
+        raise ValueError(f"{path!r} is not callable")
+    return function
+
+
+class SystemProcess:
+    """An actor system running in a spawned child process.
+
+    Args:
+        setup: `"package.module:function"`; `async def function(system) -> None` runs in the
+            child after it serves, to spawn its actors.
+        serve: addresses the child serves (`ipc://` and `tcp://127.0.0.1:0` pick free ones).
+        config: the child's system config.
+        loop: `"asyncio"` or `"uvloop"`.
+    """
+
+    def __init__(
+        self,
+        setup: str,
+        *,
+        serve: Sequence[str] = ("ipc://",),
+        config: SystemConfig | None = None,
+        loop: str = "asyncio",
+    ) -> None:
+        if loop not in ("asyncio", "uvloop"):
+            raise ValueError(f"loop must be 'asyncio' or 'uvloop', got {loop!r}")
+        if not serve:
+            raise ValueError("the child must serve at least one address")
+        self.setup = setup
+        self.serve = list(serve)
+        self.config = config or SystemConfig()
+        self.loop = loop
+        self.addresses: list[str] = []
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._lifeline: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid, once started."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the child runs."""
+        return self._process is not None and self._process.is_alive()
+
+    def start(self, timeout: float = 60.0) -> list[str]:
+        """Start the child and block until it serves; return its bound addresses.
+
+        Raises:
+            PeerLostError: the child died or did not report within `timeout`.
+        """
+        if self._process is not None:
+            raise RuntimeError("a SystemProcess starts once")
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe(duplex=True)
+        config = msgspec.json.encode(self.config).decode()
+        process = context.Process(
+            target=_child_main,
+            args=(self.setup, self.serve, config, self.loop, theirs),
+            name=f"mstar-system:{self.setup}",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        self._process, self._lifeline = process, ours
+        try:
+            if not ours.poll(timeout):
+                raise PeerLostError(f"the child system did not start within {timeout} s")
+            report = msgspec.json.decode(ours.recv_bytes())
+        except (EOFError, OSError) as exc:
+            process.join(5)
+            raise PeerLostError(
+                f"the child system exited (code {process.exitcode}) before it served"
+            ) from exc
+        except PeerLostError:
+            self.kill()
+            raise
+        if "error" in report:
+            self.kill()
+            raise PeerLostError(f"the child system failed to start: {report['error']}")
+        self.addresses = list(report["addresses"])
+        return self.addresses
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the child to shut down (SIGTERM) and wait; kill it if it takes over `timeout`."""
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive() and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+            process.join(timeout)
+        if process.is_alive():
+            self.kill()
+        self._close_lifeline()
+
+    def kill(self) -> None:
+        """Kill the child at once (SIGKILL) and reap it."""
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            process.kill()
+        process.join(10)
+        self._close_lifeline()
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _child_main(setup: str, serve: list[str], config: str, loop: str, lifeline: Connection) -> None:
+    """Run in the child: serve, set up, report, and wait to be stopped."""
+    parsed = msgspec.json.decode(config, type=SystemConfig)
+    main = _child(setup, serve, parsed, lifeline)
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
+async def _child(setup: str, serve: list[str], config: SystemConfig, lifeline: Connection) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    # The lifeline turns readable when the parent closes its end or dies.
+    loop.add_reader(lifeline.fileno(), stop.set)
+    report: dict[str, Any]
+    try:
+        async with ActorSystem(config) as system:
+            try:
+                addresses = [await system.serve(address) for address in serve]
+                await _resolve(setup)(system)
+            except Exception as exc:
+                report = {"error": f"{type(exc).__name__}: {exc}"}
+                lifeline.send_bytes(msgspec.json.encode(report))
+                return
+            lifeline.send_bytes(msgspec.json.encode({"addresses": addresses}))
+            await stop.wait()
+    finally:
+        loop.remove_reader(lifeline.fileno())
+        lifeline.close()
