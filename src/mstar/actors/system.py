@@ -36,11 +36,11 @@ from mstar.actors.cell import ActorCell, fail_reply
 from mstar.actors.config import SystemConfig
 from mstar.actors.link import PeerLink, RemoteReply
 from mstar.actors.ref import DEFAULT_ASK_TIMEOUT_S, ActorRef
+from mstar.actors.timeouts import AskTimeouts
 from mstar.errors import (
     ActorDeadError,
     ActorNameTakenError,
     ActorNotFoundError,
-    AskTimeoutError,
     MailboxFullError,
     PeerLostError,
     ProtocolError,
@@ -77,11 +77,6 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _expire(future: asyncio.Future[Any], ref: ActorRef, timeout: float) -> None:
-    if not future.done():
-        future.set_exception(AskTimeoutError(f"no reply from {ref!r} within {timeout} s"))
-
-
 class ActorSystem:
     """Runs actors and links them to peer systems; an async context manager.
 
@@ -102,6 +97,7 @@ class ActorSystem:
         self._listeners: list[Listener] = []
         self._arena: SharedArena | None = None
         self._call_ids = itertools.count(1)
+        self._timeouts = AskTimeouts()
         self._names = itertools.count(1)
         self._tg: asyncio.TaskGroup | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -307,15 +303,14 @@ class ActorSystem:
             return TransportClosedError("the actor system is shut down")
         return ActorDeadError(f"no actor named {name!r} is running")
 
-    @staticmethod
-    async def _wait(future: asyncio.Future[Any], ref: ActorRef, timeout: float | None) -> Any:
+    async def _wait(self, future: asyncio.Future[Any], ref: ActorRef, timeout: float | None) -> Any:
         if timeout is None:
             return await future
-        handle = asyncio.get_running_loop().call_later(timeout, _expire, future, ref, timeout)
+        bucket = self._timeouts.add(future, ref, timeout)
         try:
             return await future
         finally:
-            handle.cancel()
+            self._timeouts.discard(bucket, future)
 
     def _deliver(self, link: PeerLink, envelope: Tell | Ask) -> None:
         """Hand a peer's message to a local actor (or to the system itself)."""

@@ -1,9 +1,15 @@
-"""ZeroMQ transports (`ipc://PATH`, `tcp://HOST:PORT`) on pyzmq asyncio sockets.
+"""ZeroMQ transports (`ipc://PATH`, `tcp://HOST:PORT`): pyzmq sockets driven by the event loop.
 
 A listener is one ROUTER socket; each peer that connects (a DEALER) becomes one channel,
 told apart by the identity frame ROUTER puts in front of its messages:
 
     DEALER --[frame0 header][tensor frames...]--> ROUTER --[identity][frame0][...]--> channel
+
+Each socket is driven by a reader callback on its file descriptor (as `zmq.asyncio` does
+internally, but without a future and a task wake-up per message): the callback drains
+every waiting message and hands it to its channel, which pushes it to the channel's sink or
+queues it for `recv`. Sends go straight to the socket. ZeroMQ's descriptor is
+edge-triggered, so after every send the socket's events are checked again.
 
 Tensor frames are sent without copying (`copy=False`) and received as zmq frames that the
 decoded tensors view directly. High-water marks are off: ROUTER silently drops messages to a
@@ -24,10 +30,9 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from mstar.errors import (
     InvalidAddressError,
@@ -52,20 +57,111 @@ log = logging.getLogger(__name__)
 
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 _MAX_IPC_PATH = 107
+# Messages handled per reader callback before other callbacks get a turn.
+_BATCH = 64
+# How long a closed socket keeps trying to deliver what was queued (a Goodbye, say).
+_LINGER_MS = 200
 
 
-def _context() -> zmq.asyncio.Context:
-    return zmq.asyncio.Context.instance()
-
-
-def _configure(sock: zmq.asyncio.Socket) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
+def _make_socket(kind: int) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, _LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
+
+
+class _SocketDriver:
+    """Run one socket on the event loop: drain it on readability, send without blocking.
+
+    Args:
+        sock: the socket (owned: closed by `close`).
+        on_frames: called with each received multipart message.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], on_frames: Callable[[list[Any]], None]) -> None:
+        self._sock = sock
+        self._on_frames = on_frames
+        self._loop = asyncio.get_running_loop()
+        self._fd: int = sock.FD
+        self._backlog: collections.deque[list[Any]] = collections.deque()
+        self._is_scheduled = False
+        self.is_closed = False
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule()  # messages may be waiting already, and the descriptor is edge-triggered
+
+    def send(self, frames: list[Any]) -> None:
+        """Send a multipart message now (or after earlier ones the socket could not take yet).
+
+        Raises:
+            TransportClosedError: the socket is closed.
+        """
+        if self.is_closed:
+            raise TransportClosedError("socket is closed")
+        if self._backlog:
+            self._backlog.append(frames)
+        else:
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._backlog.append(frames)
+            except zmq.ZMQError as exc:
+                raise TransportClosedError(f"socket send failed: {exc}") from exc
+        # Sending may have consumed the descriptor's edge while input is waiting.
+        if not self._is_scheduled and self._events() & (
+            zmq.POLLIN | (zmq.POLLOUT if self._backlog else 0)
+        ):
+            self._schedule()
+
+    def _events(self) -> int:
+        return int(self._sock.getsockopt(zmq.EVENTS))
+
+    def _schedule(self) -> None:
+        self._is_scheduled = True
+        self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._is_scheduled = False
+        sock = self._sock
+        for _ in range(_BATCH):
+            if self.is_closed:
+                return
+            events = self._events()
+            if self._backlog and events & zmq.POLLOUT:
+                self._flush_backlog()
+            if not events & zmq.POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(frames)
+            except Exception:
+                log.exception("failed to handle a ZeroMQ message")
+        if not self.is_closed and not self._is_scheduled:
+            self._schedule()  # more may be waiting: go on after other callbacks had a turn
+
+    def _flush_backlog(self) -> None:
+        while self._backlog:
+            try:
+                self._sock.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._backlog.popleft()
+
+    def close(self) -> None:
+        """Stop reading and close the socket (queued messages linger briefly)."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._fd)  # the loop may be closed already
+        self._sock.close()
 
 
 class _FrameHandler(ChannelBase):
-    """Decoding, rejection and sending shared by both kinds of ZeroMQ channel."""
+    """Decoding and rejection shared by both kinds of ZeroMQ channel."""
 
     _codec: LinkCodec
 
@@ -82,7 +178,11 @@ class _FrameHandler(ChannelBase):
     def _reject(self, frames: list[Any], exc: Exception) -> None:
         self._num_rejected += 1
         call_id = salvage_call_id(frames)
-        log.warning("dropped a malformed message (%s)%s", exc, "" if call_id is None else f", failing call {call_id}")
+        log.warning(
+            "dropped a malformed message (%s)%s",
+            exc,
+            "" if call_id is None else f", failing call {call_id}",
+        )
         if call_id is not None:
             with contextlib.suppress(ProtocolError, MessageTooLargeError, TransportClosedError):
                 self.send(ErrorReply(call_id, type(exc).__name__, str(exc)))
@@ -96,70 +196,21 @@ class _FrameHandler(ChannelBase):
         raise NotImplementedError
 
 
-def _check_send(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("a ZeroMQ send failed: %s", future.exception())
-
-
-def _start_send(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
-    # pyzmq sends at once when it can and keeps later sends in order when it cannot.
-    try:
-        future = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False))
-    except zmq.ZMQError as exc:
-        raise TransportClosedError(f"socket is closed ({exc})") from exc
-    if future.done():
-        _check_send(future)
-    else:
-        future.add_done_callback(_check_send)
-
-
 class ZmqChannel(_FrameHandler):
     """The connecting end: a DEALER socket."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, codec: LinkCodec) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], codec: LinkCodec) -> None:
         super().__init__(codec)
-        self._sock = sock
+        self._driver = _SocketDriver(sock, self._arrived)
 
     def _send_frames(self, frames: list[Any]) -> None:
-        _start_send(self._sock, frames)
-
-    async def _read_one(self) -> bool:
-        """Read one message into the channel; return False once closed."""
-        try:
-            frames = await self._sock.recv_multipart(copy=False)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self._closed and (current is None or not current.cancelling()):
-                return False
-            raise
-        except zmq.ZMQError:
-            if self._closed:
-                return False
-            raise
-        self._arrived(frames)
-        return True
-
-    async def recv(self) -> Envelope:
-        while not self._incoming and not self._closed:
-            if not await self._read_one():
-                break
-        return await super().recv()
-
-    async def deliver(self, sink: Callable[[Envelope], None]) -> None:
-        while self._incoming:
-            sink(self._incoming.popleft())
-        self._sink = sink
-        try:
-            while not self._closed and await self._read_one():
-                pass
-        finally:
-            self._sink = None
+        self._driver.send(frames)
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._mark_closed()
-        self._sock.close(linger=0)
+        self._driver.close()
 
 
 class ZmqServerChannel(_FrameHandler):
@@ -171,56 +222,33 @@ class ZmqServerChannel(_FrameHandler):
         self._identity = identity
 
     def _send_frames(self, frames: list[Any]) -> None:
-        _start_send(self._listener._sock, [self._identity, *frames])
-
-    async def recv(self) -> Envelope:
-        await self._listener._read_until(lambda: bool(self._incoming) or self._closed, self)
-        return await super().recv()
-
-    async def deliver(self, sink: Callable[[Envelope], None]) -> None:
-        while self._incoming:
-            sink(self._incoming.popleft())
-        self._sink = sink
-        try:
-            await self._listener._read_until(lambda: self._closed, self)
-        finally:
-            self._sink = None
+        self._listener._driver.send([self._identity, *frames])
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._mark_closed()
         self._listener._forget(self._identity, self)
-        self._listener._wake_reader(self)
 
 
 class ZmqListener:
-    """A bound ROUTER socket whose peers become `ZmqServerChannel`s.
-
-    One socket serves every channel, so one coroutine at a time reads it and routes what it
-    reads: whichever of `accept`, a channel's `recv` or `deliver` is waiting holds the
-    "baton" and passes it on when its own wait is over.
-    """
+    """A bound ROUTER socket whose peers become `ZmqServerChannel`s."""
 
     def __init__(
         self,
-        sock: zmq.asyncio.Socket,
+        sock: zmq.Socket[bytes],
         address: str,
         make_codec: Callable[[], LinkCodec],
         ipc_path: Path | None,
     ) -> None:
-        self._sock = sock
         self._address = address
         self._make_codec = make_codec
         self._ipc_path = ipc_path
         self._channels: dict[bytes, ZmqServerChannel] = {}
         self._new: collections.deque[ZmqServerChannel] = collections.deque()
-        self._closed = False
-        self._is_reading = False
-        self._baton: collections.deque[asyncio.Future[None]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._reader: ZmqListener | ChannelBase | None = None
-        self._read: asyncio.Future[Any] | None = None
+        self._closed = False
+        self._driver = _SocketDriver(sock, self._route)
 
     @property
     def address(self) -> str:
@@ -229,57 +257,6 @@ class ZmqListener:
     def _forget(self, identity: bytes, channel: ZmqServerChannel) -> None:
         if self._channels.get(identity) is channel:
             del self._channels[identity]
-
-    async def _read_until(self, done: Callable[[], bool], owner: ZmqListener | ChannelBase) -> None:
-        """Read and route messages (or wait for the reader to) until `done()` or close."""
-        loop = asyncio.get_running_loop()
-        try:
-            while not done() and not self._closed:
-                if self._is_reading:
-                    # Woken when the reader passes the baton, or when `owner` gets input.
-                    future = loop.create_future()
-                    self._baton.append(future)
-                    owner._waiter = future
-                    try:
-                        await future
-                    finally:
-                        if owner._waiter is future:
-                            owner._waiter = None
-                    continue
-                self._is_reading = True
-                self._reader = owner
-                read = cast("asyncio.Future[list[Any]]", self._sock.recv_multipart(copy=False))
-                self._read = read
-                try:
-                    frames = await read
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise
-                    continue  # the read was cancelled to wake us: see `_wake_reader`
-                except zmq.ZMQError:
-                    if self._closed:
-                        return
-                    raise
-                finally:
-                    self._is_reading = False
-                    self._reader = self._read = None
-                self._route(frames)
-        finally:
-            if not self._is_reading:
-                self._pass_baton()
-
-    def _wake_reader(self, owner: ZmqListener | ChannelBase) -> None:
-        """Interrupt the read of `owner`, whose wait is over for another reason (it closed)."""
-        if self._reader is owner and self._read is not None and not self._read.done():
-            self._read.cancel()
-
-    def _pass_baton(self) -> None:
-        while self._baton:
-            future = self._baton.popleft()
-            if not future.done():
-                future.set_result(None)
-                return
 
     def _route(self, frames: list[Any]) -> None:
         if len(frames) < 2:
@@ -295,9 +272,14 @@ class ZmqListener:
         channel._arrived(frames[1:])
 
     async def accept(self) -> ZmqServerChannel:
-        await self._read_until(lambda: bool(self._new), self)
-        if not self._new:
-            raise TransportClosedError(f"{self._address} is closed")
+        while not self._new:
+            if self._closed:
+                raise TransportClosedError(f"{self._address} is closed")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._new.popleft()
 
     async def aclose(self) -> None:
@@ -307,11 +289,9 @@ class ZmqListener:
         for channel in list(self._channels.values()):
             await channel.aclose()
         self._new.clear()
-        while self._baton:
-            self._pass_baton()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-        self._sock.close(linger=0)
+        self._driver.close()
         if self._ipc_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._ipc_path.unlink()
@@ -369,8 +349,7 @@ class ZmqTransport:
                     "(pass allow_remote=True to serve other machines)"
                 )
             endpoint = f"tcp://{host}:{'*' if port == '0' else port}"
-        sock = _context().socket(zmq.ROUTER)
-        _configure(sock)
+        sock = _make_socket(zmq.ROUTER)
         if self.scheme == "tcp" and endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -388,8 +367,7 @@ class ZmqTransport:
             _, port = split_host_port(address.rest)
             if port == "0":
                 raise InvalidAddressError(f"connecting needs a port: {address}")
-        sock = _context().socket(zmq.DEALER)
-        _configure(sock)
+        sock = _make_socket(zmq.DEALER)
         if self.scheme == "tcp" and address.rest.startswith("["):
             sock.setsockopt(zmq.IPV6, 1)
         try:
