@@ -194,7 +194,7 @@ def test_non_causal_prompt_masks_match_dense_attention(
             lim = limits(n) + list(range(n + 1, n + step + 1))
             ref = _dense_reference(tiny_llama64, ids, lim)[-1]
             torch.testing.assert_close(logits["m"][step], ref)
-        causal = [1, 2, 3, 4, 5] + tokens["c"][:2]
+        causal = [1, 2, 3, 4, 5, *tokens["c"][:2]]
         ref_c = _dense_reference(tiny_llama64, causal, list(range(1, 8)))[-1]
         torch.testing.assert_close(logits["c"][2], ref_c)
 

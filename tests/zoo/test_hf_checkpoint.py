@@ -47,7 +47,7 @@ def test_missing_files(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="cannot read"):
         load_hf_config(tmp_path)
-    with pytest.raises(CheckpointError, match="no model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
         safetensors_files(tmp_path)
     save_state_dict(_module().state_dict(), tmp_path, {}, max_shard_bytes=100)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

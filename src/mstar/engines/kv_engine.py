@@ -56,6 +56,8 @@ class KVCacheEngineConfig:
         enable_prefix_caching: share full blocks of identical prefixes.
         attention_backend: "torch", "flashinfer" or "auto" (FlashInfer on CUDA if importable).
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
+        cuda_graph_max_len: longest sequence a graph-replayed decode step may hold (the
+            graph attends over this many key positions; longer steps run eagerly).
     """
 
     block_size: int = 16
@@ -67,6 +69,7 @@ class KVCacheEngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     cuda_graphs: bool = True
+    cuda_graph_max_len: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -138,7 +141,10 @@ class KVCacheEngine:
             model, kv_cache, backend, block_size=config.block_size, device=self.device
         )
         if config.cuda_graphs and self.device.type == "cuda":
-            self.runner.enable_cuda_graphs(max_batch_size=config.max_num_seqs)
+            self.runner.enable_cuda_graphs(
+                max_batch_size=config.max_num_seqs,
+                max_len=min(self.max_model_len, config.cuda_graph_max_len),
+            )
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.return_logits = False

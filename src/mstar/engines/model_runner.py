@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
+from mstar.engines.cuda_graphs import CudaGraphDecodeRunner
 from mstar.engines.paged_model import PagedKVContext, PagedModel
 from mstar.engines.sampler import Sampler
 from mstar.engines.scheduler import SchedulerOutput
@@ -56,6 +57,30 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.sink_slot = (kv_cache.shape[2] - 1) * block_size
         self.ctx = PagedKVContext(backend, [(layer[0], layer[1]) for layer in kv_cache])
+        self.cuda_graphs: CudaGraphDecodeRunner | None = None
+
+    def enable_cuda_graphs(self, *, max_batch_size: int, max_len: int) -> None:
+        """Capture decode CUDA graphs (CUDA only); decode steps then replay them."""
+        if self.device.type != "cuda":
+            return  # eager execution everywhere else
+        graphs = CudaGraphDecodeRunner(
+            self.model,
+            self.ctx.kv_caches,
+            max_batch_size=max_batch_size,
+            max_len=max_len,
+            block_size=self.block_size,
+            sink_slot=self.sink_slot,
+            device=self.device,
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
+
+    def _forward(self, batch: PreparedBatch) -> torch.Tensor:
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(batch.metadata):
+            return graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        self.backend.plan(batch.metadata)
+        return self.model(batch.input_ids, batch.positions, self.ctx)
 
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
         """Flatten the scheduled chunks into model inputs and attention metadata."""
@@ -130,8 +155,7 @@ class ModelRunner:
         """
         self.copy_blocks(out.block_copies)
         batch = self.prepare(out)
-        self.backend.plan(batch.metadata)
-        hidden = self.model(batch.input_ids, batch.positions, self.ctx)
+        hidden = self._forward(batch)
         if not batch.sample_seqs:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

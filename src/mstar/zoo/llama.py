@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +133,40 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     )
 
 
+class _Fused:
+    """Several linear layers on the same input as one `[in, sum(out)]` matrix product.
+
+    CPU GEMMs are markedly faster with the weight stored `[in, out]` than through
+    `F.linear`'s `[out, in]` (measured 1.5-3x at decode batch sizes), and one product
+    replaces several small ones. The original `nn.Linear` weights are re-pointed at
+    views of the fused storage, so checkpoint names and `state_dict()` keep working.
+    """
+
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight_t = weight_t
+        self.bias = bias
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> _Fused:
+        with torch.no_grad():
+            weight_t = torch.cat([lin.weight for lin in linears], dim=0).t().contiguous()
+            has_bias = linears[0].bias is not None
+            bias = torch.cat([lin.bias for lin in linears if lin.bias is not None]) if has_bias else None
+            start = 0
+            for lin in linears:
+                size = lin.out_features
+                lin.weight = nn.Parameter(weight_t[:, start : start + size].t(), requires_grad=False)
+                if bias is not None:
+                    lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
+                start += size
+        return cls(weight_t, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight_t)
+        return torch.mm(x, self.weight_t)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 as transformers does."""
 
@@ -171,19 +205,30 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv: _Fused | None = None
+        self.o: _Fused | None = None
+
+    def fuse(self) -> None:
+        """Store q/k/v as one transposed matrix (the HF-named weights become views of it)."""
+        self.qkv = _Fused.of([self.q_proj, self.k_proj, self.v_proj])
+        self.o = _Fused.of([self.o_proj])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
     ) -> torch.Tensor:
         """Attend the flat batch `x` `[tokens, hidden]`."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
-        out = ctx.attend(self.layer_index, q, k, v, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if self.qkv is not None:
+            q2, k2, v2 = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q2, k2, v2 = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = _rotate(q2.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = _rotate(k2.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v2.view(tokens, self.num_kv_heads, self.head_dim)
+        out = ctx.attend(self.layer_index, q, k, v, self.scale).reshape(tokens, q_size)
+        return self.o(out) if self.o is not None else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -195,10 +240,20 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up: _Fused | None = None
+        self.down: _Fused | None = None
+
+    def fuse(self) -> None:
+        """Store gate/up as one transposed matrix (the HF-named weights become views of it)."""
+        self.gate_up = _Fused.of([self.gate_proj, self.up_proj])
+        self.down = _Fused.of([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None or self.down is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -234,12 +289,16 @@ class LlamaBackbone(nn.Module):
 class LlamaCausalLM(nn.Module):
     """A Llama causal LM for `KVCacheEngine` (`PagedModel`)."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: LlamaConfig) -> None:
         """Build the module with uninitialised-but-finite weights for `config`."""
         super().__init__()
         self.config = config
         self.model = LlamaBackbone(config)
         self.lm_head: nn.Linear | None = None
+        self._head: _Fused | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -273,12 +332,33 @@ class LlamaCausalLM(nn.Module):
         dtype = x.dtype
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype)
-        for layer in self.model.layers:
+        for layer in self.decoder_layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
 
+    @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """Return the decoder layers, typed."""
+        return cast(list[LlamaDecoderLayer], list(self.model.layers))
+
+    def fuse_for_inference(self) -> None:
+        """Fuse q/k/v and gate/up projections and store weights `[in, out]` (see `_Fused`).
+
+        Weights stay reachable under their Hugging Face names. A tied head gets its own
+        transposed copy (vocab x hidden more memory) since the embedding lookup needs rows.
+        """
+        for layer in self.decoder_layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        if self.lm_head is not None:
+            self._head = _Fused.of([self.lm_head])
+        else:
+            self._head = _Fused(self.model.embed_tokens.weight.detach().t().contiguous(), None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to vocabulary logits."""
+        if self._head is not None:
+            return self._head(hidden)
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(hidden, weight)
 
@@ -308,6 +388,7 @@ def load_llama(
     _fill_rope(model, config, device)  # derived tables are not in checkpoints
     ignore = ["lm_head.weight"] if config.tie_word_embeddings else []
     load_into_module(model, checkpoint_dir, ignore=ignore)
+    model.fuse_for_inference()
     return model.eval()
 
 

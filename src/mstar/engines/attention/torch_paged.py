@@ -62,10 +62,10 @@ class TorchPagedAttention:
                 table = metadata.block_tables[i][:num_blocks]
                 tables[row, : len(table)] = table
             positions = np.arange(max_len)
-            slots = tables[:, positions // size] * size + positions % size
-            self._decode_slots = torch.from_numpy(slots.reshape(-1)).to(self.device)
-            mask = positions[None, :] < lens[:, None]
-            self._decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+            decode_slots = tables[:, positions // size] * size + positions % size
+            self._decode_slots = torch.from_numpy(decode_slots.reshape(-1)).to(self.device)
+            decode_mask = positions[None, :] < lens[:, None]
+            self._decode_mask = torch.from_numpy(decode_mask[:, None, None, :]).to(self.device)
             self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(
                 self.device
             )
@@ -78,7 +78,7 @@ class TorchPagedAttention:
                 continue
             start, end = int(starts[i]), int(starts[i + 1])
             length = int(seq_lens[i])
-            slots = torch.from_numpy(_slots_of(metadata.block_tables[i], length, size))
+            key_slots = torch.from_numpy(_slots_of(metadata.block_tables[i], length, size))
             mask: torch.Tensor | None = None
             if limits is not None or end - start != length:
                 if limits is not None:
@@ -87,7 +87,7 @@ class TorchPagedAttention:
                     row_limits = np.arange(length - (end - start), length) + 1
                 mask_np = np.arange(length)[None, :] < row_limits[:, None]
                 mask = torch.from_numpy(mask_np).to(self.device)
-            self._prefills.append((start, end, slots.to(self.device), mask))
+            self._prefills.append((start, end, key_slots.to(self.device), mask))
 
     def forward(
         self,
