@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -79,11 +80,14 @@ async def setup_peer(system: ActorSystem) -> None:
 # --------------------------------------------------------------------------------- raw peers
 
 
-def _raw_zmq_peer(endpoints: list[str], loop_name: str, ready: Any) -> None:
-    """A bare pyzmq ROUTER per endpoint: echo b"p", count b"t", report on b"c", ack tensors."""
+def _raw_zmq_peer(endpoints: list[str], mode: str, ready: Any) -> None:
+    """Bare pyzmq ROUTERs: echo b"p", count b"t", report the count on b"c", ack anything else.
 
-    async def serve() -> None:
-        ctx = zmq.asyncio.Context.instance()
+    `mode` is "asyncio" or "uvloop" (zmq.asyncio sockets, one task per socket) or
+    "blocking" (plain sockets and a poller, no event loop at all).
+    """
+
+    def bind(ctx: zmq.Context[Any]) -> list[zmq.Socket[Any]]:
         socks = []
         for endpoint in endpoints:
             sock = ctx.socket(zmq.ROUTER)
@@ -93,25 +97,45 @@ def _raw_zmq_peer(endpoints: list[str], loop_name: str, ready: Any) -> None:
             sock.bind(endpoint)
             socks.append(sock)
         ready.send_bytes(json.dumps([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks]).encode())
+        return socks
 
-        async def run(sock: zmq.asyncio.Socket) -> None:
-            count = 0
+    counts: dict[int, int] = {}
+
+    def answer(index: int, frames: list[Any]) -> list[Any] | None:
+        kind = frames[1].bytes
+        if kind == b"p":
+            return [frames[0], frames[1], frames[2]]
+        if kind == b"t":
+            counts[index] = counts.get(index, 0) + 1
+            return None
+        if kind == b"c":
+            count, counts[index] = counts.get(index, 0), 0
+            return [frames[0], str(count).encode()]
+        return [frames[0], b"ok"]
+
+    if mode == "blocking":
+        socks = bind(zmq.Context.instance())
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                out = answer(socks.index(sock), sock.recv_multipart(copy=False))
+                if out is not None:
+                    sock.send_multipart(out, copy=False)
+
+    async def serve() -> None:
+        socks = bind(zmq.asyncio.Context.instance())
+
+        async def run(index: int, sock: Any) -> None:
             while True:
-                frames = await sock.recv_multipart(copy=False)
-                kind = frames[1].bytes
-                if kind == b"p":
-                    await sock.send_multipart([frames[0], frames[1], frames[2]], copy=False)
-                elif kind == b"t":
-                    count += 1
-                elif kind == b"c":
-                    await sock.send_multipart([frames[0], str(count).encode()])
-                    count = 0
-                else:
-                    await sock.send_multipart([frames[0], b"ok"])
+                out = answer(index, await sock.recv_multipart(copy=False))
+                if out is not None:
+                    await sock.send_multipart(out, copy=False)
 
-        await asyncio.gather(*(run(s) for s in socks))
+        await asyncio.gather(*(run(i, s) for i, s in enumerate(socks)))
 
-    _run_loop(loop_name, serve())
+    _run_loop(mode, serve())
 
 
 def _run_loop(loop_name: str, main: Awaitable[None]) -> None:
@@ -190,7 +214,7 @@ async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
 
 
 async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[str, Any]:
-    """Bare pyzmq DEALER ping-pong, one-way throughput and 16 MiB sends to the raw peer."""
+    """Bare zmq.asyncio DEALER ping-pong, one-way throughput and 16 MiB sends to a raw peer."""
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -212,8 +236,7 @@ async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[
     rate = total / (time.perf_counter() - t0)
     assert got == total, (got, total)
 
-    tensor = torch.randn(TENSOR_BYTES // 4)
-    buffer = tensor.view(torch.uint8).numpy()
+    buffer = torch.randn(TENSOR_BYTES // 4).view(torch.uint8).numpy()
 
     async def send_tensor() -> None:
         await sock.send_multipart([b"x", buffer], copy=False)
@@ -222,6 +245,22 @@ async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[
     tensor_samples = await time_calls(send_tensor, n_tensors, 3)
     sock.close(linger=0)
     return {"rtt": samples, "rate": rate, "tensor": tensor_samples}
+
+
+def zmq_blocking_floor(endpoint: str, n: int, warmup: int) -> list[int]:
+    """Bare blocking pyzmq DEALER ping-pong to a blocking peer: no event loop on either side."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    samples = []
+    for i in range(n + warmup):
+        t0 = time.perf_counter_ns()
+        sock.send_multipart([b"p", SMALL_PAYLOAD])
+        sock.recv_multipart(copy=False)
+        if i >= warmup:
+            samples.append(time.perf_counter_ns() - t0)
+    sock.close()
+    return samples
 
 
 def shm_copy_floor(n: int) -> list[int]:
@@ -299,35 +338,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # ipc and tcp: peers in spawned processes.
     context = multiprocessing.get_context("spawn")
-    ours_end, theirs = context.Pipe()
-    raw = context.Process(
-        target=_raw_zmq_peer, args=(["ipc://" + _ipc_path("raw"), "tcp://127.0.0.1:*"], args.loop, theirs),
-        daemon=True,
-    )
-    raw.start()
-    raw_ipc, raw_tcp = json.loads(ours_end.recv_bytes())
+    raws, raw_endpoints = [], {}
+    for mode in (args.loop, "blocking"):
+        ours_end, theirs = context.Pipe()
+        endpoints = ["ipc://" + _ipc_path(mode), "tcp://127.0.0.1:*"]
+        raw = context.Process(target=_raw_zmq_peer, args=(endpoints, mode, theirs), daemon=True)
+        raw.start()
+        raws.append(raw)
+        raw_endpoints[mode] = dict(zip(("ipc", "tcp"), json.loads(ours_end.recv_bytes()), strict=True))
     serve = ["ipc://", "tcp://127.0.0.1:0"]
-    shm_peer = SystemProcess(f"{Path(__file__).stem}:setup_peer", serve=serve, config=config, loop=args.loop)
-    frames_peer = SystemProcess(
-        f"{Path(__file__).stem}:setup_peer", serve=serve, config=frames_config, loop=args.loop
-    )
+    setup = f"{Path(__file__).stem}:setup_peer"
+    shm_peer = SystemProcess(setup, serve=serve, config=config, loop=args.loop)
+    frames_peer = SystemProcess(setup, serve=serve, config=frames_config, loop=args.loop)
     try:
-        shm_ipc, shm_tcp = await asyncio.to_thread(shm_peer.start)
-        frames_ipc, frames_tcp = await asyncio.to_thread(frames_peer.start)
+        shm_eps = dict(zip(("ipc", "tcp"), await asyncio.to_thread(shm_peer.start), strict=True))
+        frames_eps = dict(zip(("ipc", "tcp"), await asyncio.to_thread(frames_peer.start), strict=True))
         shm_floor = shm_copy_floor(n_tensors)
-        for scheme, raw_ep, shm_ep, frames_ep in (
-            ("ipc", raw_ipc, shm_ipc, frames_ipc),
-            ("tcp", raw_tcp, shm_tcp, frames_tcp),
-        ):
-            floor = await zmq_floor(raw_ep, n, warmup, n_tensors)
+        for scheme in ("ipc", "tcp"):
+            floor = await zmq_floor(raw_endpoints[args.loop][scheme], n, warmup, n_tensors)
+            blocking = zmq_blocking_floor(raw_endpoints["blocking"][scheme], n, warmup)
             async with ActorSystem(config) as client:
-                await client.connect(shm_ep)
-                ours = await mstar_runs(client, shm_ep, n, warmup, n_tensors)
+                await client.connect(shm_eps[scheme])
+                ours = await mstar_runs(client, shm_eps[scheme], n, warmup, n_tensors)
             async with ActorSystem(frames_config) as client:
-                await client.connect(frames_ep)
-                framed = await mstar_runs(client, frames_ep, max(n // 5, 100), warmup, n_tensors)
+                await client.connect(frames_eps[scheme])
+                framed = await mstar_runs(client, frames_eps[scheme], max(n // 5, 100), warmup, n_tensors)
             results[scheme] = {
                 "floor": {**percentiles(floor["rtt"]), "msgs_per_s": floor["rate"]},
+                "blocking_floor": percentiles(blocking),
                 "mstar": {**percentiles(ours["rtt"]), "msgs_per_s": ours["rate"]},
                 "handoff_gbps": {
                     "shm arena": gbps(ours["tensor"]),
@@ -339,23 +377,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await asyncio.to_thread(shm_peer.stop)
         await asyncio.to_thread(frames_peer.stop)
-        raw.kill()
-        raw.join()
+        for raw in raws:
+            raw.kill()
+            raw.join()
     return results
 
 
 def _ipc_path(tag: str) -> str:
-    return f"/tmp/mstar-bench-{os.getpid()}-{tag}.sock"
+    return str(Path(tempfile.gettempdir()) / f"mstar-bench-{os.getpid()}-{tag}.sock")
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def report(results: dict[str, Any], loop: str) -> list[str]:
+    """Print the tables and ratios; return the targets missed."""
     failures = []
     print()
-    print(f"{'transport':<10}{'':>8}{'p50 us':>10}{'p99 us':>10}{'msgs/s':>12}")
+    print(f"ask round trip of a small message, and one-way {'tell':s} throughput ({loop} loop):")
+    print(f"  {'transport':<10}{'':<22}{'p50 us':>9}{'p99 us':>9}{'msgs/s':>11}")
     for name, r in results.items():
-        floor_label = "queue" if name == "inproc" else "pyzmq"
-        for label, row in ((floor_label, r["floor"]), ("mstar", r["mstar"])):
-            print(f"{name:<10}{label:>8}{row['p50_us']:>10.1f}{row['p99_us']:>10.1f}{row['msgs_per_s']:>12.0f}")
+        floor_label = "asyncio.Queue floor" if name == "inproc" else f"pyzmq {loop} floor"
+        rows = [(floor_label, r["floor"]), ("mstar ActorRef.ask", r["mstar"])]
+        for label, row in rows:
+            rate = f"{row['msgs_per_s']:>11.0f}"
+            print(f"  {name:<10}{label:<22}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}{rate}")
+        if "blocking_floor" in r:
+            row = r["blocking_floor"]
+            print(f"  {name:<10}{'pyzmq blocking (info)':<22}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
         p50 = r["mstar"]["p50_us"] / r["floor"]["p50_us"]
         p99 = r["mstar"]["p99_us"] / r["floor"]["p99_us"]
         rate = r["mstar"]["msgs_per_s"] / r["floor"]["msgs_per_s"]
@@ -363,13 +409,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         ok = p50 <= target
         r["ratios"] = {"ask_p50": p50, "ask_p99": p99, "tell_throughput": rate}
         print(
-            f"{name:<10}{'ratio':>8}{p50:>9.2f}x{p99:>9.2f}x{rate:>11.2f}x   "
-            f"ask p50 target <= {target}x: {'PASS' if ok else 'FAIL'}"
+            f"  {name:<10}{'ratio mstar/floor':<22}{p50:>8.2f}x{p99:>8.2f}x{rate:>10.2f}x"
+            f"   target p50 <= {target}x: {'PASS' if ok else 'FAIL'}"
         )
         if not ok:
             failures.append(f"{name} ask p50 ratio {p50:.2f}x > {target}x")
     print()
-    print("16 MiB tensor handoff (ask carrying the tensor, acknowledged), GB/s:")
+    print("16 MiB tensor handoff (an ask carrying the tensor, acknowledged by the receiver), GB/s:")
     for name, r in results.items():
         cells = ", ".join(f"{k} {v:.1f}" for k, v in r["handoff_gbps"].items())
         print(f"  {name:<8} {cells}")
@@ -421,7 +467,8 @@ def main() -> int:
     print("bench_transport configuration:")
     print(f"  python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
           f"libzmq {zmq.zmq_version()}, loop {args.loop}")
-    print(f"  cpus {os.cpu_count()}, torch threads {torch.get_num_threads()}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"  cpus {os.cpu_count()}, torch threads {torch.get_num_threads()}, load average {load}")
     print(f"  small message: Ping with a {len(SMALL_PAYLOAD)}-byte payload; {args.n} round trips "
           f"(+{args.n // 10} warm-up), {args.n * 4} one-way messages")
     print(f"  tensor: {TENSOR_BYTES >> 20} MiB float32, {args.tensors} handoffs; arena {args.arena_mib} MiB")
@@ -431,7 +478,7 @@ def main() -> int:
         results = uvloop.run(run(args))
     else:
         results = asyncio.run(run(args))
-    failures = report(results, args)
+    failures = report(results, args.loop)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "transport.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
     plot(results, args.out / "transport.png")
