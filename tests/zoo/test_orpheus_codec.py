@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,16 @@ from mstar.errors import CheckpointError
 from mstar.zoo.orpheus import SnacCodec, SnacConfig, frames_to_codes, load_snac
 
 TINY = SnacConfig(encoder_dim=4, decoder_dim=64)
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # SNAC runs hundreds of small ops per window: on a busy 2-core machine two OpenMP threads
+    # wait on each other at every op (5-20x slower), one thread does not.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 
 def _snac(config: SnacConfig, seed: int = 0) -> SNAC:
@@ -148,7 +159,7 @@ def test_load_snac_errors_name_the_problem(tmp_path: Path) -> None:
         load_snac(tmp_path / "nowhere")
     directory = _save(tmp_path / "snac", TINY, _snac(TINY).state_dict())
     (directory / "pytorch_model.bin").unlink()
-    with pytest.raises(CheckpointError, match="lacks pytorch_model.bin"):
+    with pytest.raises(CheckpointError, match=r"lacks pytorch_model\.bin"):
         load_snac(directory)
     directory = _save(tmp_path / "other", TINY, _snac(TINY).state_dict())
     with pytest.raises(CheckpointError, match="expected"):

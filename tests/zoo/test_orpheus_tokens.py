@@ -7,7 +7,13 @@ import importlib.util
 import pytest
 
 from mstar.errors import ModelLoadError
-from mstar.zoo.orpheus import EMOTIVE_TAGS, VOICES, OrpheusTokenizer, TokenLayout, load_llama3_tokenizer
+from mstar.zoo.orpheus import (
+    EMOTIVE_TAGS,
+    VOICES,
+    OrpheusTokenizer,
+    TokenLayout,
+    load_llama3_tokenizer,
+)
 from mstar.zoo.orpheus import tokens as tokens_module
 
 TINY = TokenLayout(tokeniser_length=1024, codebook_size=4096)
