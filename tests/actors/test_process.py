@@ -25,8 +25,10 @@ SETUP = "tests.actors.peer_actors:setup"
 SERVE = ["ipc://", "tcp://127.0.0.1:0"]
 # A loaded machine may starve a process for a while: the shared peer's links are patient.
 PATIENT = replace(TEST_CONFIG, heartbeat_interval_s=0.2, heartbeat_timeout_s=20.0)
-# Kill tests want a quick verdict.
-QUICK = replace(TEST_CONFIG, heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, stop_timeout_s=0.2)
+# The side that must notice a killed peer wants a quick verdict.
+QUICK = replace(TEST_CONFIG, heartbeat_interval_s=0.05, heartbeat_timeout_s=1.5)
+# A peer that stops quickly, and never gives up on its client first.
+STOPS_FAST = replace(PATIENT, stop_timeout_s=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ async def test_tensors_cross_processes_through_shared_memory(peer: SystemProcess
 
 
 async def test_a_peer_stopped_gracefully_fails_pending_asks_at_once() -> None:
-    process = SystemProcess(SETUP, serve=["ipc://"], config=QUICK)
+    process = SystemProcess(SETUP, serve=["ipc://"], config=STOPS_FAST)
     (address,) = await asyncio.to_thread(process.start)
     try:
         async with ActorSystem(PATIENT) as client:
@@ -93,7 +95,7 @@ async def test_a_peer_stopped_gracefully_fails_pending_asks_at_once() -> None:
 
 
 async def test_a_killed_peer_fails_pending_asks_and_its_files_are_removed() -> None:
-    process = SystemProcess(SETUP, serve=SERVE, config=QUICK)
+    process = SystemProcess(SETUP, serve=SERVE, config=STOPS_FAST)
     ipc, tcp = await asyncio.to_thread(process.start)
     try:
         async with ActorSystem(QUICK) as client:
@@ -116,7 +118,7 @@ async def test_a_killed_peer_fails_pending_asks_and_its_files_are_removed() -> N
                 with pytest.raises(PeerLostError):
                     await asyncio.wait_for(future, 10)
             elapsed = time.monotonic() - started
-            assert elapsed < QUICK.heartbeat_timeout_s + 2.0
+            assert elapsed < QUICK.heartbeat_timeout_s + 5.0  # bounded, with room for a loaded machine
             # The surviving side removed what the dead process left behind.
             assert not segment.exists() and not socket_file.exists()
     finally:
@@ -124,7 +126,7 @@ async def test_a_killed_peer_fails_pending_asks_and_its_files_are_removed() -> N
 
 
 def test_a_child_that_fails_to_set_up_reports_it() -> None:
-    process = SystemProcess("tests.actors.peer_actors:no_such_setup", serve=["ipc://"], config=QUICK)
+    process = SystemProcess("tests.actors.peer_actors:no_such_setup", serve=["ipc://"], config=PATIENT)
     with pytest.raises(PeerLostError, match="no_such_setup"):
         process.start()
     assert not process.is_alive

@@ -202,3 +202,26 @@ async def test_connecting_to_nobody_fails_fast(transport: str) -> None:
             # Asks queue until the heartbeat timeout declares the peer lost.
             with pytest.raises(PeerLostError):
                 await client.ref("echo", address).ask(Ping(), timeout=5)
+
+
+async def until(condition: Any, timeout: float = 5.0) -> None:
+    """Wait for `condition()` to hold, checking every few milliseconds."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_peer_declared_lost_is_told_and_reconnects(transport: str) -> None:
+    impatient = replace(TEST_CONFIG, heartbeat_interval_s=0.02, heartbeat_timeout_s=0.2)
+    quiet = replace(TEST_CONFIG, heartbeat_interval_s=5.0, heartbeat_timeout_s=10.0)
+    async with ActorSystem(impatient) as server, ActorSystem(quiet) as client:
+        address = await server.serve(bind_address(transport))
+        await server.spawn(lambda: Gate(), name="gate")
+        await client.connect(address)
+        link = client._routes[address]
+        # The client says nothing for longer than the server waits: the server drops the
+        # link and says so, and the client's next message opens a new one.
+        await until(lambda: link.is_closed)
+        assert address not in client._routes
+        assert await client.lookup("gate", address=address) == client.ref("gate", address)
+        assert client._routes[address] is not link

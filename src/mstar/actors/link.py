@@ -164,10 +164,6 @@ class PeerLink:
         with contextlib.suppress(TransportClosedError):
             self.send(_HEARTBEAT)
 
-    def send_goodbye(self, reason: str) -> None:
-        """Tell the peer this side closes the link on purpose."""
-        self.send(Goodbye(reason))
-
     def start(self) -> None:
         """Open the handshake (client side)."""
         self.send(self.system._hello())
@@ -215,8 +211,6 @@ class PeerLink:
         if self.peer is not None:
             raise ProtocolError("second Hello on one link")
         if hello.protocol != PROTOCOL_VERSION:
-            with contextlib.suppress(TransportClosedError, ProtocolError):
-                self.send(Goodbye(f"protocol {PROTOCOL_VERSION} expected, got {hello.protocol}"))
             raise ProtocolError(
                 f"peer speaks wire protocol {hello.protocol}, this side {PROTOCOL_VERSION}"
             )
@@ -271,19 +265,25 @@ class PeerLink:
     def lose(self, error: Exception, *, graceful: bool = False) -> None:
         """Close the link: fail pending asks with `error`, free its arena slots, forget it.
 
+        Unless the peer said goodbye first, it is told why (if it can still hear), so that a
+        peer that was only slow opens a fresh link instead of talking into a dead one.
+
         Args:
             error: what pending asks fail with.
-            graceful: the peer said goodbye, or this side is closing (logged quietly).
+            graceful: the peer said goodbye (logged quietly, not answered).
         """
         if self.is_closed:
             return
+        if not graceful:
+            with contextlib.suppress(Exception):
+                self.send(Goodbye(str(error)))
         self.is_closed = True
         pending, self.pending = self.pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(_copy(error))
         if not self.handshake.done():
-            self.handshake.set_exception(error)
+            self.handshake.set_exception(_copy(error))
             self.handshake.exception()  # retrieved: connect() may not be waiting
         if self.codec is not None:
             self.codec.release_all()
@@ -303,3 +303,11 @@ class PeerLink:
         else:
             log.warning("lost link to %s: %s", self.label, error)
         self.system._spawn_task(self.channel.aclose())
+
+
+def _copy(error: Exception) -> Exception:
+    # One exception object raised in many tasks would collect all their tracebacks.
+    try:
+        return type(error)(*error.args)
+    except TypeError:
+        return error

@@ -17,7 +17,6 @@ go over a `PeerLink`, opened on first use by the scheme of the address.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -131,8 +130,6 @@ class ActorSystem:
         self._is_closed = True
         await asyncio.gather(*(self.stop(ref) for ref in [c.ref for c in self._cells.values()]))
         for link in list(self._links):
-            with contextlib.suppress(Exception):
-                link.send_goodbye("the actor system is shutting down")
             link.lose(TransportClosedError("the actor system is shut down"))
         for listener in self._listeners:
             await listener.aclose()
@@ -234,7 +231,8 @@ class ActorSystem:
             return
         limit = self.config.stop_timeout_s if timeout is None else timeout
         try:
-            await asyncio.wait_for(asyncio.shield(cell.done.wait()), limit)
+            async with asyncio.timeout(limit):
+                await cell.done.wait()
         except TimeoutError:
             log.warning("actor %r did not stop within %s s; cancelling it", name, limit)
             if cell.task is not None:
@@ -434,15 +432,22 @@ class ActorSystem:
         """
         link = self._link_to(address)
         try:
-            await asyncio.wait_for(asyncio.shield(link.handshake), timeout)
+            async with asyncio.timeout(timeout):
+                # Shielded: other callers may wait for the same handshake.
+                await asyncio.shield(link.handshake)
         except TimeoutError:
             link.lose(PeerLostError(f"no actor system answered at {address} within {timeout} s"))
             raise PeerLostError(f"no actor system answered at {address} within {timeout} s") from None
 
     def _register_link(self, link: PeerLink, hello: Hello) -> None:
         for address in hello.addresses:
-            if address not in self._own:
-                self._routes.setdefault(address, link)
+            if address in self._own:
+                continue
+            current = self._routes.get(address)
+            # A new system at a known address (a restarted peer) replaces the old link;
+            # a second link to the same system keeps the first.
+            if current is None or (current.peer is not None and current.peer.system_id != hello.system_id):
+                self._routes[address] = link
 
     def _forget_link(self, link: PeerLink) -> None:
         self._links.discard(link)
