@@ -71,7 +71,7 @@ class Direct:
                 self.outputs[c.output.request_id].append(c.output)
             elif isinstance(c, Release):
                 for r in c.ranks:
-                    self._later(self.workers[r].release, c.request_id)
+                    self._later(self.workers[r].release, c.request_id, c.up_to_seq)
             elif isinstance(c, Finish):
                 self.results[c.request_id].set_result(None)
             elif isinstance(c, Fail):

@@ -47,6 +47,7 @@ class WalkExecutionError(MStarError, RuntimeError):
 
     def __init__(self, message: str, *, node: str, walk: str, request_id: str) -> None:
         super().__init__(f"{message} (node {node!r}, walk {walk!r}, request {request_id!r})")
+        self.reason = message
         self.node = node
         self.walk = walk
         self.request_id = request_id

@@ -22,6 +22,25 @@ import torch
 from mstar.errors import ProtocolError
 
 __all__ = [
+    "BytesValue",
+    "ChunkValue",
+    "DictValue",
+    "EmittedMsg",
+    "InitWorker",
+    "ListValue",
+    "NodeValueMsg",
+    "PyValue",
+    "ReleaseRequest",
+    "SlotValue",
+    "StartWalkMsg",
+    "StateQuery",
+    "StateReport",
+    "StreamItemMsg",
+    "TensorValue",
+    "Value",
+    "WalkDoneMsg",
+    "WalkFailedMsg",
+    "WorkerReady",
     "PROTOCOL_VERSION",
     "SYSTEM_TARGET",
     "Ack",
@@ -163,8 +182,188 @@ class TensorBundle(WireMessage):
     key: str = ""
 
 
+# ------------------------------------------------------------ runtime: values of nodes
+# Node inputs and outputs cross processes as one of these (tensors out of band). Inside one
+# process they are passed by reference and never converted.
+
+
+class _Value(_Wire, tag=True):
+    """Base of node values on the wire."""
+
+
+class TensorValue(_Value):
+    """A tensor."""
+
+    tensor: torch.Tensor
+
+
+class PyValue(_Value):
+    """A scalar or a string (or None)."""
+
+    value: bool | int | float | str | None
+
+
+class BytesValue(_Value):
+    """Raw bytes."""
+
+    data: bytes
+
+
+class ListValue(_Value):
+    """A list (or tuple) of values."""
+
+    items: list[Value]
+
+
+class DictValue(_Value):
+    """A mapping from names to values."""
+
+    items: dict[str, Value]
+
+
+class ChunkValue(_Value):
+    """A stream chunk (`mstar.streaming.Chunk`)."""
+
+    items: list[Value]
+    start: NonNegative
+    context_len: NonNegative
+    is_last: bool
+
+
+Value: TypeAlias = TensorValue | PyValue | BytesValue | ListValue | DictValue | ChunkValue
+
+
+class SlotValue(_Wire):
+    """The value of input ``name`` of ``node``."""
+
+    node: str
+    name: str
+    value: Value
+
+
+# ---------------------------------------------------------------- runtime: conductor, workers
+
+
+class StartWalkMsg(WireMessage):
+    """Conductor to worker: run this rank's share of a walk instance for a request."""
+
+    request_id: str
+    walk_seq: int
+    walk: str
+    node_ranks: dict[str, int]
+    initial: list[SlotValue]
+
+
+class ReleaseRequest(WireMessage):
+    """Conductor to worker: drop what a request holds, for its walks up to `up_to_seq`."""
+
+    request_id: str
+    up_to_seq: int
+
+
+class NodeValueMsg(WireMessage):
+    """Worker to worker: a value for a node of the receiver, keyed as in `WalkRunner`."""
+
+    request_id: str
+    walk_seq: int
+    key: tuple[str, str, str, str]
+    value: Value
+
+
+class WalkDoneMsg(WireMessage):
+    """Worker to conductor: this rank finished its share of a walk instance."""
+
+    request_id: str
+    walk_seq: int
+    rank: int
+    persisted: list[SlotValue]
+
+
+class WalkFailedMsg(WireMessage):
+    """Worker to conductor: a walk instance failed here; `kind` names the error class."""
+
+    request_id: str
+    walk_seq: int
+    rank: int
+    kind: str
+    message: str
+    node: str = ""
+    walk: str = ""
+
+
+class EmittedMsg(WireMessage):
+    """Worker to conductor: a value a node sent to `EMIT`."""
+
+    request_id: str
+    partition: str
+    walk: str
+    node: str
+    name: str
+    modality: str
+    value: Value
+
+
+class StreamItemMsg(WireMessage):
+    """Worker to conductor: one item on a stream into input ``name`` of ``node``."""
+
+    request_id: str
+    node: str
+    name: str
+    value: Value
+
+
+class InitWorker(WireMessage):
+    """Engine to a worker process's host: build the worker of ``rank``.
+
+    The model is rebuilt in the child from its factory path and JSON keyword arguments;
+    the placement travels as its YAML text. Nothing is pickled.
+    """
+
+    rank: int
+    model_factory: str
+    model_kwargs_json: str
+    placement_yaml: str
+    conductor: ActorId
+    workers: dict[int, ActorId]
+    config_json: str = "{}"
+
+
+class WorkerReady(WireMessage):
+    """A worker process's host: the worker of ``rank`` runs as ``worker``."""
+
+    rank: int
+    worker: ActorId
+
+
+class StateQuery(WireMessage):
+    """Ask a conductor or worker how much request state it holds (answered by `StateReport`)."""
+
+
+class StateReport(WireMessage):
+    """Counts of what an actor holds for requests (all zero when idle)."""
+
+    counts: dict[str, int]
+
+
 # Adding a message type: define it above, then add it here.
-Message: TypeAlias = Ping | Pong | Ack | Lookup | TensorBundle
+Message: TypeAlias = (
+    Ping
+    | Pong
+    | Ack
+    | Lookup
+    | TensorBundle
+    | StartWalkMsg
+    | ReleaseRequest
+    | NodeValueMsg
+    | WalkDoneMsg
+    | WalkFailedMsg
+    | EmittedMsg
+    | StreamItemMsg
+    | InitWorker
+    | WorkerReady
+    | StateQuery
+    | StateReport
+)
 
 
 # ------------------------------------------------------------------------------ envelopes

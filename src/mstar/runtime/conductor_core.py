@@ -68,10 +68,15 @@ class Fail:
 
 @dataclass(frozen=True)
 class Release:
-    """Free everything ``ranks`` hold for the request (walks, engine state, KV blocks)."""
+    """Free everything ``ranks`` hold for the request (walks, engine state, KV blocks).
+
+    Walk instances up to ``up_to_seq`` are over; a later request reusing the id gets
+    higher sequence numbers, so nothing of it is dropped.
+    """
 
     request_id: str
     ranks: tuple[int, ...]
+    up_to_seq: int
 
 
 Command = StartWalk | Deliver | Finish | Fail | Release
@@ -112,6 +117,7 @@ class ConductorCore:
         self.model, self.graph, self.placement = model, graph, placement
         self.requests: dict[str, _Request] = {}
         self._num_submitted = 0
+        self._num_walks = 0  # walk sequence numbers are unique across requests
         self._stream_slots = {
             w: [(n.name, i) for n in graph.walk_nodes(w) for i in sorted(n.inputs & graph.stream_inputs(n.name))]
             for w in graph.walks
@@ -249,7 +255,8 @@ class ConductorCore:
             out.append(StartWalk(req.request_id, state.walk_seq, walk, rank, dict(node_ranks), values))
 
     def _next_seq(self, req: _Request) -> int:
-        return 1 + max(p.walk_seq for p in req.partitions.values())
+        self._num_walks += 1
+        return self._num_walks
 
     def _next_chunk(self, req: _Request, slot: Slot) -> Chunk[Any] | None:
         queue = req.ready[slot]
@@ -277,13 +284,13 @@ class ConductorCore:
     def _maybe_finish(self, req: _Request, out: list[Command]) -> list[Command]:
         if req.request_id in self.requests and all(p.is_done for p in req.partitions.values()):
             del self.requests[req.request_id]
-            out.append(Release(req.request_id, tuple(sorted(req.ranks_used))))
+            out.append(Release(req.request_id, tuple(sorted(req.ranks_used)), self._num_walks))
             out.append(Finish(req.request_id))
         return out
 
     def _fail(self, req: _Request, error: Exception, out: list[Command]) -> list[Command]:
         self.requests.pop(req.request_id, None)
-        out.append(Release(req.request_id, tuple(sorted(req.ranks_used))))
+        out.append(Release(req.request_id, tuple(sorted(req.ranks_used)), self._num_walks))
         out.append(Fail(req.request_id, error))
         return out
 

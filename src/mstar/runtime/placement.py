@@ -111,6 +111,10 @@ class Placement:
             raise PlacementError(f"node {node!r} in walk {walk!r} has no placement: add it to a node group")
         return out
 
+    def to_yaml(self) -> str:
+        """Return this placement as YAML text (what `from_yaml` reads)."""
+        return msgspec.yaml.encode(_PlacementFile(list(self.groups), self.model)).decode()
+
     @property
     def ranks(self) -> tuple[int, ...]:
         """Return every rank this placement uses, sorted."""

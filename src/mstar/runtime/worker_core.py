@@ -121,7 +121,7 @@ class WorkerCore:
         self.runners: dict[_RunKey, WalkRunner] = {}
         self.tasks: dict[_RunKey, asyncio.Task[None]] = {}
         self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
-        self._released: OrderedDict[str, None] = OrderedDict()
+        self._released: OrderedDict[str, int] = OrderedDict()  # request -> last walk seq released
         self._executor: ThreadPoolExecutor | None = None
 
     async def __aenter__(self) -> WorkerCore:
@@ -160,12 +160,21 @@ class WorkerCore:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    def held_state(self) -> dict[str, int]:
+        """Count what this worker holds for requests (all zero when idle)."""
+        counts = {"runners": len(self.runners), "tasks": len(self.tasks), "early_values": len(self.early)}
+        for name, engine in self.engines.items():
+            counts[f"pending:{name}"] = engine.num_pending
+            if isinstance(engine, KVNodeEngine):
+                counts[f"kv_requests:{name}"] = engine.num_requests
+        return counts
+
     # --- messages ------------------------------------------------------------------------
 
     def start_walk(self, cmd: StartWalk) -> None:
         """Start this rank's share of a walk."""
         key = (cmd.request_id, cmd.walk_seq)
-        if cmd.request_id in self._released:
+        if self._is_released(cmd.request_id, cmd.walk_seq):
             return
         ports = _Ports(self, cmd.request_id, cmd.walk, cmd.walk_seq)
         runner = WalkRunner(self.graph, cmd.walk, self.rank, cmd.node_ranks, cmd.initial, ports, cmd.request_id)
@@ -179,21 +188,25 @@ class WorkerCore:
         runner = self.runners.get((request_id, walk_seq))
         if runner is not None:
             runner.deliver(key, value)
-        elif request_id not in self._released:
+        elif not self._is_released(request_id, walk_seq):
             self.early.setdefault((request_id, walk_seq), []).append((key, value))
 
-    def release(self, request_id: str) -> None:
-        """Drop everything held for a request: walk tasks, queued inputs, early values."""
-        self._released[request_id] = None
+    def release(self, request_id: str, up_to_seq: int) -> None:
+        """Drop everything held for a request's walks up to ``up_to_seq``."""
+        self._released[request_id] = up_to_seq
+        self._released.move_to_end(request_id)
         while len(self._released) > _TOMBSTONES:
             self._released.popitem(last=False)
-        for key in [k for k in self.tasks if k[0] == request_id]:
+        for key in [k for k in self.tasks if k[0] == request_id and k[1] <= up_to_seq]:
             self.tasks.pop(key).cancel()
             self.runners.pop(key, None)
-        for key in [k for k in self.early if k[0] == request_id]:
+        for key in [k for k in self.early if k[0] == request_id and k[1] <= up_to_seq]:
             del self.early[key]
         for engine in self.engines.values():
             engine.abort(request_id)
+
+    def _is_released(self, request_id: str, walk_seq: int) -> bool:
+        return walk_seq <= self._released.get(request_id, 0)
 
     async def _run(self, key: _RunKey, runner: WalkRunner) -> None:
         request_id, walk_seq = key

@@ -1,0 +1,251 @@
+"""`AsyncEngine`: the embedded API (DESIGN.md §6) over the conductor and the workers.
+
+    async with await AsyncEngine.start(model, placement=...) as engine:
+        async for out in engine.generate(request):
+            ...
+
+By default every rank's `Worker` runs in this process, as actors on the in-process
+transport. With ``EngineConfig(worker_processes=True)`` each rank runs in a process of its
+own, started (with ``spawn``) and stopped by the engine, talking ZeroMQ over ipc sockets
+and a shared-memory arena for CPU tensors; the model is rebuilt in each process from its
+`ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import msgspec
+import structlog
+
+from mstar.actors import ActorRef, ActorSystem, SystemConfig
+from mstar.actors.process import SystemProcess
+from mstar.engines.stateless import StatelessEngineConfig
+from mstar.errors import MStarError
+from mstar.messages import ActorId, InitWorker, StateQuery, StateReport, WorkerReady
+from mstar.runtime.conductor import END, Abort, Conductor, Submit
+from mstar.runtime.model import Model, ModelSpec, Output, Request
+from mstar.runtime.placement import Placement
+from mstar.runtime.worker import HOST_NAME, Worker, worker_name
+from mstar.runtime.worker_core import WorkerConfig
+
+__all__ = ["AsyncEngine", "EngineConfig"]
+
+log = structlog.get_logger(__name__)
+
+CONDUCTOR = "conductor"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an `AsyncEngine` runs.
+
+    Attributes:
+        worker_processes: Run each rank's worker in a process of its own.
+        devices: Torch device of each rank (default "cpu" for every rank).
+        offload_steps: Run engine steps off the event loop (see `WorkerConfig`).
+        max_batch_size: Largest batch of a stateless node.
+        max_wait_s: How long a short stateless batch waits to fill.
+        loop: Event loop of worker processes, "asyncio" or "uvloop".
+        system: Actor-system settings (heartbeats, arena size).
+    """
+
+    worker_processes: bool = False
+    devices: dict[int, str] = field(default_factory=dict)
+    offload_steps: bool = True
+    max_batch_size: int = 32
+    max_wait_s: float = 0.0
+    loop: str = "asyncio"
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+    def worker_config(self, rank: int) -> WorkerConfig:
+        """Return the config of the worker of ``rank``."""
+        return WorkerConfig(
+            device=self.devices.get(rank, "cpu"),
+            offload_steps=self.offload_steps,
+            stateless=StatelessEngineConfig(self.max_batch_size, self.max_wait_s),
+        )
+
+
+class AsyncEngine:
+    """Serve one model: submit requests, stream their outputs, abort them; shut down."""
+
+    def __init__(self, model: Model, placement: Placement, config: EngineConfig) -> None:
+        self.model = model
+        self.placement = placement
+        self.config = config
+        self.graph = model.graph()
+        self.resolved = placement.resolve(self.graph)
+        self.system = ActorSystem(config.system)
+        self.conductor: ActorRef | None = None
+        self.workers: dict[int, ActorRef] = {}
+        self.processes: dict[int, SystemProcess] = {}
+        self._is_closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls,
+        model: Model | ModelSpec,
+        placement: Placement | str | Path | None = None,
+        config: EngineConfig | None = None,
+    ) -> AsyncEngine:
+        """Start the conductor and every rank's worker; return when all are ready.
+
+        Args:
+            model: The model, or a `ModelSpec` to build it from (required for worker
+                processes, which rebuild the model themselves).
+            placement: A `Placement`, a placement YAML file, or None for everything on rank 0.
+            config: How to run.
+
+        Raises:
+            PlacementError: The placement does not fit the model.
+            ModelLoadError: The model cannot be built.
+        """
+        config = config or EngineConfig()
+        spec = model if isinstance(model, ModelSpec) else getattr(model, "spec", None)
+        instance = model.build() if isinstance(model, ModelSpec) else model
+        if placement is None:
+            placement = Placement.colocated(instance.graph())
+        elif not isinstance(placement, Placement):
+            placement = Placement.from_yaml(placement)
+        if config.worker_processes and spec is None:
+            raise MStarError("worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)")
+        engine = cls(instance, placement, config)
+        await engine.system.__aenter__()
+        try:
+            await engine._start_actors(spec)
+        except BaseException:
+            await engine.shutdown()
+            raise
+        log.info("engine_started", model=instance.name, ranks=list(placement.ranks), worker_processes=config.worker_processes)
+        return engine
+
+    async def _start_actors(self, spec: ModelSpec | None) -> None:
+        ranks = self.placement.ranks
+        address = self.system.address
+        if self.config.worker_processes:
+            assert spec is not None
+            await self.system.serve("ipc://")
+            address = self.system.addresses[-1]
+            for rank in ranks:
+                self.processes[rank] = SystemProcess(
+                    "mstar.runtime.worker:setup_worker_host", config=self.config.system, loop=self.config.loop
+                )
+            await asyncio.gather(*(asyncio.to_thread(p.start) for p in self.processes.values()))
+            self.workers = {r: self.system.ref(worker_name(r), p.addresses[0]) for r, p in self.processes.items()}
+        else:
+            self.workers = {r: self.system.ref(worker_name(r)) for r in ranks}
+        conductor_id = ActorId(address, CONDUCTOR)
+        self.conductor = await self.system.spawn(
+            lambda: Conductor(self.model, self.graph, self.resolved, self.workers), name=CONDUCTOR
+        )
+        if not self.config.worker_processes:
+            for rank in ranks:
+                await self.system.spawn(self._worker_factory(rank, self.conductor), name=worker_name(rank))
+            return
+        assert spec is not None
+        ids = {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()}
+        for rank, proc in self.processes.items():
+            host = self.system.ref(HOST_NAME, proc.addresses[0])
+            init = InitWorker(
+                rank,
+                spec.factory,
+                json.dumps(dict(spec.kwargs)),
+                self.placement.to_yaml(),
+                conductor_id,
+                ids,
+                msgspec.json.encode(self.config.worker_config(rank)).decode(),
+            )
+            ready = await host.ask(init, timeout=300.0)
+            if not isinstance(ready, WorkerReady):
+                raise MStarError(f"rank {rank} did not start: {ready!r}")
+
+    def _worker_factory(self, rank: int, conductor: ActorRef) -> Callable[[], Worker]:
+        config = self.config.worker_config(rank)
+        return lambda: Worker(rank, self.model, self.graph, self.resolved, conductor, self.workers, config)
+
+    async def shutdown(self) -> None:
+        """Stop the workers, the worker processes and the conductor; fail running requests."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if self.conductor is not None:
+            with contextlib.suppress(Exception):
+                await self.system.stop(self.conductor)
+        if not self.config.worker_processes:
+            for ref in self.workers.values():
+                with contextlib.suppress(Exception):
+                    await self.system.stop(ref)
+        for proc in self.processes.values():
+            await asyncio.to_thread(proc.stop)
+        await self.system.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # --- requests --------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> AsyncIterator[Output]:
+        """Run a request; yield its outputs as they are produced.
+
+        Leaving the iteration early (break, cancel, a client that went away) aborts the
+        request and frees what it held.
+
+        Raises:
+            ValueError: The model rejected the request.
+            WalkExecutionError: A node failed (names node, walk and request).
+            RequestAbortedError: The request was aborted.
+        """
+        if self._is_closed or self.conductor is None:
+            raise MStarError("the engine is shut down")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.conductor.tell(Submit(request, queue))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished and not self._is_closed:
+                self.conductor.tell(Abort(request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its `generate` raises `RequestAbortedError`."""
+        if self.conductor is not None and not self._is_closed:
+            self.conductor.tell(Abort(request_id))
+
+    async def held_state(self) -> dict[str, dict[str, int]]:
+        """Ask the conductor and every worker what they hold for requests (zeros when idle)."""
+        assert self.conductor is not None
+        refs = {"conductor": self.conductor} | {f"rank{r}": ref for r, ref in self.workers.items()}
+        out: dict[str, dict[str, int]] = {}
+        for name, ref in refs.items():
+            report = await ref.ask(StateQuery(), timeout=30.0)
+            assert isinstance(report, StateReport)
+            out[name] = dict(report.counts)
+        return out
+
+    async def run(self, request: Request) -> list[Output]:
+        """Run a request to completion and return all its outputs."""
+        return [out async for out in self.generate(request)]
+
+
+
+

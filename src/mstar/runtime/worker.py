@@ -1,0 +1,150 @@
+"""The `Worker` actor (one per rank) and the host that builds one in a worker process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from mstar.actors import Actor, ActorRef, ActorSystem
+from mstar.errors import MStarError, WalkExecutionError
+from mstar.graph import Emission, ModelGraph
+from mstar.messages import (
+    ActorId,
+    EmittedMsg,
+    InitWorker,
+    NodeValueMsg,
+    ReleaseRequest,
+    StartWalkMsg,
+    StateQuery,
+    StateReport,
+    StreamItemMsg,
+    WalkDoneMsg,
+    WalkFailedMsg,
+    WorkerReady,
+)
+from mstar.runtime.conductor_core import StartWalk
+from mstar.runtime.model import Model, ModelSpec
+from mstar.runtime.placement import Placement
+from mstar.runtime.values import from_slots, from_wire, to_slots, to_wire
+from mstar.runtime.walk_runner import ValueKey
+from mstar.runtime.worker_core import WorkerConfig, WorkerCore
+
+__all__ = ["HOST_NAME", "Worker", "WorkerHost", "setup_worker_host", "worker_name"]
+
+HOST_NAME = "worker-host"
+Slot = tuple[str, str]
+
+
+def worker_name(rank: int) -> str:
+    """Return the actor name of the worker of ``rank``."""
+    return f"worker-{rank}"
+
+
+class Worker(Actor):
+    """Hosts the engines of one rank and runs its shares of walks (see `WorkerCore`)."""
+
+    def __init__(
+        self,
+        rank: int,
+        model: Model,
+        graph: ModelGraph,
+        placement: Mapping[tuple[str, str], tuple[int, ...]],
+        conductor: ActorRef,
+        workers: Mapping[int, ActorRef],
+        config: WorkerConfig,
+    ) -> None:
+        self.rank = rank
+        self.conductor = conductor
+        self.workers = dict(workers)
+        self.core = WorkerCore(rank, model, graph, placement, self, config)
+
+    async def on_start(self) -> None:
+        """Build this rank's engines."""
+        await self.core.start()
+
+    async def on_stop(self) -> None:
+        """Cancel walks and close the engines."""
+        await self.core.aclose()
+
+    async def handle(self, message: Any) -> Any:
+        """Start walks, take values from peers, release requests."""
+        if isinstance(message, NodeValueMsg):
+            key: ValueKey = tuple(message.key)  # type: ignore[assignment]
+            self.core.deliver(message.request_id, message.walk_seq, key, from_wire(message.value))
+        elif isinstance(message, StartWalkMsg):
+            initial = from_slots(message.initial)
+            self.core.start_walk(
+                StartWalk(message.request_id, message.walk_seq, message.walk, self.rank, dict(message.node_ranks), initial)
+            )
+        elif isinstance(message, ReleaseRequest):
+            self.core.release(message.request_id, message.up_to_seq)
+        elif isinstance(message, StateQuery):
+            return StateReport(self.core.held_state())
+        else:
+            raise TypeError(f"worker {self.rank} does not handle {type(message).__name__}")
+        return None
+
+    # --- WorkerOutbox ------------------------------------------------------------------------
+
+    def _is_remote(self, ref: ActorRef) -> bool:
+        return ref.address != self.system.address
+
+    def walk_done(self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]) -> None:
+        """Report a finished walk share to the conductor."""
+        slots = to_slots(persisted, wire=self._is_remote(self.conductor))
+        self.conductor.tell(WalkDoneMsg(request_id, walk_seq, rank, slots))
+
+    def walk_failed(self, request_id: str, walk_seq: int, rank: int, error: Exception) -> None:
+        """Report a failed walk share to the conductor."""
+        if isinstance(error, WalkExecutionError):
+            msg = WalkFailedMsg(request_id, walk_seq, rank, type(error).__name__, error.reason, error.node, error.walk)
+        else:
+            msg = WalkFailedMsg(request_id, walk_seq, rank, type(error).__name__, f"{type(error).__name__}: {error}")
+        self.conductor.tell(msg)
+
+    def emitted(self, request_id: str, emission: Emission) -> None:
+        """Send an emission to the conductor."""
+        value = to_wire(emission.value) if self._is_remote(self.conductor) else emission.value
+        e = emission
+        self.conductor.tell(EmittedMsg(request_id, e.partition, e.walk, e.node, e.name, e.modality, value))
+
+    def stream_item(self, request_id: str, slot: Slot, value: Any) -> None:
+        """Send a stream item to the conductor."""
+        wire = to_wire(value) if self._is_remote(self.conductor) else value
+        self.conductor.tell(StreamItemMsg(request_id, slot[0], slot[1], wire))
+
+    def node_value(self, rank: int, request_id: str, walk_seq: int, key: ValueKey, value: Any) -> None:
+        """Send a value straight to the worker of another rank."""
+        ref = self.workers[rank]
+        self.workers[rank].tell(NodeValueMsg(request_id, walk_seq, key, to_wire(value) if self._is_remote(ref) else value))
+
+
+class WorkerHost(Actor):
+    """Runs in a worker process: builds that process's `Worker` when told how."""
+
+    async def handle(self, message: Any) -> Any:
+        """Build the worker from an `InitWorker`; answer `WorkerReady`."""
+        if not isinstance(message, InitWorker):
+            raise TypeError(f"the worker host does not handle {type(message).__name__}")
+        model = ModelSpec(message.model_factory, json.loads(message.model_kwargs_json)).build()
+        graph = model.graph()
+        placement = Placement.from_yaml(message.placement_yaml).resolve(graph)
+        config = msgspec.json.decode(message.config_json, type=WorkerConfig)
+        system: ActorSystem = self.system
+        conductor = system.ref(message.conductor)
+        workers = {rank: system.ref(actor_id) for rank, actor_id in message.workers.items()}
+        rank = message.rank
+        if workers[rank].address not in system.addresses:
+            raise MStarError(f"rank {rank} is not placed in this process")
+        ref = await system.spawn(
+            lambda: Worker(rank, model, graph, placement, conductor, workers, config), name=worker_name(rank)
+        )
+        return WorkerReady(rank, ActorId(ref.address, ref.name))
+
+
+async def setup_worker_host(system: ActorSystem) -> None:
+    """Spawn the worker host in a fresh worker process (`SystemProcess` setup)."""
+    await system.spawn(WorkerHost, name=HOST_NAME)

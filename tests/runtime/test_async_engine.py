@@ -1,0 +1,171 @@
+"""AsyncEngine end to end: co-located and with workers in separate processes.
+
+Outputs must equal the reference interpreter's; many concurrent requests with random aborts
+must leave no state behind (conductor and worker tables, engine queues, shared segments,
+socket files, processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+
+from mstar.errors import PlacementError, RequestAbortedError, WalkExecutionError
+from mstar.graph import Emission, run_reference
+from mstar.runtime import Placement
+from mstar.runtime.async_engine import AsyncEngine, EngineConfig
+from mstar.runtime.model import ModelSpec, Output, Request
+from mstar.transport.janitor import SHM_DIR, runtime_dir
+from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
+
+SPREAD = """
+model: toy-composite
+node_groups:
+  - {node_names: [encoder, lm, init, cond], ranks: [0]}
+  - {node_names: [vocoder, uncond], ranks: [1]}
+  - {node_names: [combine, vae], ranks: [2]}
+"""
+SEED = 3
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+def reference(request: Request) -> list[Emission]:
+    model = ToyModel(seed=SEED)
+    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0))
+    return run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task)
+
+
+def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
+    got: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    want: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for o in outputs:
+        got[(o.node, o.name)].append(o.data)
+    for e in emissions:
+        want[(e.node, e.name)].append(e.value)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert len(got[key]) == len(want[key]), key
+        for a, b in zip(got[key], want[key], strict=True):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), key
+
+
+def requests(n: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    words = ["hello", "mstar serves graphs", "a", "composite", "models walk"]
+    return [Request(rng.choice(["speak", "draw"]), {"text": rng.choice(words), "seed": i}) for i in range(n)]
+
+
+def mstar_files() -> set[Path]:
+    """Return the shared segments and socket files mstar processes own now."""
+    return {p for d in (SHM_DIR, runtime_dir()) if d.exists() for p in d.iterdir() if p.name.startswith("mstar-")}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["colocated", "processes"])
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+    config = EngineConfig(worker_processes=request.param == "processes")
+    spec = ModelSpec("mstar.zoo.toy:ToyModel", {"seed": SEED})
+    before = set(psutil.Process().children(recursive=True))
+    files_before = mstar_files()
+    eng = await AsyncEngine.start(spec, Placement.from_yaml(SPREAD), config)
+    yield eng
+    await eng.shutdown()
+    assert mstar_files() - files_before == set(), "shared segments or socket files left behind"
+    leftover = set(psutil.Process().children(recursive=True)) - before
+    orphans = [
+        p.cmdline()
+        for p in leftover
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert not orphans, f"orphan worker processes: {orphans}"
+
+
+async def assert_no_request_state(engine: AsyncEngine) -> None:
+    # Releases travel as messages: let the ones in flight land (bounded, no sleeps).
+    for _ in range(50):
+        held = await engine.held_state()
+        if all(v == 0 for counts in held.values() for v in counts.values()):
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"request state left behind: {held}")
+
+
+@pytest.mark.timeout(300)
+async def test_outputs_equal_the_reference(engine: AsyncEngine) -> None:
+    reqs = requests(12)
+    results = await asyncio.gather(*(engine.run(r) for r in reqs))
+    for r, outputs in zip(reqs, results, strict=True):
+        assert_same(outputs, reference(r))
+        assert all(o.request_id == r.request_id for o in outputs)
+    await assert_no_request_state(engine)
+
+
+@pytest.mark.timeout(300)
+async def test_concurrent_requests_with_random_aborts_leave_nothing_behind(engine: AsyncEngine) -> None:
+    reqs = requests(40, seed=1)
+    rng = random.Random(7)
+    victims = {r.request_id for r in rng.sample(reqs, 12)}
+    started = asyncio.Event()
+
+    async def run(r: Request) -> list[Output]:
+        outputs = []
+        async for out in engine.generate(r):
+            outputs.append(out)
+            started.set()
+        return outputs
+
+    tasks = [asyncio.ensure_future(run(r)) for r in reqs]
+    await started.wait()
+    for rid in victims:
+        await engine.abort(rid)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r, result in zip(reqs, results, strict=True):
+        if isinstance(result, BaseException):
+            assert isinstance(result, RequestAbortedError) and r.request_id in victims
+        else:
+            assert_same(result, reference(r))
+    # a request still completes after all that, and nothing is held
+    assert_same(await engine.run(reqs[0]), reference(reqs[0]))
+    await assert_no_request_state(engine)
+
+
+@pytest.mark.timeout(300)
+async def test_leaving_generate_early_aborts_the_request(engine: AsyncEngine) -> None:
+    req = Request("speak", {"text": "a long enough request"})
+    async for _ in engine.generate(req):
+        break
+    await asyncio.sleep(0)
+    assert_same(await engine.run(Request("draw", {"text": "next"})), reference(Request("draw", {"text": "next"})))
+    await assert_no_request_state(engine)
+
+
+async def test_bad_requests_fail_alone() -> None:
+    async with await AsyncEngine.start(ToyModel(seed=SEED)) as engine:
+        with pytest.raises(ValueError, match="task must be one of"):
+            await engine.run(Request("sing", {"text": "la"}))
+        assert len(await engine.run(Request("draw", {"text": "ok"}))) == 2
+
+
+async def test_a_failing_node_fails_its_request_and_names_it() -> None:
+    model = ToyModel(seed=SEED)
+    model._nodes["vae"] = lambda inputs: (_ for _ in ()).throw(RuntimeError("decoder exploded"))
+    async with await AsyncEngine.start(model) as engine:
+        with pytest.raises(WalkExecutionError, match=r"RuntimeError: decoder exploded \(node 'vae', walk 'image_gen'"):
+            await engine.run(Request("draw", {"text": "boom"}))
+        assert_same(await engine.run(Request("speak", {"text": "fine"})), reference(Request("speak", {"text": "fine"})))
+
+
+async def test_placement_errors_are_clear() -> None:
+    with pytest.raises(PlacementError, match="unknown node 'gpu_vae'"):
+        await AsyncEngine.start(ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [gpu_vae], ranks: [0]}\n"))
+    with pytest.raises(PlacementError, match="has no placement"):
+        await AsyncEngine.start(ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [lm], ranks: [0]}\n"))
