@@ -146,27 +146,32 @@ class ActorCell:
             item = await mailbox.get()
             if item is None:
                 return False
-            message, reply = item
+            if await self._handle(actor, *item):
+                return True
+            # Drop the message here, so that tensors in it can be freed while we wait.
+            item = None
+        return False
+
+    async def _handle(self, actor: Actor, message: Any, reply: Any) -> bool:
+        """Handle one message; return whether the actor crashed."""
+        try:
+            result = await actor.handle(message)
+        except asyncio.CancelledError:
+            if reply is not None:
+                fail_reply(reply, ActorDeadError(f"actor {self.name!r} was cancelled"))
+            raise
+        except Exception as exc:
+            if reply is not None:
+                fail_reply(reply, handler_error(self.name, exc))
+                return False
             try:
-                result = await actor.handle(message)
-            except asyncio.CancelledError:
-                if reply is not None:
-                    fail_reply(reply, ActorDeadError(f"actor {self.name!r} was cancelled"))
-                raise
-            except Exception as exc:
-                if reply is not None:
-                    fail_reply(reply, handler_error(self.name, exc))
-                    continue
-                try:
-                    await actor.on_failure(exc, message)
-                except Exception as crash:
-                    log.error("actor %r crashed", self.name, exc_info=crash)
-                    return True
-            else:
-                if reply is not None:
-                    resolve_reply(reply, result)
-            # Drop references so tensors in the message can be freed while we wait.
-            item = message = reply = result = None
+                await actor.on_failure(exc, message)
+            except Exception as crash:
+                log.error("actor %r crashed", self.name, exc_info=crash)
+                return True
+            return False
+        if reply is not None:
+            resolve_reply(reply, result)
         return False
 
     async def _stop_instance(self, actor: Actor) -> None:

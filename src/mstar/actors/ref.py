@@ -39,6 +39,9 @@ class ActorRef:
     def tell(self, message: Any) -> None:
         """Send `message` without waiting for anything.
 
+        A remote actor that is not running, or whose mailbox is full, drops the message; its
+        system logs that. Use `ask` when the sender must know.
+
         Raises:
             ActorDeadError: the actor is local and not running.
             MailboxFullError: the actor is local and its mailbox is full.
