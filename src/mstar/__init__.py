@@ -19,6 +19,17 @@ from mstar.graph import (
     WalkStateMachine,
     run_reference,
 )
+from mstar.runtime import (
+    AsyncEngine,
+    EngineConfig,
+    EngineType,
+    Model,
+    ModelSpec,
+    Output,
+    Placement,
+    PreparedRequest,
+    Request,
+)
 from mstar.streaming import (
     Chunk,
     ChunkPolicy,
@@ -33,6 +44,15 @@ __version__ = "0.1.0"
 __all__ = [
     "EMIT",
     "MODALITIES",
+    "AsyncEngine",
+    "EngineConfig",
+    "EngineType",
+    "Model",
+    "ModelSpec",
+    "Output",
+    "Placement",
+    "PreparedRequest",
+    "Request",
     "Chunk",
     "ChunkPolicy",
     "Connection",

@@ -1,7 +1,31 @@
-"""The serving runtime: placement of nodes on worker ranks (conductor and workers build on it)."""
+"""The serving runtime: the model contract, placement, conductor, workers and `AsyncEngine`."""
 
 from __future__ import annotations
 
+from mstar.runtime.async_engine import AsyncEngine, EngineConfig
+from mstar.runtime.conductor import Conductor
+from mstar.runtime.conductor_core import ConductorCore
+from mstar.runtime.model import EngineType, Model, ModelSpec, Output, PreparedRequest, Request
 from mstar.runtime.placement import NodeGroup, Placement
+from mstar.runtime.walk_runner import WalkRunner
+from mstar.runtime.worker import Worker
+from mstar.runtime.worker_core import WorkerConfig, WorkerCore
 
-__all__ = ["NodeGroup", "Placement"]
+__all__ = [
+    "AsyncEngine",
+    "Conductor",
+    "ConductorCore",
+    "EngineConfig",
+    "EngineType",
+    "Model",
+    "ModelSpec",
+    "NodeGroup",
+    "Output",
+    "Placement",
+    "PreparedRequest",
+    "Request",
+    "WalkRunner",
+    "Worker",
+    "WorkerConfig",
+    "WorkerCore",
+]

@@ -91,6 +91,7 @@ class ModelSpec:
         model = factory(**dict(self.kwargs))
         if not isinstance(model, Model):
             raise ModelLoadError(f"{self.factory!r} returned {type(model).__name__}, not a Model")
+        model.spec = self
         return model
 
 
@@ -98,6 +99,7 @@ class Model(ABC):
     """A composite model, declared once (DESIGN.md §2.2)."""
 
     name: str = "model"
+    spec: ModelSpec | None = None  # how to rebuild it in a worker process, when known
 
     @abstractmethod
     def graph(self) -> ModelGraph:

