@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from mstar.zoo.registry import ZooEntry, list_models, make_model, resolve_model
-from mstar.zoo.toy import ToyConfig, ToyModel, ToyPlan, make_toy_graph, make_toy_inputs, make_toy_nodes
+from mstar.zoo.toy import (
+    ToyConfig,
+    ToyModel,
+    ToyPlan,
+    make_toy_graph,
+    make_toy_inputs,
+    make_toy_nodes,
+)
 
 __all__ = [
     "ToyConfig",
