@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import gc
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 from mstar.actors import Actor, ActorSystem
 from mstar.errors import (
@@ -23,7 +27,9 @@ from mstar.errors import (
     TransportClosedError,
 )
 from mstar.messages import Ack, Ping, Pong, TensorBundle
+from mstar.transport.base import parse_address
 from tests.actors.conftest import TEST_CONFIG, Linked, bind_address
+from tests.actors.peer_actors import setup
 
 
 class Gate(Actor):
@@ -225,3 +231,40 @@ async def test_a_peer_declared_lost_is_told_and_reconnects(transport: str) -> No
         assert address not in client._routes
         assert await client.lookup("gate", address=address) == client.ref("gate", address)
         assert client._routes[address] is not link
+
+
+async def test_garbage_from_one_peer_does_not_harm_another(transport: str) -> None:
+    if transport == "inproc":
+        pytest.skip("in-process links carry objects, not frames")
+    async with ActorSystem(TEST_CONFIG) as server, ActorSystem(TEST_CONFIG) as client:
+        address = await server.serve(bind_address(transport))
+        await server.spawn(lambda: Gate(), name="gate")
+        await setup(server)
+        await client.connect(address)
+        echo = client.ref("echo", address)
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(address)
+        try:
+            for frames in ([b"\xc1"], [b""], [msgspec.msgpack.encode(["Ask", "echo", 1, ["Nope"]])], [b"x" * 100_000]):
+                await raw.send_multipart(frames)
+                assert await echo.ask(Ping(1)) == Pong(1)
+            # The malformed ask was failed by call id.
+            reply = msgspec.msgpack.decode(await asyncio.wait_for(raw.recv(), 5))
+            assert reply[:3] == ["ErrorReply", 1, "ProtocolError"]
+            # A valid message from a peer that skipped the handshake closes its link, with a reason.
+            await raw.send_multipart([msgspec.msgpack.encode(["Tell", "echo", ["Ping", 0, b""]])])
+            goodbye = msgspec.msgpack.decode(await asyncio.wait_for(raw.recv(), 5))
+            assert goodbye[0] == "Goodbye" and "handshake" in goodbye[1]
+        finally:
+            raw.close(linger=0)
+        assert await echo.ask(Ping(2)) == Pong(2)
+
+
+async def test_shutdown_removes_socket_files_and_segments() -> None:
+    async with ActorSystem(TEST_CONFIG) as system:
+        address = await system.serve("ipc://")
+        assert system._arena is not None
+        files = [Path(parse_address(address).rest), system._arena.path]
+        assert all(f.exists() for f in files)
+    assert not any(f.exists() for f in files)
