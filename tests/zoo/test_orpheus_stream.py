@@ -19,6 +19,7 @@ from mstar.zoo.orpheus import (
     SnacConfig,
     TokenLayout,
     decode_chunks,
+    decode_windows,
     pcm16_bytes,
     plan_chunk,
     plan_tokens,
@@ -188,7 +189,8 @@ def test_middle_frames_are_what_the_reference_streamer_emits(codec: SnacCodec) -
     assert torch.equal(ours[SPF : (num_frames - 2) * SPF], reference)
 
 
-def test_concurrent_streams_in_one_batch_match_each_alone(codec: SnacCodec) -> None:
+@pytest.mark.parametrize("max_batch_size", [None, 1, 5])
+def test_concurrent_streams_in_one_batch_match_each_alone(codec: SnacCodec, max_batch_size: int | None) -> None:
     lengths = [7 * (i % 7) + (3 * i) % 7 for i in range(16)]  # 0 to 6 frames, partial frames
     streams = [_chunks(list(_tokens(_codes(n, seed=100 + i))), [7] * 40) for i, n in enumerate(lengths)]
     states = [AudioStreamState(noise_seed=i) for i in range(16)]
@@ -196,7 +198,8 @@ def test_concurrent_streams_in_one_batch_match_each_alone(codec: SnacCodec) -> N
     step = 0
     while any(step < len(s) for s in streams):
         active = [i for i in range(16) if step < len(streams[i])]
-        results = decode_chunks(codec, LAYOUT, [(states[i], streams[i][step]) for i in active])
+        pairs = [(states[i], streams[i][step]) for i in active]
+        results = decode_chunks(codec, LAYOUT, pairs, max_batch_size=max_batch_size)
         for i, result in zip(active, results, strict=True):
             states[i] = result.state
             batched[i].append(result.audio)
@@ -210,6 +213,8 @@ def test_concurrent_streams_in_one_batch_match_each_alone(codec: SnacCodec) -> N
             alone.append(result.audio)
         together, single = torch.cat(batched[i]), torch.cat(alone)
         assert together.shape == (SPF * (lengths[i] // 7),)
+        if max_batch_size == 1:
+            assert torch.equal(together, single)  # one window per call: bitwise as alone
         torch.testing.assert_close(together, single, rtol=0, atol=1e-5)
         a = np.frombuffer(pcm16_bytes(together), dtype="<i2").astype(np.int32)
         b = np.frombuffer(pcm16_bytes(single), dtype="<i2").astype(np.int32)
@@ -244,3 +249,31 @@ def test_state_stays_small() -> None:
     for chunk in _chunks(list(items), [7] * 300):
         state, _ = plan_chunk(state, chunk, LAYOUT)
         assert len(state.codes) <= 7 * 4 + 6
+
+
+@pytest.mark.parametrize("num_frames", [1, 2, 3, 4, 9])
+def test_streamed_audio_against_one_decode_of_all_frames(num_frames: int) -> None:
+    # SNAC's receptive field is +-3 frames. A stream of at most 4 frames is one window: the
+    # same as decoding everything at once. Longer streams: the first and last frames keep all
+    # their context; the middle ones (one frame of left, two of right context, as the
+    # reference streamer) differ slightly.
+    config = SnacConfig(encoder_dim=4, decoder_dim=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        snac = SNAC(**config.to_json_dict()).eval()
+    quiet = SnacCodec(snac, config, noise="off")
+    codes = _codes(7 * num_frames, seed=20 + num_frames)
+    streamed = torch.cat(decode_windows(quiet, plan_tokens(_tokens(codes), LAYOUT)))
+    full = quiet.decode(torch.tensor(codes).view(1, num_frames, 7))[0]
+    if num_frames <= 4:
+        torch.testing.assert_close(streamed, full, rtol=0, atol=1e-5)
+        return
+    per_frame = (streamed - full).view(num_frames, SPF).norm(dim=1) / full.view(num_frames, SPF).norm(dim=1)
+    assert per_frame[0] < 1e-5 and per_frame[-1] < 1e-5
+    assert per_frame[1] < 1e-3 and per_frame[-2] < 1e-3
+    assert float(per_frame.max()) < 2e-2
+
+
+def test_max_batch_size_must_be_positive(codec: SnacCodec) -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        decode_windows(codec, plan_tokens(_tokens(_codes(28, seed=0)), LAYOUT), max_batch_size=0)
