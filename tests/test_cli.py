@@ -18,7 +18,7 @@ def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.C
     text = capsys.readouterr().out
     assert "model toy-composite" in text
     assert "partition Vocoder" in text
-    assert "request 'speak'" in text and "request 'draw'" in text
+    assert "request 'speech'" in text and "request 'image'" in text
     with wave.open(str(out)) as f:
         assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 16000)
         assert f.getnframes() > 0

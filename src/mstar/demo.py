@@ -43,13 +43,13 @@ def run_demo(text: str = "Hello from mstar!", out: Path | None = None, seed: int
     inputs = make_toy_inputs(text, cfg, seed=seed)
     print(graph)
     print()
-    for task in ("speak", "draw"):
+    for task in ("speech", "image"):
         start = time.perf_counter()
         emissions = run_reference(graph, nodes, inputs, ToyPlan(), state=task, request_id=f"demo-{task}")
         took_ms = (time.perf_counter() - start) * 1e3
         print(f"request {task!r} ({took_ms:.1f} ms, reference interpreter): {len(emissions)} outputs")
         print(_summarise(emissions))
-        if task == "speak":
+        if task == "speech":
             tokens = [int(e.value) for e in emissions if e.name == "token"]
             audio = torch.cat([e.value for e in emissions if e.name == "audio"])
             first_audio = next(i for i, e in enumerate(emissions) if e.name == "audio")

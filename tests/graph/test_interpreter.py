@@ -256,7 +256,7 @@ def test_toy_model_speak_matches_a_hand_written_loop() -> None:
     cfg = ToyConfig()
     fns = make_toy_nodes(cfg, seed=3)
     inputs = make_toy_inputs("mstar", cfg)
-    em = run_reference(make_toy_graph(cfg), fns, inputs, ToyPlan(), state="speak")
+    em = run_reference(make_toy_graph(cfg), fns, inputs, ToyPlan(), state="speech")
     # plain Python: prefill, then decode until EOS or the token budget, then vocode windows
     hidden = fns["encoder"]({"text": inputs["encoder"]["text"]})["hidden"]
     token, tokens = inputs["lm"]["token"], []
@@ -284,7 +284,7 @@ def test_toy_model_draw_matches_a_hand_written_loop() -> None:
     cfg = ToyConfig()
     fns = make_toy_nodes(cfg, seed=1)
     inputs = make_toy_inputs("a red square", cfg, seed=5)
-    em = run_reference(make_toy_graph(cfg), fns, inputs, ToyPlan(), state="draw")
+    em = run_reference(make_toy_graph(cfg), fns, inputs, ToyPlan(), state="image")
     x = fns["init"]({"seed": 5})["x"]
     norms = []
     for _ in range(cfg.flow_steps):

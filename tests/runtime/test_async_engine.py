@@ -8,6 +8,7 @@ socket files, processes).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -62,12 +63,13 @@ def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
 def requests(n: int, seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     words = ["hello", "mstar serves graphs", "a", "composite", "models walk"]
-    return [Request(rng.choice(["speak", "draw"]), {"text": rng.choice(words), "seed": i}) for i in range(n)]
+    return [Request(rng.choice(["speech", "image"]), {"text": rng.choice(words), "seed": i}) for i in range(n)]
 
 
-def mstar_files() -> set[Path]:
-    """Return the shared segments and socket files mstar processes own now."""
-    return {p for d in (SHM_DIR, runtime_dir()) if d.exists() for p in d.iterdir() if p.name.startswith("mstar-")}
+def mstar_files(pids: set[int]) -> set[Path]:
+    """Return the shared segments and socket files that processes ``pids`` own now."""
+    prefixes = tuple(f"mstar-{pid}-" for pid in pids)
+    return {p for d in (SHM_DIR, runtime_dir()) if d.exists() for p in d.iterdir() if p.name.startswith(prefixes)}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["colocated", "processes"])
@@ -75,11 +77,11 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
     config = EngineConfig(worker_processes=request.param == "processes")
     spec = ModelSpec("mstar.zoo.toy:ToyModel", {"seed": SEED})
     before = set(psutil.Process().children(recursive=True))
-    files_before = mstar_files()
     eng = await AsyncEngine.start(spec, Placement.from_yaml(SPREAD), config)
+    pids = {os.getpid()} | {p.pid for p in eng.processes.values() if p.pid is not None}
     yield eng
     await eng.shutdown()
-    assert mstar_files() - files_before == set(), "shared segments or socket files left behind"
+    assert mstar_files(pids) == set(), "shared segments or socket files left behind"
     leftover = set(psutil.Process().children(recursive=True)) - before
     orphans = [
         p.cmdline()
@@ -140,11 +142,11 @@ async def test_concurrent_requests_with_random_aborts_leave_nothing_behind(engin
 
 @pytest.mark.timeout(300)
 async def test_leaving_generate_early_aborts_the_request(engine: AsyncEngine) -> None:
-    req = Request("speak", {"text": "a long enough request"})
+    req = Request("speech", {"text": "a long enough request"})
     async for _ in engine.generate(req):
         break
     await asyncio.sleep(0)
-    assert_same(await engine.run(Request("draw", {"text": "next"})), reference(Request("draw", {"text": "next"})))
+    assert_same(await engine.run(Request("image", {"text": "next"})), reference(Request("image", {"text": "next"})))
     await assert_no_request_state(engine)
 
 
@@ -152,7 +154,7 @@ async def test_bad_requests_fail_alone() -> None:
     async with await AsyncEngine.start(ToyModel(seed=SEED)) as engine:
         with pytest.raises(ValueError, match="task must be one of"):
             await engine.run(Request("sing", {"text": "la"}))
-        assert len(await engine.run(Request("draw", {"text": "ok"}))) == 2
+        assert len(await engine.run(Request("image", {"text": "ok"}))) == 2
 
 
 async def test_a_failing_node_fails_its_request_and_names_it() -> None:
@@ -160,8 +162,8 @@ async def test_a_failing_node_fails_its_request_and_names_it() -> None:
     model._nodes["vae"] = lambda inputs: (_ for _ in ()).throw(RuntimeError("decoder exploded"))
     async with await AsyncEngine.start(model) as engine:
         with pytest.raises(WalkExecutionError, match=r"RuntimeError: decoder exploded \(node 'vae', walk 'image_gen'"):
-            await engine.run(Request("draw", {"text": "boom"}))
-        assert_same(await engine.run(Request("speak", {"text": "fine"})), reference(Request("speak", {"text": "fine"})))
+            await engine.run(Request("image", {"text": "boom"}))
+        assert_same(await engine.run(Request("speech", {"text": "fine"})), reference(Request("speech", {"text": "fine"})))
 
 
 async def test_placement_errors_are_clear() -> None:

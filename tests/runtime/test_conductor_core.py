@@ -43,7 +43,7 @@ PLACEMENTS = {
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS.values(), ids=PLACEMENTS.keys())
-@pytest.mark.parametrize("task", ["speak", "draw"])
+@pytest.mark.parametrize("task", ["speech", "image"])
 async def test_outputs_equal_the_reference(placement: dict[str, list[int]], task: str) -> None:
     model = ToyModel(seed=4)
     async with Direct(model, placement) as d:
@@ -58,7 +58,7 @@ async def test_many_concurrent_requests_with_random_aborts_leave_nothing_behind(
     model = ToyModel(seed=1)
     rng = random.Random(0)
     async with Direct(model, PLACEMENTS["spread"]) as d:
-        requests = [Request(rng.choice(["speak", "draw"]), {"text": f"req {i}", "seed": i}) for i in range(40)]
+        requests = [Request(rng.choice(["speech", "image"]), {"text": f"req {i}", "seed": i}) for i in range(40)]
         runs = [asyncio.ensure_future(d.run(r)) for r in requests]
         aborted = set()
         for _ in range(15):
@@ -90,7 +90,7 @@ async def test_a_failing_node_fails_only_its_request() -> None:
     model._nodes["vae"] = flaky_vae
     async with Direct(model, PLACEMENTS["spread"]) as d:
         results = await asyncio.gather(
-            *(d.run(Request("draw", {"text": "t", "seed": s})) for s in range(8)), return_exceptions=True
+            *(d.run(Request("image", {"text": "t", "seed": s})) for s in range(8)), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, Exception)]
         assert failures and len(failures) < 8
@@ -98,7 +98,7 @@ async def test_a_failing_node_fails_only_its_request() -> None:
             assert isinstance(f, WalkExecutionError)
             assert (f.node, f.walk) == ("vae", "image_gen")
             assert "decoder exploded" in str(f)
-        assert await d.run(Request("speak", {"text": "still serving"}))
+        assert await d.run(Request("speech", {"text": "still serving"}))
         for _ in range(10):
             await asyncio.sleep(0)
         d.assert_empty()
@@ -109,5 +109,5 @@ async def test_invalid_requests_are_rejected_at_submit() -> None:
         with pytest.raises(ValueError, match="task must be one of"):
             d.core.submit(Request("sing", {"text": "la"}))
         with pytest.raises(ValueError, match="must be a non-empty string"):
-            d.core.submit(Request("speak", {"text": ""}))
+            d.core.submit(Request("speech", {"text": ""}))
         assert d.core.requests == {}

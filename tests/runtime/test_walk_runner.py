@@ -114,7 +114,7 @@ async def test_toy_image_walk_over_random_placements(seed: int) -> None:
     inputs = make_toy_inputs("a cat", cfg, seed=seed)
     rng = random.Random(seed)
     placement = {n: rng.randrange(3) for n in graph.nodes}
-    want = by_output(run_reference(graph, fns, inputs, ToyPlan(), state="draw"))
+    want = by_output(run_reference(graph, fns, inputs, ToyPlan(), state="image"))
     cluster = Cluster(graph, fns, placement, seed)
     persistent = {(n, k): v for n, vals in inputs.items() for k, v in vals.items()}
     await cluster.run_walk("image_gen", persistent)
@@ -127,7 +127,7 @@ async def test_toy_lm_walks_persist_across_walks_and_stream(seed: int) -> None:
     graph, fns = make_toy_graph(cfg), make_toy_nodes(cfg, seed=seed)
     inputs = make_toy_inputs("hello", cfg)
     placement = {n: random.Random(seed).randrange(2) for n in graph.nodes} | {"encoder": 1, "lm": 0}
-    emissions = run_reference(graph, fns, inputs, ToyPlan(), state="speak")
+    emissions = run_reference(graph, fns, inputs, ToyPlan(), state="speech")
     want = {k: v for k, v in by_output(emissions).items() if k[0] == "lm"}
     cluster = Cluster(graph, fns, placement, seed)
     persistent = {(n, k): v for n, vals in inputs.items() for k, v in vals.items()}

@@ -10,7 +10,7 @@ Three partitions, real torch compute with seeded random weights:
   combine)), vae): classifier-free guidance in a fixed-step flow loop; the per-step latent
   norms are accumulated and emitted once.
 
-Tasks: ``speak`` runs LM and Vocoder; ``draw`` runs Image.
+Tasks: ``speech`` runs LM and Vocoder; ``image`` runs Image.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ class ToyPlan:
     """The toy model's per-request walk state machine; ``state`` is the task name."""
 
     _first: ClassVar[dict[tuple[str, str], str]] = {
-        ("speak", "LM"): "prefill",
-        ("speak", "Vocoder"): "vocode",
-        ("draw", "Image"): "image_gen",
+        ("speech", "LM"): "prefill",
+        ("speech", "Vocoder"): "vocode",
+        ("image", "Image"): "image_gen",
     }
     _next: ClassVar[dict[str, str]] = {"prefill": "decode", "vocode": "vocode"}
 
@@ -197,10 +197,12 @@ def make_toy_nodes(cfg: ToyConfig = ToyConfig(), seed: int = 0) -> dict[str, Nod
 class ToyModel(Model):
     """`toy-composite` as a servable model: every node stateless, weights from ``seed``.
 
-    Request: ``Request(task="speak" | "draw", data={"text": ..., "seed": ...})``.
+    Request: ``Request(task="speech" | "image", data={"text": ..., "seed": ...})``. Audio
+    outputs are float32 samples at `audio_sample_rate`; images are uint8 [H, W].
     """
 
     name = "toy-composite"
+    audio_sample_rate = ToyConfig.sample_rate
 
     def __init__(self, seed: int = 0, **config: Any) -> None:
         self.seed = seed
@@ -223,7 +225,7 @@ class ToyModel(Model):
 
     def tasks(self) -> tuple[str, ...]:
         """Return the two tasks."""
-        return ("speak", "draw")
+        return ("speech", "image")
 
     def preprocess(self, request: Request) -> PreparedRequest:
         """Check the task and text; build inputs."""
