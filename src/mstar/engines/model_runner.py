@@ -126,6 +126,7 @@ class ModelRunner:
             block_tables=block_tables,
             kv_limits=np.concatenate(limit_parts) if has_masks else None,
             block_size=size,
+            seq_keys=np.fromiter((item.seq.arrival for item in out.scheduled), np.int64, num_seqs),
         )
         return PreparedBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -36,6 +36,8 @@ class AttentionMetadata:
         kv_limits: `[num_tokens]` exclusive end of the keys each query sees (positions
             within its own sequence), or None when every query is plain causal.
         block_size: slots per block.
+        seq_keys: `[num_seqs]` ids of the sequences, unique within the engine and stable
+            across steps (lets a backend keep per-sequence state between steps), or None.
     """
 
     num_tokens: int
@@ -45,6 +47,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     kv_limits: np.ndarray | None
     block_size: int
+    seq_keys: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

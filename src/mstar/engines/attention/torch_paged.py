@@ -3,6 +3,19 @@
 Decode tokens of a step are batched into one masked attention over keys gathered from
 their block tables (padded to the longest sequence); prefill chunks run one sequence
 at a time. Grouped-query attention never materialises repeated K/V heads.
+
+Decode staging (on by default): gathering every sequence's whole history from its blocks
+in every layer of every step copies the full cache per step, which dominates CPU decode
+at long contexts. With staging, the backend keeps per layer a contiguous copy of the
+decode batch's keys and values and appends one token per step; the copy is rebuilt from
+the paged cache (the source of truth) whenever the decode batch changes (a sequence
+joins, leaves or did anything but decode one token):
+
+```
+ paged cache (all layers)            staging, layer l   [batch row, kv head, position, dim]
+ [blk 7][blk 2][blk 9] ... ──gather on change──▶  row 0: s0 keys 0..L0-1 | next token appended
+                                                   row 1: s1 keys 0..L1-1 |
+```
 """
 
 from __future__ import annotations
@@ -23,14 +36,67 @@ def _slots_of(block_table: list[int] | np.ndarray, length: int, block_size: int)
     return table[positions // block_size] * block_size + positions % block_size
 
 
+class _DecodeStaging:
+    """Contiguous per-layer copies of the decode batch's keys and values."""
+
+    def __init__(self) -> None:
+        self.keys: tuple[int, ...] = ()
+        self.lens = np.zeros(0, dtype=np.int64)
+        self.capacity = 0
+        self.rebuild = True
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.active = False
+        self.rows: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def deactivate(self) -> None:
+        """Skip staging this step; the next decode step rebuilds."""
+        self.active = False
+        self.keys = ()
+
+    def plan(
+        self, keys: tuple[int, ...], lens: np.ndarray, max_len: int, device: torch.device
+    ) -> None:
+        """Decide whether this step can append to last step's copies or must rebuild."""
+        self.rebuild = not (
+            keys == self.keys
+            and len(lens) == len(self.lens)
+            and bool((lens == self.lens + 1).all())
+            and max_len <= self.capacity
+        )
+        if self.rebuild and max_len > self.capacity:
+            self.capacity = max(2 * self.capacity, -(-(max_len + 64) // 128) * 128)
+            self.buffers = {}
+        self.active = True
+        self.keys = keys
+        self.lens = lens.copy()
+        self.rows = torch.arange(len(lens), device=device)
+        self.positions = torch.from_numpy(lens - 1).to(device)
+
+    def layer_buffers(
+        self, k_cache: torch.Tensor, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = k_cache.data_ptr()
+        buffers = self.buffers.get(key)
+        if buffers is None or buffers[0].shape[0] < batch:
+            shape = (batch, k_cache.shape[-2], self.capacity, k_cache.shape[-1])
+            buffers = (
+                torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device),
+                torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device),
+            )
+            self.buffers[key] = buffers
+        return buffers
+
+
 class TorchPagedAttention:
     """Reference paged attention (`AttentionBackend`) written with torch ops only."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        """Create the backend for tensors on `device`."""
+    def __init__(self, device: torch.device | str = "cpu", *, decode_staging: bool = True) -> None:
+        """Create the backend for tensors on `device` (see the module notes on staging)."""
         self.device = torch.device(device)
+        self._staging = _DecodeStaging() if decode_staging else None
         self._decode_rows: torch.Tensor | None = None
-        self._decode_slots: torch.Tensor | None = None
+        self._decode_blocks: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._decode_shape = (0, 0)
         self._all_decode = False
@@ -55,23 +121,33 @@ class TorchPagedAttention:
         self._prefills = []
         if decode_ids:
             lens = seq_lens[decode_ids]
-            max_len = int(lens.max())
-            num_blocks = -(-max_len // size)
+            num_blocks = int(-(-lens.max() // size))
             tables = np.zeros((len(decode_ids), num_blocks), dtype=np.int64)
             for row, i in enumerate(decode_ids):
                 table = metadata.block_tables[i][:num_blocks]
                 tables[row, : len(table)] = table
-            positions = np.arange(max_len)
-            decode_slots = tables[:, positions // size] * size + positions % size
-            self._decode_slots = torch.from_numpy(decode_slots.reshape(-1)).to(self.device)
-            decode_mask = positions[None, :] < lens[:, None]
-            self._decode_mask = torch.from_numpy(decode_mask[:, None, None, :]).to(self.device)
+            # Whole blocks are gathered (large rows copy at memory speed); the tail of
+            # each sequence's last block, and shorter sequences' padding, is masked.
+            self._decode_blocks = torch.from_numpy(tables.reshape(-1)).to(self.device)
+            max_len = num_blocks * size
+            self._decode_mask = None
+            if not (lens == max_len).all():
+                visible = np.arange(max_len)[None, :] < lens[:, None]
+                additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
+                self._decode_mask = torch.from_numpy(additive[:, None, None, :]).to(self.device)
             self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(
                 self.device
             )
             self._decode_shape = (len(decode_ids), max_len)
         else:
             self._decode_rows = None
+        if self._staging is not None:
+            if decode_ids and metadata.seq_keys is not None:
+                keys = tuple(int(k) for k in metadata.seq_keys[decode_ids])
+                lens = seq_lens[decode_ids]
+                self._staging.plan(keys, lens, self._decode_shape[1], self.device)
+            else:
+                self._staging.deactivate()  # and break the append chain
         decode_set = set(decode_ids)
         for i in range(metadata.num_seqs):
             if i in decode_set:
@@ -107,10 +183,11 @@ class TorchPagedAttention:
         v_flat.index_copy_(0, self._slot_mapping, v)
         gqa = q.shape[1] != num_kv_heads
         if self._all_decode:
-            return self._decode(q, k_flat, v_flat, scale, gqa)
+            return self._decode(q, k, v, k_cache, v_cache, scale, gqa)
         out = torch.empty_like(q)
-        if self._decode_rows is not None:
-            out[self._decode_rows] = self._decode(q[self._decode_rows], k_flat, v_flat, scale, gqa)
+        rows = self._decode_rows
+        if rows is not None:
+            out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale, gqa)
         for start, end, slots, mask in self._prefills:
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
             ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
@@ -122,19 +199,41 @@ class TorchPagedAttention:
         return out
 
     def _decode(
-        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float, gqa: bool
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        gqa: bool,
     ) -> torch.Tensor:
-        assert self._decode_slots is not None and self._decode_mask is not None
         batch, max_len = self._decode_shape
-        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
-        ks = k_flat.index_select(0, self._decode_slots).view(batch, max_len, num_kv_heads, head_dim)
-        vs = v_flat.index_select(0, self._decode_slots).view(batch, max_len, num_kv_heads, head_dim)
+        num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        staging = self._staging
+        if staging is not None and staging.active:
+            k_stage, v_stage = staging.layer_buffers(k_cache, batch)
+            if staging.rebuild:
+                assert self._decode_blocks is not None
+                ks = k_cache.index_select(0, self._decode_blocks).view(shape)
+                vs = v_cache.index_select(0, self._decode_blocks).view(shape)
+                k_stage[:batch, :, :max_len].copy_(ks.transpose(1, 2))
+                v_stage[:batch, :, :max_len].copy_(vs.transpose(1, 2))
+            else:
+                # Append this step's token; the paged cache has it too.
+                k_stage[staging.rows, :, staging.positions] = k_new
+                v_stage[staging.rows, :, staging.positions] = v_new
+            keys = k_stage[:batch, :, :max_len]
+            values = v_stage[:batch, :, :max_len]
+        else:
+            assert self._decode_blocks is not None
+            keys = k_cache.index_select(0, self._decode_blocks).view(shape).transpose(1, 2)
+            values = v_cache.index_select(0, self._decode_blocks).view(shape).transpose(1, 2)
+        mask = self._decode_mask
+        if mask is not None and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            ks.transpose(1, 2),
-            vs.transpose(1, 2),
-            attn_mask=self._decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         return o.squeeze(2)
