@@ -58,8 +58,8 @@ class Direct:
             def stream_item(self, rid: str, slot: Slot, value: Any) -> None:
                 d._later(lambda: d.execute(d.core.stream_item(rid, slot, value)))
 
-            def node_value(self, to: int, rid: str, seq: int, key: ValueKey, value: Any) -> None:
-                d._later(d.workers[to].deliver, rid, seq, key, value)
+            def node_values(self, to: int, rid: str, seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+                d._later(d.workers[to].deliver, rid, seq, items)
 
         return Outbox()
 

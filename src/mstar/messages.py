@@ -28,7 +28,7 @@ __all__ = [
     "EmittedMsg",
     "InitWorker",
     "ListValue",
-    "NodeValueMsg",
+    "NodeValuesMsg",
     "PyValue",
     "ReleaseRequest",
     "SlotValue",
@@ -261,13 +261,13 @@ class ReleaseRequest(WireMessage):
     up_to_seq: int
 
 
-class NodeValueMsg(WireMessage):
-    """Worker to worker: a value for a node of the receiver, keyed as in `WalkRunner`."""
+class NodeValuesMsg(WireMessage):
+    """Worker to worker: values of one firing for nodes of the receiver, keyed as in `WalkRunner`."""
 
     request_id: str
     walk_seq: int
-    key: tuple[str, str, str, str]
-    value: Value
+    keys: list[tuple[str, str, str, str]]
+    values: list[Value]
 
 
 class WalkDoneMsg(WireMessage):
@@ -354,7 +354,7 @@ Message: TypeAlias = (
     | TensorBundle
     | StartWalkMsg
     | ReleaseRequest
-    | NodeValueMsg
+    | NodeValuesMsg
     | WalkDoneMsg
     | WalkFailedMsg
     | EmittedMsg

@@ -56,9 +56,9 @@ class Cluster:
                 await asyncio.sleep(0)  # let peers interleave, as engines do
                 return cluster.fns[node](inputs)
 
-            def send(self, to: int, key: ValueKey, value: Any) -> None:
+            def send(self, to: int, items: list[tuple[ValueKey, Any]]) -> None:
                 assert to != rank
-                cluster.in_flight.append((to, key, value))
+                cluster.in_flight.extend((to, key, value) for key, value in items)
                 asyncio.get_running_loop().call_soon(cluster._flush)
 
             def emit(self, node: str, name: str, modality: str, value: Any) -> None:

@@ -56,8 +56,8 @@ class WalkPorts(Protocol):
         """Run a local node on this request's inputs (batched by its engine)."""
         ...
 
-    def send(self, rank: int, key: ValueKey, value: Any) -> None:
-        """Send a value to the runner of this walk on another rank."""
+    def send(self, rank: int, items: list[tuple[ValueKey, Any]]) -> None:
+        """Send values (those of one firing) to the runner of this walk on another rank."""
         ...
 
     def emit(self, node: str, name: str, modality: str, value: Any) -> None:
@@ -134,6 +134,7 @@ class WalkRunner:
         self._others = sorted(set(node_ranks.values()) - {rank})
         self._inbox: dict[ValueKey, asyncio.Future[Any]] = {}
         self._fired: Counter[str] = Counter()
+        self._outgoing: dict[int, list[tuple[ValueKey, Any]]] = {}  # sent once per firing
         self._loop_passes: Counter[int] = Counter()
 
     def deliver(self, key: ValueKey, value: Any) -> None:
@@ -177,6 +178,7 @@ class WalkRunner:
                     self._route(node, tag, name, value, edges, env, accs)
                 else:
                     self._expect_edges(node, tag, edges, env, accs)
+            self._flush()
         else:
             assert isinstance(sec, DynamicLoop)
             inner = stops | {sec.stop}
@@ -244,9 +246,17 @@ class WalkRunner:
                 env.signals[name] = value
                 if name in stops:
                     for r in self._others:
-                        self.ports.send(r, (node.name, tag, SIGNAL, name), value)
+                        self._outgoing.setdefault(r, []).append(((node.name, tag, SIGNAL, name), value))
             else:
                 self._route(node, tag, name, value, [e for e in node.outputs if e.name == name], env, accs)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what a firing produced for other ranks: one message per rank."""
+        if self._outgoing:
+            for rank, items in self._outgoing.items():
+                self.ports.send(rank, items)
+            self._outgoing = {}
 
     def _route(self, node: GraphNode, tag: str, name: str, value: Any, edges: list[Edge], env: _Env, accs: list[_Acc]) -> None:
         acc = next((a for a in reversed(accs) if name in a.names), None)
@@ -268,7 +278,7 @@ class WalkRunner:
                 if rank == self.rank:
                     env.values[(e.dst, e.name)] = value
                 elif rank is not None:
-                    self.ports.send(rank, (node.name, tag, e.dst, e.name), value)
+                    self._outgoing.setdefault(rank, []).append(((node.name, tag, e.dst, e.name), value))
 
     def _expect(self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
         """Account for a remote node's firing: placeholders for what it sends here."""

@@ -15,7 +15,7 @@ from mstar.messages import (
     ActorId,
     EmittedMsg,
     InitWorker,
-    NodeValueMsg,
+    NodeValuesMsg,
     ReleaseRequest,
     StartWalkMsg,
     StateQuery,
@@ -71,9 +71,12 @@ class Worker(Actor):
 
     async def handle(self, message: Any) -> Any:
         """Start walks, take values from peers, release requests."""
-        if isinstance(message, NodeValueMsg):
-            key: ValueKey = tuple(message.key)  # type: ignore[assignment]
-            self.core.deliver(message.request_id, message.walk_seq, key, from_wire(message.value))
+        if isinstance(message, NodeValuesMsg):
+            items: list[tuple[ValueKey, Any]] = [
+                (tuple(k), from_wire(v))  # type: ignore[misc]
+                for k, v in zip(message.keys, message.values, strict=True)
+            ]
+            self.core.deliver(message.request_id, message.walk_seq, items)
         elif isinstance(message, StartWalkMsg):
             initial = from_slots(message.initial)
             self.core.start_walk(
@@ -116,10 +119,13 @@ class Worker(Actor):
         wire = to_wire(value) if self._is_remote(self.conductor) else value
         self.conductor.tell(StreamItemMsg(request_id, slot[0], slot[1], wire))
 
-    def node_value(self, rank: int, request_id: str, walk_seq: int, key: ValueKey, value: Any) -> None:
-        """Send a value straight to the worker of another rank."""
+    def node_values(self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+        """Send values straight to the worker of another rank (one message)."""
         ref = self.workers[rank]
-        self.workers[rank].tell(NodeValueMsg(request_id, walk_seq, key, to_wire(value) if self._is_remote(ref) else value))
+        remote = self._is_remote(ref)
+        keys = [key for key, _ in items]
+        values = [to_wire(v) if remote else v for _, v in items]
+        ref.tell(NodeValuesMsg(request_id, walk_seq, keys, values))
 
 
 class WorkerHost(Actor):

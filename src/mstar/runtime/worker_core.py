@@ -53,8 +53,8 @@ class WorkerOutbox(Protocol):
         """Send a stream item to the conductor."""
         ...
 
-    def node_value(self, rank: int, request_id: str, walk_seq: int, key: ValueKey, value: Any) -> None:
-        """Send a value to the worker of another rank."""
+    def node_values(self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+        """Send values to the worker of another rank."""
         ...
 
 
@@ -91,8 +91,8 @@ class _Ports:
             return engine.loop(self.request_id, inputs, max_iters)
         return None
 
-    def send(self, rank: int, key: ValueKey, value: Any) -> None:
-        self.worker.outbox.node_value(rank, self.request_id, self.walk_seq, key, value)
+    def send(self, rank: int, items: list[tuple[ValueKey, Any]]) -> None:
+        self.worker.outbox.node_values(rank, self.request_id, self.walk_seq, items)
 
     def emit(self, node: str, name: str, modality: str, value: Any) -> None:
         part = self.worker.graph.node_partition[node]
@@ -183,13 +183,14 @@ class WorkerCore:
         for value_key, value in self.early.pop(key, ()):
             runner.deliver(value_key, value)
 
-    def deliver(self, request_id: str, walk_seq: int, key: ValueKey, value: Any) -> None:
-        """Accept a value from another rank's share of a walk."""
+    def deliver(self, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+        """Accept values from another rank's share of a walk."""
         runner = self.runners.get((request_id, walk_seq))
         if runner is not None:
-            runner.deliver(key, value)
+            for key, value in items:
+                runner.deliver(key, value)
         elif not self._is_released(request_id, walk_seq):
-            self.early.setdefault((request_id, walk_seq), []).append((key, value))
+            self.early.setdefault((request_id, walk_seq), []).extend(items)
 
     def release(self, request_id: str, up_to_seq: int) -> None:
         """Drop everything held for a request's walks up to ``up_to_seq``."""
