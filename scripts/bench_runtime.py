@@ -21,7 +21,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mstar.bench import BenchRequest, ClosedLoop, OutputEvent, make_requests, print_table, run_benchmark
+from mstar.bench import (
+    BenchRequest,
+    ClosedLoop,
+    OutputEvent,
+    make_requests,
+    print_table,
+    run_benchmark,
+)
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 
 LOOP = "asyncio"
