@@ -21,8 +21,8 @@ without constrained decoding) are dropped. Tokens after end of speech are ignore
 Against one decode of all frames at once: SNAC's receptive field is about 3 frames each way,
 so a stream of at most 4 frames (one window) is the same audio; in longer streams the first
 and last frames keep nearly all their context, while the middle frames (one frame of left
-and two of right context, as in the reference streamer) differ slightly (about 0.5 % RMS
-with random weights).
+and two of right context, as in the reference streamer) differ slightly (0.2-0.7 % RMS with
+random weights).
 
 The rule reads the token stream, not the chunk geometry, so it holds for any chunking; in
 particular for the final chunk of a sliding window, which may carry no items at all (when the
@@ -30,8 +30,8 @@ last window ended the stream). The end of the stream therefore needs the last wi
 which `AudioStreamState` keeps: a request's state is a few dozen integers, passed in and
 returned by `plan_chunk`.
 
-A window's noise seed is ``window_seed(state.noise_seed, first_frame)``, so a window decodes
-the same wherever it is decoded, and the tail re-decode equals the window it repeats.
+A window's noise seed is ``window_seed(state.noise_seed, first_frame)``, so a window gets the
+same noise wherever and however often it is decoded (the tail re-decodes the last window).
 """
 
 from __future__ import annotations
