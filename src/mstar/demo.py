@@ -1,11 +1,14 @@
-"""The demo behind `mstar demo`: a composite model declared as a graph, run end to end.
+"""The demo behind `mstar demo`: a composite model declared as a graph, served end to end.
 
-It builds the `toy-composite` model, prints its text IR, then runs one request per task
-through the reference interpreter and reports what each partition emitted.
+It builds the `toy-composite` model and prints its text IR, then serves one request per
+task through `AsyncEngine` (conductor and worker actors; nodes spread over two worker
+ranks), streams the outputs as they come, and checks them against the reference
+interpreter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import wave
 from collections import Counter
@@ -13,10 +16,17 @@ from pathlib import Path
 
 import torch
 
-from mstar.graph import Emission, run_reference
-from mstar.zoo.toy import ToyConfig, ToyPlan, make_toy_graph, make_toy_inputs, make_toy_nodes
+from mstar.graph import run_reference
+from mstar.runtime import AsyncEngine, Output, Placement, Request
+from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
 
 __all__ = ["run_demo"]
+
+PLACEMENT = """
+node_groups:
+  - {node_names: [encoder, lm, init, cond, uncond], ranks: [0]}
+  - {node_names: [vocoder, combine, vae], ranks: [1]}
+"""
 
 
 def _write_wav(path: Path, audio: torch.Tensor, sample_rate: int) -> None:
@@ -28,42 +38,54 @@ def _write_wav(path: Path, audio: torch.Tensor, sample_rate: int) -> None:
         f.writeframes(pcm)
 
 
-def _summarise(emissions: list[Emission]) -> str:
-    counts = Counter((e.partition, e.walk, e.name, e.modality) for e in emissions)
-    return "\n".join(
-        f"    {part:8s} {walk:10s} {name:6s} [{modality}] x{n}" for (part, walk, name, modality), n in counts.items()
-    )
+def _same(outputs: list[Output], model: ToyModel, request: Request) -> bool:
+    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0))
+    want = run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task)
+    got = [(o.node, o.name) for o in outputs]
+    if sorted(got) != sorted((e.node, e.name) for e in want):
+        return False
+    by_key: dict[tuple[str, str], list[torch.Tensor]] = {}
+    for o in outputs:
+        by_key.setdefault((o.node, o.name), []).append(torch.as_tensor(o.data))
+    return all(torch.equal(by_key[(e.node, e.name)].pop(0), torch.as_tensor(e.value)) for e in want)
+
+
+async def _serve(model: ToyModel, text: str, out: Path | None, seed: int) -> int:
+    placement = Placement.from_yaml(PLACEMENT)
+    print("placement:", "; ".join(f"{g.node_names} -> ranks {g.ranks}" for g in placement.groups))
+    async with await AsyncEngine.start(model, placement) as engine:
+        for task in ("speech", "image"):
+            request = Request(task, {"text": text, "seed": seed}, request_id=f"demo-{task}")
+            start = time.perf_counter()
+            outputs: list[Output] = []
+            first_ms = None
+            async for output in engine.generate(request):
+                if first_ms is None:
+                    first_ms = (time.perf_counter() - start) * 1e3
+                outputs.append(output)
+            took_ms = (time.perf_counter() - start) * 1e3
+            counts = Counter((o.walk, o.name, o.modality) for o in outputs)
+            print(f"request {task!r}: {len(outputs)} outputs in {took_ms:.1f} ms (first after {first_ms:.1f} ms)")
+            for (walk, name, modality), n in counts.items():
+                print(f"    {walk:10s} {name:6s} [{modality}] x{n}")
+            if task == "speech":
+                audio = torch.cat([o.data for o in outputs if o.name == "audio"])
+                print(f"    audio: {audio.numel() / model.audio_sample_rate:.3f} s at {model.audio_sample_rate} Hz")
+                if out is not None:
+                    _write_wav(out, audio, model.audio_sample_rate)
+                    print(f"    wrote {out}")
+            else:
+                image = next(o.data for o in outputs if o.name == "image")
+                print(f"    image: {tuple(image.shape)} {image.dtype}")
+            verdict = "identical to" if _same(outputs, model, request) else "DIFFERENT FROM"
+            print(f"    outputs are {verdict} the reference interpreter's")
+            print()
+    return 0
 
 
 def run_demo(text: str = "Hello from mstar!", out: Path | None = None, seed: int = 0) -> int:
-    """Build, print and run the toy composite model; write its audio to ``out`` if given."""
-    cfg = ToyConfig()
-    graph = make_toy_graph(cfg)
-    nodes = make_toy_nodes(cfg, seed=seed)
-    inputs = make_toy_inputs(text, cfg, seed=seed)
-    print(graph)
+    """Print the toy model's graph, serve one request per task, write the audio to ``out``."""
+    model = ToyModel(seed=seed)
+    print(model.graph())
     print()
-    for task in ("speech", "image"):
-        start = time.perf_counter()
-        emissions = run_reference(graph, nodes, inputs, ToyPlan(), state=task, request_id=f"demo-{task}")
-        took_ms = (time.perf_counter() - start) * 1e3
-        print(f"request {task!r} ({took_ms:.1f} ms, reference interpreter): {len(emissions)} outputs")
-        print(_summarise(emissions))
-        if task == "speech":
-            tokens = [int(e.value) for e in emissions if e.name == "token"]
-            audio = torch.cat([e.value for e in emissions if e.name == "audio"])
-            first_audio = next(i for i, e in enumerate(emissions) if e.name == "audio")
-            print(f"    tokens: {tokens}")
-            print(
-                f"    audio: {audio.numel()} samples = {audio.numel() / cfg.sample_rate:.3f} s at "
-                f"{cfg.sample_rate} Hz; first audio chunk after {first_audio} of {len(emissions)} outputs (streamed)"
-            )
-            if out is not None:
-                _write_wav(out, audio, cfg.sample_rate)
-                print(f"    wrote {out}")
-        else:
-            image = next(e.value for e in emissions if e.name == "image")
-            norms = next(e.value for e in emissions if e.name == "norm")
-            print(f"    image: {tuple(image.shape)} {image.dtype}; latent norm per flow step: {[round(float(v), 3) for v in norms]}")
-        print()
-    return 0
+    return asyncio.run(_serve(model, text, out, seed))
