@@ -25,6 +25,9 @@ def test_real_layout_has_the_published_ids() -> None:
     assert REAL.audio_id(6, 4095) == 156937
     assert REAL.num_ids == 156938  # the real vocab of 156,940 pads two more
     assert MICRO.num_ids == 970
+    assert REAL.split_audio_id(128266 + 3 * 4096 + 9) == (3, 9)
+    assert REAL.split_audio_id(156937) == (6, 4095)
+    assert REAL.split_audio_id(128265) is None and REAL.split_audio_id(156938) is None
 
 
 @settings(max_examples=60, deadline=None)

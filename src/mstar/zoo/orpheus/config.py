@@ -147,6 +147,14 @@ class TokenLayout:
             raise ValueError(f"code must be in [0, {self.codebook_size}), got {code}")
         return self.audio_start + position * self.codebook_size + code
 
+    def split_audio_id(self, token_id: int) -> tuple[int, int] | None:
+        """Return ``(position, code)`` of an audio id, or None for any other id."""
+        offset = token_id - self.audio_start
+        if not 0 <= offset < FRAME_SIZE * self.codebook_size:
+            return None
+        position, code = divmod(offset, self.codebook_size)
+        return position, code
+
     def audio_range(self, position: int) -> tuple[int, int]:
         """Return the ``[start, end)`` ids allowed at frame ``position``."""
         start = self.audio_start + position * self.codebook_size

@@ -70,7 +70,7 @@ class AudioLogitsProcessor:
 
 
 def audio_code(layout: TokenLayout, token_id: int, index: int) -> int:
-    """Return the code of the ``index``-th audio token of a stream.
+    """Return the code of the ``index``-th audio token of a stream (its position is ``index % 7``).
 
     Raises:
         AudioTokenError: ``token_id`` is not an audio id for position ``index % 7``.
@@ -82,8 +82,9 @@ def audio_code(layout: TokenLayout, token_id: int, index: int) -> int:
         return code
     where = f"audio token {index} (frame {index // FRAME_SIZE}, position {position})"
     expected = f"expected an id in [{start}, {start + layout.codebook_size})"
-    if layout.audio_start <= token_id < layout.num_ids:
-        other = (token_id - layout.audio_start) // layout.codebook_size
+    split = layout.split_audio_id(token_id)
+    if split is not None:
+        other = split[0]
         raise AudioTokenError(
             f"{where} is {token_id}, an audio id for position {other}: {expected}; "
             "enable constrained decoding for weights that do not keep the frame layout"
