@@ -311,7 +311,13 @@ async def mstar_runs(
 
 
 def gbps(samples_ns: list[int]) -> float:
-    return TENSOR_BYTES / statistics.median(samples_ns)  # bytes per ns == GB/s
+    """Median handoff throughput in GB/s (bytes per ns)."""
+    return TENSOR_BYTES / statistics.median(samples_ns)
+
+
+def best_gbps(samples_ns: list[int]) -> float:
+    """Throughput of the fastest handoff: what the path does when the machine lets it."""
+    return TENSOR_BYTES / min(samples_ns)
 
 
 # -------------------------------------------------------------------------------------- main
@@ -373,6 +379,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "raw /dev/shm copy": gbps(shm_floor),
                     "raw pyzmq send": gbps(floor["tensor"]),
                 },
+                "handoff_best_gbps": {
+                    "shm arena": best_gbps(ours["tensor"]),
+                    "raw /dev/shm copy": best_gbps(shm_floor),
+                },
             }
     finally:
         await asyncio.to_thread(shm_peer.stop)
@@ -415,7 +425,7 @@ def report(results: dict[str, Any], loop: str) -> list[str]:
         if not ok:
             failures.append(f"{name} ask p50 ratio {p50:.2f}x > {target}x")
     print()
-    print("16 MiB tensor handoff (an ask carrying the tensor, acknowledged by the receiver), GB/s:")
+    print("16 MiB tensor handoff (an ask carrying the tensor, acknowledged by the receiver), median GB/s:")
     for name, r in results.items():
         cells = ", ".join(f"{k} {v:.1f}" for k, v in r["handoff_gbps"].items())
         print(f"  {name:<8} {cells}")
@@ -423,7 +433,12 @@ def report(results: dict[str, Any], loop: str) -> list[str]:
             shm = r["handoff_gbps"]["shm arena"]
             ok = shm >= 10.0
             ratio = shm / r["handoff_gbps"]["raw /dev/shm copy"]
-            print(f"  {'':<8} shm arena / raw copy {ratio:.2f}x; target >= 10 GB/s: {'PASS' if ok else 'FAIL'}")
+            best = r["handoff_best_gbps"]
+            print(
+                f"  {'':<8} shm arena / raw copy {ratio:.2f}x; target >= 10 GB/s (median): "
+                f"{'PASS' if ok else 'FAIL'}; fastest handoff {best['shm arena']:.1f} GB/s, "
+                f"fastest raw copy {best['raw /dev/shm copy']:.1f} GB/s"
+            )
             if not ok:
                 failures.append(f"{name} shm handoff {shm:.1f} GB/s < 10")
     return failures

@@ -293,7 +293,7 @@ def get_transport(address: Address) -> Transport:
 def listen(
     address: str, make_codec: Callable[[], LinkCodec], *, allow_remote: bool = False
 ) -> Listener:
-    """Bind a listener at `address`.
+    """Bind a listener at `address`; call it from a coroutine (the running loop drives it).
 
     Args:
         address: `inproc://NAME`, `ipc://PATH` (`ipc://` picks a private path) or
@@ -306,6 +306,9 @@ def listen(
 
 
 def connect(address: str, codec: LinkCodec) -> Channel:
-    """Open a channel to the listener at `address`."""
+    """Open a channel to the listener at `address`; call it from a coroutine.
+
+    Messages sent before the peer is reached wait in the channel (ZeroMQ reconnects).
+    """
     parsed = parse_address(address)
     return get_transport(parsed).connect(parsed, codec)
