@@ -15,6 +15,7 @@ __all__ = [
     "MessageTooLargeError",
     "InvalidAddressError",
     "MStarError",
+    "WorkerLostError",
     "ModelLoadError",
     "EngineClosedError",
     "RequestAbortedError",
@@ -31,6 +32,9 @@ __all__ = [
     "CheckpointError",
     "UnsupportedModelError",
     "AudioTokenError",
+    "ServerConfigError",
+    "APIRequestError",
+    "OverloadedError",
 ]
 
 
@@ -155,3 +159,38 @@ class ModelLoadError(MStarError, RuntimeError):
 
 class AudioTokenError(MStarError, ValueError):
     """Raised when a speech LM emits a token that is not a valid audio code for its frame position."""
+
+
+class WorkerLostError(MStarError, RuntimeError):
+    """Raised when a worker process died while a request was using it (the worker is restarted)."""
+
+
+class ServerConfigError(MStarError, ValueError):
+    """Raised when server settings are invalid, e.g. a non-loopback bind without an API key."""
+
+
+class APIRequestError(MStarError, ValueError):
+    """Raised when an HTTP API request is invalid; carries the HTTP status and the offending field."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+
+
+class OverloadedError(MStarError, RuntimeError):
+    """Raised when the server's admission queue is full (answered 503 with Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -37,6 +37,7 @@ __all__ = [
     "StateReport",
     "StreamItemMsg",
     "TensorValue",
+    "UpdatePeer",
     "Value",
     "WalkDoneMsg",
     "WalkFailedMsg",
@@ -335,6 +336,13 @@ class WorkerReady(WireMessage):
     worker: ActorId
 
 
+class UpdatePeer(WireMessage):
+    """Engine to conductor and workers: the worker of ``rank`` now runs as ``worker``."""
+
+    rank: int
+    worker: ActorId
+
+
 class StateQuery(WireMessage):
     """Ask a conductor or worker how much request state it holds (answered by `StateReport`)."""
 
@@ -363,6 +371,7 @@ Message: TypeAlias = (
     | WorkerReady
     | StateQuery
     | StateReport
+    | UpdatePeer
 )
 
 

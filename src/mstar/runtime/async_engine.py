@@ -28,8 +28,8 @@ from mstar.actors import ActorRef, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess
 from mstar.engines.stateless import StatelessEngineConfig
 from mstar.errors import MStarError
-from mstar.messages import ActorId, InitWorker, StateQuery, StateReport, WorkerReady
-from mstar.runtime.conductor import END, Abort, Conductor, Submit
+from mstar.messages import ActorId, InitWorker, StateQuery, StateReport, UpdatePeer, WorkerReady
+from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
 from mstar.runtime.model import Model, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
@@ -54,6 +54,8 @@ class EngineConfig:
         max_wait_s: How long a short stateless batch waits to fill.
         loop: Event loop of worker processes, "asyncio" or "uvloop".
         system: Actor-system settings (heartbeats, arena size).
+        watchdog_interval_s: How often worker processes are checked; a dead one fails the
+            requests that used it (`WorkerLostError`) and is restarted.
     """
 
     worker_processes: bool = False
@@ -63,6 +65,7 @@ class EngineConfig:
     max_wait_s: float = 0.0
     loop: str = "asyncio"
     system: SystemConfig = field(default_factory=SystemConfig)
+    watchdog_interval_s: float = 0.25
 
     def worker_config(self, rank: int) -> WorkerConfig:
         """Return the config of the worker of ``rank``."""
@@ -86,6 +89,9 @@ class AsyncEngine:
         self.conductor: ActorRef | None = None
         self.workers: dict[int, ActorRef] = {}
         self.processes: dict[int, SystemProcess] = {}
+        self.spec: ModelSpec | None = None
+        self.num_restarts = 0
+        self._watchdog: asyncio.Task[None] | None = None
         self._is_closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -119,6 +125,7 @@ class AsyncEngine:
         if config.worker_processes and spec is None:
             raise MStarError("worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)")
         engine = cls(instance, placement, config)
+        engine.spec = spec
         await engine.system.__aenter__()
         try:
             await engine._start_actors(spec)
@@ -130,20 +137,14 @@ class AsyncEngine:
 
     async def _start_actors(self, spec: ModelSpec | None) -> None:
         ranks = self.placement.ranks
-        address = self.system.address
         if self.config.worker_processes:
-            assert spec is not None
             await self.system.serve("ipc://")
-            address = self.system.addresses[-1]
             for rank in ranks:
-                self.processes[rank] = SystemProcess(
-                    "mstar.runtime.worker:setup_worker_host", config=self.config.system, loop=self.config.loop
-                )
+                self.processes[rank] = self._make_process()
             await asyncio.gather(*(asyncio.to_thread(p.start) for p in self.processes.values()))
             self.workers = {r: self.system.ref(worker_name(r), p.addresses[0]) for r, p in self.processes.items()}
         else:
             self.workers = {r: self.system.ref(worker_name(r)) for r in ranks}
-        conductor_id = ActorId(address, CONDUCTOR)
         self.conductor = await self.system.spawn(
             lambda: Conductor(self.model, self.graph, self.resolved, self.workers), name=CONDUCTOR
         )
@@ -151,22 +152,58 @@ class AsyncEngine:
             for rank in ranks:
                 await self.system.spawn(self._worker_factory(rank, self.conductor), name=worker_name(rank))
             return
-        assert spec is not None
-        ids = {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()}
-        for rank, proc in self.processes.items():
-            host = self.system.ref(HOST_NAME, proc.addresses[0])
-            init = InitWorker(
-                rank,
-                spec.factory,
-                json.dumps(dict(spec.kwargs)),
-                self.placement.to_yaml(),
-                conductor_id,
-                ids,
-                msgspec.json.encode(self.config.worker_config(rank)).decode(),
-            )
-            ready = await host.ask(init, timeout=300.0)
-            if not isinstance(ready, WorkerReady):
-                raise MStarError(f"rank {rank} did not start: {ready!r}")
+        await asyncio.gather(*(self._init_worker(rank) for rank in ranks))
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="mstar-watchdog")
+
+    def _make_process(self) -> SystemProcess:
+        return SystemProcess("mstar.runtime.worker:setup_worker_host", config=self.config.system, loop=self.config.loop)
+
+    async def _init_worker(self, rank: int) -> None:
+        assert self.spec is not None
+        proc = self.processes[rank]
+        host = self.system.ref(HOST_NAME, proc.addresses[0])
+        init = InitWorker(
+            rank,
+            self.spec.factory,
+            json.dumps(dict(self.spec.kwargs)),
+            self.placement.to_yaml(),
+            ActorId(self.system.addresses[-1], CONDUCTOR),
+            {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()},
+            msgspec.json.encode(self.config.worker_config(rank)).decode(),
+        )
+        ready = await host.ask(init, timeout=300.0)
+        if not isinstance(ready, WorkerReady):
+            raise MStarError(f"rank {rank} did not start: {ready!r}")
+
+    async def _watch(self) -> None:
+        """Restart dead worker processes; fail the requests that were using them."""
+        while True:
+            await asyncio.sleep(self.config.watchdog_interval_s)
+            for rank, proc in list(self.processes.items()):
+                if proc.is_alive or self._is_closed:
+                    continue
+                log.error("worker_lost", rank=rank, pid=proc.pid)
+                assert self.conductor is not None
+                self.conductor.tell(WorkerLost(rank))
+                proc.kill()  # reap it
+                try:
+                    await self._restart(rank)
+                except Exception:
+                    log.exception("worker_restart_failed", rank=rank)
+
+    async def _restart(self, rank: int) -> None:
+        proc = self.processes[rank] = self._make_process()
+        await asyncio.to_thread(proc.start)
+        ref = self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
+        await self._init_worker(rank)
+        update = UpdatePeer(rank, ActorId(ref.address, ref.name))
+        assert self.conductor is not None
+        self.conductor.tell(update)
+        for other, peer in self.workers.items():
+            if other != rank:
+                peer.tell(update)
+        self.num_restarts += 1
+        log.info("worker_restarted", rank=rank, pid=proc.pid)
 
     def _worker_factory(self, rank: int, conductor: ActorRef) -> Callable[[], Worker]:
         config = self.config.worker_config(rank)
@@ -177,6 +214,10 @@ class AsyncEngine:
         if self._is_closed:
             return
         self._is_closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
         if self.conductor is not None:
             with contextlib.suppress(Exception):
                 await self.system.stop(self.conductor)

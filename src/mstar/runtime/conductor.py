@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.actors import Actor, ActorRef
-from mstar.errors import MStarError, RequestAbortedError, WalkExecutionError
+from mstar.errors import MStarError, RequestAbortedError, WalkExecutionError, WorkerLostError
 from mstar.graph import Emission, ModelGraph
 from mstar.messages import (
     EmittedMsg,
@@ -17,6 +17,7 @@ from mstar.messages import (
     StateQuery,
     StateReport,
     StreamItemMsg,
+    UpdatePeer,
     WalkDoneMsg,
     WalkFailedMsg,
 )
@@ -32,7 +33,7 @@ from mstar.runtime.conductor_core import (
 from mstar.runtime.model import Model, Request
 from mstar.runtime.values import from_slots, from_wire, to_slots
 
-__all__ = ["END", "Abort", "Conductor", "Submit"]
+__all__ = ["END", "Abort", "Conductor", "Submit", "WorkerLost"]
 
 END = object()
 """Put on a request's output queue after its last output."""
@@ -54,6 +55,13 @@ class Abort:
     """Abort a request (in-process only)."""
 
     request_id: str
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The worker of ``rank`` died (in-process only; sent by the engine's watchdog)."""
+
+    rank: int
 
 
 class Conductor(Actor):
@@ -88,6 +96,12 @@ class Conductor(Actor):
                 return None
         elif isinstance(message, Abort):
             commands = core.abort(message.request_id)
+        elif isinstance(message, WorkerLost):
+            error = WorkerLostError(f"the worker of rank {message.rank} died; it is being restarted")
+            commands = core.worker_lost(message.rank, error)
+        elif isinstance(message, UpdatePeer):
+            self.workers[message.rank] = self.system.ref(message.worker)
+            return None
         elif isinstance(message, StateQuery):
             return StateReport({"requests": len(core.requests), "client_queues": len(self.queues)})
         else:

@@ -206,6 +206,14 @@ class ConductorCore:
             return []
         return self._fail(req, error, [])
 
+    def worker_lost(self, rank: int, error: Exception) -> list[Command]:
+        """Fail every request that used ``rank`` (its walks or cached state died with it)."""
+        out: list[Command] = []
+        for req in [r for r in self.requests.values() if rank in r.ranks_used]:
+            req.ranks_used.discard(rank)
+            self._fail(req, error, out)
+        return out
+
     def abort(self, request_id: str) -> list[Command]:
         """Abort a request and release everything held for it."""
         req = self.requests.get(request_id)

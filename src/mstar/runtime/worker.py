@@ -21,6 +21,7 @@ from mstar.messages import (
     StateQuery,
     StateReport,
     StreamItemMsg,
+    UpdatePeer,
     WalkDoneMsg,
     WalkFailedMsg,
     WorkerReady,
@@ -84,6 +85,8 @@ class Worker(Actor):
             )
         elif isinstance(message, ReleaseRequest):
             self.core.release(message.request_id, message.up_to_seq)
+        elif isinstance(message, UpdatePeer):
+            self.workers[message.rank] = self.system.ref(message.worker)
         elif isinstance(message, StateQuery):
             return StateReport(self.core.held_state())
         else:
