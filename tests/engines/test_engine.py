@@ -294,3 +294,12 @@ def test_decode_staging_matches_plain_gather(tiny_llama: LlamaCausalLM) -> None:
     assert staged.keys() == plain.keys()
     for name in staged:
         torch.testing.assert_close(torch.stack(staged[name]), torch.stack(plain[name]))
+
+
+def test_torch_compile_option_keeps_outputs(tiny_llama: LlamaCausalLM) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    eager = _engine(tiny_llama).generate(prompts, SamplingParams.greedy(6))
+    compiled = _engine(tiny_llama, compile_backend="eager").generate(
+        prompts, SamplingParams.greedy(6)
+    )
+    assert compiled == eager

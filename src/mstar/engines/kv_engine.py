@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import structlog
 import torch
@@ -58,6 +58,8 @@ class KVCacheEngineConfig:
         cuda_graphs: replay decode steps from CUDA graphs (CUDA only).
         cuda_graph_max_len: longest sequence a graph-replayed decode step may hold (the
             graph attends over this many key positions; longer steps run eagerly).
+        compile_backend: run the model through `torch.compile` with this backend
+            (e.g. "inductor"); None runs it eagerly.
     """
 
     block_size: int = 16
@@ -70,6 +72,7 @@ class KVCacheEngineConfig:
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     cuda_graphs: bool = True
     cuda_graph_max_len: int = 4096
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -137,6 +140,10 @@ class KVCacheEngine:
         kv_cache = allocate_kv_cache(spec, num_blocks, config.block_size, self.device)
         self.kv_cache_bytes = kv_cache.numel() * kv_cache.element_size()
         backend = _make_backend(config.attention_backend, self.device)
+        if config.compile_backend is not None:
+            # Attention calls stay outside the compiled graphs (graph breaks): the
+            # projections, norms and MLPs around them are what gets fused.
+            model = cast(PagedModel, torch.compile(model, backend=config.compile_backend, dynamic=True))
         self.runner = ModelRunner(
             model, kv_cache, backend, block_size=config.block_size, device=self.device
         )

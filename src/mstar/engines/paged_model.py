@@ -20,6 +20,7 @@ class PagedKVContext:
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
+    @torch.compiler.disable
     def attend(
         self,
         layer_index: int,
@@ -28,7 +29,11 @@ class PagedKVContext:
         v: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V of layer `layer_index` and attend (see `AttentionBackend`)."""
+        """Write this step's K/V of layer `layer_index` and attend (see `AttentionBackend`).
+
+        Never traced by `torch.compile`: backends keep per-step Python state (plans,
+        staging) that compiled graphs must not freeze.
+        """
         return self.backend.forward(q, k, v, self.kv_caches[layer_index], scale)
 
 
