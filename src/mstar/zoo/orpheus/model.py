@@ -1,0 +1,249 @@
+"""Orpheus TTS as an mstar model: a Llama speech LM streaming audio tokens into SNAC.
+
+Partition ``LLM`` (KV cache): ``prefill`` samples the first audio token from the prompt;
+``decode`` is a `DynamicLoop` over the LLM (the engine's decode loop) until end of speech
+or ``max_tokens``. Every sampled token streams to partition ``SNAC`` through
+`SlidingWindowChunkPolicy(28, 7)`; walk ``snac_chunk`` fires per window, decodes it (many
+requests' windows in one codec call) and emits the new frames' 24 kHz samples. The codec's
+per-request progress (`AudioStreamState`) persists from chunk to chunk, so the final chunk
+flushes the tail: every generated frame is emitted exactly once.
+
+Request: ``Request("speech", {"text": ..., "voice": "tara", "max_tokens": ..., "temperature":
+..., "top_p": ..., "repetition_penalty": ..., "seed": ...})``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from mstar.engines.kv_engine import KVCacheEngineConfig
+from mstar.engines.kv_node import KVTurn
+from mstar.engines.sampling_params import SamplingParams
+from mstar.graph import (
+    EMIT,
+    Connection,
+    DynamicLoop,
+    GraphEdge,
+    GraphNode,
+    ModelGraph,
+    StreamingGraphEdge,
+)
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.streaming import Chunk, SlidingWindowChunkPolicy
+from mstar.zoo.llama import LlamaCausalLM
+from mstar.zoo.orpheus.audio import SAMPLE_RATE
+from mstar.zoo.orpheus.checkpoint import (
+    load_orpheus_codec,
+    load_orpheus_llm,
+    make_random_checkpoint,
+)
+from mstar.zoo.orpheus.codec import SnacCodec
+from mstar.zoo.orpheus.config import OrpheusConfig, TokenLayout, get_orpheus_config
+from mstar.zoo.orpheus.constrained import AudioLogitsProcessor
+from mstar.zoo.orpheus.stream import AudioStreamState, decode_chunks
+from mstar.zoo.orpheus.tokens import OrpheusTokenizer
+
+__all__ = ["OrpheusModel", "make_orpheus_graph"]
+
+log = structlog.get_logger(__name__)
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
+
+
+def make_orpheus_graph() -> ModelGraph:
+    """Return Orpheus' graph: LLM prefill/decode streaming 28/7 windows into SNAC."""
+    llm = GraphNode(
+        "LLM",
+        {"tokens", "params"},
+        [GraphEdge("LLM", "tokens", persist=True), StreamingGraphEdge("snac_decoder", "tokens")],
+        signals={"stop"},
+    )
+    snac = GraphNode(
+        "snac_decoder",
+        {"tokens", "state"},
+        [GraphEdge(EMIT, "audio", modality="audio"), GraphEdge("snac_decoder", "state", persist=True)],
+    )
+    return ModelGraph(
+        name="orpheus",
+        walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "snac_chunk": snac},
+        partitions={"LLM": ["prefill", "decode"], "SNAC": ["snac_chunk"]},
+        connections=[Connection("LLM", "SNAC", "tokens", SlidingWindowChunkPolicy(28, 7))],
+        inputs={"LLM": {"tokens", "params"}, "snac_decoder": {"state"}},
+    )
+
+
+class OrpheusLLMNode:
+    """The ``LLM`` node: the speech LM on the paged KV cache."""
+
+    def __init__(self, model: LlamaCausalLM, engine_config: KVCacheEngineConfig, config: OrpheusConfig) -> None:
+        self.model = model
+        self.engine_config = engine_config
+        self.layout = config.layout
+        self.constrained = config.constrained
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        """Prefill the prompt for the first audio token; then decode the rest."""
+        params: dict[str, Any] = inputs["params"]
+        max_tokens = int(params["max_tokens"])
+        sampling = SamplingParams(
+            **{k: params[k] for k in _SAMPLING_KEYS if k in params},
+            max_tokens=1 if is_first else max(1, max_tokens - 1),
+            stop_token_ids=(self.layout.end_of_speech,),
+        )
+        if not is_first:
+            return KVTurn([], sampling)
+        prompt = [int(t) for t in inputs["tokens"]]
+        processor = AudioLogitsProcessor(self.layout, len(prompt)) if self.constrained else None
+        return KVTurn(prompt, sampling, logits_processor=processor)
+
+    def outputs(self, request_id: str, token_id: int, is_last: bool) -> Mapping[str, Any]:
+        """Stream the token to the codec; raise ``stop`` on the walk's last one."""
+        return {"tokens": token_id, "stop": is_last}
+
+
+class SnacNode:
+    """The ``snac_decoder`` node: one batched codec call for every request's chunk."""
+
+    def __init__(self, codec: SnacCodec, layout: TokenLayout, max_batch_size: int | None) -> None:
+        self.codec, self.layout, self.max_batch_size = codec, layout, max_batch_size
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Decode each request's chunk; a request with invalid tokens raises (and fails alone)."""
+        work = [(_state_from(x["state"]), _ints(x["tokens"])) for x in batch]
+        results = decode_chunks(self.codec, self.layout, work, max_batch_size=self.max_batch_size)
+        for r in results:
+            if r.error is not None:
+                raise r.error
+        return [{"audio": r.audio, "state": dataclasses.asdict(r.state)} for r in results]
+
+
+def _ints(chunk: Chunk[Any]) -> Chunk[int]:
+    return Chunk(tuple(int(t) for t in chunk.items), chunk.start, chunk.context_len, chunk.is_last)
+
+
+def _state_from(value: Mapping[str, Any]) -> AudioStreamState:
+    return AudioStreamState(**{**value, "codes": tuple(value["codes"])})
+
+
+class OrpheusModel(Model):
+    """Orpheus TTS (``orpheus-3b``, ``orpheus-small`` or ``orpheus-tiny``).
+
+    Args:
+        config: Config name.
+        llm_dir: HF Llama checkpoint directory of the speech LM.
+        snac_dir: SNAC checkpoint directory.
+        constrained: Mask logits to the audio ids valid per frame position (default: the
+            config's; on for the random-weight configs).
+        engine_config: `KVCacheEngineConfig` fields for the LLM.
+        codec_batch_size: Most windows per codec call (batching helps on GPUs, not on 2 CPU cores).
+
+    Without checkpoint directories the small configs get random weights, generated once in
+    the real formats under the mstar cache; ``orpheus-3b`` needs its directories.
+    """
+
+    audio_sample_rate = SAMPLE_RATE
+
+    def __init__(
+        self,
+        config: str = "orpheus-tiny",
+        *,
+        llm_dir: str | None = None,
+        snac_dir: str | None = None,
+        constrained: bool | None = None,
+        engine_config: Mapping[str, Any] | None = None,
+        codec_batch_size: int | None = 4,
+    ) -> None:
+        cfg = get_orpheus_config(config, llm_dir=llm_dir, snac_dir=snac_dir)
+        if cfg.llm_dir is None and config != "orpheus-3b":
+            cfg = _cached_random_checkpoint(cfg)
+        cfg.require_checkpoints()
+        if constrained is not None:
+            cfg = dataclasses.replace(cfg, constrained=constrained)
+        self.name = config
+        self.config = cfg
+        # Prompt plus Orpheus' longest generation fit in 4096 positions; size the cache for that.
+        self.engine_config = KVCacheEngineConfig(**{"max_model_len": 4096, **dict(engine_config or {})})
+        self.codec_batch_size = codec_batch_size
+        self.tokenizer = OrpheusTokenizer(cfg.layout)
+        self._graph = make_orpheus_graph()
+
+    def graph(self) -> ModelGraph:
+        """Return the LLM -> SNAC graph."""
+        return self._graph
+
+    def engine_types(self) -> dict[str, EngineType]:
+        """Return KV_CACHE for the LLM, STATELESS for the codec."""
+        return {"LLM": EngineType.KV_CACHE, "snac_decoder": EngineType.STATELESS}
+
+    def tasks(self) -> tuple[str, ...]:
+        """Return the one task."""
+        return ("speech",)
+
+    def submodule(self, node: str, device: torch.device) -> Any:
+        """Load the LLM or the codec onto ``device``."""
+        if node == "LLM":
+            return OrpheusLLMNode(load_orpheus_llm(self.config, device=device), self.engine_config, self.config)
+        if node == "snac_decoder":
+            codec = load_orpheus_codec(self.config, device=device)
+            return SnacNode(codec, self.config.layout, self.codec_batch_size)
+        raise KeyError(node)
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        """Format the prompt; collect sampling settings (Orpheus' defaults otherwise)."""
+        if request.task != "speech":
+            raise ValueError(f"task must be 'speech', got {request.task!r}")
+        data = request.data
+        text = data.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("text must be a non-empty string")
+        prompt = self.tokenizer.format_prompt(text, data.get("voice") or "tara")
+        cfg = self.config
+        params: dict[str, Any] = {
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "repetition_penalty": cfg.repetition_penalty,
+            "max_tokens": cfg.max_tokens,
+        }
+        params.update({k: data[k] for k in (*_SAMPLING_KEYS, "max_tokens") if data.get(k) is not None})
+        if not isinstance(params["max_tokens"], int) or params["max_tokens"] < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {params['max_tokens']!r}")
+        SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
+        seed = int(params.get("seed", 0) or 0)
+        state = dataclasses.asdict(AudioStreamState(noise_seed=cfg.noise_seed + seed))
+        return PreparedRequest({"LLM": {"tokens": torch.tensor(prompt), "params": params}, "snac_decoder": {"state": state}})
+
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        """LLM starts with prefill; SNAC with a chunk."""
+        return "prefill" if partition == "LLM" else "snac_chunk"
+
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        """LLM: decode after prefill, then done; SNAC: one walk per chunk until the stream ends."""
+        if partition == "LLM":
+            return "decode" if finished == "prefill" else None
+        return "snac_chunk"
+
+
+def _cached_random_checkpoint(cfg: OrpheusConfig) -> OrpheusConfig:
+    """Return ``cfg`` pointing at random weights under the cache, writing them once."""
+    from mstar.zoo.smollm2 import mstar_cache_dir
+
+    root = mstar_cache_dir() / "orpheus" / cfg.name
+    if not (root / "complete.json").is_file():
+        # Write aside, then rename into place: concurrent processes never see half a checkpoint.
+        log.info("writing_random_checkpoint", config=cfg.name, path=str(root))
+        staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
+        make_random_checkpoint(cfg, staging, seed=0)
+        (staging / "complete.json").write_text(json.dumps({"config": cfg.name, "seed": 0}))
+        try:
+            staging.rename(root)
+        except OSError:  # another process won the race
+            shutil.rmtree(staging, ignore_errors=True)
+    return cfg.with_checkpoints(root / "llm", root / "snac")
