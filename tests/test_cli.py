@@ -19,8 +19,9 @@ def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.C
     assert "model toy-composite" in text
     assert "partition Vocoder" in text
     assert "request 'speech'" in text and "request 'image'" in text
+    assert "request 'speech' on orpheus-tiny" in text and "identical to the reference" in text
     with wave.open(str(out)) as f:
-        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 16000)
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24000)
         assert f.getnframes() > 0
 
 

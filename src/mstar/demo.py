@@ -1,9 +1,11 @@
-"""The demo behind `mstar demo`: a composite model declared as a graph, served end to end.
+"""The demo behind `mstar demo`: composite models declared as graphs, served end to end.
 
-It builds the `toy-composite` model and prints its text IR, then serves one request per
-task through `AsyncEngine` (conductor and worker actors; nodes spread over two worker
-ranks), streams the outputs as they come, and checks them against the reference
-interpreter.
+1. `toy-composite`: prints its text IR, serves one request per task through `AsyncEngine`
+   (conductor and worker actors; nodes spread over two worker ranks), streams the outputs
+   and checks them against the reference interpreter.
+2. `orpheus-tiny`: the Orpheus TTS graph (a Llama speech LM on the paged KV cache streaming
+   28/7 token windows into the SNAC codec) with tiny random weights; streams 24 kHz audio
+   chunks as they are decoded and writes them to a WAV file.
 """
 
 from __future__ import annotations
@@ -71,9 +73,6 @@ async def _serve(model: ToyModel, text: str, out: Path | None, seed: int) -> int
             if task == "speech":
                 audio = torch.cat([o.data for o in outputs if o.name == "audio"])
                 print(f"    audio: {audio.numel() / model.audio_sample_rate:.3f} s at {model.audio_sample_rate} Hz")
-                if out is not None:
-                    _write_wav(out, audio, model.audio_sample_rate)
-                    print(f"    wrote {out}")
             else:
                 image = next(o.data for o in outputs if o.name == "image")
                 print(f"    image: {tuple(image.shape)} {image.dtype}")
@@ -83,9 +82,39 @@ async def _serve(model: ToyModel, text: str, out: Path | None, seed: int) -> int
     return 0
 
 
+async def _speak(text: str, out: Path | None, seed: int) -> int:
+    from mstar.zoo import make_model
+
+    model = make_model("orpheus-tiny")
+    print(model.graph())
+    print()
+    sample_rate: int = model.audio_sample_rate  # type: ignore[attr-defined]
+    async with await AsyncEngine.start(model) as engine:
+        request = Request("speech", {"text": text, "voice": "tara", "max_tokens": 280, "seed": seed})
+        start = time.perf_counter()
+        chunks: list[torch.Tensor] = []
+        ttfa = None
+        async for output in engine.generate(request):
+            if ttfa is None:
+                ttfa = time.perf_counter() - start
+            chunks.append(output.data)
+        e2e = time.perf_counter() - start
+    audio = torch.cat(chunks)
+    seconds = audio.numel() / sample_rate
+    print(
+        f"request 'speech' on orpheus-tiny: {len(chunks)} audio chunks, {seconds:.2f} s of {sample_rate} Hz audio; "
+        f"first audio after {(ttfa or 0) * 1e3:.0f} ms, done after {e2e * 1e3:.0f} ms (RTF {e2e / seconds:.2f})"
+    )
+    if out is not None:
+        _write_wav(out, audio, sample_rate)
+        print(f"    wrote {out} (random weights: it sounds like noise, by design)")
+    return 0
+
+
 def run_demo(text: str = "Hello from mstar!", out: Path | None = None, seed: int = 0) -> int:
-    """Print the toy model's graph, serve one request per task, write the audio to ``out``."""
+    """Serve the toy model (checked against the reference), then Orpheus-tiny to ``out``."""
     model = ToyModel(seed=seed)
     print(model.graph())
     print()
-    return asyncio.run(_serve(model, text, out, seed))
+    code = asyncio.run(_serve(model, text, None, seed))
+    return code or asyncio.run(_speak(text, out, seed))
