@@ -35,6 +35,7 @@ __all__ = [
     "ServerConfigError",
     "APIRequestError",
     "OverloadedError",
+    "ClientDisconnectedError",
 ]
 
 
@@ -194,3 +195,7 @@ class OverloadedError(MStarError, RuntimeError):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ClientDisconnectedError(MStarError, ConnectionError):
+    """Raised when an HTTP client disconnects before its answer is complete."""

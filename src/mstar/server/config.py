@@ -1,0 +1,59 @@
+"""Server settings, checked on construction: secure by default."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from mstar.errors import ServerConfigError
+from mstar.server.admission import AdmissionLimits
+
+__all__ = ["ServerConfig", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """Return whether binding ``host`` keeps the server reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP server runs.
+
+    Attributes:
+        host: Address to bind; loopback (127.0.0.1) by default.
+        port: TCP port (0 picks a free one).
+        api_key: Required as ``Authorization: Bearer <key>`` on every API route when set;
+            mandatory when `host` is not a loopback address.
+        served_model_name: The model name clients send (default: the name the model was
+            served under).
+        max_body_bytes: Largest request body accepted (larger ones get 413).
+        admission: Running and waiting limits (beyond them, 503 with Retry-After).
+        graceful_shutdown_s: How long shutdown waits for open connections.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    served_model_name: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    graceful_shutdown_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1:
+            raise ServerConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServerConfigError("the API key is empty: pass a non-empty --api-key")
+        if not is_loopback(self.host) and self.api_key is None:
+            raise ServerConfigError(
+                f"binding {self.host!r} exposes the server beyond this machine: pass --api-key "
+                "(or set MSTAR_API_KEY), or bind 127.0.0.1"
+            )

@@ -1,0 +1,90 @@
+"""Turn a stream of token ids into a stream of text deltas, and cut it at stop strings.
+
+Byte-level tokenizers split multi-byte characters across tokens, and many tokenizers render
+a token differently after a space than at the start of a text. So each step decodes a small
+window of recent tokens twice, with and without the new ones, and emits only what the new
+tokens add, holding it back while it ends in an incomplete UTF-8 character (U+FFFD):
+
+    ids:  ... | prefix_offset ......... read_offset | new ids
+               decode(prefix..read) = "ab"
+               decode(prefix..end)  = "abc"   -> emit "c", move both offsets forward
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+__all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
+
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Emit the text of a growing token sequence as complete-character deltas.
+
+    Args:
+        decode: Decodes a list of token ids to text (e.g. a model's `detokenize`).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append tokens; return the new complete text they finish (possibly empty)."""
+        self.token_ids.extend(int(t) for t in token_ids)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """Return the text still held back at the end of the stream (even if incomplete)."""
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+class StopStringMatcher:
+    """Cut a text stream at the first of some stop strings (the stop string is not emitted).
+
+    Text that might be the start of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.is_stopped = False
+
+    def feed(self, text: str) -> str:
+        """Take the next text; return what can be emitted now."""
+        if self.is_stopped or not self.stops:
+            return "" if self.is_stopped else text
+        buffer = self._held + text
+        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.is_stopped = True
+            self._held = ""
+            return buffer[:cut]
+        keep = max(self._partial_suffix(buffer, s) for s in self.stops)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """Return the held-back text at the end of the stream."""
+        held, self._held = self._held, ""
+        return "" if self.is_stopped else held
+
+    @staticmethod
+    def _partial_suffix(text: str, stop: str) -> int:
+        """Return the length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+        for n in range(min(len(text), len(stop) - 1), 0, -1):
+            if stop.startswith(text[-n:]):
+                return n
+        return 0

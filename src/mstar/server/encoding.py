@@ -1,0 +1,84 @@
+"""Wire encodings shared by the routes: OpenAI error bodies, server-sent events, NDJSON
+lines of native outputs."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from mstar.runtime.model import Output
+from mstar.server.audio import pcm16_bytes
+from mstar.server.images import png_bytes
+
+__all__ = ["error_body", "ndjson", "output_line", "sse"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def error_body(message: str, error_type: str, *, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    """Return an OpenAI-style error object."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse(obj: Any) -> bytes:
+    """Return one server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def ndjson(obj: Any) -> bytes:
+    """Return one NDJSON line carrying ``obj``."""
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _array(value: torch.Tensor) -> np.ndarray:
+    value = value.detach().cpu()
+    if value.dtype in (torch.bfloat16, torch.float16):
+        value = value.float()  # not every client reads half floats: widen them
+    return np.ascontiguousarray(value.numpy())
+
+
+def output_line(
+    out: Output, *, sample_rate: int | None, with_audio: bool = True, text: str | None = None
+) -> dict[str, Any]:
+    """Return the NDJSON object of one output (the native `/generate` format).
+
+    - text: ``token_ids``, ``num_tokens`` and, when the model detokenizes, ``text`` (the
+      complete characters these tokens add);
+    - audio: ``num_samples``, ``sample_rate`` and base64 PCM16 ``data`` (mono);
+    - image: ``num_images`` 1, ``width``, ``height`` and base64 PNG ``data``;
+    - any other tensor (latents, actions, frames): ``shape``, ``dtype`` and base64 ``data``
+      of its little-endian bytes in row-major order.
+    """
+    line: dict[str, Any] = {"modality": out.modality, "name": out.name, "node": out.node, "walk": out.walk}
+    data = out.data
+    if out.modality == "text":
+        ids = torch.as_tensor(data).reshape(-1).tolist() if isinstance(data, torch.Tensor) else list(np.ravel(data))
+        line.update(token_ids=[int(i) for i in ids], num_tokens=len(ids))
+        if text is not None:
+            line["text"] = text
+        return line
+    if out.modality == "audio" and isinstance(data, torch.Tensor | np.ndarray):
+        pcm = pcm16_bytes(data)
+        line.update(num_samples=len(pcm) // 2, sample_rate=sample_rate)
+        if with_audio:
+            line["data"] = _b64(pcm)
+        return line
+    if out.modality == "image" and isinstance(data, torch.Tensor | np.ndarray):
+        shape = list(data.shape)
+        line.update(num_images=1, width=shape[1], height=shape[0], format="png", data=_b64(png_bytes(data)))
+        return line
+    if isinstance(data, torch.Tensor | np.ndarray):
+        array = _array(data) if isinstance(data, torch.Tensor) else np.ascontiguousarray(data)
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        line.update(shape=list(array.shape), dtype=str(array.dtype), data=_b64(little.tobytes()))
+        return line
+    line["value"] = data if isinstance(data, str | int | float | bool | list | dict) or data is None else repr(data)
+    return line

@@ -1,0 +1,160 @@
+"""Prometheus metrics of the server, in a registry of its own (served at `/metrics`).
+
+Families (every one labelled with `model`):
+
+| family | type | meaning |
+|---|---|---|
+| `mstar_requests_running` | gauge | requests admitted into the engine |
+| `mstar_requests_waiting` | gauge | requests queued for admission |
+| `mstar_requests_finished_total{task, status}` | counter | ended requests; status is completed, aborted (client left), invalid (rejected by the model), error (failed in the engine) or rejected (overload) |
+| `mstar_e2e_request_latency_seconds{task}` | histogram | arrival to last output, completed requests |
+| `mstar_time_to_first_token_seconds` | histogram | arrival to the first text output |
+| `mstar_time_to_first_audio_seconds` | histogram | arrival to the first audio output (TTFA) |
+| `mstar_audio_real_time_factor` | histogram | E2E latency / seconds of audio produced (below 1: faster than real time) |
+| `mstar_inter_token_latency_seconds` | histogram | gap between consecutive text outputs |
+| `mstar_inter_chunk_latency_seconds{modality}` | histogram | gap between consecutive outputs of another modality (audio chunks, frames, actions) |
+| `mstar_generated_tokens_total` | counter | text tokens produced |
+| `mstar_generated_audio_seconds_total` | counter | seconds of audio produced |
+| `mstar_generated_images_total` | counter | images produced |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mstar.runtime.model import Output
+
+__all__ = ["RequestTracker", "ServerMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+    7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+)
+_GAP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+    5.0,
+)
+_RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class ServerMetrics:
+    """The server's metric families, bound to one model name."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.model = model
+        self.registry = registry or CollectorRegistry()
+        r, m = self.registry, ("model",)
+        self.running = Gauge("mstar_requests_running", "Requests admitted into the engine.", m, registry=r)
+        self.waiting = Gauge("mstar_requests_waiting", "Requests queued for admission.", m, registry=r)
+        self.finished = Counter(
+            "mstar_requests_finished", "Requests ended, by task and status.", (*m, "task", "status"), registry=r
+        )
+        self.e2e = Histogram(
+            "mstar_e2e_request_latency_seconds", "Arrival to last output of completed requests.",
+            (*m, "task"), buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "mstar_time_to_first_token_seconds", "Arrival to the first text output.", m,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttfa = Histogram(
+            "mstar_time_to_first_audio_seconds", "Arrival to the first audio output.", m,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.rtf = Histogram(
+            "mstar_audio_real_time_factor", "E2E latency divided by the seconds of audio produced.", m,
+            buckets=_RTF_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "mstar_inter_token_latency_seconds", "Gap between consecutive text outputs.", m,
+            buckets=_GAP_BUCKETS, registry=r,
+        )
+        self.inter_chunk = Histogram(
+            "mstar_inter_chunk_latency_seconds", "Gap between consecutive outputs of a non-text modality.",
+            (*m, "modality"), buckets=_GAP_BUCKETS, registry=r,
+        )
+        self.tokens = Counter("mstar_generated_tokens", "Text tokens produced.", m, registry=r)
+        self.audio_seconds = Counter("mstar_generated_audio_seconds", "Seconds of audio produced.", m, registry=r)
+        self.images = Counter("mstar_generated_images", "Images produced.", m, registry=r)
+
+    def watch_admission(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """Read the running and waiting gauges from these functions at each scrape."""
+        self.running.labels(self.model).set_function(running)
+        self.waiting.labels(self.model).set_function(waiting)
+
+    def count_rejected(self, task: str) -> None:
+        """Count a request refused for overload."""
+        self.finished.labels(self.model, task, "rejected").inc()
+
+    def tracker(self, task: str, *, sample_rate: int | None = None) -> RequestTracker:
+        """Start tracking one request that arrived now."""
+        return RequestTracker(self, task, sample_rate)
+
+    def exposition(self) -> bytes:
+        """Return the registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Time one request's outputs and record them when it ends."""
+
+    def __init__(self, metrics: ServerMetrics, task: str, sample_rate: int | None) -> None:
+        self.metrics = metrics
+        self.task = task
+        self.sample_rate = sample_rate
+        self.arrival = time.perf_counter()
+        self.num_audio_samples = 0
+        self._last: dict[str, float] = {}  # modality -> time of its last output
+        self._end: float | None = None
+        self._is_done = False
+
+    def observe(self, output: Output) -> None:
+        """Record one output as it reaches the server."""
+        now = time.perf_counter()
+        self._end = now
+        m, model = self.metrics, self.metrics.model
+        modality = output.modality
+        last = self._last.get(modality)
+        self._last[modality] = now
+        if modality == "text":
+            m.tokens.labels(model).inc(_num_items(output.data))
+            (m.ttft.labels(model) if last is None else m.itl.labels(model)).observe(now - (last or self.arrival))
+            return
+        if last is None:
+            if modality == "audio":
+                m.ttfa.labels(model).observe(now - self.arrival)
+        else:
+            m.inter_chunk.labels(model, modality).observe(now - last)
+        if modality == "audio":
+            samples = _num_items(output.data)
+            self.num_audio_samples += samples
+            if self.sample_rate:
+                m.audio_seconds.labels(model).inc(samples / self.sample_rate)
+        elif modality == "image":
+            m.images.labels(model).inc()
+
+    def finish(self, status: str) -> None:
+        """Record the end of the request (once; later calls do nothing)."""
+        if self._is_done:
+            return
+        self._is_done = True
+        m, model = self.metrics, self.metrics.model
+        m.finished.labels(model, self.task, status).inc()
+        if status != "completed":
+            return
+        e2e = (self._end or time.perf_counter()) - self.arrival
+        m.e2e.labels(model, self.task).observe(e2e)
+        if self.num_audio_samples and self.sample_rate:
+            m.rtf.labels(model).observe(e2e / (self.num_audio_samples / self.sample_rate))
+
+
+def _num_items(data: object) -> int:
+    if isinstance(data, torch.Tensor):
+        return int(data.numel())
+    if isinstance(data, list | tuple):
+        return len(data)
+    return 1

@@ -1,0 +1,104 @@
+"""Native `POST /generate`: any task of the model, outputs streamed as NDJSON.
+
+Request body: ``{"task": ..., "data": {...}, ...}``; top-level fields other than `model`,
+`task`, `data`, `stream` and `audio_data` are request data too (so ``{"task": "speech",
+"text": "hi"}`` works). A `prompt` becomes `text` for tasks other than "generate". Without
+`task`, a model with one task runs that one.
+
+Response (``application/x-ndjson``), one object per line (see `output_line`), in the order
+produced; then ``{"usage": {"completion_tokens": n}, "finished": true}``; or, if the request
+fails after the first line, ``{"error": {...}}``. With ``"stream": false`` the same lines
+arrive in one body when the request ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+
+from mstar.errors import APIRequestError, MStarError
+from mstar.runtime.model import Request
+from mstar.server.detokenize import IncrementalDetokenizer
+from mstar.server.encoding import error_body, ndjson, output_line
+from mstar.server.protocol import GenerateRequest
+from mstar.server.session import (
+    EngineStreamingResponse,
+    RequestStream,
+    cancel_on_disconnect,
+    open_stream,
+)
+from mstar.server.state import ServerState
+
+__all__ = ["router"]
+
+log = structlog.get_logger(__name__)
+
+router = APIRouter()
+
+NDJSON = "application/x-ndjson"
+
+
+def _task(state: ServerState, body: GenerateRequest) -> str:
+    if body.task is not None:
+        state.check_task(body.task, param="task")
+        return body.task
+    if len(state.tasks) == 1:
+        return state.tasks[0]
+    raise APIRequestError(f"send a task: one of {', '.join(state.tasks)}", param="task")
+
+
+async def _lines(stream: RequestStream, state: ServerState, with_audio: bool) -> AsyncIterator[bytes]:
+    detokenizer = (
+        IncrementalDetokenizer(state.model.detokenize)
+        if state.tokenizer is not None and hasattr(state.model, "detokenize")
+        else None
+    )
+    num_tokens = 0
+    try:
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for out in outputs:
+                line = output_line(out, sample_rate=state.sample_rate, with_audio=with_audio)
+                if out.modality == "text":
+                    num_tokens += line["num_tokens"]
+                    if detokenizer is not None:
+                        line["text"] = detokenizer.add(line["token_ids"])
+                yield ndjson(line)
+        if detokenizer is not None and (tail := detokenizer.flush()):
+            yield ndjson({"modality": "text", "text": tail, "token_ids": [], "num_tokens": 0})
+        yield ndjson({"usage": {"completion_tokens": num_tokens}, "finished": True})
+    except (MStarError, ValueError) as exc:
+        log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
+        kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+        yield ndjson(error_body(str(exc), kind))
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, http: HttpRequest) -> Response:
+    """Run any task; stream its outputs as NDJSON."""
+    state: ServerState = http.app.state.server
+    state.check_model(body.model)
+    task = _task(state, body)
+    data: dict[str, Any] = body.request_data()
+    if task != "generate" and "prompt" in data and "text" not in data:
+        data["text"] = data.pop("prompt")
+    request = Request(task, data, f"gen-{uuid.uuid4().hex}")
+    stream = await open_stream(state, http, request, sample_rate=state.sample_rate)
+    lines = _lines(stream, state, body.audio_data)
+    if body.stream:
+        return EngineStreamingResponse(lines, stream, media_type=NDJSON)
+
+    async def collect() -> bytes:
+        return b"".join([line async for line in lines])
+
+    try:
+        content = await cancel_on_disconnect(http, collect())
+    finally:
+        await stream.aclose()
+    return Response(content, media_type=NDJSON)

@@ -1,0 +1,154 @@
+"""`mstar serve MODEL`: serve one model over HTTP until interrupted.
+
+    mstar serve toy-composite                       # http://127.0.0.1:8000
+    mstar serve smollm2-135m --port 9000
+    mstar serve ./my-llama --host 0.0.0.0 --api-key "$KEY"   # a key is required off loopback
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+import structlog
+import uvicorn
+from fastapi import FastAPI
+
+from mstar.errors import MStarError, ServerConfigError
+from mstar.runtime.async_engine import EngineConfig
+from mstar.runtime.placement import Placement
+from mstar.server.admission import AdmissionLimits
+from mstar.server.app import make_app
+from mstar.server.config import ServerConfig
+from mstar.server.logging import configure_logging
+
+__all__ = ["add_serve_arguments", "loading_display", "run_server", "serve_command"]
+
+log = structlog.get_logger(__name__)
+
+API_KEY_ENV = "MSTAR_API_KEY"
+EXIT_USAGE = 2
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of `mstar serve` to ``parser``."""
+    parser.add_argument("model", metavar="MODEL", help="a zoo model name (see `mstar models`) or a checkpoint directory")
+    parser.add_argument("--config", type=str, default=None, metavar="PLACEMENT.yaml", help="placement file (default: everything on one device)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    parser.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)"
+    )
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
+    parser.add_argument("--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)")
+    parser.add_argument("--max-running", type=int, default=64, help="requests in the engine at once (default 64)")
+    parser.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that; more get 503 (default 256)")
+    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (default 16 MiB)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"), help="auto: JSON unless on a terminal")
+
+
+@contextlib.contextmanager
+def loading_display(name: str) -> Iterator[None]:
+    """Show a spinner with elapsed time while a model loads (on a terminal); log it anyway.
+
+    The runtime does not report per-node load progress, so this shows activity and elapsed
+    time rather than a percentage.
+    """
+    start = time.perf_counter()
+    log.info("model_loading", model=name)
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        with Progress(
+            SpinnerColumn(), TextColumn(f"loading {name} (weights, engines)"), TimeElapsedColumn(),
+            console=Console(stderr=True), transient=True,
+        ) as progress:
+            progress.add_task("load", total=None)
+            yield
+    else:
+        yield
+    log.info("model_loaded", model=name, seconds=round(time.perf_counter() - start, 3))
+
+
+def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.socket, str]:
+    uv = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        access_log=False,  # the server logs each request itself, with its request id
+        server_header=False,
+        timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+        lifespan="on",
+    )
+    sock = uv.bind_socket()
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    return uv, sock, f"http://{url_host}:{port}"
+
+
+def run_server(app: FastAPI, config: ServerConfig) -> None:
+    """Bind, then serve ``app`` until SIGINT or SIGTERM (blocking).
+
+    Raises:
+        MStarError: The engine failed to start (the original error).
+    """
+    uv, sock, url = _bind(app, config)
+    log.info("server_bound", url=url)
+    try:
+        uvicorn.Server(uv).run(sockets=[sock])
+    except SystemExit:
+        error = getattr(app.state, "startup_error", None)
+        if error is not None:
+            raise error from None
+        raise
+    finally:
+        sock.close()
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Run `mstar serve`."""
+    from mstar.zoo import resolve_model
+
+    json_logs = None if args.log_format == "auto" else args.log_format == "json"
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    configure_logging(args.log_level, json=json_logs, secrets=[api_key] if api_key else [])
+    try:
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            served_model_name=args.served_model_name,
+            max_body_bytes=args.max_body_bytes,
+            admission=AdmissionLimits(args.max_running, args.max_waiting),
+        )
+        spec = resolve_model(args.model)
+        placement = Placement.from_yaml(args.config) if args.config else None
+    except (MStarError, OSError) as exc:
+        print(f"mstar serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+    engine_config = EngineConfig(worker_processes=args.worker_processes, devices=devices)
+    app = make_app(
+        spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=loading_display
+    )
+    try:
+        run_server(app, config)
+    except ServerConfigError as exc:
+        print(f"mstar serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except MStarError as exc:
+        print(f"mstar serve: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the port is taken, or the address cannot be bound
+        print(f"mstar serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
