@@ -99,3 +99,14 @@ class Direct:
             assert all(e.num_pending == 0 for e in w.engines.values())
 
 
+
+
+async def wait_until_idle(engine: Any, attempts: int = 200) -> None:
+    """Wait (bounded) until an AsyncEngine holds no request state; fail with what is left."""
+    held: dict[str, dict[str, int]] = {}
+    for _ in range(attempts):
+        held = await engine.held_state()
+        if all(v == 0 for counts in held.values() for v in counts.values()):
+            return
+        await asyncio.sleep(0.01)  # releases travel as messages and engine ops: let them land
+    raise AssertionError(f"request state left behind: {held}")

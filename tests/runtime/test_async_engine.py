@@ -27,6 +27,7 @@ from mstar.runtime.async_engine import AsyncEngine, EngineConfig
 from mstar.runtime.model import ModelSpec, Output, Request
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
+from tests.helpers import wait_until_idle
 
 SPREAD = """
 model: toy-composite
@@ -91,16 +92,6 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
     assert not orphans, f"orphan worker processes: {orphans}"
 
 
-async def assert_no_request_state(engine: AsyncEngine) -> None:
-    # Releases travel as messages: let the ones in flight land (bounded, no sleeps).
-    for _ in range(50):
-        held = await engine.held_state()
-        if all(v == 0 for counts in held.values() for v in counts.values()):
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"request state left behind: {held}")
-
-
 @pytest.mark.timeout(300)
 async def test_outputs_equal_the_reference(engine: AsyncEngine) -> None:
     reqs = requests(12)
@@ -108,7 +99,7 @@ async def test_outputs_equal_the_reference(engine: AsyncEngine) -> None:
     for r, outputs in zip(reqs, results, strict=True):
         assert_same(outputs, reference(r))
         assert all(o.request_id == r.request_id for o in outputs)
-    await assert_no_request_state(engine)
+    await wait_until_idle(engine)
 
 
 @pytest.mark.timeout(300)
@@ -137,7 +128,7 @@ async def test_concurrent_requests_with_random_aborts_leave_nothing_behind(engin
             assert_same(result, reference(r))
     # a request still completes after all that, and nothing is held
     assert_same(await engine.run(reqs[0]), reference(reqs[0]))
-    await assert_no_request_state(engine)
+    await wait_until_idle(engine)
 
 
 @pytest.mark.timeout(300)
@@ -147,7 +138,7 @@ async def test_leaving_generate_early_aborts_the_request(engine: AsyncEngine) ->
         break
     await asyncio.sleep(0)
     assert_same(await engine.run(Request("image", {"text": "next"})), reference(Request("image", {"text": "next"})))
-    await assert_no_request_state(engine)
+    await wait_until_idle(engine)
 
 
 async def test_bad_requests_fail_alone() -> None:

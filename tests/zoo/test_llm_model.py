@@ -11,7 +11,7 @@ import transformers
 
 from mstar.runtime.model import Request
 from mstar.zoo.llm import TextLLM
-from tests.helpers import Direct
+from tests.helpers import Direct, wait_until_idle
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,25 @@ async def test_bad_requests_fail_with_clear_errors(tiny_llama_dir: Path) -> None
         with pytest.raises(Exception, match="needs up to"):
             await d.run(Request("generate", {"prompt_token_ids": [1, 2], "max_tokens": 100_000}))
         d.assert_empty()
+
+
+PD_SPLIT = """
+node_groups:
+  - {node_names: [llm], ranks: [0], graph_walks: [prefill]}
+  - {node_names: [llm], ranks: [1], graph_walks: [decode]}
+"""
+
+
+async def test_prefill_and_decode_on_different_ranks(tiny_llama_dir: Path) -> None:
+    from mstar.runtime import AsyncEngine, Placement
+
+    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 64, "block_size": 8})
+    prompts = [[1, 5, 9, 22, 40], [1, 7, 8]]
+    async with await AsyncEngine.start(model, Placement.from_yaml(PD_SPLIT)) as engine:
+        for prompt in prompts:
+            data = {"prompt_token_ids": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0.0}
+            outputs = await engine.run(Request("generate", data))
+            assert [int(o.data[0]) for o in outputs] == hf_greedy(tiny_llama_dir, prompt, 20, eos=None)
+            assert [o.walk for o in outputs] == ["prefill"] + ["decode"] * 19
+        # the decode rank rebuilt the cache from the persisted history; both ranks released it
+        await wait_until_idle(engine)

@@ -22,6 +22,7 @@ from mstar.zoo.orpheus import (
     make_random_checkpoint,
 )
 from mstar.zoo.orpheus.model import OrpheusModel
+from tests.helpers import wait_until_idle
 
 TEXT = "Hello there, this is mstar speaking."
 SPLIT = "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: [snac_decoder], ranks: [1]}\n"
@@ -104,13 +105,7 @@ async def test_llm_and_codec_in_separate_processes(dirs: dict[str, str]) -> None
     async with await AsyncEngine.start(spec, Placement.from_yaml(SPLIT), config) as engine:
         outputs = await speak(engine, 60, seed=7)
         assert_audio_equal(outputs, audio)
-        for _ in range(100):  # releases travel as messages: let them land
-            held = await engine.held_state()
-            if all(v == 0 for counts in held.values() for v in counts.values()):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError(f"request state left behind: {held}")
+        await wait_until_idle(engine)
 
 
 async def test_invalid_audio_tokens_fail_the_request_clearly(dirs: dict[str, str]) -> None:
@@ -126,3 +121,18 @@ async def test_invalid_audio_tokens_fail_the_request_clearly(dirs: dict[str, str
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="does not exist"):
         OrpheusModel("orpheus-3b", llm_dir=str(tmp_path / "nope"), snac_dir=str(tmp_path / "nope2"))
+
+
+PD_SPLIT = """
+node_groups:
+  - {node_names: [LLM], ranks: [0], graph_walks: [prefill]}
+  - {node_names: [LLM], ranks: [1], graph_walks: [decode]}
+  - {node_names: [snac_decoder], ranks: [1]}
+"""
+
+
+async def test_prefill_and_decode_on_different_ranks(dirs: dict[str, str]) -> None:
+    _, audio = expected_audio(dirs, TEXT, 50, seed=3)
+    model = OrpheusModel("orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 64})
+    async with await AsyncEngine.start(model, Placement.from_yaml(PD_SPLIT)) as engine:
+        assert_audio_equal(await speak(engine, 50, seed=3), audio)

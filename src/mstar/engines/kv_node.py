@@ -23,7 +23,7 @@ from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.masks import AttentionMask
 from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
-from mstar.engines.sequence import FinishReason, LogitsProcessor, SequenceStatus
+from mstar.engines.sequence import LogitsProcessor, SequenceStatus
 from mstar.errors import EngineClosedError, RequestAbortedError, RequestNotFoundError
 
 __all__ = ["KVNode", "KVNodeEngine", "KVTurn"]
@@ -34,17 +34,21 @@ class KVTurn:
     """What one walk asks of a KV-cache node for one request.
 
     Attributes:
-        new_token_ids: Tokens to append before sampling (the prompt on the first walk; none
-            to continue from the last sampled token).
+        new_token_ids: Tokens to append before sampling (the prompt on the first walk, or
+            the whole history on a rank that holds no cache for the request; none to continue
+            from the last sampled token).
         sampling_params: How to sample; ``max_tokens`` is capped by the walk's step count.
         mask: Attention among the new tokens (default causal).
         logits_processor: Per-step hook on this request's logits (constrained decoding).
+        is_done: Nothing more to generate (the history already ends with a stop token, or
+            ``max_tokens`` were generated): the walk ends at once, sampling nothing.
     """
 
     new_token_ids: list[int]
     sampling_params: SamplingParams
     mask: AttentionMask | None = None
     logits_processor: LogitsProcessor | None = None
+    is_done: bool = False
 
 
 class KVNode(Protocol):
@@ -54,21 +58,29 @@ class KVNode(Protocol):
     engine_config: KVCacheEngineConfig
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Turn the node's inputs for one walk into tokens to append and sampling settings."""
+        """Turn the node's inputs for one walk into tokens to append and sampling settings.
+
+        ``is_first`` is True when this engine holds no cache for the request: its first
+        walk, or a later walk placed on another rank (the cache is then rebuilt from the
+        history the node persists, e.g. decode after prefill on another rank).
+        """
         ...
 
-    def outputs(self, request_id: str, token_id: int, is_last: bool) -> Mapping[str, Any]:
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None
+    ) -> Mapping[str, Any]:
         """Return the node's outputs (and signals) for one sampled token.
 
-        ``is_last`` is True on the walk's final token; a node looped by a `DynamicLoop`
-        must raise the loop's stop signal exactly then.
+        ``history`` (every token of the sequence, prompt first) is given on the walk's last
+        token only, and None before; a node looped by a `DynamicLoop` must raise the loop's
+        stop signal exactly then, and persists the history for the request's next walk.
         """
         ...
 
 
 @dataclass
 class _Walk:
-    queue: asyncio.Queue[tuple[int, bool] | BaseException]
+    queue: asyncio.Queue[tuple[int, list[int] | None] | BaseException]
 
 
 class KVNodeEngine:
@@ -83,7 +95,6 @@ class KVNodeEngine:
         self.executor = executor
         self.num_steps = 0
         self._walks: dict[str, _Walk] = {}
-        self._stopped: set[str] = set()  # requests whose last walk ended on a stop token
         self._ops: list[tuple[str, Callable[[], object]]] = []  # engine calls before the next step
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -135,9 +146,9 @@ class KVNodeEngine:
         if request_id in self._walks:
             raise RuntimeError(f"request {request_id!r} already runs a walk on node {self.node!r}")
         is_first = not self._holds(request_id)
-        if request_id in self._stopped:
-            return  # the last walk sampled a stop token: nothing follows it
         turn = self.kv_node.turn(request_id, inputs, is_first=is_first)
+        if turn.is_done:
+            return
         params = turn.sampling_params
         if max_steps is not None:
             params = replace(params, max_tokens=min(params.max_tokens, max_steps))
@@ -172,16 +183,15 @@ class KVNodeEngine:
                 item = await walk.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                token, is_last = item
-                yield self.kv_node.outputs(request_id, token, is_last)
-                if is_last:
+                token, history = item
+                yield self.kv_node.outputs(request_id, token, history)
+                if history is not None:
                     break
         finally:
             self._walks.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
         """Drop a request's cache and any walk it runs here (partition done, or aborted)."""
-        self._stopped.discard(request_id)
         walk = self._walks.pop(request_id, None)
         if walk is not None:
             walk.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
@@ -198,8 +208,12 @@ class KVNodeEngine:
 
     def _step(
         self,
-    ) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], FinishReason | None]]]:
-        """Apply queued engine calls, then run one step (on the step thread)."""
+    ) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], list[int] | None]]]:
+        """Apply queued engine calls, then run one step (on the step thread).
+
+        Returns failed engine calls, and per request the new tokens and, when its walk
+        ended, the sequence's whole history.
+        """
         ops, self._ops = self._ops, []
         failed: list[tuple[str, BaseException]] = []
         for request_id, op in ops:
@@ -209,10 +223,11 @@ class KVNodeEngine:
                 failed.append((request_id, exc))
         if not self.engine.has_unfinished():
             return failed, []
-        return failed, [
-            (o.request_id, list(o.new_token_ids), o.finish_reason if o.finished else None)
-            for o in self.engine.step()
-        ]
+        results = []
+        for o in self.engine.step():
+            history = list(self.engine.get_sequence(o.request_id).token_ids) if o.finished else None
+            results.append((o.request_id, list(o.new_token_ids), history))
+        return failed, results
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -233,10 +248,8 @@ class KVNodeEngine:
             for request_id, error in failed:
                 if (walk := self._walks.get(request_id)) is not None:
                     walk.queue.put_nowait(error)
-            for request_id, tokens, reason in results:
+            for request_id, tokens, history in results:
                 if (walk := self._walks.get(request_id)) is None:
                     continue
-                if reason in (FinishReason.STOP, FinishReason.STOP_CHECK):
-                    self._stopped.add(request_id)
                 for i, token in enumerate(tokens):
-                    walk.queue.put_nowait((token, reason is not None and i == len(tokens) - 1))
+                    walk.queue.put_nowait((token, history if i == len(tokens) - 1 else None))

@@ -64,7 +64,9 @@ class EngineConfig:
     max_batch_size: int = 32
     max_wait_s: float = 0.0
     loop: str = "asyncio"
-    system: SystemConfig = field(default_factory=SystemConfig)
+    # A loaded 2-core host can starve an event loop for seconds; a dead process is caught by
+    # the watchdog at once, so links may wait longer before giving a peer up.
+    system: SystemConfig = field(default_factory=lambda: SystemConfig(heartbeat_timeout_s=20.0))
     watchdog_interval_s: float = 0.25
 
     def worker_config(self, rank: int) -> WorkerConfig:

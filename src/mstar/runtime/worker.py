@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -138,7 +139,8 @@ class WorkerHost(Actor):
         """Build the worker from an `InitWorker`; answer `WorkerReady`."""
         if not isinstance(message, InitWorker):
             raise TypeError(f"the worker host does not handle {type(message).__name__}")
-        model = ModelSpec(message.model_factory, json.loads(message.model_kwargs_json)).build()
+        spec = ModelSpec(message.model_factory, json.loads(message.model_kwargs_json))
+        model = await asyncio.to_thread(spec.build)  # keep the loop free for heartbeats
         graph = model.graph()
         placement = Placement.from_yaml(message.placement_yaml).resolve(graph)
         config = msgspec.json.decode(message.config_json, type=WorkerConfig)

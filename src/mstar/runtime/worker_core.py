@@ -139,7 +139,8 @@ class WorkerCore:
         types = self.model.engine_types()
         for node in self.node_names:
             kind = types.get(node)
-            module = self.model.submodule(node, device)
+            # Loading weights takes seconds: off the event loop, which must keep heartbeating.
+            module = await asyncio.to_thread(self.model.submodule, node, device)
             engine: StatelessEngine | KVNodeEngine
             if kind == EngineType.STATELESS:
                 engine = StatelessEngine(node, module, self.config.stateless, self._executor)

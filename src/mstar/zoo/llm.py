@@ -3,7 +3,8 @@
 Graph: one KV-cache node ``llm``; walk ``prefill`` fires it once on the prompt (the first
 token), walk ``decode`` is a `DynamicLoop` over it: the engine's decode loop, until a stop
 token or ``max_tokens``. Every sampled token is emitted (modality ``text``) as its id; the
-serving layer detokenizes incrementally.
+serving layer detokenizes incrementally. The sequence's token history persists from walk
+to walk, so ``decode`` may run on another rank than ``prefill`` (its cache is rebuilt there).
 
 Request: ``Request("generate", {"prompt": str} | {"messages": [...]} |
 {"prompt_token_ids": [...]}, plus sampling keys: max_tokens, temperature, top_p, top_k,
@@ -26,7 +27,7 @@ from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
 from mstar.zoo.hf_checkpoint import load_hf_config
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
-__all__ = ["LlamaKVNode", "TextLLM", "make_llm_graph"]
+__all__ = ["LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
 
@@ -35,15 +36,15 @@ def make_llm_graph(name: str = "llama") -> ModelGraph:
     """Return the prefill/decode graph of a text LLM."""
     llm = GraphNode(
         "llm",
-        {"tokens", "params"},
-        [GraphEdge("llm", "tokens", persist=True), GraphEdge(EMIT, "tokens", modality="text")],
+        {"history", "params"},
+        [GraphEdge("llm", "history", persist=True), GraphEdge(EMIT, "tokens", modality="text")],
         signals={"stop"},
     )
     return ModelGraph(
         name=name,
         walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop")},
         partitions={"LLM": ["prefill", "decode"]},
-        inputs={"llm": {"tokens", "params"}},
+        inputs={"llm": {"history", "params"}},
     )
 
 
@@ -61,20 +62,36 @@ class LlamaKVNode:
         self.eos_token_ids = eos_token_ids
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Prefill the prompt for one token; then decode the rest of ``max_tokens``."""
-        params: dict[str, Any] = inputs["params"]
-        stop = () if params.get("ignore_eos") else self.eos_token_ids
-        sampling = SamplingParams(
-            **{k: params[k] for k in _SAMPLING_KEYS if k in params and k != "max_tokens"},
-            max_tokens=1 if is_first else max(1, int(params.get("max_tokens", 16)) - 1),
-            stop_token_ids=tuple(stop),
-        )
-        tokens = [int(t) for t in inputs["tokens"]] if is_first else []
-        return KVTurn(tokens, sampling)
+        """Generate what is left of ``max_tokens``; feed the history where the cache is empty."""
+        return history_turn(inputs, is_first, () if inputs["params"].get("ignore_eos") else self.eos_token_ids)
 
-    def outputs(self, request_id: str, token_id: int, is_last: bool) -> Mapping[str, Any]:
-        """Emit the token; raise ``stop`` on the walk's last one."""
-        return {"tokens": torch.tensor([token_id]), "stop": is_last}
+    def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
+        """Emit the token; on the walk's last one raise ``stop`` and persist the history."""
+        if history is None:
+            return {"tokens": torch.tensor([token_id]), "stop": False}
+        return {"tokens": torch.tensor([token_id]), "stop": True, "history": torch.tensor(history)}
+
+
+def history_turn(
+    inputs: Mapping[str, Any], is_first: bool, stop_token_ids: tuple[int, ...], **extra: Any
+) -> KVTurn:
+    """Return the turn of a token LLM node whose inputs are ``history`` and ``params``.
+
+    ``params`` holds the sampling settings, ``max_tokens`` and ``prompt_len``; the history is
+    the prompt plus every token generated so far, so the tokens left to generate and whether
+    the last one was a stop token follow from it, on any rank.
+    """
+    params: dict[str, Any] = inputs["params"]
+    history = [int(t) for t in inputs["history"]]
+    generated = len(history) - int(params["prompt_len"])
+    left = int(params["max_tokens"]) - generated
+    sampling = SamplingParams(
+        **{k: params[k] for k in _SAMPLING_KEYS if k in params and k != "max_tokens"},
+        max_tokens=max(1, left),
+        stop_token_ids=stop_token_ids,
+    )
+    is_done = left <= 0 or (generated > 0 and history[-1] in stop_token_ids)
+    return KVTurn(history if is_first else [], sampling, is_done=is_done, **extra)
 
 
 class TextLLM(Model):
@@ -158,12 +175,13 @@ class TextLLM(Model):
         vocab = int(self.hf_config["vocab_size"])
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        params = {k: data[k] for k in (*_SAMPLING_KEYS, "ignore_eos") if k in data}
-        max_tokens = params.get("max_tokens", 16)
+        params = {"max_tokens": 16, **{k: data[k] for k in (*_SAMPLING_KEYS, "ignore_eos") if k in data}}
+        max_tokens = params["max_tokens"]
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
-        return PreparedRequest({"llm": {"tokens": torch.tensor(tokens), "params": params}})
+        params["prompt_len"] = len(tokens)
+        return PreparedRequest({"llm": {"history": torch.tensor(tokens), "params": params}})
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """Start with prefill."""

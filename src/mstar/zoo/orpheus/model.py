@@ -39,6 +39,7 @@ from mstar.graph import (
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
 from mstar.zoo.llama import LlamaCausalLM
+from mstar.zoo.llm import history_turn
 from mstar.zoo.orpheus.audio import SAMPLE_RATE
 from mstar.zoo.orpheus.checkpoint import (
     load_orpheus_codec,
@@ -62,8 +63,8 @@ def make_orpheus_graph() -> ModelGraph:
     """Return Orpheus' graph: LLM prefill/decode streaming 28/7 windows into SNAC."""
     llm = GraphNode(
         "LLM",
-        {"tokens", "params"},
-        [GraphEdge("LLM", "tokens", persist=True), StreamingGraphEdge("snac_decoder", "tokens")],
+        {"history", "params"},
+        [GraphEdge("LLM", "history", persist=True), StreamingGraphEdge("snac_decoder", "tokens")],
         signals={"stop"},
     )
     snac = GraphNode(
@@ -76,7 +77,7 @@ def make_orpheus_graph() -> ModelGraph:
         walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "snac_chunk": snac},
         partitions={"LLM": ["prefill", "decode"], "SNAC": ["snac_chunk"]},
         connections=[Connection("LLM", "SNAC", "tokens", SlidingWindowChunkPolicy(28, 7))],
-        inputs={"LLM": {"tokens", "params"}, "snac_decoder": {"state"}},
+        inputs={"LLM": {"history", "params"}, "snac_decoder": {"state"}},
     )
 
 
@@ -90,23 +91,16 @@ class OrpheusLLMNode:
         self.constrained = config.constrained
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Prefill the prompt for the first audio token; then decode the rest."""
-        params: dict[str, Any] = inputs["params"]
-        max_tokens = int(params["max_tokens"])
-        sampling = SamplingParams(
-            **{k: params[k] for k in _SAMPLING_KEYS if k in params},
-            max_tokens=1 if is_first else max(1, max_tokens - 1),
-            stop_token_ids=(self.layout.end_of_speech,),
-        )
-        if not is_first:
-            return KVTurn([], sampling)
-        prompt = [int(t) for t in inputs["tokens"]]
-        processor = AudioLogitsProcessor(self.layout, len(prompt)) if self.constrained else None
-        return KVTurn(prompt, sampling, logits_processor=processor)
+        """Generate what is left of ``max_tokens`` (the history rebuilds an empty cache)."""
+        prompt_len = int(inputs["params"]["prompt_len"])
+        processor = AudioLogitsProcessor(self.layout, prompt_len) if self.constrained and is_first else None
+        return history_turn(inputs, is_first, (self.layout.end_of_speech,), logits_processor=processor)
 
-    def outputs(self, request_id: str, token_id: int, is_last: bool) -> Mapping[str, Any]:
-        """Stream the token to the codec; raise ``stop`` on the walk's last one."""
-        return {"tokens": token_id, "stop": is_last}
+    def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
+        """Stream the token to the codec; on the walk's last one raise ``stop``, persist the history."""
+        if history is None:
+            return {"tokens": token_id, "stop": False}
+        return {"tokens": token_id, "stop": True, "history": torch.tensor(history)}
 
 
 class SnacNode:
@@ -217,8 +211,13 @@ class OrpheusModel(Model):
             raise ValueError(f"max_tokens must be a positive integer, got {params['max_tokens']!r}")
         SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
         seed = int(params.get("seed", 0) or 0)
+        params["prompt_len"] = len(prompt)
         state = dataclasses.asdict(AudioStreamState(noise_seed=cfg.noise_seed + seed))
-        return PreparedRequest({"LLM": {"tokens": torch.tensor(prompt), "params": params}, "snac_decoder": {"state": state}})
+        inputs: dict[str, dict[str, Any]] = {
+            "LLM": {"history": torch.tensor(prompt), "params": params},
+            "snac_decoder": {"state": state},
+        }
+        return PreparedRequest(inputs)
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """LLM starts with prefill; SNAC with a chunk."""
