@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from mstar.errors import (
     ProtocolError,
     TransportClosedError,
 )
-from mstar.messages import Ack, Ping, Pong, TensorBundle
+from mstar.messages import Ack, ArenaRelease, Ping, Pong, Reply, TensorBundle
 from mstar.transport.base import parse_address
 from tests.actors.conftest import TEST_CONFIG, Linked, bind_address
 from tests.actors.peer_actors import setup
@@ -268,3 +269,17 @@ async def test_shutdown_removes_socket_files_and_segments() -> None:
         files = [Path(parse_address(address).rest), system._arena.path]
         assert all(f.exists() for f in files)
     assert not any(f.exists() for f in files)
+
+
+async def test_envelopes_arriving_after_a_link_was_given_up_are_ignored(
+    linked: Linked, caplog: pytest.LogCaptureFixture
+) -> None:
+    link = linked.client._routes[linked.address]
+    link.lose(PeerLostError("given up"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        # On a live link this release would be a protocol violation.
+        link.on_envelope(ArenaRelease([0]))
+        link.on_envelope(Reply(1, Pong()))
+    assert not caplog.records
+    assert await linked.client.ref("echo", linked.address).ask(Ping(3)) == Pong(3)

@@ -172,6 +172,8 @@ class PeerLink:
 
     def on_envelope(self, envelope: Envelope) -> None:
         """Handle one envelope from the peer (the channel's sink)."""
+        if self.is_closed:
+            return  # arrived after the link was given up, before its channel closed
         self.last_recv = time.monotonic()
         kind = type(envelope)
         try:

@@ -212,8 +212,11 @@ class LinkCodec:
             ProtocolError: an offset is not a slot this link sent (nothing is freed then).
         """
         arena = self.local_arena
-        if any(offset not in self.sent_slots for offset in offsets) or arena is None:
-            raise ProtocolError("the peer released arena slots it was not sent")
+        foreign = [offset for offset in offsets if offset not in self.sent_slots]
+        if foreign or arena is None or len(set(offsets)) != len(offsets):
+            raise ProtocolError(
+                f"the peer released arena slots it was not sent: {sorted(foreign or offsets)[:8]}"
+            )
         for offset in offsets:
             self.sent_slots.remove(offset)
             arena.free(offset)
