@@ -43,6 +43,19 @@ def make_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(func=bench_command)
 
+    from mstar.server.run_cli import add_run_arguments, run_command
+    from mstar.server.serve_cli import add_serve_arguments, serve_command
+
+    serve = sub.add_parser(
+        "serve", help="serve one model over HTTP (OpenAI-compatible API, /generate, /metrics)"
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(func=serve_command)
+
+    run = sub.add_parser("run", help="run one request through a model and write its output file")
+    add_run_arguments(run)
+    run.set_defaults(func=run_command)
+
     models = sub.add_parser("models", help="list the models mstar can serve")
     models.set_defaults(func=_cmd_models)
     return parser

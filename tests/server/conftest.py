@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import torch
 import transformers
 import uvicorn
 from fastapi import FastAPI
@@ -21,7 +20,7 @@ from fastapi import FastAPI
 from mstar.runtime.model import Model, ModelSpec
 from mstar.server import AdmissionLimits, ServerConfig, make_app
 from mstar.server.state import ServerState
-from tests.server.models import make_byte_tokenizer
+from tests.server.models import make_byte_tokenizer, save_tiny_chat_llama
 
 T = TypeVar("T")
 START_TIMEOUT_S = 60.0
@@ -113,18 +112,8 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, byte_tokenizer: Any) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(byte_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=byte_tokenizer.eos_token_id, bos_token_id=byte_tokenizer.bos_token_id,
-        tie_word_embeddings=False,
-    )
-    path = tmp_path_factory.mktemp("tiny-chat-llama")
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    byte_tokenizer.save_pretrained(path)
-    return path
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-llama"))
 
 
 @pytest.fixture(scope="module")

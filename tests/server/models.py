@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,3 +107,18 @@ def make_byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def save_tiny_chat_llama(path: Path) -> Path:
+    """Save a tiny random Llama with the byte-level tokenizer and its chat template in ``path``."""
+    tokenizer = make_byte_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import structlog
 import uvicorn
@@ -96,31 +99,46 @@ def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.so
 
 
 def run_server(app: FastAPI, config: ServerConfig) -> None:
-    """Bind, then serve ``app`` until SIGINT or SIGTERM (blocking).
+    """Bind, then serve ``app`` until SIGINT or SIGTERM (blocking); both stop it gracefully.
 
     Raises:
         MStarError: The engine failed to start (the original error).
     """
     uv, sock, url = _bind(app, config)
     log.info("server_bound", url=url)
+    # uvicorn handles the signal (graceful shutdown), then raises it again once done: turn
+    # that into a normal return rather than death by signal.
+    previous = _on_sigterm(_exit_quietly) if threading.current_thread() is threading.main_thread() else None
     try:
         uvicorn.Server(uv).run(sockets=[sock])
-    except SystemExit:
+    except KeyboardInterrupt:
+        pass
+    except SystemExit as exc:
         error = getattr(app.state, "startup_error", None)
         if error is not None:
             raise error from None
-        raise
+        if exc.code not in (0, None):
+            raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         sock.close()
+    log.info("server_stopped", url=url)
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _on_sigterm(handler: Callable[[int, object], None]) -> Any:
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def serve_command(args: argparse.Namespace) -> int:
     """Run `mstar serve`."""
     from mstar.zoo import resolve_model
 
-    json_logs = None if args.log_format == "auto" else args.log_format == "json"
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    configure_logging(args.log_level, json=json_logs, secrets=[api_key] if api_key else [])
     try:
         config = ServerConfig(
             host=args.host,
@@ -135,6 +153,8 @@ def serve_command(args: argparse.Namespace) -> int:
     except (MStarError, OSError) as exc:
         print(f"mstar serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    json_logs = None if args.log_format == "auto" else args.log_format == "json"
+    configure_logging(args.log_level, json=json_logs, secrets=[api_key] if api_key else [])
     devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
     engine_config = EngineConfig(worker_processes=args.worker_processes, devices=devices)
     app = make_app(
@@ -142,7 +162,7 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     try:
         run_server(app, config)
-    except ServerConfigError as exc:
+    except (ServerConfigError, ValueError) as exc:  # e.g. a placement that does not fit the model
         print(f"mstar serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except MStarError as exc:
