@@ -25,13 +25,39 @@ from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import EngineType, Model
 from mstar.runtime.walk_runner import ValueKey, WalkRunner
 
-__all__ = ["WorkerConfig", "WorkerCore", "WorkerOutbox"]
+__all__ = ["NodeEngine", "WorkerConfig", "WorkerCore", "WorkerOutbox"]
 
 Slot = tuple[str, str]
 _RunKey = tuple[str, int]  # (request id, walk seq)
 
 # Remember this many released requests, to drop values that were in flight to them.
 _TOMBSTONES = 4096
+
+
+class NodeEngine(Protocol):
+    """What a worker needs of a node's engine (`StatelessEngine`, `KVNodeEngine`, or one a
+    node brings itself through a ``make_engine(node, executor, device)`` method)."""
+
+    @property
+    def num_pending(self) -> int:
+        """Return how many firings wait or run."""
+        ...
+
+    def start(self) -> None:
+        """Start stepping on the running event loop."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop; pending firings fail."""
+        ...
+
+    def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Awaitable[Mapping[str, Any]]:
+        """Fire the node for one request (batched with others)."""
+        ...
+
+    def abort(self, request_id: str) -> Any:
+        """Drop everything held for a request."""
+        ...
 
 
 class WorkerOutbox(Protocol):
@@ -117,7 +143,7 @@ class WorkerCore:
         self.rank, self.model, self.graph, self.outbox = rank, model, graph, outbox
         self.config = config or WorkerConfig()
         self.node_names = sorted({node for (node, _), ranks in placement.items() if rank in ranks})
-        self.engines: dict[str, StatelessEngine | KVNodeEngine] = {}
+        self.engines: dict[str, NodeEngine] = {}
         self.runners: dict[_RunKey, WalkRunner] = {}
         self.tasks: dict[_RunKey, asyncio.Task[None]] = {}
         self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
@@ -141,8 +167,10 @@ class WorkerCore:
             kind = types.get(node)
             # Loading weights takes seconds: off the event loop, which must keep heartbeating.
             module = await asyncio.to_thread(self.model.submodule, node, device)
-            engine: StatelessEngine | KVNodeEngine
-            if kind == EngineType.STATELESS:
+            engine: NodeEngine
+            if hasattr(module, "make_engine"):  # a node that brings its own engine (e.g. frame-block KV)
+                engine = module.make_engine(node, self._executor, self.config.device)
+            elif kind == EngineType.STATELESS:
                 engine = StatelessEngine(node, module, self.config.stateless, self._executor)
             elif kind == EngineType.KV_CACHE:
                 engine = KVNodeEngine(node, module, self._executor, device=self.config.device)
