@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
@@ -139,10 +140,18 @@ class GraphNode:
         if clash:
             raise GraphValidationError(f"node {name!r}: {sorted(clash)} are both signals and edge names")
 
-    @property
+    @functools.cached_property
     def output_names(self) -> frozenset[str]:
         """Return the names carried by this node's edges."""
         return frozenset(edge.name for edge in self.outputs)
+
+    @functools.cached_property
+    def edges_by_name(self) -> dict[str, tuple[Edge, ...]]:
+        """Return this node's edges grouped by the name they carry."""
+        out: dict[str, list[Edge]] = {}
+        for edge in self.outputs:
+            out.setdefault(edge.name, []).append(edge)
+        return {name: tuple(edges) for name, edges in out.items()}
 
     def __str__(self) -> str:
         return self.name

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -238,17 +238,18 @@ class WalkRunner:
         """Route one firing's outputs and signals."""
         self._fired[node.name] += 1
         tag = str(self._fired[node.name])
-        unknown = set(out) - node.output_names - node.signals
-        if unknown:
-            raise self._error(node, f"node returned unknown outputs {sorted(unknown)}")
+        edges_by_name = node.edges_by_name
         for name, value in out.items():
-            if name in node.signals:
+            edges = edges_by_name.get(name)
+            if edges is not None:
+                self._route(node, tag, name, value, edges, env, accs)
+            elif name in node.signals:
                 env.signals[name] = value
                 if name in stops:
                     for r in self._others:
                         self._outgoing.setdefault(r, []).append(((node.name, tag, SIGNAL, name), value))
             else:
-                self._route(node, tag, name, value, [e for e in node.outputs if e.name == name], env, accs)
+                raise self._error(node, f"node returned unknown output {name!r}")
         self._flush()
 
     def _flush(self) -> None:
@@ -258,7 +259,9 @@ class WalkRunner:
                 self.ports.send(rank, items)
             self._outgoing = {}
 
-    def _route(self, node: GraphNode, tag: str, name: str, value: Any, edges: list[Edge], env: _Env, accs: list[_Acc]) -> None:
+    def _route(
+        self, node: GraphNode, tag: str, name: str, value: Any, edges: Sequence[Edge], env: _Env, accs: list[_Acc]
+    ) -> None:
         acc = next((a for a in reversed(accs) if name in a.names), None)
         held = [e for e in edges if acc is not None and e.dst not in acc.body]
         if acc is not None and held:
@@ -293,7 +296,7 @@ class WalkRunner:
         for name in node.signals & stops:
             env.signals[name] = _Pending((node.name, tag, SIGNAL, name))
 
-    def _expect_edges(self, node: GraphNode, tag: str, edges: list[Edge], env: _Env, accs: list[_Acc]) -> None:
+    def _expect_edges(self, node: GraphNode, tag: str, edges: Sequence[Edge], env: _Env, accs: list[_Acc]) -> None:
         for e in edges:
             if isinstance(e, GraphEdge) and e.dst != EMIT and self.node_ranks.get(e.dst) == self.rank:
                 env.values[(e.dst, e.name)] = _Pending((node.name, tag, e.dst, e.name))
