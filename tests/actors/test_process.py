@@ -76,6 +76,8 @@ async def test_tensors_cross_processes_through_shared_memory(peer: SystemProcess
         assert client._arena is not None and client._arena.allocator.num_allocated == 0
 
 
+# Each of these starts its own process (seconds each): one event loop apiece is enough.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_a_peer_stopped_gracefully_fails_pending_asks_at_once() -> None:
     process = SystemProcess(SETUP, serve=["ipc://"], config=STOPS_FAST)
     (address,) = await asyncio.to_thread(process.start)
@@ -94,6 +96,7 @@ async def test_a_peer_stopped_gracefully_fails_pending_asks_at_once() -> None:
         process.kill()
 
 
+@pytest.mark.asyncio(loop_factories=["uvloop"])
 async def test_a_killed_peer_fails_pending_asks_and_its_files_are_removed() -> None:
     process = SystemProcess(SETUP, serve=SERVE, config=STOPS_FAST)
     ipc, tcp = await asyncio.to_thread(process.start)

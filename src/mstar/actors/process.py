@@ -19,12 +19,13 @@ import asyncio
 import contextlib
 import importlib
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import msgspec
 
@@ -97,15 +98,17 @@ class SystemProcess:
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)
         config = msgspec.json.encode(self.config).decode()
+        # Not a daemon: a worker may start processes of its own (torch.compile does). The
+        # lifeline ends it instead, also when this interpreter exits without calling stop().
         process = context.Process(
             target=_child_main,
             args=(self.setup, self.serve, config, self.loop, theirs),
             name=f"mstar-system:{self.setup}",
-            daemon=True,
         )
         process.start()
         theirs.close()
         self._process, self._lifeline = process, ours
+        multiprocessing.util.Finalize(self, ours.close, exitpriority=10)
         try:
             if not ours.poll(timeout):
                 raise PeerLostError(f"the child system did not start within {timeout} s")
@@ -119,6 +122,7 @@ class SystemProcess:
             self.kill()
             raise
         if "error" in report:
+            process.join(10)
             self.kill()
             raise PeerLostError(f"the child system failed to start: {report['error']}")
         self.addresses = list(report["addresses"])
@@ -181,18 +185,20 @@ async def _child(setup: str, serve: list[str], config: SystemConfig, lifeline: C
         loop.add_signal_handler(signum, stop.set)
     # The lifeline turns readable when the parent closes its end or dies.
     loop.add_reader(lifeline.fileno(), stop.set)
-    report: dict[str, Any]
+    error: str | None = None
     try:
         async with ActorSystem(config) as system:
             try:
                 addresses = [await system.serve(address) for address in serve]
                 await _resolve(setup)(system)
             except Exception as exc:
-                report = {"error": f"{type(exc).__name__}: {exc}"}
-                lifeline.send_bytes(msgspec.json.encode(report))
-                return
-            lifeline.send_bytes(msgspec.json.encode({"addresses": addresses}))
-            await stop.wait()
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                lifeline.send_bytes(msgspec.json.encode({"addresses": addresses}))
+                await stop.wait()
+        # Reported once the system has shut down, so nothing of it is left behind.
+        if error is not None:
+            lifeline.send_bytes(msgspec.json.encode({"error": error}))
     finally:
         loop.remove_reader(lifeline.fileno())
         lifeline.close()
