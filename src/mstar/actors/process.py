@@ -3,8 +3,9 @@
 The child is started with the `spawn` method (a forked child of a process that ran torch can
 hang on its first parallel op). It serves the given addresses, runs a setup coroutine named
 as `"package.module:function"` (which spawns its actors), reports the bound addresses, and
-runs until told to stop (SIGTERM), until its parent closes the lifeline pipe, or until its
-parent dies. Only strings cross the process boundary at start-up.
+runs until told to stop (SIGTERM), or until the lifeline pipe to its parent closes: when the
+parent drops its `SystemProcess`, exits, or dies. Only strings cross the process boundary
+at start-up.
 
     proc = SystemProcess("myapp.workers:setup_worker", serve=["ipc://"])
     addresses = proc.start()                 # blocks: use asyncio.to_thread in async code
