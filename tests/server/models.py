@@ -115,7 +115,7 @@ def save_tiny_chat_llama(path: Path) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
     )

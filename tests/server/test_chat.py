@@ -100,3 +100,15 @@ def test_chat_errors_name_the_field(llama_server: RunningServer) -> None:
         oa.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"top_k": -5})  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-4o", messages=MESSAGES)  # type: ignore[arg-type]
+
+
+def test_leaving_a_chat_stream_aborts_it_and_frees_its_kv_cache(llama_server: RunningServer) -> None:
+    aborted = llama_server.metric("mstar_requests_finished_total", task="generate", status="aborted")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=llama_server.url) as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = response.iter_lines()
+        assert next(events).startswith("data: ")  # the stream runs (thousands of tokens to go)
+    held = llama_server.wait_idle()
+    assert all(v == 0 for counts in held.values() for v in counts.values()), held
+    assert any(key.startswith("kv_requests:") for key in held["rank0"])  # the KV cache was checked
+    assert llama_server.metric("mstar_requests_finished_total", task="generate", status="aborted") == aborted + 1

@@ -74,12 +74,7 @@ async def speech(body: SpeechRequest, http: HttpRequest) -> Response:
     rate = state.sample_rate
     if rate is None:
         raise MStarError(f"model {state.name!r} has a speech task but no audio_sample_rate")
-    data: dict[str, Any] = {"text": body.input}
-    if body.voice is not None:
-        data["voice"] = body.voice
-    if body.instructions is not None:
-        data["instructions"] = body.instructions
-    request = Request("speech", data, f"speech-{uuid.uuid4().hex}")
+    request = Request("speech", body.model_data(), f"speech-{uuid.uuid4().hex}")
     headers = {"X-Sample-Rate": str(rate)}
     if not body.is_streamed:
         (outputs,) = await run_to_end(state, http, [request], sample_rate=rate)

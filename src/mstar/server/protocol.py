@@ -178,6 +178,26 @@ class SpeechRequest(_Body):
     speed: float = 1.0
     stream: bool = False
     stream_format: Literal["audio", "sse"] | None = None
+    # Sampling of the speech model's token generation (extensions, as vLLM's).
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = None
+    ignore_eos: bool | None = None
+
+    def model_data(self) -> dict[str, Any]:
+        """Return the speech model's request data: text, voice, instructions, sampling."""
+        data: dict[str, Any] = {"text": self.input}
+        for key in (
+            "voice", "instructions", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
+            "ignore_eos",
+        ):
+            value = getattr(self, key)
+            if value is not None:
+                data[key] = value
+        return data
 
     @field_validator("speed")
     @classmethod

@@ -139,9 +139,9 @@ class RequestStream:
                     await self._outputs.aclose()  # type: ignore[attr-defined]
                 await self.state.engine.abort(self.request_id)
         finally:
+            self.tracker.finish(status)  # before the slot is freed: an idle server has counted it
             if self._is_admitted:
                 self.state.admission.release()
-            self.tracker.finish(status)
             if status != "completed":
                 log.info("request_ended", engine_request_id=self.request_id, status=status)
 
