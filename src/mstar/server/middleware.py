@@ -19,6 +19,7 @@ __all__ = ["ApiKeyMiddleware", "BodyLimitMiddleware", "RequestContextMiddleware"
 log = structlog.get_logger("mstar.server.access")
 
 REQUEST_ID_HEADER = "x-request-id"
+_QUIET_PATHS = frozenset({"/health", "/metrics"})
 
 
 async def _send_error(send: Send, status: int, message: str, error_type: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
@@ -59,12 +60,14 @@ class RequestContextMiddleware:
                 message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER.encode(), request_id.encode())]
             await send(message)
 
+        # Probes and scrapes arrive every few seconds: log them only at debug level.
+        emit = log.debug if scope["path"] in _QUIET_PATHS else log.info
         with structlog.contextvars.bound_contextvars(**context):
-            log.info("request_started", method=scope["method"], path=scope["path"])
+            emit("request_started", method=scope["method"], path=scope["path"])
             try:
                 await self.app(scope, receive, send_with_id)
             finally:
-                log.info(
+                emit(
                     "request_finished",
                     method=scope["method"],
                     path=scope["path"],
