@@ -161,11 +161,8 @@ class TextLLM(Model):
         elif self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids")
         elif "messages" in data:
-            tokens = list(
-                self.tokenizer.apply_chat_template(
-                    data["messages"], add_generation_prompt=True, tokenize=True
-                )
-            )
+            text = self.tokenizer.apply_chat_template(data["messages"], add_generation_prompt=True, tokenize=False)
+            tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         elif isinstance(data.get("prompt"), str):
             tokens = list(self.tokenizer(data["prompt"])["input_ids"])
         else:
