@@ -35,6 +35,8 @@ __all__ = [
     "StartWalkMsg",
     "StateQuery",
     "StateReport",
+    "StatsQuery",
+    "StatsReport",
     "StreamItemMsg",
     "TensorValue",
     "UpdatePeer",
@@ -343,6 +345,16 @@ class UpdatePeer(WireMessage):
     worker: ActorId
 
 
+class StatsQuery(WireMessage):
+    """Ask a worker for its engines' cumulative counters (answered by `StatsReport`)."""
+
+
+class StatsReport(WireMessage):
+    """Per node: steps, inputs batched, seconds in steps, KV blocks used/total where cached."""
+
+    stats: dict[str, dict[str, float]]
+
+
 class StateQuery(WireMessage):
     """Ask a conductor or worker how much request state it holds (answered by `StateReport`)."""
 
@@ -371,6 +383,8 @@ Message: TypeAlias = (
     | WorkerReady
     | StateQuery
     | StateReport
+    | StatsQuery
+    | StatsReport
     | UpdatePeer
 )
 

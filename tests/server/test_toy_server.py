@@ -187,3 +187,7 @@ def test_metrics_show_every_family(toy_server: RunningServer) -> None:
     assert m("mstar_inter_chunk_latency_seconds_count", modality="audio") >= 1
     assert m("mstar_time_to_first_token_seconds_count") >= 1  # the toy's speech LM emits its tokens
     assert toy_server.wait_idle() and m("mstar_requests_running") == 0
+    # engine families, per (rank, node): the vocoder ran steps with at least one input each
+    assert m("mstar_engine_steps", rank="0", node="vocoder") >= 1
+    assert m("mstar_engine_batch_size_mean", rank="0", node="vocoder") >= 1
+    assert m("mstar_engine_step_seconds", rank="0", node="lm") > 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -94,6 +95,8 @@ class KVNodeEngine:
         self.engine = KVCacheEngine(kv_node.model, kv_node.engine_config, device=device)
         self.executor = executor
         self.num_steps = 0
+        self.num_batched = 0  # sequences scheduled, over all steps
+        self.step_seconds = 0.0
         self._walks: dict[str, _Walk] = {}
         self._ops: list[tuple[str, Callable[[], object]]] = []  # engine calls before the next step
         self._wakeup = asyncio.Event()
@@ -116,6 +119,17 @@ class KVNodeEngine:
         for walk in self._walks.values():
             walk.queue.put_nowait(EngineClosedError(f"engine for node {self.node!r} closed"))
         self._walks.clear()
+
+    def stats(self) -> dict[str, float]:
+        """Return cumulative step counters and KV-cache occupancy (for metrics)."""
+        blocks = self.engine.block_manager
+        return {
+            "steps": self.num_steps,
+            "batched": self.num_batched,
+            "step_seconds": self.step_seconds,
+            "kv_blocks_total": self.engine.num_blocks,
+            "kv_blocks_used": self.engine.num_blocks - blocks.num_free_blocks,
+        }
 
     @property
     def num_pending(self) -> int:
@@ -235,6 +249,7 @@ class KVNodeEngine:
             if not self._ops and not self.engine.has_unfinished():
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            start = time.perf_counter()
             try:
                 if self.executor is None:
                     failed, results = self._step()
@@ -245,6 +260,8 @@ class KVNodeEngine:
                     w.queue.put_nowait(step_error)
                 continue
             self.num_steps += 1
+            self.num_batched += len(results)
+            self.step_seconds += time.perf_counter() - start
             for request_id, error in failed:
                 if (walk := self._walks.get(request_id)) is not None:
                     walk.queue.put_nowait(error)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -89,7 +90,8 @@ class StatelessEngine:
         self.config = config or StatelessEngineConfig()
         self.executor = executor
         self.num_steps = 0
-        self.batch_sizes: deque[int] = deque(maxlen=1024)  # recent batch sizes, for metrics
+        self.num_batched = 0  # inputs run, over all steps
+        self.step_seconds = 0.0  # time spent in steps
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -195,12 +197,20 @@ class StatelessEngine:
                 p.future.set_result(out)
 
     async def _call(self, inputs: list[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
-        self.num_steps += 1
-        self.batch_sizes.append(len(inputs))
-        if self.executor is None:
-            outputs = self.module(inputs)
-        else:
-            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
+        start = time.perf_counter()
+        try:
+            if self.executor is None:
+                outputs = self.module(inputs)
+            else:
+                outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
+        finally:
+            self.num_steps += 1
+            self.num_batched += len(inputs)
+            self.step_seconds += time.perf_counter() - start
         if len(outputs) != len(inputs):
             raise RuntimeError(f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}")
         return outputs
+
+    def stats(self) -> dict[str, float]:
+        """Return cumulative step counters (for metrics)."""
+        return {"steps": self.num_steps, "batched": self.num_batched, "step_seconds": self.step_seconds}

@@ -28,7 +28,16 @@ from mstar.actors import ActorRef, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess
 from mstar.engines.stateless import StatelessEngineConfig
 from mstar.errors import MStarError
-from mstar.messages import ActorId, InitWorker, StateQuery, StateReport, UpdatePeer, WorkerReady
+from mstar.messages import (
+    ActorId,
+    InitWorker,
+    StateQuery,
+    StateReport,
+    StatsQuery,
+    StatsReport,
+    UpdatePeer,
+    WorkerReady,
+)
 from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
 from mstar.runtime.model import Model, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
@@ -283,6 +292,15 @@ class AsyncEngine:
             report = await ref.ask(StateQuery(), timeout=30.0)
             assert isinstance(report, StateReport)
             out[name] = dict(report.counts)
+        return out
+
+    async def stats(self) -> dict[int, dict[str, dict[str, float]]]:
+        """Return each rank's per-node engine counters (steps, batched, step_seconds, KV blocks)."""
+        out: dict[int, dict[str, dict[str, float]]] = {}
+        for rank, ref in self.workers.items():
+            report = await ref.ask(StatsQuery(), timeout=30.0)
+            assert isinstance(report, StatsReport)
+            out[rank] = {node: dict(values) for node, values in report.stats.items()}
         return out
 
     async def run(self, request: Request) -> list[Output]:

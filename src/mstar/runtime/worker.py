@@ -21,6 +21,8 @@ from mstar.messages import (
     StartWalkMsg,
     StateQuery,
     StateReport,
+    StatsQuery,
+    StatsReport,
     StreamItemMsg,
     UpdatePeer,
     WalkDoneMsg,
@@ -90,6 +92,8 @@ class Worker(Actor):
             self.workers[message.rank] = self.system.ref(message.worker)
         elif isinstance(message, StateQuery):
             return StateReport(self.core.held_state())
+        elif isinstance(message, StatsQuery):
+            return StatsReport({name: dict(e.stats()) for name, e in self.core.engines.items()})
         else:
             raise TypeError(f"worker {self.rank} does not handle {type(message).__name__}")
         return None

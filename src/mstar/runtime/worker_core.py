@@ -59,6 +59,10 @@ class NodeEngine(Protocol):
         """Drop everything held for a request."""
         ...
 
+    def stats(self) -> Mapping[str, float]:
+        """Return cumulative counters: steps, batched inputs, seconds in steps, ..."""
+        ...
+
 
 class WorkerOutbox(Protocol):
     """Where a worker's messages go."""

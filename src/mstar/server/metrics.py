@@ -81,6 +81,33 @@ class ServerMetrics:
         self.audio_seconds = Counter("mstar_generated_audio_seconds", "Seconds of audio produced.", m, registry=r)
         self.images = Counter("mstar_generated_images", "Images produced.", m, registry=r)
 
+        e = (*m, "rank", "node")
+        self.engine_steps = Gauge("mstar_engine_steps", "Engine steps run, per node (cumulative).", e, registry=r)
+        self.engine_step_seconds = Gauge(
+            "mstar_engine_step_seconds", "Seconds spent in engine steps, per node (cumulative).", e, registry=r
+        )
+        self.engine_batch_size = Gauge(
+            "mstar_engine_batch_size_mean", "Mean inputs (sequences) per engine step, per node.", e, registry=r
+        )
+        self.kv_blocks_used = Gauge("mstar_kv_cache_blocks_used", "KV-cache blocks held by sequences.", e, registry=r)
+        self.kv_blocks_total = Gauge("mstar_kv_cache_blocks_total", "KV-cache blocks in all.", e, registry=r)
+        self.kv_usage = Gauge("mstar_kv_cache_usage", "Fraction of the KV cache in use.", e, registry=r)
+
+    def set_engine_stats(self, stats: dict[int, dict[str, dict[str, float]]]) -> None:
+        """Publish the engines' counters (from `AsyncEngine.stats`), read at each scrape."""
+        for rank, nodes in stats.items():
+            for node, values in nodes.items():
+                labels = (self.model, str(rank), node)
+                steps = values.get("steps", 0.0)
+                self.engine_steps.labels(*labels).set(steps)
+                self.engine_step_seconds.labels(*labels).set(values.get("step_seconds", 0.0))
+                self.engine_batch_size.labels(*labels).set(values.get("batched", 0.0) / steps if steps else 0.0)
+                if "kv_blocks_total" in values:
+                    total, used = values["kv_blocks_total"], values.get("kv_blocks_used", 0.0)
+                    self.kv_blocks_total.labels(*labels).set(total)
+                    self.kv_blocks_used.labels(*labels).set(used)
+                    self.kv_usage.labels(*labels).set(used / total if total else 0.0)
+
     def watch_admission(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         """Read the running and waiting gauges from these functions at each scrape."""
         self.running.labels(self.model).set_function(running)
