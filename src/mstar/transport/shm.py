@@ -28,6 +28,7 @@ import torch
 from mstar.errors import ProtocolError
 from mstar.transport.allocator import ArenaAllocator
 from mstar.transport.janitor import SHM_DIR, make_owned_name, sweep_stale
+from mstar.transport.memcopy import AdaptiveCopier
 
 __all__ = ["ArenaMapping", "SharedArena", "is_shm_available"]
 
@@ -73,6 +74,7 @@ class SharedArena:
         # Touch every page now so that no send pays for page faults later.
         self._bytes.zero_()
         self.allocator = ArenaAllocator(nbytes, _ALIGNMENT)
+        self.copier = AdaptiveCopier()
 
     @property
     def is_closed(self) -> bool:
@@ -88,7 +90,7 @@ class SharedArena:
         if offset is None:
             return None
         view = self._bytes[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
+        self.copier.copy(view, tensor)
         return offset
 
     def free(self, offset: int) -> None:
