@@ -305,6 +305,12 @@ class KVCacheEngine:
         """Schedule, run and postprocess one batch; return per-request new tokens."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                head = self.scheduler.waiting[0]
+                raise KVCacheCapacityError(
+                    f"request {head.request_id!r} cannot be scheduled: the KV cache cannot hold "
+                    f"its next chunk even alone; raise the KV-cache budget"
+                )
             return []
         tokens, logits = self.runner.execute(out, return_logits=self.return_logits)
         outputs = self.scheduler.update_from_output(out, tokens)

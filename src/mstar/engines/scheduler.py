@@ -124,9 +124,8 @@ class BatchScheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            # May exceed the budget for a segment that cannot be cut (full/block masks).
             num_tokens = seq.max_chunk(budget)
-            if num_tokens > budget and out.scheduled:
-                continue  # an uncuttable segment waits for a step of its own
             if not self._make_room(seq, num_tokens, scheduled_ids, out):
                 continue  # `seq` itself was preempted
             out.block_copies.extend(bm.append(seq, num_tokens))
@@ -138,9 +137,6 @@ class BatchScheduler:
             seq = self.waiting[0]
             bm.allocate_cached_prefix(seq)
             num_tokens = seq.max_chunk(budget)
-            if num_tokens > budget and out.scheduled:
-                bm.free(seq)
-                break
             while (
                 not bm.can_append(seq, num_tokens)
                 and not self.running
