@@ -36,6 +36,7 @@ __all__ = [
     "APIRequestError",
     "OverloadedError",
     "ClientDisconnectedError",
+    "RolloutStateError",
 ]
 
 
@@ -199,3 +200,7 @@ class OverloadedError(MStarError, RuntimeError):
 
 class ClientDisconnectedError(MStarError, ConnectionError):
     """Raised when an HTTP client disconnects before its answer is complete."""
+
+
+class RolloutStateError(MStarError, RuntimeError):
+    """Raised when a world-model rollout step does not continue the frames its engine caches for the request."""

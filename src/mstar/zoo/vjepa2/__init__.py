@@ -1,0 +1,88 @@
+"""V-JEPA 2-AC: a world model (ViT encoder + action-conditioned predictor) with CEM planning.
+
+The rollout is a `DynamicLoop` over the predictor, whose engine keeps each request's frames
+in a paged block-causal KV cache and computes only the newest frame block per step; the
+upstream loop that recomputes every frame is kept as the baseline (`native_rollout`).
+"""
+
+from __future__ import annotations
+
+from mstar.zoo.vjepa2.cem import (
+    MAX_CEM_STEPS,
+    CEMParams,
+    CEMState,
+    final_plan,
+    l1_energy,
+    plan_with,
+    refit,
+    sample_actions,
+)
+from mstar.zoo.vjepa2.checkpoint import (
+    load_encoder,
+    load_predictor,
+    make_random_checkpoint,
+    random_state_dicts,
+    read_part,
+)
+from mstar.zoo.vjepa2.config import (
+    VJEPA2_CONFIGS,
+    CEMConfig,
+    EncoderConfig,
+    PredictorConfig,
+    VJepa2Config,
+    get_vjepa2_config,
+)
+from mstar.zoo.vjepa2.encoder import VJepa2Encoder
+from mstar.zoo.vjepa2.engine import (
+    BlockJob,
+    BlockResult,
+    FrameKVConfig,
+    FrameRolloutRunner,
+    PredictorEngine,
+    PredictorNode,
+)
+from mstar.zoo.vjepa2.frame_cache import FrameBlockAttention, FrameKVPool, frame_metadata
+from mstar.zoo.vjepa2.model import EncoderNode, VJepa2Model, make_vjepa2_graph
+from mstar.zoo.vjepa2.native import native_rollout, native_step
+from mstar.zoo.vjepa2.pose import integrate_pose
+from mstar.zoo.vjepa2.predictor import ACPredictor, block_causal_mask
+
+__all__ = [
+    "MAX_CEM_STEPS",
+    "VJEPA2_CONFIGS",
+    "ACPredictor",
+    "BlockJob",
+    "BlockResult",
+    "CEMConfig",
+    "CEMParams",
+    "CEMState",
+    "EncoderConfig",
+    "EncoderNode",
+    "FrameBlockAttention",
+    "FrameKVConfig",
+    "FrameKVPool",
+    "FrameRolloutRunner",
+    "PredictorConfig",
+    "PredictorEngine",
+    "PredictorNode",
+    "VJepa2Config",
+    "VJepa2Encoder",
+    "VJepa2Model",
+    "block_causal_mask",
+    "final_plan",
+    "frame_metadata",
+    "get_vjepa2_config",
+    "integrate_pose",
+    "l1_energy",
+    "load_encoder",
+    "load_predictor",
+    "make_random_checkpoint",
+    "make_vjepa2_graph",
+    "native_rollout",
+    "native_step",
+    "plan_with",
+    "random_state_dicts",
+    "read_part",
+    "refit",
+    "sample_actions",
+]

@@ -1,0 +1,529 @@
+"""The predictor node's engine: per-request frame-block KV caches, one block per step.
+
+A `DynamicLoop` over the ``predictor`` node fires it once per rollout step. Firing ``n`` of
+a request carries the newest frame (latent ``z_n``, pose ``s_n``) and the rollout's actions;
+the engine runs only that frame's block against the request's cached blocks, writes the
+block's keys and values, and returns the layer-normalised prediction ``z_{n+1}`` and the
+integrated pose ``s_{n+1}``, which the loop feeds back. The pending firings of all requests
+(any horizon, any step) run as one forward: continuous batching.
+
+Three layers, as in the engines package:
+
+- `FrameRolloutRunner`: synchronous, all device work. Owns the `FrameKVPool`, the rollouts
+  it holds and the attention backend; `admit` starts a rollout (reserving every block it
+  will need, so an admitted rollout never stalls), `step` runs a batch of `BlockJob`s.
+- `PredictorNode`: what ``Model.submodule`` returns. Turns node inputs into jobs and results
+  into node outputs, and builds the engine (``make_engine``).
+- `PredictorEngine`: the asyncio shell (the worker's `NodeEngine`); every runner call runs on
+  the step executor, between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mstar.engines.kv_cache import KVCacheSpec, num_blocks_for_budget
+from mstar.engines.sequence import Sequence
+from mstar.errors import (
+    EngineClosedError,
+    KVCacheCapacityError,
+    RequestAbortedError,
+    RolloutStateError,
+)
+from mstar.zoo.vjepa2.frame_cache import FrameKVPool, frame_metadata, make_attention_backend
+from mstar.zoo.vjepa2.pose import integrate_pose
+from mstar.zoo.vjepa2.predictor import ACPredictor
+
+__all__ = [
+    "EMIT_MODES",
+    "BlockJob",
+    "BlockResult",
+    "FrameKVConfig",
+    "FrameRolloutRunner",
+    "PredictorEngine",
+    "PredictorNode",
+]
+
+EMIT_MODES = ("final", "stream", "none")
+"""What a rollout emits: all frames at the end, each frame as it is predicted, or nothing."""
+
+
+@dataclass(frozen=True)
+class FrameKVConfig:
+    """Sizing and attention backend of the predictor's frame-block cache.
+
+    Attributes:
+        num_blocks: Blocks in the pool (one per rollout row per cached frame); None sizes
+            the pool from ``kv_budget``.
+        kv_budget: Bytes (int), or a fraction in (0, 1] of the device's free memory.
+        attention_backend: "auto", "frame", "paged" or "flashinfer" (see
+            `make_attention_backend`).
+    """
+
+    num_blocks: int | None = None
+    kv_budget: int | float = 1 << 30
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise KVCacheCapacityError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.attention_backend not in ("auto", "frame", "paged", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto, frame, paged or flashinfer, got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
+class BlockJob:
+    """One request's rollout step: ``S`` rows each append frame ``step``.
+
+    Attributes:
+        request_id: The request.
+        latent: ``[S, N, D]`` latent of frame ``step`` (normalised).
+        pose: ``[S, 7]`` pose at frame ``step``.
+        action: ``[S, 7]`` action taken at frame ``step``.
+        step: Frame index (0 starts a new rollout, dropping what the request held).
+        horizon: Frames the rollout predicts in all.
+        keep: Keep every prediction, to return the whole trajectory after the last step.
+    """
+
+    request_id: str
+    latent: torch.Tensor
+    pose: torch.Tensor
+    action: torch.Tensor
+    step: int
+    horizon: int
+    keep: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        """Rows (rollouts) in the job."""
+        return int(self.latent.shape[0])
+
+
+@dataclass(frozen=True)
+class BlockResult:
+    """A job's outcome: the next latent and pose, and the trajectory after the last step."""
+
+    latent: torch.Tensor
+    pose: torch.Tensor
+    is_done: bool
+    latents: torch.Tensor | None = None  # [S, H, N, D] on the last step of a kept rollout
+    poses: torch.Tensor | None = None  # [S, H, 7]
+
+
+@dataclass
+class _Rollout:
+    rows: list[Sequence]
+    horizon: int
+    keep: bool
+    num_frames: int = 0
+    latents: list[torch.Tensor] = field(default_factory=list)
+    poses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def blocks_to_come(self) -> int:
+        return len(self.rows) * (self.horizon - self.num_frames)
+
+
+class FrameRolloutRunner:
+    """Run rollout steps of many requests over one paged frame-block cache (synchronous).
+
+    Args:
+        predictor: The loaded predictor (its dtype is the cache's).
+        config: Pool size and attention backend.
+        device: Where the predictor and the pool live.
+    """
+
+    def __init__(self, predictor: ACPredictor, config: FrameKVConfig | None = None, device: torch.device | str = "cpu") -> None:
+        self.predictor = predictor
+        self.config = config or FrameKVConfig()
+        self.device = torch.device(device)
+        cfg = predictor.config
+        self.dtype = next(predictor.parameters()).dtype
+        spec = KVCacheSpec(cfg.depth, cfg.num_heads, cfg.head_dim, self.dtype)
+        num_blocks = self.config.num_blocks or num_blocks_for_budget(spec, cfg.frame_tokens, self.config.kv_budget, self.device)
+        self.pool = FrameKVPool(spec, cfg.frame_tokens, num_blocks, self.device)
+        self.backend = make_attention_backend(self.config.attention_backend, self.device)
+        self.scale = cfg.head_dim**-0.5
+        self.rollouts: dict[str, _Rollout] = {}
+        self.num_steps = 0
+        self.rows_per_step: deque[int] = deque(maxlen=4096)  # recent batch sizes, for tests and metrics
+
+    @property
+    def num_requests(self) -> int:
+        """Count the requests holding a rollout here."""
+        return len(self.rollouts)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Count the blocks admitted rollouts will still take."""
+        return sum(r.blocks_to_come for r in self.rollouts.values())
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's rollout and free its blocks (no-op if it holds none)."""
+        rollout = self.rollouts.pop(request_id, None)
+        if rollout is not None:
+            for row in rollout.rows:
+                self.pool.free(row)
+
+    def can_admit(self, job: BlockJob) -> bool:
+        """Whether a new rollout's blocks fit now, next to those reserved by the others.
+
+        Raises:
+            KVCacheCapacityError: It could never fit, even in an empty pool.
+        """
+        need = job.num_rows * job.horizon
+        if need > self.pool.num_blocks:
+            raise KVCacheCapacityError(
+                f"a rollout of {job.num_rows} rows x {job.horizon} frames needs {need} frame blocks; the "
+                f"pool has {self.pool.num_blocks} (raise num_blocks or kv_budget, or roll out fewer rows)"
+            )
+        held = self.rollouts.get(job.request_id)
+        reserved = self.num_reserved_blocks - (held.blocks_to_come if held is not None else 0)
+        freed = sum(len(r.block_table) for r in held.rows) if held is not None else 0
+        return need <= self.pool.num_free_blocks + freed - reserved
+
+    def admit(self, job: BlockJob) -> None:
+        """Start the rollout of a ``step == 0`` job, dropping one the request held.
+
+        Call after `can_admit` returned True.
+        """
+        self.release(job.request_id)
+        rows = [self.pool.new_row(job.request_id) for _ in range(job.num_rows)]
+        self.rollouts[job.request_id] = _Rollout(rows, job.horizon, job.keep)
+
+    def check(self, job: BlockJob) -> None:
+        """Check that a ``step > 0`` job continues the rollout held for its request.
+
+        Raises:
+            RolloutStateError: No rollout is held, or it is at another frame or row count.
+        """
+        held = self.rollouts.get(job.request_id)
+        if held is None:
+            raise RolloutStateError(
+                f"step {job.step} of request {job.request_id!r} arrived, but no rollout is cached for it "
+                "(a rollout starts at step 0 and continues on the engine that holds it)"
+            )
+        if held.num_frames != job.step or len(held.rows) != job.num_rows or held.horizon != job.horizon:
+            raise RolloutStateError(
+                f"step {job.step} ({job.num_rows} rows, horizon {job.horizon}) of request {job.request_id!r} does "
+                f"not continue its cached rollout ({held.num_frames} frames, {len(held.rows)} rows, horizon {held.horizon})"
+            )
+
+    @torch.inference_mode()
+    def step(self, jobs: list[BlockJob]) -> list[BlockResult]:
+        """Run one frame block for every row of ``jobs`` (all admitted or checked) in one forward."""
+        rollouts = [self.rollouts[j.request_id] for j in jobs]
+        rows = [row for r in rollouts for row in r.rows]
+        for row in rows:
+            self.pool.append_frame(row)
+        frame_index = torch.tensor([j.step for j in jobs for _ in range(j.num_rows)], device=self.device)
+        z = torch.cat([j.latent for j in jobs]).to(self.device, self.dtype)
+        poses = torch.cat([j.pose for j in jobs]).to(self.device)
+        actions = torch.cat([j.action for j in jobs]).to(self.device)
+        self.backend.plan(frame_metadata(rows, self.pool.frame_tokens, self.device))
+        layers = self.pool.layers
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            b, m, heads, head_dim = q.shape
+            flat = (b * m, heads, head_dim)
+            out = self.backend.forward(q.reshape(flat), k.reshape(flat), v.reshape(flat), layers[layer], self.scale)
+            return out.view(b, m, heads, head_dim)
+
+        pred = self.predictor.forward_frames(
+            z[:, None], actions[:, None].to(self.dtype), poses[:, None].to(self.dtype), frame_index, attend
+        )[:, 0]
+        latent_next = F.layer_norm(pred, (pred.shape[-1],))
+        pose_next = integrate_pose(poses, actions)
+        # Only now is the frame's K/V complete in every layer: count it as cached.
+        for row in rows:
+            row.num_computed_tokens += self.pool.frame_tokens
+        self.num_steps += 1
+        self.rows_per_step.append(len(rows))
+        results = []
+        start = 0
+        for job, rollout in zip(jobs, rollouts, strict=True):
+            end = start + job.num_rows
+            latent, pose = latent_next[start:end], pose_next[start:end]
+            start = end
+            rollout.num_frames += 1
+            if rollout.keep:
+                rollout.latents.append(latent)
+                rollout.poses.append(pose)
+            is_done = rollout.num_frames == rollout.horizon
+            if not is_done:
+                results.append(BlockResult(latent, pose, False))
+                continue
+            latents = torch.stack(rollout.latents, dim=1) if rollout.keep else None
+            trajectory = torch.stack(rollout.poses, dim=1) if rollout.keep else None
+            self.release(job.request_id)  # a finished rollout's frames are never attended again
+            results.append(BlockResult(latent, pose, True, latents, trajectory))
+        return results
+
+
+def _tensor(value: Any, name: str, dims: tuple[int, ...], trailing: tuple[int, ...]) -> torch.Tensor:
+    """Return ``value`` as a float tensor with one of ``dims`` dimensions ending in ``trailing``."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"predictor input {name!r} must be a tensor: {exc}") from None
+    if value.dim() not in dims or tuple(value.shape[value.dim() - len(trailing) :]) != trailing:
+        raise ValueError(f"predictor input {name!r} must have shape [..., {', '.join(map(str, trailing))}] with {dims} dims, got {list(value.shape)}")
+    if not value.is_floating_point():
+        value = value.float()
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"predictor input {name!r} has non-finite values")
+    return value
+
+
+class PredictorNode:
+    """The ``predictor`` node: inputs to `BlockJob`s, results to outputs, and its engine.
+
+    Inputs: ``latent`` ``[N, D]`` or ``[S, N, D]``, ``pose`` ``[7]`` or ``[S, 7]``, ``step``
+    (int, 0 starts a rollout), ``job`` ``{"actions": [H, 7] or [S, H, 7], "emit": mode}``.
+    Outputs: ``latent``, ``pose`` and ``step`` for the next step (same batching as the
+    inputs), signal ``done`` after step ``H - 1``, and by ``emit`` mode: ``frame`` and
+    ``frame_pose`` every step ("stream"), or ``latents`` ``[(S,) H, N, D]`` and ``poses``
+    ``[(S,) H, 7]`` after the last step ("final"). Emitted tensors are on the CPU.
+    """
+
+    def __init__(self, predictor: ACPredictor, kv_config: FrameKVConfig | None = None) -> None:
+        self.predictor = predictor
+        self.kv_config = kv_config or FrameKVConfig()
+        cfg = predictor.config
+        self.latent_shape = (cfg.num_patches, cfg.embed_dim)
+        self.action_dim = cfg.action_dim
+        self.max_horizon = cfg.max_horizon
+
+    def make_engine(self, node: str, executor: Executor | None, device: str) -> PredictorEngine:
+        """Build this node's engine (the worker calls this)."""
+        return PredictorEngine(node, self, executor, device)
+
+    def parse(self, request_id: str, inputs: Mapping[str, Any]) -> tuple[BlockJob, bool, str]:
+        """Return the job, whether the inputs were batched, and the emit mode.
+
+        Raises:
+            ValueError: An input is missing or malformed.
+        """
+        missing = {"latent", "pose", "step", "job"} - set(inputs)
+        if missing:
+            raise ValueError(f"predictor inputs {sorted(missing)} are missing")
+        latent = _tensor(inputs["latent"], "latent", (2, 3), self.latent_shape)
+        batched = latent.dim() == 3
+        latent = latent if batched else latent[None]
+        rows = latent.shape[0]
+        pose = _tensor(inputs["pose"], "pose", (2,) if batched else (1,), (self.action_dim,)).reshape(-1, self.action_dim)
+        job = inputs["job"]
+        if not isinstance(job, Mapping) or "actions" not in job:
+            raise ValueError("predictor input 'job' must be a dict with 'actions' (and optionally 'emit')")
+        actions = _tensor(job["actions"], "job.actions", (3,) if batched else (2,), (self.action_dim,))
+        actions = actions if batched else actions[None]
+        emit = job.get("emit", "final")
+        if emit not in EMIT_MODES:
+            raise ValueError(f"job emit must be one of {EMIT_MODES}, got {emit!r}")
+        if pose.shape[0] != rows or actions.shape[0] != rows:
+            raise ValueError(f"latent, pose and actions disagree on the number of rows: {rows}, {pose.shape[0]}, {actions.shape[0]}")
+        horizon = actions.shape[1]
+        if not 1 <= horizon <= self.max_horizon:
+            raise ValueError(f"a rollout predicts 1 to {self.max_horizon} frames, got {horizon} actions")
+        step = inputs["step"]
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = int(step.item())
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < horizon:
+            raise ValueError(f"predictor input 'step' must be an integer in [0, {horizon}), got {step!r}")
+        block = BlockJob(request_id, latent, pose, actions[:, step], step, horizon, keep=emit == "final")
+        return block, batched, str(emit)
+
+    @staticmethod
+    def outputs(job: BlockJob, result: BlockResult, batched: bool, emit: str) -> dict[str, Any]:
+        """Return the node outputs (and the ``done`` signal) of one step."""
+
+        def shape(x: torch.Tensor) -> torch.Tensor:
+            return x if batched else x[0]
+
+        out: dict[str, Any] = {
+            "latent": shape(result.latent),
+            "pose": shape(result.pose),
+            "step": job.step + 1,
+            "done": result.is_done,
+        }
+        if emit == "stream":
+            out["frame"] = shape(result.latent).cpu()
+            out["frame_pose"] = shape(result.pose).cpu()
+        elif emit == "final" and result.is_done:
+            assert result.latents is not None and result.poses is not None
+            out["latents"] = shape(result.latents).cpu()
+            out["poses"] = shape(result.poses).cpu()
+        return out
+
+
+@dataclass
+class _Firing:
+    request_id: str
+    inputs: Mapping[str, Any]
+    future: asyncio.Future[Mapping[str, Any]]
+
+
+class PredictorEngine:
+    """Continuous batching of predictor firings over frame-block caches (a worker `NodeEngine`).
+
+    Args:
+        node: The node's name.
+        node_impl: The node (its predictor and cache settings).
+        executor: Where steps run; None runs them on the event loop's thread.
+        device: Torch device of the cache.
+    """
+
+    def __init__(self, node: str, node_impl: PredictorNode, executor: Executor | None, device: str = "cpu") -> None:
+        self.node = node
+        self.node_impl = node_impl
+        self.executor = executor
+        self.runner = FrameRolloutRunner(node_impl.predictor, node_impl.kv_config, device)
+        self._queue: deque[_Firing] = deque()
+        self._releases: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def num_pending(self) -> int:
+        """Return how many firings wait for a step."""
+        return len(self._queue)
+
+    @property
+    def num_requests(self) -> int:
+        """Return how many requests hold a rollout (read between steps)."""
+        return self.runner.num_requests
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"predictor:{self.node}")
+
+    async def aclose(self) -> None:
+        """Stop stepping; pending firings fail with `EngineClosedError`."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self._queue:
+            firing = self._queue.popleft()
+            if not firing.future.done():
+                firing.future.set_exception(EngineClosedError(f"engine for node {self.node!r} closed"))
+
+    async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Queue one rollout step of a request; return its outputs once it ran.
+
+        Raises:
+            EngineClosedError: The engine is closed.
+            RequestAbortedError: The request was aborted first.
+            ValueError, RolloutStateError, KVCacheCapacityError: This request's step is invalid.
+        """
+        if self._closed:
+            raise EngineClosedError(f"engine for node {self.node!r} is closed")
+        future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Firing(request_id, inputs, future))
+        self._wakeup.set()
+        return await future
+
+    def abort(self, request_id: str) -> None:
+        """Fail the request's pending firing and free its cache (at the next step boundary)."""
+        keep: deque[_Firing] = deque()
+        for firing in self._queue:
+            if firing.request_id == request_id:
+                if not firing.future.done():
+                    firing.future.set_exception(RequestAbortedError(f"request {request_id!r} was aborted"))
+            else:
+                keep.append(firing)
+        self._queue = keep
+        self._releases.append(request_id)
+        self._wakeup.set()
+
+    release = abort
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue and not self._releases:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            # Walks woken by the last step are ready to run: let them queue their next firing
+            # first, so that every request in lockstep joins this step.
+            await asyncio.sleep(0)
+            self._wakeup.clear()
+            firings = [f for f in self._queue if not f.future.done()]
+            self._queue.clear()
+            releases, self._releases = self._releases, []
+            if self.executor is None:
+                done, deferred = self._step(firings, releases)
+            else:
+                done, deferred = await loop.run_in_executor(self.executor, self._step, firings, releases)
+            for firing, outcome in done:
+                if firing.future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    firing.future.set_exception(outcome)
+                else:
+                    firing.future.set_result(outcome)
+            self._queue.extendleft(reversed(deferred))
+            if deferred and not done:
+                # Nothing could run: wait for a release (or a new firing) before retrying.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+
+    def _step(
+        self, firings: list[_Firing], releases: list[str]
+    ) -> tuple[list[tuple[_Firing, Mapping[str, Any] | BaseException]], list[_Firing]]:
+        """Apply releases, admit and run what fits (on the step thread); return outcomes and the deferred."""
+        runner, node = self.runner, self.node_impl
+        for request_id in releases:
+            runner.release(request_id)
+        done: list[tuple[_Firing, Mapping[str, Any] | BaseException]] = []
+        deferred: list[_Firing] = []
+        ready: list[tuple[_Firing, BlockJob, bool, str]] = []
+        for firing in firings:
+            try:
+                job, batched, emit = node.parse(firing.request_id, firing.inputs)
+                if job.step > 0:
+                    runner.check(job)
+                elif deferred or not runner.can_admit(job):
+                    deferred.append(firing)  # first come, first served: later starts wait too
+                    continue
+                else:
+                    runner.admit(job)
+            except Exception as exc:  # a bad firing fails alone
+                runner.release(firing.request_id)
+                done.append((firing, exc))
+                continue
+            ready.append((firing, job, batched, emit))
+        if ready:
+            done.extend(self._run_jobs(ready))
+        return done, deferred
+
+    def _run_jobs(
+        self, ready: list[tuple[_Firing, BlockJob, bool, str]]
+    ) -> list[tuple[_Firing, Mapping[str, Any] | BaseException]]:
+        try:
+            results = self.runner.step([job for _, job, _, _ in ready])
+        except Exception as exc:
+            if len(ready) == 1:
+                self.runner.release(ready[0][0].request_id)
+                return [(ready[0][0], exc)]
+            # Rerun one by one so that only the request that fails is failed; the blocks the
+            # failed step allocated are reused (a frame counts as cached only after its step).
+            return [outcome for item in ready for outcome in self._run_jobs([item])]
+        return [
+            (firing, self.node_impl.outputs(job, result, batched, emit))
+            for (firing, job, batched, emit), result in zip(ready, results, strict=True)
+        ]
