@@ -99,6 +99,8 @@ class TorchPagedAttention:
         self._decode_blocks: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._decode_shape = (0, 0)
+        self._staged_len = 0
+        self._staged_mask: torch.Tensor | None = None
         self._all_decode = False
         # Prefill chunks: (query start, query end, key slots, mask or None for pure causal).
         self._prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
@@ -146,6 +148,16 @@ class TorchPagedAttention:
                 keys = tuple(int(k) for k in metadata.seq_keys[decode_ids])
                 lens = seq_lens[decode_ids]
                 self._staging.plan(keys, lens, self._decode_shape[1], self.device)
+                # Staged keys need no block rounding: equal lengths need no mask at all.
+                longest = int(lens.max())
+                self._staged_len = longest
+                self._staged_mask = None
+                if not (lens == longest).all():
+                    visible = np.arange(longest)[None, :] < lens[:, None]
+                    additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
+                    self._staged_mask = torch.from_numpy(additive[:, None, None, :]).to(
+                        self.device
+                    )
             else:
                 self._staging.deactivate()  # and break the append chain
         decode_set = set(decode_ids)
@@ -224,13 +236,14 @@ class TorchPagedAttention:
                 # Append this step's token; the paged cache has it too.
                 k_stage[staging.rows, :, staging.positions] = k_new
                 v_stage[staging.rows, :, staging.positions] = v_new
-            keys = k_stage[:batch, :, :max_len]
-            values = v_stage[:batch, :, :max_len]
+            keys = k_stage[:batch, :, : self._staged_len]
+            values = v_stage[:batch, :, : self._staged_len]
+            mask = self._staged_mask
         else:
             assert self._decode_blocks is not None
             keys = k_cache.index_select(0, self._decode_blocks).view(shape).transpose(1, 2)
             values = v_cache.index_select(0, self._decode_blocks).view(shape).transpose(1, 2)
-        mask = self._decode_mask
+            mask = self._decode_mask
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
         o = F.scaled_dot_product_attention(
