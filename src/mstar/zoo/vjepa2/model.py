@@ -57,6 +57,11 @@ log = structlog.get_logger(__name__)
 
 PARTITION = "world_model"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INPUT_KEYS = {
+    "encode": frozenset({"image", "images"}),
+    "rollout": frozenset({"image", "latent", "actions", "pose", "stream"}),
+    "plan": frozenset({"image", "goal_image", "latent", "goal_latent", "pose"}),
+}
 _PLAN_KEYS = ("rollout", "samples", "topk", "cem_steps", "momentum_mean", "momentum_std",
               "momentum_mean_gripper", "momentum_std_gripper", "maxnorm", "gripper_clip", "seed")
 
@@ -237,6 +242,12 @@ class VJepa2Model(Model):
     def preprocess(self, request: Request) -> PreparedRequest:
         """Check the task's fields; build node inputs and pick the walk."""
         data = request.data
+        if request.task not in _INPUT_KEYS:
+            raise ValueError(f"task must be one of {list(self.tasks())}, got {request.task!r}")
+        known = _INPUT_KEYS[request.task] | (frozenset(_PLAN_KEYS) if request.task == "plan" else frozenset())
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown {request.task} fields {sorted(unknown)}; known: {sorted(known)}")
         if request.task == "encode":
             images = data.get("images", [data["image"]] if "image" in data else None)
             if not isinstance(images, list | tuple) or not images:
@@ -245,9 +256,7 @@ class VJepa2Model(Model):
             return PreparedRequest({"encoder": {"frames": frames, "purpose": "encode"}}, "encode")
         if request.task == "rollout":
             return self._rollout(data)
-        if request.task == "plan":
-            return self._plan(data)
-        raise ValueError(f"task must be one of {list(self.tasks())}, got {request.task!r}")
+        return self._plan(data)
 
     def _rollout(self, data: Mapping[str, Any]) -> PreparedRequest:
         actions = as_actions(data.get("actions"), self.config)
