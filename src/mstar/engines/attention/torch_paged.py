@@ -195,11 +195,11 @@ class TorchPagedAttention:
         v_flat.index_copy_(0, self._slot_mapping, v)
         gqa = q.shape[1] != num_kv_heads
         if self._all_decode:
-            return self._decode(q, k, v, k_cache, v_cache, scale, gqa)
+            return self._decode(q, k, v, k_cache, v_cache, scale)
         out = torch.empty_like(q)
         rows = self._decode_rows
         if rows is not None:
-            out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale, gqa)
+            out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale)
         for start, end, slots, mask in self._prefills:
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
             ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
@@ -218,7 +218,6 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
-        gqa: bool,
     ) -> torch.Tensor:
         batch, max_len = self._decode_shape
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
@@ -246,7 +245,12 @@ class TorchPagedAttention:
             mask = self._decode_mask
         if mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
+        # One query token per sequence: fold each KV head's group of query heads into the
+        # query-length axis, so every K/V head is read once (no GQA expansion needed).
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+            q.reshape(batch, num_kv_heads, group, head_dim), keys, values,
+            attn_mask=mask, scale=scale,
         )
-        return o.squeeze(2)
+        return o.reshape(batch, num_heads, head_dim)
