@@ -72,7 +72,7 @@ class WalkDeadlockError(MStarError, RuntimeError):
 
 
 class InvalidSamplingParamsError(MStarError, ValueError):
-    """Raised when `SamplingParams` hold an out-of-range value (temperature, top-k, top-p, ...)."""
+    """Raised when a request's `SamplingParams` or `AttentionMask` hold an out-of-range value."""
 
 
 class RequestNotFoundError(MStarError, KeyError):
