@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mstar.actors import Actor, ActorRef, ActorSystem, RestartPolicy, SystemConfig
 from mstar.errors import GraphValidationError, MStarError, WalkDeadlockError, WalkExecutionError
 from mstar.graph import (
     EMIT,
@@ -44,6 +45,11 @@ __version__ = "0.1.0"
 __all__ = [
     "EMIT",
     "MODALITIES",
+    "Actor",
+    "ActorRef",
+    "ActorSystem",
+    "RestartPolicy",
+    "SystemConfig",
     "AsyncEngine",
     "EngineConfig",
     "EngineType",

@@ -101,6 +101,7 @@ class AsyncEngine:
         self.workers: dict[int, ActorRef] = {}
         self.processes: dict[int, SystemProcess] = {}
         self.spec: ModelSpec | None = None
+        self._served = ""  # the ipc address worker processes reach the conductor at
         self.num_restarts = 0
         self._watchdog: asyncio.Task[None] | None = None
         self._is_closed = False
@@ -149,7 +150,7 @@ class AsyncEngine:
     async def _start_actors(self, spec: ModelSpec | None) -> None:
         ranks = self.placement.ranks
         if self.config.worker_processes:
-            await self.system.serve("ipc://")
+            self._served = await self.system.serve("ipc://")
             for rank in ranks:
                 self.processes[rank] = self._make_process()
             await asyncio.gather(*(asyncio.to_thread(p.start) for p in self.processes.values()))
@@ -178,7 +179,7 @@ class AsyncEngine:
             self.spec.factory,
             json.dumps(dict(self.spec.kwargs)),
             self.placement.to_yaml(),
-            ActorId(self.system.addresses[-1], CONDUCTOR),
+            ActorId(self._served, CONDUCTOR),
             {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()},
             msgspec.json.encode(self.config.worker_config(rank)).decode(),
         )
