@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,9 +44,13 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def predictor(tmp_path_factory: pytest.TempPathFactory) -> ACPredictor:
-    path = make_random_checkpoint(CFG, tmp_path_factory.mktemp("vjepa2") / "tiny.pt", seed=2)
-    return load_predictor(path, CFG)
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_checkpoint(CFG, tmp_path_factory.mktemp("vjepa2") / "tiny.pt", seed=2)
+
+
+@pytest.fixture(scope="module")
+def predictor(checkpoint: Path) -> ACPredictor:
+    return load_predictor(checkpoint, CFG)
 
 
 def inputs(seed: int, rows: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,3 +243,20 @@ async def test_engine_defers_a_rollout_until_blocks_are_released(predictor: ACPr
         assert out["step"] == 1 and engine.runner.num_requests == 1
     finally:
         await engine.aclose()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["frame", "paged", "flashinfer"])
+def test_cuda_rollouts_equal_the_native_recompute(checkpoint: Path, backend: str) -> None:
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    cuda = load_predictor(checkpoint, CFG, device="cuda")
+    runner = FrameRolloutRunner(cuda, FrameKVConfig(num_blocks=256, attention_backend=backend), device="cuda")
+    rollouts = [Rollout(f"r{i}", i, rows, h, start) for i, (rows, h, start) in enumerate([(1, 31, 0), (3, 7, 2), (2, 12, 5)])]
+    drive(runner, rollouts, {})
+    for r in rollouts:
+        assert r.result is not None
+        ref_latents, ref_poses = native_rollout(cuda, r.z0.cuda(), r.pose0.cuda(), r.actions.cuda())
+        torch.testing.assert_close(r.result[0], ref_latents, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(r.result[1], ref_poses)
