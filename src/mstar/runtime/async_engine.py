@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,9 @@ class EngineConfig:
         system: Actor-system settings (heartbeats, arena size).
         watchdog_interval_s: How often worker processes are checked; a dead one fails the
             requests that used it (`WorkerLostError`) and is restarted.
+        cpu_threads: Torch threads of each worker process (default: the machine's cores
+            shared evenly among the worker processes: oversubscribed OpenMP threads spin
+            against each other, and small ops then run many times slower).
     """
 
     worker_processes: bool = False
@@ -77,13 +81,18 @@ class EngineConfig:
     # the watchdog at once, so links may wait longer before giving a peer up.
     system: SystemConfig = field(default_factory=lambda: SystemConfig(heartbeat_timeout_s=20.0))
     watchdog_interval_s: float = 0.25
+    cpu_threads: int | None = None
 
-    def worker_config(self, rank: int) -> WorkerConfig:
-        """Return the config of the worker of ``rank``."""
+    def worker_config(self, rank: int, num_ranks: int = 1) -> WorkerConfig:
+        """Return the config of the worker of ``rank`` (one of ``num_ranks``)."""
+        threads = None
+        if self.worker_processes:
+            threads = self.cpu_threads or max(1, (os.cpu_count() or 1) // num_ranks)
         return WorkerConfig(
             device=self.devices.get(rank, "cpu"),
             offload_steps=self.offload_steps,
             stateless=StatelessEngineConfig(self.max_batch_size, self.max_wait_s),
+            num_threads=threads,
         )
 
 
@@ -181,7 +190,7 @@ class AsyncEngine:
             self.placement.to_yaml(),
             ActorId(self._served, CONDUCTOR),
             {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()},
-            msgspec.json.encode(self.config.worker_config(rank)).decode(),
+            msgspec.json.encode(self.config.worker_config(rank, len(self.placement.ranks))).decode(),
         )
         ready = await host.ask(init, timeout=300.0)
         if not isinstance(ready, WorkerReady):

@@ -97,11 +97,14 @@ class WorkerConfig:
         offload_steps: Run engine steps on a thread of their own so the event loop never
             blocks on device work (False runs them inline: lowest latency for tiny nodes).
         stateless: Batching limits of stateless engines.
+        num_threads: Torch intra-op threads of this worker's process (None: leave as is).
+            Set only for workers in processes of their own: it is a per-process setting.
     """
 
     device: str = "cpu"
     offload_steps: bool = True
     stateless: StatelessEngineConfig = field(default_factory=StatelessEngineConfig)
+    num_threads: int | None = None
 
 
 class _Ports:
@@ -163,6 +166,8 @@ class WorkerCore:
 
     async def start(self) -> None:
         """Build this rank's node engines."""
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
         if self.config.offload_steps:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"mstar-rank{self.rank}")
         device = torch.device(self.config.device)
