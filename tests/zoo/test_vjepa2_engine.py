@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 
 from mstar.engines.attention import TorchPagedAttention
 from mstar.engines.attention.base import AttentionMetadata
-from mstar.errors import KVCacheCapacityError, RequestAbortedError, RolloutStateError
+from mstar.errors import (
+    EngineClosedError,
+    KVCacheCapacityError,
+    RequestAbortedError,
+    RolloutStateError,
+)
 from mstar.zoo.vjepa2 import (
     ACPredictor,
     BlockJob,
@@ -260,3 +265,28 @@ def test_cuda_rollouts_equal_the_native_recompute(checkpoint: Path, backend: str
         ref_latents, ref_poses = native_rollout(cuda, r.z0.cuda(), r.pose0.cuda(), r.actions.cuda())
         torch.testing.assert_close(r.result[0], ref_latents, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(r.result[1], ref_poses)
+
+
+async def test_a_failing_forward_fails_only_its_request(predictor: ACPredictor, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = PredictorNode(predictor, FrameKVConfig(num_blocks=16)).make_engine("predictor", None, "cpu")
+    step = engine.runner.step
+
+    def flaky(jobs: list[BlockJob]) -> list[object]:
+        if any(j.request_id == "boom" for j in jobs):
+            raise RuntimeError("device fault")
+        return step(jobs)  # type: ignore[return-value]
+
+    monkeypatch.setattr(engine.runner, "step", flaky)
+    engine.start()
+    try:
+        ok = asyncio.ensure_future(engine.submit("ok", firing(0, 2)))
+        boom = asyncio.ensure_future(engine.submit("boom", firing(1, 2)))
+        assert (await ok)["step"] == 1
+        with pytest.raises(RuntimeError, match="device fault"):
+            await boom
+        assert engine.runner.num_requests == 1 and engine.runner.pool.num_free_blocks == 15
+    finally:
+        await engine.aclose()
+    late = asyncio.ensure_future(engine.submit("late", firing(2, 2)))
+    with pytest.raises(EngineClosedError):
+        await late

@@ -390,6 +390,7 @@ class PredictorEngine:
         self.runner = FrameRolloutRunner(node_impl.predictor, node_impl.kv_config, device)
         self._queue: deque[_Firing] = deque()
         self._releases: list[str] = []
+        self._in_flight: list[_Firing] = []  # taken by the step that runs now
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -417,10 +418,11 @@ class PredictorEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        while self._queue:
-            firing = self._queue.popleft()
+        for firing in [*self._in_flight, *self._queue]:
             if not firing.future.done():
                 firing.future.set_exception(EngineClosedError(f"engine for node {self.node!r} closed"))
+        self._queue.clear()
+        self._in_flight = []
 
     async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
         """Queue one rollout step of a request; return its outputs once it ran.
@@ -462,13 +464,19 @@ class PredictorEngine:
             # first, so that every request in lockstep joins this step.
             await asyncio.sleep(0)
             self._wakeup.clear()
-            firings = [f for f in self._queue if not f.future.done()]
+            firings = self._in_flight = [f for f in self._queue if not f.future.done()]
             self._queue.clear()
             releases, self._releases = self._releases, []
-            if self.executor is None:
-                done, deferred = self._step(firings, releases)
-            else:
-                done, deferred = await loop.run_in_executor(self.executor, self._step, firings, releases)
+            try:
+                if self.executor is None:
+                    done, deferred = self._step(firings, releases)
+                else:
+                    done, deferred = await loop.run_in_executor(self.executor, self._step, firings, releases)
+            except Exception as exc:  # the engine itself failed: fail what it held, keep serving
+                done, deferred = [(f, exc) for f in firings], []
+                for firing in firings:
+                    self.runner.release(firing.request_id)
+            self._in_flight = []
             for firing, outcome in done:
                 if firing.future.done():
                     continue
