@@ -1,6 +1,7 @@
 """Benchmark V-JEPA 2-AC rollouts: mstar's KV-cached DynamicLoop against the native loop.
 
     python scripts/bench_vjepa2.py                                  # vjepa2-small, CPU
+    python scripts/bench_vjepa2.py --threads 1                      # steadier on a busy host
     python scripts/bench_vjepa2.py --device cuda --dtype bfloat16   # FlashInfer on CUDA
 
 For each horizon H (default 1, 5, 10, 20, 30), waves of ``--concurrency`` rollout requests
@@ -16,8 +17,9 @@ For each horizon H (default 1, 5, 10, 20, 30), waves of ``--concurrency`` rollou
 Each request encodes its context image and rolls out H seeded actions. The metric is job
 completion time (JCT: from sending a request to receiving its predicted trajectory); the
 speed-up is native JCT p50 / mstar JCT p50. Both targets' trajectories are compared, so the
-speed-up is for identical results. Prints the configuration, a table per horizon and a
-summary; writes JSON and a PNG plot to ``--out``.
+speed-up is for identical results; the summary also gives the analytic ratio of predictor
+FLOPs, which the speed-up should track. Prints the configuration and a summary (``--tables``:
+the harness table of every horizon); writes JSON and a PNG plot to ``--out``.
 """
 
 from __future__ import annotations
