@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=None, help="frame blocks in the KV pool")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--tables", action="store_true", help="print the harness table of every horizon")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/vjepa2"))
+    parser.add_argument("--out", type=Path, default=Path("results/vjepa2"))
     args = parser.parse_args(argv)
     if any(not 1 <= h <= 31 for h in args.horizons):
         parser.error("horizons must be in 1..31")
