@@ -33,21 +33,16 @@ from mstar.zoo.vjepa2.config import (
     get_vjepa2_config,
 )
 from mstar.zoo.vjepa2.encoder import VJepa2Encoder
-from mstar.zoo.vjepa2.engine import (
-    BlockJob,
-    BlockResult,
-    FrameKVConfig,
-    FrameRolloutRunner,
-    PredictorEngine,
-    PredictorNode,
-)
+from mstar.zoo.vjepa2.engine import EMIT_MODES, PredictorEngine, PredictorNode
 from mstar.zoo.vjepa2.frame_cache import FrameBlockAttention, FrameKVPool, frame_metadata
 from mstar.zoo.vjepa2.model import EncoderNode, VJepa2Model, make_vjepa2_graph
 from mstar.zoo.vjepa2.native import native_rollout, native_step
 from mstar.zoo.vjepa2.pose import integrate_pose
 from mstar.zoo.vjepa2.predictor import ACPredictor, block_causal_mask
+from mstar.zoo.vjepa2.runner import BlockJob, BlockResult, FrameKVConfig, FrameRolloutRunner
 
 __all__ = [
+    "EMIT_MODES",
     "MAX_CEM_STEPS",
     "VJEPA2_CONFIGS",
     "ACPredictor",

@@ -48,8 +48,9 @@ from mstar.zoo.vjepa2.cem import (
 from mstar.zoo.vjepa2.checkpoint import load_encoder, load_predictor, make_random_checkpoint
 from mstar.zoo.vjepa2.config import VJepa2Config, get_vjepa2_config
 from mstar.zoo.vjepa2.encoder import VJepa2Encoder
-from mstar.zoo.vjepa2.engine import FrameKVConfig, PredictorNode
+from mstar.zoo.vjepa2.engine import PredictorNode
 from mstar.zoo.vjepa2.inputs import as_actions, as_latent, as_pose, prepare_image
+from mstar.zoo.vjepa2.runner import FrameKVConfig
 
 __all__ = ["PARTITION", "EncoderNode", "VJepa2Model", "make_vjepa2_graph"]
 
