@@ -35,3 +35,19 @@ def test_entry_point_help_and_bad_usage() -> None:
     assert ok.returncode == 0 and "demo" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "mstar.cli", "nope"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_run_plans_an_action_with_the_world_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    for name in ("ctx", "goal"):
+        Image.fromarray((rng.rand(64, 64, 3) * 255).astype("uint8")).save(tmp_path / f"{name}.png")
+    out = tmp_path / "plan.json"
+    args = ["run", "vjepa2-tiny", "--task", "plan", "--image", str(tmp_path / "ctx.png")]
+    assert main([*args, "--param", f"goal_image={tmp_path / 'goal.png'}", "--param", "seed=1", "--out", str(out)]) == 0
+    (action,) = json.loads(out.read_text())["action:action"]
+    assert len(action) == 7 and all(isinstance(x, float) for x in action)

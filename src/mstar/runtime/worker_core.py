@@ -203,7 +203,7 @@ class WorkerCore:
         counts = {"runners": len(self.runners), "tasks": len(self.tasks), "early_values": len(self.early)}
         for name, engine in self.engines.items():
             counts[f"pending:{name}"] = engine.num_pending
-            if isinstance(engine, KVNodeEngine):
+            if hasattr(engine, "num_requests"):  # engines that keep per-request state (KV caches)
                 counts[f"kv_requests:{name}"] = engine.num_requests
         return counts
 

@@ -102,7 +102,7 @@ class _Collected:
         self.audio: list[bytes] = []
         self.num_samples = 0
         self.images: list[Any] = []
-        self.others: dict[str, int] = {}
+        self.others: dict[str, list[torch.Tensor]] = {}  # "modality:name" -> outputs (actions, latents)
 
     def add(self, out: Output) -> None:
         if out.modality == "text":
@@ -114,7 +114,7 @@ class _Collected:
         elif out.modality == "image":
             self.images.append(out.data)
         else:
-            self.others[out.modality] = self.others.get(out.modality, 0) + 1
+            self.others.setdefault(f"{out.modality}:{out.name}", []).append(torch.as_tensor(out.data))
 
     def summary(self, rate: int | None) -> str:
         parts = [f"{len(self.token_ids)} tokens"] if self.token_ids else []
@@ -122,7 +122,7 @@ class _Collected:
             parts.append(f"{self.num_samples / rate:.2f} s audio")
         if self.images:
             parts.append(f"{len(self.images)} images")
-        parts += [f"{n} {m}" for m, n in self.others.items()]
+        parts += [f"{len(v)} {k}" for k, v in self.others.items()]
         return ", ".join(parts) or "waiting"
 
     def text(self) -> str:
@@ -167,6 +167,20 @@ def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
         assert out is not None
         out.write_bytes(png_bytes(collected.images[-1]))
         return f"wrote {out} (image {list(torch.as_tensor(collected.images[-1]).shape)})"
+    if collected.others and not collected.audio and not collected.images and not collected.token_ids:
+        if suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            assert out is not None
+            tensors = {f"{key}:{i}": t.contiguous() for key, ts in collected.others.items() for i, t in enumerate(ts)}
+            save_file(tensors, str(out))
+            return f"wrote {out} ({len(tensors)} tensors)"
+        doc = {key: [t.tolist() for t in ts] for key, ts in collected.others.items()}
+        if out is None:
+            print(json.dumps(doc))
+            return ", ".join(f"{len(v)} {k}" for k, v in collected.others.items())
+        out.write_text(json.dumps(doc) + "\n", encoding="utf-8")
+        return f"wrote {out} (JSON: {', '.join(f'{len(v)} {k}' for k, v in collected.others.items())})"
     if out is None and (collected.audio or collected.images):
         kind = "audio" if collected.audio else "an image"
         raise ValueError(f"the request produced {kind}: pass --out FILE{'.wav' if collected.audio else '.png'}")

