@@ -18,6 +18,7 @@ lm_head.weight                                   [vocab, hidden]  (absent when t
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -133,38 +134,93 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     )
 
 
-class _Fused:
-    """Several linear layers on the same input as one `[in, sum(out)]` matrix product.
+_LAYOUT_CHOICES: dict[tuple[int, int, torch.dtype], bool] = {}
 
-    CPU GEMMs are markedly faster with the weight stored `[in, out]` than through
-    `F.linear`'s `[out, in]` (measured 1.5-3x at decode batch sizes), and one product
-    replaces several small ones. The original `nn.Linear` weights are re-pointed at
-    views of the fused storage, so checkpoint names and `state_dict()` keep working.
+
+def _prefers_in_out(weight: torch.Tensor) -> bool:
+    """Whether `x @ W.T` runs faster with `W.T` stored `[in, out]` than through `F.linear`.
+
+    CPU GEMM speed depends on the weight layout in a shape-dependent way (a 32000-wide
+    head was 1.4-2.6x faster `[in, out]` at decode batch sizes, a 49152-wide one ~10%
+    slower), so each distinct shape is timed once per process at batch sizes 1 and 16
+    (best of several runs). Elsewhere (CUDA) the usual `[out, in]` layout is kept.
+    """
+    if weight.device.type != "cpu":
+        return False
+    out_features, in_features = weight.shape
+    key = (in_features, out_features, weight.dtype)
+    if key not in _LAYOUT_CHOICES:
+        weight_t = weight.t().contiguous()
+        totals = [0.0, 0.0]
+        with torch.no_grad():
+            for rows in (1, 16):
+                x = torch.randn(rows, in_features, dtype=weight.dtype)
+                for index in (0, 1):
+                    best = float("inf")
+                    for _ in range(5):
+                        start = time.perf_counter()
+                        for _ in range(3):
+                            if index == 0:
+                                F.linear(x, weight)
+                            else:
+                                torch.mm(x, weight_t)
+                        best = min(best, time.perf_counter() - start)
+                    totals[index] += best
+        _LAYOUT_CHOICES[key] = totals[1] < totals[0]
+    return _LAYOUT_CHOICES[key]
+
+
+class _Fused:
+    """Several linear layers on the same input as one matrix product.
+
+    The weights are concatenated along the output axis and stored in whichever layout
+    multiplies faster on this device (see `_prefers_in_out`). The original `nn.Linear`
+    weights are re-pointed at views of the fused storage, so checkpoint names and
+    `state_dict()` keep working and no memory is duplicated.
     """
 
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight_t = weight_t
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, in_out: bool) -> None:
+        self.weight = weight  # [in, out] when `in_out`, else [out, in]
         self.bias = bias
+        self.in_out = in_out
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> _Fused:
+        """Fuse `linears` (same input size) and re-point their parameters at the result."""
         with torch.no_grad():
-            weight_t = torch.cat([lin.weight for lin in linears], dim=0).t().contiguous()
+            rows = torch.cat([lin.weight for lin in linears], dim=0)
+            in_out = _prefers_in_out(rows)
+            weight = rows.t().contiguous() if in_out else rows.contiguous()
             has_bias = linears[0].bias is not None
-            bias = torch.cat([lin.bias for lin in linears if lin.bias is not None]) if has_bias else None
+            bias = (
+                torch.cat([lin.bias for lin in linears if lin.bias is not None])
+                if has_bias
+                else None
+            )
             start = 0
             for lin in linears:
                 size = lin.out_features
-                lin.weight = nn.Parameter(weight_t[:, start : start + size].t(), requires_grad=False)
+                view = weight[:, start : start + size].t() if in_out else weight[start : start + size]
+                lin.weight = nn.Parameter(view, requires_grad=False)
                 if bias is not None:
                     lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
                 start += size
-        return cls(weight_t, bias)
+        return cls(weight, bias, in_out=in_out)
+
+    @classmethod
+    def shared(cls, weight: torch.Tensor) -> _Fused:
+        """Use an `[out, in]` weight owned elsewhere (a tied head), copied only if faster."""
+        with torch.no_grad():
+            if _prefers_in_out(weight):
+                return cls(weight.detach().t().contiguous(), None, in_out=True)
+        return cls(weight.detach(), None, in_out=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.in_out:
+            return F.linear(x, self.weight, self.bias)
         if self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight_t)
-        return torch.mm(x, self.weight_t)
+            return torch.addmm(self.bias, x, self.weight)
+        return torch.mm(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -342,10 +398,10 @@ class LlamaCausalLM(nn.Module):
         return cast(list[LlamaDecoderLayer], list(self.model.layers))
 
     def fuse_for_inference(self) -> None:
-        """Fuse q/k/v and gate/up projections and store weights `[in, out]` (see `_Fused`).
+        """Fuse q/k/v and gate/up projections, in the faster layout per shape (see `_Fused`).
 
         Weights stay reachable under their Hugging Face names. A tied head gets its own
-        transposed copy (vocab x hidden more memory) since the embedding lookup needs rows.
+        transposed copy only where that layout is faster (the embedding lookup needs rows).
         """
         for layer in self.decoder_layers:
             layer.self_attn.fuse()
@@ -353,7 +409,7 @@ class LlamaCausalLM(nn.Module):
         if self.lm_head is not None:
             self._head = _Fused.of([self.lm_head])
         else:
-            self._head = _Fused(self.model.embed_tokens.weight.detach().t().contiguous(), None)
+            self._head = _Fused.shared(self.model.embed_tokens.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to vocabulary logits."""
