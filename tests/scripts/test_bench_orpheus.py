@@ -1,0 +1,108 @@
+"""scripts/bench_orpheus.py on orpheus-tiny: the three systems do the same work; the report is complete."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from mstar.zoo.orpheus import TokenLayout
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_orpheus.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_orpheus", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_orpheus"] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_arguments_are_validated(bench: ModuleType) -> None:
+    settings = bench.parse_args(["--concurrency", "1,4", "--max-tokens", "56"])
+    assert settings.concurrency == (1, 4) and settings.num_frames == 8
+    assert settings.samples_per_request == 8 * 2048
+    for bad in (
+        ["--max-tokens", "30"],
+        ["--max-tokens", "0"],
+        ["--concurrency", "0"],
+        ["--concurrency", "x"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_fixed_length_processor_never_allows_end_of_speech(bench: ModuleType) -> None:
+    layout = TokenLayout(tokeniser_length=512, codebook_size=64)
+    processor = bench.FixedLengthAudioProcessor(layout, 3)
+    for generated in range(15):
+        logits = torch.zeros(layout.num_ids)
+        processor([0] * (3 + generated), logits)
+        start, end = layout.audio_range(generated % 7)
+        allowed = torch.isfinite(logits).nonzero().flatten()
+        assert allowed.tolist() == list(range(start, end))  # at frame boundaries too
+
+
+def test_meter_deltas(bench: ModuleType) -> None:
+    meter = bench.Meter()
+    meter.add("codec", 0.5, 4)
+    before = meter.snapshot()
+    meter.add("codec", 0.25, 2)
+    meter.add("llm_step", 1.0)
+    assert bench.Meter.delta(before, meter.snapshot()) == {"codec": (0.25, 2), "llm_step": (1.0, 1)}
+
+
+def test_tiny_run_compares_equal_work(bench: ModuleType, tmp_path: Path) -> None:
+    data = bench.main(
+        [
+            "--config",
+            "orpheus-tiny",
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "28",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert json.loads((tmp_path / "bench_orpheus.json").read_text()) == data
+    assert (tmp_path / "bench_orpheus.png").stat().st_size > 0
+    results = {r["target"]: r["summary"] for r in data["results"]}
+    assert set(results) == {"mstar", "transformers"}
+    # 5 requests (5 x c) of 4 frames, 2048 samples each, from every system.
+    audio_s = 5 * 4 * 2048 / 24000
+    for summary in results.values():
+        assert (summary["num_requests"], summary["num_failed"]) == (5, 0)
+        assert summary["audio_s"] == pytest.approx(audio_s)
+        assert summary["ttfa_s"]["p50"] > 0 and summary["rtf"]["p95"] > 0
+    (floor,) = data["orpheus"]["floor"]
+    assert floor["num_requests"] == 5 and floor["audio_s"] == pytest.approx(audio_s)
+    # Four frames: the first window emits frames 0-1, the end of the stream re-decodes it for 2-3.
+    rows = {b["target"]: b for b in data["orpheus"]["breakdown"]}
+    assert set(rows) == {"mstar", "transformers", "floor"}
+    for row in rows.values():
+        assert row["num_windows"] == 5 * 2 and row["codec_s"] > 0 and row["llm_s"] > 0
+    assert rows["mstar"]["num_steps"] == rows["floor"]["num_steps"] == 5 * 28
+    assert rows["transformers"]["num_steps"] == 5 * 28  # tokens generated
+    verdicts = data["orpheus"]["targets"]["verdicts"]
+    assert set(verdicts) == {"audio_s_per_s", "ttfa_p50", "floor_efficiency"}
+    assert all(v["value"] is not None and v["value"] > 0 for v in verdicts.values())
