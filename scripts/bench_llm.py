@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smollm2-new-tokens", type=int, default=64)
     parser.add_argument("--full", action="store_true", help="smollm2 uses --concurrency/--new-tokens")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    # One thread by default on CPU: on shared cores, multi-threaded GEMMs spin-wait on busy
+    # siblings and slow down by an order of magnitude, which says nothing about the engines.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
     parser.add_argument("--no-cuda-graphs", action="store_true")
