@@ -66,25 +66,36 @@ class StopStringMatcher:
         """Take the next text; return what can be emitted now."""
         if self.is_stopped or not self.stops:
             return "" if self.is_stopped else text
-        buffer = self._held + text
-        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.is_stopped = True
-            self._held = ""
-            return buffer[:cut]
-        keep = max(self._partial_suffix(buffer, s) for s in self.stops)
-        self._held = buffer[len(buffer) - keep :] if keep else ""
-        return buffer[: len(buffer) - keep]
+        return self._emit(self._held + text, is_final=False)
 
     def flush(self) -> str:
         """Return the held-back text at the end of the stream."""
         held, self._held = self._held, ""
-        return "" if self.is_stopped else held
+        if self.is_stopped or not held:
+            return ""
+        return self._emit(held, is_final=True)
 
-    @staticmethod
-    def _partial_suffix(text: str, stop: str) -> int:
-        """Return the length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-        for n in range(min(len(text), len(stop) - 1), 0, -1):
-            if stop.startswith(text[-n:]):
-                return n
-        return 0
+    def _emit(self, buffer: str, *, is_final: bool) -> str:
+        # A stop found at `cut` wins only if no stop can still begin before it: a longer stop
+        # may be partly received at an earlier position ("aba" vs "b" in "ab...").
+        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        pending = -1 if is_final else self._earliest_partial(buffer)
+        if cut >= 0 and (pending < 0 or cut <= pending):
+            self.is_stopped = True
+            self._held = ""
+            return buffer[:cut]
+        if pending >= 0:
+            self._held = buffer[pending:]
+            return buffer[:pending]
+        self._held = ""
+        return buffer
+
+    def _earliest_partial(self, text: str) -> int:
+        """Return where the earliest proper prefix of a stop that runs to the end begins, or -1."""
+        longest = max(len(s) for s in self.stops)
+        for start in range(max(0, len(text) - longest + 1), len(text)):
+            tail = text[start:]
+            if any(len(tail) < len(s) and s.startswith(tail) for s in self.stops):
+                return start
+        return -1
+
