@@ -42,9 +42,13 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             logits = self._apply_top_p(logits, [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None:
+        # Exponential noise per row: a seeded row draws from its own generator; only the
+        # other rows draw from the global one (a full-batch draw would be thrown away).
+        noise = torch.empty_like(probs)
+        if all(seq.generator is None for seq in seqs):
+            noise.exponential_()
+        else:
+            for row, seq in enumerate(seqs):
                 noise[row].exponential_(generator=seq.generator)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
