@@ -85,6 +85,13 @@ def _read_lines(stream: io.TextIOBase, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
+def _is_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+    except httpx.TransportError:  # not accepting yet, or slow to answer while the model loads
+        return False
+
+
 def test_serve_runs_a_real_server_until_interrupted() -> None:
     env = {**os.environ, "MSTAR_API_KEY": KEY}
     proc = subprocess.Popen(
@@ -103,7 +110,7 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
             event = json.loads(seen[-1])
             url = event.get("url") if event["event"] == "server_bound" else None
         deadline = time.monotonic() + 90
-        while httpx.get(f"{url}/health").status_code != 200:  # the model loads in the background
+        while not _is_healthy(url):  # the model loads in the background
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         assert httpx.post(f"{url}/v1/audio/speech", json={"input": "hi"}).status_code == 401

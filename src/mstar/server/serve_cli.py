@@ -93,6 +93,7 @@ def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.so
         lifespan="on",
     )
     sock = uv.bind_socket()
+    sock.listen(uv.backlog)  # clients queue while the model loads, instead of being refused
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     return uv, sock, f"http://{url_host}:{port}"
