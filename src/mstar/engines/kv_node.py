@@ -13,7 +13,6 @@ loop never blocks on device work and never races the step in flight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Executor
@@ -25,6 +24,7 @@ from mstar.engines.masks import AttentionMask
 from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.sequence import LogitsProcessor, SequenceStatus
+from mstar.engines.step_loop import StepLoop
 from mstar.errors import EngineClosedError, RequestAbortedError, RequestNotFoundError
 
 __all__ = ["KVNode", "KVNodeEngine", "KVTurn"]
@@ -84,12 +84,13 @@ class _Walk:
     queue: asyncio.Queue[tuple[int, list[int] | None] | BaseException]
 
 
-class KVNodeEngine:
+class KVNodeEngine(StepLoop):
     """Continuous batching for one KV-cache node; an async context manager."""
 
     def __init__(
         self, node: str, kv_node: KVNode, executor: Executor | None, device: str | None = None
     ) -> None:
+        super().__init__()
         self.node = node
         self.kv_node = kv_node
         self.engine = KVCacheEngine(kv_node.model, kv_node.engine_config, device=device)
@@ -99,25 +100,10 @@ class KVNodeEngine:
         self.step_seconds = 0.0
         self._walks: dict[str, _Walk] = {}
         self._ops: list[tuple[str, Callable[[], object]]] = []  # engine calls before the next step
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
 
-    def start(self) -> None:
-        """Start the step loop on the running event loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv:{self.node}")
-
-    async def aclose(self) -> None:
-        """Stop stepping; walks in flight fail with `EngineClosedError`."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def _fail_pending(self, error: EngineClosedError) -> None:
         for walk in self._walks.values():
-            walk.queue.put_nowait(EngineClosedError(f"engine for node {self.node!r} closed"))
+            walk.queue.put_nowait(error)
         self._walks.clear()
 
     def stats(self) -> dict[str, float]:

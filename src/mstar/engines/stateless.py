@@ -10,7 +10,6 @@ requests that submitted them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mstar.engines.step_loop import StepLoop
 from mstar.errors import EngineClosedError, RequestAbortedError
 
 __all__ = ["BatchedNode", "StatelessEngine", "StatelessEngineConfig", "batched"]
@@ -66,7 +66,7 @@ class _Pending:
     future: asyncio.Future[Mapping[str, Any]]
 
 
-class StatelessEngine:
+class StatelessEngine(StepLoop):
     """Batch a node's pending inputs across requests; an async context manager.
 
     Args:
@@ -85,6 +85,7 @@ class StatelessEngine:
         config: StatelessEngineConfig | None = None,
         executor: Executor | None = None,
     ) -> None:
+        super().__init__()
         self.node = node
         self.module = module
         self.config = config or StatelessEngineConfig()
@@ -93,9 +94,6 @@ class StatelessEngine:
         self.num_batched = 0  # inputs run, over all steps
         self.step_seconds = 0.0  # time spent in steps
         self._queue: deque[_Pending] = deque()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
 
     async def __aenter__(self) -> StatelessEngine:
         self.start()
@@ -104,23 +102,11 @@ class StatelessEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def start(self) -> None:
-        """Start the step loop on the running event loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"stateless:{self.node}")
-
-    async def aclose(self) -> None:
-        """Stop the step loop; pending submissions fail with `EngineClosedError`."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def _fail_pending(self, error: EngineClosedError) -> None:
         while self._queue:
             p = self._queue.popleft()
             if not p.future.done():
-                p.future.set_exception(EngineClosedError(f"engine for node {self.node!r} closed"))
+                p.future.set_exception(error)
 
     @property
     def num_pending(self) -> int:

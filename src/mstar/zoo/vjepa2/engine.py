@@ -16,7 +16,6 @@ integrated pose ``s_{n+1}``, which the loop feeds back. The pending firings of a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Executor
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mstar.engines.step_loop import StepLoop
 from mstar.errors import EngineClosedError, RequestAbortedError
 from mstar.zoo.vjepa2.predictor import ACPredictor
 from mstar.zoo.vjepa2.runner import BlockJob, BlockResult, FrameKVConfig, FrameRolloutRunner
@@ -139,7 +139,7 @@ class _Firing:
     future: asyncio.Future[Mapping[str, Any]]
 
 
-class PredictorEngine:
+class PredictorEngine(StepLoop):
     """Continuous batching of predictor firings over frame-block caches (a worker `NodeEngine`).
 
     Args:
@@ -150,6 +150,7 @@ class PredictorEngine:
     """
 
     def __init__(self, node: str, node_impl: PredictorNode, executor: Executor | None, device: str = "cpu") -> None:
+        super().__init__()
         self.node = node
         self.node_impl = node_impl
         self.executor = executor
@@ -157,9 +158,6 @@ class PredictorEngine:
         self._queue: deque[_Firing] = deque()
         self._releases: list[str] = []
         self._in_flight: list[_Firing] = []  # taken by the step that runs now
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
 
     @property
     def num_pending(self) -> int:
@@ -171,22 +169,10 @@ class PredictorEngine:
         """Return how many requests hold a rollout (read between steps)."""
         return self.runner.num_requests
 
-    def start(self) -> None:
-        """Start the step loop on the running event loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"predictor:{self.node}")
-
-    async def aclose(self) -> None:
-        """Stop stepping; pending firings fail with `EngineClosedError`."""
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    def _fail_pending(self, error: EngineClosedError) -> None:
         for firing in [*self._in_flight, *self._queue]:
             if not firing.future.done():
-                firing.future.set_exception(EngineClosedError(f"engine for node {self.node!r} closed"))
+                firing.future.set_exception(error)
         self._queue.clear()
         self._in_flight = []
 
