@@ -134,89 +134,136 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     )
 
 
-_LAYOUT_CHOICES: dict[tuple[int, int, torch.dtype], bool] = {}
+# Weight layouts for `x @ W.T` (see `_choose_layout`).
+OUT_IN = "out_in"  # `[out, in]` through `F.linear` (the checkpoint's own layout)
+IN_OUT = "in_out"  # `[in, out]` through `torch.mm`
+PACKED = "packed"  # oneDNN's blocked layout, through its linear kernel (CPU)
+
+_LAYOUT_CHOICES: dict[tuple[int, int, torch.dtype], str] = {}
+# oneDNN packs for an expected row count; decode batches of ~16 rows are the common case.
+_PACK_ROWS = 16
 
 
-def _prefers_in_out(weight: torch.Tensor) -> bool:
-    """Whether `x @ W.T` runs faster with `W.T` stored `[in, out]` than through `F.linear`.
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """Return `weight` `[out, in]` reordered into oneDNN's blocked layout for linear."""
+    return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
 
-    CPU GEMM speed depends on the weight layout in a shape-dependent way (a 32000-wide
-    head was 1.4-2.6x faster `[in, out]` at decode batch sizes, a 49152-wide one ~10%
-    slower), so each distinct shape is timed once per process at batch sizes 1 and 16
-    (best of several runs). Elsewhere (CUDA) the usual `[out, in]` layout is kept.
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def _choose_layout(weight: torch.Tensor) -> str:
+    """Return the layout in which `x @ W.T` runs fastest for this weight's shape.
+
+    CPU GEMM speed depends on the weight layout in a shape-dependent way: a 32000-wide
+    head was 1.4-2.6x faster `[in, out]` than `[out, in]` at decode batch sizes, and
+    oneDNN's packed layout was 1.7x faster again at 16 rows (2.5x for a 49152-wide head),
+    while small matrices barely care. So each distinct shape is timed once per process
+    at 1 and 16 rows (best of several runs) and the fastest total wins. Elsewhere (CUDA)
+    the checkpoint's `[out, in]` layout is kept.
     """
     if weight.device.type != "cpu":
-        return False
+        return OUT_IN
     out_features, in_features = weight.shape
     key = (in_features, out_features, weight.dtype)
-    if key not in _LAYOUT_CHOICES:
-        weight_t = weight.t().contiguous()
-        totals = [0.0, 0.0]
-        with torch.no_grad():
-            for rows in (1, 16):
-                x = torch.randn(rows, in_features, dtype=weight.dtype)
-                for index in (0, 1):
-                    best = float("inf")
-                    for _ in range(5):
-                        start = time.perf_counter()
-                        for _ in range(3):
-                            if index == 0:
-                                F.linear(x, weight)
-                            else:
-                                torch.mm(x, weight_t)
-                        best = min(best, time.perf_counter() - start)
-                    totals[index] += best
-        _LAYOUT_CHOICES[key] = totals[1] < totals[0]
-    return _LAYOUT_CHOICES[key]
+    if key in _LAYOUT_CHOICES:
+        return _LAYOUT_CHOICES[key]
+    candidates = {OUT_IN: _Fused(weight, None, layout=OUT_IN)}
+    candidates[IN_OUT] = _Fused(weight.t().contiguous(), None, layout=IN_OUT)
+    if _can_pack(weight):
+        try:
+            packed = _Fused(_pack(weight), None, layout=PACKED)
+            packed(torch.zeros(1, in_features, dtype=weight.dtype))
+            candidates[PACKED] = packed
+        except RuntimeError:
+            pass  # a build without oneDNN's linear kernels
+    totals = dict.fromkeys(candidates, 0.0)
+    with torch.no_grad():
+        for rows in (1, _PACK_ROWS):
+            x = torch.randn(rows, in_features, dtype=weight.dtype)
+            for layout, fused in candidates.items():
+                best = float("inf")
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        fused(x)
+                    best = min(best, time.perf_counter() - start)
+                totals[layout] += best
+    choice = min(totals, key=lambda layout: totals[layout])
+    _LAYOUT_CHOICES[key] = choice
+    return choice
 
 
 class _Fused:
     """Several linear layers on the same input as one matrix product.
 
     The weights are concatenated along the output axis and stored in whichever layout
-    multiplies faster on this device (see `_prefers_in_out`). The original `nn.Linear`
-    weights are re-pointed at views of the fused storage, so checkpoint names and
-    `state_dict()` keep working and no memory is duplicated.
+    multiplies fastest on this device (see `_choose_layout`). For the dense layouts the
+    original `nn.Linear` weights are re-pointed at views of the fused storage, so
+    checkpoint names and `state_dict()` keep working with no memory duplicated. oneDNN's
+    packed layout cannot be viewed that way; there the `nn.Linear` modules give up their
+    weight (it becomes `None`) rather than keep a second copy, so a model fused for
+    inference is for inference only.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, in_out: bool) -> None:
-        self.weight = weight  # [in, out] when `in_out`, else [out, in]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, layout: str) -> None:
+        self.weight = weight  # [in, out] for IN_OUT; [out, in] (dense or packed) otherwise
         self.bias = bias
-        self.in_out = in_out
+        self.layout = layout
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> _Fused:
         """Fuse `linears` (same input size) and re-point their parameters at the result."""
         with torch.no_grad():
             rows = torch.cat([lin.weight for lin in linears], dim=0)
-            in_out = _prefers_in_out(rows)
-            weight = rows.t().contiguous() if in_out else rows.contiguous()
-            has_bias = linears[0].bias is not None
+            layout = _choose_layout(rows)
             bias = (
                 torch.cat([lin.bias for lin in linears if lin.bias is not None])
-                if has_bias
+                if linears[0].bias is not None
                 else None
             )
+            if layout == PACKED:
+                fused = cls(_pack(rows), bias, layout=layout)
+                for lin in linears:
+                    lin.register_parameter("weight", None)
+                    if bias is not None:
+                        lin.register_parameter("bias", None)
+                return fused
+            weight = rows.t().contiguous() if layout == IN_OUT else rows.contiguous()
             start = 0
             for lin in linears:
                 size = lin.out_features
-                view = weight[:, start : start + size].t() if in_out else weight[start : start + size]
+                view = weight[:, start : start + size].t() if layout == IN_OUT else weight[start : start + size]
                 lin.weight = nn.Parameter(view, requires_grad=False)
                 if bias is not None:
                     lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
                 start += size
-        return cls(weight, bias, in_out=in_out)
+        return cls(weight, bias, layout=layout)
 
     @classmethod
     def shared(cls, weight: torch.Tensor) -> _Fused:
         """Use an `[out, in]` weight owned elsewhere (a tied head), copied only if faster."""
         with torch.no_grad():
-            if _prefers_in_out(weight):
-                return cls(weight.detach().t().contiguous(), None, in_out=True)
-        return cls(weight.detach(), None, in_out=False)
+            layout = _choose_layout(weight)
+            if layout == PACKED:
+                return cls(_pack(weight.detach()), None, layout=layout)
+            if layout == IN_OUT:
+                return cls(weight.detach().t().contiguous(), None, layout=layout)
+        return cls(weight.detach(), None, layout=OUT_IN)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.in_out:
+        if self.layout == PACKED:
+            return _packed_linear(x, self.weight, self.bias)
+        if self.layout == OUT_IN:
             return F.linear(x, self.weight, self.bias)
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
@@ -400,8 +447,9 @@ class LlamaCausalLM(nn.Module):
     def fuse_for_inference(self) -> None:
         """Fuse q/k/v and gate/up projections, in the faster layout per shape (see `_Fused`).
 
-        Weights stay reachable under their Hugging Face names. A tied head gets its own
-        transposed copy only where that layout is faster (the embedding lookup needs rows).
+        Weights in dense layouts stay reachable under their Hugging Face names; packed ones
+        leave their modules (see `_Fused`). A tied head gets its own copy only where another
+        layout is faster (the embedding lookup needs rows).
         """
         for layer in self.decoder_layers:
             layer.self_attn.fuse()
