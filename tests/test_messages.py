@@ -29,8 +29,10 @@ from mstar.messages import (
     Ping,
     Pong,
     Reply,
+    StatsReport,
     Tell,
     TensorBundle,
+    WalkStepStats,
     decode_envelope,
     encode_envelope,
 )
@@ -324,3 +326,13 @@ def test_huge_declared_lengths_fail_fast() -> None:
     for data in (b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"):
         with pytest.raises(ProtocolError):
             codec().decode([data])
+
+
+def test_a_stats_report_without_walks_or_transport_still_decodes() -> None:
+    """What a worker that keeps no step times or tensor bytes sends: the fields read as empty."""
+    old = msgspec.msgpack.encode(["Tell", "conductor", ["StatsReport", {"lm": {"steps": 3.0}}]])
+    decoded = decode_envelope(old)
+    assert isinstance(decoded, Tell) and decoded.body == StatsReport({"lm": {"steps": 3.0}})
+    assert decoded.body.walks == {} and decoded.body.transport == {}
+    full = StatsReport({}, {"lm": {"decode": WalkStepStats(2, 5, 0.5, [1, 1])}}, {"ipc": {"sent": 7, "received": 0}})
+    assert decode_envelope(encode_envelope(Tell("c", full))) == Tell("c", full)

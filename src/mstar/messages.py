@@ -43,6 +43,7 @@ __all__ = [
     "Value",
     "WalkDoneMsg",
     "WalkFailedMsg",
+    "WalkStepStats",
     "WorkerReady",
     "PROTOCOL_VERSION",
     "SYSTEM_TARGET",
@@ -349,10 +350,32 @@ class StatsQuery(WireMessage):
     """Ask a worker for its engines' cumulative counters (answered by `StatsReport`)."""
 
 
+class WalkStepStats(_Wire):
+    """Cumulative step times of one walk on one node (`mstar.engines.StepTimes` on the wire).
+
+    ``bucket_counts[i]`` counts steps in bucket ``i`` of `mstar.engines.STEP_TIME_BUCKETS`, the
+    last one those longer than every bound (not cumulative).
+    """
+
+    steps: NonNegative
+    inputs: NonNegative
+    seconds: float
+    bucket_counts: list[NonNegative]
+
+
 class StatsReport(WireMessage):
-    """Per node: steps, inputs batched, seconds in steps, KV blocks used/total where cached."""
+    """A worker's counters.
+
+    ``stats``, per node: steps, inputs batched, seconds in steps, KV blocks used/total where
+    cached. ``walks``, per node and walk: step times (a step serving several walks counts under
+    each). ``transport``, per transport kind: tensor bytes ``sent`` and ``received`` by the
+    worker's actor system (`mstar.transport.TransportTally`). The last two are left out by
+    older workers and then read as empty.
+    """
 
     stats: dict[str, dict[str, float]]
+    walks: dict[str, dict[str, WalkStepStats]] = msgspec.field(default_factory=dict)
+    transport: dict[str, dict[str, NonNegative]] = msgspec.field(default_factory=dict)
 
 
 class StateQuery(WireMessage):

@@ -81,6 +81,21 @@ async def test_tensors_round_trip_and_arena_slots_come_back(linked: Linked, tran
             assert arena is not None and arena.allocator.num_allocated == 0
 
 
+async def test_each_system_counts_the_tensor_bytes_its_links_moved(linked: Linked, transport: str) -> None:
+    echo = linked.client.ref("echo", linked.address)
+    await echo.ask(Ping())  # both arenas are attached once a round trip went through
+    big, small = torch.randn(256, 64), torch.arange(10, dtype=torch.int32)  # 64 KiB: arena; 40 B: frame
+    reply = await echo.ask(TensorBundle({"big": big, "small": small}))
+    assert isinstance(reply, TensorBundle)
+    client, server = linked.client.transport_tally, linked.server.transport_tally
+    if transport == "inproc":  # by reference: nothing moved, nothing counted
+        assert not any(client.sent.values()) and not any(server.received.values())
+        return
+    moved = {"ipc": 0, "tcp": 0, "shm": 256 * 64 * 4, "cuda_ipc": 0} | {transport: 10 * 4}
+    # the request one way, the doubled tensors (same sizes) back
+    assert client.sent == server.received == server.sent == client.received == moved
+
+
 async def test_a_failing_remote_handler_fails_that_ask(linked: Linked) -> None:
     failing = linked.client.ref("failing", linked.address)
     with pytest.raises(ActorHandlerError, match="cannot handle Ping") as info:

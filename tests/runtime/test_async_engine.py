@@ -22,8 +22,9 @@ import torch
 
 from mstar.errors import PlacementError, RequestAbortedError, WalkExecutionError
 from mstar.graph import Emission, run_reference
+from mstar.messages import WalkStepStats
 from mstar.runtime import Placement
-from mstar.runtime.async_engine import AsyncEngine, EngineConfig
+from mstar.runtime.async_engine import CONDUCTOR_PROCESS, AsyncEngine, EngineConfig, EngineStats
 from mstar.runtime.model import ModelSpec, Output, Request
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
@@ -139,6 +140,39 @@ async def test_leaving_generate_early_aborts_the_request(engine: AsyncEngine) ->
     await asyncio.sleep(0)
     assert_same(await engine.run(Request("image", {"text": "next"})), reference(Request("image", {"text": "next"})))
     await wait_until_idle(engine)
+
+
+def _moved(stats: EngineStats, direction: str) -> int:
+    return sum(kinds[direction] for process in stats.transport.values() for kinds in process.values())
+
+
+@pytest.mark.timeout(300)
+async def test_stats_give_step_times_per_walk_and_tensor_bytes_per_transport(engine: AsyncEngine) -> None:
+    await wait_until_idle(engine)
+    before = await engine.engine_stats()
+    for task in ("speech", "image"):  # one request at a time: no step mixes walks
+        await engine.run(Request(task, {"text": "count my steps"}))
+    await wait_until_idle(engine)
+    after = await engine.engine_stats()
+    # SPREAD places lm on rank 0: its steps split exactly between prefill and decode
+    lm, lm_before = after.walks[0]["lm"], before.walks[0].get("lm", {})
+    zero = WalkStepStats(0, 0, 0.0, [])
+    steps = {w: t.steps - lm_before.get(w, zero).steps for w, t in lm.items()}
+    inputs = {w: t.inputs - lm_before.get(w, zero).inputs for w, t in lm.items()}
+    assert steps["prefill"] == 1 and steps["decode"] >= 1 and inputs == steps
+    assert sum(steps.values()) == after.nodes[0]["lm"]["steps"] - before.nodes[0].get("lm", {}).get("steps", 0)
+    for t in lm.values():
+        assert sum(t.bucket_counts) == t.steps and t.inputs >= t.steps and t.seconds > 0
+    assert {"image_gen"} == set(after.walks[2]["vae"]) and {"vocode"} == set(after.walks[1]["vocoder"])
+    if engine.config.worker_processes:
+        assert set(after.transport) == {CONDUCTOR_PROCESS, "rank0", "rank1", "rank2"}
+        assert _moved(after, "sent") - _moved(before, "sent") > 0
+        # every byte one process sent, another received
+        assert _moved(after, "sent") == _moved(after, "received")
+        for process in after.transport.values():
+            assert process["ipc"]["sent"] > 0 and process["ipc"]["received"] > 0
+    else:  # one process: tensors pass by reference
+        assert set(after.transport) == {CONDUCTOR_PROCESS} and _moved(after, "sent") == 0
 
 
 async def test_bad_requests_fail_alone() -> None:

@@ -47,6 +47,12 @@ def test_chat_streamed_equals_chat_whole(llama_server: RunningServer, byte_token
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
     # Only complete characters go out while the model runs (the end may flush a broken one).
     assert not any(d.endswith("\ufffd") for d in deltas[:-2])
+    # The KV-cache engine's steps, per walk: each request prefilled once and sampled the rest in decode.
+    with httpx.Client(base_url=llama_server.url) as http:
+        assert http.get("/metrics").status_code == 200
+    inputs = {w: llama_server.metric("mstar_engine_walk_inputs_total", rank="0", node="llm", walk=w) for w in ("prefill", "decode")}
+    assert inputs["prefill"] >= 2 and inputs["decode"] >= 2 * 11
+    assert llama_server.metric("mstar_engine_walk_step_seconds_count", rank="0", node="llm", walk="decode") >= 11
 
 
 def test_chat_text_is_the_detokenized_greedy_continuation(

@@ -16,11 +16,13 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.bench.audio import WavStreamReader
 from mstar.bench.http_targets import GenerateTarget, ImagesTarget, SpeechTarget
 from mstar.bench.records import BenchRequest, OutputEvent, Usage
-from tests.server.conftest import RunningServer
+from mstar.runtime import EngineConfig, ModelSpec
+from tests.server.conftest import RunningServer, running_server
 
 MODEL = "toy-composite"
 RATE = 16_000  # the toy vocoder's sample rate
@@ -179,6 +181,7 @@ def test_metrics_show_every_family(toy_server: RunningServer) -> None:
         "mstar_time_to_first_audio_seconds", "mstar_audio_real_time_factor",
         "mstar_inter_token_latency_seconds", "mstar_inter_chunk_latency_seconds",
         "mstar_generated_tokens_total", "mstar_generated_audio_seconds_total", "mstar_generated_images_total",
+        "mstar_engine_walk_step_seconds", "mstar_engine_walk_inputs_total", "mstar_transport_tensor_bytes_total",
     ):
         assert f"# TYPE {family} " in text, family
     m = toy_server.metric
@@ -191,3 +194,31 @@ def test_metrics_show_every_family(toy_server: RunningServer) -> None:
     assert m("mstar_engine_steps", rank="0", node="vocoder") >= 1
     assert m("mstar_engine_batch_size_mean", rank="0", node="vocoder") >= 1
     assert m("mstar_engine_step_seconds", rank="0", node="lm") > 0
+    # step times per (node, walk): the lm serves two walks; one step at a time, they add up
+    walk_steps = {
+        w: m("mstar_engine_walk_step_seconds_count", rank="0", node="lm", walk=w) for w in ("prefill", "decode")
+    }
+    assert walk_steps["prefill"] >= 1 and walk_steps["decode"] >= 1
+    assert m("mstar_engine_walk_step_seconds_bucket", rank="0", node="lm", walk="decode", le="+Inf") == walk_steps["decode"]
+    assert m("mstar_engine_walk_inputs_total", rank="0", node="vocoder", walk="vocode") >= 1
+    # one process: tensors pass by reference, nothing crosses a transport
+    assert m("mstar_transport_tensor_bytes_total", process="conductor", transport="ipc", direction="sent") == 0
+
+
+def test_metrics_count_tensor_bytes_of_every_process() -> None:
+    config = EngineConfig(worker_processes=True)
+    with running_server(ModelSpec("mstar.zoo.toy:ToyModel"), names=(MODEL,), engine_config=config) as server:
+        rate, pcm = whole_wav(server, "bytes across processes")
+        assert rate == RATE and pcm
+        with httpx.Client(base_url=server.url) as http:
+            text = http.get("/metrics").text
+    samples = {
+        (s.labels["process"], s.labels["transport"], s.labels["direction"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "mstar_transport_tensor_bytes"
+        for s in family.samples
+    }
+    # the conductor sends the prompt to the worker process, which sends tokens and audio back
+    assert samples["conductor", "ipc", "sent"] == samples["rank0", "ipc", "received"] > 0
+    assert samples["rank0", "ipc", "sent"] == samples["conductor", "ipc", "received"] >= len(pcm) * 2
+    assert {k[1] for k in samples} == {"ipc", "tcp", "shm", "cuda_ipc"}

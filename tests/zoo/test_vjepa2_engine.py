@@ -212,7 +212,7 @@ async def test_engine_batches_pending_firings_and_fails_only_the_bad_one(predict
     engine = PredictorNode(predictor, FrameKVConfig(num_blocks=32)).make_engine("predictor", None, "cpu")
     engine.start()
     try:
-        good = [asyncio.ensure_future(engine.submit(f"r{i}", firing(i, 3))) for i in range(3)]
+        good = [asyncio.ensure_future(engine.submit(f"r{i}", firing(i, 3), "rollout")) for i in range(3)]
         bad = asyncio.ensure_future(engine.submit("bad", {**firing(9, 3), "latent": torch.zeros(5, 5)}))
         late = asyncio.ensure_future(engine.submit("late", firing(7, 2, step=1)))
         outs = await asyncio.gather(*good)
@@ -224,8 +224,13 @@ async def test_engine_batches_pending_firings_and_fails_only_the_bad_one(predict
         assert [o["step"] for o in outs] == [1, 1, 1] and not any(o["done"] for o in outs)
         assert outs[0]["latent"].shape == (16, 64) and "frame" not in outs[0]
         engine.abort("r0")
-        nxt = await engine.submit("r1", {**firing(1, 3), "latent": outs[1]["latent"], "pose": outs[1]["pose"], "step": 1})
+        nxt = await engine.submit("r1", {**firing(1, 3), "latent": outs[1]["latent"], "pose": outs[1]["pose"], "step": 1}, "rollout")
         assert nxt["step"] == 2 and engine.runner.num_requests == 2  # r0 released, r1 and r2 held
+        # two steps served the rollout walk (3 firings, then 1); the bad firings came with no walk
+        rollout = engine.walk_times.by_walk["rollout"]
+        assert (rollout.steps, rollout.inputs) == (2, 4) and set(engine.walk_times.by_walk) == {"rollout", ""}
+        stats = engine.stats()
+        assert stats["steps"] == 2 and stats["batched"] == 6 and 0 < stats["kv_blocks_used"] <= stats["kv_blocks_total"]
     finally:
         await engine.aclose()
 

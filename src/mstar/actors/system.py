@@ -17,6 +17,7 @@ go over a `PeerLink`, opened on first use by the scheme of the address.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -61,6 +62,7 @@ from mstar.messages import (
 from mstar.transport.base import Channel, Listener, connect, listen, parse_address
 from mstar.transport.codec import LinkCodec
 from mstar.transport.shm import SharedArena, is_shm_available
+from mstar.transport.tally import TransportTally
 
 __all__ = ["ActorSystem", "SystemConfig"]
 
@@ -95,6 +97,8 @@ class ActorSystem:
         self._routes: dict[str, PeerLink] = {}
         self._listeners: list[Listener] = []
         self._arena: SharedArena | None = None
+        # Tensor bytes this system's links sent and received (see `mstar.transport.tally`).
+        self.transport_tally = TransportTally()
         self._call_ids = itertools.count(1)
         self._timeouts = AskTimeouts()
         self._names = itertools.count(1)
@@ -350,10 +354,12 @@ class ActorSystem:
                 log.warning("no shared-memory arena (%s); tensors will travel as frames", exc)
                 self.config = replace(self.config, shm_arena_bytes=0)
 
-    def _make_codec(self) -> LinkCodec:
+    def _make_codec(self, transport: str) -> LinkCodec:
         return LinkCodec(
             max_message_bytes=self.config.max_message_bytes,
             shm_min_bytes=self.config.shm_min_tensor_bytes,
+            transport=transport,
+            tally=self.transport_tally,
         )
 
     def _hello(self) -> Hello:
@@ -378,9 +384,11 @@ class ActorSystem:
             InvalidAddressError: the address is malformed, in use, or not allowed.
         """
         self._check_open()
-        if parse_address(address).scheme != "inproc":
+        scheme = parse_address(address).scheme
+        if scheme != "inproc":
             self._ensure_arena()
-        listener = listen(address, self._make_codec, allow_remote=self.config.allow_remote)
+        make_codec = functools.partial(self._make_codec, scheme)
+        listener = listen(address, make_codec, allow_remote=self.config.allow_remote)
         self._listeners.append(listener)
         self._served.append(listener.address)
         self._own.add(listener.address)
@@ -417,7 +425,7 @@ class ActorSystem:
             raise PeerLostError(f"no link to {address} (that system is not connected to this one)")
         if scheme != "inproc":
             self._ensure_arena()
-        link = self._add_link(connect(address, self._make_codec()), address)
+        link = self._add_link(connect(address, self._make_codec(scheme)), address)
         link.start()
         return link
 

@@ -13,6 +13,7 @@ from mstar.engines.sampler import Sampler
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import BatchScheduler, RequestOutput, SchedulerOutput
 from mstar.engines.sequence import FinishReason, Sequence, SequenceStatus
+from mstar.engines.step_times import STEP_TIME_BUCKETS, StepTimes, WalkStepTimes
 
 __all__ = [
     "AttentionBackend",
@@ -33,6 +34,9 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "STEP_TIME_BUCKETS",
     "StepOutput",
+    "StepTimes",
     "TorchPagedAttention",
+    "WalkStepTimes",
 ]

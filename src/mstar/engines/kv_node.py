@@ -25,6 +25,7 @@ from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.sequence import LogitsProcessor, SequenceStatus
 from mstar.engines.step_loop import StepLoop
+from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import EngineClosedError, RequestAbortedError, RequestNotFoundError
 
 __all__ = ["KVNode", "KVNodeEngine", "KVTurn"]
@@ -82,6 +83,7 @@ class KVNode(Protocol):
 @dataclass
 class _Walk:
     queue: asyncio.Queue[tuple[int, list[int] | None] | BaseException]
+    name: str
 
 
 class KVNodeEngine(StepLoop):
@@ -98,6 +100,7 @@ class KVNodeEngine(StepLoop):
         self.num_steps = 0
         self.num_batched = 0  # sequences scheduled, over all steps
         self.step_seconds = 0.0
+        self.walk_times = WalkStepTimes()  # per walk: the steps its sequences ran in
         self._walks: dict[str, _Walk] = {}
         self._ops: list[tuple[str, Callable[[], object]]] = []  # engine calls before the next step
 
@@ -127,15 +130,17 @@ class KVNodeEngine(StepLoop):
         """Return how many requests hold state here (running or between walks)."""
         return self.engine.num_requests
 
-    async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
         """Fire the node once for a request (one sampled token)."""
-        outputs = [out async for out in self.loop(request_id, inputs, 1)]
+        outputs = [out async for out in self.loop(request_id, inputs, 1, walk)]
         return outputs[-1]
 
     async def loop(
-        self, request_id: str, inputs: Mapping[str, Any], max_steps: int | None
+        self, request_id: str, inputs: Mapping[str, Any], max_steps: int | None, walk: str = ""
     ) -> AsyncIterator[Mapping[str, Any]]:
         """Run up to ``max_steps`` decode steps for a request; yield each step's outputs.
+
+        ``walk`` names the walk this runs for (step times are kept per walk).
 
         Raises:
             EngineClosedError: The engine closed.
@@ -152,8 +157,8 @@ class KVNodeEngine(StepLoop):
         params = turn.sampling_params
         if max_steps is not None:
             params = replace(params, max_tokens=min(params.max_tokens, max_steps))
-        walk = _Walk(asyncio.Queue())
-        self._walks[request_id] = walk
+        running = _Walk(asyncio.Queue(), walk)
+        self._walks[request_id] = running
         if is_first:
             self._ops.append(
                 (
@@ -180,7 +185,7 @@ class KVNodeEngine(StepLoop):
         self._wakeup.set()
         try:
             while True:
-                item = await walk.queue.get()
+                item = await running.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 token, history = item
@@ -245,9 +250,11 @@ class KVNodeEngine(StepLoop):
                 for w in list(self._walks.values()):
                     w.queue.put_nowait(step_error)
                 continue
+            seconds = time.perf_counter() - start
             self.num_steps += 1
             self.num_batched += len(results)
-            self.step_seconds += time.perf_counter() - start
+            self.step_seconds += seconds
+            self.walk_times.record(seconds, [self._walks[r[0]].name for r in results if r[0] in self._walks])
             for request_id, error in failed:
                 if (walk := self._walks.get(request_id)) is not None:
                     walk.queue.put_nowait(error)

@@ -4,7 +4,7 @@ Encoders, decoders, codecs and CFG combines keep nothing between calls, so whate
 are pending for a node, from any requests, can run as one batch. Each step takes up to
 ``max_batch_size`` pending inputs in arrival order (waiting up to ``max_wait_s`` for the
 batch to fill when it is short), runs the node once, and splits the outputs back to the
-requests that submitted them.
+requests that submitted them. Step times are kept per node and per walk (`WalkStepTimes`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mstar.engines.step_loop import StepLoop
+from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import EngineClosedError, RequestAbortedError
 
 __all__ = ["BatchedNode", "StatelessEngine", "StatelessEngineConfig", "batched"]
@@ -64,6 +65,7 @@ class _Pending:
     request_id: str
     inputs: Mapping[str, Any]
     future: asyncio.Future[Mapping[str, Any]]
+    walk: str
 
 
 class StatelessEngine(StepLoop):
@@ -93,6 +95,7 @@ class StatelessEngine(StepLoop):
         self.num_steps = 0
         self.num_batched = 0  # inputs run, over all steps
         self.step_seconds = 0.0  # time spent in steps
+        self.walk_times = WalkStepTimes()
         self._queue: deque[_Pending] = deque()
 
     async def __aenter__(self) -> StatelessEngine:
@@ -117,8 +120,8 @@ class StatelessEngine(StepLoop):
         """Return the requests with inputs waiting for a step."""
         return {p.request_id for p in self._queue}
 
-    async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Queue one request's inputs; return its outputs once the batch ran.
+    async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
+        """Queue one request's inputs (for ``walk``, in step times); return its outputs once the batch ran.
 
         Raises:
             EngineClosedError: The engine is closed.
@@ -128,7 +131,7 @@ class StatelessEngine(StepLoop):
         if self._closed:
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
         future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(request_id, inputs, future))
+        self._queue.append(_Pending(request_id, inputs, future, walk))
         self._wakeup.set()
         return await future
 
@@ -168,7 +171,7 @@ class StatelessEngine(StepLoop):
 
     async def _step(self, batch: list[_Pending]) -> None:
         try:
-            outputs = await self._call([p.inputs for p in batch])
+            outputs = await self._call([p.inputs for p in batch], [p.walk for p in batch])
         except Exception as exc:
             if len(batch) == 1:
                 if not batch[0].future.done():
@@ -182,7 +185,7 @@ class StatelessEngine(StepLoop):
             if not p.future.done():
                 p.future.set_result(out)
 
-    async def _call(self, inputs: list[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    async def _call(self, inputs: list[Mapping[str, Any]], walks: list[str]) -> Sequence[Mapping[str, Any]]:
         start = time.perf_counter()
         try:
             if self.executor is None:
@@ -190,9 +193,11 @@ class StatelessEngine(StepLoop):
             else:
                 outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
         finally:
+            seconds = time.perf_counter() - start
             self.num_steps += 1
             self.num_batched += len(inputs)
-            self.step_seconds += time.perf_counter() - start
+            self.step_seconds += seconds
+            self.walk_times.record(seconds, walks)
         if len(outputs) != len(inputs):
             raise RuntimeError(f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}")
         return outputs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mstar.runtime.async_engine import AsyncEngine, EngineConfig
+from mstar.runtime.async_engine import AsyncEngine, EngineConfig, EngineStats
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.conductor_core import ConductorCore
 from mstar.runtime.model import EngineType, Model, ModelSpec, Output, PreparedRequest, Request
@@ -16,6 +16,7 @@ __all__ = [
     "Conductor",
     "ConductorCore",
     "EngineConfig",
+    "EngineStats",
     "EngineType",
     "Model",
     "ModelSpec",

@@ -37,6 +37,7 @@ from mstar.messages import (
     StatsQuery,
     StatsReport,
     UpdatePeer,
+    WalkStepStats,
     WorkerReady,
 )
 from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
@@ -45,11 +46,13 @@ from mstar.runtime.placement import Placement
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
 from mstar.runtime.worker_core import WorkerConfig
 
-__all__ = ["AsyncEngine", "EngineConfig"]
+__all__ = ["CONDUCTOR_PROCESS", "AsyncEngine", "EngineConfig", "EngineStats"]
 
 log = structlog.get_logger(__name__)
 
 CONDUCTOR = "conductor"
+# How `EngineStats.transport` names the process that runs the engine (and the conductor).
+CONDUCTOR_PROCESS = "conductor"
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,23 @@ class EngineConfig:
             stateless=StatelessEngineConfig(self.max_batch_size, self.max_wait_s),
             num_threads=threads,
         )
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters, gathered from every worker (all cumulative).
+
+    Attributes:
+        nodes: Per rank, per node: steps, inputs batched, seconds in steps, KV blocks.
+        walks: Per rank, per node, per walk: step times (`WalkStepStats`; a step whose batch
+            mixes walks counts in full under each of them).
+        transport: Per process (`CONDUCTOR_PROCESS`, or ``rank<N>`` for a worker process),
+            per transport kind: tensor bytes ``sent`` and ``received``.
+    """
+
+    nodes: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    walks: dict[int, dict[str, dict[str, WalkStepStats]]] = field(default_factory=dict)
+    transport: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -306,11 +326,18 @@ class AsyncEngine:
 
     async def stats(self) -> dict[int, dict[str, dict[str, float]]]:
         """Return each rank's per-node engine counters (steps, batched, step_seconds, KV blocks)."""
-        out: dict[int, dict[str, dict[str, float]]] = {}
+        return (await self.engine_stats()).nodes
+
+    async def engine_stats(self) -> EngineStats:
+        """Ask every worker for its counters; add the tensor bytes of this process's links."""
+        out = EngineStats(transport={CONDUCTOR_PROCESS: self.system.transport_tally.snapshot()})
         for rank, ref in self.workers.items():
             report = await ref.ask(StatsQuery(), timeout=30.0)
             assert isinstance(report, StatsReport)
-            out[rank] = {node: dict(values) for node, values in report.stats.items()}
+            out.nodes[rank] = {node: dict(values) for node, values in report.stats.items()}
+            out.walks[rank] = {node: dict(walks) for node, walks in report.walks.items()}
+            if rank in self.processes:  # in-process workers share this process's links
+                out.transport[f"rank{rank}"] = {kind: dict(v) for kind, v in report.transport.items()}
         return out
 
     async def run(self, request: Request) -> list[Output]:

@@ -27,6 +27,7 @@ from mstar.messages import (
     UpdatePeer,
     WalkDoneMsg,
     WalkFailedMsg,
+    WalkStepStats,
     WorkerReady,
 )
 from mstar.runtime.conductor_core import StartWalk
@@ -34,9 +35,9 @@ from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
 from mstar.runtime.values import from_slots, from_wire, to_slots, to_wire
 from mstar.runtime.walk_runner import ValueKey
-from mstar.runtime.worker_core import WorkerConfig, WorkerCore
+from mstar.runtime.worker_core import NodeEngine, WorkerConfig, WorkerCore
 
-__all__ = ["HOST_NAME", "Worker", "WorkerHost", "setup_worker_host", "worker_name"]
+__all__ = ["HOST_NAME", "Worker", "WorkerHost", "setup_worker_host", "stats_report", "worker_name"]
 
 HOST_NAME = "worker-host"
 Slot = tuple[str, str]
@@ -93,7 +94,7 @@ class Worker(Actor):
         elif isinstance(message, StateQuery):
             return StateReport(self.core.held_state())
         elif isinstance(message, StatsQuery):
-            return StatsReport({name: dict(e.stats()) for name, e in self.core.engines.items()})
+            return stats_report(self.core.engines, self.system)
         else:
             raise TypeError(f"worker {self.rank} does not handle {type(message).__name__}")
         return None
@@ -158,6 +159,20 @@ class WorkerHost(Actor):
             lambda: Worker(rank, model, graph, placement, conductor, workers, config), name=worker_name(rank)
         )
         return WorkerReady(rank, ActorId(ref.address, ref.name))
+
+
+def stats_report(engines: Mapping[str, NodeEngine], system: ActorSystem) -> StatsReport:
+    """Report the engines' counters, their step times per walk, and the system's tensor bytes."""
+    walks: dict[str, dict[str, WalkStepStats]] = {}
+    for name, engine in engines.items():
+        times = getattr(engine, "walk_times", None)  # engines a node brings may keep none
+        if times is not None:
+            walks[name] = {
+                walk: WalkStepStats(t.steps, t.inputs, t.seconds, list(t.bucket_counts))
+                for walk, t in times.by_walk.items()
+            }
+    stats = {name: dict(engine.stats()) for name, engine in engines.items()}
+    return StatsReport(stats, walks, system.transport_tally.snapshot())
 
 
 async def setup_worker_host(system: ActorSystem) -> None:

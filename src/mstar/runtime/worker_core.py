@@ -19,6 +19,7 @@ import torch
 
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
+from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import MStarError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.conductor_core import StartWalk
@@ -51,8 +52,8 @@ class NodeEngine(Protocol):
         """Stop; pending firings fail."""
         ...
 
-    def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Awaitable[Mapping[str, Any]]:
-        """Fire the node for one request (batched with others)."""
+    def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Awaitable[Mapping[str, Any]]:
+        """Fire the node for one request, as part of ``walk`` (batched with others)."""
         ...
 
     def abort(self, request_id: str) -> Any:
@@ -61,6 +62,11 @@ class NodeEngine(Protocol):
 
     def stats(self) -> Mapping[str, float]:
         """Return cumulative counters: steps, batched inputs, seconds in steps, ..."""
+        ...
+
+    @property
+    def walk_times(self) -> WalkStepTimes:
+        """Return the step times per walk (a mixed batch counts under each of its walks)."""
         ...
 
 
@@ -116,12 +122,12 @@ class _Ports:
         self.worker, self.request_id, self.walk, self.walk_seq = worker, request_id, walk, walk_seq
 
     def fire(self, node: str, inputs: Mapping[str, Any]) -> Awaitable[Mapping[str, Any]]:
-        return self.worker.engines[node].submit(self.request_id, inputs)
+        return self.worker.engines[node].submit(self.request_id, inputs, self.walk)
 
     def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> AsyncIterator[Mapping[str, Any]] | None:
         engine = self.worker.engines[node]
         if isinstance(engine, KVNodeEngine):
-            return engine.loop(self.request_id, inputs, max_iters)
+            return engine.loop(self.request_id, inputs, max_iters, self.walk)
         return None
 
     def send(self, rank: int, items: list[tuple[ValueKey, Any]]) -> None:

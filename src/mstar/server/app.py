@@ -120,7 +120,7 @@ def _add_operational_routes(app: FastAPI) -> None:
     async def metrics(http: HttpRequest) -> Response:
         """Return the Prometheus metrics."""
         state: ServerState = http.app.state.server
-        state.metrics.set_engine_stats(await state.engine.stats())
+        state.metrics.set_engine_stats(await state.engine.engine_stats())
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

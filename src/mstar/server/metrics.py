@@ -16,16 +16,30 @@ Families (every one labelled with `model`):
 | `mstar_generated_tokens_total` | counter | text tokens produced |
 | `mstar_generated_audio_seconds_total` | counter | seconds of audio produced |
 | `mstar_generated_images_total` | counter | images produced |
+| `mstar_engine_steps{rank, node}` | gauge | engine steps run (cumulative) |
+| `mstar_engine_step_seconds{rank, node}` | gauge | seconds in engine steps (cumulative) |
+| `mstar_engine_batch_size_mean{rank, node}` | gauge | mean inputs per engine step |
+| `mstar_kv_cache_blocks_used`, `_total`, `mstar_kv_cache_usage{rank, node}` | gauge | KV-cache occupancy |
+| `mstar_engine_walk_step_seconds{rank, node, walk}` | histogram | durations of the steps that served a walk; a step whose batch mixes walks is recorded in full under each of them |
+| `mstar_engine_walk_inputs_total{rank, node, walk}` | counter | inputs of a walk run in engine steps |
+| `mstar_transport_tensor_bytes_total{process, transport, direction}` | counter | tensor bytes that crossed between processes, by how (`ipc`/`tcp` frames, `shm` arena slots, `cuda_ipc` handles), `sent` or `received`; `process` is `conductor` (the server's own) or `rank<N>` (a worker process). In-process handoffs pass tensors by reference and count nothing |
+
+Engine and transport families are read from the workers at each scrape (`AsyncEngine.engine_stats`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import accumulate
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
+from mstar.engines.step_times import STEP_TIME_BUCKETS
+from mstar.runtime.async_engine import EngineStats
 from mstar.runtime.model import Output
 
 __all__ = ["RequestTracker", "ServerMetrics"]
@@ -92,10 +106,13 @@ class ServerMetrics:
         self.kv_blocks_used = Gauge("mstar_kv_cache_blocks_used", "KV-cache blocks held by sequences.", e, registry=r)
         self.kv_blocks_total = Gauge("mstar_kv_cache_blocks_total", "KV-cache blocks in all.", e, registry=r)
         self.kv_usage = Gauge("mstar_kv_cache_usage", "Fraction of the KV cache in use.", e, registry=r)
+        self._engine_families = _EngineFamilies(model)
+        r.register(self._engine_families)
 
-    def set_engine_stats(self, stats: dict[int, dict[str, dict[str, float]]]) -> None:
-        """Publish the engines' counters (from `AsyncEngine.stats`), read at each scrape."""
-        for rank, nodes in stats.items():
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        """Publish the engines' and links' counters (from `AsyncEngine.engine_stats`), read at each scrape."""
+        self._engine_families.stats = stats
+        for rank, nodes in stats.nodes.items():
             for node, values in nodes.items():
                 labels = (self.model, str(rank), node)
                 steps = values.get("steps", 0.0)
@@ -124,6 +141,61 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """Return the registry in the Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class _EngineFamilies:
+    """Step times per (node, walk) and tensor bytes per transport, from the last `EngineStats`.
+
+    A custom collector: the figures are cumulative already (kept by the workers), so they are
+    exported as they are, as a histogram and counters.
+    """
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.stats = EngineStats()
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(EngineStats())
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.stats)
+
+    def _families(self, stats: EngineStats) -> Iterator[Metric]:
+        labels = ["model", "rank", "node", "walk"]
+        step_times = HistogramMetricFamily(
+            "mstar_engine_walk_step_seconds",
+            "Duration of the engine steps that served inputs of a walk, per (node, walk). A step whose "
+            "batch mixes several walks is recorded in full under each of them, so sums over walks can "
+            "exceed the node's mstar_engine_step_seconds.",
+            labels=labels,
+        )
+        inputs = CounterMetricFamily(
+            "mstar_engine_walk_inputs", "Inputs of a walk run in engine steps, per (node, walk).", labels=labels
+        )
+        bounds = [floatToGoString(b) for b in STEP_TIME_BUCKETS] + ["+Inf"]
+        for rank, nodes in stats.walks.items():
+            for node, walks in nodes.items():
+                for walk, t in walks.items():
+                    if len(t.bucket_counts) != len(bounds):
+                        continue  # a worker built with other buckets: its histogram cannot be read
+                    values = [self.model, str(rank), node, walk]
+                    cumulative = list(accumulate(t.bucket_counts))
+                    step_times.add_metric(values, list(zip(bounds, cumulative, strict=True)), t.seconds)
+                    inputs.add_metric(values, t.inputs)
+        yield step_times
+        yield inputs
+        moved = CounterMetricFamily(
+            "mstar_transport_tensor_bytes",
+            "Tensor bytes that crossed between processes, per process, transport (ipc or tcp: ZeroMQ "
+            "frames; shm: shared-memory arena slots; cuda_ipc: CUDA IPC handles) and direction. "
+            "In-process handoffs pass tensors by reference and are not counted.",
+            labels=["model", "process", "transport", "direction"],
+        )
+        for process, kinds in stats.transport.items():
+            for kind, directions in kinds.items():
+                for direction in ("sent", "received"):
+                    moved.add_metric([self.model, process, kind, direction], directions.get(direction, 0))
+        yield moved
 
 
 class RequestTracker:

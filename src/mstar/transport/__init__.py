@@ -20,6 +20,7 @@ from mstar.transport.codec import LinkCodec
 from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor, is_cuda_ipc_available
 from mstar.transport.janitor import sweep_stale
 from mstar.transport.shm import ArenaMapping, SharedArena, is_shm_available
+from mstar.transport.tally import TRANSPORT_KINDS, TransportTally
 
 __all__ = [
     "Address",
@@ -29,7 +30,9 @@ __all__ = [
     "LinkCodec",
     "Listener",
     "SharedArena",
+    "TRANSPORT_KINDS",
     "Transport",
+    "TransportTally",
     "connect",
     "export_cuda_tensor",
     "get_transport",

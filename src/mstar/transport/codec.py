@@ -9,6 +9,9 @@ another process); into a slot of this system's shared arena (CPU tensor of at le
 without a copy. A frame is read by the transport later, so a tensor must not be modified
 after it was sent. Decoding accepts only what `messages` declares, checks every tensor
 against its frame or slot, and raises `ProtocolError` for anything else.
+
+Each message that is sent or received whole adds its tensors' bytes to the link's
+`TransportTally`, under the link's scheme (frames), `shm` or `cuda_ipc`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mstar.messages import (
 )
 from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor
 from mstar.transport.shm import ArenaMapping, SharedArena
+from mstar.transport.tally import CUDA_IPC, SHM, TransportTally
 
 __all__ = ["DTYPES", "LinkCodec", "frame_nbytes", "salvage_call_id"]
 
@@ -115,15 +119,27 @@ class LinkCodec:
     Args:
         max_message_bytes: largest message (all frames together) sent or accepted.
         shm_min_bytes: smallest CPU tensor sent through the shared arena.
+        transport: the link's scheme (`ipc`, `tcp`): the kind its frames are counted under.
+        tally: where tensor bytes are counted (the actor system's); a private one if None.
 
     The actor system fills in what the handshake tells it: `local_arena` once the peer has
     mapped this system's arena, `peer_arena` once this side mapped the peer's, `cuda_ipc`
     when the peer is another process on this machine.
     """
 
-    def __init__(self, *, max_message_bytes: int, shm_min_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        max_message_bytes: int,
+        shm_min_bytes: int,
+        transport: str = "ipc",
+        tally: TransportTally | None = None,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
         self.shm_min_bytes = shm_min_bytes
+        self.transport = transport
+        self.tally = tally if tally is not None else TransportTally()
+        self.tally.add_kind(transport)
         self.local_arena: SharedArena | None = None
         self.peer_arena: ArenaMapping | None = None
         self.cuda_ipc = False
@@ -135,6 +151,10 @@ class LinkCodec:
         self._new_slots: list[int] = []
         self._in: Sequence[Any] | None = None
         self._in_used: list[bool] = []
+        # Bytes of the message being encoded or decoded that went by arena slot or CUDA IPC;
+        # added to the tally only once the whole message went through.
+        self._shm_bytes = 0
+        self._cuda_bytes = 0
 
     # ------------------------------------------------------------------------- encoding
 
@@ -148,6 +168,7 @@ class LinkCodec:
         frames: list[Any] = [b""]
         self._out = frames
         self._new_slots = []
+        self._shm_bytes = self._cuda_bytes = 0
         try:
             frames[0] = self._encoder.encode(envelope)
         except (TypeError, ValueError, msgspec.EncodeError) as exc:
@@ -164,7 +185,17 @@ class LinkCodec:
                 f"{type(envelope).__name__} is {nbytes} bytes, over the link's limit of "
                 f"{self.max_message_bytes} (raise max_message_bytes or send less)"
             )
+        self._count(self.tally.sent, frames, nbytes)
         return frames
+
+    def _count(self, counts: dict[str, int], frames: Sequence[Any], nbytes: int) -> None:
+        """Add a whole message's tensor bytes (``nbytes``: all its frames) to ``counts``."""
+        if len(frames) > 1:
+            counts[self.transport] += nbytes - frame_nbytes(frames[0])
+        if self._shm_bytes:
+            counts[SHM] += self._shm_bytes
+        if self._cuda_bytes:
+            counts[CUDA_IPC] += self._cuda_bytes
 
     def _free_new_slots(self) -> None:
         for offset in self._new_slots:
@@ -188,7 +219,9 @@ class LinkCodec:
         shape = tuple(tensor.shape)
         if tensor.device.type == "cuda":
             if self.cuda_ipc and tensor.numel() > 0:
-                return TensorRef(name, shape, export_cuda_tensor(tensor))
+                loc = export_cuda_tensor(tensor)
+                self._cuda_bytes += tensor.numel() * tensor.element_size()
+                return TensorRef(name, shape, loc)
             tensor = tensor.cpu()
         elif tensor.device.type != "cpu":
             tensor = tensor.cpu()
@@ -199,6 +232,7 @@ class LinkCodec:
             if offset is not None:
                 self.sent_slots.add(offset)
                 self._new_slots.append(offset)
+                self._shm_bytes += nbytes
                 return TensorRef(name, shape, ShmLoc(offset, nbytes))
         assert self._out is not None
         flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
@@ -247,6 +281,7 @@ class LinkCodec:
             )
         self._in = frames
         self._in_used = [False] * len(frames)
+        self._shm_bytes = self._cuda_bytes = 0
         try:
             envelope = self._decoder.decode(_as_buffer(frames[0]))
         except (msgspec.DecodeError, TypeError, ValueError) as exc:
@@ -257,6 +292,7 @@ class LinkCodec:
             self._in = None
         if not all(self._in_used[1:]):
             raise ProtocolError("message carries frames that no tensor refers to")
+        self._count(self.tally.received, frames, nbytes)
         return envelope
 
     def _dec_hook(self, type_: type, obj: Any) -> Any:
@@ -273,15 +309,19 @@ class LinkCodec:
         if dtype is None:
             raise ProtocolError(f"unknown dtype {ref.dtype!r}")
         loc = ref.loc
-        if isinstance(loc, CudaIpcLoc):
-            return import_cuda_tensor(loc, dtype, ref.shape)
         nbytes = math.prod(ref.shape) * _ITEMSIZE[ref.dtype]
+        if isinstance(loc, CudaIpcLoc):
+            tensor = import_cuda_tensor(loc, dtype, ref.shape)
+            self._cuda_bytes += nbytes
+            return tensor
         if isinstance(loc, ShmLoc):
             if self.peer_arena is None:
                 raise ProtocolError("tensor in a shared arena this side has not mapped")
             if loc.nbytes != nbytes:
                 raise ProtocolError(f"arena slot holds {loc.nbytes} bytes, the tensor needs {nbytes}")
-            return self.peer_arena.tensor(loc.offset, nbytes, dtype, ref.shape)
+            view = self.peer_arena.tensor(loc.offset, nbytes, dtype, ref.shape)
+            self._shm_bytes += nbytes
+            return view
         assert self._in is not None
         index = loc.index
         if index >= len(self._in) or self._in_used[index]:

@@ -16,6 +16,7 @@ integrated pose ``s_{n+1}``, which the loop feeds back. The pending firings of a
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Executor
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from mstar.engines.step_loop import StepLoop
+from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import EngineClosedError, RequestAbortedError
 from mstar.zoo.vjepa2.predictor import ACPredictor
 from mstar.zoo.vjepa2.runner import BlockJob, BlockResult, FrameKVConfig, FrameRolloutRunner
@@ -137,6 +139,7 @@ class _Firing:
     request_id: str
     inputs: Mapping[str, Any]
     future: asyncio.Future[Mapping[str, Any]]
+    walk: str = ""
 
 
 class PredictorEngine(StepLoop):
@@ -158,6 +161,10 @@ class PredictorEngine(StepLoop):
         self._queue: deque[_Firing] = deque()
         self._releases: list[str] = []
         self._in_flight: list[_Firing] = []  # taken by the step that runs now
+        self.num_steps = 0
+        self.num_batched = 0  # firings answered, over all steps
+        self.step_seconds = 0.0
+        self.walk_times = WalkStepTimes()
 
     @property
     def num_pending(self) -> int:
@@ -169,6 +176,17 @@ class PredictorEngine(StepLoop):
         """Return how many requests hold a rollout (read between steps)."""
         return self.runner.num_requests
 
+    def stats(self) -> dict[str, float]:
+        """Return cumulative step counters and frame-cache occupancy (for metrics)."""
+        pool = self.runner.pool
+        return {
+            "steps": self.num_steps,
+            "batched": self.num_batched,
+            "step_seconds": self.step_seconds,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_blocks - pool.num_free_blocks,
+        }
+
     def _fail_pending(self, error: EngineClosedError) -> None:
         for firing in [*self._in_flight, *self._queue]:
             if not firing.future.done():
@@ -176,8 +194,8 @@ class PredictorEngine(StepLoop):
         self._queue.clear()
         self._in_flight = []
 
-    async def submit(self, request_id: str, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Queue one rollout step of a request; return its outputs once it ran.
+    async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
+        """Queue one rollout step of a request (for ``walk``, in step times); return its outputs once it ran.
 
         Raises:
             EngineClosedError: The engine is closed.
@@ -187,7 +205,7 @@ class PredictorEngine(StepLoop):
         if self._closed:
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
         future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Firing(request_id, inputs, future))
+        self._queue.append(_Firing(request_id, inputs, future, walk))
         self._wakeup.set()
         return await future
 
@@ -219,6 +237,7 @@ class PredictorEngine(StepLoop):
             firings = self._in_flight = [f for f in self._queue if not f.future.done()]
             self._queue.clear()
             releases, self._releases = self._releases, []
+            start = time.perf_counter()
             try:
                 if self.executor is None:
                     done, deferred = self._step(firings, releases)
@@ -229,6 +248,12 @@ class PredictorEngine(StepLoop):
                 for firing in firings:
                     self.runner.release(firing.request_id)
             self._in_flight = []
+            if done:
+                seconds = time.perf_counter() - start
+                self.num_steps += 1
+                self.num_batched += len(done)
+                self.step_seconds += seconds
+                self.walk_times.record(seconds, (firing.walk for firing, _ in done))
             for firing, outcome in done:
                 if firing.future.done():
                     continue

@@ -1,0 +1,73 @@
+"""`WalkStepTimes`: how long a node engine's steps took, attributed to the walks they served.
+
+An engine step batches inputs from many requests, and those may come from different walks
+(an LLM step that runs one request's ``prefill`` next to other requests' ``decode``). Each
+step is recorded **in full under every walk present in its batch**: a walk's figures are
+those of the steps it waited on, which is what its latency is made of. Sums over the walks
+of a node can therefore exceed the node's own step totals (a mixed step counts once per
+walk); the node totals stay in the engine's ``steps`` and ``step_seconds``.
+
+    step: [decode r1, decode r2, prefill r3]   12 ms
+      decode : steps +1, inputs +2, seconds +0.012, histogram bucket(0.012) +1
+      prefill: steps +1, inputs +1, seconds +0.012, histogram bucket(0.012) +1
+
+Recording costs one pass over the batch per step, on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["STEP_TIME_BUCKETS", "StepTimes", "WalkStepTimes"]
+
+STEP_TIME_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+"""Upper bounds (seconds) of the step-time histogram buckets; one more bucket catches the rest."""
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Cumulative step figures of one walk on one node.
+
+    Attributes:
+        steps: Steps that served at least one input of the walk.
+        inputs: Inputs of the walk those steps ran.
+        seconds: Total duration of those steps.
+        bucket_counts: Steps per duration bucket: ``bucket_counts[i]`` counts steps that took
+            at most ``STEP_TIME_BUCKETS[i]`` and more than the bound before; the last entry
+            counts steps longer than every bound (not cumulative).
+    """
+
+    steps: int = 0
+    inputs: int = 0
+    seconds: float = 0.0
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TIME_BUCKETS) + 1))
+
+
+class WalkStepTimes:
+    """Step figures of one engine, per walk (see the module docstring for mixed batches)."""
+
+    __slots__ = ("by_walk",)
+
+    def __init__(self) -> None:
+        self.by_walk: dict[str, StepTimes] = {}
+
+    def record(self, seconds: float, walks: Iterable[str]) -> None:
+        """Record one step of ``seconds`` that ran one input of each of ``walks`` (repeats allowed)."""
+        counts: dict[str, int] = {}
+        for walk in walks:
+            counts[walk] = counts.get(walk, 0) + 1
+        if not counts:
+            return
+        bucket = bisect_left(STEP_TIME_BUCKETS, seconds)
+        for walk, num_inputs in counts.items():
+            times = self.by_walk.get(walk)
+            if times is None:
+                times = self.by_walk[walk] = StepTimes()
+            times.steps += 1
+            times.inputs += num_inputs
+            times.seconds += seconds
+            times.bucket_counts[bucket] += 1
