@@ -26,7 +26,7 @@ __all__ = ["run_demo"]
 
 PLACEMENT = """
 node_groups:
-  - {node_names: [encoder, lm, init, cond, uncond], ranks: [0]}
+  - {node_names: [encoder, lm, init, image_encoder, cond, uncond], ranks: [0]}
   - {node_names: [vocoder, combine, vae], ranks: [1]}
 """
 

@@ -32,7 +32,14 @@ from mstar.streaming import (
     StreamBuffer,
 )
 from mstar.streaming.policies import ChunkPolicy
-from mstar.zoo.toy import ToyConfig, ToyPlan, make_toy_graph, make_toy_inputs, make_toy_nodes
+from mstar.zoo.toy import (
+    ToyConfig,
+    ToyPlan,
+    make_toy_graph,
+    make_toy_inputs,
+    make_toy_nodes,
+    prepare_toy_images,
+)
 
 
 class Plan:
@@ -296,3 +303,43 @@ def test_toy_model_draw_matches_a_hand_written_loop() -> None:
     assert [e.name for e in em] == ["norm", "image"]
     assert torch.equal(values(em, "norm")[0], torch.stack(norms))
     assert torch.equal(values(em, "image")[0], fns["vae"]({"x": x})["image"])
+
+
+def test_toy_model_edit_starts_the_flow_from_the_input_images() -> None:
+    cfg = ToyConfig()
+    fns = make_toy_nodes(cfg, seed=1)
+    ramp = torch.arange(64, dtype=torch.uint8).reshape(8, 8) * 4
+    images = prepare_toy_images([ramp.numpy(), torch.full((16, 16, 3), 200, dtype=torch.uint8)], cfg)
+    assert images.shape == (2, 8, 8) and torch.equal(images[0], ramp) and bool((images[1] == 200).all())
+    inputs = make_toy_inputs("brighter", cfg, seed=5, images=images)
+    em = run_reference(make_toy_graph(cfg), fns, inputs, ToyPlan(), state="image_edit")
+    # plain Python: the VAE's inverse of each image, averaged, mixed with the seed's noise
+    p = (images.reshape(2, -1).float() + 0.5) / 256
+    noise = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    x = (1 - cfg.edit_strength) * torch.log(p / (1 - p)).mean(0) + cfg.edit_strength * noise
+    for _ in range(cfg.flow_steps):
+        vc = fns["cond"]({"x": x, "prompt": inputs["cond"]["prompt"]})["v_cond"]
+        vu = fns["uncond"]({"x": x})["v_uncond"]
+        x = fns["combine"]({"x": x, "v_cond": vc, "v_uncond": vu})["x"]
+    assert [e.name for e in em] == ["norm", "image"]
+    assert torch.equal(values(em, "image")[0], fns["vae"]({"x": x})["image"])
+    # the input matters: another image, another result; the image task is untouched by it
+    other = make_toy_inputs("brighter", cfg, seed=5, images=prepare_toy_images([255 - ramp], cfg))
+    em_other = run_reference(make_toy_graph(cfg), fns, other, ToyPlan(), state="image_edit")
+    assert not torch.equal(values(em_other, "image")[0], values(em, "image")[0])
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        ([], "1 to 16 images"),
+        ([torch.zeros(4, 4, 2, dtype=torch.uint8)], r"\[H, W\], \[H, W, 3\] or \[H, W, 4\]"),
+        ([torch.zeros(0, 4, dtype=torch.uint8)], "empty"),
+        ([torch.full((4, 4), 0.5)], "uint8 pixels"),
+        ([[[0, 300], [1, 2]]], "uint8 pixels"),
+        (["not pixels"], "not an array of pixels"),
+    ],
+)
+def test_toy_edit_inputs_are_checked(images: list[Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        prepare_toy_images(images)

@@ -27,13 +27,13 @@ from mstar.runtime import Placement
 from mstar.runtime.async_engine import CONDUCTOR_PROCESS, AsyncEngine, EngineConfig, EngineStats
 from mstar.runtime.model import ModelSpec, Output, Request
 from mstar.transport.janitor import SHM_DIR, runtime_dir
-from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
+from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs, prepare_toy_images
 from tests.helpers import wait_until_idle
 
 SPREAD = """
 model: toy-composite
 node_groups:
-  - {node_names: [encoder, lm, init, cond], ranks: [0]}
+  - {node_names: [encoder, lm, init, image_encoder, cond], ranks: [0]}
   - {node_names: [vocoder, uncond], ranks: [1]}
   - {node_names: [combine, vae], ranks: [2]}
 """
@@ -44,7 +44,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 def reference(request: Request) -> list[Emission]:
     model = ToyModel(seed=SEED)
-    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0))
+    images = prepare_toy_images(request.data["images"], model.config) if request.task == "image_edit" else None
+    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0), images)
     return run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task)
 
 
@@ -65,7 +66,14 @@ def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
 def requests(n: int, seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     words = ["hello", "mstar serves graphs", "a", "composite", "models walk"]
-    return [Request(rng.choice(["speech", "image"]), {"text": rng.choice(words), "seed": i}) for i in range(n)]
+    out = []
+    for i in range(n):
+        task = rng.choice(["speech", "image", "image_edit"])
+        data: dict[str, Any] = {"text": rng.choice(words), "seed": i}
+        if task == "image_edit":
+            data["images"] = [torch.randint(0, 256, (12, 10, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))]
+        out.append(Request(task, data))
+    return out
 
 
 def mstar_files(pids: set[int]) -> set[Path]:
@@ -163,7 +171,8 @@ async def test_stats_give_step_times_per_walk_and_tensor_bytes_per_transport(eng
     assert sum(steps.values()) == after.nodes[0]["lm"]["steps"] - before.nodes[0].get("lm", {}).get("steps", 0)
     for t in lm.values():
         assert sum(t.bucket_counts) == t.steps and t.inputs >= t.steps and t.seconds > 0
-    assert {"image_gen"} == set(after.walks[2]["vae"]) and {"vocode"} == set(after.walks[1]["vocoder"])
+    assert "image_gen" in after.walks[2]["vae"] and set(after.walks[2]["vae"]) <= {"image_gen", "image_edit"}
+    assert {"vocode"} == set(after.walks[1]["vocoder"])
     if engine.config.worker_processes:
         assert set(after.transport) == {CONDUCTOR_PROCESS, "rank0", "rank1", "rank2"}
         assert _moved(after, "sent") - _moved(before, "sent") > 0

@@ -13,7 +13,7 @@ import torch
 from mstar.errors import RequestAbortedError, WalkExecutionError
 from mstar.graph import Emission, run_reference
 from mstar.runtime.model import Output, Request
-from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
+from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs, prepare_toy_images
 from tests.helpers import Direct
 
 Slot = tuple[str, str]
@@ -36,20 +36,23 @@ def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
 
 
 PLACEMENTS = {
-    "colocated": {n: [0] for n in ("encoder", "lm", "vocoder", "init", "cond", "uncond", "combine", "vae")},
-    "spread": {"encoder": [1], "lm": [0], "vocoder": [2], "init": [2], "cond": [0], "uncond": [1], "combine": [2], "vae": [0]},
-    "replicas": {"encoder": [0, 1], "lm": [0, 1], "vocoder": [2], "init": [0], "cond": [1], "uncond": [2], "combine": [0, 1], "vae": [2]},
+    "colocated": {n: [0] for n in ("encoder", "lm", "vocoder", "init", "image_encoder", "cond", "uncond", "combine", "vae")},
+    "spread": {"encoder": [1], "lm": [0], "vocoder": [2], "init": [2], "image_encoder": [1], "cond": [0], "uncond": [1], "combine": [2], "vae": [0]},
+    "replicas": {"encoder": [0, 1], "lm": [0, 1], "vocoder": [2], "init": [0], "image_encoder": [2], "cond": [1], "uncond": [2], "combine": [0, 1], "vae": [2]},
 }
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS.values(), ids=PLACEMENTS.keys())
-@pytest.mark.parametrize("task", ["speech", "image"])
+@pytest.mark.parametrize("task", ["speech", "image", "image_edit"])
 async def test_outputs_equal_the_reference(placement: dict[str, list[int]], task: str) -> None:
     model = ToyModel(seed=4)
     async with Direct(model, placement) as d:
         for i, text in enumerate(["hello", "composite models", "x"]):
-            outputs = await d.run(Request(task, {"text": text, "seed": i}))
-            want = run_reference(model.graph(), model._nodes, make_toy_inputs(text, model.config, i), ToyPlan(), state=task)
+            pictures = [torch.randint(0, 256, (9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))]
+            outputs = await d.run(Request(task, {"text": text, "seed": i, "images": pictures}))
+            images = prepare_toy_images(pictures, model.config) if task == "image_edit" else None
+            inputs = make_toy_inputs(text, model.config, i, images)
+            want = run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=task)
             assert_same(outputs, want)
         d.assert_empty()
 
