@@ -1,4 +1,5 @@
-"""OpenAI-compatible `GET /v1/models`, `POST /v1/audio/speech`, `POST /v1/images/generations`."""
+"""OpenAI-compatible `GET /v1/models`, `POST /v1/audio/speech`, `POST /v1/images/generations`
+and `POST /v1/images/edits`."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ import structlog
 import torch
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
 
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Request
 from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.encoding import sse
-from mstar.server.images import png_bytes
-from mstar.server.protocol import ImageGenerationRequest, SpeechRequest
+from mstar.server.images import decode_image, png_bytes
+from mstar.server.protocol import ImageEditRequest, ImageGenerationRequest, SpeechRequest
 from mstar.server.session import (
     EngineStreamingResponse,
     RequestStream,
@@ -36,6 +40,8 @@ log = structlog.get_logger(__name__)
 router = APIRouter()
 
 _AUDIO_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+MAX_EDIT_IMAGES = 16
+_IMAGE_FIELDS = ("image", "image[]")  # one file, or several as the openai client sends them
 
 
 def _state(http: HttpRequest) -> ServerState:
@@ -140,15 +146,60 @@ async def image_generations(body: ImageGenerationRequest, http: HttpRequest) -> 
     state = _state(http)
     state.check_model(body.model)
     state.check_task("image")
+    return await _run_images(state, http, "image", body, {})
+
+
+@router.post("/v1/images/edits")
+async def image_edits(http: HttpRequest) -> JSONResponse:
+    """Edit the uploaded image(s) as `prompt` says; answer `n` results as base64 PNG.
+
+    The body is a multipart form, as OpenAI's: `image` (a PNG or JPEG file; several as
+    `image[]`), `prompt`, and optionally `n`, `size`, `response_format` (b64_json), `seed`.
+    """
+    state = _state(http)
+    if not http.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIRequestError("send an image edit as multipart/form-data, with the image as a file field 'image'")
+    async with http.form(max_files=MAX_EDIT_IMAGES + 1, max_fields=64) as form:
+        items = form.multi_items()
+        fields = {k: v for k, v in items if isinstance(v, str) and k not in _IMAGE_FIELDS}
+        try:
+            body = ImageEditRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        state.check_model(body.model)
+        state.check_task("image_edit")
+        if any(k == "mask" for k, _ in items):
+            raise APIRequestError("masks are not supported: the whole image is edited", param="mask")
+        uploads = [v for k, v in items if k in _IMAGE_FIELDS]
+        if not uploads:
+            raise APIRequestError("image is required: attach one or more PNG or JPEG files", param="image")
+        if len(uploads) > MAX_EDIT_IMAGES:
+            raise APIRequestError(f"send at most {MAX_EDIT_IMAGES} images, got {len(uploads)}", param="image")
+        images = []
+        for i, upload in enumerate(uploads):
+            if not isinstance(upload, UploadFile):
+                raise APIRequestError("image must be a file upload (multipart file field), not text", param="image")
+            try:
+                images.append(decode_image(await upload.read()))
+            except ValueError as exc:
+                name = f" ({upload.filename!r})" if upload.filename else ""
+                raise APIRequestError(f"image {i}{name}: {exc}", param="image") from None
+    return await _run_images(state, http, "image_edit", body, {"images": images})
+
+
+async def _run_images(
+    state: ServerState, http: HttpRequest, task: str, body: ImageGenerationRequest, extra: dict[str, Any]
+) -> JSONResponse:
+    """Run `body.n` requests of ``task`` (``extra`` added to their data); answer their images."""
     size = body.dimensions
     requests = []
     for i in range(body.n):
-        data: dict[str, Any] = {"text": body.prompt}
+        data: dict[str, Any] = {"text": body.prompt, **extra}
         if body.seed is not None:
             data["seed"] = body.seed + i
         if size is not None:
             data["width"], data["height"] = size
-        requests.append(Request("image", data, f"image-{uuid.uuid4().hex}"))
+        requests.append(Request(task, data, f"{task}-{uuid.uuid4().hex}"))
     results = await run_to_end(state, http, requests)
     images = []
     for outputs in results:

@@ -19,6 +19,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "GenerateRequest",
+    "ImageEditRequest",
     "ImageGenerationRequest",
     "SpeechRequest",
     "StreamOptions",
@@ -233,6 +234,12 @@ class ImageGenerationRequest(_Body):
         """Return the requested (width, height), or None for the model's own."""
         match = _SIZE.match(self.size or "")
         return (int(match[1]), int(match[2])) if match else None
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """The form fields of `POST /v1/images/edits` (the images travel as files beside them)."""
+
+    output_format: Literal["png"] | None = None
 
 
 class GenerateRequest(BaseModel):
