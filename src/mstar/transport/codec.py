@@ -151,8 +151,10 @@ class LinkCodec:
         self._new_slots: list[int] = []
         self._in: Sequence[Any] | None = None
         self._in_used: list[bool] = []
-        # Bytes of the message being encoded or decoded that went by arena slot or CUDA IPC;
-        # added to the tally only once the whole message went through.
+        # Whether the message being encoded or decoded holds tensors, and the bytes of those
+        # that went by arena slot or CUDA IPC (zeroed by its first tensor); added to the tally
+        # only once the whole message went through. A message without tensors costs one store.
+        self._has_tensors = False
         self._shm_bytes = 0
         self._cuda_bytes = 0
 
@@ -168,7 +170,7 @@ class LinkCodec:
         frames: list[Any] = [b""]
         self._out = frames
         self._new_slots = []
-        self._shm_bytes = self._cuda_bytes = 0
+        self._has_tensors = False
         try:
             frames[0] = self._encoder.encode(envelope)
         except (TypeError, ValueError, msgspec.EncodeError) as exc:
@@ -185,7 +187,8 @@ class LinkCodec:
                 f"{type(envelope).__name__} is {nbytes} bytes, over the link's limit of "
                 f"{self.max_message_bytes} (raise max_message_bytes or send less)"
             )
-        self._count(self.tally.sent, frames, nbytes)
+        if self._has_tensors:
+            self._count(self.tally.sent, frames, nbytes)
         return frames
 
     def _count(self, counts: dict[str, int], frames: Sequence[Any], nbytes: int) -> None:
@@ -210,6 +213,9 @@ class LinkCodec:
         raise TypeError(f"{type(obj).__name__} is not part of the wire protocol")
 
     def _tensor_ref(self, tensor: torch.Tensor) -> TensorRef:
+        if not self._has_tensors:
+            self._has_tensors = True
+            self._shm_bytes = self._cuda_bytes = 0
         name = _DTYPE_NAMES.get(tensor.dtype)
         if name is None:
             raise ProtocolError(f"dtype {tensor.dtype} cannot travel on the wire")
@@ -281,7 +287,7 @@ class LinkCodec:
             )
         self._in = frames
         self._in_used = [False] * len(frames)
-        self._shm_bytes = self._cuda_bytes = 0
+        self._has_tensors = False
         try:
             envelope = self._decoder.decode(_as_buffer(frames[0]))
         except (msgspec.DecodeError, TypeError, ValueError) as exc:
@@ -292,7 +298,8 @@ class LinkCodec:
             self._in = None
         if not all(self._in_used[1:]):
             raise ProtocolError("message carries frames that no tensor refers to")
-        self._count(self.tally.received, frames, nbytes)
+        if self._has_tensors:
+            self._count(self.tally.received, frames, nbytes)
         return envelope
 
     def _dec_hook(self, type_: type, obj: Any) -> Any:
@@ -305,6 +312,9 @@ class LinkCodec:
         return self._tensor(ref)
 
     def _tensor(self, ref: TensorRef) -> torch.Tensor:
+        if not self._has_tensors:
+            self._has_tensors = True
+            self._shm_bytes = self._cuda_bytes = 0
         dtype = DTYPES.get(ref.dtype)
         if dtype is None:
             raise ProtocolError(f"unknown dtype {ref.dtype!r}")
