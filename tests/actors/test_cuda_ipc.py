@@ -89,5 +89,10 @@ async def test_cuda_tensors_cross_processes_by_handle() -> None:
             torch.testing.assert_close(reply.tensors["s"], strided * 2)
             del reply
             torch.cuda.synchronize()
+            # counted as the tensors' bytes, under cuda_ipc, both ways; nothing as frames or slots
+            moved = (1024 * 512 + 64 * 128) * 4
+            tally = client.transport_tally
+            assert tally.sent["cuda_ipc"] == tally.received["cuda_ipc"] == moved
+            assert tally.sent["ipc"] == tally.sent["shm"] == tally.received["ipc"] == tally.received["shm"] == 0
     finally:
         await asyncio.to_thread(process.stop)
