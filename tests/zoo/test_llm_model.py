@@ -127,3 +127,18 @@ async def test_smollm2_answers_through_async_engine() -> None:
         outputs = await engine.run(Request("generate", {"messages": messages, "max_tokens": 24, "temperature": 0.0}))
     text = model.detokenize([int(o.data[0]) for o in outputs])  # type: ignore[attr-defined]
     assert "Paris" in text, text
+
+
+async def test_steps_on_the_event_loop_let_walks_emit(tiny_llama_dir: Path) -> None:
+    """With steps on the event loop, each step yields so walks stream; nothing piles up."""
+    from mstar.runtime import AsyncEngine, EngineConfig
+
+    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 128, "block_size": 8, "max_num_seqs": 16})
+    # 16 x 80 tokens is more than the conductor's 1024-message mailbox holds at once.
+    async with await AsyncEngine.start(model, config=EngineConfig(offload_steps=False)) as engine:
+        request = {"prompt_token_ids": [1, 5, 9], "max_tokens": 80, "ignore_eos": True, "temperature": 0.0}
+        runs = [engine.run(Request("generate", dict(request))) for _ in range(16)]
+        results = await asyncio.gather(*runs)
+    first = [int(o.data[0]) for o in results[0]]
+    assert len(first) == 80
+    assert all([int(o.data[0]) for o in outputs] == first for outputs in results)

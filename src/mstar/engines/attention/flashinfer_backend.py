@@ -118,6 +118,7 @@ class FlashInferAttention:
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slot_mapping, v)
+        q = q.contiguous()  # callers may pass a view of a fused projection
         if self._wrapper is None:
             self._plan_kernels(q, k_cache, scale)
         return self._wrapper.run(q, (k_cache, v_cache))
