@@ -53,6 +53,8 @@ _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype i
 
 def frame_nbytes(frame: Any) -> int:
     """Return the size in bytes of one frame (bytes, buffer, numpy array or zmq.Frame)."""
+    if type(frame) is bytes:
+        return len(frame)
     nbytes = getattr(frame, "nbytes", None)
     return int(nbytes) if nbytes is not None else len(frame)
 
@@ -180,7 +182,7 @@ class LinkCodec:
             raise ProtocolError(f"cannot encode {type(envelope).__name__}: {exc}") from exc
         finally:
             self._out = None
-        nbytes = sum(frame_nbytes(f) for f in frames)
+        nbytes = len(frames[0]) if len(frames) == 1 else sum(frame_nbytes(f) for f in frames)
         if nbytes > self.max_message_bytes:
             self._free_new_slots()
             raise MessageTooLargeError(
@@ -280,7 +282,8 @@ class LinkCodec:
         """
         if not frames:
             raise ProtocolError("empty message")
-        nbytes = sum(frame_nbytes(f) for f in frames)
+        head = _as_buffer(frames[0])
+        nbytes = frame_nbytes(head) if len(frames) == 1 else sum(frame_nbytes(f) for f in frames)
         if nbytes > self.max_message_bytes:
             raise MessageTooLargeError(
                 f"received a {nbytes}-byte message, over the limit of {self.max_message_bytes}"
@@ -289,7 +292,7 @@ class LinkCodec:
         self._in_used = [False] * len(frames)
         self._has_tensors = False
         try:
-            envelope = self._decoder.decode(_as_buffer(frames[0]))
+            envelope = self._decoder.decode(head)
         except (msgspec.DecodeError, TypeError, ValueError) as exc:
             if isinstance(exc, ProtocolError):
                 raise

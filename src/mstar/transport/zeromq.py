@@ -61,6 +61,15 @@ _MAX_IPC_PATH = 107
 _BATCH = 64
 # How long a closed socket keeps trying to deliver what was queued (a Goodbye, say).
 _LINGER_MS = 200
+# Plain ints: pyzmq's flag enums cost a Python-level call for every `&` and `|`, several
+# times per message.
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+# Smaller frames are copied into the message (what pyzmq would do anyway, but without a
+# zmq.Frame object per frame); larger ones are sent without copying.
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 def _make_socket(kind: int) -> zmq.Socket[bytes]:
@@ -102,19 +111,37 @@ class _SocketDriver:
             self._backlog.append(frames)
         else:
             try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self._send_now(frames)
             except zmq.Again:
                 self._backlog.append(frames)
             except zmq.ZMQError as exc:
                 raise TransportClosedError(f"socket send failed: {exc}") from exc
         # Sending may have consumed the descriptor's edge while input is waiting.
         if not self._is_scheduled and self._events() & (
-            zmq.POLLIN | (zmq.POLLOUT if self._backlog else 0)
+            _POLLIN | (_POLLOUT if self._backlog else 0)
         ):
             self._schedule()
 
     def _events(self) -> int:
         return int(self._sock.getsockopt(zmq.EVENTS))
+
+    def _send_now(self, frames: list[Any]) -> None:
+        # ZeroMQ takes a multipart message whole or not at all: only the first part can
+        # raise Again. Frames are bytes (headers, identities) or arrays (tensors).
+        sock = self._sock
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            copy = type(frame) is bytes and len(frame) < _COPY_THRESHOLD
+            sock.send(frame, _NOBLOCK if i == last else _MORE, copy=copy)
+
+    def _recv(self) -> list[Any]:
+        # The later parts of a multipart message arrive with the first.
+        frame = self._sock.recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = self._sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
 
     def _schedule(self) -> None:
         self._is_scheduled = True
@@ -122,17 +149,16 @@ class _SocketDriver:
 
     def _drain(self) -> None:
         self._is_scheduled = False
-        sock = self._sock
         for _ in range(_BATCH):
             if self.is_closed:
                 return
             events = self._events()
-            if self._backlog and events & zmq.POLLOUT:
+            if self._backlog and events & _POLLOUT:
                 self._flush_backlog()
-            if not events & zmq.POLLIN:
+            if not events & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._recv()
             except zmq.Again:
                 return
             try:
@@ -145,7 +171,7 @@ class _SocketDriver:
     def _flush_backlog(self) -> None:
         while self._backlog:
             try:
-                self._sock.send_multipart(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
+                self._send_now(self._backlog[0])
             except zmq.Again:
                 return
             self._backlog.popleft()
