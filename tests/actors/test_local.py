@@ -124,6 +124,86 @@ async def test_a_failing_tell_goes_to_on_failure(system: ActorSystem) -> None:
     assert Recorder.log == ["start rec", "handle 'raise'", "failure KeyError 'raise'", "handle 'after'"]
 
 
+class Immediate(Actor):
+    """Take told strings at once when idle (``handle_now``); log which path each one took."""
+
+    immediate_types = frozenset({str})
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    def handle_now(self, message: str) -> None:
+        if message in ("raise", "crash"):
+            raise KeyError(message)
+        self.log.append(f"now {message}")
+
+    async def on_failure(self, error: Exception, message: Any) -> None:
+        self.log.append(f"failure {type(error).__name__} {message}")
+        if message == "crash":
+            raise error
+
+    async def handle(self, message: Any) -> Any:
+        if message == "wait":
+            self.entered.set()
+            await self.gate.wait()
+        if message in ("raise", "crash"):
+            raise KeyError(message)
+        self.log.append(f"handle {message}")
+        return message
+
+
+async def test_an_idle_actor_takes_immediate_tells_in_the_senders_call(system: ActorSystem) -> None:
+    actor = Immediate()
+    ref = await system.spawn(lambda: actor)
+    ref.tell("a")
+    assert actor.log == ["now a"]  # handled before tell returned
+    assert await ref.ask("b") == "b"  # asks go through the mailbox
+    ref.tell(Ping(1))  # not an immediate type: queued
+    ref.tell("c")  # queued behind it, to keep the order
+    assert await ref.ask("d") == "d"
+    assert actor.log == ["now a", "handle b", "handle Ping(seq=1, payload=b'')", "handle c", "handle d"]
+
+
+async def test_a_busy_actor_queues_immediate_tells_in_order(system: ActorSystem) -> None:
+    actor = Immediate()
+    ref = await system.spawn(lambda: actor)
+    busy = asyncio.ensure_future(ref.ask("wait"))
+    await actor.entered.wait()
+    ref.tell("x")
+    ref.tell("y")
+    assert actor.log == []
+    actor.gate.set()
+    assert await busy == "wait"
+    assert await ref.ask("z") == "z"
+    assert actor.log == ["handle wait", "handle x", "handle y", "handle z"]
+
+
+async def test_an_immediate_tell_that_raises_goes_to_on_failure(system: ActorSystem) -> None:
+    actor = Immediate()
+    ref = await system.spawn(lambda: actor)
+    ref.tell("raise")
+    ref.tell("after")  # queued behind the failure
+    assert await ref.ask("ask") == "ask"
+    assert actor.log == ["failure KeyError raise", "handle after", "handle ask"]
+
+
+async def test_an_immediate_tell_whose_on_failure_raises_crashes_the_actor(system: ActorSystem) -> None:
+    instances: list[Immediate] = []
+
+    def make() -> Immediate:
+        instances.append(Immediate())
+        return instances[-1]
+
+    ref = await system.spawn(make, restart=RestartPolicy(max_restarts=1, window_s=60))
+    ref.tell("crash")  # raises in handle_now, then in on_failure
+    assert await ref.ask("next") == "next"
+    assert len(instances) == 2
+    assert instances[0].log == ["failure KeyError crash"]
+    assert instances[1].log == ["handle next"]
+
+
 class Crashy(Actor):
     """Crash (on_failure re-raises) on the string "crash"; count instances and stops."""
 

@@ -48,6 +48,15 @@ def handler_error(name: str, exc: BaseException) -> ActorHandlerError:
     return error
 
 
+class _Failed:
+    """Queued in place of a told message whose `handle_now` raised `error`."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 class ActorCell:
     """Run one actor: start it, feed it its mailbox, restart it on crashes, stop it.
 
@@ -79,14 +88,30 @@ class ActorCell:
         self.is_stopping = False
         self.num_restarts = 0
         self._restart_times: collections.deque[float] = collections.deque()
+        # The running instance while it waits for mail with nothing queued (else None).
+        self._idle: Actor | None = None
 
     def offer(self, message: Any, reply: Any) -> None:
-        """Queue a message (`reply` None for a tell).
+        """Queue a message (`reply` None for a tell), or hand it to an idle actor's `handle_now`.
 
         Raises:
             ActorDeadError: the actor is stopping or stopped.
             MailboxFullError: the mailbox is full.
         """
+        actor = self._idle
+        if (
+            actor is not None
+            and reply is None
+            and type(message) in actor.immediate_types
+            and not self.is_stopping
+            and not self.mailbox
+        ):
+            try:
+                actor.handle_now(message)
+            except Exception as exc:
+                # `on_failure` is a coroutine: the actor's task runs it next.
+                self.mailbox.put((_Failed(exc), message))
+            return
         self.mailbox.put((message, reply))
 
     def request_stop(self) -> None:
@@ -142,15 +167,24 @@ class ActorCell:
     async def _serve(self, actor: Actor) -> bool:
         """Handle messages until stopped (return False) or crashed (return True)."""
         mailbox = self.mailbox
-        while not self.is_stopping:
-            item = await mailbox.get()
-            if item is None:
-                return False
-            if await self._handle(actor, *item):
-                return True
-            # Drop the message here, so that tensors in it can be freed while we wait.
-            item = None
-        return False
+        try:
+            while not self.is_stopping:
+                if not mailbox:
+                    self._idle = actor
+                item = await mailbox.get()
+                self._idle = None
+                if item is None:
+                    return False
+                if type(item[0]) is _Failed:
+                    if await self._on_failure(actor, item[0].error, item[1]):
+                        return True
+                elif await self._handle(actor, *item):
+                    return True
+                # Drop the message here, so that tensors in it can be freed while we wait.
+                item = None
+            return False
+        finally:
+            self._idle = None
 
     async def _handle(self, actor: Actor, message: Any, reply: Any) -> bool:
         """Handle one message; return whether the actor crashed."""
@@ -164,14 +198,18 @@ class ActorCell:
             if reply is not None:
                 fail_reply(reply, handler_error(self.name, exc))
                 return False
-            try:
-                await actor.on_failure(exc, message)
-            except Exception as crash:
-                log.error("actor %r crashed", self.name, exc_info=crash)
-                return True
-            return False
+            return await self._on_failure(actor, exc, message)
         if reply is not None:
             resolve_reply(reply, result)
+        return False
+
+    async def _on_failure(self, actor: Actor, exc: Exception, message: Any) -> bool:
+        """Run `on_failure` for a told message that raised; return whether the actor crashed."""
+        try:
+            await actor.on_failure(exc, message)
+        except Exception as crash:
+            log.error("actor %r crashed", self.name, exc_info=crash)
+            return True
         return False
 
     async def _stop_instance(self, actor: Actor) -> None:

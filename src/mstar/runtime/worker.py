@@ -51,6 +51,10 @@ def worker_name(rank: int) -> str:
 class Worker(Actor):
     """Hosts the engines of one rank and runs its shares of walks (see `WorkerCore`)."""
 
+    # Values from peer workers are handed to their walk runners as they arrive, without a
+    # task switch through the mailbox: in a loop across ranks that is every step.
+    immediate_types = frozenset({NodeValuesMsg})
+
     def __init__(
         self,
         rank: int,
@@ -74,14 +78,18 @@ class Worker(Actor):
         """Cancel walks and close the engines."""
         await self.core.aclose()
 
+    def handle_now(self, message: NodeValuesMsg) -> None:
+        """Hand values from a peer worker to the runner of their walk."""
+        items: list[tuple[ValueKey, Any]] = [
+            (tuple(k), from_wire(v))  # type: ignore[misc]
+            for k, v in zip(message.keys, message.values, strict=True)
+        ]
+        self.core.deliver(message.request_id, message.walk_seq, items)
+
     async def handle(self, message: Any) -> Any:
         """Start walks, take values from peers, release requests."""
         if isinstance(message, NodeValuesMsg):
-            items: list[tuple[ValueKey, Any]] = [
-                (tuple(k), from_wire(v))  # type: ignore[misc]
-                for k, v in zip(message.keys, message.values, strict=True)
-            ]
-            self.core.deliver(message.request_id, message.walk_seq, items)
+            self.handle_now(message)
         elif isinstance(message, StartWalkMsg):
             initial = from_slots(message.initial)
             self.core.start_walk(
