@@ -94,6 +94,23 @@ async def test_close_fails_pending_and_later_submissions() -> None:
         await engine.submit("r2", {"x": torch.zeros(1)})
 
 
+async def test_steps_on_the_event_loop_start_and_stop_with_the_engine() -> None:
+    node = Recorder()
+    engine = StatelessEngine("enc", node, StatelessEngineConfig(max_batch_size=2))
+    early = [asyncio.ensure_future(engine.submit(r, {"x": torch.zeros(1)})) for r in "abc"]
+    await asyncio.sleep(0)
+    assert node.sizes == [] and engine.num_pending == 3  # not started: nothing runs
+    engine.start()
+    await asyncio.gather(*early)
+    assert node.sizes == [2, 1]
+    late = asyncio.ensure_future(engine.submit("d", {"x": torch.zeros(1)}))
+    await asyncio.sleep(0)  # queued, its step scheduled for the next loop turn
+    await engine.aclose()
+    with pytest.raises(EngineClosedError):
+        await late
+    assert node.sizes == [2, 1]  # the scheduled step found the engine closed
+
+
 async def test_steps_can_run_off_the_event_loop() -> None:
     node = Recorder()
     with ThreadPoolExecutor(1) as pool:

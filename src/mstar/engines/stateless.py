@@ -5,6 +5,10 @@ are pending for a node, from any requests, can run as one batch. Each step takes
 ``max_batch_size`` pending inputs in arrival order (waiting up to ``max_wait_s`` for the
 batch to fill when it is short), runs the node once, and splits the outputs back to the
 requests that submitted them. Step times are kept per node and per walk (`WalkStepTimes`).
+
+An engine that runs steps on the event loop's thread and never waits for a batch to fill
+steps in a plain loop callback, scheduled when the first input arrives: inputs submitted in
+the same loop turn still share a step, and no step task has to be woken per firing.
 """
 
 from __future__ import annotations
@@ -97,6 +101,19 @@ class StatelessEngine(StepLoop):
         self.step_seconds = 0.0  # time spent in steps
         self.walk_times = WalkStepTimes()
         self._queue: deque[_Pending] = deque()
+        self._is_inline = executor is None and self.config.max_wait_s == 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by `start` when inline
+        self._is_step_scheduled = False
+
+    def start(self) -> None:
+        """Start stepping on the running event loop."""
+        if not self._is_inline:
+            super().start()
+            return
+        if self._loop is None and not self._closed:
+            self._loop = asyncio.get_running_loop()
+            if self._queue:
+                self._schedule_step()
 
     async def __aenter__(self) -> StatelessEngine:
         self.start()
@@ -132,7 +149,10 @@ class StatelessEngine(StepLoop):
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
         future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(request_id, inputs, future, walk))
-        self._wakeup.set()
+        if not self._is_inline:
+            self._wakeup.set()
+        elif self._loop is not None and not self._is_step_scheduled:
+            self._schedule_step()
         return await future
 
     def abort(self, request_id: str) -> int:
@@ -149,6 +169,11 @@ class StatelessEngine(StepLoop):
         self._queue = keep
         return dropped
 
+    def _take_batch(self) -> list[_Pending]:
+        n = min(self.config.max_batch_size, len(self._queue))
+        batch = [self._queue.popleft() for _ in range(n)]
+        return [p for p in batch if not p.future.done()]  # cancelled while waiting
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
@@ -164,8 +189,7 @@ class StatelessEngine(StepLoop):
                         await asyncio.wait_for(self._wakeup.wait(), left)
                     except TimeoutError:
                         break
-            batch = [self._queue.popleft() for _ in range(min(cfg.max_batch_size, len(self._queue)))]
-            batch = [p for p in batch if not p.future.done()]  # cancelled while waiting
+            batch = self._take_batch()
             if batch:
                 await self._step(batch)
 
@@ -174,34 +198,83 @@ class StatelessEngine(StepLoop):
             outputs = await self._call([p.inputs for p in batch], [p.walk for p in batch])
         except Exception as exc:
             if len(batch) == 1:
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(exc)
+                _fail(batch[0], exc)
                 return
             # Rerun one by one so a bad input fails only its own request.
             for p in batch:
                 await self._step([p])
             return
-        for p, out in zip(batch, outputs, strict=True):
-            if not p.future.done():
-                p.future.set_result(out)
+        _resolve(batch, outputs)
 
     async def _call(self, inputs: list[Mapping[str, Any]], walks: list[str]) -> Sequence[Mapping[str, Any]]:
+        if self.executor is None:
+            return self._call_now(inputs, walks)
         start = time.perf_counter()
         try:
-            if self.executor is None:
-                outputs = self.module(inputs)
-            else:
-                outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
         finally:
-            seconds = time.perf_counter() - start
-            self.num_steps += 1
-            self.num_batched += len(inputs)
-            self.step_seconds += seconds
-            self.walk_times.record(seconds, walks)
+            self._record(time.perf_counter() - start, len(inputs), walks)
+        self._check(outputs, inputs)
+        return outputs
+
+    # --- inline stepping (no executor, no waiting for batches to fill) ------------------------
+
+    def _schedule_step(self) -> None:
+        assert self._loop is not None
+        self._is_step_scheduled = True
+        self._loop.call_soon(self._step_inline)
+
+    def _step_inline(self) -> None:
+        """Run every batch pending now (a loop callback, as the step task would in one turn)."""
+        self._is_step_scheduled = False
+        while self._queue and not self._closed:
+            batch = self._take_batch()
+            if batch:
+                self._step_now(batch)
+
+    def _step_now(self, batch: list[_Pending]) -> None:
+        try:
+            outputs = self._call_now([p.inputs for p in batch], [p.walk for p in batch])
+        except Exception as exc:
+            if len(batch) == 1:
+                _fail(batch[0], exc)
+                return
+            # Rerun one by one so a bad input fails only its own request.
+            for p in batch:
+                self._step_now([p])
+            return
+        _resolve(batch, outputs)
+
+    def _call_now(self, inputs: list[Mapping[str, Any]], walks: list[str]) -> Sequence[Mapping[str, Any]]:
+        start = time.perf_counter()
+        try:
+            outputs = self.module(inputs)
+        finally:
+            self._record(time.perf_counter() - start, len(inputs), walks)
+        self._check(outputs, inputs)
+        return outputs
+
+    def _record(self, seconds: float, num_inputs: int, walks: list[str]) -> None:
+        self.num_steps += 1
+        self.num_batched += num_inputs
+        self.step_seconds += seconds
+        self.walk_times.record(seconds, walks)
+
+    def _check(self, outputs: Sequence[Mapping[str, Any]], inputs: list[Mapping[str, Any]]) -> None:
         if len(outputs) != len(inputs):
             raise RuntimeError(f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}")
-        return outputs
 
     def stats(self) -> dict[str, float]:
         """Return cumulative step counters (for metrics)."""
         return {"steps": self.num_steps, "batched": self.num_batched, "step_seconds": self.step_seconds}
+
+
+def _resolve(batch: list[_Pending], outputs: Sequence[Mapping[str, Any]]) -> None:
+    for p, out in zip(batch, outputs, strict=True):
+        if not p.future.done():
+            p.future.set_result(out)
+
+
+def _fail(p: _Pending, error: Exception) -> None:
+    if not p.future.done():
+        p.future.set_exception(error)
