@@ -77,6 +77,9 @@ class WalkPorts(Protocol):
         ...
 
 
+_MISSING: Any = object()
+
+
 class _Pending:
     """A value another worker will send; resolved once, shared by every env that holds it."""
 
@@ -189,7 +192,10 @@ class WalkRunner:
             while sec.max_iters is None or i < sec.max_iters:
                 await self._section(sec.body, env, accs, inner)
                 i += 1
-                if bool(await self._resolve(env.signals.pop(sec.stop, False))):
+                stop = env.signals.pop(sec.stop, False)
+                if type(stop) is _Pending:
+                    stop = await self._resolve(stop)
+                if bool(stop):
                     break
 
     async def _fire(self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
@@ -226,10 +232,14 @@ class WalkRunner:
 
     async def _inputs(self, node: GraphNode, env: _Env) -> dict[str, Any]:
         args: dict[str, Any] = {}
+        values = env.values
         for name in node.inputs:
-            if (node.name, name) not in env.values:
+            value = values.get((node.name, name), _MISSING)
+            if value is _MISSING:
                 raise self._error(node, f"input {name!r} is missing when the node fires")
-            args[name] = await self._resolve(env.values[(node.name, name)])
+            if type(value) is _Pending:
+                value = await self._resolve(value)
+            args[name] = value
         return args
 
     def _absorb(
@@ -262,13 +272,14 @@ class WalkRunner:
     def _route(
         self, node: GraphNode, tag: str, name: str, value: Any, edges: Sequence[Edge], env: _Env, accs: list[_Acc]
     ) -> None:
-        acc = next((a for a in reversed(accs) if name in a.names), None)
-        held = [e for e in edges if acc is not None and e.dst not in acc.body]
-        if acc is not None and held:
-            acc.held.setdefault((node.name, name), []).append(value)
+        if accs:
+            acc = next((a for a in reversed(accs) if name in a.names), None)
+            if acc is not None:
+                held = [e for e in edges if e.dst not in acc.body]
+                if held:
+                    acc.held.setdefault((node.name, name), []).append(value)
+                    edges = [e for e in edges if e not in held]
         for e in edges:
-            if e in held:
-                continue
             if isinstance(e, StreamingGraphEdge):
                 self.ports.stream(node.name, e, value)
             elif e.dst == EMIT:
@@ -287,11 +298,13 @@ class WalkRunner:
         """Account for a remote node's firing: placeholders for what it sends here."""
         self._fired[node.name] += 1
         tag = str(self._fired[node.name])
-        edges = []
-        for e in node.outputs:
-            acc = next((a for a in reversed(accs) if e.name in a.names), None)
-            if acc is None or e.dst in acc.body:
-                edges.append(e)
+        edges: Sequence[Edge] = node.outputs
+        if accs:
+            edges = []
+            for e in node.outputs:
+                acc = next((a for a in reversed(accs) if e.name in a.names), None)
+                if acc is None or e.dst in acc.body:
+                    edges.append(e)
         self._expect_edges(node, tag, edges, env, accs)
         for name in node.signals & stops:
             env.signals[name] = _Pending((node.name, tag, SIGNAL, name))
