@@ -73,3 +73,59 @@ def test_draws_follow_the_distribution_and_the_seed() -> None:
     assert torch.allclose(freq, probs, atol=0.03), freq
     again = Sampler()(logits[:10].clone(), _seqs(params[:10], [[0]] * 10))
     assert torch.equal(again, draws[:10])  # same seeds, same tokens, any batch
+
+
+class _Window:
+    """A processor that allows ids [start, end) only and says so (`vocab_ranges`)."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def vocab_ranges(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        return [(self.start, self.end)]
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[: self.start] = float("-inf")
+        logits[self.end :] = float("-inf")
+        return logits
+
+
+class _Silent(_Window):
+    """The same mask, without naming its ranges: the sampler must use the whole vocabulary."""
+
+    vocab_ranges = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "penalty"), [(0, 1.0, 1.0), (0, 0.8, 1.3), (7, 0.9, 1.0)])
+def test_candidate_ranges_draw_exactly_what_the_whole_vocabulary_draws(
+    top_k: int, top_p: float, penalty: float
+) -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(24, 1000) * 2
+    history = [torch.randint(0, 1000, (20,)).tolist() for _ in range(24)]
+    windows = [(100 * (i % 5), 100 * (i % 5) + 60 + i) for i in range(24)]
+    params = [SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, repetition_penalty=penalty, seed=i)
+              for i in range(24)]
+
+    def draw(processor: type[_Window]) -> torch.Tensor:
+        seqs = _seqs(params, history)
+        for seq, (start, end) in zip(seqs, windows, strict=True):
+            seq.logits_processor = processor(start, end)
+        return Sampler()(logits.clone(), seqs)
+
+    fast, full = draw(_Window), draw(_Silent)
+    assert torch.equal(fast, full)
+    assert all(start <= t < end for t, (start, end) in zip(fast.tolist(), windows, strict=True))
+
+
+def test_candidate_draws_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.full((4000, 50), -5.0)
+    logits[:, 20:24] = probs.log()
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4000)]
+    seqs = _seqs(params, [[0]] * 4000)
+    for seq in seqs:
+        seq.logits_processor = _Window(20, 24)
+    draws = Sampler()(logits, seqs)
+    freq = torch.bincount(draws - 20, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq

@@ -169,3 +169,27 @@ def test_config_reads_both_transformers_layouts() -> None:
     assert a.rope_theta == b.rope_theta == 5.0
     assert a.num_key_value_heads == 2 and a.head_dim == 4
     assert a.rope_scaling is not None and a.rope_scaling["factor"] == 2.0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_in_ranges_equal_the_full_head_there(tiny: dict[str, object], tmp_path: Path, tied: bool) -> None:
+    checkpoint = tiny["checkpoint"]
+    if tied:
+        torch.manual_seed(3)
+        config = _hf_config(tie_word_embeddings=True)
+        checkpoint = tmp_path / "tied"
+        hf = HFLlamaForCausalLM(config)
+        state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+        save_state_dict(state, checkpoint, config.to_dict())
+    model = load_llama(checkpoint)
+    hidden = torch.randn(5, model.config.hidden_size)
+    ranges = [[(3, 40)], [(0, 1), (50, 90)], [(3, 40)], [(10, 11)], [(0, 1), (50, 90)]]
+    with torch.inference_mode():
+        full = model.compute_logits(hidden)
+        part = model.compute_logits_in(hidden, ranges)
+    for row, row_ranges in enumerate(ranges):
+        allowed = torch.zeros(full.shape[1], dtype=torch.bool)
+        for start, end in row_ranges:
+            allowed[start:end] = True
+        torch.testing.assert_close(part[row, allowed], full[row, allowed], rtol=1e-5, atol=1e-5)
+        assert torch.isinf(part[row, ~allowed]).all()

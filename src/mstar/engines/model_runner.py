@@ -10,7 +10,7 @@ from mstar.engines.cuda_graphs import CudaGraphDecodeRunner
 from mstar.engines.paged_model import PagedKVContext, PagedModel
 from mstar.engines.sampler import Sampler
 from mstar.engines.scheduler import SchedulerOutput
-from mstar.engines.sequence import Sequence
+from mstar.engines.sequence import Sequence, vocab_ranges
 
 __all__ = ["ModelRunner", "PreparedBatch"]
 
@@ -159,7 +159,15 @@ class ModelRunner:
         hidden = self._forward(batch)
         if not batch.sample_seqs:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        seqs = batch.sample_seqs
+        rows = hidden.index_select(0, batch.logits_indices)
+        ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
+        partial = getattr(self.model, "compute_logits_in", None)
+        if partial is not None and not return_logits and all(r is not None for r in ranges):
+            # Constrained rows: project onto the ids they may take only (the rest is -inf).
+            logits = partial(rows, ranges)
+        else:
+            logits = self.model.compute_logits(rows)
         raw = logits.clone() if return_logits else None
-        tokens = self.sampler(logits, batch.sample_seqs)
+        tokens = self.sampler(logits, seqs, ranges)
         return [int(t) for t in tokens.tolist()], raw

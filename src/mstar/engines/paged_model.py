@@ -57,5 +57,11 @@ class PagedModel(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Return `[rows, vocab]` logits for selected hidden states."""
+        """Return `[rows, vocab]` logits for selected hidden states.
+
+        A model may also offer `compute_logits_in(hidden, ranges)`: the same logits, but
+        computed only inside each row's id ranges (`[(start, end), ...]`) and `-inf`
+        elsewhere. The runner uses it when every sampled row's logits processor names its
+        ranges (constrained decoding over a large vocabulary).
+        """
         ...

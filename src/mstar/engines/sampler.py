@@ -1,9 +1,14 @@
 """Batched next-token selection: penalties, processors, temperature, top-k/top-p, draws.
 
 Rows with a seed draw from their own `torch.Generator`, so a request's tokens do not
-depend on what else is in the batch (or on preemption). Draws use the exponential race
-(`argmax(p / E)` with `E ~ Exp(1)`), which samples exactly from `p` with one vector of
-randomness per row.
+depend on what else is in the batch (or on preemption). A draw takes one uniform number
+per row and inverts the row's cumulative distribution, in token-id order: an exact sample
+from `p` whose randomness does not grow with the vocabulary.
+
+Rows whose logits processor names the few ids it can leave finite (`vocab_ranges`, as in
+constrained decoding) are filtered and drawn among those candidates only; the others over
+the whole vocabulary. Both give the same distribution: the candidates hold every token
+with non-zero probability.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar.engines.sequence import Sequence
+from mstar.engines.sequence import Sequence, vocab_ranges
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "argmax_rows"]
+
+Ranges = list[tuple[int, int]]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -31,58 +38,119 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Pick one token per row of a logits batch, honouring each row's `SamplingParams`."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Return `[len(seqs)]` int64 token ids sampled from `logits` `[len(seqs), vocab]`."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        ranges: list[Ranges | None] | None = None,
+    ) -> torch.Tensor:
+        """Return `[len(seqs)]` int64 token ids sampled from `logits` `[len(seqs), vocab]`.
+
+        Args:
+            logits: One row per sequence; penalties and processors apply to it in place.
+            seqs: The sequences, in row order.
+            ranges: Each row's candidate id ranges (`vocab_ranges` of its processor),
+                when the caller has them already; computed here otherwise.
+        """
         logits = logits.float()
         params = [s.params for s in seqs]
         if any(p.repetition_penalty != 1.0 for p in params):
-            logits = self._apply_repetition_penalty(logits, seqs)
+            self._apply_repetition_penalty(logits, seqs)
         for row, seq in enumerate(seqs):
             if seq.logits_processor is not None:
                 logits[row] = seq.logits_processor(seq.token_ids, logits[row])
         if all(p.is_greedy for p in params):
             return argmax_rows(logits)
         greedy = argmax_rows(logits)
+        if ranges is None:
+            ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
+        ids, values = self._candidates(logits, ranges)
         device = logits.device
         temperatures = torch.tensor(
             [p.temperature if not p.is_greedy else 1.0 for p in params],
-            dtype=logits.dtype,
+            dtype=values.dtype,
             device=device,
         )
-        logits = logits / temperatures.unsqueeze(1)
+        values = values / temperatures.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
-            logits = self._apply_top_k(logits, [p.top_k for p in params])
+            values = self._apply_top_k(values, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
-            logits = self._apply_top_p(logits, [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
-        # Exponential noise per row: a seeded row draws from its own generator; only the
-        # other rows draw from the global one (a full-batch draw would be thrown away).
-        noise = torch.empty_like(probs)
-        if all(seq.generator is None for seq in seqs):
-            noise.exponential_()
-        else:
-            for row, seq in enumerate(seqs):
-                noise[row].exponential_(generator=seq.generator)
-        sampled = argmax_rows(probs / noise)
+            values = self._apply_top_p(values, [p.top_p for p in params])
+        position = self._draw(torch.softmax(values, dim=-1), seqs)
+        sampled = position if ids is None else ids.gather(1, position.unsqueeze(1)).squeeze(1)
         is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
         return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
+    def _candidates(
+        logits: torch.Tensor, ranges: list[Ranges | None]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Return candidate ids `[rows, K]` (ascending per row) and their logits.
+
+        None for the ids means every row keeps the whole vocabulary (K = vocab). Short rows
+        are padded with their first id at `-inf`, which no draw can pick.
+        """
+        if any(r is None for r in ranges):
+            return None, logits
+        parts = [np.concatenate([np.arange(a, b) for a, b in r]) if r else np.zeros(0, np.int64) for r in ranges]
+        width = max(len(p) for p in parts)
+        if width == 0 or width * 2 > logits.shape[-1]:
+            return None, logits  # not worth a gather
+        table = np.zeros((len(parts), width), dtype=np.int64)
+        pad = np.ones((len(parts), width), dtype=bool)
+        for row, part in enumerate(parts):
+            table[row, : len(part)] = part
+            table[row, len(part) :] = part[0] if len(part) else 0
+            pad[row, : len(part)] = False
+        ids = torch.from_numpy(table).to(logits.device)
+        values = logits.gather(1, ids)
+        if pad.any():
+            values = values.masked_fill(torch.from_numpy(pad).to(logits.device), float("-inf"))
+        return ids, values
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Return one column per row, drawn from `probs` by inverting its cumulative sum."""
+        rows = len(seqs)
+        if all(seq.generator is None for seq in seqs):
+            u = torch.rand(rows, dtype=probs.dtype, device=probs.device)
+        else:
+            u = torch.empty(rows, dtype=probs.dtype, device=probs.device)
+            free = [row for row, seq in enumerate(seqs) if seq.generator is None]
+            if free:
+                u[free] = torch.rand(len(free), dtype=probs.dtype, device=probs.device)
+            for row, seq in enumerate(seqs):
+                if seq.generator is not None:
+                    u[row] = torch.rand(1, generator=seq.generator, dtype=probs.dtype, device=probs.device)[0]
+        cumulative = probs.cumsum(dim=-1)
+        # 1 - u lies in (0, 1]: the first column whose cumulative mass reaches it carries
+        # mass itself (a zero-probability column never starts a new cumulative value).
+        target = (1.0 - u).mul_(cumulative[:, -1]).unsqueeze(1)
+        position = torch.searchsorted(cumulative, target).squeeze(1)
+        return position.clamp_(max=probs.shape[-1] - 1)
+
+    @staticmethod
     def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalise, in place, the logits of tokens each row has seen (as transformers does)."""
         rows: list[int] = []
         cols: list[int] = []
+        factors: list[float] = []
         for row, seq in enumerate(seqs):
-            if seq.params.repetition_penalty != 1.0:
+            penalty = seq.params.repetition_penalty
+            if penalty != 1.0:
                 unique = set(seq.token_ids)
                 rows.extend([row] * len(unique))
                 cols.extend(unique)
-        seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)] = True
-        penalty = torch.tensor(
-            [s.params.repetition_penalty for s in seqs], dtype=logits.dtype, device=logits.device
-        ).unsqueeze(1)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        return torch.where(seen, penalised, logits)
+                factors.extend([penalty] * len(unique))
+        if not rows:
+            return logits
+        device = logits.device
+        r = torch.tensor(rows, dtype=torch.long, device=device)
+        c = torch.tensor(cols, dtype=torch.long, device=device)
+        factor = torch.tensor(factors, dtype=logits.dtype, device=device)
+        seen = logits[r, c]
+        logits[r, c] = torch.where(seen > 0, seen / factor, seen * factor)
+        return logits
 
     @staticmethod
     def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ __all__ = [
     "Sequence",
     "SequenceStatus",
     "StopCheck",
+    "vocab_ranges",
 ]
 
 LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
@@ -26,6 +27,20 @@ LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 `token_ids` are all of the sequence's tokens so far (prompt and generated); `logits` is a
 1-D tensor over the vocabulary. Return it modified (in place or new), e.g. with `-inf` at
 the tokens forbidden at this position (constrained decoding)."""
+
+
+
+def vocab_ranges(processor: LogitsProcessor | None, token_ids: list[int]) -> list[tuple[int, int]] | None:
+    """Return the id ranges outside which `processor` sets every logit to `-inf`, if it says.
+
+    A processor may define `vocab_ranges(token_ids) -> [(start, end), ...]` (sorted,
+    disjoint, half-open) naming, for the next position, the only ids it can leave finite
+    (constrained decoding allows a few thousand of a large vocabulary). The model then
+    computes logits for those ids only, and the sampler draws among them. None: no promise.
+    """
+    method = getattr(processor, "vocab_ranges", None)
+    return None if method is None else list(method(token_ids))
+
 
 StopCheck = Callable[["Sequence"], bool]
 """Called after each sampled token as `stop_check(sequence) -> bool`; True ends the walk

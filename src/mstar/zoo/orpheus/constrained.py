@@ -56,6 +56,14 @@ class AudioLogitsProcessor:
             )
         return generated % FRAME_SIZE
 
+    def vocab_ranges(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """Return the id ranges this processor leaves finite for the next token (sorted)."""
+        position = self.position(len(token_ids))
+        ranges = [self._audio_ranges[position]]
+        if position == 0:
+            ranges.append((self._eos, self._eos + 1))
+        return sorted(ranges)
+
     def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Set every forbidden logit to ``-inf`` in place and return ``logits``."""
         position = self.position(len(token_ids))
