@@ -28,6 +28,8 @@ CURL_SPEECH = """curl -s http://127.0.0.1:8000/v1/audio/speech \\
 CURL_IMAGE = """curl -s http://127.0.0.1:8000/v1/images/generations \\
   -H "Content-Type: application/json" \\
   -d '{"model": "toy-composite", "prompt": "a lighthouse at dusk"}'"""
+CURL_EDIT = """curl -s http://127.0.0.1:8000/v1/images/edits -F model=toy-composite \\
+  -F image=@photo.png -F prompt="the same lighthouse at night\""""
 CURL_GENERATE = """curl -sN http://127.0.0.1:8000/generate \\
   -H "Content-Type: application/json" \\
   -d '{"task": "speech", "text": "Hello from mstar!"}'"""
@@ -97,6 +99,9 @@ def test_curl_examples(toy_server: RunningServer, llama_server: RunningServer, t
     assert wav_frames(tmp_path / "hello.wav") > 0
     image = json.loads(shell(CURL_IMAGE, toy_server, tmp_path))["data"][0]["b64_json"]
     assert Image.open(io.BytesIO(base64.b64decode(image))).format == "PNG"
+    (tmp_path / "photo.png").write_bytes(base64.b64decode(image))
+    edited = json.loads(shell(CURL_EDIT, toy_server, tmp_path))["data"][0]["b64_json"]
+    assert Image.open(io.BytesIO(base64.b64decode(edited))).format == "PNG"
     lines = [json.loads(line) for line in shell(CURL_GENERATE, toy_server, tmp_path).splitlines()]
     assert any(ln.get("modality") == "audio" for ln in lines) and lines[-1]["finished"]
     events = shell(CURL_CHAT, llama_server, tmp_path, model="tiny-chat").split("\n\n")
