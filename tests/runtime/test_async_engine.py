@@ -205,3 +205,24 @@ async def test_placement_errors_are_clear() -> None:
         await AsyncEngine.start(ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [gpu_vae], ranks: [0]}\n"))
     with pytest.raises(PlacementError, match="has no placement"):
         await AsyncEngine.start(ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [lm], ranks: [0]}\n"))
+
+
+async def test_ranks_in_one_process_share_the_cores_per_step_thread() -> None:
+    """Two ranks in this process: each step thread gets its share; this thread is untouched."""
+    from mstar.runtime.worker_core import WorkerConfig, WorkerCore
+
+    assert EngineConfig().worker_config(0, 1).num_threads is None  # one rank: torch's own setting
+    assert EngineConfig().worker_config(0, 2).num_threads == max(1, (os.cpu_count() or 1) // 2)
+    assert EngineConfig(cpu_threads=3).worker_config(0, 2).num_threads == 3
+    model = ToyModel()
+    graph = model.graph()
+    resolved = Placement.colocated(graph).resolve(graph)
+    before = torch.get_num_threads()
+    core = WorkerCore(0, model, graph, resolved, None, WorkerConfig(num_threads=1))  # type: ignore[arg-type]
+    await core.start()
+    try:
+        assert core._executor is not None
+        assert core._executor.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == before
+    finally:
+        await core.aclose()

@@ -69,9 +69,10 @@ class EngineConfig:
         system: Actor-system settings (heartbeats, arena size).
         watchdog_interval_s: How often worker processes are checked; a dead one fails the
             requests that used it (`WorkerLostError`) and is restarted.
-        cpu_threads: Torch threads of each worker process (default: the machine's cores
-            shared evenly among the worker processes: oversubscribed OpenMP threads spin
-            against each other, and small ops then run many times slower).
+        cpu_threads: Torch threads of each rank's engine steps (default: the machine's
+            cores shared evenly among the ranks, in worker processes or in this one; one
+            rank in this process leaves torch's setting as it is). Oversubscribed OpenMP
+            threads spin against each other, and small ops then run many times slower.
     """
 
     worker_processes: bool = False
@@ -88,9 +89,9 @@ class EngineConfig:
 
     def worker_config(self, rank: int, num_ranks: int = 1) -> WorkerConfig:
         """Return the config of the worker of ``rank`` (one of ``num_ranks``)."""
-        threads = None
-        if self.worker_processes:
-            threads = self.cpu_threads or max(1, (os.cpu_count() or 1) // num_ranks)
+        threads = self.cpu_threads
+        if threads is None and (self.worker_processes or num_ranks > 1):
+            threads = max(1, (os.cpu_count() or 1) // num_ranks)
         return WorkerConfig(
             device=self.devices.get(rank, "cpu"),
             offload_steps=self.offload_steps,
@@ -247,7 +248,7 @@ class AsyncEngine:
         log.info("worker_restarted", rank=rank, pid=proc.pid)
 
     def _worker_factory(self, rank: int, conductor: ActorRef) -> Callable[[], Worker]:
-        config = self.config.worker_config(rank)
+        config = self.config.worker_config(rank, len(self.placement.ranks))
         return lambda: Worker(rank, self.model, self.graph, self.resolved, conductor, self.workers, config)
 
     async def shutdown(self) -> None:

@@ -9,6 +9,7 @@ and reports emissions, stream items and walk completion to the conductor.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -103,8 +104,10 @@ class WorkerConfig:
         offload_steps: Run engine steps on a thread of their own so the event loop never
             blocks on device work (False runs them inline: lowest latency for tiny nodes).
         stateless: Batching limits of stateless engines.
-        num_threads: Torch intra-op threads of this worker's process (None: leave as is).
-            Set only for workers in processes of their own: it is a per-process setting.
+        num_threads: Torch intra-op threads of this worker's engine steps (None: leave as
+            is). Torch keeps the setting per thread: with `offload_steps` it applies to the
+            rank's step thread only, so ranks sharing a process share its cores without
+            oversubscribing them; otherwise to the event loop's thread.
     """
 
     device: str = "cpu"
@@ -172,10 +175,15 @@ class WorkerCore:
 
     async def start(self) -> None:
         """Build this rank's node engines."""
-        if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
+        threads = self.config.num_threads
         if self.config.offload_steps:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"mstar-rank{self.rank}")
+            self._executor = ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"mstar-rank{self.rank}",
+                initializer=None if threads is None else functools.partial(torch.set_num_threads, threads),
+            )
+        elif threads is not None:
+            torch.set_num_threads(threads)
         device = torch.device(self.config.device)
         types = self.model.engine_types()
         for node in self.node_names:
