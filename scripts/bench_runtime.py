@@ -3,7 +3,8 @@
 Each request runs ``--steps`` iterations of ``Sequential([a, b])`` (two no-op nodes) inside a
 `DynamicLoop`. Per-step overhead = request latency / steps (the nodes do no work). Compared,
 in the same run, with the floors of the transport underneath: an asyncio-queue round trip
-(co-located) and a raw ZeroMQ ipc round trip (nodes on two worker processes: every step
+(co-located), and a bare ZeroMQ ipc round trip between two processes, ROUTER to DEALER as
+the workers' links are, on the same event loop (nodes on two worker processes: every step
 crosses between the processes twice, one round trip).
 
     python scripts/bench_runtime.py [--steps 1000] [--concurrency 1 64]
@@ -13,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import multiprocessing
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import zmq
@@ -56,29 +61,50 @@ async def queue_round_trip(n: int = 20_000) -> float:
     return statistics.median(times)
 
 
-async def zmq_round_trip(n: int = 5_000) -> float:
-    """Return the median raw pyzmq ipc PAIR round trip (asyncio sockets), in seconds."""
-    ctx = zmq.asyncio.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    address = f"ipc:///tmp/mstar-bench-{time.monotonic_ns()}"
-    a.bind(address)
-    b.connect(address)
+def _zmq_echo(address: str, n: int, loop: str) -> None:
+    """Child process: connect a DEALER to ``address`` and send back ``n`` messages."""
 
     async def echo() -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        await sock.send(b"ready")
         for _ in range(n):
-            await b.send(await b.recv())
+            await sock.send_multipart(await sock.recv_multipart())
+        sock.close(linger=1000)
+        ctx.term()
 
-    task = asyncio.create_task(echo())
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        await a.send(b"x" * 64)
-        await a.recv()
-        times.append(time.perf_counter() - t)
-    await task
-    a.close(0)
-    b.close(0)
-    ctx.term()
+    run_loop(echo(), loop)
+
+
+async def zmq_round_trip(n: int = 5_000) -> float:
+    """Return the median ZeroMQ ipc round trip between two processes, in seconds.
+
+    What a worker-to-worker hop rides on: a ROUTER here, a DEALER in a spawned process,
+    asyncio sockets on the same event loop as the workers; 64-byte messages.
+    """
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    address = f"ipc://{tempfile.gettempdir()}/mstar-bench-{os.getpid()}-{time.monotonic_ns()}"
+    router.bind(address)
+    child = multiprocessing.get_context("spawn").Process(target=_zmq_echo, args=(address, n, LOOP))
+    child.start()
+    try:
+        identity, _ = await asyncio.wait_for(router.recv_multipart(), 120)  # the child is up
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await router.send_multipart([identity, b"x" * 64])
+            await router.recv_multipart()
+            times.append(time.perf_counter() - t)
+    finally:
+        await asyncio.to_thread(child.join, 30)
+        if child.is_alive():
+            child.kill()
+        router.close(0)
+        ctx.term()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address.removeprefix("ipc://"))
     return statistics.median(times)
 
 
@@ -120,10 +146,13 @@ async def main() -> None:
     global LOOP
     LOOP = args.loop
     print(f"config: steps={args.steps} concurrency={args.concurrency} loop={args.loop}")
+    # Each floor is measured right before the runs it is compared with: on a shared machine
+    # the load drifts within a run.
     q = await queue_round_trip()
-    z = await zmq_round_trip()
-    print(f"floors: asyncio queue round trip {q * 1e6:.1f} us; ZeroMQ ipc round trip {z * 1e6:.1f} us")
+    print(f"floor: asyncio queue round trip {q * 1e6:.1f} us")
     colocated = await measure("co-located", SAME_RANK, False, args.steps, args.concurrency)
+    z = await zmq_round_trip()
+    print(f"floor: ZeroMQ ipc round trip between two processes {z * 1e6:.1f} us")
     across = await measure("two processes", TWO_RANKS, True, args.steps, args.concurrency)
     print()
     print(f"{'setup':>14} {'conc':>5} {'us/step (p50 E2E/steps)':>24} {'us/step/request':>16} {'floor us':>9} {'ratio':>6}")
@@ -137,12 +166,17 @@ async def main() -> None:
     print("targets: co-located <= 50 us per step per request at concurrency 1; two processes <= 2x the ZeroMQ round trip")
 
 
-if __name__ == "__main__":
-    import sys
-
-    if "--loop" in sys.argv and sys.argv[sys.argv.index("--loop") + 1] == "asyncio":
-        asyncio.run(main())
+def run_loop(coro: Coroutine[Any, Any, None], loop: str) -> None:
+    """Run ``coro`` on a fresh event loop of kind ``loop`` ("asyncio" or "uvloop")."""
+    if loop == "asyncio":
+        asyncio.run(coro)
     else:
         import uvloop
 
-        uvloop.run(main())
+        uvloop.run(coro)
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_loop(main(), "asyncio" if "--loop" in sys.argv and sys.argv[sys.argv.index("--loop") + 1] == "asyncio" else "uvloop")
