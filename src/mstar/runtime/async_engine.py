@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 from collections.abc import AsyncIterator, Callable
@@ -65,7 +66,8 @@ class EngineConfig:
         offload_steps: Run engine steps off the event loop (see `WorkerConfig`).
         max_batch_size: Largest batch of a stateless node.
         max_wait_s: How long a short stateless batch waits to fill.
-        loop: Event loop of worker processes, "asyncio" or "uvloop".
+        loop: Event loop of worker processes, "uvloop" (the default where it is installed)
+            or "asyncio".
         system: Actor-system settings (heartbeats, arena size).
         watchdog_interval_s: How often worker processes are checked; a dead one fails the
             requests that used it (`WorkerLostError`) and is restarted.
@@ -80,7 +82,7 @@ class EngineConfig:
     offload_steps: bool = True
     max_batch_size: int = 32
     max_wait_s: float = 0.0
-    loop: str = "asyncio"
+    loop: str = field(default_factory=lambda: "uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
     # A loaded 2-core host can starve an event loop for seconds; a dead process is caught by
     # the watchdog at once, so links may wait longer before giving a peer up.
     system: SystemConfig = field(default_factory=lambda: SystemConfig(heartbeat_timeout_s=20.0))
