@@ -240,9 +240,11 @@ class KVNodeEngine(StepLoop):
             if not self._ops and not self.engine.has_unfinished():
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # Let the walks woken by the last step run (and emit) before the next one: a step
-            # on the event loop itself would otherwise starve them, step after step.
-            await asyncio.sleep(0)
+            if self.executor is None:
+                # Let the walks woken by the last step run (and emit) before the next one: a
+                # step on the event loop itself would otherwise starve them, step after step.
+                # (On the step thread, they run while the next step computes.)
+                await asyncio.sleep(0)
             start = time.perf_counter()
             try:
                 if self.executor is None:
