@@ -13,6 +13,14 @@ For each transport (inproc, ipc, tcp):
 Peers of ipc/tcp runs live in processes started with `spawn`. Targets: ask within 2x of the
 floor (inproc) and 1.5x (ZeroMQ), p50; shared-memory handoff at least 10 GB/s.
 
+The ask round trip is also measured on the `mstar.bench` harness, once per transport: each
+harness request is a burst of `--burst` round trips (so the harness's own bookkeeping per
+request is negligible), the primary target `mstar` sends them as `ActorRef.ask`, the baseline
+`floor` as raw ping-pongs to the same floor peer as above. The harness prints its table and
+ratios and writes JSON and a PNG per transport; the mean round trip inside a burst is the
+burst's E2E / `--burst`. The per-ask p50/p99 (and the targets) come from individually timed
+asks, which a burst cannot give.
+
     .venv/bin/python scripts/bench_transport.py [--loop uvloop] [--quick] [--out DIR]
 """
 
@@ -20,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
+import functools
 import json
 import mmap
 import multiprocessing
@@ -30,7 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,16 @@ import zmq.asyncio
 
 from mstar.actors import Actor, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess
+from mstar.bench import (
+    BenchRequest,
+    BenchResult,
+    ClosedLoop,
+    make_requests,
+    plot_png,
+    print_table,
+    run_benchmark,
+    write_json,
+)
 from mstar.messages import Ack, Ping, Pong, TensorBundle
 
 TENSOR_BYTES = 16 << 20
@@ -173,8 +193,9 @@ async def time_calls(call: Callable[[], Awaitable[Any]], n: int, warmup: int) ->
     return samples
 
 
-async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
-    """Bare asyncio-queue ping-pong between two tasks, and one-way queue throughput."""
+@contextlib.asynccontextmanager
+async def queue_echo() -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Run a task echoing an asyncio queue into another; yield one ping-pong with it."""
     to_peer: asyncio.Queue[Any] = asyncio.Queue()
     back: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -191,9 +212,41 @@ async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
         to_peer.put_nowait(1)
         await back.get()
 
-    samples = await time_calls(ping, n, warmup)
-    to_peer.put_nowait(None)
-    await task
+    try:
+        yield ping
+    finally:
+        to_peer.put_nowait(None)
+        await task
+
+
+@contextlib.contextmanager
+def zmq_dealer(endpoint: str) -> Any:
+    """Yield a zmq.asyncio DEALER connected to a raw peer's ROUTER; close it on exit."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+
+
+def zmq_ping(sock: Any) -> Callable[[], Awaitable[None]]:
+    """Return one raw round trip of a small message through `sock` to the echoing peer."""
+
+    async def ping() -> None:
+        await sock.send_multipart([b"p", SMALL_PAYLOAD])
+        await sock.recv_multipart(copy=False)
+
+    return ping
+
+
+async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
+    """Bare asyncio-queue ping-pong between two tasks, and one-way queue throughput."""
+    async with queue_echo() as ping:
+        samples = await time_calls(ping, n, warmup)
 
     counted = asyncio.Event()
     sink: asyncio.Queue[Any] = asyncio.Queue()
@@ -218,18 +271,12 @@ async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
 
 async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[str, Any]:
     """Bare zmq.asyncio DEALER ping-pong, one-way throughput and 16 MiB sends to a raw peer."""
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(endpoint)
+    with zmq_dealer(endpoint) as sock:
+        return await _zmq_floor_runs(sock, n, warmup, n_tensors)
 
-    async def ping() -> None:
-        await sock.send_multipart([b"p", SMALL_PAYLOAD])
-        await sock.recv_multipart(copy=False)
 
-    samples = await time_calls(ping, n, warmup)
+async def _zmq_floor_runs(sock: Any, n: int, warmup: int, n_tensors: int) -> dict[str, Any]:
+    samples = await time_calls(zmq_ping(sock), n, warmup)
     total = n * 4
     t0 = time.perf_counter()
     for _ in range(total):
@@ -254,7 +301,6 @@ async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[
             await sock.recv_multipart()
 
     window_samples = await time_calls(send_window, max(2, n_tensors // PIPELINE_DEPTH), 1)
-    sock.close(linger=0)
     return {"rtt": samples, "rate": rate, "tensor": tensor_samples, "window": window_samples}
 
 
@@ -335,6 +381,67 @@ async def mstar_runs(
     return {"rtt": samples, "rate": rate, "tensor": tensor_samples, "window": window_samples}
 
 
+def burst(call: Callable[[], Awaitable[Any]], k: int) -> Callable[[BenchRequest], AsyncIterator[Any]]:
+    """Return a harness target whose every request is `k` calls of `call` in a row.
+
+    A burst streams nothing back: its E2E is the time of the `k` round trips.
+    """
+
+    async def run(request: BenchRequest) -> AsyncIterator[Any]:
+        for _ in range(k):
+            await call()
+        return
+        yield  # an async generator that yields nothing
+
+    return run
+
+
+async def burst_run(
+    scheme: str,
+    ask: Callable[[], Awaitable[Any]],
+    floor: Callable[[], Awaitable[Any]],
+    floor_label: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Time bursts of asks and of raw floor round trips on the harness; report and save them.
+
+    Returns the mean round trip inside a burst (p50 and p99 over the bursts) of both targets,
+    and their ratio mstar / floor.
+    """
+    k = args.burst
+    result = await run_benchmark(
+        {"mstar": burst(ask, k), "floor": burst(floor, k)},
+        make_requests([f"{k} small-message round trips"]),
+        ClosedLoop((1,), num_requests=args.bursts, warmup=1),
+        name=f"transport {scheme}: ActorRef.ask vs {floor_label}, {k} round trips per request",
+        progress=False,
+        config={
+            "transport": scheme,
+            "round_trips_per_request": k,
+            "floor": floor_label,
+            "loop": args.loop,
+            "payload_bytes": len(SMALL_PAYLOAD),
+        },
+    )
+    print_table(result)
+    write_json(result, args.out / f"transport_{scheme}.json")
+    plot_png(result, args.out / f"transport_{scheme}.png")
+    return per_round_trip(result, k)
+
+
+def per_round_trip(result: BenchResult, k: int) -> dict[str, Any]:
+    """Derive the mean round trip inside a burst from the harness's E2E, per target."""
+    point = result.load_points[0]
+    out: dict[str, Any] = {"round_trips_per_burst": k}
+    for target in result.targets:
+        summary = result.result(target, point).summary
+        if summary.e2e_s is None or summary.num_failed:
+            raise RuntimeError(f"{result.name}: {target} bursts failed")
+        out[target] = {"p50_us": summary.e2e_s.p50 / k * 1e6, "p99_us": summary.e2e_s.p99 / k * 1e6}
+    out["ratio_p50"] = out["mstar"]["p50_us"] / out["floor"]["p50_us"]
+    return out
+
+
 def gbps(samples_ns: list[int]) -> float:
     """Median handoff throughput in GB/s (bytes per ns)."""
     return TENSOR_BYTES / statistics.median(samples_ns)
@@ -366,7 +473,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await setup_peer(server)
         await client.connect(address)
         ours = await mstar_runs(client, address, n, warmup, n_tensors)
+        ask = functools.partial(client.ref("echo", address).ask, Ping(1, SMALL_PAYLOAD))
+        async with queue_echo() as floor_ping:
+            bursts = await burst_run("inproc", ask, floor_ping, "asyncio.Queue ping-pong", args)
     results["inproc"] = {
+        "bursts": bursts,
         "floor": {**percentiles(floor_rtt), "msgs_per_s": floor_rate},
         "mstar": {**percentiles(ours["rtt"]), "msgs_per_s": ours["rate"]},
         "handoff_gbps": {"by reference": gbps(ours["tensor"])},
@@ -397,10 +508,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with ActorSystem(config) as client:
                 await client.connect(shm_eps[scheme])
                 ours = await mstar_runs(client, shm_eps[scheme], n, warmup, n_tensors)
+                ask = functools.partial(client.ref("echo", shm_eps[scheme]).ask, Ping(1, SMALL_PAYLOAD))
+                with zmq_dealer(raw_endpoints[args.loop][scheme]) as sock:
+                    bursts = await burst_run(
+                        scheme, ask, zmq_ping(sock), f"pyzmq {args.loop} ping-pong", args
+                    )
             async with ActorSystem(frames_config) as client:
                 await client.connect(frames_eps[scheme])
                 framed = await mstar_runs(client, frames_eps[scheme], max(n // 5, 100), warmup, n_tensors)
             results[scheme] = {
+                "bursts": bursts,
                 "floor": {**percentiles(floor["rtt"]), "msgs_per_s": floor["rate"]},
                 "blocking_floor": percentiles(blocking),
                 "mstar": {**percentiles(ours["rtt"]), "msgs_per_s": ours["rate"]},
@@ -463,6 +580,15 @@ def report(results: dict[str, Any], loop: str) -> list[str]:
         if not ok:
             failures.append(f"{name} ask p50 ratio {p50:.2f}x > {target}x")
     print()
+    print("mean round trip inside a burst, from the harness runs above: E2E / round trips per burst,")
+    print("p50 and p99 over the bursts (the harness ratio above is its inverse):")
+    print(f"  {'transport':<10}{'':<22}{'p50 us':>9}{'p99 us':>9}")
+    for name, r in results.items():
+        b = r["bursts"]
+        for label in ("floor", "mstar"):
+            print(f"  {name:<10}{label:<22}{b[label]['p50_us']:>9.1f}{b[label]['p99_us']:>9.1f}")
+        print(f"  {name:<10}{'ratio mstar/floor':<22}{b['ratio_p50']:>8.2f}x   (bursts of {b['round_trips_per_burst']})")
+    print()
     print("16 MiB tensor handoff, GB/s (median). One at a time: an ask carrying the tensor,")
     print(f"acknowledged by the receiver. Pipelined: {PIPELINE_DEPTH} such asks in flight (the target's figure).")
     for name, r in results.items():
@@ -523,12 +649,14 @@ def main() -> int:
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--n", type=int, default=5000, help="round trips per measurement")
     parser.add_argument("--tensors", type=int, default=30, help="16 MiB handoffs per measurement")
+    parser.add_argument("--burst", type=int, default=500, help="round trips per harness request")
+    parser.add_argument("--bursts", type=int, default=10, help="measured harness requests per target")
     parser.add_argument("--arena-mib", type=int, default=128, help="shared arena size")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/transport"), help="output folder")
     args = parser.parse_args()
     if args.quick:
-        args.n, args.tensors = 500, 8
+        args.n, args.tensors, args.burst, args.bursts = 500, 8, 100, 5
     print("bench_transport configuration:")
     print(f"  python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
           f"libzmq {zmq.zmq_version()}, loop {args.loop}")
@@ -537,6 +665,10 @@ def main() -> int:
     print(f"  small message: Ping with a {len(SMALL_PAYLOAD)}-byte payload; {args.n} round trips "
           f"(+{args.n // 10} warm-up), {args.n * 4} one-way messages")
     print(f"  tensor: {TENSOR_BYTES >> 20} MiB float32, {args.tensors} handoffs; arena {args.arena_mib} MiB")
+    print(f"  harness: {args.bursts} bursts (+1 warm-up) of {args.burst} round trips per target and transport")
+    if args.n < 1 or args.tensors < 1 or args.burst < 1 or args.bursts < 1:
+        parser.error("--n, --tensors, --burst and --bursts must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.loop == "uvloop":
         import uvloop
 
@@ -544,10 +676,10 @@ def main() -> int:
     else:
         results = asyncio.run(run(args))
     failures = report(results, args.loop)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "transport.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
     plot(results, args.out / "transport.png")
-    print(f"\nwrote {args.out / 'transport.json'} and {args.out / 'transport.png'}")
+    print(f"\nwrote {args.out / 'transport.json'}, {args.out / 'transport.png'} and the harness's "
+          f"transport_{{inproc,ipc,tcp}}.json/.png")
     if failures:
         print("targets missed: " + "; ".join(failures))
     return 0
