@@ -13,6 +13,8 @@ loop never blocks on device work and never races the step in flight.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Executor
@@ -102,7 +104,8 @@ class KVNodeEngine(StepLoop):
         self.step_seconds = 0.0
         self.walk_times = WalkStepTimes()  # per walk: the steps its sequences ran in
         self._walks: dict[str, _Walk] = {}
-        self._ops: list[tuple[str, Callable[[], object]]] = []  # engine calls before the next step
+        # Engine calls to apply before the next step (appended on the loop, run on the step thread).
+        self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
 
     def _fail_pending(self, error: EngineClosedError) -> None:
         for walk in self._walks.values():
@@ -219,9 +222,9 @@ class KVNodeEngine(StepLoop):
         Returns failed engine calls, and per request the new tokens and, when its walk
         ended, the sequence's whole history.
         """
-        ops, self._ops = self._ops, []
         failed: list[tuple[str, BaseException]] = []
-        for request_id, op in ops:
+        while self._ops:  # a deque: the event loop appends while the step thread pops
+            request_id, op = self._ops.popleft()
             try:
                 op()
             except Exception as exc:  # a bad request fails alone
@@ -240,31 +243,69 @@ class KVNodeEngine(StepLoop):
             if not self._ops and not self.engine.has_unfinished():
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self.executor is None:
-                # Let the walks woken by the last step run (and emit) before the next one: a
-                # step on the event loop itself would otherwise starve them, step after step.
-                # (On the step thread, they run while the next step computes.)
-                await asyncio.sleep(0)
+            if self.executor is not None:
+                await loop.run_in_executor(self.executor, self._steps, loop)
+                continue
+            # Let the walks woken by the last step run (and emit) before the next one: a step
+            # on the event loop itself would otherwise starve them, step after step.
+            await asyncio.sleep(0)
             start = time.perf_counter()
             try:
-                if self.executor is None:
-                    failed, results = self._step()
-                else:
-                    failed, results = await loop.run_in_executor(self.executor, self._step)
-            except Exception as step_error:  # the model itself failed: every walk in the step fails
-                for w in list(self._walks.values()):
-                    w.queue.put_nowait(step_error)
+                failed, results = self._step()
+            except Exception as step_error:
+                self._fail_step(step_error)
                 continue
-            seconds = time.perf_counter() - start
-            self.num_steps += 1
-            self.num_batched += len(results)
-            self.step_seconds += seconds
-            self.walk_times.record(seconds, [self._walks[r[0]].name for r in results if r[0] in self._walks])
-            for request_id, error in failed:
-                if (walk := self._walks.get(request_id)) is not None:
-                    walk.queue.put_nowait(error)
-            for request_id, tokens, history in results:
-                if (walk := self._walks.get(request_id)) is None:
-                    continue
-                for i, token in enumerate(tokens):
-                    walk.queue.put_nowait((token, history if i == len(tokens) - 1 else None))
+            self._deliver(time.perf_counter() - start, failed, results)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run steps back to back on the step thread; hand each one's results to the loop.
+
+        The next step starts as soon as the last one ends, without a round trip through the
+        event loop (which would cost about a millisecond per step while the loop streams
+        the last step's tokens). It yields the thread when the engine runs dry, when the
+        engine closes, or when another engine of this rank has work queued on the thread.
+        """
+        while True:
+            start = time.perf_counter()
+            try:
+                failed, results = self._step()
+            except Exception as step_error:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._fail_step, step_error)
+                return
+            try:
+                loop.call_soon_threadsafe(self._deliver, time.perf_counter() - start, failed, results)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for these tokens
+                return
+            if self._closed or self._thread_wanted() or not (self._ops or self.engine.has_unfinished()):
+                return
+
+    def _thread_wanted(self) -> bool:
+        """Whether other work waits for the step thread (always assumed when it can't be told)."""
+        queue = getattr(self.executor, "_work_queue", None)
+        return queue is None or not queue.empty()
+
+    def _fail_step(self, error: Exception) -> None:
+        """The model itself failed: every walk in the step fails."""
+        for w in list(self._walks.values()):
+            w.queue.put_nowait(error)
+
+    def _deliver(
+        self,
+        seconds: float,
+        failed: list[tuple[str, BaseException]],
+        results: list[tuple[str, list[int], list[int] | None]],
+    ) -> None:
+        """Count a step and hand its tokens (or errors) to the walks that wait for them."""
+        self.num_steps += 1
+        self.num_batched += len(results)
+        self.step_seconds += seconds
+        self.walk_times.record(seconds, [self._walks[r[0]].name for r in results if r[0] in self._walks])
+        for request_id, error in failed:
+            if (walk := self._walks.get(request_id)) is not None:
+                walk.queue.put_nowait(error)
+        for request_id, tokens, history in results:
+            if (walk := self._walks.get(request_id)) is None:
+                continue
+            for i, token in enumerate(tokens):
+                walk.queue.put_nowait((token, history if i == len(tokens) - 1 else None))
