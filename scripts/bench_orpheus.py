@@ -97,9 +97,11 @@ TARGETS = {"audio_s_per_s": 2.0, "ttfa_p50": 0.2, "floor_efficiency": 0.85}
 baseline's, and mstar audio s/s >= 85 % of the floor's."""
 
 PLACEMENTS = {
-    "one-rank": None,  # everything on rank 0: LLM steps and codec calls share one step thread
+    # Everything on rank 0 (the default): LLM steps and codec calls share one step thread
+    # and all the cores; the LLM engine steps back to back and yields the thread to codec work.
+    "one-rank": None,
     # LLM on rank 0, codec on rank 1, both in this process: two step threads, each with its
-    # share of the cores, so decode steps and codec windows overlap (the default).
+    # share of the cores, so decode steps and codec windows overlap.
     "two-ranks": "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: [snac_decoder], ranks: [1]}\n",
 }
 
@@ -118,7 +120,7 @@ class Settings:
     top_p: float = 0.8
     repetition_penalty: float = 1.3
     codec_batch_size: int = 4
-    placement: str = "two-ranks"
+    placement: str = "one-rank"
     threads: int = 0
     seed: int = 0
     out: str = "results/bench_orpheus"
@@ -1041,7 +1043,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         default=4,
         help="most windows per codec call (mstar and floor)",
     )
-    p.add_argument("--placement", choices=sorted(PLACEMENTS), default="two-ranks")
+    p.add_argument("--placement", choices=sorted(PLACEMENTS), default="one-rank")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.8)
