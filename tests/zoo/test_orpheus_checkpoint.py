@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,7 @@ from mstar.zoo.orpheus import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # SNAC runs hundreds of small ops per window: on a busy 2-core machine two OpenMP threads
-    # wait on each other at every op (5-20x slower), one thread does not.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

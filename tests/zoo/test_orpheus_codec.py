@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,7 @@ from mstar.zoo.orpheus import SnacCodec, SnacConfig, frames_to_codes, load_snac
 
 TINY = SnacConfig(encoder_dim=4, decoder_dim=64)
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # SNAC runs hundreds of small ops per window: on a busy 2-core machine two OpenMP threads
-    # wait on each other at every op (5-20x slower), one thread does not.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

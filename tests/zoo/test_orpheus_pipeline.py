@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import wave
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,7 @@ from mstar.zoo.orpheus import (
     write_wav,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Small ops on a busy 2-core machine: one thread avoids OpenMP threads waiting on each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -29,14 +27,7 @@ from mstar.zoo.orpheus import (
 LAYOUT = TokenLayout(tokeniser_length=1024, codebook_size=4096)
 SPF = 2048
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # SNAC runs hundreds of small ops per window: on a busy 2-core machine two OpenMP threads
-    # wait on each other at every op (5-20x slower), one thread does not.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

@@ -4,7 +4,6 @@ re-statement, the native rollout, checkpoints and request inputs."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,7 @@ from mstar.zoo.vjepa2.rope import apply_rope, axis_angles
 CFG = get_vjepa2_config("vjepa2-tiny")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and lose much on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

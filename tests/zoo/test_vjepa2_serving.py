@@ -4,7 +4,6 @@ the in-process CEM, requests batch across horizons, and nothing is left behind."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,7 @@ CFG = get_vjepa2_config("vjepa2-tiny")
 N, D = CFG.predictor.num_patches, CFG.predictor.embed_dim
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and lose much on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""Fixtures shared across the test packages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run a module's tests with one torch intra-op thread, then restore the setting.
+
+    Models of many small ops (SNAC windows, tiny predictors) gain nothing from intra-op
+    threads, and on a busy 2-core machine two OpenMP threads wait on each other at every
+    op (5-20x slower). Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
