@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.base import AttentionMetadata, write_kv
 from mstar.engines.paged_model import PagedKVContext, PagedModel
 
 __all__ = ["CudaGraphDecodeRunner", "batch_size_buckets"]
@@ -60,12 +60,8 @@ class _StaticDecodeAttention:
     ) -> torch.Tensor:
         """Write K/V of the bucket's tokens and attend over the gathered keys."""
         bs = self.batch_size
-        k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, self.slot_mapping[:bs], k)
-        v_flat.index_copy_(0, self.slot_mapping[:bs], v)
+        k_flat, v_flat = write_kv(kv_cache, self.slot_mapping[:bs], k, v)
+        num_kv_heads, head_dim = k_flat.shape[-2], k_flat.shape[-1]
         max_len = self.gather.shape[1]
         index = self.gather[:bs].reshape(-1)
         ks = k_flat.index_select(0, index).view(bs, max_len, num_kv_heads, head_dim)

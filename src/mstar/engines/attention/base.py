@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-__all__ = ["AttentionBackend", "AttentionMetadata"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "write_kv"]
 
 
 @dataclass(slots=True)
@@ -93,3 +93,24 @@ class AttentionBackend(Protocol):
             `[num_tokens, num_heads, head_dim]`.
         """
         ...
+
+
+def write_kv(
+    kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a step's keys and values into their cache slots; return the flat cache views.
+
+    Args:
+        kv_cache: One layer's `(k_cache, v_cache)`, `[blocks, block_size, kv_heads, head_dim]`.
+        slots: `[tokens]` flat slot of each token (`block * block_size + offset`).
+        k: `[tokens, kv_heads, head_dim]`; `v` likewise.
+
+    Returns:
+        The caches viewed as `[slots, kv_heads, head_dim]`.
+    """
+    k_cache, v_cache = kv_cache
+    k_flat = k_cache.view(-1, *k_cache.shape[-2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[-2:])
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v)
+    return k_flat, v_flat

@@ -23,7 +23,7 @@ import flashinfer
 import numpy as np
 import torch
 
-from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.base import AttentionMetadata, write_kv
 
 __all__ = ["FlashInferAttention"]
 
@@ -115,9 +115,7 @@ class FlashInferAttention:
         """Write the step's K/V into the cache and attend (see `AttentionBackend`)."""
         assert self._slot_mapping is not None, "plan() must run before forward()"
         k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self._slot_mapping, v)
+        write_kv(kv_cache, self._slot_mapping, k, v)
         q = q.contiguous()  # callers may pass a view of a fused projection
         if self._wrapper is None:
             self._plan_kernels(q, k_cache, scale)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.base import AttentionMetadata, write_kv
 
 __all__ = ["TorchPagedAttention"]
 
@@ -188,12 +188,8 @@ class TorchPagedAttention:
         """Write the step's K/V into the cache and attend (see `AttentionBackend`)."""
         assert self._slot_mapping is not None, "plan() must run before forward()"
         k_cache, v_cache = kv_cache
-        num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, self._slot_mapping, k)
-        v_flat.index_copy_(0, self._slot_mapping, v)
-        gqa = q.shape[1] != num_kv_heads
+        k_flat, v_flat = write_kv(kv_cache, self._slot_mapping, k, v)
+        gqa = q.shape[1] != k_cache.shape[-2]
         if self._all_decode:
             return self._decode(q, k, v, k_cache, v_cache, scale)
         out = torch.empty_like(q)
