@@ -201,8 +201,7 @@ class TransformersBatches:
             self.draining = False
 
     def _run(self, batch: list[_Waiting], streamer: _Streamer) -> None:
-        lengths = {len(w.prompt) for w in batch} | {-w.new_tokens for w in batch}
-        if len(lengths) != 2:
+        if len({len(w.prompt) for w in batch}) != 1 or len({w.new_tokens for w in batch}) != 1:
             raise ValueError("a batch needs equal prompt lengths and output lengths")
         ids = torch.tensor([w.prompt for w in batch], device=self.device)
         n = batch[0].new_tokens
