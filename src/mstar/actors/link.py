@@ -155,7 +155,13 @@ class PeerLink:
         return "an unidentified peer"
 
     def send(self, envelope: Envelope) -> None:
-        """Send an envelope (see `Channel.send` for errors)."""
+        """Send an envelope (see `Channel.send` for errors).
+
+        Arena releases queued on this thread go first, so that the peer has its slots back
+        before it reads anything sent after the tensors were dropped.
+        """
+        if self._releases and threading.get_ident() == self._loop_thread:
+            self._flush_releases()
         self.channel.send(envelope)
         self.last_send = time.monotonic()
 
@@ -260,7 +266,8 @@ class PeerLink:
             offsets.append(self._releases.popleft())
         if offsets and not self.is_closed:
             with contextlib.suppress(TransportClosedError):
-                self.send(ArenaRelease(offsets))
+                self.channel.send(ArenaRelease(offsets))
+                self.last_send = time.monotonic()
 
     # ------------------------------------------------------------------------------ close
 
