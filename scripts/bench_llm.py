@@ -52,6 +52,7 @@ from mstar.bench import (
     write_json,
 )
 from mstar.runtime import AsyncEngine, EngineConfig, Output, Request
+from mstar.server.encoding import token_ids
 from mstar.zoo.hf_checkpoint import save_state_dict
 from mstar.zoo.llm import TextLLM
 
@@ -215,7 +216,7 @@ class TransformersBatches:
 
 def _token_event(out: Any) -> Iterable[OutputEvent]:
     if isinstance(out, Output):
-        return [OutputEvent("text", num_tokens=int(out.data.numel()))] if out.name == "tokens" else []
+        return [OutputEvent("text", num_tokens=len(token_ids(out.data)))] if out.name == "tokens" else []
     return [OutputEvent("text", num_tokens=1)]
 
 

@@ -67,7 +67,7 @@ class Cluster:
             def stream(self, node: str, edge: StreamingGraphEdge, value: Any) -> None:
                 cluster.streamed[(edge.dst, edge.name)].append(value)
 
-            def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> None:
+            def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None, sink: Any) -> None:
                 return None  # these nodes have no native loop: fire per iteration
 
         return Ports()

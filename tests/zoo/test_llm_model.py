@@ -50,7 +50,7 @@ async def test_greedy_tokens_match_transformers(tiny_llama_dir: Path) -> None:
         engine = d.workers[0].engines["llm"]
         await asyncio.sleep(0)
     for prompt, outputs in zip(prompts, results, strict=True):
-        got = [int(o.data[0]) for o in outputs]
+        got = [int(o.data) for o in outputs]
         assert got == hf_greedy(tiny_llama_dir, prompt, 24, eos=None)
         assert {(o.walk, o.modality) for o in outputs} == {("prefill", "text"), ("decode", "text")}
     assert engine.num_requests == 0  # every sequence's blocks were released
@@ -68,9 +68,9 @@ async def test_stop_token_ends_the_request(tiny_llama_dir: Path) -> None:
         first = await d.run(
             Request("generate", {"prompt_token_ids": [*prompt, *free[:at]], "max_tokens": 30, "temperature": 0.0})
         )
-    assert [int(o.data[0]) for o in outputs] == free[: at + 1]
+    assert [int(o.data) for o in outputs] == free[: at + 1]
     # a prompt whose first sampled token is the stop token: decode never runs
-    assert [int(o.data[0]) for o in first] == [stop]
+    assert [int(o.data) for o in first] == [stop]
 
 
 async def test_bad_requests_fail_with_clear_errors(tiny_llama_dir: Path) -> None:
@@ -103,7 +103,7 @@ async def test_prefill_and_decode_on_different_ranks(tiny_llama_dir: Path) -> No
         for prompt in prompts:
             data = {"prompt_token_ids": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0.0}
             outputs = await engine.run(Request("generate", data))
-            assert [int(o.data[0]) for o in outputs] == hf_greedy(tiny_llama_dir, prompt, 20, eos=None)
+            assert [int(o.data) for o in outputs] == hf_greedy(tiny_llama_dir, prompt, 20, eos=None)
             assert [o.walk for o in outputs] == ["prefill"] + ["decode"] * 19
         # the decode rank rebuilt the cache from the persisted history; both ranks released it
         await wait_until_idle(engine)
@@ -125,7 +125,7 @@ async def test_smollm2_answers_through_async_engine() -> None:
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     async with await AsyncEngine.start(model) as engine:
         outputs = await engine.run(Request("generate", {"messages": messages, "max_tokens": 24, "temperature": 0.0}))
-    text = model.detokenize([int(o.data[0]) for o in outputs])  # type: ignore[attr-defined]
+    text = model.detokenize([int(o.data) for o in outputs])  # type: ignore[attr-defined]
     assert "Paris" in text, text
 
 
@@ -139,6 +139,6 @@ async def test_steps_on_the_event_loop_let_walks_emit(tiny_llama_dir: Path) -> N
         request = {"prompt_token_ids": [1, 5, 9], "max_tokens": 80, "ignore_eos": True, "temperature": 0.0}
         runs = [engine.run(Request("generate", dict(request))) for _ in range(16)]
         results = await asyncio.gather(*runs)
-    first = [int(o.data[0]) for o in results[0]]
+    first = [int(o.data) for o in results[0]]
     assert len(first) == 80
-    assert all([int(o.data[0]) for o in outputs] == first for outputs in results)
+    assert all([int(o.data) for o in outputs] == first for outputs in results)

@@ -84,7 +84,10 @@ class KVNode(Protocol):
 
 @dataclass
 class _Walk:
-    queue: asyncio.Queue[tuple[int, list[int] | None] | BaseException]
+    """A walk running here: its sink gets each step's outputs; `done` ends it."""
+
+    sink: Callable[[Mapping[str, Any]], None]
+    done: asyncio.Future[None]
     name: str
 
 
@@ -109,7 +112,7 @@ class KVNodeEngine(StepLoop):
 
     def _fail_pending(self, error: EngineClosedError) -> None:
         for walk in self._walks.values():
-            walk.queue.put_nowait(error)
+            _end(walk, error)
         self._walks.clear()
 
     def stats(self) -> dict[str, float]:
@@ -135,7 +138,8 @@ class KVNodeEngine(StepLoop):
 
     async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
         """Fire the node once for a request (one sampled token)."""
-        outputs = [out async for out in self.loop(request_id, inputs, 1, walk)]
+        outputs: list[Mapping[str, Any]] = []
+        await self.run(request_id, inputs, 1, outputs.append, walk)
         return outputs[-1]
 
     async def loop(
@@ -143,7 +147,32 @@ class KVNodeEngine(StepLoop):
     ) -> AsyncIterator[Mapping[str, Any]]:
         """Run up to ``max_steps`` decode steps for a request; yield each step's outputs.
 
-        ``walk`` names the walk this runs for (step times are kept per walk).
+        The iterator form of `run` (each output passes through a queue).
+        """
+        queue: asyncio.Queue[Mapping[str, Any] | None] = asyncio.Queue()
+        task = asyncio.ensure_future(self.run(request_id, inputs, max_steps, queue.put_nowait, walk))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (out := await queue.get()) is not None:
+                yield out
+            await task  # raises the walk's error, if any
+        finally:
+            task.cancel()
+
+    async def run(
+        self,
+        request_id: str,
+        inputs: Mapping[str, Any],
+        max_steps: int | None,
+        sink: Callable[[Mapping[str, Any]], None],
+        walk: str = "",
+    ) -> None:
+        """Run up to ``max_steps`` decode steps for a request, calling ``sink`` with each step's outputs.
+
+        ``sink`` runs on the event loop, synchronously while the step's tokens are handed
+        out: a step's outputs reach every walk in one pass, with no task switch per token.
+        An exception from ``sink`` ends this walk with it. ``walk`` names the walk this runs
+        for (step times are kept per walk).
 
         Raises:
             EngineClosedError: The engine closed.
@@ -160,7 +189,7 @@ class KVNodeEngine(StepLoop):
         params = turn.sampling_params
         if max_steps is not None:
             params = replace(params, max_tokens=min(params.max_tokens, max_steps))
-        running = _Walk(asyncio.Queue(), walk)
+        running = _Walk(sink, asyncio.get_running_loop().create_future(), walk)
         self._walks[request_id] = running
         if is_first:
             self._ops.append(
@@ -187,22 +216,18 @@ class KVNodeEngine(StepLoop):
             )
         self._wakeup.set()
         try:
-            while True:
-                item = await running.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                token, history = item
-                yield self.kv_node.outputs(request_id, token, history)
-                if history is not None:
-                    break
+            await running.done
         finally:
-            self._walks.pop(request_id, None)
+            if self._walks.get(request_id) is running:
+                del self._walks[request_id]
+            elif running.done.done() and not running.done.cancelled():
+                running.done.exception()  # ended as this task was cancelled: nobody else reads it
 
     def release(self, request_id: str) -> None:
         """Drop a request's cache and any walk it runs here (partition done, or aborted)."""
         walk = self._walks.pop(request_id, None)
         if walk is not None:
-            walk.queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
+            _end(walk, RequestAbortedError(f"request {request_id!r} was aborted"))
         self._ops.append((request_id, lambda: self.engine.abort(request_id)))
         self._wakeup.set()
 
@@ -287,8 +312,9 @@ class KVNodeEngine(StepLoop):
 
     def _fail_step(self, error: Exception) -> None:
         """The model itself failed: every walk in the step fails."""
-        for w in list(self._walks.values()):
-            w.queue.put_nowait(error)
+        for request_id, walk in list(self._walks.items()):
+            del self._walks[request_id]
+            _end(walk, error)
 
     def _deliver(
         self,
@@ -301,11 +327,31 @@ class KVNodeEngine(StepLoop):
         self.num_batched += len(results)
         self.step_seconds += seconds
         self.walk_times.record(seconds, [self._walks[r[0]].name for r in results if r[0] in self._walks])
+        walks = self._walks
         for request_id, error in failed:
-            if (walk := self._walks.get(request_id)) is not None:
-                walk.queue.put_nowait(error)
+            if (walk := walks.pop(request_id, None)) is not None:
+                _end(walk, error)
+        outputs = self.kv_node.outputs
         for request_id, tokens, history in results:
-            if (walk := self._walks.get(request_id)) is None:
+            if (walk := walks.get(request_id)) is None:
+                continue  # released meanwhile, or its walk failed
+            last = len(tokens) - 1
+            try:
+                for i, token in enumerate(tokens):
+                    walk.sink(outputs(request_id, token, history if i == last else None))
+            except Exception as exc:  # the walk's own failure: it ends alone
+                del walks[request_id]
+                _end(walk, exc)
                 continue
-            for i, token in enumerate(tokens):
-                walk.queue.put_nowait((token, history if i == len(tokens) - 1 else None))
+            if history is not None:
+                del walks[request_id]
+                _end(walk, None)
+
+
+def _end(walk: _Walk, error: BaseException | None) -> None:
+    """Finish a walk (with ``error``, or cleanly); nothing happens if it already ended."""
+    if not walk.done.done():
+        if error is None:
+            walk.done.set_result(None)
+        else:
+            walk.done.set_exception(error)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,11 +68,18 @@ class WalkPorts(Protocol):
         """Append one item to a stream into another partition (via the conductor)."""
         ...
 
-    def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> AsyncIterator[Mapping[str, Any]] | None:
-        """Run a `DynamicLoop` over a local node natively, yielding each step's outputs.
+    def loop(
+        self,
+        node: str,
+        inputs: Mapping[str, Any],
+        max_iters: int | None,
+        sink: Callable[[Mapping[str, Any]], None],
+    ) -> Awaitable[None] | None:
+        """Run a `DynamicLoop` over a local node natively, calling ``sink`` with each step's outputs.
 
-        Return None when the node's engine has no native loop (the runner then fires the
-        node once per iteration).
+        The awaitable ends with the loop (raising what ended it: the node's failure, or an
+        exception ``sink`` raised). Return None when the node's engine has no native loop
+        (the runner then fires the node once per iteration).
         """
         ...
 
@@ -217,12 +224,16 @@ class WalkRunner:
         node = loop.body
         if not isinstance(node, GraphNode) or self.node_ranks[node.name] != self.rank:
             return False
-        steps = self.ports.loop(node.name, await self._inputs(node, env), loop.max_iters)
+        steps = self.ports.loop(
+            node.name,
+            await self._inputs(node, env),
+            loop.max_iters,
+            lambda out: self._absorb(node, out, env, accs, stops),
+        )
         if steps is None:
             return False
         try:
-            async for out in steps:
-                self._absorb(node, out, env, accs, stops)
+            await steps
         except WalkExecutionError:
             raise
         except Exception as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -127,10 +127,16 @@ class _Ports:
     def fire(self, node: str, inputs: Mapping[str, Any]) -> Awaitable[Mapping[str, Any]]:
         return self.worker.engines[node].submit(self.request_id, inputs, self.walk)
 
-    def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None) -> AsyncIterator[Mapping[str, Any]] | None:
+    def loop(
+        self,
+        node: str,
+        inputs: Mapping[str, Any],
+        max_iters: int | None,
+        sink: Callable[[Mapping[str, Any]], None],
+    ) -> Awaitable[None] | None:
         engine = self.worker.engines[node]
         if isinstance(engine, KVNodeEngine):
-            return engine.loop(self.request_id, inputs, max_iters, self.walk)
+            return engine.run(self.request_id, inputs, max_iters, sink, self.walk)
         return None
 
     def send(self, rank: int, items: list[tuple[ValueKey, Any]]) -> None:

@@ -14,7 +14,7 @@ from mstar.runtime.model import Output
 from mstar.server.audio import pcm16_bytes
 from mstar.server.images import png_bytes
 
-__all__ = ["error_body", "ndjson", "output_line", "sse"]
+__all__ = ["error_body", "ndjson", "output_line", "sse", "token_ids"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -32,6 +32,15 @@ def sse(obj: Any) -> bytes:
 def ndjson(obj: Any) -> bytes:
     """Return one NDJSON line carrying ``obj``."""
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def token_ids(data: Any) -> list[int]:
+    """Return the token ids of a text output: one id (an int), or a tensor, array or list of them."""
+    if isinstance(data, int):
+        return [data]
+    if isinstance(data, torch.Tensor):
+        return [int(i) for i in data.reshape(-1).tolist()]
+    return [int(i) for i in np.ravel(data)]
 
 
 def _b64(data: bytes) -> str:
@@ -60,8 +69,8 @@ def output_line(
     line: dict[str, Any] = {"modality": out.modality, "name": out.name, "node": out.node, "walk": out.walk}
     data = out.data
     if out.modality == "text":
-        ids = torch.as_tensor(data).reshape(-1).tolist() if isinstance(data, torch.Tensor) else list(np.ravel(data))
-        line.update(token_ids=[int(i) for i in ids], num_tokens=len(ids))
+        ids = token_ids(data)
+        line.update(token_ids=ids, num_tokens=len(ids))
         if text is not None:
             line["text"] = text
         return line

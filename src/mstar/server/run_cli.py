@@ -28,6 +28,7 @@ from mstar.runtime.async_engine import AsyncEngine, EngineConfig
 from mstar.runtime.model import Model, Output, Request
 from mstar.runtime.placement import Placement
 from mstar.server.audio import pcm16_bytes, wav_header
+from mstar.server.encoding import token_ids
 from mstar.server.images import png_bytes
 from mstar.server.logging import configure_logging
 from mstar.server.serve_cli import loading_display
@@ -106,7 +107,7 @@ class _Collected:
 
     def add(self, out: Output) -> None:
         if out.modality == "text":
-            self.token_ids.extend(int(i) for i in torch.as_tensor(out.data).reshape(-1).tolist())
+            self.token_ids.extend(token_ids(out.data))
         elif out.modality == "audio":
             pcm = pcm16_bytes(out.data)
             self.audio.append(pcm)

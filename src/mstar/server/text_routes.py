@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Output, Request
 from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher
-from mstar.server.encoding import SSE_DONE, error_body, sse
+from mstar.server.encoding import SSE_DONE, error_body, sse, token_ids
 from mstar.server.protocol import ChatCompletionRequest, CompletionRequest
 from mstar.server.session import (
     EngineStreamingResponse,
@@ -60,7 +60,7 @@ class TextGeneration:
         """Take one output; return the text it adds (empty for other modalities)."""
         if out.modality != "text" or self.is_stopped:
             return ""
-        ids = [int(i) for i in out.data.reshape(-1).tolist()]
+        ids = token_ids(out.data)
         self.num_tokens += len(ids)
         if ids:
             self.last_token = ids[-1]

@@ -2,8 +2,8 @@
 
 Graph: one KV-cache node ``llm``; walk ``prefill`` fires it once on the prompt (the first
 token), walk ``decode`` is a `DynamicLoop` over it: the engine's decode loop, until a stop
-token or ``max_tokens``. Every sampled token is emitted (modality ``text``) as its id; the
-serving layer detokenizes incrementally. The sequence's token history persists from walk
+token or ``max_tokens``. Every sampled token is emitted (modality ``text``) as its id, an
+int; the serving layer detokenizes incrementally. The sequence's token history persists from walk
 to walk, so ``decode`` may run on another rank than ``prefill`` (its cache is rebuilt there).
 
 Request: ``Request("generate", {"prompt": str} | {"messages": [...]} |
@@ -68,8 +68,8 @@ class LlamaKVNode:
     def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
         """Emit the token; on the walk's last one raise ``stop`` and persist the history."""
         if history is None:
-            return {"tokens": torch.tensor([token_id]), "stop": False}
-        return {"tokens": torch.tensor([token_id]), "stop": True, "history": torch.tensor(history)}
+            return {"tokens": token_id, "stop": False}
+        return {"tokens": token_id, "stop": True, "history": torch.tensor(history)}
 
 
 def history_turn(
