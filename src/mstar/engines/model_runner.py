@@ -84,6 +84,8 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
         """Flatten the scheduled chunks into model inputs and attention metadata."""
+        if out.scheduled and all(item.num_tokens == 1 and not item.seq.mask_segments for item in out.scheduled):
+            return self._prepare_decode(out)
         size = self.block_size
         num_seqs = len(out.scheduled)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -134,6 +136,34 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sample_seqs=sample_seqs,
+        )
+
+    def _prepare_decode(self, out: SchedulerOutput) -> PreparedBatch:
+        """`prepare` for a step of one causal token per sequence (plain decode), in bulk."""
+        size = self.block_size
+        scheduled = out.scheduled
+        seqs = [item.seq for item in scheduled]
+        positions = [item.start for item in scheduled]
+        ids = [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
+        slots = [seq.block_table[p // size] * size + p % size for seq, p in zip(seqs, positions, strict=True)]
+        num_seqs = len(seqs)
+        metadata = AttentionMetadata(
+            num_tokens=num_seqs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            query_start_loc=np.arange(num_seqs + 1, dtype=np.int64),
+            seq_lens=np.array(positions, dtype=np.int64) + 1,
+            block_tables=[seq.block_table for seq in seqs],
+            kv_limits=None,
+            block_size=size,
+            seq_keys=np.fromiter((seq.arrival for seq in seqs), np.int64, num_seqs),
+        )
+        rows = [i for i, item in enumerate(scheduled) if item.samples]
+        return PreparedBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            metadata=metadata,
+            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
+            sample_seqs=[seqs[i] for i in rows],
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

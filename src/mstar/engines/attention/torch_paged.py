@@ -110,56 +110,58 @@ class TorchPagedAttention:
         """Build gather indices and masks for the step."""
         self._slot_mapping = metadata.slot_mapping
         starts = metadata.query_start_loc
-        query_lens = np.diff(starts)
         seq_lens = metadata.seq_lens
         size = metadata.block_size
         limits = metadata.kv_limits
-        decode_ids = [
-            i
-            for i in range(metadata.num_seqs)
-            if query_lens[i] == 1 and (limits is None or limits[starts[i]] == seq_lens[i])
-        ]
+        if metadata.is_decode_only:
+            decode_ids = list(range(metadata.num_seqs))
+        else:
+            query_lens = np.diff(starts)
+            decode_ids = [
+                i
+                for i in range(metadata.num_seqs)
+                if query_lens[i] == 1 and (limits is None or limits[starts[i]] == seq_lens[i])
+            ]
         self._all_decode = len(decode_ids) == metadata.num_tokens
         self._prefills = []
+        self._decode_rows = None
+        self._decode_blocks = None
+        self._decode_mask = None
+        staging = self._staging
         if decode_ids:
             lens = seq_lens[decode_ids]
-            num_blocks = int(-(-lens.max() // size))
-            tables = np.zeros((len(decode_ids), num_blocks), dtype=np.int64)
-            for row, i in enumerate(decode_ids):
-                table = metadata.block_tables[i][:num_blocks]
-                tables[row, : len(table)] = table
-            # Whole blocks are gathered (large rows copy at memory speed); the tail of
-            # each sequence's last block, and shorter sequences' padding, is masked.
-            self._decode_blocks = torch.from_numpy(tables.reshape(-1)).to(self.device)
+            longest = int(lens.max())
+            num_blocks = -(-longest // size)
             max_len = num_blocks * size
-            self._decode_mask = None
-            if not (lens == max_len).all():
-                visible = np.arange(max_len)[None, :] < lens[:, None]
-                additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
-                self._decode_mask = torch.from_numpy(additive[:, None, None, :]).to(self.device)
-            self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(
-                self.device
-            )
             self._decode_shape = (len(decode_ids), max_len)
-        else:
-            self._decode_rows = None
-        if self._staging is not None:
-            if decode_ids and metadata.seq_keys is not None:
-                keys = tuple(int(k) for k in metadata.seq_keys[decode_ids])
-                lens = seq_lens[decode_ids]
-                self._staging.plan(keys, lens, self._decode_shape[1], self.device)
+            if not self._all_decode:
+                self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(self.device)
+            if staging is not None and metadata.seq_keys is not None:
+                keys = tuple(metadata.seq_keys[decode_ids].tolist())
+                staging.plan(keys, lens, max_len, self.device)
                 # Staged keys need no block rounding: equal lengths need no mask at all.
-                longest = int(lens.max())
                 self._staged_len = longest
                 self._staged_mask = None
                 if not (lens == longest).all():
                     visible = np.arange(longest)[None, :] < lens[:, None]
                     additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
-                    self._staged_mask = torch.from_numpy(additive[:, None, None, :]).to(
-                        self.device
-                    )
-            else:
-                self._staging.deactivate()  # and break the append chain
+                    self._staged_mask = torch.from_numpy(additive[:, None, None, :]).to(self.device)
+            elif staging is not None:
+                staging.deactivate()  # and break the append chain
+            if staging is None or not staging.active or staging.rebuild:
+                # Whole blocks are gathered (large rows copy at memory speed); the tail of
+                # each sequence's last block, and shorter sequences' padding, is masked.
+                tables = np.zeros((len(decode_ids), num_blocks), dtype=np.int64)
+                for row, i in enumerate(decode_ids):
+                    table = metadata.block_tables[i][:num_blocks]
+                    tables[row, : len(table)] = table
+                self._decode_blocks = torch.from_numpy(tables.reshape(-1)).to(self.device)
+                if not (lens == max_len).all():
+                    visible = np.arange(max_len)[None, :] < lens[:, None]
+                    additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
+                    self._decode_mask = torch.from_numpy(additive[:, None, None, :]).to(self.device)
+        elif staging is not None:
+            staging.deactivate()
         decode_set = set(decode_ids)
         for i in range(metadata.num_seqs):
             if i in decode_set:
