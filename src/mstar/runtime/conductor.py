@@ -74,15 +74,25 @@ class Conductor(Actor):
         self.workers = dict(workers)
         self.queues: dict[str, asyncio.Queue[Any]] = {}
 
+    # Outputs arrive once per token or chunk: an idle conductor hands them on at once.
+    immediate_types = frozenset({EmittedMsg, StreamItemMsg})
+
+    def handle_now(self, message: EmittedMsg | StreamItemMsg) -> None:
+        """Postprocess an output for its client, or route a stream item."""
+        m = message
+        if isinstance(m, EmittedMsg):
+            emission = Emission(m.partition, m.walk, m.node, m.name, m.modality, from_wire(m.value))
+            self._execute(self.core.emitted(m.request_id, emission))
+        else:
+            self._execute(self.core.stream_item(m.request_id, (m.node, m.name), from_wire(m.value)))
+
     async def handle(self, message: Any) -> Any:
         """Turn one event into the core's commands and carry them out."""
         core = self.core
-        if isinstance(message, StreamItemMsg):
-            commands = core.stream_item(message.request_id, (message.node, message.name), from_wire(message.value))
-        elif isinstance(message, EmittedMsg):
-            m = message
-            commands = core.emitted(m.request_id, Emission(m.partition, m.walk, m.node, m.name, m.modality, from_wire(m.value)))
-        elif isinstance(message, WalkDoneMsg):
+        if isinstance(message, EmittedMsg | StreamItemMsg):
+            self.handle_now(message)
+            return None
+        if isinstance(message, WalkDoneMsg):
             commands = core.walk_done(message.request_id, message.walk_seq, message.rank, from_slots(message.persisted))
         elif isinstance(message, WalkFailedMsg):
             commands = core.walk_failed(message.request_id, message.walk_seq, _error_of(message))
