@@ -214,10 +214,16 @@ class TransformersBatches:
         streamer.end()
 
 
+_ONE_TOKEN = (OutputEvent("text", num_tokens=1),)  # events are immutable: one serves every token
+
+
 def _token_event(out: Any) -> Iterable[OutputEvent]:
     if isinstance(out, Output):
-        return [OutputEvent("text", num_tokens=len(token_ids(out.data)))] if out.name == "tokens" else []
-    return [OutputEvent("text", num_tokens=1)]
+        if out.name != "tokens":
+            return ()
+        count = 1 if isinstance(out.data, int) else len(token_ids(out.data))
+        return _ONE_TOKEN if count == 1 else (OutputEvent("text", num_tokens=count),)
+    return _ONE_TOKEN
 
 
 async def bench_model(name: str, args: argparse.Namespace, scratch: Path, console: Console) -> list[dict[str, Any]]:

@@ -139,19 +139,24 @@ class BenchResult:
 
 
 async def time_request(target: Target, request: BenchRequest, phase_start: float) -> RequestRecord:
-    """Send one request to `target`, stamping each output on arrival; never raises on failure."""
-    events: list[OutputEvent] = []
+    """Send one request to `target`, stamping each output on arrival; never raises on failure.
+
+    The stream's loop only stamps (the client shares its event loop with in-process
+    targets); the events are built once the stream has ended.
+    """
+    stamped: list[tuple[float, OutputEvent]] = []
     usage: Usage | None = None
     error: str | None = None
     start = time.perf_counter()
     stream = target.stream(request)
+    clock = time.perf_counter
     try:
         async for item in stream:
-            now = time.perf_counter()
+            now = clock()
             if isinstance(item, Usage):
                 usage = item
             else:
-                events.append(replace(item, time_s=now - start))
+                stamped.append((now, item))
     except Exception as exc:  # a failed request is a measurement, not a crash of the run
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -159,7 +164,8 @@ async def time_request(target: Target, request: BenchRequest, phase_start: float
         if close is not None:
             await close()
     end = time.perf_counter()
-    return RequestRecord(request.request_id, start - phase_start, end - start, tuple(events), usage, error)
+    events = tuple(replace(item, time_s=now - start) for now, item in stamped)
+    return RequestRecord(request.request_id, start - phase_start, end - start, events, usage, error)
 
 
 def collect_environment() -> dict[str, Any]:
