@@ -287,23 +287,44 @@ class KVNodeEngine(StepLoop):
 
         The next step starts as soon as the last one ends, without a round trip through the
         event loop (which would cost about a millisecond per step while the loop streams
-        the last step's tokens). It yields the thread when the engine runs dry, when the
-        engine closes, or when another engine of this rank has work queued on the thread.
+        the last step's tokens). A step's results go to the loop while the next step
+        projects its logits: the loop's Python (routing and streaming a token per
+        request) then runs while this thread sits in the step's longest kernel, which
+        holds no GIL, instead of contending with the step's own Python for it. Results go
+        at once when no further step follows. The thread is yielded when the engine runs
+        dry, when the engine closes, or when another engine of this rank has work queued
+        on the thread.
         """
-        while True:
-            start = time.perf_counter()
-            try:
-                failed, results = self._step()
-            except Exception as step_error:
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(self._fail_step, step_error)
-                return
-            try:
-                loop.call_soon_threadsafe(self._deliver, time.perf_counter() - start, failed, results)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits for these tokens
-                return
-            if self._closed or self._thread_wanted() or not (self._ops or self.engine.has_unfinished()):
-                return
+        pending: list[tuple[float, list[tuple[str, BaseException]], list[Any]]] = []
+        loop_closed = False
+
+        def hand_over() -> None:
+            nonlocal loop_closed
+            if pending:
+                try:
+                    loop.call_soon_threadsafe(self._deliver, *pending.pop())
+                except RuntimeError:  # the loop closed meanwhile: nobody waits for these
+                    loop_closed = True
+
+        runner = self.engine.runner
+        runner.before_logits = hand_over
+        try:
+            while not loop_closed:
+                start = time.perf_counter()
+                try:
+                    failed, results = self._step()
+                except Exception as step_error:
+                    hand_over()
+                    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                        loop.call_soon_threadsafe(self._fail_step, step_error)
+                    return
+                hand_over()  # a step that computed no logits did not take the last results
+                pending.append((time.perf_counter() - start, failed, results))
+                if self._closed or self._thread_wanted() or not (self._ops or self.engine.has_unfinished()):
+                    hand_over()
+                    return
+        finally:
+            runner.before_logits = None
 
     def _thread_wanted(self) -> bool:
         """Whether other work waits for the step thread (always assumed when it can't be told)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -58,6 +60,9 @@ class ModelRunner:
         self.sink_slot = (kv_cache.shape[2] - 1) * block_size
         self.ctx = PagedKVContext(backend, [(layer[0], layer[1]) for layer in kv_cache])
         self.cuda_graphs: CudaGraphDecodeRunner | None = None
+        # Called once per sampling step just before the logits projection: on a CPU the
+        # step's longest kernel, which runs without the GIL (see `KVNodeEngine._steps`).
+        self.before_logits: Callable[[], None] | None = None
 
     def enable_cuda_graphs(self, *, max_batch_size: int, max_len: int) -> None:
         """Capture decode CUDA graphs (CUDA only); decode steps then replay them."""
@@ -191,6 +196,8 @@ class ModelRunner:
             return [], None
         seqs = batch.sample_seqs
         rows = hidden.index_select(0, batch.logits_indices)
+        if self.before_logits is not None:
+            self.before_logits()
         ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
         partial = getattr(self.model, "compute_logits_in", None)
         if partial is not None and not return_logits and all(r is not None for r in ranges):
