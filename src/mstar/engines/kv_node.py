@@ -241,11 +241,12 @@ class KVNodeEngine(StepLoop):
 
     def _step(
         self,
-    ) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], list[int] | None]]]:
+    ) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], list[int] | None]], bool]:
         """Apply queued engine calls, then run one step (on the step thread).
 
-        Returns failed engine calls, and per request the new tokens and, when its walk
-        ended, the sequence's whole history.
+        Returns failed engine calls; per request the new tokens and, when its walk ended,
+        the sequence's whole history; and whether anything in them starts or ends a walk
+        (an error, a walk's first token, a walk's end), which `_steps` hands over at once.
         """
         failed: list[tuple[str, BaseException]] = []
         while self._ops:  # a deque: the event loop appends while the step thread pops
@@ -255,12 +256,16 @@ class KVNodeEngine(StepLoop):
             except Exception as exc:  # a bad request fails alone
                 failed.append((request_id, exc))
         if not self.engine.has_unfinished():
-            return failed, []
+            return failed, [], bool(failed)
         results = []
+        urgent = bool(failed)
         for o in self.engine.step():
-            history = list(self.engine.get_sequence(o.request_id).token_ids) if o.finished else None
-            results.append((o.request_id, list(o.new_token_ids), history))
-        return failed, results
+            seq = self.engine.get_sequence(o.request_id)
+            new = list(o.new_token_ids)
+            history = list(seq.token_ids) if o.finished else None
+            urgent = urgent or history is not None or seq.num_output_tokens == len(new)
+            results.append((o.request_id, new, history))
+        return failed, results, urgent
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -276,7 +281,7 @@ class KVNodeEngine(StepLoop):
             await asyncio.sleep(0)
             start = time.perf_counter()
             try:
-                failed, results = self._step()
+                failed, results, _ = self._step()
             except Exception as step_error:
                 self._fail_step(step_error)
                 continue
@@ -290,8 +295,9 @@ class KVNodeEngine(StepLoop):
         the last step's tokens). A step's results go to the loop while the next step
         projects its logits: the loop's Python (routing and streaming a token per
         request) then runs while this thread sits in the step's longest kernel, which
-        holds no GIL, instead of contending with the step's own Python for it. Results go
-        at once when no further step follows. The thread is yielded when the engine runs
+        holds no GIL, instead of contending with the step's own Python for it. Results that
+        start or end a walk (first tokens, last tokens, errors) go at once, and so does
+        everything when no further step follows. The thread is yielded when the engine runs
         dry, when the engine closes, or when another engine of this rank has work queued
         on the thread.
         """
@@ -312,7 +318,7 @@ class KVNodeEngine(StepLoop):
             while not loop_closed:
                 start = time.perf_counter()
                 try:
-                    failed, results = self._step()
+                    failed, results, urgent = self._step()
                 except Exception as step_error:
                     hand_over()
                     with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -320,6 +326,8 @@ class KVNodeEngine(StepLoop):
                     return
                 hand_over()  # a step that computed no logits did not take the last results
                 pending.append((time.perf_counter() - start, failed, results))
+                if urgent:  # first tokens and walk ends are not held back
+                    hand_over()
                 if self._closed or self._thread_wanted() or not (self._ops or self.engine.has_unfinished()):
                     hand_over()
                     return
