@@ -142,3 +142,38 @@ async def test_steps_on_the_event_loop_let_walks_emit(tiny_llama_dir: Path) -> N
     first = [int(o.data) for o in results[0]]
     assert len(first) == 80
     assert all([int(o.data) for o in outputs] == first for outputs in results)
+
+
+async def test_mid_walk_tokens_reach_the_loop_during_the_next_step(tiny_llama_dir: Path) -> None:
+    """A step's tokens are handed over while the next step runs; the first and last at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mstar.engines.kv_node import KVNodeEngine
+
+    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 64, "block_size": 8})
+    node = model.submodule("llm", torch.device("cpu"))
+    with ThreadPoolExecutor(1) as executor:
+        engine = KVNodeEngine("llm", node, executor)
+        started = 0  # engine steps begun so far (written on the step thread)
+        step = engine.engine.step
+
+        def counted_step() -> object:
+            nonlocal started
+            started += 1
+            return step()
+
+        engine.engine.step = counted_step  # type: ignore[method-assign]
+        seen: list[tuple[int, int]] = []  # (token, steps begun when it reached the walk)
+        params = {"prompt_len": 3, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        inputs = {"history": torch.tensor([1, 5, 9]), "params": params}
+        engine.start()
+        try:
+            await engine.run("r", inputs, None, lambda out: seen.append((int(out["tokens"]), started)))
+        finally:
+            await engine.aclose()
+    # One request alone: step k samples token k - 1 (the first step is the prefill).
+    tokens = [t for t, _ in seen]
+    assert tokens == hf_greedy(tiny_llama_dir, [1, 5, 9], 12, eos=None)
+    for i, (_, begun) in enumerate(seen[1:-1], start=1):
+        assert begun >= i + 2, f"token {i} reached the walk before step {i + 2} began"
+    assert started == 12  # the last token was handed over with no further step to wait for

@@ -92,7 +92,7 @@ class _Walk:
 
 
 class KVNodeEngine(StepLoop):
-    """Continuous batching for one KV-cache node; an async context manager."""
+    """Continuous batching for one KV-cache node (`start` it, then `aclose` it)."""
 
     def __init__(
         self, node: str, kv_node: KVNode, executor: Executor | None, device: str | None = None
