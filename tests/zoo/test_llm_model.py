@@ -144,6 +144,7 @@ async def test_steps_on_the_event_loop_let_walks_emit(tiny_llama_dir: Path) -> N
     assert all([int(o.data) for o in outputs] == first for outputs in results)
 
 
+@pytest.mark.usefixtures("one_torch_thread")  # a core to spare for the loop: steps overlap it
 async def test_mid_walk_tokens_reach_the_loop_during_the_next_step(tiny_llama_dir: Path) -> None:
     """A step's tokens are handed over while the next step runs; the first and last at once."""
     from concurrent.futures import ThreadPoolExecutor

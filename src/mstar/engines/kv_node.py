@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
+
+import torch
 
 from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.masks import AttentionMask
@@ -299,7 +302,7 @@ class KVNodeEngine(StepLoop):
         start or end a walk (first tokens, last tokens, errors) go at once, and so does
         everything when no further step follows. The thread is yielded when the engine runs
         dry, when the engine closes, or when another engine of this rank has work queued
-        on the thread.
+        on the thread. (On a CPU whose cores the step's kernels use up, results go at once.)
         """
         pending: list[tuple[float, list[tuple[str, BaseException]], list[Any]]] = []
         loop_closed = False
@@ -312,6 +315,9 @@ class KVNodeEngine(StepLoop):
                 except RuntimeError:  # the loop closed meanwhile: nobody waits for these
                     loop_closed = True
 
+        # Overlapping pays only with a core to spare for the loop: a multi-threaded kernel
+        # that shares its cores with the loop's Python waits for its slowest thread.
+        overlap = self.engine.device.type != "cpu" or torch.get_num_threads() < _usable_cores()
         runner = self.engine.runner
         runner.before_logits = hand_over
         try:
@@ -326,7 +332,7 @@ class KVNodeEngine(StepLoop):
                     return
                 hand_over()  # a step that computed no logits did not take the last results
                 pending.append((time.perf_counter() - start, failed, results))
-                if urgent:  # first tokens and walk ends are not held back
+                if urgent or not overlap:  # first tokens and walk ends are not held back
                     hand_over()
                 if self._closed or self._thread_wanted() or not (self._ops or self.engine.has_unfinished()):
                     hand_over()
@@ -375,6 +381,14 @@ class KVNodeEngine(StepLoop):
             if history is not None:
                 del walks[request_id]
                 _end(walk, None)
+
+
+def _usable_cores() -> int:
+    """Return how many cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _end(walk: _Walk, error: BaseException | None) -> None:
