@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 from collections import Counter
@@ -166,6 +167,23 @@ async def test_failures_are_counted_and_other_requests_still_measured(tmp_path: 
     assert result.ratios() == []
     write_json(result, tmp_path / "f.json")
     plot_png(result, tmp_path / "f.png")
+
+
+async def test_measured_phases_run_with_what_lived_before_frozen_out_of_the_collector() -> None:
+    frozen: dict[str, int] = {}
+
+    async def target(request: BenchRequest) -> AsyncIterator[OutputEvent]:
+        frozen[request.request_id] = gc.get_freeze_count()
+        yield OutputEvent("text", num_tokens=1)
+
+    await run_benchmark(
+        {"t": target}, make_requests(["a"]), OfflineWaves(wave_sizes=(2,), num_waves=1, warmup=1),
+        progress=False, console=quiet_console(),
+    )
+    assert all(count == 0 for rid, count in frozen.items() if rid.startswith("warmup"))
+    assert all(count > 1000 for rid, count in frozen.items() if not rid.startswith("warmup"))
+    assert len(frozen) == 3
+    assert gc.get_freeze_count() == 0  # unfrozen once the run ends
 
 
 async def test_open_loop_with_infinite_rate_reports_inf_in_strict_json(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ socket files, processes).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 from collections import defaultdict
@@ -189,6 +190,20 @@ async def test_bad_requests_fail_alone() -> None:
         with pytest.raises(ValueError, match="task must be one of"):
             await engine.run(Request("sing", {"text": "la"}))
         assert len(await engine.run(Request("image", {"text": "ok"}))) == 2
+
+
+async def test_freeze_gc_freezes_what_lives_once_started() -> None:
+    assert gc.get_freeze_count() == 0
+    try:
+        async with await AsyncEngine.start(ToyModel(seed=SEED), config=EngineConfig(freeze_gc=True)) as engine:
+            frozen = gc.get_freeze_count()
+            assert frozen > 1000  # the model, the engine, the imports
+            request = Request("speech", {"text": "still serves"})
+            assert_same(await engine.run(request), reference(request))
+    finally:
+        gc.unfreeze()
+    async with await AsyncEngine.start(ToyModel(seed=SEED)):
+        assert gc.get_freeze_count() == 0  # off by default
 
 
 async def test_a_failing_node_fails_its_request_and_names_it() -> None:

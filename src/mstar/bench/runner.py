@@ -14,6 +14,7 @@ ones. The first target is the primary; the others are baselines it is compared w
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -275,6 +276,7 @@ async def run_benchmark(
         disable=not progress,
     )
     async with AsyncExitStack() as stack:
+        stack.callback(gc.unfreeze)  # the points freeze what is alive before measuring
         for target in opened.values():
             await stack.enter_async_context(target)
         with bar:
@@ -332,6 +334,10 @@ async def _run_point(
     warmup_start = time.perf_counter()
     if warmup:
         await run_closed_loop(warmup, send_warmup, load.warmup_concurrency_at(point))
+    # What lives now (models, imports, earlier records) is frozen out of the collector's
+    # full passes, which otherwise stall whichever target runs then (100+ ms each).
+    gc.collect()
+    gc.freeze()
     start = time.perf_counter()
     records = await load.drive(point, measured, send, seed=seed)
     duration = time.perf_counter() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -108,12 +109,15 @@ class WorkerConfig:
             is). Torch keeps the setting per thread: with `offload_steps` it applies to the
             rank's step thread only, so ranks sharing a process share its cores without
             oversubscribing them; otherwise to the event loop's thread.
+        freeze_gc: Once the engines are built, collect garbage and freeze what lives out of
+            the collector's full passes (a worker process; see `EngineConfig.freeze_gc`).
     """
 
     device: str = "cpu"
     offload_steps: bool = True
     stateless: StatelessEngineConfig = field(default_factory=StatelessEngineConfig)
     num_threads: int | None = None
+    freeze_gc: bool = False
 
 
 class _Ports:
@@ -207,6 +211,9 @@ class WorkerCore:
                 raise MStarError(f"node {node!r} has engine type {kind!r}; expected one of {[t.value for t in EngineType]}")
             engine.start()
             self.engines[node] = engine
+        if self.config.freeze_gc:
+            gc.collect()
+            gc.freeze()
 
     async def aclose(self) -> None:
         """Cancel running walks and close the engines."""

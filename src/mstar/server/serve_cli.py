@@ -157,7 +157,7 @@ def serve_command(args: argparse.Namespace) -> int:
     json_logs = None if args.log_format == "auto" else args.log_format == "json"
     configure_logging(args.log_level, json=json_logs, secrets=[api_key] if api_key else [])
     devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
-    engine_config = EngineConfig(worker_processes=args.worker_processes, devices=devices)
+    engine_config = EngineConfig(worker_processes=args.worker_processes, devices=devices, freeze_gc=True)
     app = make_app(
         spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=loading_display
     )
