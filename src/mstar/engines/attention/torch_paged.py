@@ -36,6 +36,13 @@ def _slots_of(block_table: list[int] | np.ndarray, length: int, block_size: int)
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def _padding_mask(lens: np.ndarray, width: int, device: torch.device) -> torch.Tensor:
+    """Return the additive mask `[rows, 1, 1, width]` hiding each row's keys past its length."""
+    visible = np.arange(width)[None, :] < lens[:, None]
+    additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
+    return torch.from_numpy(additive[:, None, None, :]).to(device)
+
+
 class _DecodeStaging:
     """Contiguous per-layer copies of the decode batch's keys and values."""
 
@@ -143,9 +150,7 @@ class TorchPagedAttention:
                 self._staged_len = longest
                 self._staged_mask = None
                 if not (lens == longest).all():
-                    visible = np.arange(longest)[None, :] < lens[:, None]
-                    additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
-                    self._staged_mask = torch.from_numpy(additive[:, None, None, :]).to(self.device)
+                    self._staged_mask = _padding_mask(lens, longest, self.device)
             elif staging is not None:
                 staging.deactivate()  # and break the append chain
             if staging is None or not staging.active or staging.rebuild:
@@ -157,9 +162,7 @@ class TorchPagedAttention:
                     tables[row, : len(table)] = table
                 self._decode_blocks = torch.from_numpy(tables.reshape(-1)).to(self.device)
                 if not (lens == max_len).all():
-                    visible = np.arange(max_len)[None, :] < lens[:, None]
-                    additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
-                    self._decode_mask = torch.from_numpy(additive[:, None, None, :]).to(self.device)
+                    self._decode_mask = _padding_mask(lens, max_len, self.device)
         elif staging is not None:
             staging.deactivate()
         decode_set = set(decode_ids)
