@@ -221,7 +221,7 @@ def _token_event(out: Any) -> Iterable[OutputEvent]:
     if isinstance(out, Output):
         if out.name != "tokens":
             return ()
-        count = 1 if isinstance(out.data, int) else len(token_ids(out.data))
+        count = len(token_ids(out.data))
         return _ONE_TOKEN if count == 1 else (OutputEvent("text", num_tokens=count),)
     return _ONE_TOKEN
 

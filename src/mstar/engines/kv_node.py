@@ -17,7 +17,7 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -144,23 +144,6 @@ class KVNodeEngine(StepLoop):
         outputs: list[Mapping[str, Any]] = []
         await self.run(request_id, inputs, 1, outputs.append, walk)
         return outputs[-1]
-
-    async def loop(
-        self, request_id: str, inputs: Mapping[str, Any], max_steps: int | None, walk: str = ""
-    ) -> AsyncIterator[Mapping[str, Any]]:
-        """Run up to ``max_steps`` decode steps for a request; yield each step's outputs.
-
-        The iterator form of `run` (each output passes through a queue).
-        """
-        queue: asyncio.Queue[Mapping[str, Any] | None] = asyncio.Queue()
-        task = asyncio.ensure_future(self.run(request_id, inputs, max_steps, queue.put_nowait, walk))
-        task.add_done_callback(lambda _: queue.put_nowait(None))
-        try:
-            while (out := await queue.get()) is not None:
-                yield out
-            await task  # raises the walk's error, if any
-        finally:
-            task.cancel()
 
     async def run(
         self,
@@ -319,7 +302,7 @@ class KVNodeEngine(StepLoop):
         # that shares its cores with the loop's Python waits for its slowest thread.
         overlap = self.engine.device.type != "cpu" or torch.get_num_threads() < _usable_cores()
         runner = self.engine.runner
-        runner.before_logits = hand_over
+        runner.before_logits = hand_over if overlap else None
         try:
             while not loop_closed:
                 start = time.perf_counter()

@@ -29,7 +29,6 @@ LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 the tokens forbidden at this position (constrained decoding)."""
 
 
-
 def vocab_ranges(processor: LogitsProcessor | None, token_ids: list[int]) -> list[tuple[int, int]] | None:
     """Return the id ranges outside which `processor` sets every logit to `-inf`, if it says.
 

@@ -171,14 +171,13 @@ class WorkerHost(Actor):
 
 def stats_report(engines: Mapping[str, NodeEngine], system: ActorSystem) -> StatsReport:
     """Report the engines' counters, their step times per walk, and the system's tensor bytes."""
-    walks: dict[str, dict[str, WalkStepStats]] = {}
-    for name, engine in engines.items():
-        times = getattr(engine, "walk_times", None)  # engines a node brings may keep none
-        if times is not None:
-            walks[name] = {
-                walk: WalkStepStats(t.steps, t.inputs, t.seconds, list(t.bucket_counts))
-                for walk, t in times.by_walk.items()
-            }
+    walks = {
+        name: {
+            walk: WalkStepStats(t.steps, t.inputs, t.seconds, list(t.bucket_counts))
+            for walk, t in engine.walk_times.by_walk.items()
+        }
+        for name, engine in engines.items()
+    }
     stats = {name: dict(engine.stats()) for name, engine in engines.items()}
     return StatsReport(stats, walks, system.transport_tally.snapshot())
 

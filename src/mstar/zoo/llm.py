@@ -3,8 +3,9 @@
 Graph: one KV-cache node ``llm``; walk ``prefill`` fires it once on the prompt (the first
 token), walk ``decode`` is a `DynamicLoop` over it: the engine's decode loop, until a stop
 token or ``max_tokens``. Every sampled token is emitted (modality ``text``) as its id, an
-int; the serving layer detokenizes incrementally. The sequence's token history persists from walk
-to walk, so ``decode`` may run on another rank than ``prefill`` (its cache is rebuilt there).
+int; the serving layer detokenizes incrementally. The sequence's token history persists
+from walk to walk, so ``decode`` may run on another rank than ``prefill`` (its cache is
+rebuilt there).
 
 Request: ``Request("generate", {"prompt": str} | {"messages": [...]} |
 {"prompt_token_ids": [...]}, plus sampling keys: max_tokens, temperature, top_p, top_k,
