@@ -129,7 +129,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_llama: LlamaCausalLM)
     engine.add_request("again", prompt, SamplingParams.greedy(4))
     out = engine.scheduler.schedule()
     assert out.scheduled[0].start == 16  # four full blocks found, one token left to compute
-    tokens, _ = engine.runner.execute(out)
+    tokens = engine.runner.execute(out).tokens
     engine.scheduler.update_from_output(out, tokens)
     rest = _drain(engine).get("again", [])
     assert tokens + rest == first
@@ -144,13 +144,13 @@ def _dense_reference(model: LlamaCausalLM, ids: list[int], limits: list[int]) ->
     cos = model.rope_cos[pos].unsqueeze(1)
     sin = model.rope_sin[pos].unsqueeze(1)
     mask = torch.arange(n)[None, :] < torch.tensor(limits)[:, None]
-    from mstar.zoo.llama import _rotate
+    from mstar.engines.layers import apply_rotary
 
     for layer in model.model.layers:
         h = layer.input_layernorm(x)
         att = layer.self_attn
-        q = _rotate(att.q_proj(h).view(n, cfg.num_attention_heads, -1), cos, sin)
-        k = _rotate(att.k_proj(h).view(n, cfg.num_key_value_heads, -1), cos, sin)
+        q = apply_rotary(att.q_proj(h).view(n, cfg.num_attention_heads, -1), cos, sin)
+        k = apply_rotary(att.k_proj(h).view(n, cfg.num_key_value_heads, -1), cos, sin)
         v = att.v_proj(h).view(n, cfg.num_key_value_heads, -1)
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

@@ -15,6 +15,13 @@ their tokens); a later sequence with the same prefix reuses them instead of reco
 A block whose ref count drops to zero returns to the free list but keeps its hash until
 it is handed out again (so a preempted or finished prefix is still found).
 
+A fork may be taken at any point of the parent (`fork(parent, child, num_tokens)`: the
+child shares the blocks covering that many tokens), and a sequence may be truncated back
+to a mark (`truncate`: the blocks past it are released; a kept partial block that others
+share is copied before it is written again, one nobody shares loses its prefix hash).
+Reservations (`reserve`) hold free blocks back for a sequence that must never stall half
+way (a rollout admitted whole): other sequences cannot take them.
+
 The manager is pure bookkeeping ("does not fit" is a `False` from a `can_*` check, never
 an exception); the model runner performs the block copies it asks for.
 """
@@ -47,6 +54,7 @@ class BlockManager:
         self._block_key: list[_BlockKey | None] = [None] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
+        self.num_reserved_blocks = 0  # sum of the sequences' `reserved_blocks`
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,9 +70,31 @@ class BlockManager:
             needed += 1
         return needed
 
+    def _available_to(self, seq: Sequence) -> int:
+        """Free blocks `seq` may take: its own reservation, and none of the others'."""
+        return len(self._free) - (self.num_reserved_blocks - seq.reserved_blocks)
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the cache can take `num_new_tokens` more computed tokens of `seq`."""
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+        return self.blocks_needed(seq, num_new_tokens) <= self._available_to(seq)
+
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether blocks for `seq` to reach `num_tokens` computed tokens can be held back now."""
+        return self._reservation(seq, num_tokens) <= self._available_to(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Hold back the blocks `seq` needs to reach `num_tokens` tokens (after `can_reserve`).
+
+        The reservation shrinks as `append` takes those blocks and ends with `free`.
+        """
+        blocks = self._reservation(seq, num_tokens)
+        self.num_reserved_blocks += blocks - seq.reserved_blocks
+        seq.reserved_blocks = blocks
+
+    def _reservation(self, seq: Sequence, num_tokens: int) -> int:
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        # A shared partial block is copied on its first write: one block more.
+        return max(needed, 0) + int(self._needs_copy_on_write(seq))
 
     def append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next `num_new_tokens` of `seq`; return block copies to do first.
@@ -77,13 +107,13 @@ class BlockManager:
         if self._needs_copy_on_write(seq):
             index = seq.num_computed_tokens // self.block_size
             src = seq.block_table[index]
-            dst = self._take_free_block()
+            dst = self._take_free_block(seq)
             self._release(src)
             seq.block_table[index] = dst
             copies.append((src, dst))
         target = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) * self.block_size < target:
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self._take_free_block(seq))
         if self.enable_prefix_caching and seq.is_prefix_cacheable:
             self._register_full_blocks(seq, target)
         return copies
@@ -114,13 +144,38 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * size
         return seq.num_computed_tokens
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share all of `parent`'s blocks with `child` (copy-on-write on the partial one)."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """Share `parent`'s blocks holding its first `num_tokens` computed tokens with `child`.
+
+        Default: all its computed tokens. The child's first write into a shared partial
+        block copies it first (copy-on-write); so does the parent's.
+        """
         assert not child.block_table, child
-        for block in parent.block_table:
+        count = parent.num_computed_tokens if num_tokens is None else num_tokens
+        assert 0 <= count <= parent.num_computed_tokens, (count, parent)
+        shared = parent.block_table[: -(-count // self.block_size)]
+        for block in shared:
             self.ref_counts[block] += 1
-        child.block_table = list(parent.block_table)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_table = list(shared)
+        child.num_computed_tokens = count
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll `seq`'s cache back to its first `num_tokens` computed tokens.
+
+        Blocks past the mark are released. The kept partial block, when nobody else holds
+        it, loses its prefix hash (its tail is written again); a shared one is copied on the
+        next write. The token list is the caller's (`Sequence.truncate`).
+        """
+        assert 0 <= num_tokens <= seq.num_computed_tokens, (num_tokens, seq)
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._release(block)
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_tokens
+        if num_tokens % self.block_size and self.ref_counts[seq.block_table[-1]] == 1:
+            self._forget_hash(seq.block_table[-1])
+        if seq.reserved_blocks:
+            self.reserve(seq, 0)  # a reservation was sized for the old length
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on its blocks; the sequence must be recomputed to run again."""
@@ -129,6 +184,8 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        self.num_reserved_blocks -= seq.reserved_blocks
+        seq.reserved_blocks = 0
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
         if seq.num_computed_tokens % self.block_size == 0:
@@ -136,18 +193,23 @@ class BlockManager:
         index = seq.num_computed_tokens // self.block_size
         return index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1
 
-    def _take_free_block(self) -> int:
+    def _take_free_block(self, seq: Sequence) -> int:
         block = next(iter(self._free))
         del self._free[block]
+        self._forget_hash(block)  # the block's cached content is about to be overwritten
+        self.ref_counts[block] = 1
+        if seq.reserved_blocks:
+            seq.reserved_blocks -= 1
+            self.num_reserved_blocks -= 1
+        return block
+
+    def _forget_hash(self, block: int) -> None:
         old_hash = self._block_hash[block]
         if old_hash is not None:
-            # The block's cached content is about to be overwritten.
             if self._hash_to_block.get(old_hash) == block:
                 del self._hash_to_block[old_hash]
             self._block_hash[block] = None
             self._block_key[block] = None
-        self.ref_counts[block] = 1
-        return block
 
     def _release(self, block: int) -> None:
         count = self.ref_counts[block]
@@ -184,5 +246,8 @@ class BlockManager:
         assert expected == self.ref_counts, (expected, self.ref_counts)
         free = {b for b, count in enumerate(self.ref_counts) if count == 0}
         assert free == set(self._free), (free, set(self._free))
+        reserved = sum(seq.reserved_blocks for seq in sequences)
+        assert reserved == self.num_reserved_blocks, (reserved, self.num_reserved_blocks)
+        assert reserved <= len(self._free), (reserved, len(self._free))
         for block_hash, block in self._hash_to_block.items():
             assert self._block_hash[block] == block_hash, (block, block_hash)

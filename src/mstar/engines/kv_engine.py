@@ -5,6 +5,17 @@ walks: a walk ends when a stop rule fires, and with `keep_alive=True` the sequen
 paused with its blocks (e.g. `prefill` then a `decode` `DynamicLoop`) until `resume`d
 for the next walk, `release`d, or aborted.
 
+Every attention pattern the zoo needs is data on the inputs, not another engine:
+
+- a walk's inputs are token ids, or a *payload* the model embeds itself (image patches,
+  latents, frames), run by an expert of the model (`expert`);
+- `mask` says how they attend to each other (causal, full, block-causal);
+- `output_mode` says what the walk returns: sampled tokens, the inputs' rows ("hidden"),
+  or nothing (a context prefill);
+- `fork` (copy-on-write, at any point) and `truncate` (back to a mark) branch and roll
+  back a sequence's cache; `query` runs read-only tokens over a sequence's cache
+  (denoising steps over a context, action tokens over a prefix) without writing to it.
+
 ```python
 engine = KVCacheEngine(model, KVCacheEngineConfig(num_blocks=256))
 engine.add_request("r1", prompt_ids, SamplingParams.greedy(max_tokens=32))
@@ -32,7 +43,14 @@ from mstar.engines.model_runner import ModelRunner
 from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import BatchScheduler, RequestOutput
-from mstar.engines.sequence import LogitsProcessor, Sequence, SequenceStatus, StopCheck
+from mstar.engines.sequence import (
+    PLACEHOLDER_TOKEN,
+    LogitsProcessor,
+    OutputMode,
+    Sequence,
+    SequenceStatus,
+    StopCheck,
+)
 from mstar.errors import DuplicateRequestError, KVCacheCapacityError, RequestNotFoundError
 
 __all__ = ["KVCacheEngine", "KVCacheEngineConfig", "StepOutput"]
@@ -177,38 +195,78 @@ class KVCacheEngine:
         keep_alive: bool = False,
         logits_processor: LogitsProcessor | None = None,
         stop_check: StopCheck | None = None,
+        payload: object = None,
+        num_tokens: int | None = None,
+        expert: int = 0,
+        output_mode: OutputMode = "sample",
+        reserve_tokens: int = 0,
     ) -> None:
         """Queue a new request.
 
         Args:
             request_id: unique among the requests this engine holds.
-            prompt_token_ids: the input tokens (at least one).
+            prompt_token_ids: the input tokens (at least one); ignored with a `payload`.
             sampling_params: how to pick tokens; default greedy, 16 tokens.
             mask: attention among the prompt tokens (default causal).
             keep_alive: keep the sequence and its blocks when the walk ends (paused),
                 for a later `resume`; the caller must then `release` or `abort` it.
             logits_processor: per-step hook on this request's logits row.
             stop_check: per-step hook; True ends the walk (`DynamicLoop` stop).
+            payload: model input of `num_tokens` positions instead of token ids (the
+                sequence is then pinned: its cache cannot be rebuilt from ids).
+            num_tokens: positions of the payload.
+            expert: the model's weight set for these inputs.
+            output_mode: what the walk returns (`OutputMode`).
+            reserve_tokens: admit the request only once blocks for this many tokens can
+                be held back for it (a walk that must never stall half way).
         """
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request {request_id!r} is already in the engine")
-        if not prompt_token_ids:
-            raise KVCacheCapacityError(f"request {request_id!r} has an empty prompt")
         params = sampling_params or SamplingParams.greedy()
         seq = Sequence(
             request_id,
-            list(prompt_token_ids),
+            [],
             params,
             arrival=next(self._arrivals),
-            mask=mask,
             keep_alive=keep_alive,
             logits_processor=logits_processor,
             stop_check=stop_check,
             generator=self._make_generator(params),
         )
+        self._extend(seq, prompt_token_ids, mask, payload, num_tokens, expert, output_mode)
+        seq.walk_start = seq.num_tokens
+        seq.reserve_tokens = reserve_tokens
         self._check_fits(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _extend(
+        self,
+        seq: Sequence,
+        token_ids: list[int] | None,
+        mask: AttentionMask | None,
+        payload: object,
+        num_tokens: int | None,
+        expert: int,
+        output_mode: OutputMode,
+    ) -> None:
+        """Append a walk's inputs to `seq` (checked) and set what the walk returns."""
+        if payload is not None:
+            if num_tokens is None or num_tokens < 1:
+                raise KVCacheCapacityError(f"request {seq.request_id!r}: a payload needs num_tokens >= 1, got {num_tokens}")
+            token_ids = [PLACEHOLDER_TOKEN] * num_tokens
+            seq.is_pinned = True
+        token_ids = list(token_ids or [])
+        if not token_ids and seq.num_tokens == 0:
+            raise KVCacheCapacityError(f"request {seq.request_id!r} has an empty prompt")
+        if output_mode != "sample" and not token_ids:
+            raise KVCacheCapacityError(f"request {seq.request_id!r}: a walk in {output_mode!r} mode needs new inputs")
+        seq.extend(token_ids, mask, payload=payload, expert=expert)
+        seq.output_mode = output_mode
+        if output_mode == "sample" and seq.num_uncomputed_tokens == 0:
+            raise KVCacheCapacityError(
+                f"request {seq.request_id!r} has no input left to sample from (its cache ends at a mark): give new tokens"
+            )
 
     def resume(
         self,
@@ -218,18 +276,23 @@ class KVCacheEngine:
         *,
         mask: AttentionMask | None = None,
         keep_alive: bool | None = None,
+        payload: object = None,
+        num_tokens: int | None = None,
+        expert: int = 0,
+        output_mode: OutputMode = "sample",
     ) -> None:
-        """Start the next walk of a paused request, optionally with new input tokens.
+        """Start the next walk of a paused request, optionally with new inputs.
 
         Without new tokens the sequence continues from its last sampled token (a decode
         walk after a prefill walk). `sampling_params` replace the old ones (and reseed).
+        The other arguments are `add_request`'s.
         """
         seq = self._get(request_id)
         if seq.status is not SequenceStatus.PAUSED:
             raise RequestNotFoundError(
                 f"request {request_id!r} is {seq.status.value}, only a paused one can resume"
             )
-        seq.extend(list(new_token_ids or []), mask)
+        self._extend(seq, new_token_ids, mask, payload, num_tokens, expert, output_mode)
         if sampling_params is not None:
             seq.params = sampling_params
             seq.generator = self._make_generator(sampling_params)
@@ -246,23 +309,29 @@ class KVCacheEngine:
         sampling_params: SamplingParams | None = None,
         *,
         keep_alive: bool | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        """Create `child_id` sharing `parent_id`'s cached tokens copy-on-write.
+        """Create `child_id` sharing `parent_id`'s first `num_tokens` cached tokens copy-on-write.
 
-        The parent must be paused (between walks, e.g. after a shared context
-        prefill); the child is paused too and starts with `resume`.
+        Default: all of them. The parent must be paused with its cache complete (between
+        walks, e.g. after a shared context prefill); the child is paused too and starts
+        with `resume`. A fork taken before the parent's latest inputs is a context without
+        them (a CFG branch without the latest text).
         """
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise DuplicateRequestError(f"request {child_id!r} is already in the engine")
-        if parent.status is not SequenceStatus.PAUSED:
-            raise RequestNotFoundError(
-                f"request {parent_id!r} is {parent.status.value}; only a paused one can fork"
+        self._check_complete(parent, "fork")
+        count = parent.num_computed_tokens if num_tokens is None else num_tokens
+        if not 0 < count <= parent.num_computed_tokens:
+            raise KVCacheCapacityError(
+                f"request {parent_id!r} holds {parent.num_computed_tokens} tokens; cannot fork at {count}"
             )
         params = sampling_params or parent.params
+        # A whole fork keeps the parent's last sampled token (uncomputed yet) to go on from.
         child = Sequence(
             child_id,
-            parent.token_ids,
+            parent.token_ids if num_tokens is None else parent.token_ids[:count],
             params,
             arrival=next(self._arrivals),
             keep_alive=parent.keep_alive if keep_alive is None else keep_alive,
@@ -271,10 +340,78 @@ class KVCacheEngine:
             generator=self._make_generator(params),
         )
         child.mask_segments = list(parent.mask_segments)
-        self.block_manager.fork(parent, child)
+        child.input_segments = list(parent.input_segments)
+        child.segments_end = parent.segments_end
+        if num_tokens is not None:
+            child.truncate(count)
+        child.is_pinned = parent.is_pinned
+        self.block_manager.fork(parent, child, count)
         child.status = SequenceStatus.PAUSED
         self._seqs[child_id] = child
         self.scheduler.paused[child_id] = child
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Roll a paused request back to its first `num_tokens` tokens (a mark taken earlier).
+
+        Its blocks past the mark are released; the next walk continues from the mark.
+        """
+        seq = self._get(request_id)
+        self._check_complete(seq, "truncate")
+        if not 0 < num_tokens <= seq.num_computed_tokens:
+            raise KVCacheCapacityError(
+                f"request {request_id!r} holds {seq.num_computed_tokens} tokens; cannot truncate to {num_tokens}"
+            )
+        seq.truncate(num_tokens)
+        self.block_manager.truncate(seq, num_tokens)
+
+    def query(
+        self,
+        parent_id: str,
+        query_id: str,
+        *,
+        token_ids: list[int] | None = None,
+        payload: object = None,
+        num_tokens: int | None = None,
+        mask: AttentionMask | None = None,
+        expert: int = 0,
+    ) -> None:
+        """Run read-only inputs over a paused request's cache in the next step; write nothing.
+
+        The query's tokens attend to all of the parent's cached tokens and to each other
+        (by `mask`: full for denoising or action tokens, default causal); their K/V are
+        not kept. The query ends after its step with a `COMPUTED` output of its rows
+        ("hidden"). Queries of one context (CFG branches) or of many batch into one step.
+        The parent is pinned from now on (never evicted: its cache is read again).
+        """
+        parent = self._get(parent_id)
+        if query_id in self._seqs:
+            raise DuplicateRequestError(f"request {query_id!r} is already in the engine")
+        self._check_complete(parent, "be queried")
+        seq = Sequence(query_id, parent.token_ids[: parent.num_computed_tokens], parent.params, arrival=next(self._arrivals))
+        seq.mask_segments = list(parent.mask_segments)
+        seq.input_segments = list(parent.input_segments)
+        seq.segments_end = parent.segments_end
+        self._extend(seq, token_ids, mask, payload, num_tokens, expert, "hidden")
+        seq.is_read_only = True
+        if seq.num_tokens > self.max_model_len:
+            raise KVCacheCapacityError(
+                f"query {query_id!r} reaches {seq.num_tokens} tokens but max_model_len is {self.max_model_len}"
+            )
+        parent.is_pinned = True
+        self.block_manager.fork(parent, seq)
+        self._seqs[query_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_complete(self, seq: Sequence, verb: str) -> None:
+        """Require a paused sequence whose inputs are all in the cache."""
+        if seq.status is not SequenceStatus.PAUSED:
+            raise RequestNotFoundError(
+                f"request {seq.request_id!r} is {seq.status.value}; only a paused one can {verb}"
+            )
+        if not seq.block_table:
+            raise RequestNotFoundError(
+                f"request {seq.request_id!r} holds no cache (it was evicted); run its inputs again to {verb}"
+            )
 
     def release(self, request_id: str) -> None:
         """Free a paused request's blocks and forget it (its partition is done)."""
@@ -305,19 +442,22 @@ class KVCacheEngine:
         """Schedule, run and postprocess one batch; return per-request new tokens."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                head = self.scheduler.waiting[0]
+            if self.scheduler.has_unfinished():
+                pending = self.scheduler.running or list(self.scheduler.waiting)
                 raise KVCacheCapacityError(
-                    f"request {head.request_id!r} cannot be scheduled: the KV cache cannot hold "
-                    f"its next chunk even alone; raise the KV-cache budget"
+                    f"request {pending[0].request_id!r} cannot be scheduled: the KV cache cannot hold "
+                    f"its next chunk (other requests' pinned caches hold the rest); raise the KV-cache budget"
                 )
             return []
-        tokens, logits = self.runner.execute(out, return_logits=self.return_logits)
-        outputs = self.scheduler.update_from_output(out, tokens)
-        if logits is not None:
+        result = self.runner.execute(out, return_logits=self.return_logits)
+        outputs = self.scheduler.update_from_output(out, result.tokens, result.hidden)
+        if result.logits is not None:
+            rows = iter(result.logits)
             outputs = [
-                RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, row)
-                for o, row in zip(outputs, logits, strict=True)
+                RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, next(rows), o.hidden)
+                if o.new_token_ids
+                else o
+                for o in outputs
             ]
         for o in outputs:
             if o.finished:
@@ -366,11 +506,12 @@ class KVCacheEngine:
 
     def _check_fits(self, seq: Sequence) -> None:
         """Reject a walk that could never run, even alone in the cache."""
-        longest = seq.num_tokens + seq.params.max_tokens
+        longest = seq.num_tokens + (seq.params.max_tokens if seq.output_mode == "sample" else 0)
+        longest = max(longest, seq.reserve_tokens)
         if longest > self.max_model_len:
             raise KVCacheCapacityError(
                 f"request {seq.request_id!r} needs up to {longest} tokens "
-                f"({seq.num_tokens} input + max_tokens {seq.params.max_tokens}) but "
+                f"({seq.num_tokens} input + max_tokens {seq.params.max_tokens} if it samples) but "
                 f"max_model_len is {self.max_model_len}; shorten it or lower max_tokens"
             )
         blocks = -(-longest // self.config.block_size)

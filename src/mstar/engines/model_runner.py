@@ -3,24 +3,44 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
 
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
 from mstar.engines.cuda_graphs import CudaGraphDecodeRunner
-from mstar.engines.paged_model import PagedKVContext, PagedModel
+from mstar.engines.paged_model import (
+    PagedKVContext,
+    PagedModel,
+    StepChunk,
+    StepInputs,
+    supports_narrow_logits,
+)
 from mstar.engines.sampler import Sampler
 from mstar.engines.scheduler import SchedulerOutput
 from mstar.engines.sequence import Sequence, vocab_ranges
 
-__all__ = ["ModelRunner", "PreparedBatch"]
+__all__ = ["ModelRunner", "PreparedBatch", "StepResult"]
+
+_NO_STEP_INPUTS = StepInputs()
+
+
+class StepResult:
+    """What a step computed: sampled tokens, raw logits (when asked), returned rows."""
+
+    __slots__ = ("hidden", "logits", "tokens")
+
+    def __init__(self, tokens: list[int], logits: torch.Tensor | None, hidden: list[torch.Tensor]) -> None:
+        self.tokens = tokens  # one per chunk that samples, in order
+        self.logits = logits  # `[sampled rows, vocab]` before any processing, or None
+        self.hidden = hidden  # one `[rows, ...]` per chunk that returns its rows, in order
 
 
 class PreparedBatch:
     """Host and device inputs of one step."""
 
-    __slots__ = ("input_ids", "logits_indices", "metadata", "positions", "sample_seqs")
+    __slots__ = ("hidden_rows", "input_ids", "logits_indices", "metadata", "positions", "sample_seqs", "step")
 
     def __init__(
         self,
@@ -29,12 +49,16 @@ class PreparedBatch:
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
         sample_seqs: list[Sequence],
+        step: StepInputs | None = None,
+        hidden_rows: list[tuple[int, int]] | None = None,
     ) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.metadata = metadata
         self.logits_indices = logits_indices
         self.sample_seqs = sample_seqs
+        self.step = step  # None: plain token chunks of expert 0 (the decode fast path)
+        self.hidden_rows = hidden_rows or []  # row ranges returned to "hidden" walks
 
 
 class ModelRunner:
@@ -82,17 +106,19 @@ class ModelRunner:
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor:
         graphs = self.cuda_graphs
-        if graphs is not None and graphs.can_run(batch.metadata):
+        if graphs is not None and batch.step is None and graphs.can_run(batch.metadata):
             return graphs.run(batch.input_ids, batch.positions, batch.metadata)
         self.backend.plan(batch.metadata)
+        self.ctx.step = batch.step if batch.step is not None else _NO_STEP_INPUTS
         return self.model(batch.input_ids, batch.positions, self.ctx)
 
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
         """Flatten the scheduled chunks into model inputs and attention metadata."""
-        if out.scheduled and all(item.num_tokens == 1 and not item.seq.mask_segments for item in out.scheduled):
+        scheduled = out.scheduled
+        if scheduled and all(item.num_tokens == 1 and item.start >= item.seq.segments_end and not item.seq.is_read_only for item in scheduled):
             return self._prepare_decode(out)
         size = self.block_size
-        num_seqs = len(out.scheduled)
+        num_seqs = len(scheduled)
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         seq_lens = np.empty(num_seqs, dtype=np.int64)
         ids: list[int] = []
@@ -100,30 +126,45 @@ class ModelRunner:
         slot_parts: list[np.ndarray] = []
         block_tables: list[list[int]] = []
         logits_rows: list[int] = []
+        hidden_rows: list[tuple[int, int]] = []
         sample_seqs: list[Sequence] = []
-        has_masks = any(item.seq.mask_segments for item in out.scheduled)
+        chunks: list[StepChunk] = []
+        has_masks = any(item.start < item.seq.segments_end or item.seq.is_read_only for item in scheduled)
+        read_only = np.zeros(num_seqs, dtype=bool)
         limit_parts: list[np.ndarray] = []
+        expert_parts: list[tuple[int, int, int]] = []
         total = 0
-        for i, item in enumerate(out.scheduled):
+        for i, item in enumerate(scheduled):
             seq, start, n = item.seq, item.start, item.num_tokens
             end = start + n
             ids.extend(seq.token_ids[start:end])
             pos = np.arange(start, end, dtype=np.int64)
             positions_parts.append(pos)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slot_parts.append(table[pos // size] * size + pos % size)
+            if seq.is_read_only:
+                read_only[i] = True
+                slot_parts.append(np.full(n, self.sink_slot, dtype=np.int64))
+            else:
+                table = np.asarray(seq.block_table, dtype=np.int64)
+                slot_parts.append(table[pos // size] * size + pos % size)
             block_tables.append(seq.block_table)
             if has_masks:
-                if seq.mask_segments:
-                    limit_parts.append(np.array([seq.kv_limit(p) for p in range(start, end)]))
+                if start < seq.segments_end:
+                    limit_parts.append(np.fromiter((seq.kv_limit(p) for p in range(start, end)), np.int64, n))
                 else:
                     limit_parts.append(pos + 1)
+            segment = seq.input_segment_at(start)
+            payload, expert = (None, 0) if segment is None else (segment.payload, segment.expert)
+            chunks.append(StepChunk(seq.request_id, total, total + n, start, payload, expert, seq.is_read_only))
+            if expert:
+                expert_parts.append((total, total + n, expert))
             total += n
             query_start_loc[i + 1] = total
             seq_lens[i] = end
             if item.samples:
                 logits_rows.append(total - 1)
                 sample_seqs.append(seq)
+            elif item.returns_hidden:
+                hidden_rows.append((total - n, total))
         positions = np.concatenate(positions_parts)
         metadata = AttentionMetadata(
             num_tokens=total,
@@ -133,14 +174,23 @@ class ModelRunner:
             block_tables=block_tables,
             kv_limits=np.concatenate(limit_parts) if has_masks else None,
             block_size=size,
-            seq_keys=np.fromiter((item.seq.arrival for item in out.scheduled), np.int64, num_seqs),
+            seq_keys=np.fromiter((item.seq.arrival for item in scheduled), np.int64, num_seqs),
+            read_only=read_only if read_only.any() else None,
         )
+        expert_ids = None
+        if expert_parts:
+            experts = np.zeros(total, dtype=np.int64)
+            for lo, hi, expert in expert_parts:
+                experts[lo:hi] = expert
+            expert_ids = torch.from_numpy(experts).to(self.device)
         return PreparedBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(positions).to(self.device),
             metadata=metadata,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sample_seqs=sample_seqs,
+            step=StepInputs(chunks, expert_ids),
+            hidden_rows=hidden_rows,
         )
 
     def _prepare_decode(self, out: SchedulerOutput) -> PreparedBatch:
@@ -180,31 +230,24 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, *, return_logits: bool = False
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Run one step.
-
-        Returns:
-            The sampled token of every chunk that samples, in order, and (when
-            `return_logits`) their raw logits `[rows, vocab]` before any processing.
-        """
+    def execute(self, out: SchedulerOutput, *, return_logits: bool = False) -> StepResult:
+        """Run one step: copy blocks, prepare, forward, then sample or slice the returned rows."""
         self.copy_blocks(out.block_copies)
         batch = self.prepare(out)
         hidden = self._forward(batch)
+        returned = [hidden[lo:hi] for lo, hi in batch.hidden_rows]
         if not batch.sample_seqs:
-            return [], None
+            return StepResult([], None, returned)
         seqs = batch.sample_seqs
         rows = hidden.index_select(0, batch.logits_indices)
         if self.before_logits is not None:
             self.before_logits()
         ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
-        partial = getattr(self.model, "compute_logits_in", None)
-        if partial is not None and not return_logits and all(r is not None for r in ranges):
+        if not return_logits and supports_narrow_logits(self.model) and all(r is not None for r in ranges):
             # Constrained rows: project onto the ids they may take only (the rest is -inf).
-            logits = partial(rows, ranges)
+            logits = self.model.compute_logits_in(rows, cast(list[list[tuple[int, int]]], ranges))
         else:
             logits = self.model.compute_logits(rows)
         raw = logits.clone() if return_logits else None
         tokens = self.sampler(logits, seqs, ranges)
-        return [int(t) for t in tokens.tolist()], raw
+        return StepResult([int(t) for t in tokens.tolist()], raw, returned)

@@ -1,24 +1,93 @@
-"""What a model must offer to run inside a `KVCacheEngine`."""
+"""What a model must offer to run inside a `KVCacheEngine`, and what it is handed per step.
+
+A step is one flat batch of chunks, one per scheduled sequence. The model gets the batch's
+token ids and positions as tensors, and in `PagedKVContext.step` what else each chunk is:
+
+```
+ rows      | c0: 5 text tokens | c1: 64 image latents (payload, expert 1) | c2: 1 token |
+ input_ids | ids ...           | 0 0 0 ... (placeholders)                 | id          |
+ chunks    | StepChunk(rows 0:5, payload None) | StepChunk(5:69, payload=..., expert 1) | ...
+```
+
+A model that accepts payloads embeds each payload chunk itself (`StepInputs.payload_chunks`)
+and routes rows through its experts by `StepInputs.expert_ids`; attention is joint over
+the whole batch, whichever weights produced a row's keys and values.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
 from mstar.engines.attention.base import AttentionBackend
 from mstar.engines.kv_cache import KVCacheSpec
 
-__all__ = ["PagedKVContext", "PagedModel"]
+__all__ = [
+    "PagedKVContext",
+    "PagedModel",
+    "StepChunk",
+    "StepInputs",
+    "SupportsNarrowLogits",
+    "supports_narrow_logits",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StepChunk:
+    """One scheduled chunk of a step: rows `[row_start, row_end)` of the flat batch.
+
+    Attributes:
+        seq_key: The engine's id of the sequence (a request, or a fork or query of one).
+        row_start: First row in the flat batch.
+        row_end: Row after the last.
+        position: Position of the chunk's first token in its sequence.
+        payload: The model-specific input of these rows, or None for token ids.
+        expert: Which weight set runs these rows (0: the default one).
+        is_read_only: The chunk queries its sequence's cache and writes nothing.
+    """
+
+    seq_key: str
+    row_start: int
+    row_end: int
+    position: int
+    payload: Any = None
+    expert: int = 0
+    is_read_only: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        """Count the chunk's rows."""
+        return self.row_end - self.row_start
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Per-chunk inputs of one step (see the module docstring).
+
+    Attributes:
+        chunks: Every chunk of the step, in batch order.
+        expert_ids: `[num_tokens]` int64 expert of each row (device), or None when every
+            row runs expert 0.
+    """
+
+    chunks: list[StepChunk] = field(default_factory=list)
+    expert_ids: torch.Tensor | None = None
+
+    @property
+    def payload_chunks(self) -> list[StepChunk]:
+        """Return the chunks whose rows come from a payload."""
+        return [c for c in self.chunks if c.payload is not None]
 
 
 @dataclass(slots=True)
 class PagedKVContext:
-    """Handed to the model each step: the planned backend and every layer's cache."""
+    """Handed to the model each step: the planned backend, every layer's cache, the step's inputs."""
 
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    step: StepInputs = field(default_factory=StepInputs)
 
     @torch.compiler.disable
     def attend(
@@ -57,11 +126,28 @@ class PagedModel(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Return `[rows, vocab]` logits for selected hidden states.
+        """Return `[rows, vocab]` logits for selected hidden states (sampling walks only).
 
-        A model may also offer `compute_logits_in(hidden, ranges)`: the same logits, but
-        computed only inside each row's id ranges (`[(start, end), ...]`) and `-inf`
-        elsewhere. The runner uses it when every sampled row's logits processor names its
-        ranges (constrained decoding over a large vocabulary).
+        A model may also offer narrowed logits (`SupportsNarrowLogits`).
         """
         ...
+
+
+@runtime_checkable
+class SupportsNarrowLogits(Protocol):
+    """A `PagedModel` that computes logits inside id ranges only.
+
+    The runner uses it when every sampled row's logits processor names its ranges
+    (constrained decoding over a large vocabulary: Orpheus' audio codes).
+    """
+
+    supports_narrow_logits: ClassVar[Literal[True]]
+
+    def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
+        """Return `[rows, vocab]` logits computed inside each row's `[(start, end), ...]`, `-inf` elsewhere."""
+        ...
+
+
+def supports_narrow_logits(model: object) -> TypeGuard[SupportsNarrowLogits]:
+    """Whether `model` declares `SupportsNarrowLogits`."""
+    return getattr(model, "supports_narrow_logits", False) is True  # compiled wrappers forward it

@@ -9,6 +9,10 @@ When the cache cannot take a running sequence's next tokens, the most recently a
 running sequence is preempted by recompute: its blocks are freed and it waits again with
 its tokens (prompt and outputs so far), to be prefilled from scratch later; since sampling
 only ever happens at the end of a sequence, the outputs are the same as without preemption.
+Pinned sequences (payload inputs, or read by queries) cannot be recomputed and are never
+preempted or evicted; a pinned sequence that finds no room waits for the next step, and one
+that declares `reserve_tokens` is admitted only once all its blocks can be held back.
+Read-only queries are scheduled whole, take no blocks and end after their one step.
 """
 
 from __future__ import annotations
@@ -35,9 +39,19 @@ class ScheduledSequence:
     num_tokens: int
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
+    def completes(self) -> bool:
+        """Whether this chunk reaches the end of the sequence (its walk's inputs are done)."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether a token is sampled after this chunk."""
+        return self.completes and self.seq.output_mode == "sample"
+
+    @property
+    def returns_hidden(self) -> bool:
+        """Whether this chunk's rows are returned (a walk in "hidden" mode, never split)."""
+        return self.completes and self.seq.output_mode == "hidden"
 
 
 @dataclass(slots=True)
@@ -68,6 +82,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     logits: torch.Tensor | None = None  # raw logits of the sampled step, when asked for
+    hidden: torch.Tensor | None = None  # the walk's rows `[new tokens, ...]` ("hidden" mode)
 
 
 class BatchScheduler:
@@ -126,8 +141,12 @@ class BatchScheduler:
                 continue  # preempted earlier in this loop
             # May exceed the budget for a segment that cannot be cut (full/block masks).
             num_tokens = seq.max_chunk(budget)
+            if seq.is_read_only:
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens))
+                budget -= num_tokens
+                continue
             if not self._make_room(seq, num_tokens, scheduled_ids, out):
-                continue  # `seq` itself was preempted
+                continue  # `seq` itself was preempted, or is pinned and waits
             out.block_copies.extend(bm.append(seq, num_tokens))
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens))
             scheduled_ids.add(id(seq))
@@ -138,16 +157,18 @@ class BatchScheduler:
             bm.allocate_cached_prefix(seq)
             num_tokens = seq.max_chunk(budget)
             while (
-                not bm.can_append(seq, num_tokens)
+                not self._fits(seq, num_tokens)
                 and not self.running
-                and any(p.block_table for p in self.paused.values())
+                and self._has_evictable()
             ):
                 # Nothing runs, so only idle paused sequences can give blocks back.
                 self._evict_paused(out)
-            if not bm.can_append(seq, num_tokens):
+            if not self._fits(seq, num_tokens):
                 bm.free(seq)
                 break
             self.waiting.popleft()
+            if seq.reserve_tokens:
+                bm.reserve(seq, seq.reserve_tokens)
             out.block_copies.extend(bm.append(seq, num_tokens))
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens))
             seq.status = SequenceStatus.RUNNING
@@ -165,42 +186,73 @@ class BatchScheduler:
         """
         bm = self.block_manager
         while not bm.can_append(seq, num_tokens):
-            if any(p.block_table for p in self.paused.values()):
+            if self._has_evictable():
                 self._evict_paused(out)
                 continue
-            victim = next(s for s in reversed(self.running) if id(s) not in scheduled_ids)
+            victim = next(
+                (s for s in reversed(self.running) if id(s) not in scheduled_ids and not s.is_pinned and not s.is_read_only),
+                None,
+            )
+            if victim is None:
+                return False  # only pinned sequences hold blocks: `seq` (pinned) waits a step
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a waiting sequence can be admitted now (with its reservation, if any)."""
+        bm = self.block_manager
+        if seq.reserve_tokens:
+            return bm.can_reserve(seq, max(seq.reserve_tokens, seq.num_computed_tokens + num_tokens))
+        return bm.can_append(seq, num_tokens)
+
+    def _has_evictable(self) -> bool:
+        return any(p.block_table and not p.is_pinned for p in self.paused.values())
+
     def _evict_paused(self, out: SchedulerOutput) -> None:
-        victim = next(p for p in self.paused.values() if p.block_table)
+        victim = next(p for p in self.paused.values() if p.block_table and not p.is_pinned)
         self.block_manager.free(victim)
         out.preempted_ids.append(victim.request_id)
         self.num_preemptions += 1
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int]
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[int],
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[RequestOutput]:
         """Advance the scheduled sequences; append sampled tokens and apply stop rules.
 
-        `sampled_token_ids` holds one token per scheduled chunk that `samples`, in order.
+        `sampled_token_ids` holds one token per scheduled chunk that `samples`, in order;
+        `hidden` the rows of each chunk that `returns_hidden`, in order. A walk that samples
+        nothing ends once its inputs are computed (`FinishReason.COMPUTED`).
         """
         outputs: list[RequestOutput] = []
         samples = iter(sampled_token_ids)
+        rows = iter(hidden or ())
         for item in out.scheduled:
             seq = item.seq
+            if seq.is_read_only:
+                self.running.remove(seq)
+                self.block_manager.free(seq)  # its hold on the parent's blocks
+                seq.status = SequenceStatus.FINISHED
+                outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.COMPUTED, hidden=next(rows)))
+                continue
             seq.num_computed_tokens = item.start + item.num_tokens
-            if not item.samples:
+            if not item.completes:
                 continue
-            token = next(samples)
-            seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is None:
-                outputs.append(RequestOutput(seq.request_id, [token], False))
-                continue
-            outputs.append(RequestOutput(seq.request_id, [token], True, reason))
+            if seq.output_mode == "sample":
+                token = next(samples)
+                seq.token_ids.append(token)
+                reason = self._finish_reason(seq, token)
+                if reason is None:
+                    outputs.append(RequestOutput(seq.request_id, [token], False))
+                    continue
+                outputs.append(RequestOutput(seq.request_id, [token], True, reason))
+            else:
+                row = next(rows) if seq.output_mode == "hidden" else None
+                outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.COMPUTED, hidden=row))
             self.running.remove(seq)
             if seq.keep_alive:
                 seq.status = SequenceStatus.PAUSED

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from mstar.engines.masks import AttentionMask, MaskSegment
 from mstar.engines.sampling_params import SamplingParams
@@ -14,12 +15,40 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FinishReason",
+    "InputSegment",
     "LogitsProcessor",
+    "OutputMode",
     "Sequence",
     "SequenceStatus",
     "StopCheck",
     "vocab_ranges",
 ]
+
+OutputMode = Literal["sample", "hidden", "none"]
+"""What a walk of a sequence returns: a sampled token per step ("sample"), the model's rows
+for the walk's new tokens once they are computed ("hidden", never split over steps), or
+nothing (a prefill whose only product is the cache, "none")."""
+
+PLACEHOLDER_TOKEN = 0
+"""The id that stands in `token_ids` for a position whose input is a payload, not a token."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputSegment:
+    """Positions `[start, end)` of a sequence whose input is not a plain token of expert 0.
+
+    Attributes:
+        start: First position.
+        end: Position after the last.
+        payload: What the model embeds for these positions instead of token ids (image
+            patches, latents, action tokens...), opaque to the engine; None: token ids.
+        expert: Which of the model's weight sets runs these positions (0: the default).
+    """
+
+    start: int
+    end: int
+    payload: Any = None
+    expert: int = 0
 
 LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 """Called per step as `processor(token_ids, logits) -> logits` with the row of one request.
@@ -62,25 +91,39 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens were generated
     STOP_CHECK = "stop_check"  # the request's stop check returned True
     ABORT = "abort"  # the request was aborted
+    COMPUTED = "computed"  # the walk's inputs are in the cache (a walk that samples nothing)
 
 
 class Sequence:
-    """Tokens, progress and block table of one request (or one fork of it).
+    """Tokens, progress and block table of one request (or one fork or query of it).
 
     `token_ids[:num_computed_tokens]` have their K/V in the cache; the rest are inputs
     of the next steps. After a token is sampled it is appended and computed next step.
+    Positions whose input is a payload (embeddings the model makes from data) or runs
+    through another expert are described by `input_segments` (their ids are placeholders);
+    positions with a non-causal mask by `mask_segments`.
+
+    A *read-only* sequence is a query: it sees its parent's cached tokens and its own new
+    ones, and writes nothing to the cache; it lives for one step.
     """
 
     __slots__ = (
         "arrival",
         "block_table",
         "generator",
+        "input_segments",
+        "is_pinned",
+        "is_read_only",
         "keep_alive",
         "logits_processor",
         "mask_segments",
         "num_computed_tokens",
+        "output_mode",
         "params",
         "request_id",
+        "reserve_tokens",
+        "reserved_blocks",
+        "segments_end",
         "status",
         "stop_check",
         "token_ids",
@@ -112,9 +155,18 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.mask_segments: list[MaskSegment] = []
+        self.input_segments: list[InputSegment] = []
+        self.segments_end = 0  # no segment reaches past this position
         self.walk_start = len(self.token_ids)
+        self.output_mode: OutputMode = "sample"
+        # Pinned: its cache cannot be rebuilt from token ids (payload inputs) or is read by
+        # queries, so it is never preempted or evicted.
+        self.is_pinned = False
+        self.is_read_only = False
+        self.reserve_tokens = 0  # admit only once blocks for this many tokens can be held back
+        self.reserved_blocks = 0  # blocks held back for this sequence (`BlockManager.reserve`)
         if mask is not None and not mask.is_causal:
-            self.mask_segments.append(MaskSegment(0, len(self.token_ids), mask))
+            self._add_mask(MaskSegment(0, len(self.token_ids), mask))
 
     @property
     def num_tokens(self) -> int:
@@ -140,30 +192,81 @@ class Sequence:
     def is_prefix_cacheable(self) -> bool:
         """Whether full blocks of this sequence may be shared by token hash.
 
-        Non-causal segments make a block's K/V depend on later tokens, so those
-        sequences keep their blocks private (forks still share them).
+        Non-causal segments make a block's K/V depend on later tokens, and payloads or
+        other experts make it depend on more than the token ids, so those sequences keep
+        their blocks private (forks still share them).
         """
-        return not self.mask_segments
+        return not (self.mask_segments or self.input_segments)
 
-    def extend(self, token_ids: list[int], mask: AttentionMask | None) -> None:
-        """Append input tokens for a new walk (they start uncomputed)."""
+    def extend(
+        self,
+        token_ids: list[int],
+        mask: AttentionMask | None,
+        *,
+        payload: Any = None,
+        expert: int = 0,
+    ) -> None:
+        """Append inputs for a new walk (they start uncomputed).
+
+        With a `payload`, `token_ids` are placeholders for its positions (one each).
+        """
         start = len(self.token_ids)
         self.token_ids.extend(token_ids)
-        if mask is not None and not mask.is_causal and token_ids:
-            self.mask_segments.append(MaskSegment(start, len(self.token_ids), mask))
-        self.walk_start = len(self.token_ids)
+        end = len(self.token_ids)
+        if token_ids:
+            if mask is not None and not mask.is_causal:
+                self._add_mask(MaskSegment(start, end, mask))
+            if payload is not None or expert != 0:
+                self.input_segments.append(InputSegment(start, end, payload, expert))
+                self.segments_end = max(self.segments_end, end)
+        self.walk_start = end
+
+    def _add_mask(self, segment: MaskSegment) -> None:
+        self.mask_segments.append(segment)
+        self.segments_end = max(self.segments_end, segment.end)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the tokens from position `num_tokens` on (the cache side is the block manager's)."""
+        del self.token_ids[num_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
+        self.walk_start = min(self.walk_start, num_tokens)
+        self.mask_segments = [
+            MaskSegment(m.start, min(m.end, num_tokens), m.mask) for m in self.mask_segments if m.start < num_tokens
+        ]
+        # A payload cut in two cannot be embedded again: only whole segments stay.
+        self.input_segments = [s for s in self.input_segments if s.end <= num_tokens]
+        ends = [m.end for m in self.mask_segments] + [s.end for s in self.input_segments]
+        self.segments_end = max(ends, default=0)
+
+    def input_segment_at(self, position: int) -> InputSegment | None:
+        """Return the input segment holding `position`, if any."""
+        if position >= self.segments_end:
+            return None
+        for segment in self.input_segments:
+            if segment.start <= position < segment.end:
+                return segment
+        return None
 
     def max_chunk(self, budget: int) -> int:
         """Return how many uncomputed tokens one step may take under `budget`.
 
-        Honours mask segments (see `MaskSegment.clip_chunk_end`); the result exceeds
-        `budget` only when a segment cannot be cut smaller.
+        Honours mask segments (see `MaskSegment.clip_chunk_end`) and input segments (a chunk
+        holds one whole segment or none of it); a walk that returns its rows is never
+        split. The result exceeds `budget` only when the inputs cannot be cut smaller.
         """
         start = self.num_computed_tokens
+        if self.output_mode == "hidden":
+            return len(self.token_ids) - start
         end = min(len(self.token_ids), start + budget)
-        for segment in self.mask_segments:
-            if segment.start < end and segment.end > start:
-                end = segment.clip_chunk_end(start, end)
+        if start < self.segments_end:
+            for segment in self.mask_segments:
+                if segment.start < end and segment.end > start:
+                    end = segment.clip_chunk_end(start, end)
+            for inp in self.input_segments:
+                if inp.start <= start < inp.end:
+                    end = inp.end  # the whole segment, in one chunk
+                elif start < inp.start < end:
+                    end = inp.start  # tokens up to the segment, then the segment alone
         return end - start
 
     def kv_limit(self, position: int) -> int:

@@ -10,6 +10,18 @@ A step's tokens are one flat batch: the chunks of all scheduled sequences, conca
 The paged K/V cache of one layer is a pair of tensors `(k_cache, v_cache)`, each
 `[num_slots // block_size, block_size, num_kv_heads, head_dim]` (FlashInfer's "NHD"
 layout); the last block is a sink that padded tokens write into.
+
+Attention patterns are data: query `t` of sequence `i` sees keys `[0, kv_limits[t])` of
+its sequence (causal: its own position + 1; full within a segment: the segment's end;
+block-causal: its block's end). Patterns mix freely within one step. A *read-only*
+sequence (a query: denoising tokens over a context, action tokens over a prefix) writes
+nothing: its first `seq_lens[i] - query_len` keys come from the cache and its last
+`query_len` from the step's own `k`, `v`; its slots in `slot_mapping` are the sink's.
+
+```
+ read-only chunk, query_len 3, seq_lens 8:   keys | cache 0..4 | step k 5..7 |
+                              kv_limits 8 8 8  (all see the context and each other)
+```
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ class AttentionMetadata:
         block_size: slots per block.
         seq_keys: `[num_seqs]` ids of the sequences, unique within the engine and stable
             across steps (lets a backend keep per-sequence state between steps), or None.
+        read_only: `[num_seqs]` bool: the sequence's step K/V are not written and its last
+            `query_len` keys are the step's own (see the module docstring); None: none is.
     """
 
     num_tokens: int
@@ -48,6 +62,7 @@ class AttentionMetadata:
     kv_limits: np.ndarray | None
     block_size: int
     seq_keys: np.ndarray | None = None
+    read_only: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -62,7 +77,7 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         """Whether every sequence contributes exactly one (causal) query token."""
-        return self.num_tokens == self.num_seqs and self.kv_limits is None
+        return self.num_tokens == self.num_seqs and self.kv_limits is None and self.read_only is None
 
 
 class AttentionBackend(Protocol):

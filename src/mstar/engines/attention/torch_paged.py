@@ -1,8 +1,11 @@
 """Pure-torch paged attention: the reference backend, and the one used on CPU.
 
 Decode tokens of a step are batched into one masked attention over keys gathered from
-their block tables (padded to the longest sequence); prefill chunks run one sequence
-at a time. Grouped-query attention never materialises repeated K/V heads.
+their block tables (padded to the longest sequence); chunks whose queries all see all
+their keys (bidirectional frames, read-only queries over a context) and share a shape are
+batched into one unmasked attention; other prefill chunks run one sequence at a time.
+Read-only chunks append their own step keys to the cached ones instead of reading them
+back. Grouped-query attention never materialises repeated K/V heads.
 
 Decode staging (on by default): gathering every sequence's whole history from its blocks
 in every layer of every step copies the full cache per step, which dominates CPU decode
@@ -41,6 +44,39 @@ def _padding_mask(lens: np.ndarray, width: int, device: torch.device) -> torch.T
     visible = np.arange(width)[None, :] < lens[:, None]
     additive = np.where(visible, 0.0, -np.inf).astype(np.float32)
     return torch.from_numpy(additive[:, None, None, :]).to(device)
+
+
+class _Chunk:
+    """A chunk attended alone: its query rows, the cached keys it reads, its mask."""
+
+    __slots__ = ("end", "is_read_only", "key_slots", "mask", "start")
+
+    def __init__(self, start: int, end: int, key_slots: torch.Tensor, mask: torch.Tensor | None, is_read_only: bool) -> None:
+        self.start, self.end = start, end
+        self.key_slots = key_slots  # cache slots of the keys read from the cache
+        self.mask = mask  # [q_len, keys] bool, or None for plain causal
+        self.is_read_only = is_read_only  # its own keys are the step's rows, appended last
+
+
+class _Group:
+    """Chunks of one shape that see all their keys: one batched attention without a mask."""
+
+    __slots__ = ("is_read_only", "key_slots", "num_chunks", "q_len", "row_start", "rows")
+
+    def __init__(
+        self, num_chunks: int, q_len: int, rows: torch.Tensor, key_slots: torch.Tensor, is_read_only: bool, row_start: int | None
+    ) -> None:
+        self.num_chunks, self.q_len = num_chunks, q_len
+        self.rows = rows  # the chunks' query rows, chunk after chunk
+        self.key_slots = key_slots  # each chunk's cached keys, chunk after chunk
+        self.is_read_only = is_read_only
+        self.row_start = row_start  # the rows are one contiguous run from here (or None)
+
+
+def _is_contiguous(starts: np.ndarray, members: list[int], q_len: int) -> bool:
+    """Whether the chunks `members` lie back to back in the batch."""
+    first = int(starts[members[0]])
+    return all(int(starts[i]) == first + j * q_len for j, i in enumerate(members))
 
 
 class _DecodeStaging:
@@ -109,8 +145,8 @@ class TorchPagedAttention:
         self._staged_len = 0
         self._staged_mask: torch.Tensor | None = None
         self._all_decode = False
-        # Prefill chunks: (query start, query end, key slots, mask or None for pure causal).
-        self._prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        self._prefills: list[_Chunk] = []  # chunks attended one at a time
+        self._groups: list[_Group] = []  # unmasked chunks of one shape, attended together
         self._slot_mapping: torch.Tensor | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -120,6 +156,7 @@ class TorchPagedAttention:
         seq_lens = metadata.seq_lens
         size = metadata.block_size
         limits = metadata.kv_limits
+        read_only = metadata.read_only
         if metadata.is_decode_only:
             decode_ids = list(range(metadata.num_seqs))
         else:
@@ -127,7 +164,9 @@ class TorchPagedAttention:
             decode_ids = [
                 i
                 for i in range(metadata.num_seqs)
-                if query_lens[i] == 1 and (limits is None or limits[starts[i]] == seq_lens[i])
+                if query_lens[i] == 1
+                and (limits is None or limits[starts[i]] == seq_lens[i])
+                and (read_only is None or not read_only[i])
             ]
         self._all_decode = len(decode_ids) == metadata.num_tokens
         self._prefills = []
@@ -166,21 +205,45 @@ class TorchPagedAttention:
         elif staging is not None:
             staging.deactivate()
         decode_set = set(decode_ids)
+        groups: dict[tuple[int, int, bool], list[int]] = {}
         for i in range(metadata.num_seqs):
             if i in decode_set:
                 continue
             start, end = int(starts[i]), int(starts[i + 1])
             length = int(seq_lens[i])
-            key_slots = torch.from_numpy(_slots_of(metadata.block_tables[i], length, size))
+            is_read_only = read_only is not None and bool(read_only[i])
+            # A read-only chunk's own keys are the step's rows, not the cache's.
+            num_cached = length - (end - start) if is_read_only else length
+            if limits is not None and bool((limits[start:end] == length).all()):
+                # Every query sees every key (a bidirectional chunk over its context): no
+                # mask at all, and chunks of one shape attend as one batch.
+                groups.setdefault((end - start, length, is_read_only), []).append(i)
+                continue
+            key_slots = torch.from_numpy(_slots_of(metadata.block_tables[i], num_cached, size))
+            if limits is not None:
+                row_limits = limits[start:end]
+            else:
+                row_limits = np.arange(length - (end - start), length) + 1
             mask: torch.Tensor | None = None
             if limits is not None or end - start != length:
-                if limits is not None:
-                    row_limits = limits[start:end]
-                else:
-                    row_limits = np.arange(length - (end - start), length) + 1
                 mask_np = np.arange(length)[None, :] < row_limits[:, None]
                 mask = torch.from_numpy(mask_np).to(self.device)
-            self._prefills.append((start, end, key_slots.to(self.device), mask))
+            self._prefills.append(_Chunk(start, end, key_slots.to(self.device), mask, is_read_only))
+        self._groups = []
+        for (q_len, length, is_read_only), members in groups.items():
+            num_cached = length - q_len if is_read_only else length
+            slots = np.concatenate([_slots_of(metadata.block_tables[i], num_cached, size) for i in members])
+            rows = np.concatenate([np.arange(starts[i], starts[i] + q_len) for i in members])
+            self._groups.append(
+                _Group(
+                    len(members),
+                    q_len,
+                    torch.from_numpy(rows).to(self.device),
+                    torch.from_numpy(slots).to(self.device),
+                    is_read_only,
+                    int(starts[members[0]]) if _is_contiguous(starts, members, q_len) else None,
+                )
+            )
 
     def forward(
         self,
@@ -201,14 +264,40 @@ class TorchPagedAttention:
         rows = self._decode_rows
         if rows is not None:
             out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale)
-        for start, end, slots, mask in self._prefills:
+        for chunk in self._prefills:
+            start, end = chunk.start, chunk.end
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
-            ks = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            vs = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            ks = k_flat.index_select(0, chunk.key_slots)
+            vs = v_flat.index_select(0, chunk.key_slots)
+            if chunk.is_read_only:
+                ks = torch.cat([ks, k[start:end]])
+                vs = torch.cat([vs, v[start:end]])
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=gqa,
             )
             out[start:end] = o[0].transpose(0, 1)
+        for group in self._groups:
+            n, q_len = group.num_chunks, group.q_len
+            heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+            if group.row_start is not None:
+                lo = group.row_start
+                qs, k_own, v_own = q[lo : lo + n * q_len], k[lo : lo + n * q_len], v[lo : lo + n * q_len]
+            else:
+                qs, k_own, v_own = q[group.rows], k[group.rows], v[group.rows]
+            ks = k_flat.index_select(0, group.key_slots).view(n, -1, kv_heads, dim)
+            vs = v_flat.index_select(0, group.key_slots).view(n, -1, kv_heads, dim)
+            if group.is_read_only:
+                ks = torch.cat([ks, k_own.view(n, q_len, kv_heads, dim)], dim=1)
+                vs = torch.cat([vs, v_own.view(n, q_len, kv_heads, dim)], dim=1)
+            o = F.scaled_dot_product_attention(
+                qs.view(n, q_len, heads, dim).transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                scale=scale, enable_gqa=gqa,
+            ).transpose(1, 2).reshape(n * q_len, heads, dim)
+            if group.row_start is not None:
+                out[group.row_start : group.row_start + n * q_len] = o
+            else:
+                out[group.rows] = o
         return out
 
     def _decode(
