@@ -13,13 +13,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from mstar.engines.stateless import BatchedNode, batched
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph
-from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 
 SAMPLE_RATE = 8000
 CHUNK = 80
 
 
-class EndlessTone(Model):
+class EndlessTone(Model, SupportsAudioOutput):
     """Task "speech": a tone in chunks of 80 samples, `num_chunks` of them (default: endless)."""
 
     name = "endless-tone"

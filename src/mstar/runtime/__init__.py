@@ -5,7 +5,18 @@ from __future__ import annotations
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig, EngineStats
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.conductor_core import ConductorCore
-from mstar.runtime.model import EngineType, Model, ModelSpec, Output, PreparedRequest, Request
+from mstar.runtime.model import (
+    EngineType,
+    Model,
+    ModelSpec,
+    Output,
+    PreparedRequest,
+    Request,
+    SupportsAudioOutput,
+    SupportsTextOutput,
+    supports_audio_output,
+    supports_text_output,
+)
 from mstar.runtime.placement import NodeGroup, Placement
 from mstar.runtime.walk_runner import WalkRunner
 from mstar.runtime.worker import Worker
@@ -25,8 +36,12 @@ __all__ = [
     "Placement",
     "PreparedRequest",
     "Request",
+    "SupportsAudioOutput",
+    "SupportsTextOutput",
     "WalkRunner",
     "Worker",
     "WorkerConfig",
     "WorkerCore",
+    "supports_audio_output",
+    "supports_text_output",
 ]

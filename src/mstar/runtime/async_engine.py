@@ -169,7 +169,7 @@ class AsyncEngine:
             ModelLoadError: The model cannot be built.
         """
         config = config or EngineConfig()
-        spec = model if isinstance(model, ModelSpec) else getattr(model, "spec", None)
+        spec = model if isinstance(model, ModelSpec) else model.spec
         instance = model.build() if isinstance(model, ModelSpec) else model
         if placement is None:
             placement = Placement.colocated(instance.graph())

@@ -3,6 +3,10 @@
 A model is its graph and walks, the engine type of each node, a factory for each node's
 computation, request pre- and post-processing, and the per-request walk state machine.
 Nothing model-specific lives in the runtime.
+
+What a model offers beyond that base contract is declared, never probed: each capability is a
+``Supports*`` protocol below, which a model class inherits (``class MyLLM(Model,
+SupportsTextOutput)``), and callers ask the matching ``supports_*()`` function before using it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -27,6 +31,10 @@ __all__ = [
     "Output",
     "PreparedRequest",
     "Request",
+    "SupportsAudioOutput",
+    "SupportsTextOutput",
+    "supports_audio_output",
+    "supports_text_output",
 ]
 
 
@@ -135,3 +143,58 @@ class Model(ABC):
     def postprocess(self, request_id: str, emission: Emission) -> Output:
         """Turn an emitted value into a client output (default: as is)."""
         return Output(request_id, emission.modality, emission.name, emission.value, emission.node, emission.walk)
+
+
+# --- capabilities beyond the base contract ---------------------------------------------------
+#
+# Each protocol carries a class-level ``supports_*`` marker that only classes inheriting the
+# protocol get, so a model offers a capability by saying so, not by happening to have an
+# attribute of the right name. The protocols are runtime-checkable so that ``supports_*()``
+# also verifies the members are there.
+
+
+@runtime_checkable
+class SupportsTextOutput(Protocol):
+    """A model whose ``text`` outputs are token ids of its own tokenizer.
+
+    The server uses it to tokenize prompts for the OpenAI text routes, to detokenize text
+    outputs incrementally, and to tell an end-of-sequence stop from a length stop.
+
+    Attributes:
+        tokenizer: A Hugging Face tokenizer (callable, with ``apply_chat_template``), or None
+            when the checkpoint ships none; then clients must send token ids.
+    """
+
+    supports_text_output: ClassVar[Literal[True]] = True
+    tokenizer: Any
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Return the token ids that end a generation."""
+
+    @abstractmethod
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Return the text of ``token_ids``."""
+
+
+@runtime_checkable
+class SupportsAudioOutput(Protocol):
+    """A model whose ``audio`` outputs are mono float samples at one fixed rate.
+
+    Attributes:
+        audio_sample_rate: Samples per second of every audio output.
+    """
+
+    supports_audio_output: ClassVar[Literal[True]] = True
+    audio_sample_rate: int
+
+
+def supports_text_output(model: object) -> TypeGuard[SupportsTextOutput]:
+    """Return whether ``model`` declares `SupportsTextOutput`."""
+    return isinstance(model, SupportsTextOutput)
+
+
+def supports_audio_output(model: object) -> TypeGuard[SupportsAudioOutput]:
+    """Return whether ``model`` declares `SupportsAudioOutput`."""
+    return isinstance(model, SupportsAudioOutput)

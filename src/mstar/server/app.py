@@ -74,7 +74,7 @@ def make_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        label = names[0] if names else getattr(model, "name", None) or str(getattr(model, "factory", "model"))
+        label = names[0] if names else model.name if isinstance(model, Model) else model.factory
         try:
             with loading(label) if loading is not None else contextlib.nullcontext():
                 engine = await AsyncEngine.start(model, placement, engine_config)

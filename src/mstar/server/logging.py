@@ -61,6 +61,12 @@ class SecretRedactor:
         return value
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    """Return whether ``stream`` is a terminal; file-like objects without ``isatty`` are not."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty()) if callable(isatty) else False
+
+
 def configure_logging(
     level: str = "info",
     *,
@@ -79,7 +85,7 @@ def configure_logging(
     """
     stream = stream or sys.stderr
     if json is None:
-        json = not (hasattr(stream, "isatty") and stream.isatty())
+        json = not _is_terminal(stream)
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}: use debug, info, warning or error")
@@ -94,7 +100,7 @@ def configure_logging(
         SecretRedactor(secrets),
     ]
     renderer: Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
     )
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

@@ -55,11 +55,8 @@ def _task(state: ServerState, body: GenerateRequest) -> str:
 
 
 async def _lines(stream: RequestStream, state: ServerState, with_audio: bool) -> AsyncIterator[bytes]:
-    detokenizer = (
-        IncrementalDetokenizer(state.model.detokenize)
-        if state.tokenizer is not None and hasattr(state.model, "detokenize")
-        else None
-    )
+    text_model = state.text_model
+    detokenizer = None if text_model is None else IncrementalDetokenizer(text_model.detokenize)
     num_tokens = 0
     try:
         async with contextlib.aclosing(stream.outputs()) as outputs:

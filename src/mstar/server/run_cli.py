@@ -25,7 +25,7 @@ import torch
 
 from mstar.errors import MStarError
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig
-from mstar.runtime.model import Model, Output, Request
+from mstar.runtime.model import Model, Output, Request, supports_audio_output, supports_text_output
 from mstar.runtime.placement import Placement
 from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.encoding import token_ids
@@ -127,10 +127,9 @@ class _Collected:
         return ", ".join(parts) or "waiting"
 
     def text(self) -> str:
-        tokenizer = getattr(self.model, "tokenizer", None)
-        detokenize = getattr(self.model, "detokenize", None)
-        if tokenizer is not None and detokenize is not None:
-            return str(detokenize(self.token_ids))
+        model = self.model
+        if supports_text_output(model) and model.tokenizer is not None:
+            return model.detokenize(self.token_ids)
         return " ".join(map(str, self.token_ids))  # no tokenizer: the ids themselves
 
 
@@ -142,7 +141,7 @@ async def _run(args: argparse.Namespace, spec: Any, placement: Placement | None)
         tasks = engine.model.tasks()
         if args.task not in tasks:
             raise ValueError(f"model {args.model!r} has no task {args.task!r} (its tasks: {', '.join(tasks)})")
-        rate = getattr(engine.model, "audio_sample_rate", None)
+        rate = engine.model.audio_sample_rate if supports_audio_output(engine.model) else None
         collected = _Collected(engine.model)
         with _progress(args.task) as update:
             async for out in engine.generate(Request(args.task, _request_data(args))):

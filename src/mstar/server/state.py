@@ -8,7 +8,12 @@ from typing import Any
 
 from mstar.errors import APIRequestError
 from mstar.runtime.async_engine import AsyncEngine
-from mstar.runtime.model import Model
+from mstar.runtime.model import (
+    Model,
+    SupportsTextOutput,
+    supports_audio_output,
+    supports_text_output,
+)
 from mstar.server.admission import AdmissionQueue
 from mstar.server.config import ServerConfig
 from mstar.server.metrics import ServerMetrics
@@ -54,13 +59,23 @@ class ServerState:
     @property
     def sample_rate(self) -> int | None:
         """Return the sample rate of the model's audio outputs, if it makes audio."""
-        rate = getattr(self.model, "audio_sample_rate", None)
-        return int(rate) if rate else None
+        model = self.model
+        return int(model.audio_sample_rate) if supports_audio_output(model) else None
+
+    @property
+    def text_model(self) -> SupportsTextOutput | None:
+        """Return the model if the server can turn its token ids into text, else None.
+
+        That takes a model declaring `SupportsTextOutput` whose checkpoint has a tokenizer.
+        """
+        model = self.model
+        return model if supports_text_output(model) and model.tokenizer is not None else None
 
     @property
     def tokenizer(self) -> Any:
-        """Return the model's tokenizer, or None."""
-        return getattr(self.model, "tokenizer", None)
+        """Return the model's tokenizer if the server can turn its token ids into text, or None."""
+        text_model = self.text_model
+        return None if text_model is None else text_model.tokenizer
 
     def check_model(self, name: str | None) -> None:
         """Check the `model` field of a request.

@@ -19,7 +19,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
 from mstar.errors import APIRequestError, MStarError
-from mstar.runtime.model import Output, Request
+from mstar.runtime.model import Output, Request, SupportsTextOutput
 from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from mstar.server.encoding import SSE_DONE, error_body, sse, token_ids
 from mstar.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,11 +41,10 @@ router = APIRouter()
 class TextGeneration:
     """Follow one request's text outputs: text deltas, stop strings, finish reason, usage."""
 
-    def __init__(self, state: ServerState, prompt_tokens: int, stops: list[str], max_tokens: int | None) -> None:
-        model = state.model
-        self.detokenizer = IncrementalDetokenizer(model.detokenize)  # type: ignore[attr-defined]
+    def __init__(self, model: SupportsTextOutput, prompt_tokens: int, stops: list[str], max_tokens: int | None) -> None:
+        self.detokenizer = IncrementalDetokenizer(model.detokenize)
         self.stopper = StopStringMatcher(stops)
-        self.eos_ids = frozenset(getattr(model, "eos_token_ids", ()))
+        self.eos_ids = frozenset(model.eos_token_ids)
         self.max_tokens = max_tokens
         self.prompt_tokens = prompt_tokens
         self.num_tokens = 0
@@ -95,15 +94,15 @@ def _state(http: HttpRequest) -> ServerState:
     return state
 
 
-def _tokenizer(state: ServerState) -> Any:
+def _text_model(state: ServerState) -> SupportsTextOutput:
     state.check_task("generate")
-    tokenizer = state.tokenizer
-    if tokenizer is None or not hasattr(state.model, "detokenize"):
+    text_model = state.text_model
+    if text_model is None:
         raise APIRequestError(
             f"model {state.name!r} has no tokenizer: send token ids to the native /generate endpoint",
             code="no_tokenizer",
         )
-    return tokenizer
+    return text_model
 
 
 def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -117,6 +116,7 @@ def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 async def _run(
     http: HttpRequest,
     state: ServerState,
+    text_model: SupportsTextOutput,
     body: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int],
     max_tokens: int | None,
@@ -124,7 +124,7 @@ async def _run(
 ) -> Response:
     request_id = f"{kind}-{uuid.uuid4().hex}"
     data = {"prompt_token_ids": prompt_ids, **body.sampling_data(max_tokens)}
-    gen = TextGeneration(state, len(prompt_ids), body.stop_strings, max_tokens)
+    gen = TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens)
     stream = await open_stream(state, http, Request("generate", data, request_id))
     meta = {"id": request_id, "created": int(time.time()), "model": state.name}
     if body.stream:
@@ -221,9 +221,9 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Re
     """Answer a chat; with `stream`, as server-sent events."""
     state = _state(http)
     state.check_model(body.model)
-    tokenizer = _tokenizer(state)
-    prompt_ids = _chat_prompt(tokenizer, body.chat())
-    return await _run(http, state, body, prompt_ids, body.limit(), "chatcmpl")
+    text_model = _text_model(state)
+    prompt_ids = _chat_prompt(text_model.tokenizer, body.chat())
+    return await _run(http, state, text_model, body, prompt_ids, body.limit(), "chatcmpl")
 
 
 @router.post("/v1/completions")
@@ -231,10 +231,10 @@ async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
     """Continue a prompt (text or token ids); with `stream`, as server-sent events."""
     state = _state(http)
     state.check_model(body.model)
-    tokenizer = _tokenizer(state)
+    text_model = _text_model(state)
     prompt = body.prompt_data()
     if "prompt_token_ids" in prompt:
         prompt_ids = list(prompt["prompt_token_ids"])
     else:
-        prompt_ids = [int(i) for i in tokenizer(prompt["prompt"])["input_ids"]]
-    return await _run(http, state, body, prompt_ids, body.max_tokens, "cmpl")
+        prompt_ids = [int(i) for i in text_model.tokenizer(prompt["prompt"])["input_ids"]]
+    return await _run(http, state, text_model, body, prompt_ids, body.max_tokens, "cmpl")

@@ -24,7 +24,7 @@ from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import KVTurn
 from mstar.engines.sampling_params import SamplingParams
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph
-from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsTextOutput
 from mstar.zoo.hf_checkpoint import load_hf_config
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
@@ -95,7 +95,7 @@ def history_turn(
     return KVTurn(history if is_first else [], sampling, is_done=is_done, **extra)
 
 
-class TextLLM(Model):
+class TextLLM(Model, SupportsTextOutput):
     """A Llama-architecture checkpoint directory served as a text model."""
 
     def __init__(

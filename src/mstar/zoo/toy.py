@@ -41,7 +41,7 @@ from mstar.graph import (
     Sequential,
     StreamingGraphEdge,
 )
-from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
 
 __all__ = [
@@ -277,7 +277,7 @@ def make_toy_nodes(cfg: ToyConfig = ToyConfig(), seed: int = 0) -> dict[str, Nod
     }
 
 
-class ToyModel(Model):
+class ToyModel(Model, SupportsAudioOutput):
     """`toy-composite` as a servable model: every node stateless, weights from ``seed``.
 
     Request: ``Request(task="speech" | "image" | "image_edit", data={"text": ..., "seed": ...})``;

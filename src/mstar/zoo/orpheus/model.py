@@ -36,7 +36,7 @@ from mstar.graph import (
     ModelGraph,
     StreamingGraphEdge,
 )
-from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
 from mstar.zoo.llama import LlamaCausalLM
 from mstar.zoo.llm import history_turn
@@ -127,7 +127,7 @@ def _state_from(value: Mapping[str, Any]) -> AudioStreamState:
     return AudioStreamState(**{**value, "codes": tuple(value["codes"])})
 
 
-class OrpheusModel(Model):
+class OrpheusModel(Model, SupportsAudioOutput):
     """Orpheus TTS (``orpheus-3b``, ``orpheus-small`` or ``orpheus-tiny``).
 
     Args:
