@@ -21,6 +21,7 @@ from mstar.zoo.vjepa2 import (
     load_encoder,
     load_predictor,
     make_random_checkpoint,
+    read_part,
 )
 
 
@@ -34,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     config = get_vjepa2_config(args.config)
     start = time.perf_counter()
     path = make_random_checkpoint(config, args.out, seed=args.seed)
-    encoder, predictor = load_encoder(path, config), load_predictor(path, config)
-    params = [sum(p.numel() for p in m.parameters()) for m in (encoder, predictor)]
+    load_encoder(path, config)  # both load back: the file fits the config
+    load_predictor(path, config)
+    # Counted from the file: fused modules may hold packed weights outside `parameters()`.
+    params = [sum(t.numel() for t in read_part(path, part).values()) for part in ("encoder", "predictor")]
     print(f"{args.config} (seed {args.seed}) in {time.perf_counter() - start:.1f} s: {path} "
           f"({path.stat().st_size / 2**20:.1f} MiB; encoder {params[0] / 1e6:.1f} M, predictor {params[1] / 1e6:.1f} M parameters)")
     return 0

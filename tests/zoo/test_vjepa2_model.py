@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mstar.engines import layers
 from mstar.errors import CheckpointError, UnsupportedModelError
 from mstar.zoo.vjepa2 import (
     ACPredictor,
@@ -118,6 +119,28 @@ def test_later_frames_do_not_change_earlier_predictions(checkpoint: Path) -> Non
     assert mask.tolist()[2] == [True, True, True, True, False, False]
 
 
+@pytest.mark.parametrize("layout", [layers.OUT_IN, layers.IN_OUT, layers.PACKED])
+def test_fused_layouts_compute_what_the_loaded_weights_do(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    if layout == layers.PACKED and not layers.can_pack(torch.zeros(1)):
+        pytest.skip("this torch build has no oneDNN")
+    plain_enc, plain_pred = VJepa2Encoder(CFG.encoder), ACPredictor(CFG.predictor)
+    plain_enc.load_state_dict(read_part(checkpoint, "encoder"))
+    plain_pred.load_state_dict(read_part(checkpoint, "predictor"))
+    monkeypatch.setattr(layers, "choose_layout", lambda weight, rows=layers.DECODE_ROWS: layout)
+    enc, pred = load_encoder(checkpoint, CFG), load_predictor(checkpoint, CFG)
+    fused = [m.fused for m in [*enc.modules(), *pred.modules()] if isinstance(m, layers.FusableLinear)]
+    assert len(fused) == 4 * (CFG.encoder.depth + CFG.predictor.depth)
+    assert all(f is not None and f.layout == layout for f in fused)
+    torch.manual_seed(5)
+    clip, z = torch.randn(2, 3, 2, 32, 32), torch.randn(3, 2 * CFG.predictor.num_patches, 64)
+    actions, states = torch.randn(3, 2, 7), torch.randn(3, 2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(enc(clip), plain_enc(clip), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pred(z, actions, states), plain_pred(z, actions, states), rtol=1e-4, atol=1e-5)
+
+
 def test_encoder_rope_matches_per_axis_rotation(checkpoint: Path) -> None:
     enc = load_encoder(checkpoint, CFG)
     torch.manual_seed(1)
@@ -218,7 +241,10 @@ def test_loading_strips_prefixes_and_ignores_pos_embed(tmp_path: Path) -> None:
     path = tmp_path / "ck.pt"
     torch.save({"encoder": enc, "predictor": sd["predictor"], "epoch": 3}, path)
     encoder = load_encoder(path, CFG)
-    torch.testing.assert_close(encoder.blocks[1].attn.qkv.weight, sd["encoder"]["blocks.1.attn.qkv.weight"])
+    x = torch.randn(3, 64)
+    expected = F.linear(x, sd["encoder"]["blocks.1.attn.qkv.weight"], sd["encoder"]["blocks.1.attn.qkv.bias"])
+    with torch.no_grad():  # the weight itself may live packed inside the fused layer
+        torch.testing.assert_close(encoder.blocks[1].attn.qkv(x), expected, rtol=1e-5, atol=1e-5)
     assert isinstance(load_predictor(path, CFG), ACPredictor)
     assert set(read_part(path, "encoder")) == set(sd["encoder"]) | {"pos_embed"}
 

@@ -18,7 +18,6 @@ lm_head.weight                                   [vocab, hidden]  (absent when t
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.layers import FusedLinear, RMSNorm, apply_rotary
 from mstar.engines.paged_model import PagedKVContext
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
@@ -134,167 +134,6 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     )
 
 
-# Weight layouts for `x @ W.T` (see `_choose_layout`).
-OUT_IN = "out_in"  # `[out, in]` through `F.linear` (the checkpoint's own layout)
-IN_OUT = "in_out"  # `[in, out]` through `torch.mm`
-PACKED = "packed"  # oneDNN's blocked layout, through its linear kernel (CPU)
-
-_LAYOUT_CHOICES: dict[tuple[int, int, torch.dtype], str] = {}
-# oneDNN packs for an expected row count; decode batches of ~16 rows are the common case.
-_PACK_ROWS = 16
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """Return `weight` `[out, in]` reordered into oneDNN's blocked layout for linear."""
-    return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
-
-
-def _choose_layout(weight: torch.Tensor) -> str:
-    """Return the layout in which `x @ W.T` runs fastest for this weight's shape.
-
-    CPU GEMM speed depends on the weight layout in a shape-dependent way: a 32000-wide
-    head was 1.4-2.6x faster `[in, out]` than `[out, in]` at decode batch sizes, and
-    oneDNN's packed layout was 1.7x faster again at 16 rows (2.5x for a 49152-wide head),
-    while small matrices barely care. So each distinct shape is timed once per process
-    at 1 and 16 rows (best of several runs) and the fastest total wins. Elsewhere (CUDA)
-    the checkpoint's `[out, in]` layout is kept.
-    """
-    if weight.device.type != "cpu":
-        return OUT_IN
-    out_features, in_features = weight.shape
-    key = (in_features, out_features, weight.dtype)
-    if key in _LAYOUT_CHOICES:
-        return _LAYOUT_CHOICES[key]
-    candidates = {OUT_IN: _Fused(weight, None, layout=OUT_IN)}
-    candidates[IN_OUT] = _Fused(weight.t().contiguous(), None, layout=IN_OUT)
-    if _can_pack(weight):
-        try:
-            packed = _Fused(_pack(weight), None, layout=PACKED)
-            packed(torch.zeros(1, in_features, dtype=weight.dtype))
-            candidates[PACKED] = packed
-        except RuntimeError:
-            pass  # a build without oneDNN's linear kernels
-    totals = dict.fromkeys(candidates, 0.0)
-    with torch.no_grad():
-        for rows in (1, _PACK_ROWS):
-            x = torch.randn(rows, in_features, dtype=weight.dtype)
-            for layout, fused in candidates.items():
-                best = float("inf")
-                for _ in range(5):
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        fused(x)
-                    best = min(best, time.perf_counter() - start)
-                totals[layout] += best
-    choice = min(totals, key=lambda layout: totals[layout])
-    _LAYOUT_CHOICES[key] = choice
-    return choice
-
-
-class _Fused:
-    """Several linear layers on the same input as one matrix product.
-
-    The weights are concatenated along the output axis and stored in whichever layout
-    multiplies fastest on this device (see `_choose_layout`). For the dense layouts the
-    original `nn.Linear` weights are re-pointed at views of the fused storage, so
-    checkpoint names and `state_dict()` keep working with no memory duplicated. oneDNN's
-    packed layout cannot be viewed that way; there the `nn.Linear` modules give up their
-    weight (it becomes `None`) rather than keep a second copy, so a model fused for
-    inference is for inference only.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, layout: str) -> None:
-        self.weight = weight  # [in, out] for IN_OUT; [out, in] (dense or packed) otherwise
-        self.bias = bias
-        self.layout = layout
-
-    @classmethod
-    def of(cls, linears: list[nn.Linear]) -> _Fused:
-        """Fuse `linears` (same input size) and re-point their parameters at the result."""
-        with torch.no_grad():
-            rows = torch.cat([lin.weight for lin in linears], dim=0)
-            layout = _choose_layout(rows)
-            bias = (
-                torch.cat([lin.bias for lin in linears if lin.bias is not None])
-                if linears[0].bias is not None
-                else None
-            )
-            if layout == PACKED:
-                fused = cls(_pack(rows), bias, layout=layout)
-                for lin in linears:
-                    lin.register_parameter("weight", None)
-                    if bias is not None:
-                        lin.register_parameter("bias", None)
-                return fused
-            weight = rows.t().contiguous() if layout == IN_OUT else rows.contiguous()
-            start = 0
-            for lin in linears:
-                size = lin.out_features
-                view = weight[:, start : start + size].t() if layout == IN_OUT else weight[start : start + size]
-                lin.weight = nn.Parameter(view, requires_grad=False)
-                if bias is not None:
-                    lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
-                start += size
-        return cls(weight, bias, layout=layout)
-
-    @classmethod
-    def shared(cls, weight: torch.Tensor) -> _Fused:
-        """Use an `[out, in]` weight owned elsewhere (a tied head), copied only if faster."""
-        with torch.no_grad():
-            layout = _choose_layout(weight)
-            if layout == PACKED:
-                return cls(_pack(weight.detach()), None, layout=layout)
-            if layout == IN_OUT:
-                return cls(weight.detach().t().contiguous(), None, layout=layout)
-        return cls(weight.detach(), None, layout=OUT_IN)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == PACKED:
-            return _packed_linear(x, self.weight, self.bias)
-        if self.layout == OUT_IN:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight)
-        return torch.mm(x, self.weight)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 as transformers does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension."""
-        dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel instead of seven small ops (a decode step runs 2L + 1 norms).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged cache."""
 
@@ -311,13 +150,13 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.qkv: _Fused | None = None
-        self.o: _Fused | None = None
+        self.qkv: FusedLinear | None = None
+        self.o: FusedLinear | None = None
 
     def fuse(self) -> None:
         """Store q/k/v as one transposed matrix (the HF-named weights become views of it)."""
-        self.qkv = _Fused.of([self.q_proj, self.k_proj, self.v_proj])
-        self.o = _Fused.of([self.o_proj])
+        self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
+        self.o = FusedLinear.of([self.o_proj])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
@@ -330,12 +169,12 @@ class LlamaAttention(nn.Module):
             # q and k sit side by side in the fused output: rotate them in one pass.
             qkv = self.qkv(x)
             qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = _rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
             v2 = qkv[:, q_size + kv_size :]
         else:
             q2, k2, v2 = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = _rotate(q2.view(tokens, self.num_heads, self.head_dim), cos, sin)
-            k = _rotate(k2.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            q = apply_rotary(q2.view(tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k2.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v2.view(tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_index, q, k, v, self.scale).reshape(tokens, q_size)
         return self.o(out) if self.o is not None else self.o_proj(out)
@@ -350,13 +189,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.gate_up: _Fused | None = None
-        self.down: _Fused | None = None
+        self.gate_up: FusedLinear | None = None
+        self.down: FusedLinear | None = None
 
     def fuse(self) -> None:
         """Store gate/up as one transposed matrix (the HF-named weights become views of it)."""
-        self.gate_up = _Fused.of([self.gate_proj, self.up_proj])
-        self.down = _Fused.of([self.down_proj])
+        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
+        self.down = FusedLinear.of([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block."""
@@ -408,7 +247,7 @@ class LlamaCausalLM(nn.Module):
         self.config = config
         self.model = LlamaBackbone(config)
         self.lm_head: nn.Linear | None = None
-        self._head: _Fused | None = None
+        self._head: FusedLinear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -452,10 +291,10 @@ class LlamaCausalLM(nn.Module):
         return cast(list[LlamaDecoderLayer], list(self.model.layers))
 
     def fuse_for_inference(self) -> None:
-        """Fuse q/k/v and gate/up projections, in the faster layout per shape (see `_Fused`).
+        """Fuse q/k/v and gate/up projections, in the faster layout per shape (see `FusedLinear`).
 
         Weights in dense layouts stay reachable under their Hugging Face names; packed ones
-        leave their modules (see `_Fused`). A tied head gets its own copy only where another
+        leave their modules (see `FusedLinear`). A tied head gets its own copy only where another
         layout is faster (the embedding lookup needs rows).
         """
         for layer in self.decoder_layers:
@@ -463,9 +302,9 @@ class LlamaCausalLM(nn.Module):
             layer.mlp.fuse()
         if self.lm_head is not None:
             # Kept dense as well (like a tied head's embedding): `compute_logits_in` slices it.
-            self._head = _Fused.shared(self.lm_head.weight)
+            self._head = FusedLinear.shared(self.lm_head.weight)
         else:
-            self._head = _Fused.shared(self.model.embed_tokens.weight)
+            self._head = FusedLinear.shared(self.model.embed_tokens.weight)
 
     def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
         """Return logits computed only inside each row's id ranges, `-inf` elsewhere.

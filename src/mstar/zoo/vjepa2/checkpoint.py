@@ -139,7 +139,7 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], part: str, pat
 def load_encoder(
     path: str | Path, config: VJepa2Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> VJepa2Encoder:
-    """Load the encoder of a checkpoint, ready for inference on ``device``.
+    """Load the encoder of a checkpoint, fused for inference on ``device``.
 
     Raises:
         CheckpointError: The file is missing, malformed or does not match ``config``.
@@ -147,13 +147,15 @@ def load_encoder(
     with torch.device("meta"):
         encoder = VJepa2Encoder(config.encoder)
     _load_into(encoder, read_part(path, "encoder"), "encoder", Path(path))
-    return encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    encoder.fuse_for_inference()  # last: `.to()` does not move fused weights
+    return encoder
 
 
 def load_predictor(
     path: str | Path, config: VJepa2Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> ACPredictor:
-    """Load the predictor of a checkpoint, ready for inference on ``device``.
+    """Load the predictor of a checkpoint, fused for inference on ``device``.
 
     Raises:
         CheckpointError: The file is missing, malformed or does not match ``config``.
@@ -161,4 +163,6 @@ def load_predictor(
     with torch.device("meta"):
         predictor = ACPredictor(config.predictor)
     _load_into(predictor, read_part(path, "predictor"), "predictor", Path(path))
-    return predictor.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    predictor = predictor.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    predictor.fuse_for_inference()  # last: `.to()` does not move fused weights
+    return predictor

@@ -8,6 +8,9 @@ position embedding).
 A single image is encoded as one tubelet: the frame is repeated ``tubelet_size`` times along
 time, giving ``grid**2`` tokens; `encode_frames` then layer-normalises them (no affine), as the
 world model does before planning.
+
+Once the weights are loaded, `VJepa2Encoder.fuse_for_inference` stores each block's linears
+in the layout that multiplies fastest for one image's tokens (see `mstar.engines.layers`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.layers import FusableLinear
 from mstar.zoo.vjepa2.config import EncoderConfig
 from mstar.zoo.vjepa2.rope import apply_rope, token_tables
 
@@ -27,9 +31,14 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
+        self.fc1 = FusableLinear(dim, hidden)
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = FusableLinear(hidden, dim)
+
+    def fuse_for_inference(self, rows: tuple[int, ...]) -> None:
+        """Store both weights in the layout fastest at ``rows`` tokens (after loading them)."""
+        self.fc1.fuse_for_inference(rows)
+        self.fc2.fuse_for_inference(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP."""
@@ -43,8 +52,13 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = FusableLinear(dim, 3 * dim)
+        self.proj = FusableLinear(dim, dim)
+
+    def fuse_for_inference(self, rows: tuple[int, ...]) -> None:
+        """Store both weights in the layout fastest at ``rows`` tokens (after loading them)."""
+        self.qkv.fuse_for_inference(rows)
+        self.proj.fuse_for_inference(rows)
 
     def qkv_heads(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -112,6 +126,18 @@ class VJepa2Encoder(nn.Module):
             self._tables[key] = (cos[:, None, :], sin[:, None, :])  # broadcast over heads
         cos, sin = self._tables[key]
         return cos.to(like.device, like.dtype), sin.to(like.device, like.dtype)
+
+    def fuse_for_inference(self) -> None:
+        """Store every block's linears in the layout fastest for one image's tokens.
+
+        Call this once the weights are loaded and the module is on its device and in its dtype
+        (`load_encoder` does). In oneDNN's packed layout the linears give up their weights,
+        so the encoder can only run inference afterwards (see `FusedLinear`).
+        """
+        rows = (self.config.num_patches,)
+        for module in self.blocks.modules():
+            if isinstance(module, Attention | MLP):
+                module.fuse_for_inference(rows)
 
     def forward(self, clip: torch.Tensor) -> torch.Tensor:
         """Encode ``[B, C, T, H, W]`` clips to normed ``[B, (T / tubelet) * H' * W', dim]`` tokens."""

@@ -80,6 +80,18 @@ class ACPredictor(nn.Module):
         # dict and of dtype casts (positions up to 31 need more than bf16's 8 bits).
         self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def fuse_for_inference(self) -> None:
+        """Store every block's linears in the layout fastest for one frame block's tokens.
+
+        Call this once the weights are loaded and the module is on its device and in its dtype
+        (`load_predictor` does). In oneDNN's packed layout the linears give up their weights,
+        so the predictor can only run inference afterwards (see `FusedLinear`).
+        """
+        rows = (self.config.frame_tokens,)
+        for module in self.predictor_blocks.modules():
+            if isinstance(module, Attention | MLP):
+                module.fuse_for_inference(rows)
+
     @staticmethod
     def _frame_tables(cfg: PredictorConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Return RoPE tables of every frame block: ``[max_frames, frame_tokens, 1, head_dim]``."""

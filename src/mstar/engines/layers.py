@@ -1,0 +1,263 @@
+"""Linear layers stored in whichever weight layout multiplies fastest, plus RMSNorm and rotary.
+
+Zoo models share these. On CPU, how fast `x @ W.T` runs depends on how `W` is laid out, and
+which layout wins depends on the weight's shape and on how many input rows there are. A
+32000-wide head ran 1.4-2.6x faster `[in, out]` than `[out, in]` at decode batch sizes.
+oneDNN's blocked ("packed") layout was 1.7x faster again at 16 rows (2.5x for a 49152-wide
+head), and about 2.3x faster than `F.linear` for V-JEPA 2 block products at 64 or more rows
+(one thread). At one row, though, packing a small matrix made it 2-5x slower. The winner
+cannot be predicted reliably, so `choose_layout` times every layout once for each weight
+shape and row counts it is given, and caches the answer for the rest of the process. On CUDA
+the checkpoint's `[out, in]` layout is kept.
+
+```
+layout   weight storage          product
+OUT_IN   [out, in]  (as loaded)  F.linear
+IN_OUT   [in, out]               torch.mm / torch.addmm
+PACKED   oneDNN blocked, opaque  torch.ops.mkldnn._linear_pointwise  (CPU, fp32 / bf16)
+```
+
+`FusedLinear` holds one or more linears that read the same input as one product in the
+chosen layout. `FusableLinear` is an `nn.Linear` that sends its own product through a
+`FusedLinear` once fused, for models that call their linears directly. Both are applied
+after a checkpoint is loaded, and in the dense layouts the parameter names keep working.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "DECODE_ROWS",
+    "IN_OUT",
+    "OUT_IN",
+    "PACKED",
+    "FusableLinear",
+    "FusedLinear",
+    "RMSNorm",
+    "apply_rotary",
+    "can_pack",
+    "choose_layout",
+]
+
+# Weight layouts for `x @ W.T`.
+OUT_IN = "out_in"  # `[out, in]` through `F.linear` (the checkpoint's own layout)
+IN_OUT = "in_out"  # `[in, out]` through `torch.mm`
+PACKED = "packed"  # oneDNN's blocked layout, through its linear kernel (CPU)
+
+DECODE_ROWS: tuple[int, ...] = (1, 16)
+"""Row counts `choose_layout` times by default: one sequence, and a decode batch of 16."""
+
+# The cache key is (in, out, dtype, timed row counts).
+_LAYOUT_CHOICES: dict[tuple[int, int, torch.dtype, tuple[int, ...]], str] = {}
+# oneDNN packs for an expected row count. 16 (a decode batch) measured as fast as any larger
+# hint, even for products of thousands of rows.
+_PACK_ROWS = 16
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """Return `weight` `[out, in]` reordered into oneDNN's blocked layout for linear."""
+    return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Return whether this weight's device and dtype support oneDNN's packed layout."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def choose_layout(weight: torch.Tensor, rows: tuple[int, ...] = DECODE_ROWS) -> str:
+    """Return the layout in which `x @ W.T` runs fastest for this weight's shape.
+
+    Each distinct shape, dtype and `rows` is timed once per process. Every layout runs at
+    each row count (the best of five runs of three products), and the layout with the
+    smallest total wins. Off the CPU, the result is always `OUT_IN`.
+
+    Args:
+        weight: `[out, in]`.
+        rows: The input row counts the layer mostly sees, for example decode batch sizes or
+            a ViT's tokens per image. Packing pays off only once there are enough rows.
+    """
+    if weight.device.type != "cpu":
+        return OUT_IN
+    out_features, in_features = weight.shape
+    key = (in_features, out_features, weight.dtype, rows)
+    if key in _LAYOUT_CHOICES:
+        return _LAYOUT_CHOICES[key]
+    candidates = {OUT_IN: FusedLinear(weight, None, layout=OUT_IN)}
+    candidates[IN_OUT] = FusedLinear(weight.t().contiguous(), None, layout=IN_OUT)
+    if can_pack(weight):
+        try:
+            packed = FusedLinear(_pack(weight), None, layout=PACKED)
+            packed(torch.zeros(1, in_features, dtype=weight.dtype))
+            candidates[PACKED] = packed
+        except RuntimeError:
+            pass  # a build without oneDNN's linear kernels
+    totals = dict.fromkeys(candidates, 0.0)
+    with torch.no_grad():
+        for num_rows in rows:
+            x = torch.randn(num_rows, in_features, dtype=weight.dtype)
+            for layout, fused in candidates.items():
+                best = float("inf")
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        fused(x)
+                    best = min(best, time.perf_counter() - start)
+                totals[layout] += best
+    choice = min(totals, key=lambda layout: totals[layout])
+    _LAYOUT_CHOICES[key] = choice
+    return choice
+
+
+class FusedLinear:
+    """Several linear layers on the same input as one matrix product.
+
+    The weights are concatenated along the output axis and stored in whichever layout
+    multiplies fastest on this device (see `choose_layout`). For the dense layouts the
+    original `nn.Linear` weights are re-pointed at views of the fused storage, so
+    checkpoint names and `state_dict()` keep working with no memory duplicated. oneDNN's
+    packed layout cannot be viewed that way; there the `nn.Linear` modules give up their
+    weight (it becomes `None`) rather than keep a second copy, so a model fused for
+    inference is for inference only. The fused tensors are plain attributes, which
+    `Module.to()` does not move: fuse after the model is on its device and in its dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, layout: str) -> None:
+        self.weight = weight  # [in, out] for IN_OUT; [out, in] (dense or packed) otherwise
+        self.bias = bias
+        self.layout = layout
+        self.out_features = weight.shape[1] if layout == IN_OUT else weight.shape[0]
+
+    @classmethod
+    def of(cls, linears: Sequence[nn.Linear], *, rows: tuple[int, ...] = DECODE_ROWS) -> FusedLinear:
+        """Fuse `linears` (same input size) and re-point their parameters at the result.
+
+        Args:
+            linears: The layers, in the order their outputs are concatenated.
+            rows: The input row counts to choose the layout for (see `choose_layout`).
+        """
+        with torch.no_grad():
+            weights = torch.cat([lin.weight for lin in linears], dim=0)
+            layout = choose_layout(weights, rows)
+            bias = (
+                torch.cat([lin.bias for lin in linears if lin.bias is not None])
+                if linears[0].bias is not None
+                else None
+            )
+            if layout == PACKED:
+                fused = cls(_pack(weights), bias, layout=layout)
+                for lin in linears:
+                    lin.register_parameter("weight", None)
+                    if bias is not None:
+                        lin.register_parameter("bias", None)
+                return fused
+            weight = weights.t().contiguous() if layout == IN_OUT else weights.contiguous()
+            start = 0
+            for lin in linears:
+                size = lin.out_features
+                view = weight[:, start : start + size].t() if layout == IN_OUT else weight[start : start + size]
+                lin.weight = nn.Parameter(view, requires_grad=False)
+                if bias is not None:
+                    lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
+                start += size
+        return cls(weight, bias, layout=layout)
+
+    @classmethod
+    def shared(cls, weight: torch.Tensor, *, rows: tuple[int, ...] = DECODE_ROWS) -> FusedLinear:
+        """Use an `[out, in]` weight owned elsewhere (a tied head), copied only if faster."""
+        with torch.no_grad():
+            layout = choose_layout(weight, rows)
+            if layout == PACKED:
+                return cls(_pack(weight.detach()), None, layout=layout)
+            if layout == IN_OUT:
+                return cls(weight.detach().t().contiguous(), None, layout=layout)
+        return cls(weight.detach(), None, layout=OUT_IN)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Return `x @ W.T + b` for `x` `[..., in]`."""
+        if self.layout == OUT_IN:
+            return F.linear(x, self.weight, self.bias)
+        if x.dim() != 2:
+            # torch.mm takes only matrices, and oneDNN's kernel was timed on them. Fold the
+            # leading dimensions ([B, M, in] -> [B * M, in]), then restore them.
+            out = self(x.reshape(-1, x.shape[-1]))
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.layout == PACKED:
+            return _packed_linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight)
+        return torch.mm(x, self.weight)
+
+
+class FusableLinear(nn.Linear):
+    """An `nn.Linear` whose product moves into the fastest layout once fused for inference.
+
+    A checkpoint loads into `weight` and `bias` just as it would for any `nn.Linear`.
+    `fuse_for_inference` then hands them to a `FusedLinear` of this single layer, and calling
+    the module runs that fused product. (In the packed layout `weight` becomes `None`; see
+    `FusedLinear`.) Use this class where a model calls a linear directly, such as
+    `attn.proj(x)`. Linears that read the same input fuse into one product through
+    `FusedLinear.of`.
+    """
+
+    fused: FusedLinear | None = None
+
+    def fuse_for_inference(self, rows: tuple[int, ...] = DECODE_ROWS) -> None:
+        """Store the weight in the layout fastest at `rows` input rows; fusing again does nothing.
+
+        Call this after the weights are loaded and the module is on its device and in its
+        dtype.
+        """
+        if self.fused is None:
+            self.fused = FusedLinear.of([self], rows=rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return `x @ W.T + b` for `x` `[..., in]`."""
+        if self.fused is None:
+            return super().forward(x)
+        return self.fused(x)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel instead of seven small ops (a decode step runs 2L + 1 norms).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[..., head_dim]` by rotary tables broadcastable to it (half-split pairs).
+
+    Channel `i` is paired with channel `i + head_dim / 2`, as Llama and GPT-NeoX checkpoints
+    expect. The tables repeat each angle once for each half. (V-JEPA 2 pairs adjacent
+    channels instead; see `mstar.zoo.vjepa2.rope`.)
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

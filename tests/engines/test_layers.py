@@ -1,0 +1,100 @@
+"""Every weight layout of the fused linears computes the same product as `F.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.engines import layers
+from mstar.engines.layers import (
+    DECODE_ROWS,
+    IN_OUT,
+    OUT_IN,
+    PACKED,
+    FusableLinear,
+    FusedLinear,
+    apply_rotary,
+    can_pack,
+    choose_layout,
+)
+
+LAYOUTS = [OUT_IN, IN_OUT, PACKED]
+
+
+@pytest.fixture
+def forced_layout(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> str:
+    layout: str = request.param
+    if layout == PACKED and not can_pack(torch.zeros(1, 1)):
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(layers, "choose_layout", lambda weight, rows=DECODE_ROWS: layout)
+    return layout
+
+
+@pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_match_separate_linears(forced_layout: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    linears = [nn.Linear(48, out, bias=bias) for out in (32, 16, 16)]
+    expected_weights = [lin.weight.detach().clone() for lin in linears]
+    expected_biases = [lin.bias.detach().clone() if bias else None for lin in linears]
+    fused = FusedLinear.of(linears)
+    assert fused.layout == forced_layout
+    for shape in ((1, 48), (5, 48), (16, 48), (2, 7, 48), (48,)):
+        x = torch.randn(shape)
+        expected = torch.cat(
+            [F.linear(x, w, b) for w, b in zip(expected_weights, expected_biases, strict=True)], dim=-1
+        )
+        torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
+    if forced_layout == PACKED:
+        # No second copy: the modules give their weights up to the packed matrix.
+        assert all(lin.weight is None for lin in linears)
+    else:
+        # Dense layouts keep the checkpoint names as views of the fused storage.
+        for lin, weight in zip(linears, expected_weights, strict=True):
+            torch.testing.assert_close(lin.weight, weight)
+
+
+@pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
+def test_shared_head_leaves_the_embedding_intact(forced_layout: str) -> None:
+    embedding = torch.randn(100, 24)
+    before = embedding.clone()
+    head = FusedLinear.shared(embedding)
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(head(x), x @ before.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(embedding, before)
+
+
+@pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
+def test_fusable_linear_loads_like_a_linear_and_runs_fused(forced_layout: str) -> None:
+    torch.manual_seed(1)
+    plain = nn.Linear(24, 40)
+    lin = FusableLinear(24, 40)
+    lin.load_state_dict(plain.state_dict())
+    lin.fuse_for_inference((64,))
+    lin.fuse_for_inference((64,))  # a second call keeps the first fusion
+    assert lin.fused is not None and lin.fused.layout == forced_layout
+    x = torch.randn(2, 3, 5, 24)[:, :, 1:]  # a strided, 4-D batch
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_layout_choice_is_cached_per_shape_and_rows() -> None:
+    weight = torch.randn(40, 24)
+    first = choose_layout(weight)
+    assert first in LAYOUTS
+    assert layers._LAYOUT_CHOICES[(24, 40, torch.float32, DECODE_ROWS)] == first
+    assert choose_layout(torch.randn(40, 24)) == first
+    wide = choose_layout(weight, (64,))
+    assert layers._LAYOUT_CHOICES[(24, 40, torch.float32, (64,))] == wide
+
+
+def test_apply_rotary_turns_half_split_pairs() -> None:
+    x = torch.randn(3, 8)
+    angles = torch.rand(3, 4)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    got = apply_rotary(x, cos, sin)
+    x0, x1 = x[:, :4], x[:, 4:]
+    expected = torch.cat([x0 * angles.cos() - x1 * angles.sin(), x1 * angles.cos() + x0 * angles.sin()], dim=-1)
+    torch.testing.assert_close(got, expected)
