@@ -28,6 +28,7 @@ while engine.has_unfinished():
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -440,7 +441,11 @@ class KVCacheEngine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; return per-request new tokens."""
+        phases = self.runner.phases
+        phases.steps += 1
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        phases.add("schedule", time.perf_counter() - t0)
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 pending = self.scheduler.running or list(self.scheduler.waiting)
@@ -450,6 +455,7 @@ class KVCacheEngine:
                 )
             return []
         result = self.runner.execute(out, return_logits=self.return_logits)
+        t1 = time.perf_counter()
         outputs = self.scheduler.update_from_output(out, result.tokens, result.hidden)
         if result.logits is not None:
             rows = iter(result.logits)
@@ -464,6 +470,7 @@ class KVCacheEngine:
                 seq = self._seqs[o.request_id]
                 if seq.status is SequenceStatus.FINISHED:
                     del self._seqs[o.request_id]
+        phases.add("update", time.perf_counter() - t1)
         return outputs
 
     def generate(

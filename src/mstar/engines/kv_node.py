@@ -1,26 +1,34 @@
 """`KVNodeEngine`: a `KVCacheEngine` serving one graph node, inside a worker's event loop.
 
-A KV-cache node (an LLM backbone, a talker) keeps each request's cache across walks: a
-``prefill`` walk fires the node once, and a ``decode`` walk's `DynamicLoop` over the node is
-the engine's own decode loop under continuous batching, with the stop check per request per
-step. The model side of the node is a `KVNode`: it turns the node's inputs into a `KVTurn`
-(the tokens to append and how to sample) and each sampled token into the node's outputs.
+A KV-cache node keeps each request's cache across walks. Two kinds of work share its steps:
 
-All engine calls happen on one thread (the step executor), between steps, so the event
-loop never blocks on device work and never races the step in flight.
+- **token walks** (`KVNode`: an LLM backbone, a talker): a ``prefill`` walk fires the node
+  once, and a ``decode`` walk's `DynamicLoop` over the node is the engine's own decode loop
+  under continuous batching, with the stop check per request per step. The node turns its
+  inputs into a `KVTurn` (tokens to append, how to sample) and each sampled token into
+  outputs.
+- **forward firings** (`ForwardKVNode`: a denoiser over a context, an action expert over a
+  prefix, a world model's frames): each firing is a `KVForward`, one `KVChunk` per sequence
+  of the request (``""`` is the request's own; others are its branches or rollout rows),
+  each appending inputs (tokens or a payload, any mask, any expert), or querying a cache
+  read-only, optionally after a reset or a fork at a mark. The rows come back to the node,
+  which makes the firing's outputs. Firings of all requests pending at a step run in it.
+
+A node may offer both (BAGEL: decode text natively, denoise by firings). All engine calls
+happen on one thread (the step executor), between steps, so the event loop never blocks on
+device work and never races the step in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import os
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 
 import torch
 
@@ -30,10 +38,20 @@ from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.sequence import LogitsProcessor, SequenceStatus
 from mstar.engines.step_loop import StepLoop
+from mstar.engines.step_overlap import OverlappedSteps, overlap_pays
 from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import EngineClosedError, RequestAbortedError, RequestNotFoundError
 
-__all__ = ["KVNode", "KVNodeEngine", "KVTurn"]
+__all__ = [
+    "ForwardKVNode",
+    "KVChunk",
+    "KVForward",
+    "KVNode",
+    "KVNodeEngine",
+    "KVTurn",
+    "supports_forward_walks",
+    "supports_token_walks",
+]
 
 
 @dataclass(frozen=True)
@@ -59,7 +77,7 @@ class KVTurn:
 
 
 class KVNode(Protocol):
-    """The model side of a KV-cache node (what `Model.submodule` returns for one)."""
+    """The model side of a KV-cache node with token walks (what `Model.submodule` returns)."""
 
     model: PagedModel
     engine_config: KVCacheEngineConfig
@@ -85,6 +103,86 @@ class KVNode(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class KVChunk:
+    """One sequence's share of a forward firing.
+
+    Attributes:
+        seq: Which of the request's sequences ("" is the request's own; any other name is a
+            branch, a fork or a rollout row of it).
+        token_ids: Input tokens (or use `payload`).
+        payload: Model input of `num_tokens` positions (embedded by the model).
+        num_tokens: Positions of the payload.
+        mask: Attention among the new inputs (default causal).
+        expert: The model's weight set for these inputs.
+        read_only: Query `seq`'s cache with these inputs and write nothing.
+        output: "hidden": the firing gets the inputs' rows; "none": nothing (a prefill).
+        reset: Drop what `seq` holds first (a new rollout, a per-frame cache).
+        fork_from: Create `seq` first as a fork of this sequence of the request...
+        fork_tokens: ...sharing its first this many tokens (default: all).
+        reserve_tokens: Admit a new `seq` only once blocks for this many tokens are held
+            for it (a rollout that must never stall half way).
+        release: Drop `seq` once this chunk ran (its last use).
+    """
+
+    seq: str = ""
+    token_ids: list[int] | None = None
+    payload: Any = None
+    num_tokens: int | None = None
+    mask: AttentionMask | None = None
+    expert: int = 0
+    read_only: bool = False
+    output: Literal["hidden", "none"] = "hidden"
+    reset: bool = False
+    fork_from: str | None = None
+    fork_tokens: int | None = None
+    reserve_tokens: int = 0
+    release: bool = False
+
+
+@dataclass(frozen=True)
+class KVForward:
+    """A forward firing: one chunk per sequence it touches (run in one step)."""
+
+    chunks: list[KVChunk] = field(default_factory=list)
+
+
+class ForwardKVNode(Protocol):
+    """The model side of a KV-cache node fired by forward passes (`KVForward`).
+
+    Declares ``forward_walks = True``; a node that also offers token walks (the `KVNode`
+    methods) declares ``token_walks = True`` too.
+    """
+
+    forward_walks: ClassVar[Literal[True]]
+    model: PagedModel
+    engine_config: KVCacheEngineConfig
+
+    def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
+        """Turn one firing's inputs into chunks (raise ValueError for bad inputs)."""
+        ...
+
+    def forward_outputs(
+        self, request_id: str, inputs: Mapping[str, Any], rows: list[torch.Tensor | None]
+    ) -> Mapping[str, Any]:
+        """Return the firing's outputs from each chunk's rows (None for "none" chunks)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget what the node keeps for a request (its partition is done, or it was aborted)."""
+        ...
+
+
+def supports_forward_walks(node: object) -> TypeGuard[ForwardKVNode]:
+    """Whether a KV-cache node declares forward firings (`ForwardKVNode`)."""
+    return getattr(node, "forward_walks", False) is True
+
+
+def supports_token_walks(node: object) -> bool:
+    """Whether a KV-cache node runs token walks: every `KVNode`, and forward nodes that say so."""
+    return not supports_forward_walks(node) or getattr(node, "token_walks", False) is True
+
+
 @dataclass
 class _Walk:
     """A walk running here: its sink gets each step's outputs; `done` ends it."""
@@ -94,32 +192,69 @@ class _Walk:
     name: str
 
 
+@dataclass
+class _Firing:
+    """A forward firing waiting for its chunks' rows (keyed by engine sequence id)."""
+
+    request_id: str
+    inputs: Mapping[str, Any]
+    done: asyncio.Future[Mapping[str, Any]]
+    name: str
+    keys: list[str]
+    rows: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+def seq_key(request_id: str, seq: str) -> str:
+    """Return the engine id of a request's sequence (``seq`` "" is the request's own)."""
+    return request_id if not seq else f"{request_id}/{seq}"
+
+
 class KVNodeEngine(StepLoop):
     """Continuous batching for one KV-cache node (`start` it, then `aclose` it)."""
 
     def __init__(
-        self, node: str, kv_node: KVNode, executor: Executor | None, device: str | None = None
+        self,
+        node: str,
+        kv_node: KVNode | ForwardKVNode,
+        executor: Executor | None,
+        device: str | None = None,
+        *,
+        kv_cache_memory: int | float | None = None,
     ) -> None:
         super().__init__()
         self.node = node
         self.kv_node = kv_node
-        self.engine = KVCacheEngine(kv_node.model, kv_node.engine_config, device=device)
+        config = kv_node.engine_config
+        if kv_cache_memory is not None and config.num_blocks is None:
+            config = replace(config, kv_cache_memory=kv_cache_memory)
+        self.engine = KVCacheEngine(kv_node.model, config, device=device)
         self.executor = executor
+        self.has_native_loop = supports_token_walks(kv_node)
+        self._forward_node = kv_node if supports_forward_walks(kv_node) else None
         self.num_steps = 0
         self.num_batched = 0  # sequences scheduled, over all steps
         self.step_seconds = 0.0
         self.walk_times = WalkStepTimes()  # per walk: the steps its sequences ran in
         self._walks: dict[str, _Walk] = {}
+        self._firings: dict[str, _Firing] = {}  # by engine sequence id (a query's own id)
+        self._keys: dict[str, set[str]] = {}  # request -> engine ids of its sequences
+        self._query_ids = itertools.count()
+        self._release_after: set[str] = set()  # sequences dropped once their chunk ran
+        self._token_node: Any = kv_node if self.has_native_loop else None
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
+        self._steps = OverlappedSteps(self.engine.runner, self._step, self._deliver, self._fail_step, self._keep_stepping)
 
     def _fail_pending(self, error: EngineClosedError) -> None:
         for walk in self._walks.values():
             _end(walk, error)
         self._walks.clear()
+        for firing in self._firings.values():
+            _fail(firing, error)
+        self._firings.clear()
 
     def stats(self) -> dict[str, float]:
-        """Return cumulative step counters and KV-cache occupancy (for metrics)."""
+        """Return cumulative step counters, per-phase seconds and KV-cache occupancy (for metrics)."""
         blocks = self.engine.block_manager
         return {
             "steps": self.num_steps,
@@ -127,23 +262,85 @@ class KVNodeEngine(StepLoop):
             "step_seconds": self.step_seconds,
             "kv_blocks_total": self.engine.num_blocks,
             "kv_blocks_used": self.engine.num_blocks - blocks.num_free_blocks,
+            **self.engine.runner.phases.snapshot(),
         }
 
     @property
     def num_pending(self) -> int:
-        """Return how many walks run here now."""
-        return len(self._walks)
+        """Return how many walks and firings run here now."""
+        return len(self._walks) + len({id(f) for f in self._firings.values()})
 
     @property
     def num_requests(self) -> int:
-        """Return how many requests hold state here (running or between walks)."""
+        """Return how many sequences hold state here (running or between walks)."""
         return self.engine.num_requests
 
     async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
-        """Fire the node once for a request (one sampled token)."""
-        outputs: list[Mapping[str, Any]] = []
-        await self.run(request_id, inputs, 1, outputs.append, walk)
-        return outputs[-1]
+        """Fire the node once for a request: a forward firing, or one sampled token."""
+        if self._forward_node is None:
+            outputs: list[Mapping[str, Any]] = []
+            await self.run(request_id, inputs, 1, outputs.append, walk)
+            return outputs[-1]
+        return await self._fire(self._forward_node, request_id, inputs, walk)
+
+    async def _fire(self, node: ForwardKVNode, request_id: str, inputs: Mapping[str, Any], walk: str) -> Mapping[str, Any]:
+        if self._closed:
+            raise EngineClosedError(f"engine for node {self.node!r} is closed")
+        forward = node.forward(request_id, inputs)
+        if not forward.chunks:
+            return node.forward_outputs(request_id, inputs, [])
+        keys: list[str] = []
+        ops: list[Callable[[], object]] = []
+        for chunk in forward.chunks:
+            key = seq_key(request_id, chunk.seq)
+            out_key = f"{key}?{next(self._query_ids)}" if chunk.read_only else key
+            if out_key in self._firings or out_key in self._walks or out_key in keys:
+                raise RuntimeError(f"sequence {out_key!r} of node {self.node!r} already runs a walk")
+            keys.append(out_key)
+            ops.append(self._chunk_op(request_id, key, out_key, chunk))
+        firing = _Firing(request_id, inputs, asyncio.get_running_loop().create_future(), walk, keys)
+        held = self._keys.setdefault(request_id, set())
+        for key, chunk, op in zip(keys, forward.chunks, ops, strict=True):
+            self._firings[key] = firing
+            if not chunk.read_only:
+                held.add(key)
+            self._ops.append((key, op))
+        self._wakeup.set()
+        try:
+            await firing.done
+        finally:
+            for key in keys:
+                if self._firings.get(key) is firing:
+                    del self._firings[key]
+        return firing.done.result()
+
+    def _chunk_op(self, request_id: str, key: str, out_key: str, chunk: KVChunk) -> Callable[[], object]:
+        """Return the engine calls of one chunk (run on the step thread, before a step)."""
+        engine = self.engine
+        output = chunk.output
+        args: dict[str, Any] = {"mask": chunk.mask, "payload": chunk.payload, "num_tokens": chunk.num_tokens, "expert": chunk.expert}
+
+        def op() -> None:
+            if chunk.read_only:
+                engine.query(key, out_key, token_ids=chunk.token_ids, **args)
+                return
+            if chunk.reset:
+                engine.abort(key)
+            if chunk.fork_from is not None:
+                engine.abort(key)
+                engine.fork(seq_key(request_id, chunk.fork_from), key, num_tokens=chunk.fork_tokens, keep_alive=True)
+            if self._holds(key):
+                engine.resume(key, chunk.token_ids, output_mode=output, **args)
+            else:
+                engine.add_request(
+                    key, chunk.token_ids or [], keep_alive=True, output_mode=output,
+                    reserve_tokens=chunk.reserve_tokens, **args,
+                )
+
+        if not chunk.release:
+            return op
+        self._release_after.add(out_key)
+        return op
 
     async def run(
         self,
@@ -166,10 +363,12 @@ class KVNodeEngine(StepLoop):
         """
         if self._closed:
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
-        if request_id in self._walks:
+        if request_id in self._walks or request_id in self._firings:
             raise RuntimeError(f"request {request_id!r} already runs a walk on node {self.node!r}")
+        if self._token_node is None:
+            raise RuntimeError(f"node {self.node!r} has no token walks (it is fired by forward passes)")
         is_first = not self._holds(request_id)
-        turn = self.kv_node.turn(request_id, inputs, is_first=is_first)
+        turn: KVTurn = self._token_node.turn(request_id, inputs, is_first=is_first)
         if turn.is_done:
             return
         params = turn.sampling_params
@@ -177,6 +376,7 @@ class KVNodeEngine(StepLoop):
             params = replace(params, max_tokens=min(params.max_tokens, max_steps))
         running = _Walk(sink, asyncio.get_running_loop().create_future(), walk)
         self._walks[request_id] = running
+        self._keys.setdefault(request_id, set()).add(request_id)
         if is_first:
             self._ops.append(
                 (
@@ -210,47 +410,61 @@ class KVNodeEngine(StepLoop):
                 running.done.exception()  # ended as this task was cancelled: nobody else reads it
 
     def release(self, request_id: str) -> None:
-        """Drop a request's cache and any walk it runs here (partition done, or aborted)."""
+        """Drop a request's caches and any walk or firing it runs here (partition done, or aborted)."""
+        error = RequestAbortedError(f"request {request_id!r} was aborted")
         walk = self._walks.pop(request_id, None)
         if walk is not None:
-            _end(walk, RequestAbortedError(f"request {request_id!r} was aborted"))
-        self._ops.append((request_id, lambda: self.engine.abort(request_id)))
+            _end(walk, error)
+        for key in [k for k, f in self._firings.items() if f.request_id == request_id]:
+            _fail(self._firings.pop(key), error)
+        keys = self._keys.pop(request_id, set())
+        keys.add(request_id)
+        self._ops.append((request_id, lambda: [self.engine.abort(k) for k in keys]))
+        if self._forward_node is not None:
+            self._forward_node.release(request_id)
         self._wakeup.set()
 
     abort = release
 
-    def _holds(self, request_id: str) -> bool:
+    def _holds(self, key: str) -> bool:
         try:
-            return self.engine.get_sequence(request_id).status is SequenceStatus.PAUSED
+            return self.engine.get_sequence(key).status is SequenceStatus.PAUSED
         except RequestNotFoundError:
             return False
 
-    def _step(
-        self,
-    ) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], list[int] | None]], bool]:
+    def _step(self) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], list[int] | None, Any]], bool]:
         """Apply queued engine calls, then run one step (on the step thread).
 
-        Returns failed engine calls; per request the new tokens and, when its walk ended,
-        the sequence's whole history; and whether anything in them starts or ends a walk
-        (an error, a walk's first token, a walk's end), which `_steps` hands over at once.
+        Returns failed engine calls; per sequence the new tokens, when its walk ended the
+        sequence's whole history, and the rows it returned; and whether anything in them
+        starts or ends a walk (an error, a walk's first token, a walk's end, a firing's
+        rows), which is handed over at once.
         """
         failed: list[tuple[str, BaseException]] = []
         while self._ops:  # a deque: the event loop appends while the step thread pops
-            request_id, op = self._ops.popleft()
+            key, op = self._ops.popleft()
             try:
                 op()
             except Exception as exc:  # a bad request fails alone
-                failed.append((request_id, exc))
+                failed.append((key, exc))
         if not self.engine.has_unfinished():
             return failed, [], bool(failed)
         results = []
         urgent = bool(failed)
-        for o in self.engine.step():
-            seq = self.engine.get_sequence(o.request_id)
+        engine = self.engine
+        for o in engine.step():
+            if o.finished and o.finish_reason == "computed":
+                results.append((o.request_id, [], None, o.hidden))
+                urgent = True
+                if o.request_id in self._release_after:
+                    self._release_after.discard(o.request_id)
+                    engine.abort(o.request_id)
+                continue
+            seq = engine.get_sequence(o.request_id)
             new = list(o.new_token_ids)
             history = list(seq.token_ids) if o.finished else None
             urgent = urgent or history is not None or seq.num_output_tokens == len(new)
-            results.append((o.request_id, new, history))
+            results.append((o.request_id, new, history, None))
         return failed, results, urgent
 
     async def _run(self) -> None:
@@ -260,7 +474,7 @@ class KVNodeEngine(StepLoop):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             if self.executor is not None:
-                await loop.run_in_executor(self.executor, self._steps, loop)
+                await loop.run_in_executor(self.executor, self._run_steps, loop)
                 continue
             # Let the walks woken by the last step run (and emit) before the next one: a step
             # on the event loop itself would otherwise starve them, step after step.
@@ -273,55 +487,13 @@ class KVNodeEngine(StepLoop):
                 continue
             self._deliver(time.perf_counter() - start, failed, results)
 
-    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Run steps back to back on the step thread; hand each one's results to the loop.
+    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run steps back to back on the step thread (see `OverlappedSteps`)."""
+        self._steps.run(loop, overlap=overlap_pays(self.engine.device))
 
-        The next step starts as soon as the last one ends, without a round trip through the
-        event loop (which would cost about a millisecond per step while the loop streams
-        the last step's tokens). A step's results go to the loop while the next step
-        projects its logits: the loop's Python (routing and streaming a token per
-        request) then runs while this thread sits in the step's longest kernel, which
-        holds no GIL, instead of contending with the step's own Python for it. Results that
-        start or end a walk (first tokens, last tokens, errors) go at once, and so does
-        everything when no further step follows. The thread is yielded when the engine runs
-        dry, when the engine closes, or when another engine of this rank has work queued
-        on the thread. (On a CPU whose cores the step's kernels use up, results go at once.)
-        """
-        pending: list[tuple[float, list[tuple[str, BaseException]], list[Any]]] = []
-        loop_closed = False
-
-        def hand_over() -> None:
-            nonlocal loop_closed
-            if pending:
-                try:
-                    loop.call_soon_threadsafe(self._deliver, *pending.pop())
-                except RuntimeError:  # the loop closed meanwhile: nobody waits for these
-                    loop_closed = True
-
-        # Overlapping pays only with a core to spare for the loop: a multi-threaded kernel
-        # that shares its cores with the loop's Python waits for its slowest thread.
-        overlap = self.engine.device.type != "cpu" or torch.get_num_threads() < _usable_cores()
-        runner = self.engine.runner
-        runner.before_logits = hand_over if overlap else None
-        try:
-            while not loop_closed:
-                start = time.perf_counter()
-                try:
-                    failed, results, urgent = self._step()
-                except Exception as step_error:
-                    hand_over()
-                    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                        loop.call_soon_threadsafe(self._fail_step, step_error)
-                    return
-                hand_over()  # a step that computed no logits did not take the last results
-                pending.append((time.perf_counter() - start, failed, results))
-                if urgent or not overlap:  # first tokens and walk ends are not held back
-                    hand_over()
-                if self._closed or self._thread_wanted() or not (self._ops or self.engine.has_unfinished()):
-                    hand_over()
-                    return
-        finally:
-            runner.before_logits = None
+    def _keep_stepping(self) -> bool:
+        """Whether the step thread runs another step at once (see `OverlappedSteps`)."""
+        return not self._closed and not self._thread_wanted() and bool(self._ops or self.engine.has_unfinished())
 
     def _thread_wanted(self) -> bool:
         """Whether other work waits for the step thread (always assumed when it can't be told)."""
@@ -329,49 +501,65 @@ class KVNodeEngine(StepLoop):
         return queue is None or not queue.empty()
 
     def _fail_step(self, error: Exception) -> None:
-        """The model itself failed: every walk in the step fails."""
+        """The model itself failed: every walk and firing in the step fails."""
         for request_id, walk in list(self._walks.items()):
             del self._walks[request_id]
             _end(walk, error)
+        for key, firing in list(self._firings.items()):
+            del self._firings[key]
+            _fail(firing, error)
 
     def _deliver(
         self,
         seconds: float,
         failed: list[tuple[str, BaseException]],
-        results: list[tuple[str, list[int], list[int] | None]],
+        results: list[tuple[str, list[int], list[int] | None, Any]],
     ) -> None:
-        """Count a step and hand its tokens (or errors) to the walks that wait for them."""
+        """Count a step and hand its tokens, rows (or errors) to the walks and firings that wait."""
         self.num_steps += 1
         self.num_batched += len(results)
         self.step_seconds += seconds
-        self.walk_times.record(seconds, [self._walks[r[0]].name for r in results if r[0] in self._walks])
-        walks = self._walks
-        for request_id, error in failed:
-            if (walk := walks.pop(request_id, None)) is not None:
+        walks, firings = self._walks, self._firings
+        self.walk_times.record(
+            seconds,
+            [w.name for r in results if (w := walks.get(r[0]) or firings.get(r[0])) is not None],
+        )
+        for key, error in failed:
+            if (walk := walks.pop(key, None)) is not None:
                 _end(walk, error)
-        outputs = self.kv_node.outputs
-        for request_id, tokens, history in results:
-            if (walk := walks.get(request_id)) is None:
+            elif (firing := firings.get(key)) is not None:
+                _fail(firing, error)
+        outputs = None if self._token_node is None else self._token_node.outputs
+        for key, tokens, history, rows in results:
+            if (firing := firings.get(key)) is not None:
+                self._chunk_done(firing, key, rows)
+                continue
+            if (walk := walks.get(key)) is None or outputs is None:
                 continue  # released meanwhile, or its walk failed
             last = len(tokens) - 1
             try:
                 for i, token in enumerate(tokens):
-                    walk.sink(outputs(request_id, token, history if i == last else None))
+                    walk.sink(outputs(key, token, history if i == last else None))
             except Exception as exc:  # the walk's own failure: it ends alone
-                del walks[request_id]
+                del walks[key]
                 _end(walk, exc)
                 continue
             if history is not None:
-                del walks[request_id]
+                del walks[key]
                 _end(walk, None)
 
-
-def _usable_cores() -> int:
-    """Return how many cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None) -> None:
+        firing.rows[key] = rows
+        if len(firing.rows) < len(firing.keys) or firing.done.done():
+            return
+        node = self._forward_node
+        assert node is not None
+        try:
+            result = node.forward_outputs(firing.request_id, firing.inputs, [firing.rows[k] for k in firing.keys])
+        except Exception as exc:  # the firing's own failure: it ends alone
+            firing.done.set_exception(exc)
+            return
+        firing.done.set_result(result)
 
 
 def _end(walk: _Walk, error: BaseException | None) -> None:
@@ -381,3 +569,8 @@ def _end(walk: _Walk, error: BaseException | None) -> None:
             walk.done.set_result(None)
         else:
             walk.done.set_exception(error)
+
+
+def _fail(firing: _Firing, error: BaseException) -> None:
+    if not firing.done.done():
+        firing.done.set_exception(error)

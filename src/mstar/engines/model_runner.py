@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -20,6 +21,7 @@ from mstar.engines.paged_model import (
 from mstar.engines.sampler import Sampler
 from mstar.engines.scheduler import SchedulerOutput
 from mstar.engines.sequence import Sequence, vocab_ranges
+from mstar.engines.step_times import PhaseTimes
 
 __all__ = ["ModelRunner", "PreparedBatch", "StepResult"]
 
@@ -84,6 +86,7 @@ class ModelRunner:
         self.sink_slot = (kv_cache.shape[2] - 1) * block_size
         self.ctx = PagedKVContext(backend, [(layer[0], layer[1]) for layer in kv_cache])
         self.cuda_graphs: CudaGraphDecodeRunner | None = None
+        self.phases = PhaseTimes()
         # Called once per sampling step just before the logits projection: on a CPU the
         # step's longest kernel, which runs without the GIL (see `KVNodeEngine._steps`).
         self.before_logits: Callable[[], None] | None = None
@@ -232,12 +235,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, *, return_logits: bool = False) -> StepResult:
         """Run one step: copy blocks, prepare, forward, then sample or slice the returned rows."""
+        phases = self.phases
+        t0 = time.perf_counter()
         self.copy_blocks(out.block_copies)
         batch = self.prepare(out)
+        t1 = time.perf_counter()
+        phases.add("prepare", t1 - t0)
         hidden = self._forward(batch)
+        t2 = time.perf_counter()
+        phases.add("forward", t2 - t1)
         returned = [hidden[lo:hi] for lo, hi in batch.hidden_rows]
         if not batch.sample_seqs:
             return StepResult([], None, returned)
+        result = self._sample(batch, hidden, return_logits)
+        phases.add("logits", time.perf_counter() - t2)
+        result.hidden = returned
+        return result
+
+    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, return_logits: bool) -> StepResult:
         seqs = batch.sample_seqs
         rows = hidden.index_select(0, batch.logits_indices)
         if self.before_logits is not None:
@@ -250,4 +265,4 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
         raw = logits.clone() if return_logits else None
         tokens = self.sampler(logits, seqs, ranges)
-        return StepResult([int(t) for t in tokens.tolist()], raw, returned)
+        return StepResult([int(t) for t in tokens.tolist()], raw, [])

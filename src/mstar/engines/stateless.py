@@ -133,6 +133,11 @@ class StatelessEngine(StepLoop):
         """Return how many inputs wait for a step."""
         return len(self._queue)
 
+    @property
+    def num_requests(self) -> int:
+        """Return how many requests hold state here between firings: none (stateless)."""
+        return 0
+
     def pending_request_ids(self) -> set[str]:
         """Return the requests with inputs waiting for a step."""
         return {p.request_id for p in self._queue}

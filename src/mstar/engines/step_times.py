@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["STEP_TIME_BUCKETS", "StepTimes", "WalkStepTimes"]
+__all__ = ["PHASES", "STEP_TIME_BUCKETS", "PhaseTimes", "StepTimes", "WalkStepTimes"]
 
 STEP_TIME_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -71,3 +71,30 @@ class WalkStepTimes:
             times.inputs += num_inputs
             times.seconds += seconds
             times.bucket_counts[bucket] += 1
+
+
+PHASES: tuple[str, ...] = ("schedule", "prepare", "forward", "logits", "update")
+"""A KV-cache step's phases, in order: pick the batch, build its inputs, run the model,
+project and sample (or slice the returned rows), apply the results to the sequences."""
+
+
+class PhaseTimes:
+    """Cumulative seconds a KV-cache engine spent in each phase of its steps (`PHASES`).
+
+    Kept by the engine itself (a `perf_counter` pair per phase per step), so benchmarks
+    and metrics read where a step's time goes without patching engine methods.
+    """
+
+    __slots__ = ("seconds", "steps")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Add `seconds` to `phase`."""
+        self.seconds[phase] += seconds
+
+    def snapshot(self) -> dict[str, float]:
+        """Return ``{"phase_<name>_seconds": total}`` for every phase."""
+        return {f"phase_{name}_seconds": value for name, value in self.seconds.items()}

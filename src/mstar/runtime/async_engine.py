@@ -82,6 +82,10 @@ class EngineConfig:
             hundreds of thousands of objects a full pass stalls serving for 100+ ms.
             Objects frozen are never collected, so an embedding application that keeps
             creating and dropping large object graphs should leave this off.
+        kv_cache_memory: KV-cache budget of each rank, shared by the KV-cache nodes placed on
+            it (bytes, or a fraction of the device's free memory; see `WorkerConfig`).
+        kv_cache_shares: Node -> fraction of its rank's budget (overrides the placement
+            file's ``kv_cache_share``); the nodes not named split the rest evenly.
     """
 
     worker_processes: bool = False
@@ -96,9 +100,17 @@ class EngineConfig:
     watchdog_interval_s: float = 0.25
     cpu_threads: int | None = None
     freeze_gc: bool = False
+    kv_cache_memory: int | float | None = None
+    kv_cache_shares: dict[str, float] = field(default_factory=dict)
 
-    def worker_config(self, rank: int, num_ranks: int = 1) -> WorkerConfig:
-        """Return the config of the worker of ``rank`` (one of ``num_ranks``)."""
+    def worker_config(
+        self, rank: int, num_ranks: int = 1, kv_cache_shares: dict[str, float] | None = None
+    ) -> WorkerConfig:
+        """Return the config of the worker of ``rank`` (one of ``num_ranks``).
+
+        ``kv_cache_shares`` are the placement's shares of the nodes on this rank (this
+        config's own override them).
+        """
         threads = self.cpu_threads
         if threads is None and (self.worker_processes or num_ranks > 1):
             threads = max(1, (os.cpu_count() or 1) // num_ranks)
@@ -108,6 +120,8 @@ class EngineConfig:
             stateless=StatelessEngineConfig(self.max_batch_size, self.max_wait_s),
             num_threads=threads,
             freeze_gc=self.freeze_gc and self.worker_processes,
+            kv_cache_memory=self.kv_cache_memory,
+            kv_cache_shares={**(kv_cache_shares or {}), **self.kv_cache_shares},
         )
 
 
@@ -225,7 +239,7 @@ class AsyncEngine:
             self.placement.to_yaml(),
             ActorId(self._served, CONDUCTOR),
             {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()},
-            msgspec.json.encode(self.config.worker_config(rank, len(self.placement.ranks))).decode(),
+            msgspec.json.encode(self._worker_config(rank)).decode(),
         )
         ready = await host.ask(init, timeout=300.0)
         if not isinstance(ready, WorkerReady):
@@ -261,8 +275,12 @@ class AsyncEngine:
         self.num_restarts += 1
         log.info("worker_restarted", rank=rank, pid=proc.pid)
 
+    def _worker_config(self, rank: int) -> WorkerConfig:
+        shares = self.placement.kv_cache_shares(rank)
+        return self.config.worker_config(rank, len(self.placement.ranks), shares)
+
     def _worker_factory(self, rank: int, conductor: ActorRef) -> Callable[[], Worker]:
-        config = self.config.worker_config(rank, len(self.placement.ranks))
+        config = self._worker_config(rank)
         return lambda: Worker(rank, self.model, self.graph, self.resolved, conductor, self.workers, config)
 
     async def shutdown(self) -> None:

@@ -10,7 +10,14 @@ node_groups:
 
 A group without ``graph_walks`` covers its nodes in every walk that uses them. Every
 (node, walk) pair of the graph must be covered by exactly one group. A group with several
-ranks spreads requests over them (replicas).
+ranks spreads requests over them (replicas). ``kv_cache_share`` gives the group's KV-cache
+nodes that fraction each of their rank's KV-cache budget (``EngineConfig.kv_cache_memory``):
+
+```yaml
+node_groups:
+  - {node_names: [thinker], ranks: [0], kv_cache_share: 0.6}
+  - {node_names: [talker, code_predictor], ranks: [0], kv_cache_share: 0.2}
+```
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class NodeGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_names: list[str]
     ranks: list[int]
     graph_walks: list[str] | None = None
+    kv_cache_share: float | None = None
 
 
 class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -114,6 +122,25 @@ class Placement:
     def to_yaml(self) -> str:
         """Return this placement as YAML text (what `from_yaml` reads)."""
         return msgspec.yaml.encode(_PlacementFile(list(self.groups), self.model)).decode()
+
+    def kv_cache_shares(self, rank: int) -> dict[str, float]:
+        """Return node -> KV-cache share of the groups on ``rank`` that set one.
+
+        Raises:
+            PlacementError: A share is outside (0, 1], or a node gets two different ones.
+        """
+        shares: dict[str, float] = {}
+        for i, group in enumerate(self.groups):
+            share = group.kv_cache_share
+            if share is None or rank not in group.ranks:
+                continue
+            if not 0.0 < share <= 1.0:
+                raise PlacementError(f"node_groups[{i}]: kv_cache_share must be in (0, 1], got {share}")
+            for node in group.node_names:
+                if shares.get(node, share) != share:
+                    raise PlacementError(f"node_groups[{i}]: node {node!r} has two kv_cache_share values")
+                shares[node] = share
+        return shares
 
     @property
     def ranks(self) -> tuple[int, ...]:

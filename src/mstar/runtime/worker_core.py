@@ -13,22 +13,23 @@ import functools
 import gc
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from mstar.engines.kv_cache import available_memory_bytes
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_times import WalkStepTimes
-from mstar.errors import MStarError
+from mstar.errors import KVCacheCapacityError, MStarError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import EngineType, Model
 from mstar.runtime.walk_runner import ValueKey, WalkRunner
 
-__all__ = ["NodeEngine", "WorkerConfig", "WorkerCore", "WorkerOutbox"]
+__all__ = ["ENGINE_FACTORIES", "EngineFactory", "NodeEngine", "WorkerConfig", "WorkerCore", "WorkerOutbox", "kv_cache_budgets"]
 
 Slot = tuple[str, str]
 _RunKey = tuple[str, int]  # (request id, walk seq)
@@ -38,8 +39,7 @@ _TOMBSTONES = 4096
 
 
 class NodeEngine(Protocol):
-    """What a worker needs of a node's engine (`StatelessEngine`, `KVNodeEngine`, or one a
-    node brings itself through a ``make_engine(node, executor, device)`` method)."""
+    """What a worker needs of a node's engine (`StatelessEngine`, `KVNodeEngine`)."""
 
     @property
     def num_pending(self) -> int:
@@ -69,6 +69,11 @@ class NodeEngine(Protocol):
     @property
     def walk_times(self) -> WalkStepTimes:
         """Return the step times per walk (a mixed batch counts under each of its walks)."""
+        ...
+
+    @property
+    def num_requests(self) -> int:
+        """Return how many requests (or their sequences) hold state here between firings."""
         ...
 
 
@@ -111,6 +116,12 @@ class WorkerConfig:
             oversubscribing them; otherwise to the event loop's thread.
         freeze_gc: Once the engines are built, collect garbage and freeze what lives out of
             the collector's full passes (a worker process; see `EngineConfig.freeze_gc`).
+        kv_cache_memory: KV-cache budget of this rank, shared by its KV-cache nodes: bytes
+            (int) or a fraction of the device's free memory at start (float). None: a lone
+            KV node sizes its own cache (its `KVCacheEngineConfig`); several split the
+            device default (0.8 of free memory on CUDA, min(1 GiB, 0.25) on a CPU).
+        kv_cache_shares: Node -> fraction of the rank's budget (the rest is split evenly
+            among the KV nodes not named); they must add up to at most 1.
     """
 
     device: str = "cpu"
@@ -118,6 +129,73 @@ class WorkerConfig:
     stateless: StatelessEngineConfig = field(default_factory=StatelessEngineConfig)
     num_threads: int | None = None
     freeze_gc: bool = False
+    kv_cache_memory: int | float | None = None
+    kv_cache_shares: dict[str, float] = field(default_factory=dict)
+
+
+EngineFactory = Callable[[str, Any, "Executor | None", WorkerConfig, "int | float | None"], NodeEngine]
+"""``factory(node, submodule, step_executor, worker_config, kv_cache_bytes) -> NodeEngine``."""
+
+
+def _make_stateless(node: str, module: Any, executor: Executor | None, config: WorkerConfig, _budget: int | float | None) -> NodeEngine:
+    return StatelessEngine(node, module, config.stateless, executor)
+
+
+def _make_kv(node: str, module: Any, executor: Executor | None, config: WorkerConfig, budget: int | float | None) -> NodeEngine:
+    try:
+        return KVNodeEngine(node, module, executor, device=config.device, kv_cache_memory=budget)
+    except KVCacheCapacityError as exc:
+        raise KVCacheCapacityError(f"KV-cache node {node!r}: {exc}") from exc
+
+
+ENGINE_FACTORIES: dict[EngineType, EngineFactory] = {
+    EngineType.STATELESS: _make_stateless,
+    EngineType.KV_CACHE: _make_kv,
+}
+"""The one table a worker builds node engines from: an engine type is chosen by the model
+(`Model.engine_types`), never by what a submodule happens to offer."""
+
+
+def kv_cache_budgets(
+    kv_nodes: list[str], config: WorkerConfig, device: torch.device
+) -> dict[str, int | None]:
+    """Return each KV-cache node's cache budget in bytes (None: the node sizes its own).
+
+    Raises:
+        KVCacheCapacityError: The shares name another node, are not positive, or add up
+            to more than the whole budget.
+    """
+    shares = dict(config.kv_cache_shares)
+    unknown = sorted(set(shares) - set(kv_nodes))
+    if unknown:
+        raise KVCacheCapacityError(
+            f"kv_cache_shares name {unknown}, which are not KV-cache nodes of this rank (those are {sorted(kv_nodes)})"
+        )
+    for node, share in shares.items():
+        if not 0.0 < share <= 1.0:
+            raise KVCacheCapacityError(f"the KV-cache share of node {node!r} must be in (0, 1], got {share}")
+    total_share = sum(shares.values())
+    if total_share > 1.0 + 1e-9:
+        raise KVCacheCapacityError(
+            f"the KV-cache shares of {sorted(shares)} add up to {total_share:.3g} of the budget; "
+            "they must add up to at most 1"
+        )
+    budget = config.kv_cache_memory
+    if budget is None and len(kv_nodes) <= 1 and not shares:
+        return dict.fromkeys(kv_nodes)
+    if budget is None:
+        budget = 0.8 if device.type == "cuda" else 0.25
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise KVCacheCapacityError(f"a fractional KV-cache budget must be in (0, 1], got {budget}")
+        num_bytes = int(available_memory_bytes(device) * budget)
+        if device.type != "cuda" and config.kv_cache_memory is None:
+            num_bytes = min(num_bytes, 1 << 30)
+    else:
+        num_bytes = int(budget)
+    rest = [n for n in kv_nodes if n not in shares]
+    each_rest = (1.0 - total_share) / len(rest) if rest else 0.0
+    return {n: int(num_bytes * shares.get(n, each_rest)) for n in kv_nodes}
 
 
 class _Ports:
@@ -139,7 +217,7 @@ class _Ports:
         sink: Callable[[Mapping[str, Any]], None],
     ) -> Awaitable[None] | None:
         engine = self.worker.engines[node]
-        if isinstance(engine, KVNodeEngine):
+        if isinstance(engine, KVNodeEngine) and engine.has_native_loop:
             return engine.run(self.request_id, inputs, max_iters, sink, self.walk)
         return None
 
@@ -197,18 +275,13 @@ class WorkerCore:
         device = torch.device(self.config.device)
         types = self.model.engine_types()
         for node in self.node_names:
-            kind = types.get(node)
+            if types.get(node) not in ENGINE_FACTORIES:
+                raise MStarError(f"node {node!r} has engine type {types.get(node)!r}; expected one of {[t.value for t in EngineType]}")
+        budgets = kv_cache_budgets([n for n in self.node_names if types[n] == EngineType.KV_CACHE], self.config, device)
+        for node in self.node_names:
             # Loading weights takes seconds: off the event loop, which must keep heartbeating.
             module = await asyncio.to_thread(self.model.submodule, node, device)
-            engine: NodeEngine
-            if hasattr(module, "make_engine"):  # a node that brings its own engine (e.g. frame-block KV)
-                engine = module.make_engine(node, self._executor, self.config.device)
-            elif kind == EngineType.STATELESS:
-                engine = StatelessEngine(node, module, self.config.stateless, self._executor)
-            elif kind == EngineType.KV_CACHE:
-                engine = KVNodeEngine(node, module, self._executor, device=self.config.device)
-            else:
-                raise MStarError(f"node {node!r} has engine type {kind!r}; expected one of {[t.value for t in EngineType]}")
+            engine = ENGINE_FACTORIES[types[node]](node, module, self._executor, self.config, budgets.get(node))
             engine.start()
             self.engines[node] = engine
         if self.config.freeze_gc:
@@ -230,8 +303,7 @@ class WorkerCore:
         counts = {"runners": len(self.runners), "tasks": len(self.tasks), "early_values": len(self.early)}
         for name, engine in self.engines.items():
             counts[f"pending:{name}"] = engine.num_pending
-            if hasattr(engine, "num_requests"):  # engines that keep per-request state (KV caches)
-                counts[f"kv_requests:{name}"] = engine.num_requests
+            counts[f"requests:{name}"] = engine.num_requests
         return counts
 
     # --- messages ------------------------------------------------------------------------

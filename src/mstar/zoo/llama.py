@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -236,7 +236,9 @@ class LlamaBackbone(nn.Module):
 
 
 class LlamaCausalLM(nn.Module):
-    """A Llama causal LM for `KVCacheEngine` (`PagedModel`)."""
+    """A Llama causal LM for `KVCacheEngine` (`PagedModel`, `SupportsNarrowLogits`)."""
+
+    supports_narrow_logits: ClassVar[Literal[True]] = True
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
