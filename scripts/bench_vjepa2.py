@@ -51,7 +51,6 @@ from mstar.bench import (
 )
 from mstar.runtime import AsyncEngine, EngineConfig, Output, Request
 from mstar.zoo.vjepa2 import VJepa2Model, load_encoder, load_predictor, native_rollout
-from mstar.zoo.vjepa2.frame_cache import make_attention_backend
 from mstar.zoo.vjepa2.inputs import prepare_image
 
 TARGET_RATIO = 12.5  # the paper's speed-up at H = 30
@@ -180,7 +179,7 @@ async def run(args: argparse.Namespace) -> int:
         "model": args.config,
         "device": args.device,
         "dtype": args.dtype,
-        "attention_backend": type(make_attention_backend(args.attention_backend, torch.device(args.device))).__name__,
+        "attention_backend": args.attention_backend,
         "torch_threads": torch.get_num_threads(),
         "frame_tokens": model.config.predictor.frame_tokens,
         "predictor": f"depth {model.config.predictor.depth}, dim {model.config.predictor.pred_dim}",
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=1, help="measured waves per horizon")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "frame", "paged", "flashinfer"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     parser.add_argument("--num-blocks", type=int, default=None, help="frame blocks in the KV pool")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--tables", action="store_true", help="print the harness table of every horizon")

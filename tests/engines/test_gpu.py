@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mstar.engines import AttentionMask, KVCacheEngine, KVCacheEngineConfig, SamplingParams
-from mstar.engines.attention import AttentionMetadata, TorchPagedAttention
+from mstar.engines.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 
 from .conftest import make_tiny_llama
 
@@ -23,66 +23,127 @@ needs_flashinfer = pytest.mark.skipif(
 )
 
 
+def _limits(pattern: str, kv_len: int, q_len: int) -> list[int]:
+    """Return the key limits of a chunk's queries (positions `kv_len - q_len .. kv_len - 1`)."""
+    positions = range(kv_len - q_len, kv_len)
+    if pattern == "causal":
+        return [p + 1 for p in positions]
+    if pattern == "full":  # every query sees all its keys
+        return [kv_len] * q_len
+    if pattern == "block":  # block-causal in 3-token frames
+        return [min((p // 3 + 1) * 3, kv_len) for p in positions]
+    if pattern == "lag":  # each query sees the keys before it, not itself
+        return list(positions)
+    raise ValueError(pattern)
+
+
 def _metadata(
-    q_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int, masked: bool
+    q_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    patterns: list[str] | None,
+    read_only: tuple[int, ...] = (),
+    device: str = "cuda",
 ) -> AttentionMetadata:
+    """Build a step over random blocks; `patterns=None` is plain causal (no `kv_limits`).
+
+    Read-only chunks own blocks for their cached keys only and write into the sink
+    (block `num_blocks`), as the model runner lays them out.
+    """
     gen = np.random.default_rng(0)
     perm = gen.permutation(num_blocks)
+    sink = num_blocks * block_size
     tables: list[list[int]] = []
     slots: list[int] = []
     limits: list[int] = []
     used = 0
-    for q_len, kv_len in zip(q_lens, seq_lens, strict=True):
-        n = -(-kv_len // block_size)
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        is_read_only = i in read_only
+        n = -(-(kv_len - q_len if is_read_only else kv_len) // block_size)
         table = perm[used : used + n].tolist()
         used += n
         tables.append(table)
         for p in range(kv_len - q_len, kv_len):
-            slots.append(table[p // block_size] * block_size + p % block_size)
-            # Block-causal in 3-token frames over the chunk when masked, else causal.
-            limits.append(min((p // 3 + 1) * 3, kv_len) if masked and q_len > 1 else p + 1)
+            slots.append(sink if is_read_only else table[p // block_size] * block_size + p % block_size)
+        limits.extend(_limits(patterns[i] if patterns else "causal", kv_len, q_len))
     starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     return AttentionMetadata(
         num_tokens=int(starts[-1]),
-        slot_mapping=torch.tensor(slots, device="cuda"),
+        slot_mapping=torch.tensor(slots, device=device),
         query_start_loc=starts,
         seq_lens=np.array(seq_lens, dtype=np.int64),
         block_tables=tables,
-        kv_limits=np.array(limits, dtype=np.int64) if masked else None,
+        kv_limits=np.array(limits, dtype=np.int64) if patterns else None,
         block_size=block_size,
+        read_only=np.isin(np.arange(len(q_lens)), read_only) if read_only else None,
     )
+
+
+# (q_lens, seq_lens, patterns per chunk or None for plain causal, read-only chunks)
+_STEPS = {
+    "decode": ([1, 1, 1, 1], [5, 17, 33, 64], None, ()),
+    "mixed-causal": ([7, 1, 12, 1], [7, 20, 30, 9], None, ()),
+    "block-causal": ([9, 1, 6], [9, 14, 12], ["block", "causal", "block"], ()),
+    "full": ([5, 1, 8], [5, 20, 30], ["full", "full", "full"], ()),
+    "full-and-causal": ([6, 4, 1], [6, 20, 9], ["full", "causal", "causal"], ()),
+    # The last chunk has fewer cached keys than queries.
+    "read-only": ([4, 3, 6], [20, 35, 8], ["full", "full", "full"], (0, 1, 2)),
+    "read-only-no-context": ([5, 2], [5, 2], ["full", "full"], (0, 1)),
+    "read-only-block": ([6, 4], [22, 9], ["block", "causal"], (0, 1)),
+    "read-only-unmasked": ([4, 1], [10, 20], None, (0,)),
+    "read-only-mixed": (
+        [1, 5, 1, 7, 4, 3],
+        [17, 25, 40, 7, 4, 19],
+        ["causal", "full", "causal", "block", "full", "full"],
+        (1, 4, 5),
+    ),
+    "read-only-lag": ([3, 6, 1], [12, 14, 30], ["lag", "block", "causal"], (0,)),
+}
+
+
+def _assert_matches_torch(backend: AttentionBackend, dtype: torch.dtype, step: str) -> None:
+    """Run `step` through two layers of `backend` and of the torch reference; compare."""
+    q_lens, seq_lens, patterns, read_only = _STEPS[step]
+    block_size, num_blocks, heads, kv_heads, dim = 16, 64, 8, 2, 64
+    torch.manual_seed(0)
+    meta = _metadata(q_lens, seq_lens, block_size, num_blocks, patterns, read_only)
+    # Two layers, so the second reuses the step's plans.
+    layers = []
+    for _ in range(2):
+        k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, dim, device="cuda", dtype=dtype)
+        q = torch.randn(meta.num_tokens, heads, dim, device="cuda", dtype=dtype)
+        k = torch.randn(meta.num_tokens, kv_heads, dim, device="cuda", dtype=dtype)
+        layers.append((q, k, torch.randn_like(k), k_cache, torch.randn_like(k_cache)))
+    outs: list[list[torch.Tensor]] = []
+    for each in (TorchPagedAttention("cuda"), backend):
+        each.plan(meta)
+        outs.append([
+            each.forward(q, k, v, (k_cache.clone(), v_cache.clone()), dim**-0.5).float()
+            for q, k, v, k_cache, v_cache in layers
+        ])
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 @needs_flashinfer
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("q_lens", "seq_lens", "masked"),
-    [
-        ([1, 1, 1, 1], [5, 17, 33, 64], False),  # decode wrapper
-        ([7, 1, 12, 1], [7, 20, 30, 9], False),  # mixed prefill (with context) and decode
-        ([9, 1, 6], [9, 14, 12], True),  # block-causal custom mask
-    ],
-    ids=["decode", "mixed-causal", "block-causal"],
-)
-def test_flashinfer_matches_torch_backend(
-    dtype: torch.dtype, q_lens: list[int], seq_lens: list[int], masked: bool
-) -> None:
+@pytest.mark.parametrize("step", list(_STEPS))
+def test_flashinfer_matches_torch_backend(dtype: torch.dtype, step: str) -> None:
     from mstar.engines.attention.flashinfer_backend import FlashInferAttention
 
-    block_size, num_blocks, heads, kv_heads, dim = 16, 64, 8, 2, 64
-    torch.manual_seed(0)
-    k_cache = torch.randn(num_blocks + 1, block_size, kv_heads, dim, device="cuda", dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    meta = _metadata(q_lens, seq_lens, block_size, num_blocks, masked)
-    q = torch.randn(meta.num_tokens, heads, dim, device="cuda", dtype=dtype)
-    k = torch.randn(meta.num_tokens, kv_heads, dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
-    outs = []
-    for backend in (TorchPagedAttention("cuda"), FlashInferAttention("cuda")):
-        caches = (k_cache.clone(), v_cache.clone())
-        backend.plan(meta)
-        outs.append(backend.forward(q, k, v, caches, dim**-0.5).float())
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    _assert_matches_torch(FlashInferAttention("cuda"), dtype, step)
+
+
+@needs_flashinfer
+def test_flashinfer_keeps_matching_across_steps() -> None:
+    # One backend for every step: a wrapper's first plan fixes its kernel backend, so an
+    # unmasked step must not leave a later masked one on a kernel without masks.
+    from mstar.engines.attention.flashinfer_backend import FlashInferAttention
+
+    backend = FlashInferAttention("cuda")
+    for step in [*_STEPS, *reversed(_STEPS)]:
+        _assert_matches_torch(backend, torch.bfloat16, step)
 
 
 def _generate(engine: KVCacheEngine, prompts: list[list[int]]) -> list[list[int]]:

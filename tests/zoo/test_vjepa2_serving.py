@@ -95,10 +95,11 @@ async def test_different_horizons_share_steps_and_release_their_blocks(checkpoin
     async with Direct(model, {n: [0] for n in model.graph().nodes}) as d:
         data = [rollout_data(i, h) for i, h in enumerate(horizons)]
         results = await asyncio.gather(*(d.run(Request("rollout", x)) for x in data))
-        runner = d.workers[0].engines["predictor"].runner  # type: ignore[attr-defined]
-        assert sum(runner.rows_per_step) == sum(horizons)  # every frame block computed once
-        assert max(runner.rows_per_step) == len(horizons) and runner.num_steps < sum(horizons)
-        assert runner.num_requests == 0 and runner.pool.num_free_blocks == 64
+        engine = d.workers[0].engines["predictor"]
+        stats = engine.stats()
+        assert stats["batched"] == sum(horizons)  # every frame block computed once
+        assert stats["steps"] < sum(horizons)  # requests in lockstep share steps
+        assert engine.num_requests == 0 and stats["kv_blocks_used"] == 0
         d.assert_empty()
     predictor = load_predictor(checkpoint, CFG)
     for x, outputs in zip(data, results, strict=True):
@@ -115,18 +116,18 @@ async def test_streamed_frames_equal_the_final_trajectory_and_abort_frees_the_ca
         assert [o.name for o in streamed] == ["frame", "frame_pose"] * 6
         torch.testing.assert_close(torch.stack([o.data for o in streamed if o.name == "frame"]), final["latents"])
         torch.testing.assert_close(torch.stack([o.data for o in streamed if o.name == "frame_pose"]), final["poses"])
-        runner = d.workers[0].engines["predictor"].runner  # type: ignore[attr-defined]
+        engine = d.workers[0].engines["predictor"]
         request = Request("rollout", rollout_data(6, 31, stream=True))
         d.results[request.request_id] = asyncio.get_running_loop().create_future()
         d.delivered.clear()
         d.execute(d.core.submit(request))
         await d.delivered.wait()  # the first streamed frame arrived
-        assert d.outputs[request.request_id] and runner.num_requests == 1
+        assert d.outputs[request.request_id] and engine.num_requests == 1
         d.execute(d.core.abort(request.request_id))
         with pytest.raises(Exception, match="aborted"):
             await d.results[request.request_id]
         await d.run(Request("rollout", rollout_data(7, 1)))  # a step boundary applies the release
-        assert runner.num_requests == 0 and runner.pool.num_free_blocks == 64
+        assert engine.num_requests == 0 and engine.stats()["kv_blocks_used"] == 0
 
 
 async def test_rollout_from_an_image_encodes_first(checkpoint: str) -> None:
@@ -198,7 +199,7 @@ async def test_bad_requests_fail_clearly(checkpoint: str) -> None:
         for request, message in cases:
             with pytest.raises(ValueError, match=message):
                 await engine.run(request)
-        with pytest.raises(WalkExecutionError, match="needs 9 frame blocks; the pool has 8") as info:
+        with pytest.raises(WalkExecutionError, match=r"reserves 9 blocks for its sequences but the KV cache of node 'predictor' has 8") as info:
             await engine.run(Request("rollout", rollout_data(1, 9)))
         assert info.value.node == "predictor"
         ok = by_name(await engine.run(Request("rollout", rollout_data(2, 8))))  # the engine still serves

@@ -111,6 +111,11 @@ class BlockManager:
             self._release(src)
             seq.block_table[index] = dst
             copies.append((src, dst))
+        elif seq.num_computed_tokens % self.block_size:
+            # A partial block held by this sequence alone may still carry the hash of what
+            # it held when full (before a fork at a mark or a truncation, once the others
+            # let go): its tail is written again now.
+            self._forget_hash(seq.block_table[seq.num_computed_tokens // self.block_size])
         target = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) * self.block_size < target:
             seq.block_table.append(self._take_free_block(seq))

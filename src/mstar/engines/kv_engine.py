@@ -40,12 +40,18 @@ from mstar.engines.attention.torch_paged import TorchPagedAttention
 from mstar.engines.block_manager import BlockManager
 from mstar.engines.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from mstar.engines.masks import AttentionMask
-from mstar.engines.model_runner import ModelRunner
+from mstar.engines.model_runner import ModelRunner, StepResult
 from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
-from mstar.engines.scheduler import BatchScheduler, RequestOutput
+from mstar.engines.scheduler import (
+    BatchScheduler,
+    RequestOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from mstar.engines.sequence import (
     PLACEHOLDER_TOKEN,
+    FinishReason,
     LogitsProcessor,
     OutputMode,
     Sequence,
@@ -174,6 +180,10 @@ class KVCacheEngine:
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.return_logits = False
+        # The last step scheduled nothing although work waits: it waits for room (blocks
+        # that a paused pinned walk frees later), and stepping again before a call changes
+        # anything would only spin.
+        self.is_stalled = False
         _log.info(
             "kv_cache_ready",
             device=str(self.device),
@@ -446,15 +456,22 @@ class KVCacheEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         phases.add("schedule", time.perf_counter() - t0)
+        self.is_stalled = out.is_empty and self.scheduler.has_unfinished()
         if out.is_empty:
-            if self.scheduler.has_unfinished():
+            if self.is_stalled and not self._room_may_come():
                 pending = self.scheduler.running or list(self.scheduler.waiting)
                 raise KVCacheCapacityError(
                     f"request {pending[0].request_id!r} cannot be scheduled: the KV cache cannot hold "
-                    f"its next chunk (other requests' pinned caches hold the rest); raise the KV-cache budget"
+                    f"its next chunk even alone; raise the KV-cache budget"
                 )
             return []
-        result = self.runner.execute(out, return_logits=self.return_logits)
+        failed: list[RequestOutput] = []
+        try:
+            result = self.runner.execute(out, return_logits=self.return_logits)
+        except Exception:
+            if len(out.scheduled) == 1:
+                raise
+            out, result, failed = self._isolate_failures(out)
         t1 = time.perf_counter()
         outputs = self.scheduler.update_from_output(out, result.tokens, result.hidden)
         if result.logits is not None:
@@ -471,7 +488,40 @@ class KVCacheEngine:
                 if seq.status is SequenceStatus.FINISHED:
                     del self._seqs[o.request_id]
         phases.add("update", time.perf_counter() - t1)
-        return outputs
+        return outputs + failed
+
+    def _isolate_failures(self, out: SchedulerOutput) -> tuple[SchedulerOutput, StepResult, list[RequestOutput]]:
+        """Rerun a failed step one sequence at a time: only the sequences that fail alone fail.
+
+        A failing sequence is dropped and reported by an output carrying its error; the
+        others' results make one step as if they had run together.
+        """
+        tokens: list[int] = []
+        hidden: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        ok: list[ScheduledSequence] = []
+        failed: list[RequestOutput] = []
+        for item in out.scheduled:
+            single = SchedulerOutput([item], out.block_copies)  # re-copying a block is harmless
+            try:
+                part = self.runner.execute(single, return_logits=self.return_logits)
+            except Exception as exc:
+                key = item.seq.request_id
+                self.scheduler.remove(item.seq)
+                self._seqs.pop(key, None)
+                failed.append(RequestOutput(key, [], True, FinishReason.ABORT, error=exc))
+                continue
+            ok.append(item)
+            tokens += part.tokens
+            hidden += part.hidden
+            if part.logits is not None:
+                logits.append(part.logits)
+        merged = StepResult(tokens, torch.cat(logits) if logits else None, hidden)
+        return SchedulerOutput(ok, [], out.preempted_ids), merged, failed
+
+    def _room_may_come(self) -> bool:
+        """Whether blocks held now may still be freed without a step (a paused pinned walk goes on later)."""
+        return any(seq.is_pinned and seq.block_table for seq in self.scheduler.paused.values())
 
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | None = None

@@ -40,7 +40,12 @@ from mstar.engines.sequence import LogitsProcessor, SequenceStatus
 from mstar.engines.step_loop import StepLoop
 from mstar.engines.step_overlap import OverlappedSteps, overlap_pays
 from mstar.engines.step_times import WalkStepTimes
-from mstar.errors import EngineClosedError, RequestAbortedError, RequestNotFoundError
+from mstar.errors import (
+    EngineClosedError,
+    KVCacheCapacityError,
+    RequestAbortedError,
+    RequestNotFoundError,
+)
 
 __all__ = [
     "ForwardKVNode",
@@ -289,6 +294,13 @@ class KVNodeEngine(StepLoop):
         forward = node.forward(request_id, inputs)
         if not forward.chunks:
             return node.forward_outputs(request_id, inputs, [])
+        size = self.engine.config.block_size
+        reserved = sum(-(-c.reserve_tokens // size) for c in forward.chunks)
+        if reserved > self.engine.num_blocks:
+            raise KVCacheCapacityError(
+                f"a firing of request {request_id!r} reserves {reserved} blocks for its sequences but the "
+                f"KV cache of node {self.node!r} has {self.engine.num_blocks}; raise its KV-cache budget or send less at once"
+            )
         keys: list[str] = []
         ops: list[Callable[[], object]] = []
         for chunk in forward.chunks:
@@ -449,10 +461,14 @@ class KVNodeEngine(StepLoop):
                 failed.append((key, exc))
         if not self.engine.has_unfinished():
             return failed, [], bool(failed)
-        results = []
+        results: list[tuple[str, list[int], list[int] | None, Any]] = []
         urgent = bool(failed)
         engine = self.engine
         for o in engine.step():
+            if o.error is not None:
+                failed.append((o.request_id, o.error))
+                urgent = True
+                continue
             if o.finished and o.finish_reason == "computed":
                 results.append((o.request_id, [], None, o.hidden))
                 urgent = True
@@ -470,7 +486,7 @@ class KVNodeEngine(StepLoop):
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._ops and not self.engine.has_unfinished():
+            if not self._ops and (self.engine.is_stalled or not self.engine.has_unfinished()):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             if self.executor is not None:
@@ -493,7 +509,9 @@ class KVNodeEngine(StepLoop):
 
     def _keep_stepping(self) -> bool:
         """Whether the step thread runs another step at once (see `OverlappedSteps`)."""
-        return not self._closed and not self._thread_wanted() and bool(self._ops or self.engine.has_unfinished())
+        engine = self.engine
+        has_work = bool(self._ops) or (engine.has_unfinished() and not engine.is_stalled)
+        return not self._closed and not self._thread_wanted() and has_work
 
     def _thread_wanted(self) -> bool:
         """Whether other work waits for the step thread (always assumed when it can't be told)."""

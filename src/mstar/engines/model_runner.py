@@ -118,7 +118,16 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
         """Flatten the scheduled chunks into model inputs and attention metadata."""
         scheduled = out.scheduled
-        if scheduled and all(item.num_tokens == 1 and item.start >= item.seq.segments_end and not item.seq.is_read_only for item in scheduled):
+        # The decode fast path returns no rows: a walk that returns its rows (even one
+        # token's) takes the general path, which also keeps it off the CUDA graphs (their
+        # outputs are static buffers, overwritten by the next replay).
+        if scheduled and all(
+            item.num_tokens == 1
+            and item.start >= item.seq.segments_end
+            and not item.seq.is_read_only
+            and not item.returns_hidden
+            for item in scheduled
+        ):
             return self._prepare_decode(out)
         size = self.block_size
         num_seqs = len(scheduled)

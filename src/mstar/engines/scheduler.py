@@ -83,6 +83,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logits: torch.Tensor | None = None  # raw logits of the sampled step, when asked for
     hidden: torch.Tensor | None = None  # the walk's rows `[new tokens, ...]` ("hidden" mode)
+    error: BaseException | None = None  # the sequence failed alone in this step (and was dropped)
 
 
 class BatchScheduler:

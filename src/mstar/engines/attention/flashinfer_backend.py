@@ -1,22 +1,39 @@
 """FlashInfer paged attention for CUDA (import this module only where FlashInfer exists).
 
-Each step is planned once: decode-only causal batches use
-`BatchDecodeWithPagedKVCacheWrapper`, everything else (prefill chunks, mixed batches,
-full and block-causal masks) `BatchPrefillWithPagedKVCacheWrapper`, with a custom mask
-built from the per-query key limits when some query is not plain causal. The cache
-layout is FlashInfer's "NHD" `(k_cache, v_cache)` pair, so no copy is needed.
+Each step is planned once, at its first layer (head counts are known then). Its sequences
+split in two kinds, each planned on its own wrappers:
 
-The page table handed to FlashInfer is the usual CSR triple:
+* written sequences read all their keys from the cache (this step's were just written):
+  decode tokens alone use `BatchDecodeWithPagedKVCacheWrapper`, anything else
+  `BatchPrefillWithPagedKVCacheWrapper`, causal, unmasked or with a custom mask;
+* read-only sequences read their context from the cache and their own keys from the
+  step's `k`, `v` rows; the two partial attentions are merged by their log-sum-exps
+  (`flashinfer.merge_state`), which equals attention over the concatenated keys:
+
+```
+ read-only chunk, q_len 3, seq_len 8      keys | cache 0..4 | own 5..7 |
+   paged prefill over the cache part  ->  o_cache, lse_cache   (queries see all of it)
+   ragged prefill over the own rows   ->  o_own, lse_own       (mask restricted to them)
+   merge_state(o_cache, lse_cache, o_own, lse_own)  =  attention over keys 0..7
+```
+
+A kernel gets no mask when every query sees all its keys (`causal=False`) or exactly its
+causal prefix; otherwise a custom mask built from the per-query key limits. Masked plans
+run on their own wrappers pinned to FA2: a wrapper fixes its backend at its first plan,
+and the one "auto" picks on Hopper (FA3) has no custom masks. The cache
+layout is FlashInfer's "NHD" `(k_cache, v_cache)` pair, so no copy is needed. The page
+table handed to FlashInfer is the usual CSR triple:
 
 ```
  indptr        [0, 2, 3]           sequence i owns indices[indptr[i]:indptr[i+1]]
  indices       [7, 2, 4]           block ids
- last_page_len [3, 1]              filled slots of each sequence's last block
+ last_page_len [3, 1]              filled slots of each sequence's last block (>= 1)
 ```
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import flashinfer
@@ -30,31 +47,116 @@ __all__ = ["FlashInferAttention"]
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
-def page_table(metadata: AttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return `(indptr, indices, last_page_len)` (int32) for a step."""
-    size = metadata.block_size
-    seq_lens = metadata.seq_lens
-    num_pages = (seq_lens + size - 1) // size
-    indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
-    np.cumsum(num_pages, out=indptr[1:])
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    """Return the int32 CSR offsets `[0, l0, l0 + l1, ...]` of `lens`."""
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=indptr[1:])
+    return indptr
+
+
+def _page_table(
+    kv_lens: np.ndarray, block_tables: list[list[int]], size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return `(indptr, indices, last_page_len)` (int32) covering keys `[0, kv_lens[i])`."""
+    num_pages = (kv_lens + size - 1) // size
+    indptr = _offsets(num_pages)
     indices = np.fromiter(
-        (b for table, n in zip(metadata.block_tables, num_pages, strict=True) for b in table[:n]),
+        (b for table, n in zip(block_tables, num_pages, strict=True) for b in table[:n]),
         dtype=np.int32,
         count=int(indptr[-1]),
     )
-    last_page_len = (seq_lens - (num_pages - 1) * size).astype(np.int32)
+    last_page_len = (kv_lens - (num_pages - 1) * size).astype(np.int32)
     return indptr, indices, last_page_len
 
 
-def custom_mask(metadata: AttentionMetadata) -> np.ndarray:
-    """Return the flattened boolean mask (per sequence `[q_len, kv_len]`, row-major)."""
-    assert metadata.kv_limits is not None
+def _row_limits(metadata: AttentionMetadata) -> np.ndarray:
+    """Return each query's key limit within its sequence (plain causal when none is given)."""
+    seq_lens, q_lens = metadata.seq_lens, metadata.query_lens
+    if metadata.kv_limits is not None:
+        return np.minimum(metadata.kv_limits, np.repeat(seq_lens, q_lens))
+    seq_of_row = np.repeat(np.arange(metadata.num_seqs), q_lens)
+    offset = np.arange(metadata.num_tokens) - metadata.query_start_loc[seq_of_row]
+    return seq_lens[seq_of_row] - q_lens[seq_of_row] + offset + 1
+
+
+def _mask_plan(
+    q_lens: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray
+) -> tuple[np.ndarray | None, bool]:
+    """Return `(custom_mask, causal)` for one kernel whose query row t sees keys `[0, visible[t])`.
+
+    No mask when every query sees all its keys, or exactly FlashInfer's causal prefix (the
+    queries aligned to the end of the keys); otherwise the flattened boolean mask, one
+    row-major `[q_len, kv_len]` block per sequence (FlashInfer's mask layout).
+    """
+    kv_of_row = np.repeat(kv_lens, q_lens)
+    if (visible == kv_of_row).all():
+        return None, False
+    q_of_row = np.repeat(q_lens, q_lens)
+    offset = np.arange(len(visible)) - np.repeat(_offsets(q_lens)[:-1], q_lens)
+    if (visible == kv_of_row - q_of_row + offset + 1).all():
+        return None, True
     parts = []
-    starts = metadata.query_start_loc
-    for i, kv_len in enumerate(metadata.seq_lens):
-        limits = metadata.kv_limits[starts[i] : starts[i + 1]]
-        parts.append((np.arange(kv_len)[None, :] < limits[:, None]).reshape(-1))
-    return np.concatenate(parts)
+    lo = 0
+    for q_len, kv_len in zip(q_lens.tolist(), kv_lens.tolist(), strict=True):
+        rows = visible[lo : lo + q_len]
+        lo += q_len
+        parts.append((np.arange(kv_len)[None, :] < rows[:, None]).reshape(-1))
+    return np.concatenate(parts), False
+
+
+class _Rows:
+    """Some rows of a tensor, ascending: one contiguous run (taken as a view) or an index."""
+
+    __slots__ = ("index", "start", "stop")
+
+    def __init__(self, rows: np.ndarray, device: torch.device) -> None:
+        self.start, self.stop = int(rows[0]), int(rows[-1]) + 1
+        is_run = self.stop - self.start == len(rows)
+        self.index = None if is_run else torch.from_numpy(rows.astype(np.int64)).to(device)
+
+    def covers(self, num_rows: int) -> bool:
+        """Whether these are all `num_rows` rows, in order."""
+        return self.index is None and self.start == 0 and self.stop == num_rows
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """Return these rows of `x` (contiguous when `x` is)."""
+        return x[self.start : self.stop] if self.index is None else x.index_select(0, self.index)
+
+    def put(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Write `x` into these rows of `out`."""
+        if self.index is None:
+            out[self.start : self.stop] = x
+        else:
+            out.index_copy_(0, self.index, x)
+
+
+@dataclass(slots=True)
+class _WrittenPlan:
+    """The written sequences of a step: one planned paged kernel over their batch rows."""
+
+    wrapper: Any
+    rows: _Rows
+
+
+@dataclass(slots=True)
+class _ReadOnlyPlan:
+    """The read-only sequences of a step (row sets below are local to their rows).
+
+    Attributes:
+        rows: their rows in the batch; the ragged kernel `own` runs over all of them.
+        own: the ragged wrapper planned over their own keys.
+        context: the paged wrapper planned over their cached keys, or None.
+        cached: those of sequences with cached keys (`context`'s rows), or None.
+        merged: `(local, within cached)` rows that see cached and own keys, or None.
+        cache_only: `(local, within cached)` rows that see none of their own keys, or None.
+    """
+
+    rows: _Rows
+    own: Any
+    context: Any = None
+    cached: _Rows | None = None
+    merged: tuple[_Rows, _Rows] | None = None
+    cache_only: tuple[_Rows, _Rows] | None = None
 
 
 class FlashInferAttention:
@@ -63,46 +165,141 @@ class FlashInferAttention:
     def __init__(self, device: torch.device | str = "cuda") -> None:
         """Create the wrappers with one shared workspace on `device`."""
         self.device = torch.device(device)
+        # Each wrapper holds one plan; their runs are sequential on one stream, so they
+        # can share the float workspace (only a run's split-KV partials live there).
         self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._prefills: dict[tuple[str, bool], Any] = {}  # made on first use, see _prefill
         self._metadata: AttentionMetadata | None = None
-        self._wrapper: Any = None
         self._slot_mapping: torch.Tensor | None = None
+        self._is_planned = False
+        self._written: _WrittenPlan | None = None
+        self._read_only: _ReadOnlyPlan | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Remember the step; the kernels are planned at the first layer (head counts known)."""
         self._metadata = metadata
         self._slot_mapping = metadata.slot_mapping
-        self._wrapper = None
+        self._is_planned = False
+
+    def _to_dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _prefill(self, role: str, is_masked: bool) -> Any:
+        """Return the prefill wrapper of `role` ("written", "context" or "own": ragged).
+
+        Roles planned in one step need distinct wrappers (a wrapper holds one plan), and
+        masked plans FA2 ones (see the module notes).
+        """
+        wrapper = self._prefills.get((role, is_masked))
+        if wrapper is None:
+            make = (
+                flashinfer.BatchPrefillWithRaggedKVCacheWrapper
+                if role == "own"
+                else flashinfer.BatchPrefillWithPagedKVCacheWrapper
+            )
+            wrapper = make(self._workspace, "NHD", backend="fa2" if is_masked else "auto")
+            self._prefills[role, is_masked] = wrapper
+        return wrapper
 
     def _plan_kernels(self, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         metadata = self._metadata
         assert metadata is not None, "plan() must run before forward()"
-        indptr, indices, last_page_len = page_table(metadata)
-        dev = self.device
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[2]
+        dims = (q.shape[1], k_cache.shape[2], q.shape[2])  # heads, kv heads, head dim
         common = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scale}
-        if metadata.is_decode_only:
-            self._decode.plan(
-                to_dev(indptr), to_dev(indices), to_dev(last_page_len),
-                num_heads, num_kv_heads, head_dim, metadata.block_size, **common,
-            )
-            self._wrapper = self._decode
-            return
-        qo_indptr = to_dev(metadata.query_start_loc.astype(np.int32))
-        mask = None if metadata.kv_limits is None else to_dev(custom_mask(metadata))
-        self._prefill.plan(
-            qo_indptr, to_dev(indptr), to_dev(indices), to_dev(last_page_len),
-            num_heads, num_kv_heads, head_dim, metadata.block_size,
-            custom_mask=mask, causal=mask is None, **common,
+        limits = _row_limits(metadata)
+        is_read_only = (
+            np.zeros(metadata.num_seqs, dtype=bool) if metadata.read_only is None else metadata.read_only
         )
-        self._wrapper = self._prefill
+        row_is_read_only = np.repeat(is_read_only, metadata.query_lens)
+        self._written = self._read_only = None
+        if not is_read_only.all():
+            rows = np.flatnonzero(~row_is_read_only)
+            self._written = self._plan_written(
+                metadata, np.flatnonzero(~is_read_only), rows, limits[rows], dims, common
+            )
+        if is_read_only.any():
+            rows = np.flatnonzero(row_is_read_only)
+            self._read_only = self._plan_read_only(
+                metadata, np.flatnonzero(is_read_only), rows, limits[rows], dims, common
+            )
+        self._is_planned = True
+
+    def _plan_written(
+        self,
+        metadata: AttentionMetadata,
+        seq_ids: np.ndarray,
+        rows: np.ndarray,
+        visible: np.ndarray,
+        dims: tuple[int, int, int],
+        common: dict[str, Any],
+    ) -> _WrittenPlan:
+        q_lens, kv_lens = metadata.query_lens[seq_ids], metadata.seq_lens[seq_ids]
+        tables = [metadata.block_tables[i] for i in seq_ids]
+        pages = [self._to_dev(a) for a in _page_table(kv_lens, tables, metadata.block_size)]
+        if (q_lens == 1).all() and (visible == kv_lens).all():
+            self._decode.plan(*pages, *dims, metadata.block_size, **common)
+            return _WrittenPlan(self._decode, _Rows(rows, self.device))
+        mask, causal = _mask_plan(q_lens, kv_lens, visible)
+        wrapper = self._prefill("written", mask is not None)
+        wrapper.plan(
+            self._to_dev(_offsets(q_lens)), *pages, *dims, metadata.block_size,
+            custom_mask=None if mask is None else self._to_dev(mask), causal=causal, **common,
+        )
+        return _WrittenPlan(wrapper, _Rows(rows, self.device))
+
+    def _plan_read_only(
+        self,
+        metadata: AttentionMetadata,
+        seq_ids: np.ndarray,
+        rows: np.ndarray,
+        visible: np.ndarray,
+        dims: tuple[int, int, int],
+        common: dict[str, Any],
+    ) -> _ReadOnlyPlan:
+        q_lens = metadata.query_lens[seq_ids]
+        num_cached = metadata.seq_lens[seq_ids] - q_lens
+        cached_of_row = np.repeat(num_cached, q_lens)
+        # A query sees a prefix of its keys: the cache part first, then its own rows.
+        own_visible = np.maximum(visible - cached_of_row, 0)
+        q_indptr = self._to_dev(_offsets(q_lens))
+        mask, causal = _mask_plan(q_lens, q_lens, own_visible)
+        own = self._prefill("own", mask is not None)
+        own.plan(
+            q_indptr, q_indptr, *dims,
+            custom_mask=None if mask is None else self._to_dev(mask), causal=causal, **common,
+        )
+        has_cache = num_cached > 0
+        plan = _ReadOnlyPlan(_Rows(rows, self.device), own)
+        if not has_cache.any():
+            return plan
+        # The cache kernel skips sequences without cached keys (a page table needs >= 1).
+        row_has_cache = np.repeat(has_cache, q_lens)
+        cached_ids = seq_ids[has_cache]
+        tables = [metadata.block_tables[i] for i in cached_ids]
+        pages = _page_table(num_cached[has_cache], tables, metadata.block_size)
+        mask, causal = _mask_plan(
+            q_lens[has_cache], num_cached[has_cache], np.minimum(visible, cached_of_row)[row_has_cache]
+        )
+        plan.context = self._prefill("context", mask is not None)
+        plan.context.plan(
+            self._to_dev(_offsets(q_lens[has_cache])), *(self._to_dev(a) for a in pages),
+            *dims, metadata.block_size,
+            custom_mask=None if mask is None else self._to_dev(mask), causal=causal, **common,
+        )
+        within_cached = np.cumsum(row_has_cache) - 1
+        sees_own = own_visible > 0
+
+        def pair(selected: np.ndarray) -> tuple[_Rows, _Rows] | None:
+            if not selected.any():
+                return None
+            local = np.flatnonzero(selected)
+            return _Rows(local, self.device), _Rows(within_cached[local], self.device)
+
+        plan.cached = _Rows(np.flatnonzero(row_has_cache), self.device)
+        plan.merged = pair(row_has_cache & sees_own)
+        plan.cache_only = pair(row_has_cache & ~sees_own)
+        return plan
 
     def forward(
         self,
@@ -117,6 +314,46 @@ class FlashInferAttention:
         k_cache, v_cache = kv_cache
         write_kv(kv_cache, self._slot_mapping, k, v)
         q = q.contiguous()  # callers may pass a view of a fused projection
-        if self._wrapper is None:
+        if not self._is_planned:
             self._plan_kernels(q, k_cache, scale)
-        return self._wrapper.run(q, (k_cache, v_cache))
+        written, read_only = self._written, self._read_only
+        if read_only is None:
+            assert written is not None
+            return written.wrapper.run(q, (k_cache, v_cache))
+        o_read_only = self._attend_read_only(read_only, q, k, v, (k_cache, v_cache))
+        if written is None:
+            return o_read_only
+        out = torch.empty_like(q)
+        read_only.rows.put(out, o_read_only)
+        written.rows.put(out, written.wrapper.run(written.rows.take(q), (k_cache, v_cache)))
+        return out
+
+    def _attend_read_only(
+        self,
+        plan: _ReadOnlyPlan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Attend the read-only rows over their cached and their own keys; merge the two."""
+        q = plan.rows.take(q)
+        out, lse = plan.own.run(
+            q, plan.rows.take(k).contiguous(), plan.rows.take(v).contiguous(), return_lse=True
+        )
+        if plan.cached is None:
+            return out
+        o_cache, lse_cache = plan.context.run(plan.cached.take(q), kv_cache, return_lse=True)
+        if plan.merged is not None:
+            local, within = plan.merged
+            merged, _ = flashinfer.merge_state(
+                within.take(o_cache), within.take(lse_cache), local.take(out), local.take(lse)
+            )
+            if local.covers(len(out)):
+                return merged
+            local.put(out, merged)
+        if plan.cache_only is not None:
+            # These rows saw none of their own keys (their ragged result is undefined).
+            local, within = plan.cache_only
+            local.put(out, within.take(o_cache))
+        return out

@@ -1,7 +1,8 @@
 """V-JEPA 2-AC: a world model (ViT encoder + action-conditioned predictor) with CEM planning.
 
-The rollout is a `DynamicLoop` over the predictor, whose engine keeps each request's frames
-in a paged block-causal KV cache and computes only the newest frame block per step; the
+The rollout is a `DynamicLoop` over the predictor, a KV-cache node whose engine keeps each
+request's frames in the paged KV cache (block-causal: each frame block a full-mask chunk)
+and computes only the newest frame block per step; the
 upstream loop that recomputes every frame is kept as the baseline (`native_rollout`).
 """
 
@@ -33,39 +34,38 @@ from mstar.zoo.vjepa2.config import (
     get_vjepa2_config,
 )
 from mstar.zoo.vjepa2.encoder import VJepa2Encoder
-from mstar.zoo.vjepa2.engine import EMIT_MODES, PredictorEngine, PredictorNode
-from mstar.zoo.vjepa2.frame_cache import FrameBlockAttention, FrameKVPool, frame_metadata
-from mstar.zoo.vjepa2.model import EncoderNode, VJepa2Model, make_vjepa2_graph
+from mstar.zoo.vjepa2.model import (
+    EMIT_MODES,
+    EncoderNode,
+    FrameKVConfig,
+    PredictorNode,
+    VJepa2Model,
+    make_vjepa2_graph,
+)
 from mstar.zoo.vjepa2.native import native_rollout, native_step
 from mstar.zoo.vjepa2.pose import integrate_pose
-from mstar.zoo.vjepa2.predictor import ACPredictor, block_causal_mask
-from mstar.zoo.vjepa2.runner import BlockJob, BlockResult, FrameKVConfig, FrameRolloutRunner
+from mstar.zoo.vjepa2.predictor import ACPredictor, FrameInput, PagedACPredictor, block_causal_mask
 
 __all__ = [
     "EMIT_MODES",
     "MAX_CEM_STEPS",
     "VJEPA2_CONFIGS",
     "ACPredictor",
-    "BlockJob",
-    "BlockResult",
     "CEMConfig",
     "CEMParams",
     "CEMState",
     "EncoderConfig",
     "EncoderNode",
-    "FrameBlockAttention",
+    "FrameInput",
     "FrameKVConfig",
-    "FrameKVPool",
-    "FrameRolloutRunner",
+    "PagedACPredictor",
     "PredictorConfig",
-    "PredictorEngine",
     "PredictorNode",
     "VJepa2Config",
     "VJepa2Encoder",
     "VJepa2Model",
     "block_causal_mask",
     "final_plan",
-    "frame_metadata",
     "get_vjepa2_config",
     "integrate_pose",
     "l1_energy",

@@ -1,7 +1,8 @@
 """V-JEPA 2-AC as an mstar model: encode, roll out, plan.
 
-One partition, ``world_model``; four nodes: ``encoder`` (stateless), ``predictor`` (its own
-frame-block KV engine), ``cem_sample`` and ``cem_update`` (stateless). Walks::
+One partition, ``world_model``; four nodes: ``encoder`` (stateless), ``predictor`` (a
+KV-cache node fired by forward passes: one frame block per rollout row per firing),
+``cem_sample`` and ``cem_update`` (stateless). Walks::
 
     encode          encoder                                        -> latents EMIT
     rollout         Sequential[encoder, DynamicLoop(predictor)]    -> latents, poses EMIT
@@ -29,13 +30,18 @@ Requests (``Request(task, data)``):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
+import torch.nn.functional as F
 
-from mstar.errors import CheckpointError
+from mstar.engines.kv_engine import KVCacheEngineConfig
+from mstar.engines.kv_node import KVChunk, KVForward
+from mstar.engines.masks import AttentionMask
+from mstar.errors import CheckpointError, KVCacheCapacityError, RolloutStateError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph, Section, Sequential
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
 from mstar.zoo.vjepa2.cem import (
@@ -48,11 +54,14 @@ from mstar.zoo.vjepa2.cem import (
 from mstar.zoo.vjepa2.checkpoint import load_encoder, load_predictor, make_random_checkpoint
 from mstar.zoo.vjepa2.config import VJepa2Config, get_vjepa2_config
 from mstar.zoo.vjepa2.encoder import VJepa2Encoder
-from mstar.zoo.vjepa2.engine import PredictorNode
 from mstar.zoo.vjepa2.inputs import as_actions, as_latent, as_pose, prepare_image
-from mstar.zoo.vjepa2.runner import FrameKVConfig
+from mstar.zoo.vjepa2.pose import integrate_pose
+from mstar.zoo.vjepa2.predictor import ACPredictor, FrameInput, PagedACPredictor
 
-__all__ = ["PARTITION", "EncoderNode", "VJepa2Model", "make_vjepa2_graph"]
+__all__ = ["EMIT_MODES", "PARTITION", "EncoderNode", "FrameKVConfig", "PredictorNode", "VJepa2Model", "make_vjepa2_graph"]
+
+EMIT_MODES = ("final", "stream", "none")
+"""What a rollout emits: all frames at the end, each frame as it is predicted, or nothing."""
 
 log = structlog.get_logger(__name__)
 
@@ -175,6 +184,206 @@ class EncoderNode:
         return out
 
 
+@dataclass(frozen=True)
+class FrameKVConfig:
+    """Sizing and attention backend of the predictor's KV cache (one block per frame block).
+
+    Attributes:
+        num_blocks: Blocks in the cache (one per rollout row per cached frame); None sizes
+            it from ``kv_budget``.
+        kv_budget: Bytes (int), or a fraction in (0, 1] of the device's free memory.
+        attention_backend: "auto", "torch" or "flashinfer" (the engines' backends).
+        max_rows: Rollout rows one step may run (frames of all requests at once).
+    """
+
+    num_blocks: int | None = None
+    kv_budget: int | float = 1 << 30
+    attention_backend: str = "auto"
+    max_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise KVCacheCapacityError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+
+    def engine_config(self, frame_tokens: int) -> KVCacheEngineConfig:
+        """Return the engine config: blocks of one frame block, whole frames per step."""
+        return KVCacheEngineConfig(
+            block_size=frame_tokens,
+            num_blocks=self.num_blocks,
+            kv_cache_memory=self.kv_budget,
+            max_num_seqs=self.max_rows,
+            max_num_batched_tokens=self.max_rows * frame_tokens,
+            enable_prefix_caching=False,  # a frame's keys depend on the row's whole history
+            attention_backend=self.attention_backend,  # type: ignore[arg-type]
+            cuda_graphs=False,  # frame steps run eagerly (graphs serve token decode)
+        )
+
+
+def _tensor(value: Any, name: str, dims: tuple[int, ...], trailing: tuple[int, ...]) -> torch.Tensor:
+    """Return ``value`` as a float tensor with one of ``dims`` dimensions ending in ``trailing``."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"predictor input {name!r} must be a tensor: {exc}") from None
+    if value.dim() not in dims or tuple(value.shape[value.dim() - len(trailing) :]) != trailing:
+        raise ValueError(f"predictor input {name!r} must have shape [..., {', '.join(map(str, trailing))}] with {dims} dims, got {list(value.shape)}")
+    if not value.is_floating_point():
+        value = value.float()
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"predictor input {name!r} has non-finite values")
+    return value
+
+
+@dataclass
+class _Rollout:
+    """What the node keeps of a request's rollout between firings."""
+
+    num_rows: int
+    horizon: int
+    emit: str
+    num_frames: int = 0
+    latents: list[torch.Tensor] = field(default_factory=list)
+    poses: list[torch.Tensor] = field(default_factory=list)
+
+
+class PredictorNode:
+    """The ``predictor`` node (`ForwardKVNode`): each firing appends one frame block per row.
+
+    Inputs: ``latent`` ``[N, D]`` or ``[S, N, D]``, ``pose`` ``[7]`` or ``[S, 7]``, ``step``
+    (int, 0 starts a rollout), ``job`` ``{"actions": [H, 7] or [S, H, 7], "emit": mode}``.
+    Outputs: ``latent``, ``pose`` and ``step`` for the next step (same batching as the
+    inputs), signal ``done`` after step ``H - 1``, and by ``emit`` mode: ``frame`` and
+    ``frame_pose`` every step ("stream"), or ``latents`` ``[(S,) H, N, D]`` and ``poses``
+    ``[(S,) H, 7]`` after the last step ("final"). Emitted tensors are on the CPU.
+
+    Row ``r`` of a request is the engine sequence ``row{r}``: step 0 resets it and reserves
+    blocks for its whole horizon (an admitted rollout never stalls), every step appends its
+    frame block with a full mask (the block sees itself and the row's earlier frames), the
+    last step releases it (its frames are never attended again).
+    """
+
+    forward_walks = True
+
+    def __init__(self, predictor: ACPredictor, kv_config: FrameKVConfig | None = None) -> None:
+        self.predictor = predictor
+        self.kv_config = kv_config or FrameKVConfig()
+        cfg = predictor.config
+        self.model = PagedACPredictor(predictor)
+        self.engine_config = self.kv_config.engine_config(cfg.frame_tokens)
+        self.latent_shape = (cfg.num_patches, cfg.embed_dim)
+        self.action_dim = cfg.action_dim
+        self.max_horizon = cfg.max_horizon
+        self.frame_tokens = cfg.frame_tokens
+        self.cond_tokens = cfg.cond_tokens
+        self._rollouts: dict[str, _Rollout] = {}
+        self._mask = AttentionMask.full()
+
+    def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
+        """Check one rollout step's inputs; return a frame-block chunk per row.
+
+        Raises:
+            ValueError: An input is missing or malformed.
+            RolloutStateError: A step that does not continue the request's rollout.
+        """
+        missing = {"latent", "pose", "step", "job"} - set(inputs)
+        if missing:
+            raise ValueError(f"predictor inputs {sorted(missing)} are missing")
+        latent = _tensor(inputs["latent"], "latent", (2, 3), self.latent_shape)
+        batched = latent.dim() == 3
+        latent = latent if batched else latent[None]
+        rows = latent.shape[0]
+        pose = _tensor(inputs["pose"], "pose", (2,) if batched else (1,), (self.action_dim,)).reshape(-1, self.action_dim)
+        job = inputs["job"]
+        if not isinstance(job, Mapping) or "actions" not in job:
+            raise ValueError("predictor input 'job' must be a dict with 'actions' (and optionally 'emit')")
+        actions = _tensor(job["actions"], "job.actions", (3,) if batched else (2,), (self.action_dim,))
+        actions = actions if batched else actions[None]
+        emit = job.get("emit", "final")
+        if emit not in EMIT_MODES:
+            raise ValueError(f"job emit must be one of {EMIT_MODES}, got {emit!r}")
+        if pose.shape[0] != rows or actions.shape[0] != rows:
+            raise ValueError(f"latent, pose and actions disagree on the number of rows: {rows}, {pose.shape[0]}, {actions.shape[0]}")
+        horizon = actions.shape[1]
+        if not 1 <= horizon <= self.max_horizon:
+            raise ValueError(f"a rollout predicts 1 to {self.max_horizon} frames, got {horizon} actions")
+        step = inputs["step"]
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = int(step.item())
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < horizon:
+            raise ValueError(f"predictor input 'step' must be an integer in [0, {horizon}), got {step!r}")
+        held = self._rollouts.get(request_id)
+        if step == 0:
+            held = self._rollouts[request_id] = _Rollout(rows, horizon, str(emit))
+        elif held is None:
+            raise RolloutStateError(
+                f"step {step} of request {request_id!r} arrived, but no rollout is cached for it "
+                "(a rollout starts at step 0 and continues on the engine that holds it)"
+            )
+        elif held.num_frames != step or held.num_rows != rows or held.horizon != horizon:
+            raise RolloutStateError(
+                f"step {step} ({rows} rows, horizon {horizon}) of request {request_id!r} does not continue "
+                f"its cached rollout ({held.num_frames} frames, {held.num_rows} rows, horizon {held.horizon})"
+            )
+        f = self.frame_tokens
+        return KVForward([
+            KVChunk(
+                seq=f"row{r}",
+                payload=FrameInput(latent[r], actions[r, step], pose[r], step),
+                num_tokens=f,
+                mask=self._mask,
+                reset=step == 0,
+                reserve_tokens=horizon * f if step == 0 else 0,
+                release=step == horizon - 1,
+            )
+            for r in range(rows)
+        ])
+
+    def forward_outputs(self, request_id: str, inputs: Mapping[str, Any], rows: list[torch.Tensor | None]) -> Mapping[str, Any]:
+        """Layer-normalise each row's predicted patches, integrate the poses, keep or emit."""
+        rollout = self._rollouts[request_id]
+        batched = torch.as_tensor(inputs["latent"]).dim() == 3
+        step = rollout.num_frames
+        pred = torch.stack([r[self.cond_tokens :] for r in rows if r is not None])
+        latent = F.layer_norm(pred, (pred.shape[-1],))
+        pose_in = torch.as_tensor(inputs["pose"], dtype=torch.float32).reshape(-1, self.action_dim).to(latent.device)
+        actions = torch.as_tensor(inputs["job"]["actions"], dtype=torch.float32).to(latent.device)
+        action = (actions if batched else actions[None])[:, step]
+        pose = integrate_pose(pose_in, action)
+        rollout.num_frames += 1
+        if rollout.emit == "final":
+            rollout.latents.append(latent)
+            rollout.poses.append(pose)
+        is_done = rollout.num_frames == rollout.horizon
+
+        def shape(x: torch.Tensor) -> torch.Tensor:
+            return x if batched else x[0]
+
+        out: dict[str, Any] = {"latent": shape(latent), "pose": shape(pose), "step": step + 1, "done": is_done}
+        if rollout.emit == "stream":
+            out["frame"] = shape(latent).cpu()
+            out["frame_pose"] = shape(pose).cpu()
+        elif rollout.emit == "final" and is_done:
+            out["latents"] = shape(torch.stack(rollout.latents, dim=1)).cpu()
+            out["poses"] = shape(torch.stack(rollout.poses, dim=1)).cpu()
+        if is_done:
+            del self._rollouts[request_id]
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's rollout (the engine drops its rows)."""
+        self._rollouts.pop(request_id, None)
+
+    @property
+    def num_rollouts(self) -> int:
+        """Count the rollouts in progress."""
+        return len(self._rollouts)
+
+
 class VJepa2Model(Model):
     """V-JEPA 2-AC (``vjepa2-ac-vitg``, ``vjepa2-small`` or ``vjepa2-tiny``).
 
@@ -219,7 +428,7 @@ class VJepa2Model(Model):
         return self._graph
 
     def engine_types(self) -> dict[str, EngineType]:
-        """Return KV_CACHE for the predictor (its own frame-block engine), STATELESS otherwise."""
+        """Return KV_CACHE for the predictor (frame blocks over its paged cache), STATELESS otherwise."""
         types = dict.fromkeys(self._graph.nodes, EngineType.STATELESS)
         types["predictor"] = EngineType.KV_CACHE
         return types

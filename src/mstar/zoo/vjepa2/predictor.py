@@ -9,23 +9,29 @@ Frame ``t`` becomes the block ``[action_t, state_t, patches of z_t]``; patch tok
 (t, row, column) RoPE positions, the action and state tokens only t. Attention is
 block-causal across frames and full within a block, so the keys and values of frames
 ``0..t-1`` do not depend on frame ``t``: `forward` runs every frame at once (the upstream
-computation), `forward_frames` runs chosen frames against keys and values held elsewhere
-(a paged cache) through an ``attend`` callback.
+computation); `PagedACPredictor` is the same predictor as a `PagedModel` for the KV-cache
+engine, where a step appends one frame block per rollout row (a payload chunk of
+``frame_tokens`` positions whose mask is full: the block sees itself and every earlier
+frame) against the row's cached frames.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.vjepa2.config import PredictorConfig
 from mstar.zoo.vjepa2.encoder import MLP, Attention
 from mstar.zoo.vjepa2.rope import token_tables
 
-__all__ = ["ACBlock", "ACPredictor", "Attend", "block_causal_mask"]
+__all__ = ["ACBlock", "ACPredictor", "Attend", "FrameInput", "PagedACPredictor", "block_causal_mask"]
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer, q, k, v) -> out``, all ``[B, M, heads, head_dim]`` (q, k rotated)."""
@@ -180,3 +186,76 @@ class ACPredictor(nn.Module):
         start = torch.zeros(b, dtype=torch.long, device=z.device)
         out = self.forward_frames(z.view(b, t, cfg.num_patches, -1), actions, states, start, attend)
         return out.flatten(1, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameInput:
+    """The payload of one frame block of one rollout row (what a step appends).
+
+    Attributes:
+        latent: ``[N, D]`` normalised latent of the frame.
+        action: ``[action_dim]`` action taken at the frame.
+        state: ``[action_dim]`` pose at the frame.
+        frame: The frame's index in the rollout (its RoPE time position).
+    """
+
+    latent: torch.Tensor
+    action: torch.Tensor
+    state: torch.Tensor
+    frame: int
+
+
+class PagedACPredictor(nn.Module):
+    """The predictor as a `PagedModel`: every chunk of a step is one `FrameInput` block.
+
+    Returns, per row of the flat batch, the projected prediction ``[T, embed_dim]`` (the
+    rows of a block's action and state tokens come along, unused: one product instead of a
+    gather per step).
+    """
+
+    def __init__(self, predictor: ACPredictor) -> None:
+        super().__init__()
+        self.predictor = predictor
+        cfg = predictor.config
+        self.scale = cfg.head_dim**-0.5
+        dtype = next((p.dtype for p in predictor.parameters()), torch.float32)
+        self._spec = KVCacheSpec(cfg.depth, cfg.num_heads, cfg.head_dim, dtype)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Return the cache geometry: one K/V head per attention head, the weights' dtype."""
+        return self._spec
+
+    @property
+    def max_position(self) -> int:
+        """Return the longest row: every frame block the RoPE tables cover."""
+        cfg = self.predictor.config
+        return cfg.max_frames * cfg.frame_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+        """Run the step's frame blocks through every layer against the rows' cached frames."""
+        p = self.predictor
+        frames: list[FrameInput] = [chunk.payload for chunk in ctx.step.chunks]
+        dtype = self._spec.dtype
+        device = input_ids.device
+        z = torch.stack([f.latent for f in frames]).to(device, dtype)[:, None]
+        actions = torch.stack([f.action for f in frames]).to(device, dtype)[:, None]
+        states = torch.stack([f.state for f in frames]).to(device, dtype)[:, None]
+        x = p.embed(z, actions, states).flatten(0, 2)[None]  # [1, rows * F, d]: the flat batch
+        table_cos, table_sin = p.rope_tables(device)
+        index = torch.tensor([f.frame for f in frames], device=device)
+        cos = table_cos[index].to(dtype).flatten(0, 1)[None]  # [1, rows * F, 1, head_dim]
+        sin = table_sin[index].to(dtype).flatten(0, 1)[None]
+        tokens = x.shape[1]
+        scale = self.scale
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ctx.attend(layer, q[0], k[0], v[0], scale).view(1, tokens, *q.shape[2:])
+
+        for layer, block in enumerate(p.predictor_blocks):
+            x = block(x, cos, sin, lambda q, k, v, layer=layer: attend(layer, q, k, v))
+        return cast(torch.Tensor, p.predictor_proj(p.predictor_norm(x[0])))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The predictor samples nothing (its walks return rows)."""
+        raise NotImplementedError("the V-JEPA 2 predictor returns rows; it has no logits")
