@@ -87,3 +87,23 @@ def test_bad_placements_say_what_is_wrong(graph: ModelGraph, text: str, message:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PlacementError, match="does not exist"):
         Placement.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_kv_cache_shares_come_from_the_groups_on_a_rank() -> None:
+    from mstar.runtime import EngineConfig
+
+    placement = Placement.from_yaml(
+        "node_groups:\n"
+        "  - {node_names: [thinker], ranks: [0], kv_cache_share: 0.6}\n"
+        "  - {node_names: [talker, code_predictor], ranks: [0, 1], kv_cache_share: 0.2}\n"
+        "  - {node_names: [code2wav], ranks: [1]}\n"
+    )
+    assert placement.kv_cache_shares(0) == {"thinker": 0.6, "talker": 0.2, "code_predictor": 0.2}
+    assert placement.kv_cache_shares(1) == {"talker": 0.2, "code_predictor": 0.2}
+    config = EngineConfig(kv_cache_memory=1 << 20, kv_cache_shares={"talker": 0.3})
+    worker = config.worker_config(0, 2, placement.kv_cache_shares(0))
+    assert worker.kv_cache_memory == 1 << 20
+    assert worker.kv_cache_shares == {"thinker": 0.6, "talker": 0.3, "code_predictor": 0.2}  # the config wins
+    bad = Placement.from_yaml("node_groups:\n  - {node_names: [a], ranks: [0], kv_cache_share: 1.5}\n")
+    with pytest.raises(PlacementError, match=r"kv_cache_share must be in \(0, 1\]"):
+        bad.kv_cache_shares(0)

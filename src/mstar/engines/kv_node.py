@@ -209,6 +209,11 @@ class _Firing:
     rows: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
+# Event-loop turns a woken walk takes to fire its node again (its firing's result goes
+# through the walk runner back to `submit`).
+_FIRING_ROUNDS = 4
+
+
 def seq_key(request_id: str, seq: str) -> str:
     """Return the engine id of a request's sequence (``seq`` "" is the request's own)."""
     return request_id if not seq else f"{request_id}/{seq}"
@@ -245,6 +250,7 @@ class KVNodeEngine(StepLoop):
         self._keys: dict[str, set[str]] = {}  # request -> engine ids of its sequences
         self._query_ids = itertools.count()
         self._release_after: set[str] = set()  # sequences dropped once their chunk ran
+        self._answered_firings = False  # the last delivery answered forward firings
         self._token_node: Any = kv_node if self.has_native_loop else None
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
@@ -302,21 +308,20 @@ class KVNodeEngine(StepLoop):
                 f"KV cache of node {self.node!r} has {self.engine.num_blocks}; raise its KV-cache budget or send less at once"
             )
         keys: list[str] = []
-        ops: list[Callable[[], object]] = []
         for chunk in forward.chunks:
             key = seq_key(request_id, chunk.seq)
             out_key = f"{key}?{next(self._query_ids)}" if chunk.read_only else key
             if out_key in self._firings or out_key in self._walks or out_key in keys:
                 raise RuntimeError(f"sequence {out_key!r} of node {self.node!r} already runs a walk")
             keys.append(out_key)
-            ops.append(self._chunk_op(request_id, key, out_key, chunk))
+        ops = [self._chunk_ops(request_id, seq_key(request_id, c.seq), k, c) for k, c in zip(keys, forward.chunks, strict=True)]
         firing = _Firing(request_id, inputs, asyncio.get_running_loop().create_future(), walk, keys)
         held = self._keys.setdefault(request_id, set())
-        for key, chunk, op in zip(keys, forward.chunks, ops, strict=True):
+        for key, chunk in zip(keys, forward.chunks, strict=True):
             self._firings[key] = firing
-            if not chunk.read_only:
-                held.add(key)
-            self._ops.append((key, op))
+            held.add(seq_key(request_id, chunk.seq))
+        for phase in (0, 1):
+            self._ops.extend((key, op[phase]) for key, op in zip(keys, ops, strict=True))
         self._wakeup.set()
         try:
             await firing.done
@@ -326,22 +331,26 @@ class KVNodeEngine(StepLoop):
                     del self._firings[key]
         return firing.done.result()
 
-    def _chunk_op(self, request_id: str, key: str, out_key: str, chunk: KVChunk) -> Callable[[], object]:
-        """Return the engine calls of one chunk (run on the step thread, before a step)."""
+    def _chunk_ops(self, request_id: str, key: str, out_key: str, chunk: KVChunk) -> tuple[Callable[[], object], Callable[[], object]]:
+        """Return the engine calls of one chunk: its reset or fork, then its inputs.
+
+        All of a firing's resets and forks run before any of its inputs are appended (a
+        branch forked at a mark of a sequence that the same firing extends).
+        """
         engine = self.engine
         output = chunk.output
         args: dict[str, Any] = {"mask": chunk.mask, "payload": chunk.payload, "num_tokens": chunk.num_tokens, "expert": chunk.expert}
 
-        def op() -> None:
-            if chunk.read_only:
-                engine.query(key, out_key, token_ids=chunk.token_ids, **args)
-                return
-            if chunk.reset:
+        def prepare() -> None:
+            if chunk.reset or chunk.fork_from is not None:
                 engine.abort(key)
             if chunk.fork_from is not None:
-                engine.abort(key)
                 engine.fork(seq_key(request_id, chunk.fork_from), key, num_tokens=chunk.fork_tokens, keep_alive=True)
-            if self._holds(key):
+
+        def append() -> None:
+            if chunk.read_only:
+                engine.query(key, out_key, token_ids=chunk.token_ids, **args)
+            elif self._holds(key):
                 engine.resume(key, chunk.token_ids, output_mode=output, **args)
             else:
                 engine.add_request(
@@ -349,10 +358,9 @@ class KVNodeEngine(StepLoop):
                     reserve_tokens=chunk.reserve_tokens, **args,
                 )
 
-        if not chunk.release:
-            return op
-        self._release_after.add(out_key)
-        return op
+        if chunk.release:
+            self._release_after.add(out_key)
+        return prepare, append
 
     async def run(
         self,
@@ -489,6 +497,12 @@ class KVNodeEngine(StepLoop):
             if not self._ops and (self.engine.is_stalled or not self.engine.has_unfinished()):
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                if self._answered_firings:
+                    # The walks the last step answered are ready to run: let them fire again
+                    # first, so that every request in lockstep joins the next step.
+                    self._answered_firings = False
+                    for _ in range(_FIRING_ROUNDS):
+                        await asyncio.sleep(0)
             if self.executor is not None:
                 await loop.run_in_executor(self.executor, self._run_steps, loop)
                 continue
@@ -568,6 +582,7 @@ class KVNodeEngine(StepLoop):
 
     def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None) -> None:
         firing.rows[key] = rows
+        self._answered_firings = True
         if len(firing.rows) < len(firing.keys) or firing.done.done():
             return
         node = self._forward_node

@@ -161,7 +161,7 @@ class ModelRunner:
             block_tables.append(seq.block_table)
             if has_masks:
                 if start < seq.segments_end:
-                    limit_parts.append(np.fromiter((seq.kv_limit(p) for p in range(start, end)), np.int64, n))
+                    limit_parts.append(seq.kv_limits(start, end))
                 else:
                     limit_parts.append(pos + 1)
             segment = seq.input_segment_at(start)

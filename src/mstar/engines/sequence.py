@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from mstar.engines.masks import AttentionMask, MaskSegment
 from mstar.engines.sampling_params import SamplingParams
 
@@ -112,6 +114,7 @@ class Sequence:
         "block_table",
         "generator",
         "input_segments",
+        "inputs_start",
         "is_pinned",
         "is_read_only",
         "keep_alive",
@@ -158,6 +161,7 @@ class Sequence:
         self.input_segments: list[InputSegment] = []
         self.segments_end = 0  # no segment reaches past this position
         self.walk_start = len(self.token_ids)
+        self.inputs_start = 0  # first position of the current walk's new inputs
         self.output_mode: OutputMode = "sample"
         # Pinned: its cache cannot be rebuilt from token ids (payload inputs) or is read by
         # queries, so it is never preempted or evicted.
@@ -213,6 +217,7 @@ class Sequence:
         start = len(self.token_ids)
         self.token_ids.extend(token_ids)
         end = len(self.token_ids)
+        self.inputs_start = start
         if token_ids:
             if mask is not None and not mask.is_causal:
                 self._add_mask(MaskSegment(start, end, mask))
@@ -230,11 +235,18 @@ class Sequence:
         del self.token_ids[num_tokens:]
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
         self.walk_start = min(self.walk_start, num_tokens)
+        self.inputs_start = min(self.inputs_start, num_tokens)
         self.mask_segments = [
             MaskSegment(m.start, min(m.end, num_tokens), m.mask) for m in self.mask_segments if m.start < num_tokens
         ]
-        # A payload cut in two cannot be embedded again: only whole segments stay.
-        self.input_segments = [s for s in self.input_segments if s.end <= num_tokens]
+        # A cut segment stays, trimmed: its positions keep their expert (a recompute runs
+        # them right) and their K/V stay out of the prefix cache (they are not the ids').
+        # A cut payload is never embedded again: payload sequences are never recomputed.
+        self.input_segments = [
+            InputSegment(s.start, min(s.end, num_tokens), s.payload, s.expert)
+            for s in self.input_segments
+            if s.start < num_tokens
+        ]
         ends = [m.end for m in self.mask_segments] + [s.end for s in self.input_segments]
         self.segments_end = max(ends, default=0)
 
@@ -252,12 +264,16 @@ class Sequence:
 
         Honours mask segments (see `MaskSegment.clip_chunk_end`) and input segments (a chunk
         holds one whole segment or none of it); a walk that returns its rows is never
-        split. The result exceeds `budget` only when the inputs cannot be cut smaller.
+        split (tokens before its inputs, such as the last sampled token or a recomputed
+        prefix, run first in chunks of their own, so its chunk is exactly its inputs). The
+        result exceeds `budget` only when the inputs cannot be cut smaller.
         """
         start = self.num_computed_tokens
-        if self.output_mode == "hidden":
+        if self.output_mode == "hidden" and start >= self.inputs_start:
             return len(self.token_ids) - start
         end = min(len(self.token_ids), start + budget)
+        if self.output_mode == "hidden":
+            end = min(end, self.inputs_start)
         if start < self.segments_end:
             for segment in self.mask_segments:
                 if segment.start < end and segment.end > start:
@@ -268,6 +284,27 @@ class Sequence:
                 elif start < inp.start < end:
                     end = inp.start  # tokens up to the segment, then the segment alone
         return end - start
+
+    def kv_limits(self, start: int, end: int) -> np.ndarray:
+        """Return the exclusive ends of the keys visible from positions `[start, end)` (int64).
+
+        Vectorised per mask segment: a step appending a frame block to a row that holds
+        thirty earlier ones looks at the newest segments only.
+        """
+        limits = np.arange(start + 1, end + 1, dtype=np.int64)  # causal, where no segment says
+        for segment in reversed(self.mask_segments):
+            if segment.end <= start:
+                break  # segments are appended in order: the rest lie before the chunk
+            lo, hi = max(segment.start, start), min(segment.end, end)
+            if lo >= hi:
+                continue
+            if segment.mask.kind == "full":
+                limits[lo - start : hi - start] = segment.end
+            else:
+                size = segment.mask.block_size
+                pos = np.arange(lo, hi, dtype=np.int64)
+                limits[lo - start : hi - start] = np.minimum(segment.start + ((pos - segment.start) // size + 1) * size, segment.end)
+        return limits
 
     def kv_limit(self, position: int) -> int:
         """Return the exclusive end of the keys visible from `position`."""
