@@ -110,6 +110,7 @@ def test_any_schedule_equals_the_native_recompute(predictor: ACPredictor, plan: 
                 return out
 
             outs = await asyncio.gather(*(one(i, *p) for i, p in enumerate(plan)))
+            await roll(engine, "flush", firing(99, 1))  # engine calls apply in order: aborts are in
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0 and engine.num_requests == 0
             engine.engine.block_manager.check_invariants([])

@@ -126,14 +126,18 @@ class BlockManager:
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Give a new sequence the cached blocks of its longest known prefix.
 
-        At least one token is left uncomputed so the step produces logits. Returns the
-        number of tokens found (now counted as computed).
+        At least one token is left uncomputed so the step produces logits, and none of a
+        walk's inputs whose rows it returns. Returns the number of tokens found (now
+        counted as computed).
         """
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
         if not (self.enable_prefix_caching and seq.is_prefix_cacheable):
             return 0
         size = self.block_size
         max_blocks = (seq.num_tokens - 1) // size
+        if seq.output_mode == "hidden":
+            # The walk returns its inputs' rows: they are computed, never found.
+            max_blocks = min(max_blocks, seq.inputs_start // size)
         parent: int | None = None
         for index in range(max_blocks):
             key = (hash(parent), tuple(seq.token_ids[index * size : (index + 1) * size]))

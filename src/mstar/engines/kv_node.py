@@ -209,9 +209,8 @@ class _Firing:
     rows: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
-# Event-loop turns a woken walk takes to fire its node again (its firing's result goes
-# through the walk runner back to `submit`).
-_FIRING_ROUNDS = 4
+# At most this many event-loop turns are waited for a wave of firings to arrive.
+_FIRING_ROUNDS = 16
 
 
 def seq_key(request_id: str, seq: str) -> str:
@@ -250,7 +249,6 @@ class KVNodeEngine(StepLoop):
         self._keys: dict[str, set[str]] = {}  # request -> engine ids of its sequences
         self._query_ids = itertools.count()
         self._release_after: set[str] = set()  # sequences dropped once their chunk ran
-        self._answered_firings = False  # the last delivery answered forward firings
         self._token_node: Any = kv_node if self.has_native_loop else None
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
@@ -497,11 +495,14 @@ class KVNodeEngine(StepLoop):
             if not self._ops and (self.engine.is_stalled or not self.engine.has_unfinished()):
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                if self._answered_firings:
-                    # The walks the last step answered are ready to run: let them fire again
-                    # first, so that every request in lockstep joins the next step.
-                    self._answered_firings = False
+                if self._forward_node is not None:
+                    # Firings come in waves (the walks a step or an upstream batch answered):
+                    # let the wave arrive, so that every request in lockstep joins one step.
+                    seen = -1
                     for _ in range(_FIRING_ROUNDS):
+                        if len(self._ops) == seen:
+                            break  # a whole loop turn brought nothing new
+                        seen = len(self._ops)
                         await asyncio.sleep(0)
             if self.executor is not None:
                 await loop.run_in_executor(self.executor, self._run_steps, loop)
@@ -548,9 +549,10 @@ class KVNodeEngine(StepLoop):
         results: list[tuple[str, list[int], list[int] | None, Any]],
     ) -> None:
         """Count a step and hand its tokens, rows (or errors) to the walks and firings that wait."""
-        self.num_steps += 1
-        self.num_batched += len(results)
-        self.step_seconds += seconds
+        if results:  # a pass that only applied engine calls (releases) computed nothing
+            self.num_steps += 1
+            self.num_batched += len(results)
+            self.step_seconds += seconds
         walks, firings = self._walks, self._firings
         self.walk_times.record(
             seconds,
@@ -582,7 +584,6 @@ class KVNodeEngine(StepLoop):
 
     def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None) -> None:
         firing.rows[key] = rows
-        self._answered_firings = True
         if len(firing.rows) < len(firing.keys) or firing.done.done():
             return
         node = self._forward_node
