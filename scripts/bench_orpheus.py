@@ -19,8 +19,9 @@ all three mask end of speech (``ignore_eos``) on top of Orpheus' constrained dec
 
 Reported: TTFA, RTF (client E2E latency / audio duration) p50 and p95, streaming viability,
 audio seconds per second, ratios against the baseline, and where the time goes: LLM steps
-(and their forward passes) versus codec windows, timed inside each system (for mstar by an
-instrumented model subclass and a timer around `KVCacheEngine.step`).
+(and their forward passes) versus codec windows, timed inside each system (for mstar, the
+engines' own step and phase timers, read with ``AsyncEngine.stats()`` before and after each
+point's measured requests; the baseline and the floor time their own calls).
 
     python scripts/bench_orpheus.py                          # the full run (c = 1, 4, 16)
     python scripts/bench_orpheus.py --quick                  # c = 1, 4; short requests
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -39,7 +39,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,9 +70,9 @@ from mstar.zoo.orpheus import (
     SAMPLE_RATE,
     AudioLogitsProcessor,
     AudioStreamState,
+    AudioWindow,
     OrpheusConfig,
     OrpheusTokenizer,
-    SnacCodec,
     decode_windows,
     load_orpheus_codec,
     load_orpheus_llm,
@@ -160,10 +160,15 @@ def request_seed(request_id: str) -> int:
 # --- timing ------------------------------------------------------------------------------------
 
 
-class Meter:
-    """Seconds and counts per named activity (LLM steps, forwards, codec windows).
+Figures = dict[str, tuple[float, int]]
+"""Seconds and counts per named activity: ``llm_step`` (seconds, steps), ``llm_forward``
+(seconds), ``llm_generate`` (seconds, tokens), ``codec`` (seconds, windows)."""
 
-    Written by one step thread at a time, read by the event loop between requests.
+
+class Meter:
+    """Seconds and counts per named activity, for the baseline (``llm_generate``, ``codec``).
+
+    Written by one thread at a time, read by the event loop between requests.
     """
 
     def __init__(self) -> None:
@@ -175,14 +180,18 @@ class Meter:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.counts[name] = self.counts.get(name, 0) + count
 
-    def snapshot(self) -> dict[str, tuple[float, int]]:
+    def snapshot(self) -> Figures:
         """Return the totals so far."""
         return {k: (v, self.counts[k]) for k, v in list(self.seconds.items())}
+
+    async def read(self) -> Figures:
+        """Return the totals so far (the `PhaseTracker` interface; it does not suspend)."""
+        return self.snapshot()
 
     @staticmethod
     def delta(
         before: Mapping[str, tuple[float, int]], after: Mapping[str, tuple[float, int]]
-    ) -> dict[str, tuple[float, int]]:
+    ) -> Figures:
         """Return what was accounted between two snapshots."""
         return {
             k: (s - before.get(k, (0.0, 0))[0], n - before.get(k, (0.0, 0))[1])
@@ -190,76 +199,28 @@ class Meter:
         }
 
 
-class TimedPagedModel:
-    """A `PagedModel` that times its inner model's forward passes and logits."""
+async def engine_figures(engine: AsyncEngine) -> Figures:
+    """Return mstar's figures so far, from the engines' own counters (summed over ranks).
 
-    def __init__(self, inner: Any, meter: Meter) -> None:
-        self.inner, self.meter = inner, meter
-
-    @property
-    def kv_cache_spec(self) -> Any:
-        """Return the inner model's cache geometry."""
-        return self.inner.kv_cache_spec
-
-    @property
-    def max_position(self) -> int:
-        """Return the inner model's longest sequence."""
-        return int(self.inner.max_position)
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        """Return the inner model's parameters (the engine reads the device from them)."""
-        return self.inner.parameters()
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Run and time the forward pass."""
-        start = time.perf_counter()
-        hidden: torch.Tensor = self.inner(input_ids, positions, ctx)
-        self.meter.add("llm_forward", time.perf_counter() - start)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run and time the LM head (counted with the forward pass)."""
-        start = time.perf_counter()
-        logits: torch.Tensor = self.inner.compute_logits(hidden)
-        self.meter.add("llm_forward", time.perf_counter() - start, 0)
-        return logits
-
-
-def time_codec(codec: SnacCodec, meter: Meter) -> SnacCodec:
-    """Time every decode call of ``codec`` (in place) as ``codec`` seconds per window."""
-    decode = codec.decode
-
-    def timed(frames: torch.Tensor, seeds: Sequence[int] | None = None) -> torch.Tensor:
-        start = time.perf_counter()
-        audio = decode(frames, seeds)
-        meter.add("codec", time.perf_counter() - start, int(frames.shape[0]))
-        meter.add("codec_calls", 0.0)
-        return audio
-
-    codec.decode = timed  # type: ignore[method-assign]
-    return codec
-
-
-@contextlib.contextmanager
-def timed_engine_steps(meter: Meter) -> Iterator[None]:
-    """Time every `KVCacheEngine.step` in this process while the block runs.
-
-    The step (schedule, forward, sampling, postprocess) runs on the worker's step thread
-    inside the runtime; wrapping the method is the one way to see it without changing it.
+    The LLM node's steps are whole `KVCacheEngine` steps (schedule, forward, sampling,
+    update); its forward is the model's forward pass plus the LM head and sampling. The codec
+    is the ``snac_decoder`` node's steps, one input per 28/7 window.
     """
-    original = KVCacheEngine.step
+    figures: Figures = {}
+    for nodes in (await engine.stats()).values():
+        llm, codec = nodes.get("LLM"), nodes.get("snac_decoder")
+        if llm is not None:
+            forward = llm.get("phase_forward_seconds", 0.0) + llm.get("phase_logits_seconds", 0.0)
+            _add(figures, "llm_step", llm["step_seconds"], int(llm["steps"]))
+            _add(figures, "llm_forward", forward, 0)
+        if codec is not None:
+            _add(figures, "codec", codec["step_seconds"], int(codec["batched"]))
+    return figures
 
-    def step(self: KVCacheEngine) -> Any:
-        start = time.perf_counter()
-        out = original(self)
-        meter.add("llm_step", time.perf_counter() - start)
-        return out
 
-    KVCacheEngine.step = step  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        KVCacheEngine.step = original  # type: ignore[method-assign]
+def _add(figures: Figures, name: str, seconds: float, count: int) -> None:
+    total, num = figures.get(name, (0.0, 0))
+    figures[name] = (total + seconds, num + count)
 
 
 # --- equal work: fixed-length audio ------------------------------------------------------------
@@ -289,21 +250,14 @@ class FixedLengthLLMNode(OrpheusLLMNode):
         return dataclasses.replace(turn, logits_processor=processor)
 
 
-class InstrumentedOrpheus(OrpheusModel):
-    """Orpheus with timed LLM forwards and codec windows, and fixed-length requests."""
-
-    def __init__(self, config: str, meter: Meter, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.meter = meter
+class FixedLengthOrpheus(OrpheusModel):
+    """Orpheus whose requests all run to max_tokens (`FixedLengthLLMNode`)."""
 
     def submodule(self, node: str, device: torch.device) -> Any:
-        """Wrap the LLM and the codec of Orpheus' submodules with timers."""
+        """Return Orpheus' submodules, the LLM node swapped for `FixedLengthLLMNode`."""
         module = super().submodule(node, device)
         if node == "LLM":
-            # The node only hands its model to KVCacheEngine, which takes any PagedModel.
-            timed: Any = TimedPagedModel(module.model, self.meter)
-            return FixedLengthLLMNode(timed, module.engine_config, self.config)
-        time_codec(module.codec, self.meter)
+            return FixedLengthLLMNode(module.model, module.engine_config, self.config)
         return module
 
 
@@ -387,7 +341,7 @@ class TransformersBaseline:
         self.cfg, self.settings, self.meter = cfg, settings, meter
         self.layout = cfg.layout
         self.model = LlamaForCausalLM.from_pretrained(str(cfg.llm_dir), dtype=torch.float32).eval()
-        self.codec = time_codec(load_orpheus_codec(cfg), meter)
+        self.codec = load_orpheus_codec(cfg)
         self.tokenizer = OrpheusTokenizer(cfg.layout)
         self.lock = asyncio.Lock()
 
@@ -461,6 +415,12 @@ class TransformersBaseline:
         finally:
             self.meter.add("llm_generate", time.perf_counter() - start, max_tokens)
 
+    def _decode(self, windows: Sequence[AudioWindow]) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        pieces = decode_windows(self.codec, windows)
+        self.meter.add("codec", time.perf_counter() - start, len(windows))
+        return pieces
+
     async def stream(self, request: BenchRequest) -> AsyncIterator[OutputEvent]:
         """Serve one request (after the ones before it): stream its audio chunks."""
         s = self.settings
@@ -494,7 +454,7 @@ class TransformersBaseline:
                     chunk = Chunk(() if is_last else (item,), state.num_items, 0, is_last)
                     state, windows = plan_chunk(state, chunk, self.layout)
                     if windows:
-                        pieces = await asyncio.to_thread(decode_windows, self.codec, windows)
+                        pieces = await asyncio.to_thread(self._decode, windows)
                         num_samples = sum(int(p.numel()) for p in pieces)
                         total += num_samples
                         yield audio_event(num_samples)
@@ -505,21 +465,25 @@ class TransformersBaseline:
 
 
 class PhaseTracker:
-    """Snapshot a meter around each point's measured requests (warm-up excluded).
+    """Read a target's figures around each point's measured requests (warm-up excluded).
 
     The harness names measured requests ``{kind}-{point}-{i}`` and warm-up ones
     ``warmup-...``; in a closed loop every warm-up request ends before the first measured one.
+    The first measured request of a point reads the figures before any of the point's
+    requests is sent; each one that ends reads them again, and the read begun last (after
+    the point's last request ended) is the point's end.
     """
 
-    def __init__(self, meter: Meter) -> None:
-        self.meter = meter
-        self.begin: dict[str, dict[str, tuple[float, int]]] = {}
-        self.end: dict[str, dict[str, tuple[float, int]]] = {}
+    def __init__(self, read: Callable[[], Awaitable[Figures]]) -> None:
+        self.read = read
+        self.begin: dict[str, asyncio.Task[Figures]] = {}
+        self.end: dict[str, tuple[int, Figures]] = {}
+        self._num_reads = 0
 
     def wrap(
         self, fn: Callable[[BenchRequest], AsyncIterator[OutputEvent]]
     ) -> Callable[[BenchRequest], AsyncIterator[OutputEvent]]:
-        """Return ``fn`` with snapshots at the first start and the last end of each point."""
+        """Return ``fn`` with reads at the first start and the last end of each point."""
 
         async def run(request: BenchRequest) -> AsyncIterator[OutputEvent]:
             phase = (
@@ -528,19 +492,25 @@ class PhaseTracker:
                 else request.request_id.rsplit("-", 1)[0]
             )
             if phase is not None:
-                self.begin.setdefault(phase, self.meter.snapshot())
+                if phase not in self.begin:
+                    self.begin[phase] = asyncio.ensure_future(self.read())
+                await self.begin[phase]  # the point's other first requests wait for it too
             try:
                 async for event in fn(request):
                     yield event
             finally:
                 if phase is not None:
-                    self.end[phase] = self.meter.snapshot()
+                    self._num_reads += 1
+                    order, figures = self._num_reads, await self.read()
+                    if order > self.end.get(phase, (0, {}))[0]:
+                        self.end[phase] = (order, figures)
 
         return run
 
-    def spent(self, phase: str) -> dict[str, tuple[float, int]]:
-        """Return what the meter accounted during a point's measured requests."""
-        return Meter.delta(self.begin.get(phase, {}), self.end.get(phase, {}))
+    def spent(self, phase: str) -> Figures:
+        """Return what the target accounted during a point's measured requests."""
+        begin = self.begin[phase].result() if phase in self.begin else {}
+        return Meter.delta(begin, self.end.get(phase, (0, {}))[1])
 
 
 # --- the floor ---------------------------------------------------------------------------------
@@ -576,9 +546,8 @@ class Floor:
     def __init__(self, model: OrpheusModel, settings: Settings) -> None:
         self.cfg, self.settings = model.config, settings
         self.engine_config = model.engine_config
-        self.meter = Meter()
-        self.llm = TimedPagedModel(load_orpheus_llm(model.config), self.meter)
-        self.codec = time_codec(load_orpheus_codec(model.config), self.meter)
+        self.llm = load_orpheus_llm(model.config)
+        self.codec = load_orpheus_codec(model.config)
         self.tokenizer = OrpheusTokenizer(model.config.layout)
 
     def run(self, requests: Sequence[BenchRequest], concurrency: int) -> FloorResult:
@@ -598,7 +567,6 @@ class Floor:
             processor = FixedLengthAudioProcessor(layout, len(prompt))
             engine.add_request(r.request_id, prompt, params, logits_processor=processor)
             tokens[r.request_id] = []
-        before = self.meter.snapshot()
         num_steps = 0
         start = time.perf_counter()
         while engine.has_unfinished():
@@ -614,7 +582,7 @@ class Floor:
         start = time.perf_counter()
         audio = decode_windows(self.codec, windows, max_batch_size=s.codec_batch_size)
         codec_s = time.perf_counter() - start
-        spent = Meter.delta(before, self.meter.snapshot())
+        phases = engine.runner.phases.seconds  # the engine's own timers (a new engine per run)
         num_samples = sum(int(a.numel()) for a in audio)
         if num_samples != len(requests) * s.samples_per_request:
             raise RuntimeError(
@@ -624,7 +592,7 @@ class Floor:
             concurrency,
             len(requests),
             llm_s,
-            spent["llm_forward"][0],
+            phases["forward"] + phases["logits"],
             num_steps,
             codec_s,
             len(windows),
@@ -710,16 +678,15 @@ class Run:
         load = ClosedLoop((c,), num_requests=s.num_requests, warmup=s.warmup)
         seed = s.seed * 1000 + c
         started, load_before = time.perf_counter(), os.getloadavg()[0]
-        with timed_engine_steps(self.trackers["mstar"].meter):
-            result = await run_benchmark(
-                targets,
-                self.templates,
-                load,
-                name="bench_orpheus",
-                seed=seed,
-                progress=False,
-                console=Console(quiet=True),
-            )
+        result = await run_benchmark(
+            targets,
+            self.templates,
+            load,
+            name="bench_orpheus",
+            seed=seed,
+            progress=False,
+            console=Console(quiet=True),
+        )
         self.results.append(result)
         done = []
         for p in result.points:
@@ -772,10 +739,9 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     """Run every point (mstar, baseline, floor side by side); print and write the results."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    meters = {"mstar": Meter(), "transformers": Meter()}
-    model = InstrumentedOrpheus(
+    meter = Meter()
+    model = FixedLengthOrpheus(
         settings.config,
-        meters["mstar"],
         engine_config=_kv_config(settings),
         codec_batch_size=settings.codec_batch_size,
     )
@@ -785,11 +751,7 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     console.print("[bold]bench_orpheus[/bold]: configuration")
     for key, value in config.items():
         console.print(f"  {key}: {value}", highlight=False, markup=False)
-    baseline = (
-        None
-        if settings.skip_baseline
-        else TransformersBaseline(cfg, settings, meters["transformers"])
-    )
+    baseline = None if settings.skip_baseline else TransformersBaseline(cfg, settings, meter)
     floor = None if settings.skip_floor else Floor(model, settings)
     if floor is not None:
         floor.warm_up()
@@ -807,7 +769,10 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         settings,
         engine,
         templates,
-        {k: PhaseTracker(m) for k, m in meters.items()},
+        {
+            "mstar": PhaseTracker(lambda: engine_figures(engine)),
+            "transformers": PhaseTracker(meter.read),
+        },
         baseline,
         floor,
     )
@@ -930,7 +895,8 @@ def _breakdown_table(rows: Sequence[PointBreakdown]) -> Table:
             f"{b.other_s:.1f}",
         )
     table.caption = (
-        "mstar/floor: LLM = KVCacheEngine steps (schedule + forward + sampling), forward = model + LM head; "
+        "mstar/floor: LLM = KVCacheEngine steps (schedule + forward + sampling), forward = model + LM head "
+        "and sampling; mstar: from the engines' own timers, codec = snac_decoder node steps; "
         "transformers: LLM = generate() per request (runs alongside the codec); steps = tokens there"
     )
     return table

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
+from mstar.bench import BenchRequest
 from mstar.zoo.orpheus import TokenLayout
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_orpheus.py"
@@ -63,6 +67,34 @@ def test_meter_deltas(bench: ModuleType) -> None:
     assert bench.Meter.delta(before, meter.snapshot()) == {"codec": (0.25, 2), "llm_step": (1.0, 1)}
 
 
+async def test_phase_tracker_spans_the_measured_requests(bench: ModuleType) -> None:
+    meter = bench.Meter()
+    num_reads = 0
+
+    async def read() -> dict[str, tuple[float, int]]:
+        nonlocal num_reads
+        num_reads += 1
+        await asyncio.sleep(0)  # suspends, as AsyncEngine.stats does
+        return meter.snapshot()
+
+    async def target(request: BenchRequest) -> AsyncIterator[Any]:
+        meter.add("codec", 1.0)
+        yield bench.audio_event(1)
+
+    tracker = bench.PhaseTracker(read)
+    run = tracker.wrap(target)
+
+    async def send(request_id: str) -> None:
+        async for _ in run(BenchRequest(request_id, "hi")):
+            pass
+
+    await send("warmup-0")
+    await asyncio.gather(*(send(f"concurrency-2-{i}") for i in range(3)))
+    meter.add("codec", 5.0, 5)  # after the point
+    assert tracker.spent("concurrency-2") == {"codec": (3.0, 3)}
+    assert num_reads == 1 + 3  # once before the point's first request, once after each
+
+
 def test_tiny_run_compares_equal_work(bench: ModuleType, tmp_path: Path) -> None:
     data = bench.main(
         [
@@ -96,6 +128,7 @@ def test_tiny_run_compares_equal_work(bench: ModuleType, tmp_path: Path) -> None
     for row in rows.values():
         assert row["num_windows"] == 5 * 2 and row["codec_s"] > 0 and row["llm_s"] > 0
     assert rows["mstar"]["num_steps"] == rows["floor"]["num_steps"] == 5 * 28
+    assert 0 < rows["mstar"]["llm_forward_s"] < rows["mstar"]["llm_s"]
     assert rows["transformers"]["num_steps"] == 5 * 28  # tokens generated
     verdicts = data["orpheus"]["targets"]["verdicts"]
     assert set(verdicts) == {"audio_s_per_s", "ttfa_p50", "floor_efficiency"}

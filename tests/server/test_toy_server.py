@@ -22,6 +22,8 @@ from mstar.bench.audio import WavStreamReader
 from mstar.bench.http_targets import GenerateTarget, ImagesTarget, SpeechTarget
 from mstar.bench.records import BenchRequest, OutputEvent, Usage
 from mstar.runtime import EngineConfig, ModelSpec
+from mstar.runtime.async_engine import EngineStats
+from mstar.server.metrics import ServerMetrics
 from tests.server.conftest import RunningServer, running_server
 
 MODEL = "toy-composite"
@@ -182,6 +184,7 @@ def test_metrics_show_every_family(toy_server: RunningServer) -> None:
         "mstar_inter_token_latency_seconds", "mstar_inter_chunk_latency_seconds",
         "mstar_generated_tokens_total", "mstar_generated_audio_seconds_total", "mstar_generated_images_total",
         "mstar_engine_walk_step_seconds", "mstar_engine_walk_inputs_total", "mstar_transport_tensor_bytes_total",
+        "mstar_engine_phase_seconds",
     ):
         assert f"# TYPE {family} " in text, family
     m = toy_server.metric
@@ -194,6 +197,7 @@ def test_metrics_show_every_family(toy_server: RunningServer) -> None:
     assert m("mstar_engine_steps", rank="0", node="vocoder") >= 1
     assert m("mstar_engine_batch_size_mean", rank="0", node="vocoder") >= 1
     assert m("mstar_engine_step_seconds", rank="0", node="lm") > 0
+    assert "mstar_engine_phase_seconds{" not in text  # the toy's engines are stateless: no phases
     # step times per (node, walk): the lm serves two walks; one step at a time, they add up
     walk_steps = {
         w: m("mstar_engine_walk_step_seconds_count", rank="0", node="lm", walk=w) for w in ("prefill", "decode")
@@ -203,6 +207,23 @@ def test_metrics_show_every_family(toy_server: RunningServer) -> None:
     assert m("mstar_engine_walk_inputs_total", rank="0", node="vocoder", walk="vocode") >= 1
     # one process: tensors pass by reference, nothing crosses a transport
     assert m("mstar_transport_tensor_bytes_total", process="conductor", transport="ipc", direction="sent") == 0
+
+
+def test_metrics_show_the_phases_of_kv_cache_steps() -> None:
+    metrics = ServerMetrics(MODEL)
+    phases = {"schedule": 0.5, "prepare": 0.25, "forward": 2.0, "logits": 1.0, "update": 0.125}
+    kv_node = {"steps": 4.0, "batched": 8.0, "step_seconds": 4.0, "kv_blocks_total": 16.0, "kv_blocks_used": 4.0}
+    kv_node |= {f"phase_{name}_seconds": seconds for name, seconds in phases.items()}
+    stateless = {"steps": 2.0, "batched": 2.0, "step_seconds": 1.0}
+    metrics.set_engine_stats(EngineStats(nodes={0: {"llm": kv_node}, 1: {"codec": stateless}}))
+    samples = {
+        (s.labels["rank"], s.labels["node"], s.labels["phase"]): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        if family.name == "mstar_engine_phase_seconds"
+        for s in family.samples
+    }
+    assert samples == {("0", "llm", name): seconds for name, seconds in phases.items()}
+    assert metrics.registry.get_sample_value("mstar_engine_step_seconds", {"model": MODEL, "rank": "1", "node": "codec"}) == 1.0
 
 
 def test_metrics_count_tensor_bytes_of_every_process() -> None:

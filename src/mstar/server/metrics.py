@@ -18,6 +18,7 @@ Families (every one labelled with `model`):
 | `mstar_generated_images_total` | counter | images produced |
 | `mstar_engine_steps{rank, node}` | gauge | engine steps run (cumulative) |
 | `mstar_engine_step_seconds{rank, node}` | gauge | seconds in engine steps (cumulative) |
+| `mstar_engine_phase_seconds{rank, node, phase}` | gauge | seconds in one phase of the steps (cumulative), for engines that time them: KV-cache nodes' `schedule`, `prepare`, `forward` (the model), `logits` (LM head and sampling), `update` |
 | `mstar_engine_batch_size_mean{rank, node}` | gauge | mean inputs per engine step |
 | `mstar_kv_cache_blocks_used`, `_total`, `mstar_kv_cache_usage{rank, node}` | gauge | KV-cache occupancy |
 | `mstar_engine_walk_step_seconds{rank, node, walk}` | histogram | durations of the steps that served a walk; a step whose batch mixes walks is recorded in full under each of them |
@@ -100,6 +101,10 @@ class ServerMetrics:
         self.engine_step_seconds = Gauge(
             "mstar_engine_step_seconds", "Seconds spent in engine steps, per node (cumulative).", e, registry=r
         )
+        self.engine_phase_seconds = Gauge(
+            "mstar_engine_phase_seconds", "Seconds spent in one phase of the engine steps, per node (cumulative).",
+            (*e, "phase"), registry=r,
+        )
         self.engine_batch_size = Gauge(
             "mstar_engine_batch_size_mean", "Mean inputs (sequences) per engine step, per node.", e, registry=r
         )
@@ -119,6 +124,9 @@ class ServerMetrics:
                 self.engine_steps.labels(*labels).set(steps)
                 self.engine_step_seconds.labels(*labels).set(values.get("step_seconds", 0.0))
                 self.engine_batch_size.labels(*labels).set(values.get("batched", 0.0) / steps if steps else 0.0)
+                for key, seconds in values.items():
+                    if (phase := _phase_of(key)) is not None:
+                        self.engine_phase_seconds.labels(*labels, phase).set(seconds)
                 if "kv_blocks_total" in values:
                     total, used = values["kv_blocks_total"], values.get("kv_blocks_used", 0.0)
                     self.kv_blocks_total.labels(*labels).set(total)
@@ -249,6 +257,14 @@ class RequestTracker:
         m.e2e.labels(model, self.task).observe(e2e)
         if self.num_audio_samples and self.sample_rate:
             m.rtf.labels(model).observe(e2e / (self.num_audio_samples / self.sample_rate))
+
+
+def _phase_of(key: str) -> str | None:
+    """Return the phase a ``phase_<name>_seconds`` stats key times (None for other keys)."""
+    prefix, suffix = "phase_", "_seconds"
+    if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix):
+        return key[len(prefix) : -len(suffix)]
+    return None
 
 
 def _num_items(data: object) -> int:
