@@ -13,6 +13,7 @@ import torch
 from mstar.engines import AttentionMask, KVCacheEngineConfig
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.kv_node import (
+    FiringRows,
     KVChunk,
     KVForward,
     KVNodeEngine,
@@ -39,8 +40,8 @@ class ChunkNode:
     def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
         return KVForward(list(inputs["chunks"]))
 
-    def forward_outputs(self, request_id: str, inputs: Mapping[str, Any], rows: list[torch.Tensor | None]) -> Mapping[str, Any]:
-        return {"rows": rows}
+    def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
+        return [{"rows": f.rows} for f in firings]
 
     def release(self, request_id: str) -> None:
         self.released.append(request_id)

@@ -398,7 +398,9 @@ class KVCacheEngine:
         if query_id in self._seqs:
             raise DuplicateRequestError(f"request {query_id!r} is already in the engine")
         self._check_complete(parent, "be queried")
-        seq = Sequence(query_id, parent.token_ids[: parent.num_computed_tokens], parent.params, arrival=next(self._arrivals))
+        # The parent's arrival: to the backends, queries over one context are one sequence
+        # from step to step (its keys can stay staged).
+        seq = Sequence(query_id, parent.token_ids[: parent.num_computed_tokens], parent.params, arrival=parent.arrival)
         seq.mask_segments = list(parent.mask_segments)
         seq.input_segments = list(parent.input_segments)
         seq.segments_end = parent.segments_end

@@ -48,6 +48,7 @@ from mstar.errors import (
 )
 
 __all__ = [
+    "FiringRows",
     "ForwardKVNode",
     "KVChunk",
     "KVForward",
@@ -146,6 +147,15 @@ class KVChunk:
 
 
 @dataclass(frozen=True)
+class FiringRows:
+    """A completed forward firing: its request, inputs, and each chunk's rows (None: "none")."""
+
+    request_id: str
+    inputs: Mapping[str, Any]
+    rows: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
 class KVForward:
     """A forward firing: one chunk per sequence it touches (run in one step)."""
 
@@ -167,10 +177,13 @@ class ForwardKVNode(Protocol):
         """Turn one firing's inputs into chunks (raise ValueError for bad inputs)."""
         ...
 
-    def forward_outputs(
-        self, request_id: str, inputs: Mapping[str, Any], rows: list[torch.Tensor | None]
-    ) -> Mapping[str, Any]:
-        """Return the firing's outputs from each chunk's rows (None for "none" chunks)."""
+    def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
+        """Return each firing's outputs (or its own error) from its chunks' rows.
+
+        Called once per step with every firing the step completed, so post-processing is
+        batched across requests (as a stateless node batches its inputs). An exception
+        raised instead fails all of them.
+        """
         ...
 
     def release(self, request_id: str) -> None:
@@ -297,7 +310,10 @@ class KVNodeEngine(StepLoop):
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
         forward = node.forward(request_id, inputs)
         if not forward.chunks:
-            return node.forward_outputs(request_id, inputs, [])
+            result = node.forward_outputs([FiringRows(request_id, inputs, [])])[0]
+            if isinstance(result, BaseException):
+                raise result
+            return result
         size = self.engine.config.block_size
         reserved = sum(-(-c.reserve_tokens // size) for c in forward.chunks)
         if reserved > self.engine.num_blocks:
@@ -564,9 +580,10 @@ class KVNodeEngine(StepLoop):
             elif (firing := firings.get(key)) is not None:
                 _fail(firing, error)
         outputs = None if self._token_node is None else self._token_node.outputs
+        completed: list[_Firing] = []
         for key, tokens, history, rows in results:
             if (firing := firings.get(key)) is not None:
-                self._chunk_done(firing, key, rows)
+                self._chunk_done(firing, key, rows, completed)
                 continue
             if (walk := walks.get(key)) is None or outputs is None:
                 continue  # released meanwhile, or its walk failed
@@ -581,19 +598,30 @@ class KVNodeEngine(StepLoop):
             if history is not None:
                 del walks[key]
                 _end(walk, None)
+        if completed:
+            self._complete(completed)
 
-    def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None) -> None:
+    def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None, completed: list[_Firing]) -> None:
         firing.rows[key] = rows
-        if len(firing.rows) < len(firing.keys) or firing.done.done():
-            return
+        if len(firing.rows) == len(firing.keys) and not firing.done.done():
+            completed.append(firing)
+
+    def _complete(self, firings: list[_Firing]) -> None:
+        """Hand the firings a step completed to the node in one call; resolve each with its result."""
         node = self._forward_node
         assert node is not None
+        batch = [FiringRows(f.request_id, f.inputs, [f.rows[k] for k in f.keys]) for f in firings]
         try:
-            result = node.forward_outputs(firing.request_id, firing.inputs, [firing.rows[k] for k in firing.keys])
-        except Exception as exc:  # the firing's own failure: it ends alone
-            firing.done.set_exception(exc)
+            results = node.forward_outputs(batch)
+        except Exception as exc:  # the node failed them all
+            for firing in firings:
+                _fail(firing, exc)
             return
-        firing.done.set_result(result)
+        for firing, result in zip(firings, results, strict=True):
+            if isinstance(result, BaseException):
+                _fail(firing, result)
+            elif not firing.done.done():
+                firing.done.set_result(result)
 
 
 def _end(walk: _Walk, error: BaseException | None) -> None:

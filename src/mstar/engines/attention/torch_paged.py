@@ -61,16 +61,110 @@ class _Chunk:
 class _Group:
     """Chunks of one shape that see all their keys: one batched attention without a mask."""
 
-    __slots__ = ("is_read_only", "key_slots", "num_chunks", "q_len", "row_start", "rows")
+    __slots__ = ("is_read_only", "key_slots", "length", "num_chunks", "q_len", "row_start", "rows", "stage")
 
     def __init__(
-        self, num_chunks: int, q_len: int, rows: torch.Tensor, key_slots: torch.Tensor, is_read_only: bool, row_start: int | None
+        self,
+        num_chunks: int,
+        q_len: int,
+        rows: torch.Tensor,
+        key_slots: torch.Tensor,
+        is_read_only: bool,
+        row_start: int | None,
+        stage: _GroupStage | None = None,
+        length: int = 0,
     ) -> None:
         self.num_chunks, self.q_len = num_chunks, q_len
         self.rows = rows  # the chunks' query rows, chunk after chunk
-        self.key_slots = key_slots  # each chunk's cached keys, chunk after chunk
+        self.key_slots = key_slots  # each chunk's keys to read from the cache, chunk after chunk
         self.is_read_only = is_read_only
         self.row_start = row_start  # the rows are one contiguous run from here (or None)
+        self.stage = stage  # contiguous copies of the chunks' keys kept across steps (or None)
+        self.length = length  # keys each chunk attends to
+
+
+class _GroupStage:
+    """Contiguous keys and values of one group of sequences, kept from step to step.
+
+    A group that runs again with the same sequences (rollout rows appending a frame block
+    each step; queries over an unchanged context, step after step) would otherwise gather
+    every key it attends to from the paged cache in every layer of every step. Staged, a
+    written group appends only its new rows; a read-only group reads its context as it is
+    and puts its own rows after it:
+
+    ```
+     staged, layer l   row 0: | frames 0..n-1 (kept) | frame n (this step) |
+                       row 1: | ...                  | ...                 |
+    ```
+
+    The paged cache stays the source of truth: a group seen for the first time, or whose
+    last step did not run every layer, is gathered from it again.
+    """
+
+    __slots__ = ("buffers", "capacity", "is_active", "is_read_only", "rebuild", "staged_len", "written")
+
+    def __init__(self, is_read_only: bool) -> None:
+        self.is_read_only = is_read_only
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer (its cache's data_ptr)
+        self.written: set[int] = set()  # layers whose buffers got the last step's rows
+        self.staged_len = 0  # keys per sequence kept, valid in every buffer
+        self.capacity = 0
+        self.is_active = False
+        self.rebuild = True
+
+    def can_continue(self, prior: int, is_read_only: bool) -> bool:
+        """Whether last step's copies hold exactly the `prior` keys each sequence had."""
+        complete = bool(self.buffers) and self.written == set(self.buffers)
+        return complete and is_read_only == self.is_read_only and self.staged_len == prior
+
+    def plan(self, prior: int, length: int, fits: bool) -> None:
+        """Decide this step: keep the copies (append) or rebuild them; stage at all (`fits`)?"""
+        self.rebuild = not self.can_continue(prior, self.is_read_only)
+        self.is_active = fits
+        if not self.is_active:
+            self.buffers = {}
+            return
+        if length > self.capacity:
+            self.capacity = max(2 * self.capacity, -(-(length + 64) // 128) * 128)
+            self.rebuild, self.buffers = True, {}
+        self.written = set()
+        # Read-only rows are scratch: the next step finds only the context staged.
+        self.staged_len = prior if self.is_read_only else length
+
+    def keys_values(
+        self,
+        k_cache: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        group: _Group,
+        k_own: torch.Tensor,
+        v_own: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return this layer's `[n, length, kv_heads, dim]` keys and values, staged."""
+        n, q_len, length = group.num_chunks, group.q_len, group.length
+        kv_heads, dim = k_cache.shape[-2], k_cache.shape[-1]
+        key = k_cache.data_ptr()
+        buffers = self.buffers.get(key)
+        if buffers is None or buffers[0].shape[0] != n:
+            shape = (n, self.capacity, kv_heads, dim)
+            buffers = self.buffers[key] = (
+                torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device),
+                torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device),
+            )
+        k_stage, v_stage = buffers
+        prior = length - q_len
+        if self.rebuild:
+            # New copies: every key the group reads from the cache (a written group's own rows
+            # are in it already; a read-only one's context).
+            cached = prior if self.is_read_only else length
+            if cached:
+                k_stage[:n, :cached] = k_flat.index_select(0, group.key_slots).view(n, cached, kv_heads, dim)
+                v_stage[:n, :cached] = v_flat.index_select(0, group.key_slots).view(n, cached, kv_heads, dim)
+        if self.is_read_only or not self.rebuild:
+            k_stage[:n, prior:length] = k_own.view(n, q_len, kv_heads, dim)
+            v_stage[:n, prior:length] = v_own.view(n, q_len, kv_heads, dim)
+        self.written.add(key)
+        return k_stage[:n, :length], v_stage[:n, :length]
 
 
 def _is_contiguous(starts: np.ndarray, members: list[int], q_len: int) -> bool:
@@ -134,10 +228,29 @@ class _DecodeStaging:
 class TorchPagedAttention:
     """Reference paged attention (`AttentionBackend`) written with torch ops only."""
 
-    def __init__(self, device: torch.device | str = "cpu", *, decode_staging: bool = True) -> None:
-        """Create the backend for tensors on `device` (see the module notes on staging)."""
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        decode_staging: bool = True,
+        chunk_staging: bool = True,
+        stage_budget_bytes: int = 256 << 20,
+    ) -> None:
+        """Create the backend for tensors on `device` (see the module notes on staging).
+
+        `stage_budget_bytes` caps the keys one layer of one staged group may copy (K and V);
+        larger groups gather from the cache every step.
+        """
         self.device = torch.device(device)
         self._staging = _DecodeStaging() if decode_staging else None
+        self._chunk_staging = chunk_staging
+        self._stage_budget_bytes = stage_budget_bytes
+        # K and V bytes of one token in all layers, learnt from the first step (0: not yet,
+        # so nothing is staged before it).
+        self._staged_row_bytes = 1 << 62
+        self._layers_seen: set[int] = set()
+        self._stages: dict[tuple[int, ...], _GroupStage] = {}
+        self.num_staged_groups = 0  # groups that continued their staged keys (not gathered)
         self._decode_rows: torch.Tensor | None = None
         self._decode_blocks: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
@@ -246,9 +359,29 @@ class TorchPagedAttention:
                 mask = torch.from_numpy(mask_np).to(self.device)
             self._prefills.append(_Chunk(start, end, key_slots.to(self.device), mask, is_read_only))
         self._groups = []
+        stages: dict[tuple[int, ...], _GroupStage] = {}
         for (q_len, length, is_read_only), members in groups.items():
             num_cached = length - q_len if is_read_only else length
-            slots = np.concatenate([_slots_of(metadata.block_tables[i], num_cached, size) for i in members])
+            # Keys already staged from the last step: a written group staged what it held
+            # before this step's rows; a read-only one its (unchanged) context.
+            prior = length - q_len
+            stage = None
+            if self._chunk_staging and metadata.seq_keys is not None:
+                keys = tuple(metadata.seq_keys[members].tolist())
+                stage = self._stages.get(keys)
+                if stage is None or not stage.can_continue(prior, is_read_only):
+                    stage = _GroupStage(is_read_only)
+                stage.plan(prior, length, len(members) * length * self._staged_row_bytes <= self._stage_budget_bytes)
+                stages[keys] = stage
+                if not stage.is_active:
+                    stage = None
+                elif not stage.rebuild:
+                    self.num_staged_groups += 1
+            # Continued copies read nothing from the cache; new ones read all its keys.
+            gather_from = num_cached if stage is not None and not stage.rebuild else 0
+            slots = np.concatenate(
+                [_slots_of(metadata.block_tables[i], num_cached, size)[gather_from:] for i in members]
+            ) if gather_from < num_cached else np.zeros(0, dtype=np.int64)
             rows = np.concatenate([np.arange(starts[i], starts[i] + q_len) for i in members])
             self._groups.append(
                 _Group(
@@ -258,8 +391,11 @@ class TorchPagedAttention:
                     torch.from_numpy(slots).to(self.device),
                     is_read_only,
                     int(starts[members[0]]) if _is_contiguous(starts, members, q_len) else None,
+                    stage,
+                    length,
                 )
             )
+        self._stages = stages  # groups absent from this step lose their staging
 
     def forward(
         self,
@@ -273,6 +409,9 @@ class TorchPagedAttention:
         assert self._slot_mapping is not None, "plan() must run before forward()"
         k_cache, v_cache = kv_cache
         k_flat, v_flat = write_kv(kv_cache, self._slot_mapping, k, v)
+        if k_cache.data_ptr() not in self._layers_seen:
+            self._layers_seen.add(k_cache.data_ptr())
+            self._staged_row_bytes = 2 * len(self._layers_seen) * k_cache[0, 0].numel() * k_cache.element_size()
         gqa = q.shape[1] != k_cache.shape[-2]
         if self._all_decode:
             return self._decode(q, k, v, k_cache, v_cache, scale)
@@ -301,11 +440,15 @@ class TorchPagedAttention:
                 qs, k_own, v_own = q[lo : lo + n * q_len], k[lo : lo + n * q_len], v[lo : lo + n * q_len]
             else:
                 qs, k_own, v_own = q[group.rows], k[group.rows], v[group.rows]
-            ks = self._gather(k_flat, group.key_slots, 0).view(n, -1, kv_heads, dim)
-            vs = self._gather(v_flat, group.key_slots, 1).view(n, -1, kv_heads, dim)
-            if group.is_read_only:
-                ks = torch.cat([ks, k_own.view(n, q_len, kv_heads, dim)], dim=1)
-                vs = torch.cat([vs, v_own.view(n, q_len, kv_heads, dim)], dim=1)
+            stage = group.stage
+            if stage is not None:
+                ks, vs = stage.keys_values(k_cache, k_flat, v_flat, group, k_own, v_own)
+            else:
+                ks = self._gather(k_flat, group.key_slots, 0).view(n, -1, kv_heads, dim)
+                vs = self._gather(v_flat, group.key_slots, 1).view(n, -1, kv_heads, dim)
+                if group.is_read_only:
+                    ks = torch.cat([ks, k_own.view(n, q_len, kv_heads, dim)], dim=1)
+                    vs = torch.cat([vs, v_own.view(n, q_len, kv_heads, dim)], dim=1)
             o = F.scaled_dot_product_attention(
                 qs.view(n, q_len, heads, dim).transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
                 scale=scale, enable_gqa=gqa,

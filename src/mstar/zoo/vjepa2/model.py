@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import KVChunk, KVForward
+from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
 from mstar.engines.masks import AttentionMask
 from mstar.errors import CheckpointError, KVCacheCapacityError, RolloutStateError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph, Section, Sequential
@@ -343,17 +343,47 @@ class PredictorNode:
             for r in range(rows)
         ])
 
-    def forward_outputs(self, request_id: str, inputs: Mapping[str, Any], rows: list[torch.Tensor | None]) -> Mapping[str, Any]:
-        """Layer-normalise each row's predicted patches, integrate the poses, keep or emit."""
-        rollout = self._rollouts[request_id]
-        batched = torch.as_tensor(inputs["latent"]).dim() == 3
+    def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
+        """Layer-normalise every row's predicted patches and integrate every pose, in one batch.
+
+        Each firing then keeps (``final``) or emits (``stream``) its frame and feeds it back.
+        """
+        results: list[Mapping[str, Any] | BaseException] = []
+        live: list[tuple[int, _Rollout, bool, int]] = []  # (result index, rollout, batched, rows)
+        preds: list[torch.Tensor] = []
+        poses_in: list[torch.Tensor] = []
+        actions_in: list[torch.Tensor] = []
+        for firing in firings:
+            rollout = self._rollouts.get(firing.request_id)
+            if rollout is None:  # released while its step ran
+                results.append(RolloutStateError(f"request {firing.request_id!r} holds no rollout"))
+                continue
+            inputs = firing.inputs
+            batched = torch.as_tensor(inputs["latent"]).dim() == 3
+            actions = torch.as_tensor(inputs["job"]["actions"])
+            preds.extend(r[self.cond_tokens :] for r in firing.rows if r is not None)
+            poses_in.append(torch.as_tensor(inputs["pose"]).reshape(-1, self.action_dim))
+            actions_in.append((actions if batched else actions[None])[:, rollout.num_frames])
+            live.append((len(results), rollout, batched, rollout.num_rows))
+            results.append(RolloutStateError("unreachable"))  # replaced below
+        if not live:
+            return results
+        pred = torch.stack(preds)
+        latents = F.layer_norm(pred, (pred.shape[-1],))
+        device = latents.device
+        poses = integrate_pose(
+            torch.cat(poses_in).to(device, torch.float32), torch.cat(actions_in).to(device, torch.float32)
+        )
+        start = 0
+        for index, rollout, batched, num_rows in live:
+            latent, pose = latents[start : start + num_rows], poses[start : start + num_rows]
+            start += num_rows
+            results[index] = self._advance(firings[index].request_id, rollout, batched, latent, pose)
+        return results
+
+    def _advance(self, request_id: str, rollout: _Rollout, batched: bool, latent: torch.Tensor, pose: torch.Tensor) -> dict[str, Any]:
+        """Record one predicted frame of a rollout; return the firing's outputs."""
         step = rollout.num_frames
-        pred = torch.stack([r[self.cond_tokens :] for r in rows if r is not None])
-        latent = F.layer_norm(pred, (pred.shape[-1],))
-        pose_in = torch.as_tensor(inputs["pose"], dtype=torch.float32).reshape(-1, self.action_dim).to(latent.device)
-        actions = torch.as_tensor(inputs["job"]["actions"], dtype=torch.float32).to(latent.device)
-        action = (actions if batched else actions[None])[:, step]
-        pose = integrate_pose(pose_in, action)
         rollout.num_frames += 1
         if rollout.emit == "final":
             rollout.latents.append(latent)
