@@ -101,7 +101,7 @@ class _GroupStage:
     last step did not run every layer, is gathered from it again.
     """
 
-    __slots__ = ("buffers", "capacity", "is_active", "is_read_only", "rebuild", "staged_len", "written")
+    __slots__ = ("buffers", "capacity", "is_active", "is_read_only", "num_steps", "rebuild", "staged_len", "written")
 
     def __init__(self, is_read_only: bool) -> None:
         self.is_read_only = is_read_only
@@ -111,6 +111,7 @@ class _GroupStage:
         self.capacity = 0
         self.is_active = False
         self.rebuild = True
+        self.num_steps = 0  # steps this group ran
 
     def can_continue(self, prior: int, is_read_only: bool) -> bool:
         """Whether last step's copies hold exactly the `prior` keys each sequence had."""
@@ -120,7 +121,10 @@ class _GroupStage:
     def plan(self, prior: int, length: int, fits: bool) -> None:
         """Decide this step: keep the copies (append) or rebuild them; stage at all (`fits`)?"""
         self.rebuild = not self.can_continue(prior, self.is_read_only)
-        self.is_active = fits
+        # A group seen for the first time may never run again (a one-frame rollout, a single
+        # query): it gathers as usual, and is staged from its second step on.
+        self.is_active = fits and self.num_steps > 0
+        self.num_steps += 1
         if not self.is_active:
             self.buffers = {}
             return
@@ -369,7 +373,7 @@ class TorchPagedAttention:
             if self._chunk_staging and metadata.seq_keys is not None:
                 keys = tuple(metadata.seq_keys[members].tolist())
                 stage = self._stages.get(keys)
-                if stage is None or not stage.can_continue(prior, is_read_only):
+                if stage is None or stage.is_read_only != is_read_only:
                     stage = _GroupStage(is_read_only)
                 stage.plan(prior, length, len(members) * length * self._staged_row_bytes <= self._stage_budget_bytes)
                 stages[keys] = stage
