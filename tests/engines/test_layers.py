@@ -98,3 +98,18 @@ def test_apply_rotary_turns_half_split_pairs() -> None:
     x0, x1 = x[:, :4], x[:, 4:]
     expected = torch.cat([x0 * angles.cos() - x1 * angles.sin(), x1 * angles.cos() + x0 * angles.sin()], dim=-1)
     torch.testing.assert_close(got, expected)
+
+
+def test_route_experts_runs_each_row_through_its_own_weights() -> None:
+    from mstar.engines.layers import route_experts
+
+    torch.manual_seed(0)
+    experts = [torch.nn.Linear(8, 5), torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)]
+    x = torch.randn(7, 8)
+    ids = torch.tensor([0, 2, 2, 1, 0, 2, 1])
+    with torch.no_grad():
+        out = route_experts(x, ids, experts)
+        for row, expert in enumerate(ids.tolist()):
+            torch.testing.assert_close(out[row], experts[expert](x[row]))
+        torch.testing.assert_close(route_experts(x, None, experts), experts[0](x))
+        torch.testing.assert_close(route_experts(x, torch.ones(7, dtype=torch.long), experts), experts[1](x))

@@ -26,7 +26,7 @@ after a checkpoint is loaded, and in the dense layouts the parameter names keep 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -44,6 +44,7 @@ __all__ = [
     "apply_rotary",
     "can_pack",
     "choose_layout",
+    "route_experts",
 ]
 
 # Weight layouts for `x @ W.T`.
@@ -261,3 +262,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def route_experts(
+    x: torch.Tensor, expert_ids: torch.Tensor | None, experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+) -> torch.Tensor:
+    """Run each row of `x` `[rows, ...]` through its expert; return the rows in order.
+
+    A multi-expert layer (BAGEL's understanding and generation weights, pi0.5's VLM and
+    action expert) routes the rows of one step by `StepInputs.expert_ids` (None: every row
+    is expert 0). Each expert computes its own rows only; attention between them stays
+    joint, over one cache.
+    """
+    if expert_ids is None:
+        return experts[0](x)
+    present = torch.unique(expert_ids).tolist()
+    if len(present) == 1:
+        return experts[int(present[0])](x)
+    out: torch.Tensor | None = None
+    for expert in present:
+        rows = (expert_ids == expert).nonzero().squeeze(1)
+        y = experts[int(expert)](x.index_select(0, rows))
+        if out is None:
+            out = y.new_empty((x.shape[0], *y.shape[1:]))
+        out.index_copy_(0, rows, y)
+    assert out is not None
+    return out
