@@ -6,28 +6,59 @@ from mstar.engines.attention import AttentionBackend, AttentionMetadata, TorchPa
 from mstar.engines.block_manager import BlockManager
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig, StepOutput
+from mstar.engines.kv_node import (
+    FiringRows,
+    ForwardKVNode,
+    KVChunk,
+    KVForward,
+    KVNode,
+    KVNodeEngine,
+    KVTurn,
+    supports_forward_walks,
+    supports_token_walks,
+)
 from mstar.engines.masks import AttentionMask
 from mstar.engines.model_runner import ModelRunner
-from mstar.engines.paged_model import PagedKVContext, PagedModel
+from mstar.engines.paged_model import (
+    PagedKVContext,
+    PagedModel,
+    StepChunk,
+    StepInputs,
+    SupportsNarrowLogits,
+    supports_narrow_logits,
+)
 from mstar.engines.sampler import Sampler
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import BatchScheduler, RequestOutput, SchedulerOutput
-from mstar.engines.sequence import FinishReason, Sequence, SequenceStatus
-from mstar.engines.step_times import STEP_TIME_BUCKETS, StepTimes, WalkStepTimes
+from mstar.engines.sequence import FinishReason, InputSegment, OutputMode, Sequence, SequenceStatus
+from mstar.engines.step_overlap import OverlappedSteps
+from mstar.engines.step_times import PHASES, STEP_TIME_BUCKETS, PhaseTimes, StepTimes, WalkStepTimes
 
 __all__ = [
+    "PHASES",
     "AttentionBackend",
     "AttentionMask",
     "AttentionMetadata",
     "BatchScheduler",
     "BlockManager",
     "FinishReason",
+    "FiringRows",
+    "ForwardKVNode",
+    "InputSegment",
     "KVCacheEngine",
     "KVCacheEngineConfig",
     "KVCacheSpec",
+    "KVChunk",
+    "KVForward",
+    "KVNode",
+    "KVNodeEngine",
+    "KVTurn",
     "ModelRunner",
+    "OutputMode",
+    "OverlappedSteps",
     "PagedKVContext",
     "PagedModel",
+    "PhaseTimes",
     "RequestOutput",
     "Sampler",
     "SamplingParams",
@@ -35,8 +66,14 @@ __all__ = [
     "Sequence",
     "SequenceStatus",
     "STEP_TIME_BUCKETS",
+    "StepChunk",
+    "StepInputs",
     "StepOutput",
     "StepTimes",
+    "SupportsNarrowLogits",
     "TorchPagedAttention",
     "WalkStepTimes",
+    "supports_forward_walks",
+    "supports_narrow_logits",
+    "supports_token_walks",
 ]

@@ -453,6 +453,7 @@ class KVNodeEngine(StepLoop):
             _fail(self._firings.pop(key), error)
         keys = self._keys.pop(request_id, set())
         keys.add(request_id)
+        self._release_after -= keys
         self._ops.append((request_id, lambda: [self.engine.abort(k) for k in keys]))
         if self._forward_node is not None:
             self._forward_node.release(request_id)
