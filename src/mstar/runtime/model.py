@@ -7,6 +7,18 @@ Nothing model-specific lives in the runtime.
 What a model offers beyond that base contract is declared, never probed: each capability is a
 ``Supports*`` protocol below, which a model class inherits (``class MyLLM(Model,
 SupportsTextOutput)``), and callers ask the matching ``supports_*()`` function before using it.
+
+The capabilities, in one place:
+
+| capability | declared by | checked with |
+|---|---|---|
+| a tokenizer and text output | `SupportsTextOutput` (the model) | `supports_text_output` |
+| audio output | `SupportsAudioOutput` (the model) | `supports_audio_output` |
+| narrowed logits | `SupportsNarrowLogits` (a node's `PagedModel`) | `supports_narrow_logits` |
+| its own (native) decode loop | a `KVNode` (token walks) | `supports_token_walks` |
+| forward firings, per-request node state | `ForwardKVNode` (``forward_walks = True``; `release`) | `supports_forward_walks` |
+
+The last three live with the engines that use them (`mstar.engines`) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,20 +33,33 @@ from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkabl
 
 import torch
 
+from mstar.engines.kv_node import (
+    ForwardKVNode,
+    KVNode,
+    supports_forward_walks,
+    supports_token_walks,
+)
+from mstar.engines.paged_model import SupportsNarrowLogits, supports_narrow_logits
 from mstar.errors import ModelLoadError
 from mstar.graph import Emission, ModelGraph
 
 __all__ = [
     "EngineType",
+    "ForwardKVNode",
+    "KVNode",
     "Model",
     "ModelSpec",
     "Output",
     "PreparedRequest",
     "Request",
     "SupportsAudioOutput",
+    "SupportsNarrowLogits",
     "SupportsTextOutput",
     "supports_audio_output",
+    "supports_forward_walks",
+    "supports_narrow_logits",
     "supports_text_output",
+    "supports_token_walks",
 ]
 
 
