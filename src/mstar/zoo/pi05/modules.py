@@ -1,0 +1,384 @@
+"""pi0.5's weights and its forward pass on the paged KV cache (openpi's ``PI0Pytorch``, pi05).
+
+Module names follow the published PyTorch checkpoint after its prefixes are taken off (see
+`mstar.zoo.pi05.checkpoint`):
+
+```
+vision_tower.*                      transformers' SiglipVisionModel (So400m/14, no pooling head)
+multi_modal_projector.linear        SigLIP width -> VLM width
+language_model.embed_tokens         the VLM's (tied) token embedding
+language_model.layers.{i}.*         Gemma blocks: self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
+                                    input_layernorm / post_attention_layernorm (weights, zero-centred)
+gemma_expert.layers.{i}.*           the action expert's blocks; its norms are adaptive:
+                                    input_layernorm.dense / post_attention_layernorm.dense, norm.dense
+action_in_proj, action_out_proj     action_dim <-> expert width
+time_mlp_in, time_mlp_out           the timestep MLP (its output conditions every adaptive norm)
+```
+
+A step's rows come in chunks of two kinds: **prefix** chunks (`PrefixInput`: image tokens and
+prompt tokens, run by the VLM, expert 0, written to the cache) and **action** chunks
+(`ActionInput`: the noisy actions at one flow time, run by the action expert, expert 1,
+read-only over their request's prefix). Each expert keeps its own residual stream (their widths
+differ); at every layer both project to queries, keys and values of one shape and attend jointly
+through the cache. The model returns, per row, the velocity of an action row (zeros for prefix
+rows, whose only product is their cache).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import SiglipVisionConfig, SiglipVisionModel
+
+from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.layers import apply_rotary
+from mstar.engines.paged_model import PagedKVContext
+from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
+
+__all__ = [
+    "ActionInput",
+    "AdaRMSNorm",
+    "GemmaLayer",
+    "GemmaRMSNorm",
+    "GemmaStack",
+    "Pi05Weights",
+    "PrefixInput",
+    "flow_times",
+    "rope_tables",
+    "time_embedding",
+]
+
+PREFIX_EXPERT = 0
+ACTION_EXPERT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixInput:
+    """A request's prefix: its valid image tokens (already projected), then its prompt ids.
+
+    Masked cameras and prompt padding are left out: they are attended by nothing and do not
+    advance positions (openpi's ``cumsum(mask) - 1``), so dropping them changes no value.
+    """
+
+    image_embeds: torch.Tensor  # [num_image_tokens, vlm width]
+    token_ids: torch.Tensor  # [num_prompt_tokens] int64
+
+    @property
+    def num_tokens(self) -> int:
+        """Count the prefix's tokens."""
+        return int(self.image_embeds.shape[0] + self.token_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class ActionInput:
+    """One flow-matching step of a request: its noisy actions ``[H, action_dim]`` at time ``t``."""
+
+    actions: torch.Tensor
+    time: float
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (the weight is zero-centred)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class AdaRMSNorm(nn.Module):
+    """The action expert's adaptive RMSNorm: a dense map of the conditioning gives scale, shift, gate."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(width, 3 * width)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``rms(x) * (1 + scale) + shift`` and the gate, for rows ``x`` and their ``cond``."""
+        scale, shift, gate = self.dense(cond).chunk(3, dim=-1)
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * (1.0 + scale.float()) + shift.float()
+        return y.to(x.dtype), gate.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    """Query, key, value and output projections of one Gemma block (no biases)."""
+
+    def __init__(self, cfg: GemmaConfig) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(cfg.width, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.width, bias=False)
+
+
+class _MLP(nn.Module):
+    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: GemmaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP."""
+        return cast(torch.Tensor, self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)))
+
+
+class GemmaLayer(nn.Module):
+    """One Gemma block: attention and MLP, each behind its (plain or adaptive) norm."""
+
+    def __init__(self, cfg: GemmaConfig, eps: float, adaptive: bool) -> None:
+        super().__init__()
+        self.self_attn = _Attention(cfg)
+        self.mlp = _MLP(cfg)
+        norm: type[nn.Module] = AdaRMSNorm if adaptive else GemmaRMSNorm
+        self.input_layernorm = norm(cfg.width, eps)
+        self.post_attention_layernorm = norm(cfg.width, eps)
+
+
+class GemmaStack(nn.Module):
+    """One expert's blocks and final norm (and, for the VLM, its token embedding)."""
+
+    def __init__(self, cfg: GemmaConfig, vocab_size: int | None, eps: float, *, adaptive: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        self.adaptive = adaptive
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.width) if vocab_size else None
+        self.layers = nn.ModuleList(GemmaLayer(cfg, eps, adaptive) for _ in range(cfg.depth))
+        self.norm: nn.Module = AdaRMSNorm(cfg.width, eps) if adaptive else GemmaRMSNorm(cfg.width, eps)
+
+    @property
+    def blocks(self) -> list[GemmaLayer]:
+        """Return the blocks, typed."""
+        return cast(list[GemmaLayer], list(self.layers))
+
+
+class _Projector(nn.Module):
+    def __init__(self, vision_width: int, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(vision_width, width)
+
+
+def time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
+    """Return the sinusoidal embedding ``[rows, width]`` of flow times ``t`` ``[rows]`` (float64 math).
+
+    Periods are geometric from ``min_period`` to ``max_period``; the sine half comes first.
+    """
+    fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angle = (2 * math.pi / period)[None, :] * t.double()[:, None]
+    return torch.cat([angle.sin(), angle.cos()], dim=-1).float()
+
+
+def flow_times(num_steps: int) -> list[float]:
+    """Return the flow times of the Euler steps, as openpi accumulates them (float32, t += dt from 1)."""
+    t, dt = torch.tensor(1.0, dtype=torch.float32), torch.tensor(-1.0 / num_steps, dtype=torch.float32)
+    times = []
+    for _ in range(num_steps):
+        times.append(float(t))
+        t = t + dt
+    return times
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(cos, sin)`` ``[rows, 1, head_dim]`` (float32) for half-split rotary embedding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+class Pi05Weights(nn.Module):
+    """All of pi0.5's weights, and its step on the paged cache (a `PagedModel`)."""
+
+    supports_narrow_logits: ClassVar[bool] = False
+
+    def __init__(self, config: Pi05Config) -> None:
+        super().__init__()
+        self.config = config
+        v = config.vision
+        self.vision_tower = SiglipVisionModel(
+            SiglipVisionConfig(
+                hidden_size=v.width,
+                intermediate_size=v.mlp_dim,
+                num_hidden_layers=v.depth,
+                num_attention_heads=v.num_heads,
+                image_size=v.image_size,
+                patch_size=v.patch_size,
+                layer_norm_eps=v.layer_norm_eps,
+                hidden_act="gelu_pytorch_tanh",
+                vision_use_head=False,
+            )
+        )
+        self.multi_modal_projector = _Projector(v.width, config.vlm.width)
+        eps = config.rms_norm_eps
+        self.language_model = GemmaStack(config.vlm, config.vocab_size, eps, adaptive=False)
+        self.gemma_expert = GemmaStack(config.expert, None, eps, adaptive=True)
+        width = config.expert.width
+        self.action_in_proj = nn.Linear(config.action_dim, width)
+        self.action_out_proj = nn.Linear(width, config.action_dim)
+        self.time_mlp_in = nn.Linear(width, width)
+        self.time_mlp_out = nn.Linear(width, width)
+
+    # -- the PagedModel contract -----------------------------------------------------------
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Return the joint attention's cache geometry (the experts share it)."""
+        cfg = self.config.vlm
+        dtype = self.action_in_proj.weight.dtype
+        return KVCacheSpec(cfg.depth, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    @property
+    def max_position(self) -> int:
+        """Return the longest prefix plus suffix."""
+        return self.config.max_position
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """pi0.5 samples no tokens (its walks return action velocities)."""
+        raise NotImplementedError("pi0.5 returns action velocities, not logits")
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Return projected image tokens ``[images, patches, vlm width]`` for ``[images, 3, S, S]`` in [-1, 1]."""
+        dtype = self.multi_modal_projector.linear.weight.dtype
+        out = self.vision_tower(pixel_values=pixels.to(dtype)).last_hidden_state
+        return cast(torch.Tensor, self.multi_modal_projector.linear(out))
+
+    def embed_prefix(self, prefix: PrefixInput) -> torch.Tensor:
+        """Return a prefix's rows: image tokens as they are, prompt embeddings times sqrt(width)."""
+        embed = self.language_model.embed_tokens
+        assert embed is not None
+        scale = math.sqrt(self.config.vlm.width)
+        tokens = embed(prefix.token_ids.to(embed.weight.device)) * scale
+        return torch.cat([prefix.image_embeds.to(tokens.dtype), tokens])
+
+    def condition(self, times: torch.Tensor) -> torch.Tensor:
+        """Return the adaptive norms' conditioning ``[rows, expert width]`` for flow times ``[rows]``."""
+        cfg = self.config
+        emb = time_embedding(times, cfg.expert.width, cfg.min_period, cfg.max_period).to(self.time_mlp_in.weight.dtype)
+        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
+
+    # -- the step --------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+        """Run a step's prefix and action chunks jointly; return each row's action velocity.
+
+        Rows of prefix chunks get zeros (their product is the cache).
+        """
+        cfg = self.config
+        chunks = ctx.step.chunks
+        device = positions.device
+        rows0: list[int] = []
+        rows1: list[int] = []
+        x0_parts: list[torch.Tensor] = []
+        x1_parts: list[torch.Tensor] = []
+        times: list[float] = []
+        counts: list[int] = []
+        for chunk in chunks:
+            span = range(chunk.row_start, chunk.row_end)
+            payload = chunk.payload
+            if isinstance(payload, PrefixInput):
+                rows0.extend(span)
+                x0_parts.append(self.embed_prefix(payload))
+            elif isinstance(payload, ActionInput):
+                rows1.extend(span)
+                x1_parts.append(payload.actions.to(device, self.action_in_proj.weight.dtype))
+                times.append(payload.time)
+                counts.append(chunk.num_rows)
+            else:
+                raise TypeError(f"pi0.5 chunks carry a PrefixInput or an ActionInput, got {type(payload).__name__}")
+        total = positions.shape[0]
+        index0 = torch.tensor(rows0, dtype=torch.long, device=device)
+        index1 = torch.tensor(rows1, dtype=torch.long, device=device)
+        x0 = torch.cat(x0_parts) if x0_parts else None
+        x1 = self.action_in_proj(torch.cat(x1_parts)) if x1_parts else None
+        cond = None
+        if x1 is not None:
+            per_chunk = self.condition(torch.tensor(times, dtype=torch.float32, device=device))
+            cond = per_chunk.repeat_interleave(torch.tensor(counts, device=device), dim=0)
+        cos, sin = rope_tables(positions, cfg.vlm.head_dim, cfg.rope_theta)
+        only = total == len(rows0) or total == len(rows1)  # one expert in the step: rows in order
+        vlm, expert = self.language_model.layers, self.gemma_expert.layers
+        heads, kv_heads, head_dim = cfg.vlm.num_heads, cfg.vlm.num_kv_heads, cfg.vlm.head_dim
+        scale = head_dim**-0.5
+        last = cfg.vlm.depth - 1
+        for i in range(cfg.vlm.depth):
+            parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            gate1: torch.Tensor | None = None
+            if x0 is not None:
+                layer0 = cast(GemmaLayer, vlm[i])
+                h = layer0.input_layernorm(x0)
+                parts.append((index0, *_qkv(layer0.self_attn, h, heads, kv_heads, head_dim)))
+            if x1 is not None:
+                layer1 = cast(GemmaLayer, expert[i])
+                h, gate1 = layer1.input_layernorm(x1, cond)
+                parts.append((index1, *_qkv(layer1.self_attn, h, heads, kv_heads, head_dim)))
+            q, k, v = _join(parts, total, only)
+            q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
+            k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+            out = ctx.attend(i, q, k, v, scale).reshape(total, heads * head_dim)
+            if x0 is not None:
+                layer0 = cast(GemmaLayer, vlm[i])
+                x0 = x0 + layer0.self_attn.o_proj(out if only else out.index_select(0, index0))
+                if i < last:  # the last block's MLP feeds nothing: the prefix is only its cache
+                    x0 = x0 + layer0.mlp(layer0.post_attention_layernorm(x0))
+            if x1 is not None:
+                assert gate1 is not None
+                layer1 = cast(GemmaLayer, expert[i])
+                x1 = x1 + layer1.self_attn.o_proj(out if only else out.index_select(0, index1)) * gate1
+                h, gate2 = layer1.post_attention_layernorm(x1, cond)
+                x1 = x1 + layer1.mlp(h) * gate2
+        velocity = torch.zeros(total, cfg.action_dim, dtype=torch.float32, device=device)
+        if x1 is not None:
+            final, _gate = self.gemma_expert.norm(x1, cond)
+            v1 = self.action_out_proj(final).float()
+            if only:
+                return v1
+            velocity.index_copy_(0, index1, v1)
+        return velocity
+
+
+def _qkv(
+    attn: _Attention, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = h.shape[0]
+    return (
+        attn.q_proj(h).view(n, heads, head_dim),
+        attn.k_proj(h).view(n, kv_heads, head_dim),
+        attn.v_proj(h).view(n, kv_heads, head_dim),
+    )
+
+
+def _join(
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], total: int, only: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Put each expert's queries, keys and values at its rows of the flat batch."""
+    if only:
+        _, q, k, v = parts[0]
+        return q, k, v
+    q_all = parts[0][1].new_empty((total, *parts[0][1].shape[1:]))
+    k_all = parts[0][2].new_empty((total, *parts[0][2].shape[1:]))
+    v_all = parts[0][3].new_empty((total, *parts[0][3].shape[1:]))
+    for index, q, k, v in parts:
+        q_all.index_copy_(0, index, q)
+        k_all.index_copy_(0, index, k)
+        v_all.index_copy_(0, index, v)
+    return q_all, k_all, v_all
