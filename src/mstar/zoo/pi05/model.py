@@ -1,0 +1,186 @@
+"""pi0.5 as an mstar model: a prefix into the paged KV cache, then a 10-step flow-matching loop.
+
+One partition, ``policy``; two nodes, ``vision`` (stateless SigLIP) and ``llm`` (both Gemma
+experts on one paged cache, fired by forward passes). Walks::
+
+    prefill     Sequential[vision, llm]       images -> image tokens; prefix written (bidirectional)
+    action_gen  Loop(llm, num_steps)          each step: action tokens query the prefix read-only,
+                                              x <- x + dt * v; after the last one -> actions EMIT
+
+Requests (``Request("act", observation)``) take DROID's observation dict, as openpi's DROID
+policy does: ``observation/exterior_image_1_left`` and ``observation/wrist_image_left`` (uint8
+H x W x 3), ``observation/joint_position`` (7), ``observation/gripper_position`` (1) and
+``prompt``; optionally ``noise`` ``[horizon, action_dim]`` or ``seed``. Preprocessing
+quantile-normalizes the state with the checkpoint's norm stats, bins it into the prompt
+``Task: ..., State: ...;\\nAction: `` and prepares the images; postprocessing un-normalizes
+the actions and cuts them to the robot's ``robot_dof`` dimensions: ``actions`` ``[horizon, 8]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mstar.errors import CheckpointError
+from mstar.graph import EMIT, Emission, GraphEdge, GraphNode, Loop, ModelGraph, Sequential
+from mstar.runtime.model import EngineType, Model, Output, PreparedRequest, Request
+from mstar.zoo.pi05.checkpoint import cached_random_checkpoint, load_pi05
+from mstar.zoo.pi05.config import Pi05Config, get_pi05_config
+from mstar.zoo.pi05.modules import Pi05Weights
+from mstar.zoo.pi05.nodes import LLMNode, VisionNode
+from mstar.zoo.pi05.policy import DroidObservation, NormStats, droid_actions
+from mstar.zoo.pi05.prompt import PromptTokenizer
+
+__all__ = ["PARTITION", "Pi05Model", "make_pi05_graph"]
+
+PARTITION = "policy"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_pi05_graph(config: Pi05Config) -> ModelGraph:
+    """Return the graph and walks of a pi0.5 model."""
+    vision = GraphNode("vision", {"images", "image_mask", "token_ids"}, [GraphEdge("llm", "prefix")])
+    llm = GraphNode(
+        "llm",
+        {"prefix", "flow"},
+        [
+            GraphEdge("llm", "prefix", persist=True),
+            GraphEdge("llm", "flow", persist=True),
+            GraphEdge(EMIT, "actions", modality="action"),
+        ],
+    )
+    return ModelGraph(
+        name=config.name,
+        walks={"prefill": Sequential([vision, llm]), "action_gen": Loop(llm, max_iters=config.num_steps)},
+        partitions={PARTITION: ["prefill", "action_gen"]},
+        inputs={"vision": {"images", "image_mask", "token_ids"}, "llm": {"flow"}},
+    )
+
+
+class Pi05Model(Model):
+    """pi0.5 (``pi05-droid``, ``pi05-small`` or ``pi05-tiny``).
+
+    Args:
+        config: Config name.
+        checkpoint: A directory in openpi's PyTorch layout (``model.safetensors``,
+            ``assets/<asset_id>/norm_stats.json``). Without one the small configs get random
+            weights and norm stats, written once under the mstar cache; ``pi05-droid`` needs it.
+        tokenizer: PaliGemma's SentencePiece ``tokenizer.model`` (``pi05-droid``); the small
+            configs train a tiny one once, locally.
+        asset_id: Which ``assets/`` entry holds the norm stats.
+        dtype: "float32" or "bfloat16".
+        seed: Seed of the random weights.
+    """
+
+    def __init__(
+        self,
+        config: str = "pi05-tiny",
+        *,
+        checkpoint: str | None = None,
+        tokenizer: str | None = None,
+        asset_id: str = "droid",
+        dtype: str = "float32",
+        seed: int = 0,
+    ) -> None:
+        cfg = get_pi05_config(config)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if checkpoint is None:
+            if config == "pi05-droid":
+                raise CheckpointError("pi05-droid needs checkpoint= a directory in openpi's PyTorch layout")
+            checkpoint = str(cached_random_checkpoint(cfg, seed=seed))
+        path = Path(checkpoint)
+        if not (path / "model.safetensors").is_file():
+            raise CheckpointError(f"pi0.5 checkpoint {checkpoint!r} has no model.safetensors")
+        self.name = config
+        self.config = cfg
+        self.checkpoint = str(path)
+        self.dtype = _DTYPES[dtype]
+        self.norm_stats = NormStats.load(path / "assets" / asset_id / "norm_stats.json")
+        self.tokenizer = PromptTokenizer.from_config(cfg, tokenizer)
+        self._graph = make_pi05_graph(cfg)
+        self._weights: dict[torch.device, Pi05Weights] = {}
+
+    def graph(self) -> ModelGraph:
+        """Return the policy graph."""
+        return self._graph
+
+    def engine_types(self) -> dict[str, EngineType]:
+        """Return STATELESS for ``vision``, KV_CACHE for ``llm``."""
+        return {"vision": EngineType.STATELESS, "llm": EngineType.KV_CACHE}
+
+    def tasks(self) -> tuple[str, ...]:
+        """Return the one task: an action chunk for an observation."""
+        return ("act",)
+
+    def _load(self, device: torch.device) -> Pi05Weights:
+        # Both nodes of a rank share one copy of the weights.
+        weights = self._weights.get(device)
+        if weights is None:
+            weights = self._weights[device] = load_pi05(self.checkpoint, self.config, device=device, dtype=self.dtype)
+        return weights
+
+    def submodule(self, node: str, device: torch.device) -> Any:
+        """Load the weights onto ``device`` (once) and return the node."""
+        if node == "vision":
+            return VisionNode(self._load(device))
+        if node == "llm":
+            return LLMNode(self._load(device))
+        raise KeyError(node)
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        """Parse a DROID observation; normalize and bin the state into the prompt; draw the noise."""
+        if request.task != "act":
+            raise ValueError(f"task must be 'act', got {request.task!r}")
+        data = request.data
+        obs = DroidObservation.parse(data)
+        cfg = self.config
+        state = obs.normalized_state(self.norm_stats)
+        images, mask = obs.camera_images(cfg.cameras, cfg.vision.image_size)
+        token_ids = torch.tensor(self.tokenizer.token_ids(obs.prompt, state), dtype=torch.long)
+        noise = _noise(data, cfg)
+        return PreparedRequest(
+            {
+                "vision": {"images": images, "image_mask": mask, "token_ids": token_ids},
+                "llm": {"flow": {"x": noise, "step": 0}},
+            },
+            None,
+        )
+
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        """Start with the prefix."""
+        return "prefill" if partition == PARTITION else None
+
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        """The flow loop follows the prefix; then the request is done."""
+        return "action_gen" if finished == "prefill" else None
+
+    def postprocess(self, request_id: str, emission: Emission) -> Output:
+        """Un-normalize the actions and cut them to the robot's dimensions (float32 numpy)."""
+        value = emission.value
+        if emission.name == "actions":
+            value = droid_actions(torch.as_tensor(value), self.norm_stats, self.config.robot_dof).astype(np.float32)
+        return Output(request_id, emission.modality, emission.name, value, emission.node, emission.walk)
+
+
+def _noise(data: Mapping[str, Any], cfg: Pi05Config) -> torch.Tensor:
+    """Return the request's initial noise: given (``noise``), seeded (``seed``) or fresh."""
+    shape = (cfg.action_horizon, cfg.action_dim)
+    if "noise" in data:
+        noise = torch.as_tensor(np.asarray(data["noise"], dtype=np.float32))
+        if tuple(noise.shape) != shape or not bool(torch.isfinite(noise).all()):
+            raise ValueError(f"noise must be a finite array of shape {list(shape)}, got {list(noise.shape)}")
+        return noise
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    generator = torch.Generator()
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return torch.randn(shape, generator=generator)
