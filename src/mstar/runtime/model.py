@@ -14,6 +14,7 @@ The capabilities, in one place:
 |---|---|---|
 | a tokenizer and text output | `SupportsTextOutput` (the model) | `supports_text_output` |
 | audio output | `SupportsAudioOutput` (the model) | `supports_audio_output` |
+| an action policy (openpi's WebSocket protocol) | `SupportsActionPolicy` (the model) | `supports_action_policy` |
 | narrowed logits | `SupportsNarrowLogits` (a node's `PagedModel`) | `supports_narrow_logits` |
 | its own (native) decode loop | a `KVNode` (token walks) | `supports_token_walks` |
 | forward firings, per-request node state | `ForwardKVNode` (``forward_walks = True``; `release`) | `supports_forward_walks` |
@@ -52,9 +53,11 @@ __all__ = [
     "Output",
     "PreparedRequest",
     "Request",
+    "SupportsActionPolicy",
     "SupportsAudioOutput",
     "SupportsNarrowLogits",
     "SupportsTextOutput",
+    "supports_action_policy",
     "supports_audio_output",
     "supports_forward_walks",
     "supports_narrow_logits",
@@ -213,6 +216,29 @@ class SupportsAudioOutput(Protocol):
 
     supports_audio_output: ClassVar[Literal[True]] = True
     audio_sample_rate: int
+
+
+@runtime_checkable
+class SupportsActionPolicy(Protocol):
+    """A model that maps an observation to an action chunk (a robot policy).
+
+    Served over openpi's WebSocket policy protocol too (`mstar.server.openpi`): each
+    observation dict becomes ``Request(policy_task, observation)``, and the output named
+    ``policy_output`` (an array) is the reply's ``actions``.
+    """
+
+    supports_action_policy: ClassVar[Literal[True]] = True
+    policy_task: ClassVar[str]
+    policy_output: ClassVar[str]
+
+    def policy_metadata(self) -> dict[str, Any]:
+        """Return what a robot client gets when it connects (openpi's server metadata)."""
+        ...
+
+
+def supports_action_policy(model: object) -> TypeGuard[SupportsActionPolicy]:
+    """Whether ``model`` declares `SupportsActionPolicy`."""
+    return getattr(type(model), "supports_action_policy", False) is True
 
 
 def supports_text_output(model: object) -> TypeGuard[SupportsTextOutput]:

@@ -25,7 +25,7 @@ from mstar.errors import APIRequestError, ClientDisconnectedError, MStarError, O
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig
 from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
-from mstar.server import native, openai_routes, text_routes
+from mstar.server import native, openai_routes, openpi, text_routes
 from mstar.server.admission import AdmissionQueue
 from mstar.server.config import ServerConfig
 from mstar.server.encoding import error_body
@@ -97,6 +97,7 @@ def make_app(
     app.include_router(openai_routes.router)
     app.include_router(text_routes.router)
     app.include_router(native.router)
+    app.include_router(openpi.router)
     _add_operational_routes(app)
     _add_error_handlers(app)
     # Starlette runs the last-added middleware first: context, then auth, then the body limit.

@@ -79,7 +79,7 @@ class RequestContextMiddleware:
 class ApiKeyMiddleware:
     """Require ``Authorization: Bearer <key>`` on every path but the open ones."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str] = ("/health", "/metrics")) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str] = ("/health", "/healthz", "/metrics")) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self.open_paths = frozenset(open_paths)

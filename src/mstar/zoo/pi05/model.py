@@ -27,7 +27,14 @@ import torch
 
 from mstar.errors import CheckpointError
 from mstar.graph import EMIT, Emission, GraphEdge, GraphNode, Loop, ModelGraph, Sequential
-from mstar.runtime.model import EngineType, Model, Output, PreparedRequest, Request
+from mstar.runtime.model import (
+    EngineType,
+    Model,
+    Output,
+    PreparedRequest,
+    Request,
+    SupportsActionPolicy,
+)
 from mstar.zoo.pi05.checkpoint import cached_random_checkpoint, load_pi05
 from mstar.zoo.pi05.config import Pi05Config, get_pi05_config
 from mstar.zoo.pi05.modules import Pi05Weights
@@ -61,8 +68,8 @@ def make_pi05_graph(config: Pi05Config) -> ModelGraph:
     )
 
 
-class Pi05Model(Model):
-    """pi0.5 (``pi05-droid``, ``pi05-small`` or ``pi05-tiny``).
+class Pi05Model(Model, SupportsActionPolicy):
+    """pi0.5 (``pi05-droid``, ``pi05-small`` or ``pi05-tiny``), an action policy for DROID robots.
 
     Args:
         config: Config name.
@@ -104,6 +111,14 @@ class Pi05Model(Model):
         self.tokenizer = PromptTokenizer.from_config(cfg, tokenizer)
         self._graph = make_pi05_graph(cfg)
         self._weights: dict[torch.device, Pi05Weights] = {}
+
+    policy_task = "act"
+    policy_output = "actions"
+
+    def policy_metadata(self) -> dict[str, Any]:
+        """Return what a robot client gets on connecting: the model and its chunk's shape."""
+        cfg = self.config
+        return {"model": self.name, "action_horizon": cfg.action_horizon, "action_dim": cfg.robot_dof}
 
     def graph(self) -> ModelGraph:
         """Return the policy graph."""

@@ -1,0 +1,176 @@
+"""openpi's WebSocket policy protocol, so existing robot clients (`openpi-client`) connect unchanged.
+
+On a model that declares `SupportsActionPolicy` (pi0.5), the server answers:
+
+- ``GET /healthz``: ``OK``;
+- a WebSocket at ``/``: first the policy's metadata (one binary msgpack frame), then for each
+  binary msgpack observation frame one reply ``{"actions": ndarray, "policy_timing":
+  {"infer_ms"}, "server_timing": {"infer_ms", "prev_total_ms"}}``. A request that fails
+  gets its error as a text frame and the connection closes with code 1011, as openpi's
+  server does; the other robots' connections go on. With an API key, the handshake needs
+  ``Authorization: Api-Key <key>`` (openpi-client's header) or ``Bearer <key>``.
+
+Unlike openpi's server (one robot at a time), every connection's requests go to the engine at
+once, where the robots' flow steps share each step's batch.
+
+ndarrays travel as openpi's msgpack extension: a map ``{b"__ndarray__": True, b"data": raw
+bytes, b"dtype": dtype.str, b"shape": [...]}`` (numpy scalars: ``{b"__npgeneric__": True,
+b"data": item, b"dtype": str}``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import traceback
+from typing import Any
+
+import msgpack
+import numpy as np
+import structlog
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from fastapi import Request as HttpRequest
+from fastapi.responses import PlainTextResponse
+
+from mstar.errors import MStarError
+from mstar.runtime.model import Request, supports_action_policy
+from mstar.server.session import RequestStream, status_of
+from mstar.server.state import ServerState
+
+__all__ = ["pack", "router", "unpack"]
+
+log = structlog.get_logger(__name__)
+
+router = APIRouter()
+
+# openpi's WebSocket close code for a failed request.
+INTERNAL_ERROR = 1011
+POLICY_VIOLATION = 1008
+
+
+def _encode(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "VOc":
+            raise ValueError(f"unsupported array dtype {obj.dtype}")
+        return {b"__ndarray__": True, b"data": np.ascontiguousarray(obj).tobytes(), b"dtype": obj.dtype.str, b"shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _decode(obj: dict[Any, Any]) -> Any:
+    if b"__ndarray__" in obj:
+        dtype = np.dtype(obj[b"dtype"])
+        if dtype.kind in "VOc":
+            raise ValueError(f"unsupported array dtype {dtype}")
+        shape = tuple(int(n) for n in obj[b"shape"])
+        data = obj[b"data"]
+        if len(data) != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise ValueError(f"an array of shape {list(shape)} and dtype {dtype} needs {dtype.itemsize * int(np.prod(shape))} bytes, got {len(data)}")
+        return np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # writable, owned
+    if b"__npgeneric__" in obj:
+        return np.dtype(obj[b"dtype"]).type(obj[b"data"])
+    return obj
+
+
+def pack(obj: Any) -> bytes:
+    """Encode a message (dicts, lists, numbers, strings, numpy arrays) as openpi does."""
+    return msgpack.packb(obj, default=_encode, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    """Decode a message; arrays come back as writable numpy arrays.
+
+    Raises:
+        ValueError: Not a msgpack message of the expected kind.
+    """
+    try:
+        return msgpack.unpackb(data, object_hook=_decode, raw=False, strict_map_key=False)
+    except (msgpack.UnpackException, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"not an openpi msgpack message: {exc}") from None
+
+
+@router.get("/healthz")
+async def healthz(http: HttpRequest) -> PlainTextResponse:
+    """Answer openpi's health check."""
+    state: ServerState | None = getattr(http.app.state, "server", None)
+    if state is None:
+        return PlainTextResponse("starting\n", status_code=503)
+    return PlainTextResponse("OK\n")
+
+
+def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
+    if api_key is None:
+        return True
+    given = websocket.headers.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    return scheme.lower() in ("api-key", "bearer") and secrets.compare_digest(key.strip().encode(), api_key.encode())
+
+
+@router.websocket("/")
+async def policy(websocket: WebSocket) -> None:
+    """Serve one robot: metadata, then an action chunk per observation."""
+    state: ServerState = websocket.app.state.server
+    model = state.engine.model
+    if not _authorized(websocket, state.config.api_key):
+        await websocket.close(code=POLICY_VIOLATION, reason="missing or invalid API key")
+        return
+    if not supports_action_policy(model):
+        await websocket.close(code=POLICY_VIOLATION, reason=f"model {state.name!r} is not an action policy")
+        return
+    await websocket.accept()
+    await websocket.send_bytes(pack(model.policy_metadata()))
+    prev_total_ms: float | None = None
+    while True:
+        try:
+            frame = await websocket.receive_bytes()
+        except (WebSocketDisconnect, RuntimeError, KeyError):
+            return  # the robot left (or sent a text frame, which ends the session too)
+        start = time.perf_counter()
+        try:
+            obs = unpack(frame)
+            if not isinstance(obs, dict):
+                raise ValueError(f"an observation is a dict, got {type(obs).__name__}")
+            infer_start = time.perf_counter()
+            actions = await _act(state, obs, model.policy_task, model.policy_output)
+            infer_ms = (time.perf_counter() - infer_start) * 1e3
+            reply: dict[str, Any] = {
+                "actions": actions,
+                "policy_timing": {"infer_ms": infer_ms},
+                "server_timing": {"infer_ms": infer_ms},
+            }
+            if prev_total_ms is not None:
+                reply["server_timing"]["prev_total_ms"] = prev_total_ms
+            await websocket.send_bytes(pack(reply))
+        except WebSocketDisconnect:
+            return
+        except Exception as exc:  # the request's failure ends this robot's session only
+            log.warning("policy_request_failed", error=str(exc), error_type=type(exc).__name__)
+            detail = "".join(traceback.format_exception_only(type(exc), exc)) if isinstance(exc, ValueError | MStarError) else traceback.format_exc()
+            try:
+                await websocket.send_text(detail)
+                await websocket.close(code=INTERNAL_ERROR, reason="Internal server error. Traceback included in previous frame.")
+            except (WebSocketDisconnect, RuntimeError):
+                pass
+            return
+        prev_total_ms = (time.perf_counter() - start) * 1e3
+
+
+async def _act(state: ServerState, obs: dict[str, Any], task: str, output: str) -> np.ndarray:
+    """Run one observation through the engine (admission control and metrics included)."""
+    # openpi sends string keys; a client sending bytes keys gets them decoded.
+    data = {k.decode() if isinstance(k, bytes) else k: v for k, v in obs.items()}
+    stream = RequestStream(state, Request(task, data))
+    try:
+        await stream.start()
+        result: np.ndarray | None = None
+        async for out in stream.outputs():
+            if out.name == output:
+                result = np.asarray(out.data)
+    except BaseException as exc:
+        await stream.aclose(status_of(exc))
+        raise
+    await stream.aclose()
+    if result is None:
+        raise MStarError(f"the model produced no {output!r}")
+    return result
