@@ -137,3 +137,22 @@ def test_healthz_and_api_keys() -> None:
             WebsocketClientPolicy(host, int(port))
         client = WebsocketClientPolicy(host, int(port), api_key="sekret")  # Authorization: Api-Key sekret
         assert client.infer(observation(5))["actions"].shape == (10, 8)
+
+
+def test_native_generate_returns_the_action_chunk(pi05_server: RunningServer) -> None:
+    import base64
+    import json
+
+    obs = observation(7)
+    body = {"task": "act", "data": {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in obs.items()}}
+    response = httpx.post(f"{pi05_server.url}/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    lines = [json.loads(line) for line in response.text.splitlines() if line]
+    (chunk,) = [line for line in lines if line.get("name") == "actions"]
+    assert chunk["modality"] == "action" and chunk["shape"] == [10, 8] and chunk["dtype"] == "float32"
+    actions = np.frombuffer(base64.b64decode(chunk["data"]), dtype="<f4").reshape(10, 8)
+    host, port = pi05_server.url.removeprefix("http://").split(":")
+    over_ws = WebsocketClientPolicy(host, int(port)).infer(obs)["actions"]
+    np.testing.assert_allclose(actions, over_ws, rtol=1e-5, atol=1e-5)
+    bad = httpx.post(f"{pi05_server.url}/generate", json={"task": "act", "data": {"prompt": "x"}}, timeout=60)
+    assert bad.status_code == 400 and "DROID observation has no" in bad.text

@@ -364,7 +364,7 @@ MALFORMED = [
     (EXTERIOR_IMAGE_KEY, np.zeros((224, 224), np.uint8), "shape"),
     (EXTERIOR_IMAGE_KEY, np.zeros((224, 224, 4), np.uint8), "shape"),
     (EXTERIOR_IMAGE_KEY, np.zeros((0, 224, 3), np.uint8), "shape"),
-    (WRIST_IMAGE_KEY, np.zeros((8, 8, 3), np.int64), "dtype"),
+    (WRIST_IMAGE_KEY, np.full((8, 8, 3), 300, np.int64), "uint8"),  # integers must be pixel values
     (WRIST_IMAGE_KEY, np.full((8, 8, 3), 1.5, np.float32), r"\[0, 1\]"),
     (WRIST_IMAGE_KEY, np.full((8, 8, 3), np.nan, np.float32), "finite"),
     (WRIST_IMAGE_KEY, "an image", "shape"),

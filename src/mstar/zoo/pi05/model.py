@@ -152,6 +152,8 @@ class Pi05Model(Model, SupportsActionPolicy):
         if request.task != "act":
             raise ValueError(f"task must be 'act', got {request.task!r}")
         data = request.data
+        if "prompt" not in data and "text" in data:  # the native route's name for a prompt
+            data = {**data, "prompt": data["text"]}
         obs = DroidObservation.parse(data)
         cfg = self.config
         state = obs.normalized_state(self.norm_stats)

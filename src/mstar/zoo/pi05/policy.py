@@ -318,6 +318,9 @@ def _parse_image(obs: Mapping[str, Any], key: str) -> np.ndarray:
         raise ValueError(f"{key!r} must be {expected} (or 3xHxW), got shape {image.shape}")
     if image.dtype == np.uint8:
         return np.ascontiguousarray(image)
+    if np.issubdtype(image.dtype, np.integer) and image.min() >= 0 and image.max() <= 255:
+        # Integer pixels (a JSON body's nested lists) are uint8 values.
+        return np.ascontiguousarray(image.astype(np.uint8))
     if np.issubdtype(image.dtype, np.floating):
         if not np.isfinite(image).all() or image.min() < 0.0 or image.max() > 1.0:
             raise ValueError(f"{key!r} is a float image, so its values must be finite and in [0, 1]")
