@@ -1,0 +1,120 @@
+"""scripts/bench_pi05.py on pi05-tiny: the baseline's sampler is exact; both targets return the same actions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from mstar.runtime import Request
+from mstar.zoo.pi05.model import Pi05Model
+from mstar.zoo.pi05.modules import PrefixInput
+from mstar.zoo.pi05.reference import naive_sample_actions
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pi05.py"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_pi05", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_pi05"] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments_are_validated(bench: ModuleType) -> None:
+    settings = bench.parse_args(["--concurrency", "1,4"])
+    assert (
+        settings.concurrency == (1, 4) and settings.config == "pi05-small" and settings.threads == 1
+    )
+    assert settings.out == "results/pi05"
+    for bad in (
+        ["--concurrency", "0"],
+        ["--concurrency", "x"],
+        ["--threads", "0"],
+        ["--num-requests", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_dense_kv_sampler_equals_the_naive_recompute(bench: ModuleType) -> None:
+    model = Pi05Model("pi05-tiny")
+    weights = model.submodule("vision", torch.device("cpu")).weights
+    sampler = bench.DenseKVSampler(weights)
+    prepared = model.preprocess(
+        Request("act", bench.make_observation(7, model.config.vision.image_size))
+    )
+    vision, noise = prepared.inputs["vision"], prepared.inputs["llm"]["flow"]["x"]
+    prefix = PrefixInput(
+        sampler.embed_images(vision["images"], vision["image_mask"]), vision["token_ids"]
+    )
+    cached = sampler.flow(sampler.prefill(prefix), noise)
+    torch.testing.assert_close(
+        cached, naive_sample_actions(weights, prefix, noise), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_tiny_run_compares_equal_actions(bench: ModuleType, tmp_path: Path) -> None:
+    data = bench.main(
+        [
+            "--config",
+            "pi05-tiny",
+            "--concurrency",
+            "1,2",
+            "--num-templates",
+            "8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert json.loads((tmp_path / "bench_pi05.json").read_text()) == data
+    assert (tmp_path / "bench_pi05.png").stat().st_size > 0
+    assert {(r["target"], r["point"]) for r in data["results"]} == {
+        (t, c) for t in ("mstar", "openpi") for c in (1.0, 2.0)
+    }
+    report = data["pi05"]
+    horizon = report["horizon"]
+    assert horizon == 10 and report["flops_per_chunk"] > 0 and report["gemm_peak_flops_per_s"] > 0
+    # Every request of both targets (5 x c measured and c warm-up per point) compared.
+    agreement = report["agreement"]
+    assert agreement["agree"] and agreement["num_compared"] == (5 + 1) + (10 + 2)
+    assert agreement["max_abs_diff"] < 1e-3
+    for c, num in (("1", 5), ("2", 10)):
+        row = report["summary"][c]
+        for target in ("mstar", "openpi"):
+            r = row[target]
+            assert (r["num_requests"], r["num_failed"]) == (num, 0)
+            assert 0 < r["jct_p50_s"] <= r["jct_p95_s"] < 10
+            assert (
+                r["actions_per_s"] == pytest.approx(r["chunks_per_s"] * horizon)
+                and r["chunks_per_s"] > 0
+            )
+            assert 0 <= r["within_budget"] <= 1
+        assert (
+            row["actions_per_s_ratio"] > 0 and row["jct_p50_ratio"] > 0 and row["ceiling_ratio"] > 0
+        )
+    rows = {(b["target"], b["concurrency"]): b for b in report["breakdown"]}
+    assert set(rows) == {(t, c) for t in ("mstar", "openpi") for c in (1, 2)}
+    for (_target, c), b in rows.items():
+        assert (
+            b["num_requests"] == 5 * c and b["busy_s"] > 0 and b["vision_s"] > 0 and b["flow_s"] > 0
+        )
+    # mstar's measured window: one prefix and ten Euler steps per request, rows batched.
+    mstar = rows[("mstar", 2)]
+    assert mstar["vision_steps"] <= 10 and mstar["flow_steps"] <= 10 * 10
+    assert 1 <= mstar["llm_firings_per_step"] <= 2 and mstar["llm_forward_s"] <= mstar["llm_s"]
+    verdicts = report["verdicts"]
+    assert verdicts["actions_per_s_c16"]["met"] is None  # no c = 16 point in this run
+    assert isinstance(verdicts["jct_p50_c1"]["met"], bool)
+    assert np.isfinite(verdicts["jct_p50_c1"]["value"])
