@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 import tempfile
@@ -173,7 +174,10 @@ class TransformersBatches:
     def __init__(self, hf: Any, device: torch.device) -> None:
         self.hf = hf
         self.device = device
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
+        # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
+        self.executor = ThreadPoolExecutor(
+            1, thread_name_prefix="hf-generate", initializer=functools.partial(torch.set_num_threads, torch.get_num_threads())
+        )
         self.waiting: list[_Waiting] = []
         self.draining = False
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -264,7 +265,10 @@ class OpenpiServer:
         self.sampler = DenseKVSampler(weights)
         self.meter = Meter()
         self.lock = asyncio.Lock()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="openpi")
+        # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
+        self.executor = ThreadPoolExecutor(
+            1, thread_name_prefix="openpi", initializer=functools.partial(torch.set_num_threads, torch.get_num_threads())
+        )
         self.thread_torch_threads = 0
 
     async def act(self, request_id: str, obs: Mapping[str, Any]) -> np.ndarray:

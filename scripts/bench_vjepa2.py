@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import sys
@@ -78,7 +79,12 @@ class NativeRollouts:
 
     model: VJepa2Model
     device: str
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="native"))
+    # The same torch threads as the creating thread (a new thread's OpenMP pool starts at every core).
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            1, thread_name_prefix="native", initializer=functools.partial(torch.set_num_threads, torch.get_num_threads())
+        )
+    )
 
     def __post_init__(self) -> None:
         m = self.model

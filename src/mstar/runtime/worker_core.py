@@ -265,10 +265,13 @@ class WorkerCore:
         """Build this rank's node engines."""
         threads = self.config.num_threads
         if self.config.offload_steps:
+            # A new thread's OpenMP pool starts at every core, whatever this thread's torch
+            # setting says: the step thread takes the setting explicitly (this thread's, when
+            # the config names none), or it would oversubscribe the cores next to the loop.
             self._executor = ThreadPoolExecutor(
                 1,
                 thread_name_prefix=f"mstar-rank{self.rank}",
-                initializer=None if threads is None else functools.partial(torch.set_num_threads, threads),
+                initializer=functools.partial(torch.set_num_threads, threads or torch.get_num_threads()),
             )
         elif threads is not None:
             torch.set_num_threads(threads)
