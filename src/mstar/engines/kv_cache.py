@@ -16,7 +16,9 @@ import torch
 
 from mstar.errors import KVCacheCapacityError
 
-__all__ = ["KVCacheSpec", "allocate_kv_cache", "available_memory_bytes", "num_blocks_for_budget"]
+__all__ = ["KVCacheSpec", "allocate_kv_cache", "available_memory_bytes", "budget_bytes", "num_blocks_for_budget"]
+
+_CPU_DEFAULT_CAP = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,27 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def budget_bytes(budget: int | float | None, device: torch.device) -> int:
+    """Return a KV-cache budget in bytes.
+
+    Args:
+        budget: bytes (an int), a fraction in (0, 1] of `device`'s free memory (a float), or
+            None for the default: 0.8 of free memory on CUDA, min(1 GiB, 0.25 of free) elsewhere.
+        device: where the cache will live.
+    """
+    if budget is None:
+        if device.type == "cuda":
+            return budget_bytes(0.8, device)
+        return min(budget_bytes(0.25, device), _CPU_DEFAULT_CAP)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise KVCacheCapacityError(
+                f"a fractional KV-cache budget must be in (0, 1], got {budget}"
+            )
+        return int(available_memory_bytes(device) * budget)
+    return int(budget)
+
+
 def num_blocks_for_budget(
     spec: KVCacheSpec, block_size: int, budget: int | float, device: torch.device
 ) -> int:
@@ -60,14 +83,7 @@ def num_blocks_for_budget(
         budget: bytes (an int), or a fraction in (0, 1] of `device`'s free memory.
         device: where the cache will live.
     """
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise KVCacheCapacityError(
-                f"a fractional KV-cache budget must be in (0, 1], got {budget}"
-            )
-        num_bytes = int(available_memory_bytes(device) * budget)
-    else:
-        num_bytes = int(budget)
+    num_bytes = budget_bytes(budget, device)
     num_blocks = num_bytes // spec.bytes_per_block(block_size) - 1  # minus the sink block
     if num_blocks < 1:
         raise KVCacheCapacityError(

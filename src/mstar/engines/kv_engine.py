@@ -38,7 +38,7 @@ import torch
 from mstar.engines.attention.base import AttentionBackend
 from mstar.engines.attention.torch_paged import TorchPagedAttention
 from mstar.engines.block_manager import BlockManager
-from mstar.engines.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from mstar.engines.kv_cache import allocate_kv_cache, budget_bytes, num_blocks_for_budget
 from mstar.engines.masks import AttentionMask
 from mstar.engines.model_runner import ModelRunner, StepResult
 from mstar.engines.paged_model import PagedModel
@@ -145,13 +145,8 @@ class KVCacheEngine:
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
-            budget = config.kv_cache_memory
-            if budget is None:
-                budget = 0.8 if self.device.type == "cuda" else 0.25
+            budget = budget_bytes(config.kv_cache_memory, self.device)
             num_blocks = num_blocks_for_budget(spec, config.block_size, budget, self.device)
-            if config.kv_cache_memory is None and self.device.type != "cuda":
-                cap = (1 << 30) // spec.bytes_per_block(config.block_size)
-                num_blocks = max(1, min(num_blocks, cap))
             num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq)
         self.num_blocks = num_blocks
         self.block_manager = BlockManager(
@@ -350,9 +345,7 @@ class KVCacheEngine:
             stop_check=parent.stop_check,
             generator=self._make_generator(params),
         )
-        child.mask_segments = list(parent.mask_segments)
-        child.input_segments = list(parent.input_segments)
-        child.segments_end = parent.segments_end
+        child.inherit_segments(parent)
         if num_tokens is not None:
             child.truncate(count)
         child.is_pinned = parent.is_pinned
@@ -401,9 +394,7 @@ class KVCacheEngine:
         # The parent's arrival: to the backends, queries over one context are one sequence
         # from step to step (its keys can stay staged).
         seq = Sequence(query_id, parent.token_ids[: parent.num_computed_tokens], parent.params, arrival=parent.arrival)
-        seq.mask_segments = list(parent.mask_segments)
-        seq.input_segments = list(parent.input_segments)
-        seq.segments_end = parent.segments_end
+        seq.inherit_segments(parent)
         self._extend(seq, token_ids, mask, payload, num_tokens, expert, "hidden")
         seq.is_read_only = True
         if seq.num_tokens > self.max_model_len:
@@ -454,7 +445,6 @@ class KVCacheEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; return per-request new tokens."""
         phases = self.runner.phases
-        phases.steps += 1
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         phases.add("schedule", time.perf_counter() - t0)

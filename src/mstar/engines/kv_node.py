@@ -36,7 +36,7 @@ from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.masks import AttentionMask
 from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
-from mstar.engines.sequence import LogitsProcessor, SequenceStatus
+from mstar.engines.sequence import FinishReason, LogitsProcessor, SequenceStatus
 from mstar.engines.step_loop import StepLoop
 from mstar.engines.step_overlap import OverlappedSteps, overlap_pays
 from mstar.engines.step_times import WalkStepTimes
@@ -492,7 +492,7 @@ class KVNodeEngine(StepLoop):
                 failed.append((o.request_id, o.error))
                 urgent = True
                 continue
-            if o.finished and o.finish_reason == "computed":
+            if o.finished and o.finish_reason is FinishReason.COMPUTED:
                 results.append((o.request_id, [], None, o.hidden))
                 urgent = True
                 if o.request_id in self._release_after:

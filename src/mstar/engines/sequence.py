@@ -226,6 +226,12 @@ class Sequence:
                 self.segments_end = max(self.segments_end, end)
         self.walk_start = end
 
+    def inherit_segments(self, parent: Sequence) -> None:
+        """Take `parent`'s mask and input segments (a fork or a query of it)."""
+        self.mask_segments = list(parent.mask_segments)
+        self.input_segments = list(parent.input_segments)
+        self.segments_end = parent.segments_end
+
     def _add_mask(self, segment: MaskSegment) -> None:
         self.mask_segments.append(segment)
         self.segments_end = max(self.segments_end, segment.end)
@@ -307,11 +313,8 @@ class Sequence:
         return limits
 
     def kv_limit(self, position: int) -> int:
-        """Return the exclusive end of the keys visible from `position`."""
-        for segment in self.mask_segments:
-            if segment.start <= position < segment.end:
-                return segment.limit(position)
-        return position + 1
+        """Return the exclusive end of the keys visible from `position` (see `kv_limits`)."""
+        return int(self.kv_limits(position, position + 1)[0])
 
     def __repr__(self) -> str:
         return (

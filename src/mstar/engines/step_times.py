@@ -85,11 +85,10 @@ class PhaseTimes:
     and metrics read where a step's time goes without patching engine methods.
     """
 
-    __slots__ = ("seconds", "steps")
+    __slots__ = ("seconds",)
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self.steps = 0
 
     def add(self, phase: str, seconds: float) -> None:
         """Add `seconds` to `phase`."""

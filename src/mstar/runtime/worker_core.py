@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mstar.engines.kv_cache import available_memory_bytes
+from mstar.engines.kv_cache import budget_bytes
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_times import WalkStepTimes
@@ -180,19 +180,9 @@ def kv_cache_budgets(
             f"the KV-cache shares of {sorted(shares)} add up to {total_share:.3g} of the budget; "
             "they must add up to at most 1"
         )
-    budget = config.kv_cache_memory
-    if budget is None and len(kv_nodes) <= 1 and not shares:
+    if config.kv_cache_memory is None and len(kv_nodes) <= 1 and not shares:
         return dict.fromkeys(kv_nodes)
-    if budget is None:
-        budget = 0.8 if device.type == "cuda" else 0.25
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise KVCacheCapacityError(f"a fractional KV-cache budget must be in (0, 1], got {budget}")
-        num_bytes = int(available_memory_bytes(device) * budget)
-        if device.type != "cuda" and config.kv_cache_memory is None:
-            num_bytes = min(num_bytes, 1 << 30)
-    else:
-        num_bytes = int(budget)
+    num_bytes = budget_bytes(config.kv_cache_memory, device)
     rest = [n for n in kv_nodes if n not in shares]
     each_rest = (1.0 - total_share) / len(rest) if rest else 0.0
     return {n: int(num_bytes * shares.get(n, each_rest)) for n in kv_nodes}

@@ -385,11 +385,11 @@ class TorchPagedAttention:
                     stage = None
                 elif not stage.rebuild:
                     self.num_staged_groups += 1
-            # Continued copies read nothing from the cache; new ones read all its keys.
-            gather_from = num_cached if stage is not None and not stage.rebuild else 0
-            slots = np.concatenate(
-                [_slots_of(metadata.block_tables[i], num_cached, size)[gather_from:] for i in members]
-            ) if gather_from < num_cached else np.zeros(0, dtype=np.int64)
+            # Continued copies read nothing from the cache; new ones (and gathers) read all its keys.
+            if stage is None or stage.rebuild:
+                slots = np.concatenate([_slots_of(metadata.block_tables[i], num_cached, size) for i in members])
+            else:
+                slots = np.zeros(0, dtype=np.int64)
             rows = np.concatenate([np.arange(starts[i], starts[i] + q_len) for i in members])
             self._groups.append(
                 _Group(

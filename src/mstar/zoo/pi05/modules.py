@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -205,8 +205,6 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
 
 class Pi05Weights(nn.Module):
     """All of pi0.5's weights, and its step on the paged cache (a `PagedModel`)."""
-
-    supports_narrow_logits: ClassVar[bool] = False
 
     def __init__(self, config: Pi05Config) -> None:
         super().__init__()

@@ -121,7 +121,8 @@ class LLMNode:
         flows = [f for f in firings if f.inputs["prefix"].get("cached")]
         updated: dict[int, tuple[torch.Tensor, int]] = {}
         if flows:
-            xs = torch.stack([self._flow(f.inputs["flow"])[0] for f in flows])
+            # `forward` checked these inputs when the firing was made.
+            xs = torch.stack([torch.as_tensor(f.inputs["flow"]["x"], dtype=torch.float32) for f in flows])
             vs = torch.stack([f.rows[0] for f in flows if f.rows[0] is not None]).to(xs.device)
             nxt = xs + self._dt * vs
             for i, f in enumerate(flows):

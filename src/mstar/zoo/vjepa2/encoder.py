@@ -23,7 +23,7 @@ from mstar.engines.layers import FusableLinear
 from mstar.zoo.vjepa2.config import EncoderConfig
 from mstar.zoo.vjepa2.rope import apply_rope, token_tables
 
-__all__ = ["Attention", "Block", "MLP", "VJepa2Encoder"]
+__all__ = ["Attention", "Block", "MLP", "VJepa2Encoder", "fuse_blocks"]
 
 
 class MLP(nn.Module):
@@ -73,6 +73,13 @@ class Attention(nn.Module):
         q, k, v = self.qkv_heads(x, cos, sin)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(out.transpose(1, 2).flatten(2))
+
+
+def fuse_blocks(blocks: nn.Module, rows: tuple[int, ...]) -> None:
+    """Fuse every `Attention` and `MLP` under `blocks` for batches of `rows` tokens (see `FusedLinear`)."""
+    for module in blocks.modules():
+        if isinstance(module, Attention | MLP):
+            module.fuse_for_inference(rows)
 
 
 class Block(nn.Module):
@@ -134,10 +141,7 @@ class VJepa2Encoder(nn.Module):
         (`load_encoder` does). In oneDNN's packed layout the linears give up their weights,
         so the encoder can only run inference afterwards (see `FusedLinear`).
         """
-        rows = (self.config.num_patches,)
-        for module in self.blocks.modules():
-            if isinstance(module, Attention | MLP):
-                module.fuse_for_inference(rows)
+        fuse_blocks(self.blocks, (self.config.num_patches,))
 
     def forward(self, clip: torch.Tensor) -> torch.Tensor:
         """Encode ``[B, C, T, H, W]`` clips to normed ``[B, (T / tubelet) * H' * W', dim]`` tokens."""

@@ -28,7 +28,7 @@ from torch import nn
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.vjepa2.config import PredictorConfig
-from mstar.zoo.vjepa2.encoder import MLP, Attention
+from mstar.zoo.vjepa2.encoder import MLP, Attention, fuse_blocks
 from mstar.zoo.vjepa2.rope import token_tables
 
 __all__ = ["ACBlock", "ACPredictor", "Attend", "FrameInput", "PagedACPredictor", "block_causal_mask"]
@@ -93,10 +93,7 @@ class ACPredictor(nn.Module):
         (`load_predictor` does). In oneDNN's packed layout the linears give up their weights,
         so the predictor can only run inference afterwards (see `FusedLinear`).
         """
-        rows = (self.config.frame_tokens,)
-        for module in self.predictor_blocks.modules():
-            if isinstance(module, Attention | MLP):
-                module.fuse_for_inference(rows)
+        fuse_blocks(self.predictor_blocks, (self.config.frame_tokens,))
 
     @staticmethod
     def _frame_tables(cfg: PredictorConfig) -> tuple[torch.Tensor, torch.Tensor]:
