@@ -271,6 +271,26 @@ def test_salvage_finds_call_ids_only_in_asks() -> None:
     assert salvage_call_id([]) is None
 
 
+def nested_ask(depth: int, call_id: int = 9) -> bytes:
+    """Return an `Ask` whose emitted value is a list nested ``depth`` deep, built by hand."""
+    value = msgspec.msgpack.encode(["PyValue", 1])
+    for _ in range(depth):
+        value = b"\x92" + msgspec.msgpack.encode("ListValue") + b"\x91" + value
+    body = b"\x98" + b"".join(msgspec.msgpack.encode(x) for x in ("EmittedMsg", "r", "p", "w", "n", "o", "latent")) + value
+    return b"\x94" + b"".join(msgspec.msgpack.encode(x) for x in ("Ask", "a", call_id)) + body
+
+
+def test_values_nested_too_deep_are_protocol_errors_not_recursion_errors() -> None:
+    shallow = nested_ask(5)
+    assert isinstance(codec().decode([shallow]), Ask)
+    deep = nested_ask(5_000)
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        codec().decode([deep])
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        decode_envelope(deep)
+    assert salvage_call_id([deep]) == 9  # the asker can still be answered
+
+
 # ---------------------------------------------------------------------------------- fuzzing
 
 VALID_FRAMES = [codec().encode(e) for e in ENVELOPES]

@@ -518,7 +518,7 @@ def encode_envelope(envelope: Envelope) -> bytes:
     """
     try:
         return _ENCODER.encode(envelope)
-    except (TypeError, ValueError, msgspec.EncodeError) as exc:
+    except (TypeError, ValueError, msgspec.EncodeError, RecursionError) as exc:
         raise ProtocolError(f"cannot encode {type(envelope).__name__}: {exc}") from exc
 
 
@@ -532,3 +532,5 @@ def decode_envelope(data: bytes | bytearray | memoryview) -> Envelope:
         return _DECODER.decode(data)
     except (msgspec.DecodeError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed envelope: {exc}") from exc
+    except RecursionError:
+        raise ProtocolError("malformed envelope: values are nested too deeply") from None

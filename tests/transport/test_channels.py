@@ -20,6 +20,7 @@ from mstar.errors import InvalidAddressError, PeerLostError, TransportClosedErro
 from mstar.messages import Ask, ErrorReply, Hello, Ping, Reply, Tell, TensorBundle
 from mstar.transport.base import Channel, Listener, connect, listen, parse_address
 from mstar.transport.codec import LinkCodec
+from tests.test_messages import nested_ask
 
 
 def make_codec() -> LinkCodec:
@@ -149,6 +150,27 @@ async def test_malformed_and_oversize_frames_are_rejected_without_harm(scheme: s
             ("ErrorReply", 7, "ProtocolError"),
             ("ErrorReply", 8, "MessageTooLargeError"),
         ]
+        accept.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TransportClosedError):
+            await accept
+    finally:
+        raw.close(linger=0)
+        await listener.aclose()
+
+
+async def test_an_ask_nested_too_deep_gets_a_protocol_error_reply() -> None:
+    listener = listen(bind_address("ipc"), make_codec)
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(listener.address)
+    try:
+        await raw.send_multipart([msgspec.msgpack.encode(["Tell", "a", ["Ping", 0, b""]])])
+        server = await asyncio.wait_for(listener.accept(), 5)
+        accept = asyncio.create_task(listener.accept())
+        await raw.send_multipart([nested_ask(5_000, call_id=11)])
+        reply = msgspec.msgpack.decode(await asyncio.wait_for(raw.recv(), 5))
+        assert (reply[0], reply[1], reply[2]) == ("ErrorReply", 11, "ProtocolError")
+        assert server.num_rejected == 1
         accept.cancel()
         with contextlib.suppress(asyncio.CancelledError, TransportClosedError):
             await accept

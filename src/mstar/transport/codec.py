@@ -175,7 +175,7 @@ class LinkCodec:
         self._has_tensors = False
         try:
             frames[0] = self._encoder.encode(envelope)
-        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+        except (TypeError, ValueError, msgspec.EncodeError, RecursionError) as exc:
             self._free_new_slots()
             if isinstance(exc, ProtocolError):
                 raise
@@ -297,6 +297,9 @@ class LinkCodec:
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError(f"malformed message: {exc}") from exc
+        except RecursionError:
+            # Values nested deeper than the interpreter's stack: a peer's bug or an attack.
+            raise ProtocolError("malformed message: values are nested too deeply") from None
         finally:
             self._in = None
         if not all(self._in_used[1:]):
