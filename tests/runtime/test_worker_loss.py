@@ -37,3 +37,36 @@ async def test_killed_worker_fails_its_requests_and_is_restarted() -> None:
         with pytest.raises(asyncio.CancelledError):
             await fresh
         assert engine.processes[1].pid != victim.pid
+
+
+@pytest.mark.timeout(240)
+async def test_requests_sent_while_a_worker_restarts_wait_for_it_and_never_hang() -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 20})
+    config = EngineConfig(worker_processes=True, offload_steps=False)
+    async with await AsyncEngine.start(spec, Placement.from_yaml(TWO_RANKS), config) as engine:
+        assert [o.data for o in await engine.run(Request("loop", {}))] == [20]
+        victim = engine.processes[1]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+
+        async def later(delay: float) -> str:
+            await asyncio.sleep(delay)
+            try:
+                outputs = await engine.run(Request("loop", {}))
+            except WorkerLostError:
+                return "lost"
+            assert [o.data for o in outputs] == [20]
+            return "ok"
+
+        before = asyncio.ensure_future(later(0.0))  # may reach the dead worker: fails, typed
+        while engine.ranks_up()[1]:
+            await asyncio.sleep(0.01)
+        after = [asyncio.ensure_future(later(d)) for d in (0.0, 0.3, 1.0)]
+        # While the worker is away, stats answer at once without it.
+        stats = await asyncio.wait_for(engine.engine_stats(), 5)
+        assert stats.missing_ranks == [1] and 0 in stats.nodes
+        assert await asyncio.wait_for(before, 120) in ("ok", "lost")
+        # Sent once the loss was seen: they wait for the restart, then run (none hangs).
+        assert await asyncio.wait_for(asyncio.gather(*after), 120) == ["ok"] * 3
+        assert engine.num_restarts == 1 and engine.ranks_up() == {0: True, 1: True}
+        assert [o.data for o in await engine.run(Request("loop", {}))] == [20]

@@ -84,6 +84,11 @@ class SystemProcess:
         return None if self._process is None else self._process.pid
 
     @property
+    def sentinel(self) -> int | None:
+        """A descriptor that turns readable when the child exits, once started."""
+        return None if self._process is None else self._process.sentinel
+
+    @property
     def is_alive(self) -> bool:
         """Whether the child runs."""
         return self._process is not None and self._process.is_alive()

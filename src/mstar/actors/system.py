@@ -447,6 +447,16 @@ class ActorSystem:
             link.lose(PeerLostError(f"no actor system answered at {address} within {timeout} s"))
             raise PeerLostError(f"no actor system answered at {address} within {timeout} s") from None
 
+    def drop_link(self, address: str, error: Exception) -> None:
+        """Give up the link to the system at ``address`` now (its process is known dead).
+
+        Its pending asks fail with ``error`` at once instead of at the heartbeat timeout; a
+        later send to the address opens a fresh link.
+        """
+        link = self._routes.get(address)
+        if link is not None:
+            link.lose(error)
+
     def _register_link(self, link: PeerLink, hello: Hello) -> None:
         for address in hello.addresses:
             if address in self._own:

@@ -19,7 +19,8 @@ import gc
 import importlib.util
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -30,7 +31,7 @@ import structlog
 from mstar.actors import ActorRef, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess
 from mstar.engines.stateless import StatelessEngineConfig
-from mstar.errors import MStarError
+from mstar.errors import EngineClosedError, MStarError, PeerLostError, RequestAbortedError
 from mstar.messages import (
     ActorId,
     InitWorker,
@@ -70,8 +71,12 @@ class EngineConfig:
         loop: Event loop of worker processes, "uvloop" (the default where it is installed)
             or "asyncio".
         system: Actor-system settings (heartbeats, arena size).
-        watchdog_interval_s: How often worker processes are checked; a dead one fails the
-            requests that used it (`WorkerLostError`) and is restarted.
+        watchdog_interval_s: How often worker processes are checked (besides at once when
+            one exits); a dead one fails the requests that used it (`WorkerLostError`) and
+            is restarted.
+        restart_wait_s: How long a walk that needs a lost worker waits for its restart;
+            then it fails with `WorkerLostError` (and so do later ones, at once, until the
+            worker is back).
         cpu_threads: Torch threads of each rank's engine steps (default: the machine's
             cores shared evenly among the ranks, in worker processes or in this one; one
             rank in this process leaves torch's setting as it is). Oversubscribed OpenMP
@@ -98,6 +103,7 @@ class EngineConfig:
     # the watchdog at once, so links may wait longer before giving a peer up.
     system: SystemConfig = field(default_factory=lambda: SystemConfig(heartbeat_timeout_s=20.0))
     watchdog_interval_s: float = 0.25
+    restart_wait_s: float = 60.0
     cpu_threads: int | None = None
     freeze_gc: bool = False
     kv_cache_memory: int | float | None = None
@@ -135,11 +141,22 @@ class EngineStats:
             mixes walks counts in full under each of them).
         transport: Per process (`CONDUCTOR_PROCESS`, or ``rank<N>`` for a worker process),
             per transport kind: tensor bytes ``sent`` and ``received``.
+        missing_ranks: Ranks whose worker is lost or did not answer (no counters above).
     """
 
     nodes: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     walks: dict[int, dict[str, dict[str, WalkStepStats]]] = field(default_factory=dict)
     transport: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    missing_ranks: list[int] = field(default_factory=list)
+
+
+class _Pending:
+    """A request whose `generate` was called and not yet iterated (see `AsyncEngine.abort`)."""
+
+    __slots__ = ("__weakref__", "is_aborted")
+
+    def __init__(self) -> None:
+        self.is_aborted = False
 
 
 class AsyncEngine:
@@ -158,6 +175,10 @@ class AsyncEngine:
         self.spec: ModelSpec | None = None
         self._served = ""  # the ipc address worker processes reach the conductor at
         self.num_restarts = 0
+        self._lost: set[int] = set()  # ranks whose worker process died and is not back yet
+        self._exited = asyncio.Event()
+        self._sentinels: set[int] = set()
+        self._not_started: weakref.WeakValueDictionary[str, _Pending] = weakref.WeakValueDictionary()
         self._watchdog: asyncio.Task[None] | None = None
         self._is_closed = False
 
@@ -175,7 +196,8 @@ class AsyncEngine:
         Args:
             model: The model, or a `ModelSpec` to build it from (required for worker
                 processes, which rebuild the model themselves).
-            placement: A `Placement`, a placement YAML file, or None for everything on rank 0.
+            placement: A `Placement`, a placement YAML file, or None for the model's
+                `default_placement` (everything on rank 0 unless the model says otherwise).
             config: How to run.
 
         Raises:
@@ -186,7 +208,7 @@ class AsyncEngine:
         spec = model if isinstance(model, ModelSpec) else model.spec
         instance = model.build() if isinstance(model, ModelSpec) else model
         if placement is None:
-            placement = Placement.colocated(instance.graph())
+            placement = instance.default_placement() or Placement.colocated(instance.graph())
         elif not isinstance(placement, Placement):
             placement = Placement.from_yaml(placement)
         if config.worker_processes and spec is None:
@@ -215,14 +237,17 @@ class AsyncEngine:
             self.workers = {r: self.system.ref(worker_name(r), p.addresses[0]) for r, p in self.processes.items()}
         else:
             self.workers = {r: self.system.ref(worker_name(r)) for r in ranks}
+        wait_s = self.config.restart_wait_s
         self.conductor = await self.system.spawn(
-            lambda: Conductor(self.model, self.graph, self.resolved, self.workers), name=CONDUCTOR
+            lambda: Conductor(self.model, self.graph, self.resolved, self.workers, wait_s), name=CONDUCTOR
         )
         if not self.config.worker_processes:
             for rank in ranks:
                 await self.system.spawn(self._worker_factory(rank, self.conductor), name=worker_name(rank))
             return
         await asyncio.gather(*(self._init_worker(rank) for rank in ranks))
+        for rank in ranks:
+            self._watch_exit(rank)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="mstar-watchdog")
 
     def _make_process(self) -> SystemProcess:
@@ -245,17 +270,41 @@ class AsyncEngine:
         if not isinstance(ready, WorkerReady):
             raise MStarError(f"rank {rank} did not start: {ready!r}")
 
+    def _watch_exit(self, rank: int) -> None:
+        """Wake the watchdog as soon as the process of ``rank`` exits (its sentinel turns readable)."""
+        sentinel = self.processes[rank].sentinel
+        if sentinel is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(sentinel)
+            self._exited.set()
+
+        loop.add_reader(sentinel, exited)
+        self._sentinels.add(sentinel)
+
     async def _watch(self) -> None:
         """Restart dead worker processes; fail the requests that were using them."""
         while True:
-            await asyncio.sleep(self.config.watchdog_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.watchdog_interval_s):
+                    await self._exited.wait()
+            self._exited.clear()
             for rank, proc in list(self.processes.items()):
                 if proc.is_alive or self._is_closed:
                     continue
                 log.error("worker_lost", rank=rank, pid=proc.pid)
+                self._lost.add(rank)
                 assert self.conductor is not None
                 self.conductor.tell(WorkerLost(rank))
+                # Asks waiting on the dead process fail now, not at the heartbeat timeout.
+                for address in proc.addresses:
+                    self.system.drop_link(address, PeerLostError(f"the worker process of rank {rank} died"))
                 proc.kill()  # reap it
+                if proc.sentinel is not None and proc.sentinel in self._sentinels:
+                    self._sentinels.discard(proc.sentinel)
+                    asyncio.get_running_loop().remove_reader(proc.sentinel)
                 try:
                     await self._restart(rank)
                 except Exception:
@@ -264,14 +313,16 @@ class AsyncEngine:
     async def _restart(self, rank: int) -> None:
         proc = self.processes[rank] = self._make_process()
         await asyncio.to_thread(proc.start)
+        self._watch_exit(rank)
         ref = self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
         await self._init_worker(rank)
         update = UpdatePeer(rank, ActorId(ref.address, ref.name))
         assert self.conductor is not None
         self.conductor.tell(update)
         for other, peer in self.workers.items():
-            if other != rank:
+            if other != rank and other not in self._lost:
                 peer.tell(update)
+        self._lost.discard(rank)
         self.num_restarts += 1
         log.info("worker_restarted", rank=rank, pid=proc.pid)
 
@@ -292,6 +343,9 @@ class AsyncEngine:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
+        loop = asyncio.get_running_loop()
+        for sentinel in self._sentinels:
+            loop.remove_reader(sentinel)
         if self.conductor is not None:
             with contextlib.suppress(Exception):
                 await self.system.stop(self.conductor)
@@ -311,19 +365,32 @@ class AsyncEngine:
 
     # --- requests --------------------------------------------------------------------------
 
-    async def generate(self, request: Request) -> AsyncIterator[Output]:
+    def generate(self, request: Request) -> AsyncGenerator[Output, None]:
         """Run a request; yield its outputs as they are produced.
 
         Leaving the iteration early (break, cancel, a client that went away) aborts the
-        request and frees what it held.
+        request and frees what it held. An `abort` of the request's id before the first
+        iteration aborts it too.
 
         Raises:
             ValueError: The model rejected the request.
             WalkExecutionError: A node failed (names node, walk and request).
             RequestAbortedError: The request was aborted.
+            WorkerLostError: A worker the request used died.
         """
+        pending = _Pending()
+        if not self._is_closed:
+            # Held by the generator only: a generator dropped unstarted leaves nothing here.
+            self._not_started[request.request_id] = pending
+        return self._generate(request, pending)
+
+    async def _generate(self, request: Request, pending: _Pending) -> AsyncGenerator[Output, None]:
+        if self._not_started.get(request.request_id) is pending:
+            del self._not_started[request.request_id]
         if self._is_closed or self.conductor is None:
-            raise MStarError("the engine is shut down")
+            raise EngineClosedError("the engine is shut down")
+        if pending.is_aborted:
+            raise RequestAbortedError(f"request {request.request_id!r} was aborted")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.conductor.tell(Submit(request, queue))
         finished = False
@@ -342,14 +409,28 @@ class AsyncEngine:
                 self.conductor.tell(Abort(request.request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its `generate` raises `RequestAbortedError`."""
+        """Abort a request; its `generate` raises `RequestAbortedError`.
+
+        A request whose `generate` was called but not yet iterated is aborted as well.
+        """
+        pending = self._not_started.get(request_id)
+        if pending is not None:
+            pending.is_aborted = True
         if self.conductor is not None and not self._is_closed:
             self.conductor.tell(Abort(request_id))
 
+    def ranks_up(self) -> dict[int, bool]:
+        """Return, per rank, whether its worker serves now (False while a lost one restarts)."""
+        return {rank: rank not in self._lost for rank in self.placement.ranks}
+
     async def held_state(self) -> dict[str, dict[str, int]]:
-        """Ask the conductor and every worker what they hold for requests (zeros when idle)."""
+        """Ask the conductor and every live worker what they hold for requests (zeros when idle).
+
+        A lost worker (see `ranks_up`) holds nothing and is left out.
+        """
         assert self.conductor is not None
-        refs = {"conductor": self.conductor} | {f"rank{r}": ref for r, ref in self.workers.items()}
+        up = self.ranks_up()
+        refs = {"conductor": self.conductor} | {f"rank{r}": ref for r, ref in self.workers.items() if up[r]}
         out: dict[str, dict[str, int]] = {}
         for name, ref in refs.items():
             report = await ref.ask(StateQuery(), timeout=30.0)
@@ -361,12 +442,32 @@ class AsyncEngine:
         """Return each rank's per-node engine counters (steps, batched, step_seconds, KV blocks)."""
         return (await self.engine_stats()).nodes
 
-    async def engine_stats(self) -> EngineStats:
-        """Ask every worker for its counters; add the tensor bytes of this process's links."""
+    async def engine_stats(self, timeout: float = 5.0) -> EngineStats:
+        """Ask every worker for its counters; add the tensor bytes of this process's links.
+
+        A lost worker, or one that does not answer within ``timeout`` seconds, is listed in
+        `EngineStats.missing_ranks` instead: what is known is reported at once.
+        """
         out = EngineStats(transport={CONDUCTOR_PROCESS: self.system.transport_tally.snapshot()})
-        for rank, ref in self.workers.items():
-            report = await ref.ask(StatsQuery(), timeout=30.0)
+        up = self.ranks_up()
+
+        async def ask(rank: int, ref: ActorRef) -> StatsReport | None:
+            if not up[rank]:
+                return None
+            try:
+                report = await ref.ask(StatsQuery(), timeout=timeout)
+            except MStarError as exc:
+                log.warning("stats_unavailable", rank=rank, error=str(exc))
+                return None
             assert isinstance(report, StatsReport)
+            return report
+
+        ranks = list(self.workers)
+        reports = await asyncio.gather(*(ask(rank, self.workers[rank]) for rank in ranks))
+        for rank, report in zip(ranks, reports, strict=True):
+            if report is None:
+                out.missing_ranks.append(rank)
+                continue
             out.nodes[rank] = {node: dict(values) for node, values in report.stats.items()}
             out.walks[rank] = {node: dict(walks) for node, walks in report.walks.items()}
             if rank in self.processes:  # in-process workers share this process's links

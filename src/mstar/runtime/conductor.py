@@ -1,14 +1,29 @@
-"""The `Conductor` actor: runs `ConductorCore` and carries out its commands."""
+"""The `Conductor` actor: runs `ConductorCore` and carries out its commands.
+
+It also keeps walks away from lost workers. Between a worker's death (`WorkerLost`) and
+its restart (`UpdatePeer`), a walk that needs that rank is parked here, whole (every rank's
+share of it), and started once the rank is back; a rank that stays away for
+``restart_wait_s`` fails the walks parked for it, and later ones at once, with
+`WorkerLostError`, until it returns. Nothing is ever sent into a dead worker's socket,
+where it would wait forever.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mstar.actors import Actor, ActorRef
-from mstar.errors import MStarError, RequestAbortedError, WalkExecutionError, WorkerLostError
+from mstar.errors import (
+    DuplicateRequestError,
+    MStarError,
+    RequestAbortedError,
+    WalkExecutionError,
+    WorkerLostError,
+)
 from mstar.graph import Emission, ModelGraph
 from mstar.messages import (
     EmittedMsg,
@@ -33,7 +48,7 @@ from mstar.runtime.conductor_core import (
 from mstar.runtime.model import Model, Request
 from mstar.runtime.values import from_slots, from_wire, to_slots
 
-__all__ = ["END", "Abort", "Conductor", "Submit", "WorkerLost"]
+__all__ = ["END", "Abort", "Conductor", "RankWaitExpired", "Submit", "WorkerLost"]
 
 END = object()
 """Put on a request's output queue after its last output."""
@@ -64,15 +79,41 @@ class WorkerLost:
     rank: int
 
 
+@dataclass(frozen=True)
+class RankWaitExpired:
+    """Give up waiting for the restart of ``rank``'s worker (loss number ``epoch``); in-process only."""
+
+    rank: int
+    epoch: int
+
+
 class Conductor(Actor):
-    """Per-request walk state and stream routing for one model (see `ConductorCore`)."""
+    """Per-request walk state and stream routing for one model (see `ConductorCore`).
+
+    Args:
+        model: The model.
+        graph: Its graph.
+        placement: (node, walk) to the ranks that host it.
+        workers: Each rank's worker.
+        restart_wait_s: How long walks wait for a lost worker to come back.
+    """
 
     def __init__(
-        self, model: Model, graph: ModelGraph, placement: Mapping[tuple[str, str], tuple[int, ...]], workers: Mapping[int, ActorRef]
+        self,
+        model: Model,
+        graph: ModelGraph,
+        placement: Mapping[tuple[str, str], tuple[int, ...]],
+        workers: Mapping[int, ActorRef],
+        restart_wait_s: float = 60.0,
     ) -> None:
         self.core = ConductorCore(model, graph, placement)
         self.workers = dict(workers)
         self.queues: dict[str, asyncio.Queue[Any]] = {}
+        self.restart_wait_s = restart_wait_s
+        self.restarting: set[int] = set()  # lost ranks whose restart is awaited
+        self.gone: set[int] = set()  # lost ranks that did not come back in time
+        self.parked: dict[tuple[str, int], list[StartWalk]] = {}  # (request, walk seq) -> shares
+        self._losses: dict[int, int] = {}  # rank -> how often it was lost (tags its timer)
 
     # Outputs arrive once per token or chunk: an idle conductor hands them on at once.
     immediate_types = frozenset({EmittedMsg, StreamItemMsg})
@@ -97,23 +138,34 @@ class Conductor(Actor):
         elif isinstance(message, WalkFailedMsg):
             commands = core.walk_failed(message.request_id, message.walk_seq, _error_of(message))
         elif isinstance(message, Submit):
-            self.queues[message.request.request_id] = message.queue
+            request_id = message.request.request_id
+            if request_id in self.queues:
+                # Checked before anything is replaced: the running request keeps its stream.
+                message.queue.put_nowait(DuplicateRequestError(f"request id {request_id!r} is already running"))
+                return None
+            self.queues[request_id] = message.queue
             try:
                 commands = core.submit(message.request)
             except Exception as exc:
-                del self.queues[message.request.request_id]
+                del self.queues[request_id]
                 message.queue.put_nowait(exc)
                 return None
         elif isinstance(message, Abort):
             commands = core.abort(message.request_id)
         elif isinstance(message, WorkerLost):
-            error = WorkerLostError(f"the worker of rank {message.rank} died; it is being restarted")
-            commands = core.worker_lost(message.rank, error)
+            commands = self._worker_lost(message.rank)
         elif isinstance(message, UpdatePeer):
-            self.workers[message.rank] = self.system.ref(message.worker)
+            self._worker_back(message.rank, self.system.ref(message.worker))
             return None
+        elif isinstance(message, RankWaitExpired):
+            if message.rank not in self.restarting or self._losses.get(message.rank) != message.epoch:
+                return None
+            self.restarting.discard(message.rank)
+            self.gone.add(message.rank)
+            commands = core.worker_lost(message.rank, self._gone_error(message.rank))
         elif isinstance(message, StateQuery):
-            return StateReport({"requests": len(core.requests), "client_queues": len(self.queues)})
+            counts = {"requests": len(core.requests), "client_queues": len(self.queues), "parked_walks": len(self.parked)}
+            return StateReport(counts)
         else:
             raise TypeError(f"the conductor does not handle {type(message).__name__}")
         self._execute(commands)
@@ -122,20 +174,69 @@ class Conductor(Actor):
     def _execute(self, commands: list[Command]) -> None:
         for c in commands:
             if isinstance(c, StartWalk):
-                ref = self.workers[c.rank]
-                wire = ref.address != self.system.address
-                ref.tell(StartWalkMsg(c.request_id, c.walk_seq, c.walk, c.node_ranks, to_slots(c.initial, wire=wire)))
+                down = self._down_rank(c)
+                if down is None:
+                    self._send_walk(c)
+                elif down in self.gone:
+                    self._execute(self.core.worker_lost(down, self._gone_error(down)))
+                else:
+                    self.parked.setdefault((c.request_id, c.walk_seq), []).append(c)
             elif isinstance(c, Deliver):
                 queue = self.queues.get(c.output.request_id)
                 if queue is not None:
                     queue.put_nowait(c.output)
             elif isinstance(c, Release):
+                for key in [k for k in self.parked if k[0] == c.request_id and k[1] <= c.up_to_seq]:
+                    del self.parked[key]
                 for rank in c.ranks:
-                    self.workers[rank].tell(ReleaseRequest(c.request_id, c.up_to_seq))
+                    # A lost worker holds nothing any more, and its socket leads nowhere.
+                    if rank not in self.restarting and rank not in self.gone:
+                        self.workers[rank].tell(ReleaseRequest(c.request_id, c.up_to_seq))
             elif isinstance(c, Finish | Fail):
                 queue = self.queues.pop(c.request_id, None)
                 if queue is not None:
                     queue.put_nowait(END if isinstance(c, Finish) else c.error)
+
+    def _send_walk(self, c: StartWalk) -> None:
+        ref = self.workers[c.rank]
+        wire = ref.address != self.system.address
+        ref.tell(StartWalkMsg(c.request_id, c.walk_seq, c.walk, c.node_ranks, to_slots(c.initial, wire=wire)))
+
+    def _down_rank(self, c: StartWalk) -> int | None:
+        """Return a lost rank the walk needs (any rank's share of it may send values there)."""
+        for rank in c.node_ranks.values():
+            if rank in self.restarting or rank in self.gone:
+                return rank
+        return None
+
+    # --- lost workers ----------------------------------------------------------------------
+
+    def _worker_lost(self, rank: int) -> list[Command]:
+        epoch = self._losses[rank] = self._losses.get(rank, 0) + 1
+        self.gone.discard(rank)
+        self.restarting.add(rank)
+        asyncio.get_running_loop().call_later(self.restart_wait_s, self._expire, RankWaitExpired(rank, epoch))
+        error = WorkerLostError(f"the worker of rank {rank} died; it is being restarted")
+        return self.core.worker_lost(rank, error)
+
+    def _expire(self, message: RankWaitExpired) -> None:
+        if not self.system.is_closed:
+            with contextlib.suppress(MStarError):
+                self.ref.tell(message)
+
+    def _worker_back(self, rank: int, ref: ActorRef) -> None:
+        """Point at the rank's new worker; start the walks that waited for it."""
+        self.workers[rank] = ref
+        self.restarting.discard(rank)
+        self.gone.discard(rank)
+        for key, shares in list(self.parked.items()):
+            if self._down_rank(shares[0]) is None:
+                del self.parked[key]
+                for c in shares:
+                    self._send_walk(c)
+
+    def _gone_error(self, rank: int) -> WorkerLostError:
+        return WorkerLostError(f"the worker of rank {rank} died and did not come back within {self.restart_wait_s} s")
 
     async def on_stop(self) -> None:
         """Fail every request still running: the engine is shutting down."""

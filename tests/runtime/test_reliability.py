@@ -1,0 +1,101 @@
+"""No request left hanging: duplicate ids, early aborts, walks that wait for a lost worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerLostError
+from mstar.messages import ActorId, UpdatePeer
+from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
+from mstar.runtime.conductor import WorkerLost
+from tests.helpers import wait_until_idle
+
+TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
+
+
+async def start(steps: int, **config: float) -> AsyncEngine:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": steps})
+    return await AsyncEngine.start(spec, Placement.from_yaml(TWO_RANKS), EngineConfig(offload_steps=False, **config))  # type: ignore[arg-type]
+
+
+@pytest_asyncio.fixture
+async def endless() -> AsyncIterator[AsyncEngine]:
+    async with await start(10_000_000) as engine:
+        yield engine
+
+
+async def until(predicate: object, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await predicate():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def test_a_duplicate_id_is_refused_and_the_first_request_keeps_running(endless: AsyncEngine) -> None:
+    first = asyncio.ensure_future(endless.run(Request("loop", {}, "dup")))
+
+    async def running() -> bool:
+        return (await endless.held_state())["conductor"]["requests"] == 1
+
+    await until(running)
+    with pytest.raises(DuplicateRequestError, match="'dup' is already running"):
+        await endless.run(Request("loop", {}, "dup"))
+    assert not first.done()
+    # The first one still owns its stream: aborting it ends that stream (it did not lose it).
+    await endless.abort("dup")
+    with pytest.raises(RequestAbortedError):
+        await asyncio.wait_for(first, 5)
+    await wait_until_idle(endless)
+
+
+async def test_a_duplicate_id_does_not_cut_the_first_requests_outputs() -> None:
+    async with await start(3_000) as engine:
+        first = asyncio.ensure_future(engine.run(Request("loop", {}, "same")))
+        await asyncio.sleep(0)  # submitted
+        with pytest.raises(DuplicateRequestError):
+            await engine.run(Request("loop", {}, "same"))
+        outputs = await asyncio.wait_for(first, 10)
+        assert [o.data for o in outputs] == [3_000]
+
+
+async def test_an_abort_before_the_first_iteration_is_not_lost(endless: AsyncEngine) -> None:
+    outputs = endless.generate(Request("loop", {}, "early"))
+    await endless.abort("early")
+    with pytest.raises(RequestAbortedError, match="'early' was aborted"):
+        await asyncio.wait_for(anext(outputs), 5)
+    await wait_until_idle(endless)
+
+
+async def test_walks_for_a_lost_rank_wait_for_its_restart() -> None:
+    async with await start(50) as engine:
+        assert engine.conductor is not None
+        engine.conductor.tell(WorkerLost(1))
+        waiting = asyncio.ensure_future(engine.run(Request("loop", {})))
+
+        async def parked() -> bool:
+            return (await engine.held_state())["conductor"]["parked_walks"] == 1
+
+        await until(parked)
+        worker = engine.workers[1]
+        engine.conductor.tell(UpdatePeer(1, ActorId(worker.address, worker.name)))
+        outputs = await asyncio.wait_for(waiting, 10)
+        assert [o.data for o in outputs] == [50]
+        await wait_until_idle(engine)
+
+
+async def test_a_rank_that_does_not_come_back_fails_its_walks_then_fails_fast() -> None:
+    async with await start(50, restart_wait_s=0.2) as engine:
+        assert engine.conductor is not None
+        engine.conductor.tell(WorkerLost(1))
+        with pytest.raises(WorkerLostError, match=r"did not come back within 0\.2 s"):
+            await asyncio.wait_for(engine.run(Request("loop", {})), 5)
+        with pytest.raises(WorkerLostError, match="did not come back"):
+            await asyncio.wait_for(engine.run(Request("loop", {})), 1)
+        worker = engine.workers[1]
+        engine.conductor.tell(UpdatePeer(1, ActorId(worker.address, worker.name)))
+        outputs = await asyncio.wait_for(engine.run(Request("loop", {})), 10)
+        assert [o.data for o in outputs] == [50]
+        await wait_until_idle(engine)
