@@ -7,7 +7,6 @@ take turns, so a stream consumer fires while its producer is still looping.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,7 +17,7 @@ from mstar.errors import WalkDeadlockError, WalkExecutionError
 from mstar.graph.model_graph import ModelGraph
 from mstar.graph.nodes import EMIT, Edge, GraphEdge, GraphNode, StreamingGraphEdge
 from mstar.graph.walks import DynamicLoop, Loop, Parallel, Section, Sequential, iter_node_refs
-from mstar.streaming import Chunk, FixedChunkPolicy, StreamBuffer
+from mstar.streaming import StreamBuffer
 
 __all__ = ["Emission", "NodeFn", "WalkStateMachine", "accumulated_edges", "concat_values", "run_reference"]
 
@@ -94,17 +93,11 @@ class _Run:
         self.persistent: dict[Slot, Any] = {(n, k): v for n, vals in inputs.items() for k, v in vals.items()}
         self.emissions: list[Emission] = []
         self.buffers: dict[Slot, StreamBuffer[Any]] = {}
-        self.ready: dict[Slot, deque[Chunk[Any]]] = {}
-        self.continue_after_done: dict[Slot, bool] = {}
         for src in graph.nodes.values():
             for e in src.outputs:
                 if isinstance(e, StreamingGraphEdge) and (e.dst, e.name) not in self.buffers:
                     policy = graph.connection_for(src.name, e).policy
                     self.buffers[(e.dst, e.name)] = StreamBuffer(policy)
-                    self.ready[(e.dst, e.name)] = deque()
-                    self.continue_after_done[(e.dst, e.name)] = (
-                        isinstance(policy, FixedChunkPolicy) and policy.continue_after_done
-                    )
 
     # --- scheduling ------------------------------------------------------------------------
 
@@ -132,8 +125,8 @@ class _Run:
                 raise ValueError(f"walk state machine chose {walk!r}, which is not a walk of partition {part!r}")
             env = _Env({s: v for s, v in self.persistent.items() if self.graph.node_partition[s[0]] == part})
             for slot in self._stream_slots(walk):
-                while (chunk := self._next_chunk(slot)) is None:
-                    if self.buffers[slot].is_drained:
+                while (chunk := self.buffers[slot].next_chunk()) is None:
+                    if self.buffers[slot].is_over:
                         self._close_streams_from(part)
                         return  # the stream is over, and with it this partition
                     yield False
@@ -149,17 +142,6 @@ class _Run:
             for i in sorted(n.inputs)
             if (n.name, i) in self.buffers
         ]
-
-    def _next_chunk(self, slot: Slot) -> Chunk[Any] | None:
-        queue = self.ready[slot]
-        if not queue:
-            queue.extend(self.buffers[slot].pop_ready())
-        if queue:
-            return queue.popleft()
-        if self.buffers[slot].is_drained and self.continue_after_done[slot]:
-            n = self.buffers[slot].num_items
-            return Chunk((), n, 0, True)
-        return None
 
     def _close_streams_from(self, part: str) -> None:
         for src in self.graph.nodes.values():
@@ -286,7 +268,7 @@ def run_reference(
 
     A walk whose nodes take a streamed input fires once per chunk, waiting until one is
     ready; when its stream is over (the last chunk was consumed) its partition ends, unless
-    the connection's `FixedChunkPolicy` has ``continue_after_done``, in which case the walk
+    the connection's policy has ``continue_after_done``, in which case the walk
     gets an empty final chunk and the state machine decides when to stop.
 
     Raises:

@@ -10,9 +10,6 @@ from mstar.graph.nodes import EMIT, GraphEdge, GraphNode, StreamingGraphEdge
 from mstar.graph.walks import DynamicLoop, Loop, Parallel, Section, Sequential, iter_node_refs
 from mstar.streaming.policies import (
     ChunkPolicy,
-    FixedChunkPolicy,
-    LeftContextChunkPolicy,
-    SlidingWindowChunkPolicy,
 )
 
 __all__ = ["Connection", "ModelGraph"]
@@ -34,7 +31,7 @@ class Connection:
     policy: ChunkPolicy
 
     def __post_init__(self) -> None:
-        if not isinstance(self.policy, FixedChunkPolicy | SlidingWindowChunkPolicy | LeftContextChunkPolicy):
+        if not isinstance(self.policy, ChunkPolicy):
             raise GraphValidationError(
                 f"connection {self.src}->{self.dst} {self.name!r}: policy must be a chunk policy, "
                 f"got {self.policy!r}"

@@ -9,7 +9,6 @@ next walk; inside a walk the workers drive. Its semantics are the reference inte
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from mstar.errors import MStarError, RequestAbortedError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.model import Model, Output, Request
-from mstar.streaming import Chunk, FixedChunkPolicy, StreamBuffer
+from mstar.streaming import Chunk, StreamBuffer
 
 __all__ = [
     "Command",
@@ -100,7 +99,6 @@ class _Request:
     persistent: dict[Slot, Any]
     partitions: dict[str, _Partition]
     buffers: dict[Slot, StreamBuffer[Any]]
-    ready: dict[Slot, deque[Chunk[Any]]]
     ranks_used: set[int] = field(default_factory=set)
 
 
@@ -148,7 +146,6 @@ class ConductorCore:
             {(n, k): v for n, vals in prepared.inputs.items() for k, v in vals.items()},
             {p: _Partition() for p in self.graph.partitions},
             {slot: StreamBuffer(policy) for slot, policy in self._policies.items()},
-            {slot: deque() for slot in self._policies},
         )
         self._num_submitted += 1
         self.requests[req.request_id] = req
@@ -234,9 +231,9 @@ class ConductorCore:
         for slot in self._stream_slots[walk]:
             if slot in state.bound:
                 continue
-            chunk = self._next_chunk(req, slot)
+            chunk = req.buffers[slot].next_chunk()
             if chunk is None:
-                if req.buffers[slot].is_drained:
+                if req.buffers[slot].is_over:
                     self._end_partition(req, part, out)  # the stream is over, and with it the partition
                 return  # wait for the producer
             state.bound[slot] = chunk
@@ -265,17 +262,6 @@ class ConductorCore:
     def _next_seq(self, req: _Request) -> int:
         self._num_walks += 1
         return self._num_walks
-
-    def _next_chunk(self, req: _Request, slot: Slot) -> Chunk[Any] | None:
-        queue = req.ready[slot]
-        if not queue:
-            queue.extend(req.buffers[slot].pop_ready())
-        if queue:
-            return queue.popleft()
-        policy = self._policies[slot]
-        if req.buffers[slot].is_drained and isinstance(policy, FixedChunkPolicy) and policy.continue_after_done:
-            return Chunk((), req.buffers[slot].num_items, 0, True)
-        return None
 
     def _retry_waiting(self, req: _Request, part: str, out: list[Command]) -> None:
         state = req.partitions[part]

@@ -30,7 +30,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -43,6 +43,9 @@ from mstar.engines.kv_node import (
 from mstar.engines.paged_model import SupportsNarrowLogits, supports_narrow_logits
 from mstar.errors import ModelLoadError
 from mstar.graph import Emission, ModelGraph
+
+if TYPE_CHECKING:
+    from mstar.runtime.placement import Placement
 
 __all__ = [
     "EngineType",
@@ -171,6 +174,14 @@ class Model(ABC):
     def postprocess(self, request_id: str, emission: Emission) -> Output:
         """Turn an emitted value into a client output (default: as is)."""
         return Output(request_id, emission.modality, emission.name, emission.value, emission.node, emission.walk)
+
+    def default_placement(self) -> Placement | None:
+        """Return the placement used when none is given (default: None, every node on rank 0).
+
+        A model whose partitions should run side by side even on one device (each rank steps
+        on a thread of its own) says so here; a placement file still overrides it.
+        """
+        return None
 
 
 # --- capabilities beyond the base contract ---------------------------------------------------

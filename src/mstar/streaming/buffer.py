@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 from mstar.streaming.policies import ChunkPolicy
 
@@ -43,20 +44,67 @@ class Chunk(Generic[T]):
         return self.start + len(self.items)
 
 
+class _Buffered(Sequence[T]):
+    """The buffered items as a policy sees them: indexed by absolute stream position."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self, buffer: StreamBuffer[T]) -> None:
+        self._buffer = buffer
+
+    def __len__(self) -> int:
+        return self._buffer.num_items
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | Sequence[T]:
+        buf = self._buffer
+        if isinstance(index, slice):
+            start, stop, step = index.indices(buf.num_items)
+            if start < buf._base:
+                raise IndexError(f"stream positions before {buf._base} were already dropped")
+            return buf._items[start - buf._base : stop - buf._base : step]
+        if index < 0:
+            index += buf.num_items
+        if not buf._base <= index < buf.num_items:
+            raise IndexError(
+                f"stream position {index} is not buffered ({buf._base}..{buf.num_items})"
+            )
+        return buf._items[index - buf._base]
+
+
 class StreamBuffer(Generic[T]):
     """Collect items from a producer; hand out chunks as the policy allows.
 
     Pure and synchronous: ``put`` appends, ``close`` marks the producer done, ``pop_ready``
-    returns (and consumes) the chunks ready now. Items no future chunk can contain are
-    dropped, so memory stays bounded by the policy's window, not the stream length.
+    returns (and consumes) the chunks ready now, and ``next_chunk`` hands them out one at a
+    time, as a consumer walk takes them. Items no future chunk can contain are dropped, so
+    memory stays bounded by the policy's window, not the stream length.
     """
 
-    __slots__ = ("_base", "_closed", "_final_sent", "_items", "num_chunks", "num_delivered", "num_items", "policy")
+    __slots__ = (
+        "_base",
+        "_closed",
+        "_final_sent",
+        "_items",
+        "_ready",
+        "_view",
+        "num_chunks",
+        "num_delivered",
+        "num_items",
+        "policy",
+    )
 
     def __init__(self, policy: ChunkPolicy) -> None:
         self.policy = policy
         self._items: list[T] = []
         self._base = 0  # absolute index of self._items[0]
+        self._view = _Buffered(self)
+        self._ready: deque[Chunk[T]] = deque()
         self.num_items = 0
         self.num_delivered = 0
         self.num_chunks = 0
@@ -70,7 +118,9 @@ class StreamBuffer(Generic[T]):
             RuntimeError: If the buffer was already closed.
         """
         if self._closed:
-            raise RuntimeError("StreamBuffer.put after close(): the producer already signalled done")
+            raise RuntimeError(
+                "StreamBuffer.put after close(): the producer already signalled done"
+            )
         self._items.extend(items)
         self.num_items += len(items)
 
@@ -88,16 +138,50 @@ class StreamBuffer(Generic[T]):
         """Return whether the buffer is closed and its final chunk was handed out."""
         return self._final_sent
 
+    @property
+    def is_over(self) -> bool:
+        """Return whether no chunk will ever come: drained, unless the policy continues after done."""
+        return self._final_sent and not self._ready and not self.policy.continue_after_done
+
+    def next_chunk(self) -> Chunk[T] | None:
+        """Return the next chunk for one consumer firing, or None when none is ready yet.
+
+        Once the stream is drained, a policy with ``continue_after_done`` gets an empty final
+        chunk at every call; otherwise None, and `is_over` is true.
+        """
+        if not self._ready:
+            self._ready.extend(self.pop_ready())
+        if self._ready:
+            return self._ready.popleft()
+        if self._final_sent and self.policy.continue_after_done:
+            return Chunk((), self.num_items, 0, True)
+        return None
+
     def pop_ready(self) -> list[Chunk[T]]:
         """Return and consume the chunks ready now (possibly none)."""
-        chunks: list[Chunk[T]] = []
+        chunks: list[Chunk[T]] = list(self._ready)
+        self._ready.clear()
         policy = self.policy
-        while (window := policy.next_window(self.num_items, self.num_delivered, self.num_chunks)) is not None:
-            chunks.append(self._take(window[0], window[1], is_last=False))
+        while (
+            window := policy.next_window(self._view, self.num_delivered, self.num_chunks)
+        ) is not None:
+            start, end = window
+            if not self._base <= start <= self.num_delivered < end <= self.num_items:
+                raise ValueError(
+                    f"{policy} chose the window [{start}, {end}) of {self.num_items} buffered items "
+                    f"({self.num_delivered} delivered, positions before {self._base} dropped): a window "
+                    "must bring new buffered items and skip none"
+                )
+            chunks.append(self._take(start, end, is_last=False))
         if self._closed and not self._final_sent:
             start = policy.final_start(self.num_items, self.num_delivered)
             if self.num_delivered == self.num_items:
                 start = self.num_items  # nothing new: an end-of-stream marker
+            elif not self._base <= start <= self.num_delivered:
+                raise ValueError(
+                    f"{policy} chose the final start {start} ({self.num_delivered} delivered, "
+                    f"positions before {self._base} dropped): it must skip no item"
+                )
             chunks.append(self._take(start, self.num_items, is_last=True))
             self._final_sent = True
         if chunks:
@@ -124,5 +208,3 @@ class StreamBuffer(Generic[T]):
             f"StreamBuffer({self.policy}, items={self.num_items}, "
             f"delivered={self.num_delivered}, {state})"
         )
-
-

@@ -1,10 +1,18 @@
 """Chunk policies: when a stream consumer fires, and which items each chunk holds.
 
-A policy is a pure function of three counts: the items buffered so far (``num_items``), the
-items already delivered as new (``num_delivered``) and the chunks fired so far
-(``num_chunks``). It returns the absolute ``[start, end)`` window of the next chunk, or
-``None`` when no chunk is ready. Items of the window before ``num_delivered`` are left
-context (``context_len``); the rest are new.
+`ChunkPolicy` is an open protocol: any object with its three methods and its
+``continue_after_done`` attribute is a policy, and a model author may write one beside the
+model without touching the runtime (the assistant's sentence policy is one). The
+`StreamBuffer` asks the policy, and nothing else decides chunks.
+
+``next_window(items, num_delivered, num_chunks)`` sees the items buffered so far (``items``:
+indexed by absolute stream position, ``len(items)`` of them; positions before
+``retained_from(num_delivered)`` may be gone), the items already delivered as new
+(``num_delivered``) and the chunks fired so far (``num_chunks``). It returns the absolute
+``[start, end)`` window of the next chunk, or ``None`` when no chunk is ready; it must not
+go back (``end > num_delivered``) and must start no earlier than ``retained_from``. Items of
+the window before ``num_delivered`` are left context (``context_len``); the rest are new.
+The three policies below look only at counts; a policy may also look at the items.
 
     SlidingWindowChunkPolicy(window=4, stride=2), 9 items:
 
@@ -19,7 +27,9 @@ context (``context_len``); the rest are new.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "ChunkPolicy",
@@ -27,6 +37,36 @@ __all__ = [
     "LeftContextChunkPolicy",
     "SlidingWindowChunkPolicy",
 ]
+
+
+@runtime_checkable
+class ChunkPolicy(Protocol):
+    """When a stream's consumer fires and which items each chunk holds (see the module doc).
+
+    Attributes:
+        continue_after_done: Once the producer ended and every item was delivered, the
+            consumer's walks keep firing, each given an empty final chunk, and the model's
+            walk state machine decides when its partition stops.
+    """
+
+    @property
+    def continue_after_done(self) -> bool:
+        """Whether the consumer keeps firing after the stream is drained."""
+        ...
+
+    def next_window(
+        self, items: Sequence[Any], num_delivered: int, num_chunks: int
+    ) -> tuple[int, int] | None:
+        """Return the ``[start, end)`` window of the next chunk, or None when none is ready."""
+        ...
+
+    def final_start(self, num_items: int, num_delivered: int) -> int:
+        """Return where the final chunk (after the producer ended) starts."""
+        ...
+
+    def retained_from(self, num_delivered: int) -> int:
+        """Return the first position any later chunk may still hold (earlier ones are dropped)."""
+        ...
 
 
 def _require(ok: bool, message: str) -> None:
@@ -55,9 +95,11 @@ class FixedChunkPolicy:
     def __post_init__(self) -> None:
         _require(self.size >= 1, f"FixedChunkPolicy size must be >= 1, got {self.size}")
 
-    def next_window(self, num_items: int, num_delivered: int, num_chunks: int) -> tuple[int, int] | None:
+    def next_window(
+        self, items: Sequence[Any], num_delivered: int, num_chunks: int
+    ) -> tuple[int, int] | None:
         end = num_delivered + self.size
-        return (num_delivered, end) if end <= num_items else None
+        return (num_delivered, end) if end <= len(items) else None
 
     def final_start(self, num_items: int, num_delivered: int) -> int:
         return num_delivered
@@ -88,18 +130,23 @@ class SlidingWindowChunkPolicy:
 
     window: int
     stride: int
+    continue_after_done: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        _require(self.window >= 1, f"SlidingWindowChunkPolicy window must be >= 1, got {self.window}")
+        _require(
+            self.window >= 1, f"SlidingWindowChunkPolicy window must be >= 1, got {self.window}"
+        )
         _require(
             1 <= self.stride <= self.window,
             f"SlidingWindowChunkPolicy stride must be in [1, window={self.window}], got {self.stride}",
         )
 
-    def next_window(self, num_items: int, num_delivered: int, num_chunks: int) -> tuple[int, int] | None:
+    def next_window(
+        self, items: Sequence[Any], num_delivered: int, num_chunks: int
+    ) -> tuple[int, int] | None:
         start = num_chunks * self.stride
         end = start + self.window
-        return (start, end) if end <= num_items else None
+        return (start, end) if end <= len(items) else None
 
     def final_start(self, num_items: int, num_delivered: int) -> int:
         return num_items - min(self.window, num_items)
@@ -128,6 +175,7 @@ class LeftContextChunkPolicy:
 
     chunk: int
     left_context: int
+    continue_after_done: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _require(self.chunk >= 1, f"LeftContextChunkPolicy chunk must be >= 1, got {self.chunk}")
@@ -136,9 +184,11 @@ class LeftContextChunkPolicy:
             f"LeftContextChunkPolicy left_context must be >= 0, got {self.left_context}",
         )
 
-    def next_window(self, num_items: int, num_delivered: int, num_chunks: int) -> tuple[int, int] | None:
+    def next_window(
+        self, items: Sequence[Any], num_delivered: int, num_chunks: int
+    ) -> tuple[int, int] | None:
         end = num_delivered + self.chunk
-        if end > num_items:
+        if end > len(items):
             return None
         return (max(0, num_delivered - self.left_context), end)
 
@@ -150,7 +200,3 @@ class LeftContextChunkPolicy:
 
     def __str__(self) -> str:
         return f"LeftContextChunkPolicy(chunk={self.chunk}, left_context={self.left_context})"
-
-
-ChunkPolicy = FixedChunkPolicy | SlidingWindowChunkPolicy | LeftContextChunkPolicy
-"""Any of the chunk policies; each has ``next_window``, ``final_start`` and ``retained_from``."""

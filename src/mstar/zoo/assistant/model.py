@@ -1,0 +1,220 @@
+"""`assistant`: SmolLM2 writes the answer, a Piper voice speaks it while it is being written.
+
+Partition ``LLM`` (KV cache): SmolLM2-135M-Instruct's ``prefill`` and ``decode`` walks, as
+the ``llama`` model runs them; every sampled token is emitted as text and streams to
+partition ``Voice`` through `SentenceChunkPolicy`, which fires on sentence (or clause)
+boundaries of the token stream. Walk ``speak`` (stateless engine) detokenizes each chunk and
+emits its 22,050 Hz speech. By default the partitions sit on ranks 0 and 1, so the voice
+speaks one sentence while the LLM writes the next.
+
+Request: ``Request("generate", {"text": str} | {"messages": [...]} | {"prompt_token_ids":
+[...]}, plus sampling keys (max_tokens, temperature, top_p, top_k, repetition_penalty, seed)
+and ``modalities``: ["text", "audio"] (default) or ["text"] (the voice does not run)})``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mstar.graph import (
+    EMIT,
+    Connection,
+    DynamicLoop,
+    GraphEdge,
+    GraphNode,
+    ModelGraph,
+    StreamingGraphEdge,
+)
+from mstar.runtime.model import (
+    EngineType,
+    Model,
+    PreparedRequest,
+    Request,
+    SupportsAudioOutput,
+    SupportsTextOutput,
+)
+from mstar.runtime.placement import NodeGroup, Placement
+from mstar.streaming import Chunk
+from mstar.zoo.assistant.sentences import SentenceChunkPolicy
+from mstar.zoo.assistant.voice import PiperSpeaker, VoiceSettings
+from mstar.zoo.llm import TextLLM
+
+__all__ = ["AssistantModel", "VoiceNode", "make_assistant_graph"]
+
+SYSTEM_PROMPT = "You are a helpful assistant. Answer in a few short, clear sentences."
+_MODALITIES = ("text", "audio")
+
+
+def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
+    """Return the assistant's graph: the LLM's tokens emitted as text and streamed to the voice."""
+    llm = GraphNode(
+        "llm",
+        {"history", "params"},
+        [
+            GraphEdge("llm", "history", persist=True),
+            GraphEdge(EMIT, "tokens", modality="text"),
+            StreamingGraphEdge("voice", "tokens"),
+        ],
+        signals={"stop"},
+    )
+    voice = GraphNode("voice", {"tokens"}, [GraphEdge(EMIT, "audio", modality="audio")])
+    return ModelGraph(
+        name="assistant",
+        walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "speak": voice},
+        partitions={"LLM": ["prefill", "decode"], "Voice": ["speak"]},
+        connections=[Connection("LLM", "Voice", "tokens", policy)],
+        inputs={"llm": {"history", "params"}},
+    )
+
+
+class VoiceNode:
+    """The ``voice`` node: speak each request's chunk of tokens (one after another)."""
+
+    def __init__(self, tokenizer: Any, speaker: PiperSpeaker) -> None:
+        self.tokenizer, self.speaker = tokenizer, speaker
+
+    def text(self, chunk: Chunk[Any]) -> str:
+        """Return the text of a chunk's new tokens (special tokens dropped)."""
+        ids = [int(t) for t in chunk.new_items]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True)) if ids else ""
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Return each chunk's samples; a chunk that cannot be spoken fails its request alone."""
+        return [
+            {"audio": torch.from_numpy(self.speaker.speak(self.text(x["tokens"])))} for x in batch
+        ]
+
+
+class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
+    """SmolLM2-135M-Instruct answering through a Piper voice.
+
+    Args:
+        system_prompt: The system message put before a conversation that has none.
+        max_tokens: Default answer length.
+        chunk_max_tokens: Most tokens the voice waits for before it speaks a clause.
+        noise_scale, noise_w_scale, length_scale: Voice settings (None: the voice's own);
+            0 and 0 make speech a pure function of the text.
+        voice_threads: onnxruntime threads of the voice.
+        colocated: Put both partitions on rank 0 (default: voice on rank 1, side by side).
+        engine_config: `KVCacheEngineConfig` fields for the LLM.
+    """
+
+    def __init__(
+        self,
+        *,
+        system_prompt: str = SYSTEM_PROMPT,
+        max_tokens: int = 160,
+        chunk_max_tokens: int = 48,
+        noise_scale: float | None = None,
+        noise_w_scale: float | None = None,
+        length_scale: float | None = None,
+        voice_threads: int = 1,
+        colocated: bool = False,
+        engine_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        from mstar.zoo.smollm2 import smollm2_checkpoint_dir
+
+        self.name = "assistant"
+        self.llm = TextLLM(
+            smollm2_checkpoint_dir(),
+            name="assistant",
+            engine_config={"max_model_len": 2048, **dict(engine_config or {})},
+        )
+        self.tokenizer = self.llm.tokenizer
+        self.system_prompt, self.max_tokens, self.colocated = system_prompt, max_tokens, colocated
+        self.voice_settings = VoiceSettings(noise_scale, noise_w_scale, length_scale, voice_threads)
+        self.policy = SentenceChunkPolicy.for_tokenizer(self.tokenizer, max_tokens=chunk_max_tokens)
+        self._graph = make_assistant_graph(self.policy)
+        self.audio_sample_rate = _voice_sample_rate()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Return SmolLM2's end-of-turn ids."""
+        return self.llm.eos_token_ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Return the text of ``token_ids``."""
+        return self.llm.detokenize(token_ids)
+
+    def graph(self) -> ModelGraph:
+        """Return the LLM -> voice graph."""
+        return self._graph
+
+    def engine_types(self) -> dict[str, EngineType]:
+        """Return KV_CACHE for the LLM, STATELESS for the voice."""
+        return {"llm": EngineType.KV_CACHE, "voice": EngineType.STATELESS}
+
+    def tasks(self) -> tuple[str, ...]:
+        """Return the one task (text routes call it ``generate``)."""
+        return ("generate",)
+
+    def default_placement(self) -> Placement | None:
+        """Put the voice on rank 1 (its own step thread), unless ``colocated``."""
+        if self.colocated:
+            return None
+        return Placement((NodeGroup(["llm"], [0]), NodeGroup(["voice"], [1])), self._graph.name)
+
+    def submodule(self, node: str, device: torch.device) -> Any:
+        """Load SmolLM2 or the voice."""
+        if node == "llm":
+            return self.llm.submodule("llm", device)
+        if node == "voice":
+            return VoiceNode(self.tokenizer, PiperSpeaker(settings=self.voice_settings))
+        raise KeyError(node)
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        """Put the question in a conversation with the system prompt; tokenize it with the chat template."""
+        if request.task != "generate":
+            raise ValueError(f"task must be 'generate', got {request.task!r}")
+        data = dict(request.data)
+        modalities = data.pop("modalities", None) or list(_MODALITIES)
+        if (
+            not isinstance(modalities, list | tuple)
+            or "text" not in modalities
+            or any(m not in _MODALITIES for m in modalities)
+        ):
+            raise ValueError(
+                f"modalities must be ['text'] or ['text', 'audio'], got {modalities!r}"
+            )
+        for key in ("text", "prompt"):
+            if key in data:
+                question = data.pop(key)
+                if not isinstance(question, str) or not question.strip():
+                    raise ValueError(f"{key} must be a non-empty string")
+                data["messages"] = [{"role": "user", "content": question}]
+        messages = data.get("messages")
+        if (
+            isinstance(messages, list)
+            and self.system_prompt
+            and not any(isinstance(m, Mapping) and m.get("role") == "system" for m in messages)
+        ):
+            data["messages"] = [{"role": "system", "content": self.system_prompt}, *messages]
+        # SmolLM2's recommended sampling, unless the request says otherwise.
+        for key, value in (("max_tokens", self.max_tokens), ("temperature", 0.2), ("top_p", 0.9)):
+            data.setdefault(key, value)
+        prepared = self.llm.preprocess(Request("generate", data, request.request_id))
+        return PreparedRequest(prepared.inputs, state="audio" in modalities)
+
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        """LLM: prefill; Voice: speak, when audio was asked for."""
+        if partition == "LLM":
+            return "prefill"
+        return "speak" if state else None
+
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        """LLM: decode after prefill, then done; Voice: one walk per chunk until the stream ends."""
+        if partition == "LLM":
+            return "decode" if finished == "prefill" else None
+        return "speak"
+
+
+def _voice_sample_rate() -> int:
+    import json
+
+    from mstar.zoo.assistant.voice import default_voice_paths
+
+    _, config_path = default_voice_paths()
+    return int(json.loads(config_path.read_text(encoding="utf-8"))["audio"]["sample_rate"])
