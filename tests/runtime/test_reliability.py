@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,6 +13,8 @@ from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerLostE
 from mstar.messages import ActorId, UpdatePeer
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
+from mstar.runtime.model import PreparedRequest
+from mstar.zoo.noop import NoopLoopModel
 from tests.helpers import wait_until_idle
 
 TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
@@ -99,3 +102,30 @@ async def test_a_rank_that_does_not_come_back_fails_its_walks_then_fails_fast() 
         outputs = await asyncio.wait_for(engine.run(Request("loop", {})), 10)
         assert [o.data for o in outputs] == [50]
         await wait_until_idle(engine)
+
+
+class SlowPreprocess(NoopLoopModel):
+    """Takes a while to prepare each request (as tokenizing a very long text does)."""
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        time.sleep(float(request.data.get("prep_s", 0.0)))
+        return super().preprocess(request)
+
+
+async def test_preprocessing_runs_off_the_event_loop() -> None:
+    async with await AsyncEngine.start(SlowPreprocess(steps=5), config=EngineConfig(offload_steps=False)) as engine:
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        outputs = await asyncio.wait_for(engine.run(Request("loop", {"prep_s": 1.5})), 10)
+        ticker.cancel()
+        assert [o.data for o in outputs] == [5]
+        assert max(gaps) < 0.75, f"the loop stalled for {max(gaps):.2f} s"  # rather than 1.5 s

@@ -21,6 +21,7 @@ import json
 import os
 import weakref
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -178,6 +179,7 @@ class AsyncEngine:
         self._lost: set[int] = set()  # ranks whose worker process died and is not back yet
         self._exited = asyncio.Event()
         self._sentinels: set[int] = set()
+        self._preprocessing = ThreadPoolExecutor(2, thread_name_prefix="mstar-preprocess")
         self._not_started: weakref.WeakValueDictionary[str, _Pending] = weakref.WeakValueDictionary()
         self._watchdog: asyncio.Task[None] | None = None
         self._is_closed = False
@@ -356,6 +358,7 @@ class AsyncEngine:
         for proc in self.processes.values():
             await asyncio.to_thread(proc.stop)
         await self.system.__aexit__(None, None, None)
+        self._preprocessing.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self) -> Self:
         return self
@@ -385,14 +388,22 @@ class AsyncEngine:
         return self._generate(request, pending)
 
     async def _generate(self, request: Request, pending: _Pending) -> AsyncGenerator[Output, None]:
-        if self._not_started.get(request.request_id) is pending:
-            del self._not_started[request.request_id]
-        if self._is_closed or self.conductor is None:
-            raise EngineClosedError("the engine is shut down")
-        if pending.is_aborted:
-            raise RequestAbortedError(f"request {request.request_id!r} was aborted")
+        try:
+            if self._is_closed or self.conductor is None:
+                raise EngineClosedError("the engine is shut down")
+            if pending.is_aborted:
+                raise RequestAbortedError(f"request {request.request_id!r} was aborted")
+            # Preprocessing (tokenizing a long text, decoding images) can take seconds: off
+            # the event loop, which serves every other request meanwhile.
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._preprocessing, self.model.preprocess, request)
+            if pending.is_aborted or self._is_closed:
+                raise RequestAbortedError(f"request {request.request_id!r} was aborted")
+        finally:
+            if self._not_started.get(request.request_id) is pending:
+                del self._not_started[request.request_id]
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.conductor.tell(Submit(request, queue))
+        self.conductor.tell(Submit(request, queue, prepared))
         finished = False
         try:
             while True:

@@ -45,7 +45,7 @@ from mstar.runtime.conductor_core import (
     Release,
     StartWalk,
 )
-from mstar.runtime.model import Model, Request
+from mstar.runtime.model import Model, PreparedRequest, Request
 from mstar.runtime.values import from_slots, from_wire, to_slots
 
 __all__ = ["END", "Abort", "Conductor", "RankWaitExpired", "Submit", "WorkerLost"]
@@ -59,10 +59,12 @@ class Submit:
     """Start a request; its outputs, then `END` or an exception, go to ``queue``.
 
     In-process only: the conductor lives in the process of the engine that submits.
+    ``prepared`` is the model's preprocessing of it, when the engine did that already.
     """
 
     request: Request
     queue: asyncio.Queue[Any]
+    prepared: PreparedRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class Conductor(Actor):
                 return None
             self.queues[request_id] = message.queue
             try:
-                commands = core.submit(message.request)
+                commands = core.submit(message.request, message.prepared)
             except Exception as exc:
                 del self.queues[request_id]
                 message.queue.put_nowait(exc)

@@ -15,7 +15,7 @@ from typing import Any
 
 from mstar.errors import MStarError, RequestAbortedError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
-from mstar.runtime.model import Model, Output, Request
+from mstar.runtime.model import Model, Output, PreparedRequest, Request
 from mstar.streaming import Chunk, StreamBuffer
 
 __all__ = [
@@ -130,15 +130,16 @@ class ConductorCore:
 
     # --- events ----------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> list[Command]:
-        """Start a request: preprocess it and start each partition's first walk.
+    def submit(self, request: Request, prepared: PreparedRequest | None = None) -> list[Command]:
+        """Start a request: preprocess it (unless ``prepared``) and start each partition's first walk.
 
         Raises:
             ValueError: The model rejected the request, or its id is already running.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        prepared = self.model.preprocess(request)
+        if prepared is None:
+            prepared = self.model.preprocess(request)
         req = _Request(
             request.request_id,
             self._num_submitted,

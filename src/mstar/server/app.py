@@ -111,17 +111,25 @@ def make_app(
 def _add_operational_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(http: HttpRequest) -> Response:
-        """Answer 200 while the engine serves."""
+        """Answer 200 while the engine serves; 503 while it starts, stops, or misses a worker."""
         state: ServerState | None = getattr(http.app.state, "server", None)
         if state is None or state.engine.conductor is None:
             return JSONResponse({"status": "starting"}, status_code=503)
+        if state.is_draining:
+            return JSONResponse({"status": "stopping", "model": state.name}, status_code=503)
+        down = [rank for rank, is_up in state.engine.ranks_up().items() if not is_up]
+        if down:
+            return JSONResponse({"status": "degraded", "model": state.name, "ranks_down": down}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.name})
 
     @app.get("/metrics")
     async def metrics(http: HttpRequest) -> Response:
-        """Return the Prometheus metrics."""
+        """Return the Prometheus metrics (a lost worker is reported, not waited for)."""
         state: ServerState = http.app.state.server
-        state.metrics.set_engine_stats(await state.engine.engine_stats())
+        stats = await state.engine.engine_stats()
+        ranks_up = state.engine.ranks_up()
+        state.metrics.set_ranks_up({rank: is_up and rank not in stats.missing_ranks for rank, is_up in ranks_up.items()})
+        state.metrics.set_engine_stats(stats)
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

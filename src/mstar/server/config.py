@@ -33,6 +33,8 @@ class ServerConfig:
         served_model_name: The model name clients send (default: the name the model was
             served under).
         max_body_bytes: Largest request body accepted (larger ones get 413).
+        max_text_chars: Longest text (`text`, `prompt`) a native `/generate` request may
+            carry (longer ones get 400), as `/v1/audio/speech` caps its `input`.
         admission: Running and waiting limits (beyond them, 503 with Retry-After).
         graceful_shutdown_s: How long shutdown waits for open connections.
     """
@@ -42,6 +44,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     served_model_name: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    max_text_chars: int = 16_384
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     graceful_shutdown_s: float = 10.0
 
@@ -50,6 +53,8 @@ class ServerConfig:
             raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:
             raise ServerConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_text_chars < 1:
+            raise ServerConfigError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
         if self.api_key is not None and not self.api_key.strip():
             raise ServerConfigError("the API key is empty: pass a non-empty --api-key")
         if not is_loopback(self.host) and self.api_key is None:

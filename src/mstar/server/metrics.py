@@ -16,6 +16,7 @@ Families (every one labelled with `model`):
 | `mstar_generated_tokens_total` | counter | text tokens produced |
 | `mstar_generated_audio_seconds_total` | counter | seconds of audio produced |
 | `mstar_generated_images_total` | counter | images produced |
+| `mstar_rank_up{rank}` | gauge | 1 while the rank's worker serves, 0 while it is lost (restarting) or did not answer the scrape; its engine families then keep their last values |
 | `mstar_engine_steps{rank, node}` | gauge | engine steps run (cumulative) |
 | `mstar_engine_step_seconds{rank, node}` | gauge | seconds in engine steps (cumulative) |
 | `mstar_engine_phase_seconds{rank, node, phase}` | gauge | seconds in one phase of the steps (cumulative), for engines that time them: KV-cache nodes' `schedule`, `prepare`, `forward` (the model), `logits` (LM head and sampling), `update` |
@@ -25,7 +26,8 @@ Families (every one labelled with `model`):
 | `mstar_engine_walk_inputs_total{rank, node, walk}` | counter | inputs of a walk run in engine steps |
 | `mstar_transport_tensor_bytes_total{process, transport, direction}` | counter | tensor bytes that crossed between processes, by how (`ipc`/`tcp` frames, `shm` arena slots, `cuda_ipc` handles), `sent` or `received`; `process` is `conductor` (the server's own) or `rank<N>` (a worker process). In-process handoffs pass tensors by reference and count nothing |
 
-Engine and transport families are read from the workers at each scrape (`AsyncEngine.engine_stats`).
+Engine and transport families are read from the workers at each scrape (`AsyncEngine.engine_stats`);
+a lost worker is not waited for.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class ServerMetrics:
         self.audio_seconds = Counter("mstar_generated_audio_seconds", "Seconds of audio produced.", m, registry=r)
         self.images = Counter("mstar_generated_images", "Images produced.", m, registry=r)
 
+        self.rank_up = Gauge(
+            "mstar_rank_up", "Whether the worker of a rank serves (1) or is lost or silent (0).", (*m, "rank"), registry=r
+        )
         e = (*m, "rank", "node")
         self.engine_steps = Gauge("mstar_engine_steps", "Engine steps run, per node (cumulative).", e, registry=r)
         self.engine_step_seconds = Gauge(
@@ -114,8 +119,22 @@ class ServerMetrics:
         self._engine_families = _EngineFamilies(model)
         r.register(self._engine_families)
 
+    def set_ranks_up(self, ranks_up: dict[int, bool]) -> None:
+        """Publish which ranks' workers serve."""
+        for rank, is_up in ranks_up.items():
+            self.rank_up.labels(self.model, str(rank)).set(1.0 if is_up else 0.0)
+
     def set_engine_stats(self, stats: EngineStats) -> None:
-        """Publish the engines' and links' counters (from `AsyncEngine.engine_stats`), read at each scrape."""
+        """Publish the engines' and links' counters (from `AsyncEngine.engine_stats`), read at each scrape.
+
+        Ranks missing from ``stats`` keep the counters of their last answer.
+        """
+        previous = self._engine_families.stats
+        for rank in stats.missing_ranks:
+            if rank in previous.walks:
+                stats.walks.setdefault(rank, previous.walks[rank])
+            if f"rank{rank}" in previous.transport:
+                stats.transport.setdefault(f"rank{rank}", previous.transport[f"rank{rank}"])
         self._engine_families.stats = stats
         for rank, nodes in stats.nodes.items():
             for node, values in nodes.items():

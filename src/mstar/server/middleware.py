@@ -81,7 +81,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str] = ("/health", "/healthz", "/metrics")) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,7 +90,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self._expected):
+        scheme, _, key = given.partition(b" ")
+        # The scheme is case-insensitive (RFC 9110 §11.1); the key is compared in constant time.
+        is_bearer = scheme.lower() == b"bearer"
+        if not (secrets.compare_digest(key.strip(), self._expected) and is_bearer):
             log.warning("unauthorized", path=scope["path"])
             await _send_error(
                 send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",

@@ -9,6 +9,9 @@ Response (``application/x-ndjson``), one object per line (see `output_line`), in
 produced; then ``{"usage": {"completion_tokens": n}, "finished": true}``; or, if the request
 fails after the first line, ``{"error": {...}}``. With ``"stream": false`` the same lines
 arrive in one body when the request ends.
+
+A `text` or `prompt` longer than `ServerConfig.max_text_chars` (16,384 by default) is
+refused with 400 naming the field.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ log = structlog.get_logger(__name__)
 router = APIRouter()
 
 NDJSON = "application/x-ndjson"
+# Request data fields holding text for the model (capped by `ServerConfig.max_text_chars`).
+_TEXT_FIELDS = frozenset({"text", "prompt"})
 
 
 def _task(state: ServerState, body: GenerateRequest) -> str:
@@ -76,12 +81,25 @@ async def _lines(stream: RequestStream, state: ServerState, with_audio: bool) ->
         yield ndjson(error_body(str(exc), kind))
 
 
+def _check_text(body: GenerateRequest, limit: int) -> None:
+    """Refuse a text longer than ``limit`` characters, naming the field it came in."""
+    data = body.data
+    inner = data if isinstance(data, dict) else (data.model_extra or {})
+    fields = [(f"data.{k}", v) for k, v in inner.items()] + list((body.model_extra or {}).items())
+    for name, value in fields:
+        if name.rpartition(".")[2] in _TEXT_FIELDS and isinstance(value, str) and len(value) > limit:
+            raise APIRequestError(
+                f"{name} is {len(value)} characters long; at most {limit} are accepted", param=name, code="text_too_long"
+            )
+
+
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HttpRequest) -> Response:
     """Run any task; stream its outputs as NDJSON."""
     state: ServerState = http.app.state.server
     state.check_model(body.model)
     task = _task(state, body)
+    _check_text(body, state.config.max_text_chars)
     data: dict[str, Any] = body.request_data()
     if task != "generate" and "prompt" in data and "text" not in data:
         data["text"] = data.pop("prompt")

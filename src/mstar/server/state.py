@@ -32,6 +32,8 @@ class ServerState:
         admission: Running and waiting slots.
         metrics: Prometheus families.
         created: Unix time the model was loaded.
+        is_draining: The server is shutting down: new requests get 503, running ones may
+            finish within the grace period.
     """
 
     engine: AsyncEngine
@@ -40,6 +42,8 @@ class ServerState:
     admission: AdmissionQueue
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    _max_seq_len: int | None = field(default=None, init=False, repr=False)
+    is_draining: bool = False
 
     @property
     def model(self) -> Model:
@@ -76,6 +80,18 @@ class ServerState:
         """Return the model's tokenizer if the server can turn its token ids into text, or None."""
         text_model = self.text_model
         return None if text_model is None else text_model.tokenizer
+
+    async def max_seq_len(self) -> int | None:
+        """Return the longest sequence (prompt and generated tokens) every KV cache of the model takes.
+
+        Asked of the engines once (their `max_model_len`, or a smaller cache); None when the
+        model has no KV-cache node.
+        """
+        if self._max_seq_len is None:
+            stats = await self.engine.engine_stats()
+            limits = [int(v["max_seq_len"]) for nodes in stats.nodes.values() for v in nodes.values() if "max_seq_len" in v]
+            self._max_seq_len = min(limits, default=0)
+        return self._max_seq_len or None
 
     def check_model(self, name: str | None) -> None:
         """Check the `model` field of a request.
