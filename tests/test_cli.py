@@ -14,7 +14,7 @@ from mstar.cli import main
 
 def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo.wav"
-    assert main(["demo", "--text", "hi", "--out", str(out)]) == 0
+    assert main(["demo", "--model", "toy-composite", "--text", "hi", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "model toy-composite" in text
     assert "partition Vocoder" in text

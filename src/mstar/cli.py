@@ -11,9 +11,11 @@ __all__ = ["main"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from mstar.demo import run_demo
+    from mstar.demo import QUESTION, run_assistant_demo, run_demo
 
-    return run_demo(text=args.text, out=args.out, seed=args.seed)
+    if args.model == "assistant":
+        return run_assistant_demo(args.text or QUESTION, args.out or Path("answer.wav"))
+    return run_demo(text=args.text or "Hello from mstar!", out=args.out, seed=args.seed)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -31,10 +33,19 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="build a composite example model, print its graph, run requests")
-    demo.add_argument("--text", default="Hello from mstar!", help="the request's input text")
-    demo.add_argument("--out", type=Path, default=None, help="write the spoken audio to this WAV file")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    demo = sub.add_parser("demo", help="serve a composite model and ask it something (default: the spoken assistant)")
+    demo.add_argument(
+        "--model",
+        choices=("assistant", "toy-composite"),
+        default="assistant",
+        help="assistant: ask SmolLM2 + a Piper voice a question over HTTP; toy-composite: the toy "
+        "graph checked against the reference interpreter, then orpheus-tiny",
+    )
+    demo.add_argument("--text", default=None, help="the question (assistant) or the input text (toy-composite)")
+    demo.add_argument(
+        "--out", type=Path, default=None, help="write the spoken audio to this WAV file (assistant: answer.wav)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the toy's random weights")
     demo.set_defaults(func=_cmd_demo)
 
     from mstar.bench.cli import add_bench_arguments, bench_command

@@ -1,5 +1,12 @@
 """The demo behind `mstar demo`: composite models declared as graphs, served end to end.
 
+The default, `assistant`: starts `mstar serve assistant` (SmolLM2-135M-Instruct streaming its
+answer, a sentence at a time, to a Piper voice), asks it a question through the official
+`openai` client with ``modalities=["text", "audio"]``, prints the answer as it streams and
+writes the spoken answer to a WAV file.
+
+``--model toy-composite`` instead:
+
 1. `toy-composite`: prints its text IR, serves one request per task through `AsyncEngine`
    (conductor and worker actors; nodes spread over two worker ranks), streams the outputs
    and checks them against the reference interpreter.
@@ -11,9 +18,17 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
 import wave
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,7 +37,11 @@ from mstar.graph import run_reference
 from mstar.runtime import AsyncEngine, Output, Placement, Request
 from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
 
-__all__ = ["run_demo"]
+__all__ = ["run_assistant_demo", "run_demo"]
+
+DEMO_MODELS = ("assistant", "toy-composite")
+QUESTION = "What is the capital of France, and what is it famous for?"
+_STARTUP_TIMEOUT_S = 600.0  # the first start converts SmolLM2's GGUF file (tens of seconds)
 
 PLACEMENT = """
 node_groups:
@@ -109,6 +128,104 @@ async def _speak(text: str, out: Path | None, seed: int) -> int:
         _write_wav(out, audio, sample_rate)
         print(f"    wrote {out} (random weights: it sounds like noise, by design)")
     return 0
+
+
+@contextlib.contextmanager
+def _served(model: str) -> Iterator[str]:
+    """Run `mstar serve MODEL` on a free port; yield its URL once it answers /health."""
+    import httpx
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "mstar.cli", "serve", model, "--port", "0", "--log-format", "json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    bound: list[str] = []
+    errors: list[str] = []
+
+    def read_log() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                errors.append(line.rstrip())
+                continue
+            if event.get("event") == "server_bound":
+                bound.append(str(event["url"]))
+            elif event.get("level") in ("error", "critical"):
+                errors.append(str(event.get("error") or event.get("event")))
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                detail = "; ".join(errors[-5:]) or f"exit code {proc.returncode}"
+                raise RuntimeError(f"`mstar serve {model}` stopped before it was ready: {detail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`mstar serve {model}` was not ready within {_STARTUP_TIMEOUT_S:.0f} s")
+            if bound:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{bound[0]}/health", timeout=2.0).status_code == 200:
+                        break
+            time.sleep(0.2)
+        yield bound[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_assistant_demo(question: str = QUESTION, out: Path | None = Path("answer.wav")) -> int:
+    """Serve `assistant`, ask ``question`` with the openai client, stream the answer, write ``out``."""
+    from openai import OpenAI
+
+    print("starting `mstar serve assistant`: SmolLM2-135M-Instruct -> sentences -> Piper voice (22,050 Hz)")
+    with _served("assistant") as url:
+        print(f"serving at {url}")
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        print(f"question: {question}")
+        print("answer:   ", end="", flush=True)
+        start = time.perf_counter()
+        first_text = first_audio = None
+        rate = 24000  # OpenAI's pcm16 rate; mstar says its model's own in the first audio delta
+        pcm = bytearray()
+        stream = client.chat.completions.create(
+            model="assistant",
+            messages=[{"role": "user", "content": question}],
+            modalities=["text", "audio"],
+            audio={"voice": "joe", "format": "pcm16"},
+            stream=True,
+        )
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            audio = getattr(chunk.choices[0].delta, "audio", None) or {}
+            if audio.get("transcript"):
+                first_text = first_text or time.perf_counter() - start
+                print(audio["transcript"], end="", flush=True)
+            rate = int(audio.get("sample_rate", rate))
+            if audio.get("data"):
+                first_audio = first_audio or time.perf_counter() - start
+                pcm += base64.b64decode(audio["data"])
+        took = time.perf_counter() - start
+    print()
+    seconds = len(pcm) / 2 / rate
+    print(
+        f"first text after {(first_text or 0) * 1e3:.0f} ms, first audio after {(first_audio or 0) * 1e3:.0f} ms, "
+        f"done after {took * 1e3:.0f} ms; {seconds:.1f} s of speech"
+    )
+    if out is not None:
+        with wave.open(str(out), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(rate)
+            f.writeframes(bytes(pcm))
+        print(f"wrote {out}: the spoken answer, {rate} Hz")
+    return 0 if pcm else 1
 
 
 def run_demo(text: str = "Hello from mstar!", out: Path | None = None, seed: int = 0) -> int:

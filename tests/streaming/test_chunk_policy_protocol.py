@@ -228,3 +228,10 @@ def test_reference_interpreter_runs_a_policy_defined_outside_the_runtime() -> No
         graph, {"producer": produce, "consumer": consume}, {"producer": {"i": 0}}, Plan()
     )
     assert [e.value for e in emitted] == [[4, 5, SEP], [6, SEP], [7]]
+
+
+def test_a_list_marker_joins_its_sentence() -> None:
+    buf: StreamBuffer[int] = StreamBuffer(SENTENCES)  # min_tokens 4
+    buf.put([5, 1, 6, 7, 8, 1, 9])  # "1. Do this now. Then" : "1." alone is not a sentence
+    chunk = buf.next_chunk()
+    assert chunk is not None and chunk.items == (5, 1, 6, 7, 8, 1)

@@ -43,7 +43,7 @@ class SentenceChunkPolicy:
     clause_ends: frozenset[int] = field(repr=False)
     word_starts: frozenset[int] = field(repr=False)
     max_tokens: int = 48
-    min_tokens: int = 2
+    min_tokens: int = 4
     first_clause: bool = True
     continue_after_done: ClassVar[bool] = False
 
@@ -57,7 +57,7 @@ class SentenceChunkPolicy:
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer: Any, *, max_tokens: int = 48, min_tokens: int = 2, first_clause: bool = True
+        cls, tokenizer: Any, *, max_tokens: int = 48, min_tokens: int = 4, first_clause: bool = True
     ) -> SentenceChunkPolicy:
         """Build the token classes from every piece of a Hugging Face tokenizer's vocabulary."""
         pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
