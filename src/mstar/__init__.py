@@ -3,7 +3,36 @@
 from __future__ import annotations
 
 from mstar.actors import Actor, ActorRef, ActorSystem, RestartPolicy, SystemConfig
-from mstar.errors import GraphValidationError, MStarError, WalkDeadlockError, WalkExecutionError
+from mstar.engines import (
+    BatchedNode,
+    FiringRows,
+    ForwardKVNode,
+    KVChunk,
+    KVForward,
+    KVNode,
+    KVTurn,
+    batched,
+)
+from mstar.errors import (
+    ActorDeadError,
+    AskTimeoutError,
+    CheckpointError,
+    DuplicateRequestError,
+    EngineClosedError,
+    GraphValidationError,
+    InvalidSamplingParamsError,
+    KVCacheCapacityError,
+    MissingMainGuardError,
+    ModelLoadError,
+    MStarError,
+    PeerLostError,
+    PlacementError,
+    ProtocolError,
+    RequestAbortedError,
+    WalkDeadlockError,
+    WalkExecutionError,
+    WorkerLostError,
+)
 from mstar.graph import (
     EMIT,
     MODALITIES,
@@ -45,6 +74,30 @@ __version__ = "0.1.0"
 __all__ = [
     "EMIT",
     "MODALITIES",
+    # errors a caller of the engine, or a model author, catches
+    "ActorDeadError",
+    "AskTimeoutError",
+    "CheckpointError",
+    "DuplicateRequestError",
+    "EngineClosedError",
+    "InvalidSamplingParamsError",
+    "KVCacheCapacityError",
+    "MissingMainGuardError",
+    "ModelLoadError",
+    "PeerLostError",
+    "PlacementError",
+    "ProtocolError",
+    "RequestAbortedError",
+    "WorkerLostError",
+    # what a model's submodules return: stateless (batched) and KV-cache nodes
+    "BatchedNode",
+    "FiringRows",
+    "ForwardKVNode",
+    "KVChunk",
+    "KVForward",
+    "KVNode",
+    "KVTurn",
+    "batched",
     "Actor",
     "ActorRef",
     "ActorSystem",

@@ -16,6 +16,7 @@ __all__ = [
     "InvalidAddressError",
     "MStarError",
     "WorkerLostError",
+    "MissingMainGuardError",
     "ModelLoadError",
     "EngineClosedError",
     "RequestAbortedError",
@@ -165,6 +166,10 @@ class AudioTokenError(MStarError, ValueError):
 
 class WorkerLostError(MStarError, RuntimeError):
     """Raised when a worker process died while a request was using it (the worker is restarted)."""
+
+
+class MissingMainGuardError(MStarError, RuntimeError):
+    """Raised when worker processes are started from a script without an ``if __name__ == "__main__":`` guard."""
 
 
 class ServerConfigError(MStarError, ValueError):

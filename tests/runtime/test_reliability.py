@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -14,6 +17,7 @@ from mstar.messages import ActorId, UpdatePeer
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
 from mstar.runtime.model import PreparedRequest
+from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo.noop import NoopLoopModel
 from tests.helpers import wait_until_idle
 
@@ -129,3 +133,29 @@ async def test_preprocessing_runs_off_the_event_loop() -> None:
         ticker.cancel()
         assert [o.data for o in outputs] == [5]
         assert max(gaps) < 0.75, f"the loop stalled for {max(gaps):.2f} s"  # rather than 1.5 s
+
+
+async def test_an_engine_start_removes_what_killed_processes_left() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+    stale = [SHM_DIR / f"mstar-{pid}-0123456789ab", runtime_dir() / f"mstar-{pid}-0123456789ab.sock"]
+    for path in stale:
+        path.write_bytes(b"")
+    async with await start(3):
+        assert not any(path.exists() for path in stale)
+
+
+@pytest.mark.timeout(120)
+def test_worker_processes_without_a_main_guard_say_how_to_fix_it(tmp_path: Path) -> None:
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import asyncio\n"
+        "from mstar import AsyncEngine, EngineConfig, ModelSpec\n"
+        "spec = ModelSpec('mstar.zoo.noop:NoopLoopModel', {'steps': 3})\n"
+        "asyncio.run(AsyncEngine.start(spec, config=EngineConfig(worker_processes=True)))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "MissingMainGuardError" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
+    assert "PeerLostError" not in done.stderr

@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -32,9 +33,34 @@ import msgspec
 
 from mstar.actors.config import SystemConfig
 from mstar.actors.system import ActorSystem
-from mstar.errors import PeerLostError
+from mstar.errors import MissingMainGuardError, PeerLostError
+from mstar.transport.janitor import is_pid_alive, sweep_stale
 
-__all__ = ["SystemProcess"]
+__all__ = ["SystemProcess", "check_main_guard"]
+
+# The exit status of a spawned child that found itself starting processes while it imported
+# the parent's main script (see `check_main_guard`).
+_MAIN_GUARD_EXIT = 86
+_MAIN_GUARD_HELP = (
+    "worker processes start with 'spawn', which imports your main script again in each of "
+    "them; that script starts worker processes at import time. Put the code that starts the "
+    "engine under `if __name__ == \"__main__\":`"
+)
+
+
+def check_main_guard() -> None:
+    """Stop a spawned child that is about to start processes while importing the parent's script.
+
+    A script without an ``if __name__ == "__main__":`` guard runs again (as ``__mp_main__``)
+    in every child that `spawn` starts; if it starts worker processes at import time, each
+    child would try to as well. The child says why on stderr and exits with a status that
+    the parent turns into `MissingMainGuardError`.
+    """
+    # multiprocessing marks a spawned child as inheriting while it re-imports the parent's
+    # main module, and refuses to start processes then (with an obscure RuntimeError).
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        print(f"mstar: error: {_MAIN_GUARD_HELP}", file=sys.stderr, flush=True)
+        raise SystemExit(_MAIN_GUARD_EXIT)
 
 
 def _resolve(path: str) -> Callable[[ActorSystem], Awaitable[None]]:
@@ -101,6 +127,7 @@ class SystemProcess:
         """
         if self._process is not None:
             raise RuntimeError("a SystemProcess starts once")
+        check_main_guard()
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)
         config = msgspec.json.encode(self.config).decode()
@@ -121,6 +148,8 @@ class SystemProcess:
             report = msgspec.json.decode(ours.recv_bytes())
         except (EOFError, OSError) as exc:
             process.join(5)
+            if process.exitcode == _MAIN_GUARD_EXIT:
+                raise MissingMainGuardError(_MAIN_GUARD_HELP) from None
             raise PeerLostError(
                 f"the child system exited (code {process.exitcode}) before it served"
             ) from exc
@@ -185,6 +214,7 @@ def _child_main(setup: str, serve: list[str], config: str, loop: str, lifeline: 
 
 
 async def _child(setup: str, serve: list[str], config: SystemConfig, lifeline: Connection) -> None:
+    parent = os.getppid()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -208,3 +238,7 @@ async def _child(setup: str, serve: list[str], config: SystemConfig, lifeline: C
     finally:
         loop.remove_reader(lifeline.fileno())
         lifeline.close()
+        # A parent that was killed left its shared segment and socket files: nobody else
+        # may be there to remove them.
+        if not is_pid_alive(parent):
+            sweep_stale(parent)

@@ -31,6 +31,7 @@ from mstar.engines.sampler import Sampler
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import BatchScheduler, RequestOutput, SchedulerOutput
 from mstar.engines.sequence import FinishReason, InputSegment, OutputMode, Sequence, SequenceStatus
+from mstar.engines.stateless import BatchedNode, StatelessEngine, StatelessEngineConfig, batched
 from mstar.engines.step_overlap import OverlappedSteps
 from mstar.engines.step_times import PHASES, STEP_TIME_BUCKETS, PhaseTimes, StepTimes, WalkStepTimes
 
@@ -40,6 +41,7 @@ __all__ = [
     "AttentionMask",
     "AttentionMetadata",
     "BatchScheduler",
+    "BatchedNode",
     "BlockManager",
     "FinishReason",
     "FiringRows",
@@ -65,6 +67,8 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "StatelessEngine",
+    "StatelessEngineConfig",
     "STEP_TIME_BUCKETS",
     "StepChunk",
     "StepInputs",
@@ -73,6 +77,7 @@ __all__ = [
     "SupportsNarrowLogits",
     "TorchPagedAttention",
     "WalkStepTimes",
+    "batched",
     "supports_forward_walks",
     "supports_narrow_logits",
     "supports_token_walks",

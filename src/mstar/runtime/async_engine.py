@@ -30,7 +30,7 @@ import msgspec
 import structlog
 
 from mstar.actors import ActorRef, ActorSystem, SystemConfig
-from mstar.actors.process import SystemProcess
+from mstar.actors.process import SystemProcess, check_main_guard
 from mstar.engines.stateless import StatelessEngineConfig
 from mstar.errors import EngineClosedError, MStarError, PeerLostError, RequestAbortedError
 from mstar.messages import (
@@ -49,6 +49,7 @@ from mstar.runtime.model import Model, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
 from mstar.runtime.worker_core import WorkerConfig
+from mstar.transport.janitor import sweep_stale
 
 __all__ = ["CONDUCTOR_PROCESS", "AsyncEngine", "EngineConfig", "EngineStats"]
 
@@ -205,8 +206,14 @@ class AsyncEngine:
         Raises:
             PlacementError: The placement does not fit the model.
             ModelLoadError: The model cannot be built.
+            MissingMainGuardError: Worker processes were asked for by a script without an
+                ``if __name__ == "__main__":`` guard.
         """
         config = config or EngineConfig()
+        if config.worker_processes:
+            check_main_guard()
+        # Segments and socket files of mstar processes that were killed (SIGKILL leaves them).
+        await asyncio.to_thread(sweep_stale)
         spec = model if isinstance(model, ModelSpec) else model.spec
         instance = model.build() if isinstance(model, ModelSpec) else model
         if placement is None:
@@ -419,8 +426,8 @@ class AsyncEngine:
             if not finished and not self._is_closed:
                 self.conductor.tell(Abort(request.request_id))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its `generate` raises `RequestAbortedError`.
+    async def abort(self, request_id: str, reason: str = "") -> None:
+        """Abort a request; its `generate` raises `RequestAbortedError` (saying ``reason``).
 
         A request whose `generate` was called but not yet iterated is aborted as well.
         """
@@ -428,7 +435,7 @@ class AsyncEngine:
         if pending is not None:
             pending.is_aborted = True
         if self.conductor is not None and not self._is_closed:
-            self.conductor.tell(Abort(request_id))
+            self.conductor.tell(Abort(request_id, reason))
 
     def ranks_up(self) -> dict[int, bool]:
         """Return, per rank, whether its worker serves now (False while a lost one restarts)."""

@@ -69,9 +69,10 @@ class Submit:
 
 @dataclass(frozen=True)
 class Abort:
-    """Abort a request (in-process only)."""
+    """Abort a request (in-process only); ``reason`` goes into its error."""
 
     request_id: str
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class Conductor(Actor):
                 message.queue.put_nowait(exc)
                 return None
         elif isinstance(message, Abort):
-            commands = core.abort(message.request_id)
+            commands = core.abort(message.request_id, message.reason)
         elif isinstance(message, WorkerLost):
             commands = self._worker_lost(message.rank)
         elif isinstance(message, UpdatePeer):

@@ -212,12 +212,13 @@ class ConductorCore:
             self._fail(req, error, out)
         return out
 
-    def abort(self, request_id: str) -> list[Command]:
-        """Abort a request and release everything held for it."""
+    def abort(self, request_id: str, reason: str = "") -> list[Command]:
+        """Abort a request (saying why, if ``reason``) and release everything held for it."""
         req = self.requests.get(request_id)
         if req is None:
             return []
-        return self._fail(req, RequestAbortedError(f"request {request_id!r} was aborted"), [])
+        why = f": {reason}" if reason else ""
+        return self._fail(req, RequestAbortedError(f"request {request_id!r} was aborted{why}"), [])
 
     # --- walks -------------------------------------------------------------------------------
 

@@ -36,7 +36,10 @@ class ServerConfig:
         max_text_chars: Longest text (`text`, `prompt`) a native `/generate` request may
             carry (longer ones get 400), as `/v1/audio/speech` caps its `input`.
         admission: Running and waiting limits (beyond them, 503 with Retry-After).
-        graceful_shutdown_s: How long shutdown waits for open connections.
+        graceful_shutdown_s: On SIGTERM or SIGINT, how long requests still running may take
+            to finish (new ones get 503 meanwhile); those left then end with an error event.
+        keep_alive_timeout_s: How long an idle keep-alive connection stays open.
+        header_timeout_s: How long a connection may take to send a request's headers.
     """
 
     host: str = "127.0.0.1"
@@ -47,12 +50,21 @@ class ServerConfig:
     max_text_chars: int = 16_384
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     graceful_shutdown_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:
             raise ServerConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.graceful_shutdown_s < 0:
+            raise ServerConfigError(f"the shutdown grace must be >= 0 s, got {self.graceful_shutdown_s}")
+        if self.keep_alive_timeout_s <= 0 or self.header_timeout_s <= 0:
+            raise ServerConfigError(
+                f"connection timeouts must be > 0 s, got keep-alive {self.keep_alive_timeout_s}, "
+                f"headers {self.header_timeout_s}"
+            )
         if self.max_text_chars < 1:
             raise ServerConfigError(f"max_text_chars must be >= 1, got {self.max_text_chars}")
         if self.api_key is not None and not self.api_key.strip():

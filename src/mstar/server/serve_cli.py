@@ -2,12 +2,17 @@
 
     mstar serve toy-composite                       # http://127.0.0.1:8000
     mstar serve smollm2-135m --port 9000
-    mstar serve ./my-llama --host 0.0.0.0 --api-key "$KEY"   # a key is required off loopback
+    mstar serve ./my-llama --host 0.0.0.0 --api-key-file key.txt   # a key is required off loopback
+
+The API key is best given as ``$MSTAR_API_KEY`` or ``--api-key-file``: ``--api-key KEY`` shows
+in the process list. On SIGTERM or SIGINT the server drains: new requests get 503, running
+ones get ``--shutdown-grace`` seconds to finish, then end with an error event.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import signal
@@ -16,6 +21,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import structlog
@@ -28,9 +35,19 @@ from mstar.runtime.placement import Placement
 from mstar.server.admission import AdmissionLimits
 from mstar.server.app import make_app
 from mstar.server.config import ServerConfig
+from mstar.server.http_protocol import timed_h11
 from mstar.server.logging import configure_logging
+from mstar.server.state import ServerState
 
-__all__ = ["add_serve_arguments", "loading_display", "run_server", "serve_command"]
+__all__ = [
+    "DrainingServer",
+    "add_serve_arguments",
+    "loading_display",
+    "resolve_api_key",
+    "run_server",
+    "serve_command",
+    "uvicorn_config",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +62,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument(
-        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)"
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer KEY' (visible in the process list: prefer ${API_KEY_ENV} or --api-key-file)",
+    )
+    parser.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    parser.add_argument(
+        "--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+        help="on SIGTERM, how long running requests may take to finish (default 10)",
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
@@ -81,17 +104,69 @@ def loading_display(name: str) -> Iterator[None]:
     log.info("model_loaded", model=name, seconds=round(time.perf_counter() - start, 3))
 
 
-def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.socket, str]:
-    uv = uvicorn.Config(
+def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
+    """Return uvicorn's settings for ``app``: connection timeouts, quiet logs, lifespan on."""
+    return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_config=None,
         access_log=False,  # the server logs each request itself, with its request id
         server_header=False,
-        timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+        http=timed_h11(config.header_timeout_s),
+        timeout_keep_alive=max(1, round(config.keep_alive_timeout_s)),
+        # Draining ends every request within the grace (and a few seconds for their error
+        # events); uvicorn then waits a little for their connections to close.
+        timeout_graceful_shutdown=int(config.graceful_shutdown_s + 10),
         lifespan="on",
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that drains on the first SIGTERM or SIGINT (a second one stops at once).
+
+    Draining keeps the listener open: new requests get 503 and `/health` says "stopping",
+    running requests get ``config.graceful_shutdown_s`` to finish (`ServerState.drain`);
+    then uvicorn shuts down as usual (connections, then the lifespan and the engine).
+    """
+
+    def __init__(self, config: uvicorn.Config, server_config: ServerConfig, app: FastAPI) -> None:
+        super().__init__(config)
+        self.server_config = server_config
+        self.app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve (remembering the loop, which signal handlers hand the drain to)."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Begin draining; a second signal, or no running loop, exits at once."""
+        loop = self._loop
+        if self._drain is not None or self.should_exit or loop is None or loop.is_closed():
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # raised again once the server stopped, as uvicorn does
+        loop.call_soon_threadsafe(self.begin_drain)
+
+    def begin_drain(self) -> None:
+        """Start draining (on the server's loop); exit once it is over."""
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(), name="mstar-drain")
+
+    async def _drain_then_exit(self) -> None:
+        state: ServerState | None = getattr(self.app.state, "server", None)
+        try:
+            if state is not None:
+                await state.drain(self.server_config.graceful_shutdown_s)
+        finally:
+            self.should_exit = True
+
+
+def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.socket, str]:
+    uv = uvicorn_config(app, config)
     sock = uv.bind_socket()
     sock.listen(uv.backlog)  # clients queue while the model loads, instead of being refused
     host, port = sock.getsockname()[:2]
@@ -111,7 +186,7 @@ def run_server(app: FastAPI, config: ServerConfig) -> None:
     # that into a normal return rather than death by signal.
     previous = _on_sigterm(_exit_quietly) if threading.current_thread() is threading.main_thread() else None
     try:
-        uvicorn.Server(uv).run(sockets=[sock])
+        DrainingServer(uv, config, app).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     except SystemExit as exc:
@@ -135,12 +210,33 @@ def _on_sigterm(handler: Callable[[int, object], None]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
+def resolve_api_key(given: str | None, path: str | None) -> str | None:
+    """Return the API key from ``--api-key``, else ``--api-key-file``, else ``$MSTAR_API_KEY``.
+
+    Raises:
+        ServerConfigError: Both options were given, or the file cannot be read.
+    """
+    if given is not None and path is not None:
+        raise ServerConfigError("pass --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ServerConfigError(f"cannot read the API key file {path}: {exc}") from exc
+        if not key:
+            raise ServerConfigError(f"the API key file {path} is empty")
+        return key
+    if given is not None:
+        return given
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Run `mstar serve`."""
     from mstar.zoo import resolve_model
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
         config = ServerConfig(
             host=args.host,
             port=args.port,
@@ -148,6 +244,7 @@ def serve_command(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             max_body_bytes=args.max_body_bytes,
             admission=AdmissionLimits(args.max_running, args.max_waiting),
+            graceful_shutdown_s=args.shutdown_grace,
         )
         spec = resolve_model(args.model)
         placement = Placement.from_yaml(args.config) if args.config else None

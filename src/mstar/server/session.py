@@ -79,17 +79,21 @@ class RequestStream:
         """Wait for admission and the first output.
 
         Raises:
-            OverloadedError: No running slot and the waiting line is full.
+            OverloadedError: No running slot and the waiting line is full, or the server
+                is shutting down.
             ValueError: The model rejected the request.
             MStarError: The engine failed the request.
         """
         try:
+            if self.state.is_draining:
+                raise OverloadedError("the server is shutting down: retry on another replica", retry_after_s=1)
             await self.state.admission.acquire()
         except OverloadedError:
             self._is_closed = True
             self.state.metrics.count_rejected(self.request.task)
             raise
         self._is_admitted = True
+        self.state.add_running(self.request_id)
         self._outputs = self.state.engine.generate(self.request)
         try:
             self._first = await anext(self._outputs)
@@ -142,6 +146,7 @@ class RequestStream:
             self.tracker.finish(status)  # before the slot is freed: an idle server has counted it
             if self._is_admitted:
                 self.state.admission.release()
+                self.state.discard_running(self.request_id)
             if status != "completed":
                 log.info("request_ended", engine_request_id=self.request_id, status=status)
 

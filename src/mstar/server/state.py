@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from mstar.errors import APIRequestError
 from mstar.runtime.async_engine import AsyncEngine
@@ -20,6 +24,11 @@ from mstar.server.metrics import ServerMetrics
 
 __all__ = ["ServerState"]
 
+log = structlog.get_logger(__name__)
+
+# How long streams get, once aborted at shutdown, to send their error event and close.
+_END_STREAMS_S = 5.0
+
 
 @dataclass
 class ServerState:
@@ -33,7 +42,8 @@ class ServerState:
         metrics: Prometheus families.
         created: Unix time the model was loaded.
         is_draining: The server is shutting down: new requests get 503, running ones may
-            finish within the grace period.
+            finish within the grace period (`drain`).
+        running: Engine ids of the requests admitted and not yet ended.
     """
 
     engine: AsyncEngine
@@ -44,6 +54,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     _max_seq_len: int | None = field(default=None, init=False, repr=False)
     is_draining: bool = False
+    running: set[str] = field(default_factory=set)  # engine ids of the admitted requests
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     @property
     def model(self) -> Model:
@@ -92,6 +104,38 @@ class ServerState:
             limits = [int(v["max_seq_len"]) for nodes in stats.nodes.values() for v in nodes.values() if "max_seq_len" in v]
             self._max_seq_len = min(limits, default=0)
         return self._max_seq_len or None
+
+    def add_running(self, request_id: str) -> None:
+        """Count a request admitted into the engine."""
+        self.running.add(request_id)
+        self._idle.clear()
+
+    def discard_running(self, request_id: str) -> None:
+        """Forget a request that ended."""
+        self.running.discard(request_id)
+        if not self.running:
+            self._idle.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting requests (503); give running ones ``grace_s`` seconds, then end them.
+
+        Requests still running then fail with `RequestAbortedError` ("the server is shutting
+        down"), so every stream ends with an error event rather than being cut.
+        """
+        self.is_draining = True
+        log.info("server_draining", running=len(self.running), grace_s=grace_s)
+        if not self.running:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        if not self.running:
+            return
+        log.warning("aborting_requests_at_shutdown", running=len(self.running))
+        for request_id in list(self.running):
+            await self.engine.abort(request_id, reason="the server is shutting down")
+        # Their streams send the error event and close; bounded, in case a client reads slowly.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), _END_STREAMS_S)
 
     def check_model(self, name: str | None) -> None:
         """Check the `model` field of a request.
