@@ -156,8 +156,8 @@ def test_run_speech_to_wav_and_image_to_png(tmp_path: Path, capsys: pytest.Captu
 
 def test_run_text_goes_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = save_tiny_chat_llama(tmp_path / "llama")
-    args = ["run", str(path), "--task", "generate", "--text", "Once upon", "--param", "max_tokens=6",
-            "--param", "temperature=0", "--param", "ignore_eos=true"]
+    args = ["run", str(path), "--task", "generate", "--text", "Once upon", "--no-chat-template",
+            "--param", "max_tokens=6", "--param", "temperature=0", "--param", "ignore_eos=true"]
     assert main(args) == 0
     out = capsys.readouterr().out
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)

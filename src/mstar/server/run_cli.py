@@ -1,11 +1,16 @@
-"""`mstar run MODEL --task ...`: one request through `AsyncEngine`, written to a file.
+"""`mstar run MODEL [--task ...]`: one request through `AsyncEngine`, written to a file.
 
     mstar run toy-composite --task speech --text "Hello" --out hello.wav     # audio -> WAV
     mstar run toy-composite --task image --text "a lighthouse" --out lh.png  # image -> PNG
-    mstar run smollm2-135m --task generate --text "Why is the sky blue?" --param max_tokens=64
+    mstar run smollm2-135m --text "Why is the sky blue?" --param max_tokens=64
 
-Text goes to standard output (or to --out). Extra request fields are ``--param KEY=VALUE``
-(VALUE is read as JSON when it parses, else as a string).
+`--task` may be left out when the model has one task. For a text model whose tokenizer has
+a chat template (an instruct model), `--text` is sent as the user's message of a chat, as
+the chat API would; `--no-chat-template` sends it as a raw prompt instead. Text is decoded
+greedily (one answer, the same each run) unless ``--param temperature=...`` says otherwise,
+up to the model's default length unless ``--param max_tokens=...``. Text goes to
+standard output (or to --out). Extra request fields are ``--param KEY=VALUE`` (VALUE is
+read as JSON when it parses, else as a string).
 """
 
 from __future__ import annotations
@@ -40,15 +45,55 @@ EXIT_USAGE = 2
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `mstar run` to ``parser``."""
-    parser.add_argument("model", metavar="MODEL", help="a zoo model name (see `mstar models`) or a checkpoint directory")
-    parser.add_argument("--task", required=True, help="the task to run (e.g. speech, image, generate)")
-    parser.add_argument("--text", default=None, help="the request's text (the prompt for 'generate')")
-    parser.add_argument("--image", type=Path, default=None, help="an input image file (sent as a uint8 [H, W, 3] tensor)")
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="another request field (repeatable)")
-    parser.add_argument("--out", type=Path, default=None, help="output file: .wav for audio, .png for an image, else text")
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a zoo model name (see `mstar models`) or a checkpoint directory",
+    )
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="the task to run (e.g. speech, image, generate); default: the model's only task",
+    )
+    parser.add_argument(
+        "--text",
+        default=None,
+        help="the request's text (for 'generate': the user's message, or the prompt)",
+    )
+    parser.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help="send --text as a raw prompt, even to a model whose tokenizer has a chat template",
+    )
+    parser.add_argument(
+        "--image",
+        type=Path,
+        default=None,
+        help="an input image file (sent as a uint8 [H, W, 3] tensor)",
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another request field (repeatable)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output file: .wav for audio, .png for an image, else text",
+    )
     parser.add_argument("--config", default=None, metavar="PLACEMENT.yaml", help="placement file")
-    parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
-    parser.add_argument("--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)")
+    parser.add_argument(
+        "--worker-processes",
+        action="store_true",
+        help="run each rank's worker in a process of its own",
+    )
+    parser.add_argument(
+        "--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)"
+    )
 
 
 def _params(pairs: list[str]) -> dict[str, Any]:
@@ -64,10 +109,37 @@ def _params(pairs: list[str]) -> dict[str, Any]:
     return params
 
 
-def _request_data(args: argparse.Namespace) -> dict[str, Any]:
+def _is_chat_model(model: Model) -> bool:
+    """Whether the model's prompts go through a chat template (an instruct model's tokenizer has one)."""
+    if not supports_text_output(model) or model.tokenizer is None:
+        return False
+    return bool(getattr(model.tokenizer, "chat_template", None))
+
+
+def _task(args: argparse.Namespace, model: Model) -> str:
+    tasks = tuple(model.tasks())
+    if args.task is None:
+        if len(tasks) != 1:
+            raise ValueError(
+                f"model {args.model!r} has several tasks: choose one with --task ({', '.join(tasks)})"
+            )
+        return tasks[0]
+    if args.task not in tasks:
+        raise ValueError(
+            f"model {args.model!r} has no task {args.task!r} (its tasks: {', '.join(tasks)})"
+        )
+    return str(args.task)
+
+
+def _request_data(args: argparse.Namespace, model: Model, task: str) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if args.text is not None:
-        data["prompt" if args.task == "generate" else "text"] = args.text
+        if task != "generate":
+            data["text"] = args.text
+        elif args.chat_template and _is_chat_model(model):
+            data["messages"] = [{"role": "user", "content": args.text}]
+        else:
+            data["prompt"] = args.text
     if args.image is not None:
         from PIL import Image, UnidentifiedImageError
 
@@ -76,6 +148,8 @@ def _request_data(args: argparse.Namespace) -> dict[str, Any]:
                 data["image"] = torch.from_numpy(np.array(picture.convert("RGB")))
         except (OSError, UnidentifiedImageError) as exc:
             raise ValueError(f"--image {str(args.image)!r}: {exc}") from None
+    if task == "generate":
+        data["temperature"] = 0.0
     data.update(_params(args.param))
     return data
 
@@ -89,7 +163,13 @@ def _progress(label: str) -> Iterator[Any]:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
         task = progress.add_task(label, total=None)
         yield lambda description: progress.update(task, description=f"{label}: {description}")
 
@@ -103,7 +183,9 @@ class _Collected:
         self.audio: list[bytes] = []
         self.num_samples = 0
         self.images: list[Any] = []
-        self.others: dict[str, list[torch.Tensor]] = {}  # "modality:name" -> outputs (actions, latents)
+        self.others: dict[
+            str, list[torch.Tensor]
+        ] = {}  # "modality:name" -> outputs (actions, latents)
 
     def add(self, out: Output) -> None:
         if out.modality == "text":
@@ -115,7 +197,9 @@ class _Collected:
         elif out.modality == "image":
             self.images.append(out.data)
         else:
-            self.others.setdefault(f"{out.modality}:{out.name}", []).append(torch.as_tensor(out.data))
+            self.others.setdefault(f"{out.modality}:{out.name}", []).append(
+                torch.as_tensor(out.data)
+            )
 
     def summary(self, rate: int | None) -> str:
         parts = [f"{len(self.token_ids)} tokens"] if self.token_ids else []
@@ -133,18 +217,23 @@ class _Collected:
         return " ".join(map(str, self.token_ids))  # no tokenizer: the ids themselves
 
 
-async def _run(args: argparse.Namespace, spec: Any, placement: Placement | None) -> tuple[_Collected, int | None]:
-    devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+async def _run(
+    args: argparse.Namespace, spec: Any, placement: Placement | None
+) -> tuple[_Collected, int | None]:
+    devices = (
+        {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+    )
     with loading_display(args.model):
-        engine = await AsyncEngine.start(spec, placement, EngineConfig(worker_processes=args.worker_processes, devices=devices))
+        engine = await AsyncEngine.start(
+            spec, placement, EngineConfig(worker_processes=args.worker_processes, devices=devices)
+        )
     try:
-        tasks = engine.model.tasks()
-        if args.task not in tasks:
-            raise ValueError(f"model {args.model!r} has no task {args.task!r} (its tasks: {', '.join(tasks)})")
+        task = _task(args, engine.model)
         rate = engine.model.audio_sample_rate if supports_audio_output(engine.model) else None
         collected = _Collected(engine.model)
-        with _progress(args.task) as update:
-            async for out in engine.generate(Request(args.task, _request_data(args))):
+        request = Request(task, _request_data(args, engine.model, task))
+        with _progress(task) as update:
+            async for out in engine.generate(request):
                 collected.add(out)
                 update(collected.summary(rate))
         return collected, rate
@@ -167,12 +256,21 @@ def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
         assert out is not None
         out.write_bytes(png_bytes(collected.images[-1]))
         return f"wrote {out} (image {list(torch.as_tensor(collected.images[-1]).shape)})"
-    if collected.others and not collected.audio and not collected.images and not collected.token_ids:
+    if (
+        collected.others
+        and not collected.audio
+        and not collected.images
+        and not collected.token_ids
+    ):
         if suffix == ".safetensors":
             from safetensors.torch import save_file
 
             assert out is not None
-            tensors = {f"{key}:{i}": t.contiguous() for key, ts in collected.others.items() for i, t in enumerate(ts)}
+            tensors = {
+                f"{key}:{i}": t.contiguous()
+                for key, ts in collected.others.items()
+                for i, t in enumerate(ts)
+            }
             save_file(tensors, str(out))
             return f"wrote {out} ({len(tensors)} tensors)"
         doc = {key: [t.tolist() for t in ts] for key, ts in collected.others.items()}
@@ -180,10 +278,14 @@ def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
             print(json.dumps(doc))
             return ", ".join(f"{len(v)} {k}" for k, v in collected.others.items())
         out.write_text(json.dumps(doc) + "\n", encoding="utf-8")
-        return f"wrote {out} (JSON: {', '.join(f'{len(v)} {k}' for k, v in collected.others.items())})"
+        return (
+            f"wrote {out} (JSON: {', '.join(f'{len(v)} {k}' for k, v in collected.others.items())})"
+        )
     if out is None and (collected.audio or collected.images):
         kind = "audio" if collected.audio else "an image"
-        raise ValueError(f"the request produced {kind}: pass --out FILE{'.wav' if collected.audio else '.png'}")
+        raise ValueError(
+            f"the request produced {kind}: pass --out FILE{'.wav' if collected.audio else '.png'}"
+        )
     text = collected.text()
     if out is None:
         print(text)
