@@ -535,6 +535,29 @@ class KVCacheEngine:
         """Return the live sequence of a request (read-only use)."""
         return self._get(request_id)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the engine holds a request (waiting, running or paused)."""
+        return request_id in self._seqs
+
+    @property
+    def max_seq_len(self) -> int:
+        """Return the longest sequence that fits, alone: `max_model_len`, or the whole cache if smaller."""
+        return min(self.max_model_len, self.num_blocks * self.config.block_size)
+
+    def check_length(self, request_id: str, num_input_tokens: int, max_tokens: int) -> None:
+        """Reject a request of ``num_input_tokens`` inputs sampling up to ``max_tokens`` that could never fit.
+
+        Raises:
+            KVCacheCapacityError: Inputs and tokens to generate exceed `max_seq_len`.
+        """
+        longest = num_input_tokens + max_tokens
+        if longest > self.max_seq_len:
+            what = "max_model_len" if self.max_seq_len == self.max_model_len else "the KV cache's capacity"
+            raise KVCacheCapacityError(
+                f"request {request_id!r} needs up to {longest} tokens ({num_input_tokens} input + max_tokens "
+                f"{max_tokens}) but {what} is {self.max_seq_len} tokens; shorten it or lower max_tokens"
+            )
+
     @property
     def num_requests(self) -> int:
         """Count the requests held (waiting, running or paused)."""

@@ -35,6 +35,7 @@ import torch
 from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.masks import AttentionMask
 from mstar.engines.paged_model import PagedModel
+from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.sequence import FinishReason, LogitsProcessor, SequenceStatus
 from mstar.engines.step_loop import StepLoop
@@ -73,6 +74,11 @@ class KVTurn:
         logits_processor: Per-step hook on this request's logits (constrained decoding).
         is_done: Nothing more to generate (the history already ends with a stop token, or
             ``max_tokens`` were generated): the walk ends at once, sampling nothing.
+        prefix_group: Requests of one group with the same prompt (parallel samples of one
+            prompt, OpenAI's ``n``) share its cache: the prompt but its last token is
+            computed once, and each request forks those blocks copy-on-write and samples
+            on its own. A request arriving after the shared prompt was computed and handed
+            out computes its own.
     """
 
     new_token_ids: list[int]
@@ -80,6 +86,7 @@ class KVTurn:
     mask: AttentionMask | None = None
     logits_processor: LogitsProcessor | None = None
     is_done: bool = False
+    prefix_group: str | None = None
 
 
 class KVNode(Protocol):
@@ -105,6 +112,9 @@ class KVNode(Protocol):
         ``history`` (every token of the sequence, prompt first) is given on the walk's last
         token only, and None before; a node looped by a `DynamicLoop` must raise the loop's
         stop signal exactly then, and persists the history for the request's next walk.
+
+        When the turn's sampling params ask for ``logprobs``, the call also gets
+        ``logprobs=`` the token's `TokenLogprobs` (and only then).
         """
         ...
 
@@ -211,6 +221,19 @@ class _Walk:
 
 
 @dataclass
+class _PrefixGroup:
+    """A prompt computed once for a group of requests, and the requests waiting to fork it."""
+
+    prompt: list[int]
+    pending: list[tuple[str, SamplingParams]] = field(default_factory=list)
+
+
+def _group_key(group: str) -> str:
+    """Return the engine id of a prefix group's shared sequence."""
+    return f"{group}#prefix"
+
+
+@dataclass
 class _Firing:
     """A forward firing waiting for its chunks' rows (keyed by engine sequence id)."""
 
@@ -221,6 +244,10 @@ class _Firing:
     keys: list[str]
     rows: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
+
+_StepResult = tuple[str, list[int], list[int] | None, Any, list[TokenLogprobs] | None]
+"""Per sequence of a step: its key, new tokens, its history when its walk ended, the rows it
+returned, and its new tokens' log-probabilities when its params ask for them."""
 
 # At most this many event-loop turns are waited for a wave of firings to arrive.
 _FIRING_ROUNDS = 16
@@ -263,6 +290,7 @@ class KVNodeEngine(StepLoop):
         self._query_ids = itertools.count()
         self._release_after: set[str] = set()  # sequences dropped once their chunk ran
         self._token_node: Any = kv_node if self.has_native_loop else None
+        self._groups: dict[str, _PrefixGroup] = {}  # by engine id of the shared sequence (step thread only)
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
         self._steps = OverlappedSteps(self.engine.runner, self._step, self._deliver, self._fail_step, self._keep_stepping)
@@ -284,6 +312,7 @@ class KVNodeEngine(StepLoop):
             "step_seconds": self.step_seconds,
             "kv_blocks_total": self.engine.num_blocks,
             "kv_blocks_used": self.engine.num_blocks - blocks.num_free_blocks,
+            "max_seq_len": self.engine.max_seq_len,
             **self.engine.runner.phases.snapshot(),
         }
 
@@ -406,12 +435,16 @@ class KVNodeEngine(StepLoop):
         if turn.is_done:
             return
         params = turn.sampling_params
+        if is_first:  # the whole request must fit, not only this walk's steps
+            self.engine.check_length(request_id, len(turn.new_token_ids), params.max_tokens)
         if max_steps is not None:
             params = replace(params, max_tokens=min(params.max_tokens, max_steps))
         running = _Walk(sink, asyncio.get_running_loop().create_future(), walk)
         self._walks[request_id] = running
         self._keys.setdefault(request_id, set()).add(request_id)
-        if is_first:
+        if is_first and self._can_share(turn):
+            self._ops.append((request_id, lambda: self._join_group(request_id, turn, params)))
+        elif is_first:
             self._ops.append(
                 (
                     request_id,
@@ -443,6 +476,55 @@ class KVNodeEngine(StepLoop):
             elif running.done.done() and not running.done.cancelled():
                 running.done.exception()  # ended as this task was cancelled: nobody else reads it
 
+    @staticmethod
+    def _can_share(turn: KVTurn) -> bool:
+        """Whether a first walk may fork its group's shared prompt (a plain causal prompt of 2+ tokens)."""
+        plain = turn.mask is None or turn.mask.is_causal
+        return turn.prefix_group is not None and plain and turn.logits_processor is None and len(turn.new_token_ids) > 1
+
+    def _join_group(self, request_id: str, turn: KVTurn, params: SamplingParams) -> None:
+        """Fork the group's shared prompt for a request, computing it first if nobody did (step thread).
+
+        ```
+        shared:  [p0 p1 ... p(n-2)]            computed once ("none" output)
+        fork i:  [p0 p1 ... p(n-2)] + [p(n-1)]  shared blocks, then its own last token and samples
+        ```
+        """
+        assert turn.prefix_group is not None
+        key = _group_key(turn.prefix_group)
+        prompt = turn.new_token_ids
+        group = self._groups.get(key)
+        if group is not None and group.prompt == prompt:
+            group.pending.append((request_id, params))
+            return
+        if group is not None or self.engine.has_request(key):
+            # Another prompt under this group's name (or its shared sequence still around): compute alone.
+            self.engine.add_request(request_id, prompt, params, keep_alive=True)
+            return
+        self.engine.add_request(key, prompt[:-1], SamplingParams.greedy(1), keep_alive=True, output_mode="none")
+        self._groups[key] = _PrefixGroup(list(prompt), [(request_id, params)])
+
+    def _fork_group(self, key: str, failed: list[tuple[str, BaseException]]) -> None:
+        """The group's shared prompt is computed: fork it for every waiting request, then drop it (step thread)."""
+        group = self._groups.pop(key)
+        engine = self.engine
+        for request_id, params in group.pending:
+            if request_id not in self._walks:
+                continue  # released meanwhile
+            try:
+                engine.fork(key, request_id, params, keep_alive=True)
+                engine.resume(request_id, group.prompt[-1:], params)
+            except Exception as exc:
+                engine.abort(request_id)
+                failed.append((request_id, exc))
+        engine.release(key)
+
+    def _fail_group(self, key: str, error: BaseException, failed: list[tuple[str, BaseException]]) -> None:
+        """The group's shared prompt failed: so does every request waiting for it (step thread)."""
+        group = self._groups.pop(key)
+        failed.extend((request_id, error) for request_id, _ in group.pending)
+        self.engine.abort(key)
+
     def release(self, request_id: str) -> None:
         """Drop a request's caches and any walk or firing it runs here (partition done, or aborted)."""
         error = RequestAbortedError(f"request {request_id!r} was aborted")
@@ -467,7 +549,7 @@ class KVNodeEngine(StepLoop):
         except RequestNotFoundError:
             return False
 
-    def _step(self) -> tuple[list[tuple[str, BaseException]], list[tuple[str, list[int], list[int] | None, Any]], bool]:
+    def _step(self) -> tuple[list[tuple[str, BaseException]], list[_StepResult], bool]:
         """Apply queued engine calls, then run one step (on the step thread).
 
         Returns failed engine calls; per sequence the new tokens, when its walk ended the
@@ -484,16 +566,23 @@ class KVNodeEngine(StepLoop):
                 failed.append((key, exc))
         if not self.engine.has_unfinished():
             return failed, [], bool(failed)
-        results: list[tuple[str, list[int], list[int] | None, Any]] = []
+        results: list[_StepResult] = []
         urgent = bool(failed)
         engine = self.engine
         for o in engine.step():
+            if o.request_id in self._groups:
+                if o.error is not None:
+                    self._fail_group(o.request_id, o.error, failed)
+                elif o.finished:
+                    self._fork_group(o.request_id, failed)
+                urgent = True
+                continue
             if o.error is not None:
                 failed.append((o.request_id, o.error))
                 urgent = True
                 continue
             if o.finished and o.finish_reason is FinishReason.COMPUTED:
-                results.append((o.request_id, [], None, o.hidden))
+                results.append((o.request_id, [], None, o.hidden, None))
                 urgent = True
                 if o.request_id in self._release_after:
                     self._release_after.discard(o.request_id)
@@ -503,7 +592,10 @@ class KVNodeEngine(StepLoop):
             new = list(o.new_token_ids)
             history = list(seq.token_ids) if o.finished else None
             urgent = urgent or history is not None or seq.num_output_tokens == len(new)
-            results.append((o.request_id, new, history, None))
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs, seq.logprobs = seq.logprobs[-len(new) :] if new else [], []
+            results.append((o.request_id, new, history, None, logprobs))
         return failed, results, urgent
 
     async def _run(self) -> None:
@@ -563,7 +655,7 @@ class KVNodeEngine(StepLoop):
         self,
         seconds: float,
         failed: list[tuple[str, BaseException]],
-        results: list[tuple[str, list[int], list[int] | None, Any]],
+        results: list[_StepResult],
     ) -> None:
         """Count a step and hand its tokens, rows (or errors) to the walks and firings that wait."""
         if results:  # a pass that only applied engine calls (releases) computed nothing
@@ -582,7 +674,7 @@ class KVNodeEngine(StepLoop):
                 _fail(firing, error)
         outputs = None if self._token_node is None else self._token_node.outputs
         completed: list[_Firing] = []
-        for key, tokens, history, rows in results:
+        for key, tokens, history, rows, logprobs in results:
             if (firing := firings.get(key)) is not None:
                 self._chunk_done(firing, key, rows, completed)
                 continue
@@ -591,7 +683,10 @@ class KVNodeEngine(StepLoop):
             last = len(tokens) - 1
             try:
                 for i, token in enumerate(tokens):
-                    walk.sink(outputs(key, token, history if i == last else None))
+                    if logprobs is None:
+                        walk.sink(outputs(key, token, history if i == last else None))
+                    else:
+                        walk.sink(outputs(key, token, history if i == last else None, logprobs=logprobs[i]))
             except Exception as exc:  # the walk's own failure: it ends alone
                 del walks[key]
                 _end(walk, exc)

@@ -9,18 +9,62 @@ Rows whose logits processor names the few ids it can leave finite (`vocab_ranges
 constrained decoding) are filtered and drawn among those candidates only; the others over
 the whole vocabulary. Both give the same distribution: the candidates hold every token
 with non-zero probability.
+
+Rows whose params ask for `logprobs` get, per sampled token, its log-probability and the
+most likely alternatives under the model's own distribution (the log-softmax of the raw
+logits, before penalties, processors, temperature and filtering, as vLLM reports them),
+appended to `Sequence.logprobs` for the engine's caller to take.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from mstar.engines.sequence import Sequence, vocab_ranges
 
-__all__ = ["Sampler", "argmax_rows"]
+__all__ = ["Sampler", "TokenLogprobs", "argmax_rows"]
 
 Ranges = list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely tokens at its position.
+
+    Attributes:
+        token_id: The sampled token.
+        logprob: Its log-probability.
+        top_token_ids: The most likely tokens, most likely first (as many as asked).
+        top_logprobs: Their log-probabilities.
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return it as plain numbers and lists (a node value that crosses processes)."""
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top_token_ids": list(self.top_token_ids),
+            "top_logprobs": list(self.top_logprobs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenLogprobs:
+        """Return the `TokenLogprobs` that `to_dict` gave ``data``."""
+        return cls(
+            int(data["token_id"]),
+            float(data["logprob"]),
+            tuple(int(t) for t in data.get("top_token_ids", ())),
+            tuple(float(x) for x in data.get("top_logprobs", ())),
+        )
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -54,11 +98,26 @@ class Sampler:
         """
         logits = logits.float()
         params = [s.params for s in seqs]
+        logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        # Before anything below changes the logits in place.
+        raw = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
         if any(p.repetition_penalty != 1.0 for p in params):
             self._apply_repetition_penalty(logits, seqs)
+        if any(p.has_penalties for p in params):
+            self._apply_presence_frequency(logits, seqs)
         for row, seq in enumerate(seqs):
             if seq.logits_processor is not None:
                 logits[row] = seq.logits_processor(seq.token_ids, logits[row])
+        tokens = self._select(logits, seqs, ranges)
+        if raw is not None:
+            self._record_logprobs(raw, tokens, [seqs[row] for row in logprob_rows], logprob_rows)
+        return tokens
+
+    def _select(
+        self, logits: torch.Tensor, seqs: list[Sequence], ranges: list[Ranges | None] | None
+    ) -> torch.Tensor:
+        """Return each row's token: its argmax (greedy rows) or a draw from its filtered distribution."""
+        params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
             return argmax_rows(logits)
         greedy = argmax_rows(logits)
@@ -92,7 +151,10 @@ class Sampler:
         """
         if any(r is None for r in ranges):
             return None, logits
-        parts = [np.concatenate([np.arange(a, b) for a, b in r]) if r else np.zeros(0, np.int64) for r in ranges]
+        parts = [
+            np.concatenate([np.arange(a, b) for a, b in r]) if r else np.zeros(0, np.int64)
+            for r in ranges
+        ]
         width = max(len(p) for p in parts)
         if width == 0 or width * 2 > logits.shape[-1]:
             return None, logits  # not worth a gather
@@ -121,7 +183,9 @@ class Sampler:
                 u[free] = torch.rand(len(free), dtype=probs.dtype, device=probs.device)
             for row, seq in enumerate(seqs):
                 if seq.generator is not None:
-                    u[row] = torch.rand(1, generator=seq.generator, dtype=probs.dtype, device=probs.device)[0]
+                    u[row] = torch.rand(
+                        1, generator=seq.generator, dtype=probs.dtype, device=probs.device
+                    )[0]
         cumulative = probs.cumsum(dim=-1)
         # 1 - u lies in (0, 1]: the first column whose cumulative mass reaches it carries
         # mass itself (a zero-probability column never starts a new cumulative value).
@@ -151,6 +215,47 @@ class Sampler:
         seen = logits[r, c]
         logits[r, c] = torch.where(seen > 0, seen / factor, seen * factor)
         return logits
+
+    @staticmethod
+    def _apply_presence_frequency(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Subtract, in place, OpenAI's presence and frequency penalties over each row's generated tokens."""
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            if not params.has_penalties:
+                continue
+            start = seq.walk_start if params.prompt_len is None else params.prompt_len
+            generated = seq.token_ids[start:]
+            if not generated:
+                continue
+            ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+            index = torch.from_numpy(ids).to(logits.device)
+            count = torch.from_numpy(counts).to(device=logits.device, dtype=logits.dtype)
+            logits[row, index] -= params.frequency_penalty * count + params.presence_penalty
+        return logits
+
+    @staticmethod
+    def _record_logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> None:
+        """Append each asking row's `TokenLogprobs` (from ``raw`` log-probabilities) to its sequence."""
+        sampled = tokens[rows].to(raw.device)
+        chosen = raw.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+        width = max(s.params.logprobs or 0 for s in seqs)
+        top_values: list[list[float]] = [[] for _ in seqs]
+        top_ids: list[list[int]] = [[] for _ in seqs]
+        if width:
+            values, ids = raw.topk(min(width, raw.shape[-1]), dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
+        for i, seq in enumerate(seqs):
+            k = seq.params.logprobs or 0
+            seq.logprobs.append(
+                TokenLogprobs(
+                    int(sampled[i]),
+                    float(chosen[i]),
+                    tuple(top_ids[i][:k]),
+                    tuple(top_values[i][:k]),
+                )
+            )
 
     @staticmethod
     def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

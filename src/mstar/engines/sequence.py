@@ -15,6 +15,8 @@ from mstar.engines.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from mstar.engines.sampler import TokenLogprobs
+
 __all__ = [
     "FinishReason",
     "InputSegment",
@@ -119,6 +121,7 @@ class Sequence:
         "is_read_only",
         "keep_alive",
         "logits_processor",
+        "logprobs",
         "mask_segments",
         "num_computed_tokens",
         "output_mode",
@@ -169,6 +172,8 @@ class Sequence:
         self.is_read_only = False
         self.reserve_tokens = 0  # admit only once blocks for this many tokens can be held back
         self.reserved_blocks = 0  # blocks held back for this sequence (`BlockManager.reserve`)
+        # Log-probabilities of sampled tokens not yet handed out (when the params ask for them).
+        self.logprobs: list[TokenLogprobs] = []
         if mask is not None and not mask.is_causal:
             self._add_mask(MaskSegment(0, len(self.token_ids), mask))
 

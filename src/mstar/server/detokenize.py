@@ -12,9 +12,11 @@ tokens add, holding it back while it ends in an incomplete UTF-8 character (U+FF
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
+__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "TokenTexts"]
 
 _INCOMPLETE = "\ufffd"
 
@@ -99,3 +101,59 @@ class StopStringMatcher:
                 return start
         return -1
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Return GPT-2's byte-level alphabet, character to byte (printable bytes stand for themselves)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte fallback pieces
+
+
+class TokenTexts:
+    """Each token's own text and bytes, as OpenAI's log-probabilities show them (cached per id).
+
+    A token that is part of a multi-byte character has no text of its own: its text is then
+    what decoding it alone gives (U+FFFD), and its bytes the ones it stands for, read from
+    the tokenizer's piece (byte-level BPE pieces and SentencePiece's ``<0xAB>`` pieces).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        """Return the text and the UTF-8 bytes of one token."""
+        cached = self._cache.get(token_id)
+        if cached is None:
+            text = str(self._tokenizer.decode([token_id]))
+            data = text.encode("utf-8", errors="replace")
+            if _INCOMPLETE in text:
+                data = self._piece_bytes(token_id) or data
+            cached = self._cache[token_id] = (text, list(data))
+        return cached
+
+    def _piece_bytes(self, token_id: int) -> bytes | None:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return None
+        if (match := _BYTE_PIECE.match(piece)) is not None:
+            return bytes([int(match[1], 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return None

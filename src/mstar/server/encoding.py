@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar.engines.sampler import TokenLogprobs
 from mstar.runtime.model import Output
 from mstar.server.audio import pcm16_bytes
 from mstar.server.images import png_bytes
 
-__all__ = ["error_body", "ndjson", "output_line", "sse", "token_ids"]
+__all__ = ["error_body", "ndjson", "output_line", "sse", "token_ids", "token_logprobs"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -35,12 +36,20 @@ def ndjson(obj: Any) -> bytes:
 
 
 def token_ids(data: Any) -> list[int]:
-    """Return the token ids of a text output: one id (an int), or a tensor, array or list of them."""
+    """Return the token ids of a text output: one id (an int), a tensor, array or list of them, or
+    a sampled token with its log-probabilities (`TokenLogprobs.to_dict`)."""
     if isinstance(data, int):
         return [data]
+    if isinstance(data, dict):
+        return [int(data["token_id"])]
     if isinstance(data, torch.Tensor):
         return [int(i) for i in data.reshape(-1).tolist()]
     return [int(i) for i in np.ravel(data)]
+
+
+def token_logprobs(data: Any) -> TokenLogprobs | None:
+    """Return the log-probabilities a text output carries (None: a bare token id)."""
+    return TokenLogprobs.from_dict(data) if isinstance(data, dict) else None
 
 
 def _b64(data: bytes) -> str:
@@ -60,7 +69,8 @@ def output_line(
     """Return the NDJSON object of one output (the native `/generate` format).
 
     - text: ``token_ids``, ``num_tokens`` and, when the model detokenizes, ``text`` (the
-      complete characters these tokens add);
+      complete characters these tokens add); with log-probabilities asked for, ``logprobs``:
+      ``{"token_id", "logprob", "top_token_ids", "top_logprobs"}`` of the token;
     - audio: ``num_samples``, ``sample_rate`` and base64 PCM16 ``data`` (mono);
     - image: ``num_images`` 1, ``width``, ``height`` and base64 PNG ``data``;
     - any other tensor (latents, actions, frames): ``shape``, ``dtype`` and base64 ``data``
@@ -71,6 +81,8 @@ def output_line(
     if out.modality == "text":
         ids = token_ids(data)
         line.update(token_ids=ids, num_tokens=len(ids))
+        if isinstance(data, dict):
+            line["logprobs"] = data
         if text is not None:
             line["text"] = text
         return line

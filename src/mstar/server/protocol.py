@@ -3,18 +3,34 @@
 Validation errors name the offending field (pydantic's location, e.g. ``messages.0.role``);
 the server answers them with status 400 in OpenAI's error shape. Unknown fields are ignored,
 as OpenAI's API does, except by `/generate`, which passes them to the model as request data.
+
+Numbers are checked as JSON numbers (no strings, booleans, NaN or infinities; seeds fit in
+64 bits), and no text anywhere in a body may hold a lone UTF-16 surrogate (``"\\ud800"`` is
+valid JSON but no valid text, and no tokenizer can read it).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from mstar.engines.sampling_params import MAX_LOGPROBS, SEED_RANGE
 from mstar.errors import APIRequestError
 
 __all__ = [
+    "MAX_CHOICES",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -27,11 +43,73 @@ __all__ = [
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
+MAX_CHOICES = 16
+"""The most choices (`n`) one chat or completion request may ask for."""
+
+Seed = Annotated[int, Field(strict=True, ge=SEED_RANGE[0], lt=SEED_RANGE[1])]
+Real = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Count = Annotated[int, Field(strict=True)]
+
+_NATIVE_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "ignore_eos",
+)
+
+
+def _surrogates(value: Any, loc: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """Yield the location of every string (or key) in a JSON value that holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            yield loc
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _surrogates(key, (*loc, str(key)))
+            yield from _surrogates(item, (*loc, str(key)))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _surrogates(item, (*loc, i))
+
+
+def _field_error(cls: type[BaseModel], loc: tuple[str | int, ...], message: str) -> ValidationError:
+    """Return a validation error of the field at ``loc``."""
+    error = PydanticCustomError("invalid_field", message)
+    return ValidationError.from_exception_data(
+        cls.__name__, [InitErrorDetails(type=error, loc=loc, input=None)]
+    )
+
+
+def _check_text(cls: type[BaseModel], data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+    """Reject a body holding invalid text (with the field's location), then validate it."""
+    bad = list(_surrogates(data))
+    if bad:
+        error = PydanticCustomError(
+            "invalid_text", "text holds a lone surrogate (\\ud800-\\udfff): send valid Unicode"
+        )
+        raise ValidationError.from_exception_data(
+            cls.__name__, [InitErrorDetails(type=error, loc=loc, input=None) for loc in bad]
+        )
+    return handler(data)
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _valid_text(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        return _check_text(cls, data, handler)
 
 
 class StreamOptions(BaseModel):
@@ -41,35 +119,24 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(_Body):
-    """Sampling fields shared by chat and completions (vLLM's extensions included)."""
+    """Sampling fields shared by chat and completions (vLLM's extensions included).
 
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    ``seed`` null means no seed, as OpenAI's schema allows.
+    """
+
+    max_tokens: Count | None = Field(None, ge=1)
+    temperature: Real | None = Field(None, ge=0.0, le=2.0)
+    top_p: Real | None = Field(None, gt=0.0, le=1.0)
+    top_k: Count | None = Field(None, ge=0)
+    repetition_penalty: Real | None = Field(None, gt=0.0)
+    seed: Seed | None = None
     ignore_eos: bool = False
     stop: str | list[str] | None = None
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    n: Count = Field(1, ge=1, le=MAX_CHOICES)
+    frequency_penalty: Real = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: Real = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("this server returns one choice per request: send n = 1")
-        return n
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _check_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("not supported: use repetition_penalty, or leave this at 0")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -90,16 +157,27 @@ class _Sampling(_Body):
         """Return whether a stream ends with a usage event."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_data(self, max_tokens: int | None = None) -> dict[str, Any]:
-        """Return the model's sampling keys that were given."""
-        data: dict[str, Any] = {}
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+    @property
+    def num_logprobs(self) -> int | None:
+        """Return how many alternatives to report per token (None: no log-probabilities)."""
+        return None
+
+    def sampling_data(self, max_tokens: int | None, choice: int = 0) -> dict[str, Any]:
+        """Return the model's sampling keys for choice number ``choice`` (its own seed)."""
+        data: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
+        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
             value = getattr(self, key)
             if value is not None:
                 data[key] = value
-        limit = max_tokens if max_tokens is not None else self.max_tokens
-        if limit is not None:
-            data["max_tokens"] = limit
+        for key in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, key):
+                data[key] = getattr(self, key)
+        if self.seed is not None:
+            # Each choice draws from its own stream: seed, seed + 1, ... (wrapping within 64 bits).
+            low, high = SEED_RANGE
+            data["seed"] = (self.seed + choice - low) % (high - low) + low
+        if self.num_logprobs is not None:
+            data["logprobs"] = self.num_logprobs
         if self.ignore_eos:
             data["ignore_eos"] = True
         return data
@@ -136,23 +214,48 @@ class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None  # not supported
+    max_completion_tokens: Count | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: Count | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _field_error(type(self), ("top_logprobs",), "top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Return how many alternatives to report per token (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, str]]:
         """Return the messages as plain role/content dicts (for a chat template)."""
-        return [{"role": m.role, "content": m.text(f"messages.{i}")} for i, m in enumerate(self.messages)]
+        return [
+            {"role": m.role, "content": m.text(f"messages.{i}")}
+            for i, m in enumerate(self.messages)
+        ]
 
     def limit(self) -> int | None:
         """Return the requested completion length."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 class CompletionRequest(_Sampling):
     """`POST /v1/completions`: one prompt, text or token ids."""
 
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    prompt: str | list[Count] | list[str] = Field(min_length=1)
     echo: Literal[False] | None = None  # not supported
+    logprobs: Count | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Return how many alternatives to report per token (None: no log-probabilities)."""
+        return self.logprobs
 
     def prompt_data(self) -> dict[str, Any]:
         """Return the prompt as the model's request data.
@@ -180,19 +283,26 @@ class SpeechRequest(_Body):
     stream: bool = False
     stream_format: Literal["audio", "sse"] | None = None
     # Sampling of the speech model's token generation (extensions, as vLLM's).
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    max_tokens: Count | None = Field(None, ge=1)
+    temperature: Real | None = Field(None, ge=0.0, le=2.0)
+    top_p: Real | None = Field(None, gt=0.0, le=1.0)
+    top_k: Count | None = Field(None, ge=0)
+    repetition_penalty: Real | None = Field(None, gt=0.0)
+    seed: Seed | None = None
     ignore_eos: bool | None = None
 
     def model_data(self) -> dict[str, Any]:
         """Return the speech model's request data: text, voice, instructions, sampling."""
         data: dict[str, Any] = {"text": self.input}
         for key in (
-            "voice", "instructions", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
+            "voice",
+            "instructions",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "repetition_penalty",
+            "seed",
             "ignore_eos",
         ):
             value = getattr(self, key)
@@ -220,7 +330,9 @@ class ImageGenerationRequest(_Body):
     n: int = Field(1, ge=1, le=8)
     size: str | None = None
     response_format: Literal["b64_json"] = "b64_json"
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1] - 2 * MAX_CHOICES)] | None = (
+        None  # form fields are text
+    )
 
     @field_validator("size")
     @classmethod
@@ -242,17 +354,57 @@ class ImageEditRequest(ImageGenerationRequest):
     output_format: Literal["png"] | None = None
 
 
-class GenerateRequest(BaseModel):
-    """Native `POST /generate`: any task; fields other than these become request data."""
+class _NativeSampling(BaseModel):
+    """The sampling fields of `/generate`, checked wherever they are sent (top level or in `data`).
+
+    Left out, a field takes the model's default; null is not a value for any of them.
+    """
 
     model_config = ConfigDict(extra="allow")
 
+    max_tokens: Count | None = Field(None, ge=1)
+    temperature: Real | None = Field(None, ge=0.0)
+    top_p: Real | None = Field(None, gt=0.0, le=1.0)
+    top_k: Count | None = Field(None, ge=0)
+    repetition_penalty: Real | None = Field(None, gt=0.0)
+    presence_penalty: Real | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Real | None = Field(None, ge=-2.0, le=2.0)
+    seed: Seed | None = None
+    logprobs: Count | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    ignore_eos: bool | None = None
+
+    @field_validator(*_NATIVE_SAMPLING, mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise ValueError(
+                "null is not a value here: send one, or leave the field out for the model's default"
+            )
+        return value
+
+    def given(self) -> dict[str, Any]:
+        """Return the fields that were sent (sampling fields and any others)."""
+        return self.model_dump(exclude_unset=True)
+
+
+class GenerateRequest(_NativeSampling):
+    """Native `POST /generate`: any task; fields other than these become request data."""
+
     model: str | None = None
     task: str | None = None
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: _NativeSampling = Field(default_factory=lambda: _NativeSampling.model_validate({}))
     stream: bool = True
-    audio_data: bool = Field(True, description="send audio samples (base64 PCM16), not only their count")
+    audio_data: bool = Field(
+        True, description="send audio samples (base64 PCM16), not only their count"
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _valid_text(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        return _check_text(cls, data, handler)
 
     def request_data(self) -> dict[str, Any]:
         """Return the model's request data: `data` plus every other top-level field."""
-        return {**(self.model_extra or {}), **self.data}
+        own = {"model", "task", "data", "stream", "audio_data"}
+        top = {k: v for k, v in self.given().items() if k not in own}
+        return {**top, **self.data.given()}

@@ -1,34 +1,39 @@
 """`POST /v1/chat/completions` and `POST /v1/completions` over a model's "generate" task.
 
 As in vLLM, the server applies the chat template and tokenizes the prompt (so `usage` is
-exact), sends the token ids to the engine, and turns the sampled ids back into text
-incrementally, emitting only complete characters.
+exact), checks that the prompt and `max_tokens` fit the model's length (a 400 before any
+token is generated; without `max_tokens`, the rest of the length), sends the token ids to the
+engine, and turns the sampled ids back into text incrementally, emitting only complete
+characters.
+
+Each of the `n` choices is an engine request of its own, in a task of its own; the choices
+of one prompt share its KV blocks (the engine forks them, see `KVTurn.prefix_group`), and
+choice i with a `seed` draws from seed + i. A stream interleaves the choices' chunks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Output, Request, SupportsTextOutput
-from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher
-from mstar.server.encoding import SSE_DONE, error_body, sse, token_ids
+from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenTexts
+from mstar.server.encoding import SSE_DONE, error_body, sse, token_ids, token_logprobs
 from mstar.server.protocol import ChatCompletionRequest, CompletionRequest
-from mstar.server.session import (
-    EngineStreamingResponse,
-    RequestStream,
-    cancel_on_disconnect,
-    open_stream,
-)
+from mstar.server.session import RequestStream, cancel_on_disconnect, status_of
 from mstar.server.state import ServerState
 
 __all__ = ["TextGeneration", "router"]
@@ -38,10 +43,30 @@ log = structlog.get_logger(__name__)
 router = APIRouter()
 
 
-class TextGeneration:
-    """Follow one request's text outputs: text deltas, stop strings, finish reason, usage."""
+@dataclass
+class Piece:
+    """What one output adds to a choice: text, and the log-probabilities of its tokens."""
 
-    def __init__(self, model: SupportsTextOutput, prompt_tokens: int, stops: list[str], max_tokens: int | None) -> None:
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each token's offset in the choice's text
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.logprobs)
+
+
+class TextGeneration:
+    """Follow one choice's text outputs: text deltas, stop strings, log-probabilities, finish reason."""
+
+    def __init__(
+        self,
+        model: SupportsTextOutput,
+        prompt_tokens: int,
+        stops: list[str],
+        max_tokens: int | None,
+        index: int = 0,
+    ) -> None:
+        self.index = index
         self.detokenizer = IncrementalDetokenizer(model.detokenize)
         self.stopper = StopStringMatcher(stops)
         self.eos_ids = frozenset(model.eos_token_ids)
@@ -49,27 +74,37 @@ class TextGeneration:
         self.prompt_tokens = prompt_tokens
         self.num_tokens = 0
         self.last_token: int | None = None
+        self.text_len = 0  # characters emitted so far
 
     @property
     def is_stopped(self) -> bool:
         """Return whether a stop string ended the text."""
         return self.stopper.is_stopped
 
-    def feed(self, out: Output) -> str:
-        """Take one output; return the text it adds (empty for other modalities)."""
+    def feed(self, out: Output) -> Piece:
+        """Take one output; return what it adds (nothing for other modalities)."""
         if out.modality != "text" or self.is_stopped:
-            return ""
+            return Piece()
         ids = token_ids(out.data)
         self.num_tokens += len(ids)
         if ids:
             self.last_token = ids[-1]
-        return self.stopper.feed(self.detokenizer.add(ids))
+        logprobs = token_logprobs(out.data)
+        offset = self.text_len
+        text = self._emit(self.stopper.feed(self.detokenizer.add(ids)))
+        if logprobs is None or (self.is_stopped and not text):
+            return Piece(text)
+        return Piece(text, [logprobs], [offset])
 
     def finish(self) -> str:
         """Return the text held back at the end."""
         if self.is_stopped:
             return ""
-        return self.stopper.feed(self.detokenizer.flush()) + self.stopper.flush()
+        return self._emit(self.stopper.feed(self.detokenizer.flush()) + self.stopper.flush())
+
+    def _emit(self, text: str) -> str:
+        self.text_len += len(text)
+        return text
 
     @property
     def finish_reason(self) -> str:
@@ -80,13 +115,185 @@ class TextGeneration:
             return "stop"
         return "length"
 
-    def usage(self) -> dict[str, int]:
-        """Return OpenAI's usage object."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.num_tokens,
-            "total_tokens": self.prompt_tokens + self.num_tokens,
-        }
+
+def _usage(prompt_tokens: int, gens: list[TextGeneration]) -> dict[str, int]:
+    """Return OpenAI's usage object (the prompt counted once, every choice's tokens)."""
+    completion = sum(g.num_tokens for g in gens)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+# --- log-probabilities in OpenAI's two shapes ---------------------------------------------
+
+
+def _chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    """Return chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text, data = texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": data}
+
+    content = []
+    for lp in logprobs:
+        top = [entry(t, x) for t, x in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+        content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": top})
+    return {"content": content}
+
+
+def _completion_logprobs(
+    texts: TokenTexts, logprobs: list[TokenLogprobs], offsets: list[int]
+) -> dict[str, Any]:
+    """Return legacy completions' ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    top: list[dict[str, float] | None] = []
+    for lp in logprobs:
+        alternatives: dict[str, float] = {}
+        for t, x in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+            alternatives.setdefault(
+                texts(t)[0], x
+            )  # tokens of one text (broken bytes): the likeliest
+        top.append(alternatives or None)
+    return {
+        "tokens": [texts(lp.token_id)[0] for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": list(offsets),
+    }
+
+
+# --- running the choices --------------------------------------------------------------------
+
+_END = object()  # a choice's last queue item when it ended cleanly
+
+
+def _request_error(exc: BaseException) -> BaseException:
+    """Return the error to answer: the model's rejection of a request (a ValueError) is a 400."""
+    if isinstance(exc, ValueError) and not isinstance(exc, APIRequestError):
+        return APIRequestError(str(exc))
+    return exc
+
+
+class _Choices:
+    """The engine requests of one chat or completion (one per choice), each followed by a task.
+
+    Each task starts its request (admission, then the first output), feeds its outputs to
+    the choice's `TextGeneration` and queues what they add, so a stream can send whichever
+    choice has something; a choice that ends or fails queues `_END` or its error.
+    """
+
+    def __init__(
+        self, state: ServerState, requests: list[Request], gens: list[TextGeneration]
+    ) -> None:
+        self.state = state
+        self.gens = gens
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.started = [loop.create_future() for _ in requests]
+        self.tasks = [asyncio.ensure_future(self._follow(i, r)) for i, r in enumerate(requests)]
+
+    async def _follow(self, index: int, request: Request) -> None:
+        stream = RequestStream(self.state, request)
+        gen = self.gens[index]
+        started = self.started[index]
+        try:
+            try:
+                await stream.start()
+            except BaseException as exc:
+                await stream.aclose(status_of(exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    started.cancel()
+                    raise
+                error = _request_error(exc)
+                started.set_exception(error)
+                started.exception()  # read here too: the route may be gone already
+                raise error from None
+            started.set_result(None)
+            async with contextlib.aclosing(stream.outputs()) as outputs:
+                async for out in outputs:
+                    piece = gen.feed(out)
+                    if piece:
+                        self.queue.put_nowait((index, piece))
+                    if gen.is_stopped:
+                        stream.complete()
+                        break
+            tail = gen.finish()
+            if tail:
+                self.queue.put_nowait((index, Piece(tail)))
+            self.queue.put_nowait((index, _END))
+        except Exception as exc:
+            error = _request_error(exc)
+            self.queue.put_nowait((index, error))
+            raise error from exc
+        finally:
+            await stream.aclose()
+
+    async def wait_started(self) -> None:
+        """Wait for the first choice's first output; raise its error if it failed to start."""
+        try:
+            await asyncio.shield(self.started[0])
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def collect(self) -> list[Piece]:
+        """Run every choice to its end; return each one's whole text and log-probabilities."""
+        results = [Piece() for _ in self.gens]
+        try:
+            await asyncio.gather(*self.tasks)
+        finally:
+            await self.aclose()
+        while not self.queue.empty():
+            index, item = self.queue.get_nowait()
+            if isinstance(item, Piece):
+                whole = results[index]
+                whole.text += item.text
+                whole.logprobs += item.logprobs
+                whole.offsets += item.offsets
+        return results
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
+        """Yield ``(choice, piece)`` as the choices produce them, and ``(choice, None)`` as each ends.
+
+        Raises:
+            MStarError | ValueError: A choice failed.
+        """
+        num_running = len(self.tasks)
+        while num_running:
+            index, item = await self.queue.get()
+            if isinstance(item, Piece):
+                yield index, item
+            elif item is _END:
+                num_running -= 1
+                yield index, None
+            else:
+                raise item
+
+    async def aclose(self) -> None:
+        """Stop every choice still running (its engine request is aborted) and wait for them."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class _ChoicesResponse(StreamingResponse):
+    """A streaming response that always ends its choices' engine requests (client gone or not)."""
+
+    def __init__(self, content: AsyncIterator[bytes], choices: _Choices) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.choices = choices
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.choices.aclose()
+
+
+# --- the routes -----------------------------------------------------------------------------
 
 
 def _state(http: HttpRequest) -> ServerState:
@@ -107,10 +314,45 @@ def _text_model(state: ServerState) -> SupportsTextOutput:
 
 def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
     except Exception as exc:  # the template rejects the conversation (e.g. role order)
-        raise APIRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        raise APIRequestError(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
     return [int(i) for i in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+
+
+async def _max_tokens(
+    state: ServerState, num_prompt: int, requested: int | None, prompt_param: str, limit_param: str
+) -> int | None:
+    """Return the completion length: as requested, or the rest of the model's length.
+
+    Raises:
+        APIRequestError: The prompt, or the prompt and the requested tokens, exceed the model's length.
+    """
+    limit = await state.max_seq_len()
+    if limit is None:
+        return requested
+    if num_prompt >= limit:
+        raise APIRequestError(
+            f"the prompt has {num_prompt} tokens but the model's length is {limit} tokens "
+            "(prompt and completion together): shorten it",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return limit - num_prompt
+    if num_prompt + requested > limit:
+        raise APIRequestError(
+            f"the model's length is {limit} tokens, but {num_prompt + requested} were requested "
+            f"({num_prompt} in the prompt, {requested} in the completion): lower {limit_param} to at most "
+            f"{limit - num_prompt} or shorten the prompt",
+            param=limit_param,
+            code="context_length_exceeded",
+        )
+    return requested
 
 
 async def _run(
@@ -123,54 +365,46 @@ async def _run(
     kind: str,
 ) -> Response:
     request_id = f"{kind}-{uuid.uuid4().hex}"
-    data = {"prompt_token_ids": prompt_ids, **body.sampling_data(max_tokens)}
-    gen = TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens)
-    stream = await open_stream(state, http, Request("generate", data, request_id))
-    meta = {"id": request_id, "created": int(time.time()), "model": state.name}
-    if body.stream:
-        events = _chat_events if kind == "chatcmpl" else _completion_events
-        return EngineStreamingResponse(
-            events(stream, gen, meta, body.include_usage), stream, media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+    requests, gens = [], []
+    for i in range(body.n):
+        data: dict[str, Any] = {"prompt_token_ids": prompt_ids, **body.sampling_data(max_tokens, i)}
+        if body.n > 1:
+            data["prefix_group"] = request_id
+        requests.append(
+            Request("generate", data, request_id if body.n == 1 else f"{request_id}-{i}")
         )
-    try:
-        text = await cancel_on_disconnect(http, _collect(stream, gen))
-    finally:
-        await stream.aclose()
-    choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
-    if kind == "chatcmpl":
-        choice["message"] = {"role": "assistant", "content": text}
-        obj = "chat.completion"
-    else:
-        choice["text"] = text
-        obj = "text_completion"
-    return JSONResponse({**meta, "object": obj, "choices": [choice], "usage": gen.usage()})
-
-
-async def _collect(stream: RequestStream, gen: TextGeneration) -> str:
-    parts: list[str] = []
-    async with contextlib.aclosing(stream.outputs()) as outputs:
-        async for out in outputs:
-            parts.append(gen.feed(out))
-            if gen.is_stopped:
-                stream.complete()
-                break
-    parts.append(gen.finish())
-    return "".join(parts)
-
-
-async def _text_deltas(stream: RequestStream, gen: TextGeneration) -> AsyncIterator[str]:
-    async with contextlib.aclosing(stream.outputs()) as outputs:
-        async for out in outputs:
-            text = gen.feed(out)
-            if text:
-                yield text
-            if gen.is_stopped:
-                stream.complete()
-                break
-    tail = gen.finish()
-    if tail:
-        yield tail
+        gens.append(TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens, i))
+    texts = TokenTexts(text_model.tokenizer)
+    meta = {"id": request_id, "created": int(time.time()), "model": state.name}
+    choices = _Choices(state, requests, gens)
+    if body.stream:
+        await cancel_on_disconnect(http, choices.wait_started())
+        events = _chat_events if kind == "chatcmpl" else _completion_events
+        with_logprobs = body.num_logprobs is not None
+        return _ChoicesResponse(
+            events(choices, texts, meta, body.include_usage, with_logprobs), choices
+        )
+    results = await cancel_on_disconnect(http, choices.collect())
+    out = []
+    for gen, piece in zip(gens, results, strict=True):
+        choice: dict[str, Any] = {
+            "index": gen.index,
+            "finish_reason": gen.finish_reason,
+            "logprobs": None,
+        }
+        if kind == "chatcmpl":
+            choice["message"] = {"role": "assistant", "content": piece.text}
+            if body.num_logprobs is not None:
+                choice["logprobs"] = _chat_logprobs(texts, piece.logprobs)
+        else:
+            choice["text"] = piece.text
+            if body.num_logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(texts, piece.logprobs, piece.offsets)
+        out.append(choice)
+    obj = "chat.completion" if kind == "chatcmpl" else "text_completion"
+    return JSONResponse(
+        {**meta, "object": obj, "choices": out, "usage": _usage(len(prompt_ids), gens)}
+    )
 
 
 def _stream_error(exc: Exception) -> bytes:
@@ -180,37 +414,72 @@ def _stream_error(exc: Exception) -> bytes:
 
 
 async def _chat_events(
-    stream: RequestStream, gen: TextGeneration, meta: dict[str, Any], include_usage: bool
+    choices: _Choices,
+    texts: TokenTexts,
+    meta: dict[str, Any],
+    include_usage: bool,
+    with_logprobs: bool,
 ) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(
+        index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
+    ) -> bytes:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs,
+        }
         return sse({**meta, "object": "chat.completion.chunk", "choices": [choice]})
 
-    yield chunk({"role": "assistant", "content": ""})
+    for gen in choices.gens:
+        yield chunk(gen.index, {"role": "assistant", "content": ""})
     try:
-        async for text in _text_deltas(stream, gen):
-            yield chunk({"content": text})
-        yield chunk({}, gen.finish_reason)
+        async for index, piece in choices.pieces():
+            if piece is None:
+                yield chunk(index, {}, choices.gens[index].finish_reason)
+            else:
+                logprobs = _chat_logprobs(texts, piece.logprobs) if with_logprobs else None
+                yield chunk(index, {"content": piece.text}, logprobs=logprobs)
         if include_usage:
-            yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage()})
+            usage = _usage(choices.gens[0].prompt_tokens, choices.gens)
+            yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage})
     except (MStarError, ValueError) as exc:
         yield _stream_error(exc)
     yield SSE_DONE
 
 
 async def _completion_events(
-    stream: RequestStream, gen: TextGeneration, meta: dict[str, Any], include_usage: bool
+    choices: _Choices,
+    texts: TokenTexts,
+    meta: dict[str, Any],
+    include_usage: bool,
+    with_logprobs: bool,
 ) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(
+        index: int, text: str, finish_reason: str | None = None, logprobs: Any = None
+    ) -> bytes:
+        choice = {
+            "index": index,
+            "text": text,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs,
+        }
         return sse({**meta, "object": "text_completion", "choices": [choice]})
 
     try:
-        async for text in _text_deltas(stream, gen):
-            yield chunk(text)
-        yield chunk("", gen.finish_reason)
+        async for index, piece in choices.pieces():
+            if piece is None:
+                yield chunk(index, "", choices.gens[index].finish_reason)
+            else:
+                logprobs = (
+                    _completion_logprobs(texts, piece.logprobs, piece.offsets)
+                    if with_logprobs
+                    else None
+                )
+                yield chunk(index, piece.text, logprobs=logprobs)
         if include_usage:
-            yield sse({**meta, "object": "text_completion", "choices": [], "usage": gen.usage()})
+            usage = _usage(choices.gens[0].prompt_tokens, choices.gens)
+            yield sse({**meta, "object": "text_completion", "choices": [], "usage": usage})
     except (MStarError, ValueError) as exc:
         yield _stream_error(exc)
     yield SSE_DONE
@@ -223,7 +492,11 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Re
     state.check_model(body.model)
     text_model = _text_model(state)
     prompt_ids = _chat_prompt(text_model.tokenizer, body.chat())
-    return await _run(http, state, text_model, body, prompt_ids, body.limit(), "chatcmpl")
+    limit_param = (
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    )
+    max_tokens = await _max_tokens(state, len(prompt_ids), body.limit(), "messages", limit_param)
+    return await _run(http, state, text_model, body, prompt_ids, max_tokens, "chatcmpl")
 
 
 @router.post("/v1/completions")
@@ -237,4 +510,5 @@ async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         prompt_ids = list(prompt["prompt_token_ids"])
     else:
         prompt_ids = [int(i) for i in text_model.tokenizer(prompt["prompt"])["input_ids"]]
-    return await _run(http, state, text_model, body, prompt_ids, body.max_tokens, "cmpl")
+    max_tokens = await _max_tokens(state, len(prompt_ids), body.max_tokens, "prompt", "max_tokens")
+    return await _run(http, state, text_model, body, prompt_ids, max_tokens, "cmpl")

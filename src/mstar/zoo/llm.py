@@ -9,7 +9,13 @@ rebuilt there).
 
 Request: ``Request("generate", {"prompt": str} | {"messages": [...]} |
 {"prompt_token_ids": [...]}, plus sampling keys: max_tokens, temperature, top_p, top_k,
-repetition_penalty, seed, ignore_eos})``.
+repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs, ignore_eos})``.
+Without ``max_tokens`` the request generates up to `DEFAULT_MAX_TOKENS`, or less where the
+model's length (`max_model_len`) ends first (the OpenAI routes send the rest of the length,
+as vLLM does). With ``logprobs`` (0-20 alternatives) each emitted token
+is a `TokenLogprobs` dict (``token_id``, ``logprob``, ``top_token_ids``, ``top_logprobs``)
+instead of a bare id. Requests sending the same ``prefix_group`` (a string) and the same
+prompt at once share the prompt's KV blocks (parallel samples of one prompt).
 """
 
 from __future__ import annotations
@@ -22,15 +28,24 @@ import torch
 
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import KVTurn
+from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
+from mstar.errors import KVCacheCapacityError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsTextOutput
 from mstar.zoo.hf_checkpoint import load_hf_config
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
-__all__ = ["LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
+__all__ = ["DEFAULT_MAX_TOKENS", "LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
 
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+_SAMPLING_KEYS = (
+    "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "seed", "logprobs",
+)
+_REQUEST_KEYS = (*_SAMPLING_KEYS, "ignore_eos", "prefix_group")
+
+DEFAULT_MAX_TOKENS = 256
+"""Tokens a request without ``max_tokens`` may generate (at most: the model's length may end first)."""
 
 
 def make_llm_graph(name: str = "llama") -> ModelGraph:
@@ -64,13 +79,18 @@ class LlamaKVNode:
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         """Generate what is left of ``max_tokens``; feed the history where the cache is empty."""
-        return history_turn(inputs, is_first, () if inputs["params"].get("ignore_eos") else self.eos_token_ids)
+        params = inputs["params"]
+        stops = () if params.get("ignore_eos") else self.eos_token_ids
+        return history_turn(inputs, is_first, stops, prefix_group=params.get("prefix_group"))
 
-    def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
-        """Emit the token; on the walk's last one raise ``stop`` and persist the history."""
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None, *, logprobs: TokenLogprobs | None = None
+    ) -> Mapping[str, Any]:
+        """Emit the token (with its log-probabilities if asked); on the walk's last one raise ``stop`` and persist the history."""
+        token: Any = token_id if logprobs is None else logprobs.to_dict()
         if history is None:
-            return {"tokens": token_id, "stop": False}
-        return {"tokens": token_id, "stop": True, "history": torch.tensor(history)}
+            return {"tokens": token, "stop": False}
+        return {"tokens": token, "stop": True, "history": torch.tensor(history)}
 
 
 def history_turn(
@@ -90,6 +110,7 @@ def history_turn(
         **{k: params[k] for k in _SAMPLING_KEYS if k in params and k != "max_tokens"},
         max_tokens=max(1, left),
         stop_token_ids=stop_token_ids,
+        prompt_len=int(params["prompt_len"]),
     )
     is_done = left <= 0 or (generated > 0 and history[-1] in stop_token_ids)
     return KVTurn(history if is_first else [], sampling, is_done=is_done, **extra)
@@ -132,6 +153,22 @@ class TextLLM(Model, SupportsTextOutput):
             ids.add(int(self.tokenizer.eos_token_id))
         return tuple(sorted(ids))
 
+    @property
+    def max_model_len(self) -> int:
+        """Return the longest sequence (prompt and generated tokens) the model accepts.
+
+        The checkpoint's `max_position_embeddings`, lowered by the engine config's
+        `max_model_len` and, when the config sets `num_blocks`, the cache's size. A cache
+        sized by memory may hold less: the engine checks that when the request arrives.
+        """
+        limits = [int(self.hf_config.get("max_position_embeddings", 2048))]
+        config = self.engine_config
+        if config.max_model_len is not None:
+            limits.append(config.max_model_len)
+        if config.num_blocks is not None:
+            limits.append(config.num_blocks * config.block_size)
+        return min(limits)
+
     def graph(self) -> ModelGraph:
         """Return the prefill/decode graph."""
         return self._graph
@@ -173,10 +210,23 @@ class TextLLM(Model, SupportsTextOutput):
         vocab = int(self.hf_config["vocab_size"])
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        params = {"max_tokens": 16, **{k: data[k] for k in (*_SAMPLING_KEYS, "ignore_eos") if k in data}}
-        max_tokens = params["max_tokens"]
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        limit = self.max_model_len
+        if len(tokens) >= limit:
+            raise KVCacheCapacityError(
+                f"the prompt has {len(tokens)} tokens but the model's length is {limit}: shorten it"
+            )
+        params = {k: data[k] for k in _REQUEST_KEYS if k in data and data[k] is not None}
+        max_tokens = params.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, limit - len(tokens)))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if len(tokens) + max_tokens > limit:
+            raise KVCacheCapacityError(
+                f"the request needs up to {len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt + "
+                f"max_tokens {max_tokens}) but the model's length is {limit}: lower max_tokens to at most "
+                f"{limit - len(tokens)}"
+            )
+        if not isinstance(params.get("prefix_group", ""), str):
+            raise ValueError("prefix_group must be a string")
         SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
         params["prompt_len"] = len(tokens)
         return PreparedRequest({"llm": {"history": torch.tensor(tokens), "params": params}})
