@@ -169,7 +169,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MStarError)
     async def engine_error(http: HttpRequest, exc: MStarError) -> Response:
         log.error("request_failed", error=str(exc), error_type=type(exc).__name__)
-        return JSONResponse(error_body(str(exc), "server_error", code=500), 500)
+        return JSONResponse(error_body(str(exc), "server_error", code=500, exc=exc), 500)
 
     @app.exception_handler(HTTPException)
     async def http_error(http: HttpRequest, exc: HTTPException) -> Response:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from mstar.engines.sampler import TokenLogprobs
+from mstar.errors import MStarError
 from mstar.runtime.model import Output
 from mstar.server.audio import pcm16_bytes
 from mstar.server.images import png_bytes
@@ -20,9 +21,23 @@ __all__ = ["error_body", "ndjson", "output_line", "sse", "token_ids", "token_log
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def error_body(message: str, error_type: str, *, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
-    """Return an OpenAI-style error object."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+def error_body(
+    message: str,
+    error_type: str,
+    *,
+    param: str | None = None,
+    code: str | int | None = None,
+    exc: BaseException | None = None,
+) -> dict[str, Any]:
+    """Return an OpenAI-style error object.
+
+    With ``exc`` (an `MStarError`), ``mstar_error`` names its class, so that `mstar.client`
+    raises the same type.
+    """
+    error: dict[str, Any] = {"message": message, "type": error_type, "param": param, "code": code}
+    if isinstance(exc, MStarError):
+        error["mstar_error"] = type(exc).__name__
+    return {"error": error}
 
 
 def sse(obj: Any) -> bytes:

@@ -78,7 +78,7 @@ async def _lines(stream: RequestStream, state: ServerState, with_audio: bool) ->
     except (MStarError, ValueError) as exc:
         log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
         kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
-        yield ndjson(error_body(str(exc), kind))
+        yield ndjson(error_body(str(exc), kind, exc=exc))
 
 
 def _check_text(body: GenerateRequest, limit: int) -> None:

@@ -410,7 +410,7 @@ async def _run(
 def _stream_error(exc: Exception) -> bytes:
     log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
     kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
-    return sse(error_body(str(exc), kind, code=500 if kind == "server_error" else 400))
+    return sse(error_body(str(exc), kind, code=500 if kind == "server_error" else 400, exc=exc))
 
 
 async def _chat_events(
