@@ -102,12 +102,14 @@ class SystemProcess:
         self.loop = loop
         self.addresses: list[str] = []
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._pid: int | None = None
+        self._is_started = False
         self._lifeline: Connection | None = None
 
     @property
     def pid(self) -> int | None:
         """The child's pid, once started."""
-        return None if self._process is None else self._process.pid
+        return self._pid
 
     @property
     def sentinel(self) -> int | None:
@@ -125,8 +127,9 @@ class SystemProcess:
         Raises:
             PeerLostError: the child died or did not report within `timeout`.
         """
-        if self._process is not None:
+        if self._is_started:
             raise RuntimeError("a SystemProcess starts once")
+        self._is_started = True
         check_main_guard()
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)
@@ -140,7 +143,7 @@ class SystemProcess:
         )
         process.start()
         theirs.close()
-        self._process, self._lifeline = process, ours
+        self._process, self._lifeline, self._pid = process, ours, process.pid
         multiprocessing.util.Finalize(self, ours.close, exitpriority=10)
         try:
             if not ours.poll(timeout):
@@ -148,11 +151,11 @@ class SystemProcess:
             report = msgspec.json.decode(ours.recv_bytes())
         except (EOFError, OSError) as exc:
             process.join(5)
-            if process.exitcode == _MAIN_GUARD_EXIT:
+            exitcode = process.exitcode
+            self.kill()
+            if exitcode == _MAIN_GUARD_EXIT:
                 raise MissingMainGuardError(_MAIN_GUARD_HELP) from None
-            raise PeerLostError(
-                f"the child system exited (code {process.exitcode}) before it served"
-            ) from exc
+            raise PeerLostError(f"the child system exited (code {exitcode}) before it served") from exc
         except PeerLostError:
             self.kill()
             raise
@@ -174,6 +177,7 @@ class SystemProcess:
             process.join(timeout)
         if process.is_alive():
             self.kill()
+        self._reap()
         self._close_lifeline()
 
     def kill(self) -> None:
@@ -184,7 +188,16 @@ class SystemProcess:
         if process.is_alive():
             process.kill()
         process.join(10)
+        self._reap()
         self._close_lifeline()
+
+    def _reap(self) -> None:
+        # A reaped child's Process object still holds its sentinel pipe until collected:
+        # close it now, or every restarted worker leaks a descriptor.
+        process = self._process
+        if process is not None and process.exitcode is not None:
+            process.close()
+            self._process = None
 
     def _close_lifeline(self) -> None:
         if self._lifeline is not None:

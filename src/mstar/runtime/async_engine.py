@@ -288,6 +288,7 @@ class AsyncEngine:
 
         def exited() -> None:
             loop.remove_reader(sentinel)
+            self._sentinels.discard(sentinel)
             self._exited.set()
 
         loop.add_reader(sentinel, exited)
@@ -310,10 +311,10 @@ class AsyncEngine:
                 # Asks waiting on the dead process fail now, not at the heartbeat timeout.
                 for address in proc.addresses:
                     self.system.drop_link(address, PeerLostError(f"the worker process of rank {rank} died"))
-                proc.kill()  # reap it
                 if proc.sentinel is not None and proc.sentinel in self._sentinels:
                     self._sentinels.discard(proc.sentinel)
                     asyncio.get_running_loop().remove_reader(proc.sentinel)
+                proc.kill()  # reap it (its sentinel closes)
                 try:
                     await self._restart(rank)
                 except Exception:
@@ -321,7 +322,7 @@ class AsyncEngine:
 
     async def _restart(self, rank: int) -> None:
         proc = self.processes[rank] = self._make_process()
-        await asyncio.to_thread(proc.start)
+        await asyncio.to_thread(proc.start)  # a child that dies starting is reaped (and retried)
         self._watch_exit(rank)
         ref = self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
         await self._init_worker(rank)
