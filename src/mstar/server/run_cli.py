@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import numpy as np
 import torch
 
 from mstar.errors import MStarError
+from mstar.progress import progress
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig
 from mstar.runtime.model import Model, Output, Request, supports_audio_output, supports_text_output
 from mstar.runtime.placement import Placement
@@ -154,26 +153,6 @@ def _request_data(args: argparse.Namespace, model: Model, task: str) -> dict[str
     return data
 
 
-@contextlib.contextmanager
-def _progress(label: str) -> Iterator[Any]:
-    """Yield ``update(description)``: a live line on a terminal, nothing otherwise."""
-    if not sys.stderr.isatty():
-        yield lambda description: None
-        return
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as progress:
-        task = progress.add_task(label, total=None)
-        yield lambda description: progress.update(task, description=f"{label}: {description}")
-
-
 class _Collected:
     """Everything a request produced, by modality."""
 
@@ -232,7 +211,7 @@ async def _run(
         rate = engine.model.audio_sample_rate if supports_audio_output(engine.model) else None
         collected = _Collected(engine.model)
         request = Request(task, _request_data(args, engine.model, task))
-        with _progress(task) as update:
+        with progress(task) as update:
             async for out in engine.generate(request):
                 collected.add(out)
                 update(collected.summary(rate))

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from mstar.errors import MStarError, ServerConfigError
+from mstar.progress import progress
 from mstar.runtime.async_engine import EngineConfig
 from mstar.runtime.placement import Placement
 from mstar.server.admission import AdmissionLimits
@@ -89,17 +90,7 @@ def loading_display(name: str) -> Iterator[None]:
     """
     start = time.perf_counter()
     log.info("model_loading", model=name)
-    if sys.stderr.isatty():
-        from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        with Progress(
-            SpinnerColumn(), TextColumn(f"loading {name} (weights, engines)"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=True,
-        ) as progress:
-            progress.add_task("load", total=None)
-            yield
-    else:
+    with progress(f"loading {name} (weights, engines)"):
         yield
     log.info("model_loaded", model=name, seconds=round(time.perf_counter() - start, 3))
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mstar.errors import CheckpointError
+from mstar.progress import ProgressUpdate, progress
 from mstar.zoo.hf_checkpoint import save_state_dict
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
@@ -81,7 +82,8 @@ def smollm2_checkpoint_dir() -> Path:
     # Convert into a scratch directory and rename: a crash never leaves a half checkpoint.
     scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert_gguf(gguf_path, scratch)
+        with progress(f"converting {gguf_path.name} (once)", total=3) as update:
+            _convert_gguf(gguf_path, scratch, update)
         (scratch / _DONE_MARKER).write_text(gguf_path.name)
         if target.exists():
             shutil.rmtree(target)
@@ -92,12 +94,15 @@ def smollm2_checkpoint_dir() -> Path:
     return target
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def _convert_gguf(gguf_path: Path, out_dir: Path, update: ProgressUpdate) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
+    update("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    update("dequantising the weights", advance=1)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    update("writing safetensors", advance=1)
     config: dict[str, Any] = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = ["LlamaForCausalLM"]
@@ -106,6 +111,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         state.pop("lm_head.weight", None)
     save_state_dict(state, out_dir, config)
     tokenizer.save_pretrained(str(out_dir))
+    update(advance=1)
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> Any:

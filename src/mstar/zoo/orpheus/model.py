@@ -36,6 +36,7 @@ from mstar.graph import (
     ModelGraph,
     StreamingGraphEdge,
 )
+from mstar.progress import progress
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
 from mstar.zoo.llama import LlamaCausalLM
@@ -239,7 +240,8 @@ def _cached_random_checkpoint(cfg: OrpheusConfig) -> OrpheusConfig:
         # Write aside, then rename into place: concurrent processes never see half a checkpoint.
         log.info("writing_random_checkpoint", config=cfg.name, path=str(root))
         staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-        make_random_checkpoint(cfg, staging, seed=0)
+        with progress(f"writing random {cfg.name} weights (once)"):
+            make_random_checkpoint(cfg, staging, seed=0)
         (staging / "complete.json").write_text(json.dumps({"config": cfg.name, "seed": 0}))
         try:
             staging.rename(root)

@@ -48,6 +48,7 @@ from torch import nn
 from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings
 
 from mstar.errors import CheckpointError
+from mstar.progress import progress
 from mstar.zoo.hf_checkpoint import load_hf_config, safetensors_files
 from mstar.zoo.pi05.config import GEMMA_VARIANTS, GemmaConfig, Pi05Config
 from mstar.zoo.pi05.modules import Pi05Weights
@@ -330,7 +331,8 @@ def cached_random_checkpoint(config: Pi05Config, seed: int = 0) -> Path:
     log.info("writing_random_checkpoint", config=config.name, path=str(root))
     staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    make_random_checkpoint(config, staging, seed=seed)
+    with progress(f"writing random {config.name} weights (once)"):
+        make_random_checkpoint(config, staging, seed=seed)
     try:
         staging.rename(root)
     except OSError:
