@@ -1,0 +1,27 @@
+"""BAGEL (BAGEL-7B-MoT): a Mixture-of-Transformer-Experts LLM that understands and generates images.
+
+One paged cache holds each request's contexts (text, ViT and VAE image tokens); image
+generation is a rectified-flow loop whose steps query up to three of those contexts read-only
+(classifier-free guidance), running only the branches a step needs. The dense reference
+(`reference_generate`) recomputes every context with its own cache.
+"""
+
+from __future__ import annotations
+
+from mstar.zoo.bagel.config import BAGEL_CONFIGS, BagelConfig, get_bagel_config
+from mstar.zoo.bagel.flow import FlowSpec, guidance
+from mstar.zoo.bagel.reference import reference_generate, reference_understand
+from mstar.zoo.bagel.weights import BagelWeights, ImageInput, TextInput
+
+__all__ = [
+    "BAGEL_CONFIGS",
+    "BagelConfig",
+    "BagelWeights",
+    "FlowSpec",
+    "ImageInput",
+    "TextInput",
+    "get_bagel_config",
+    "guidance",
+    "reference_generate",
+    "reference_understand",
+]

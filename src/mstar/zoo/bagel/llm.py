@@ -1,0 +1,244 @@
+"""BAGEL's language model: Qwen2.5 with Mixture-of-Transformer-Experts (two weight sets per layer).
+
+Every layer holds an understanding copy (``q/k/v/o_proj``, ``q_norm/k_norm``, ``mlp``,
+``input_layernorm``, ``post_attention_layernorm``) and a generation copy (the same names with
+``_moe_gen``). A row runs through one copy: VAE latent tokens through the generation weights,
+text and ViT tokens (and the start/end markers around every image) through the understanding
+weights. Attention is joint over all rows and the cache, whichever copy made a row's keys.
+
+```
+row        | text ... | <soi> latent latent ... latent <eoi> |
+weights    | und      | und   gen    gen        gen    und   |
+RoPE pos   | r r+1 .. | q     q      q    ...   q      q     |   one position per image
+```
+
+Module names are upstream's (``language_model.model.layers.{i}.self_attn.q_proj_moe_gen``...), so
+``state_dict()`` is the checkpoint's ``language_model.*`` part as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.engines.layers import RMSNorm, apply_rotary
+from mstar.zoo.bagel.config import LLMConfig
+
+__all__ = [
+    "GEN",
+    "UND",
+    "Attend",
+    "PositionEmbedding",
+    "Qwen2MoTForCausalLM",
+    "Routing",
+    "TimestepEmbedder",
+    "rope_tables",
+    "sincos_2d",
+]
+
+UND = 0  # the understanding weights (text, ViT tokens, image markers)
+GEN = 1  # the generation weights (VAE latent tokens)
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(layer, q [n, H, D], k [n, KV, D], v [n, KV, D]) -> [n, H, D]`` over the rows' caches."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """Which rows of a batch run through which weights.
+
+    ``only`` is set when every row runs through one set (no gather or scatter then).
+    """
+
+    und: torch.Tensor  # row indices (int64)
+    gen: torch.Tensor
+    only: int | None
+
+    @classmethod
+    def of(cls, is_gen: torch.Tensor) -> Routing:
+        """Route rows by a boolean ``[n]`` mask (True: generation weights)."""
+        gen = is_gen.nonzero().squeeze(1)
+        und = (~is_gen).nonzero().squeeze(1)
+        only = GEN if und.numel() == 0 else UND if gen.numel() == 0 else None
+        return cls(und, gen, only)
+
+    def apply(
+        self, x: torch.Tensor, und: Callable[[torch.Tensor], torch.Tensor], gen: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Return ``und(x[und rows])`` and ``gen(x[gen rows])`` put back in row order."""
+        if self.only == UND:
+            return und(x)
+        if self.only == GEN:
+            return gen(x)
+        y_und = und(x.index_select(0, self.und))
+        y_gen = gen(x.index_select(0, self.gen))
+        out = y_und.new_empty((x.shape[0], *y_und.shape[1:]))
+        out.index_copy_(0, self.und, y_und)
+        out.index_copy_(0, self.gen, y_gen)
+        return out
+
+
+class _MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP."""
+        return cast(torch.Tensor, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class _Attention(nn.Module):
+    """Both experts' projections and per-head query/key norms (Qwen2: biased q/k/v, unbiased o)."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        h, d, kv, heads, eps = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.num_heads, cfg.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv, d
+        self.q_proj, self.q_proj_moe_gen = nn.Linear(h, heads * d), nn.Linear(h, heads * d)
+        self.k_proj, self.k_proj_moe_gen = nn.Linear(h, kv * d), nn.Linear(h, kv * d)
+        self.v_proj, self.v_proj_moe_gen = nn.Linear(h, kv * d), nn.Linear(h, kv * d)
+        self.o_proj = nn.Linear(heads * d, h, bias=False)
+        self.o_proj_moe_gen = nn.Linear(heads * d, h, bias=False)
+        self.q_norm, self.q_norm_moe_gen = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.k_norm, self.k_norm_moe_gen = RMSNorm(d, eps), RMSNorm(d, eps)
+
+    def qkv(self, h: torch.Tensor, suffix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the normalised queries and keys, and the values, of rows ``h`` by one expert."""
+        n = h.shape[0]
+        q = getattr(self, f"q_proj{suffix}")(h).view(n, self.num_heads, self.head_dim)
+        k = getattr(self, f"k_proj{suffix}")(h).view(n, self.num_kv_heads, self.head_dim)
+        v = getattr(self, f"v_proj{suffix}")(h).view(n, self.num_kv_heads, self.head_dim)
+        return getattr(self, f"q_norm{suffix}")(q), getattr(self, f"k_norm{suffix}")(k), v
+
+
+class MoTLayer(nn.Module):
+    """One ``Qwen2MoTDecoderLayer``."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.self_attn = _Attention(cfg)
+        self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp_moe_gen = _MLP(cfg.hidden_size, cfg.intermediate_size)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm_moe_gen = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm_moe_gen = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routing: Routing, attend: Attend
+    ) -> torch.Tensor:
+        """Run rows ``x`` through the layer; ``attend`` reads and writes their caches."""
+        attn = self.self_attn
+        h = routing.apply(x, self.input_layernorm, self.input_layernorm_moe_gen)
+        n = h.shape[0]
+        width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+
+        def qkv(suffix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda rows: torch.cat([t.reshape(rows.shape[0], -1) for t in attn.qkv(rows, suffix)], dim=1)
+
+        packed = routing.apply(h, qkv(""), qkv("_moe_gen"))
+        assert packed.shape[1] == width
+        q_end = attn.num_heads * attn.head_dim
+        k_end = q_end + attn.num_kv_heads * attn.head_dim
+        q = packed[:, :q_end].reshape(n, attn.num_heads, attn.head_dim)
+        k = packed[:, q_end:k_end].reshape(n, attn.num_kv_heads, attn.head_dim)
+        v = packed[:, k_end:].reshape(n, attn.num_kv_heads, attn.head_dim)
+        q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
+        k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+        out = attend(index, q, k, v).reshape(n, attn.num_heads * attn.head_dim)
+        x = x + routing.apply(out, attn.o_proj, attn.o_proj_moe_gen)
+        mlp_und = lambda rows: self.mlp(self.post_attention_layernorm(rows))  # noqa: E731
+        mlp_gen = lambda rows: self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(rows))  # noqa: E731
+        return x + routing.apply(x, mlp_und, mlp_gen)
+
+
+class Qwen2MoTModel(nn.Module):
+    """The token embedding, the layers and both final norms."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MoTLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm_moe_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, routing: Routing, attend: Attend) -> torch.Tensor:
+        """Run embedded rows at RoPE positions ``rope`` through every layer; return the normed states."""
+        cfg = self.config
+        cos, sin = rope_tables(rope, cfg.head_dim, cfg.rope_theta)
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, cos, sin, routing, attend)
+        return routing.apply(x, self.norm, self.norm_moe_gen)
+
+
+class Qwen2MoTForCausalLM(nn.Module):
+    """``language_model``: the decoder and its (untied) head."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.model = Qwen2MoTModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class TimestepEmbedder(nn.Module):
+    """A flow time's sinusoid (cosines first, ``frequencies`` wide) through a two-layer MLP."""
+
+    def __init__(self, hidden: int, frequencies: int = 256) -> None:
+        super().__init__()
+        self.frequencies = frequencies
+        self.mlp = nn.Sequential(nn.Linear(frequencies, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        """Embed times ``[n]`` (float32) as ``[n, hidden]``."""
+        half = self.frequencies // 2
+        freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        angles = t.float()[:, None] * freqs[None]
+        emb = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        first = cast(nn.Linear, self.mlp[0])
+        return cast(torch.Tensor, self.mlp(emb.to(first.weight.dtype)))
+
+
+class PositionEmbedding(nn.Module):
+    """A fixed 2D sin-cos table over a ``side x side`` grid, looked up by ``row * side + col``."""
+
+    def __init__(self, side: int, hidden: int) -> None:
+        super().__init__()
+        self.side = side
+        self.pos_embed = nn.Parameter(sincos_2d(hidden, side), requires_grad=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the rows of ``position_ids``."""
+        return self.pos_embed[position_ids]
+
+
+def sincos_2d(dim: int, side: int) -> torch.Tensor:
+    """Return the ``[side * side, dim]`` table: the column's 1D sin-cos, then the row's (float64 math)."""
+    rows, cols = torch.meshgrid(torch.arange(side, dtype=torch.float64), torch.arange(side, dtype=torch.float64), indexing="ij")
+
+    def one_d(d: int, pos: torch.Tensor) -> torch.Tensor:
+        omega = 1.0 / 10_000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2))
+        angles = pos.reshape(-1)[:, None] * omega[None]
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    return torch.cat([one_d(dim // 2, cols), one_d(dim // 2, rows)], dim=1).float()
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(cos, sin)`` ``[rows, 1, head_dim]`` (float32) for half-split rotary embedding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos(), angles.sin()

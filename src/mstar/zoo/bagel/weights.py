@@ -1,0 +1,216 @@
+"""All of ``ema.safetensors`` (the MoT LLM and the modules around it), and its step on the paged cache.
+
+```
+language_model.*            Qwen2MoTForCausalLM (`mstar.zoo.bagel.llm`)
+time_embedder.mlp.{0,2}     flow time -> LLM width
+vae2llm, llm2vae            latent token (p*p*z) <-> LLM width (the velocity head)
+latent_pos_embed.pos_embed  2D sin-cos over max_latent_size^2 latent positions
+vit_model.*                 SigLIP NaViT (checkpoint: vit_model.vision_model.*)
+connector.fc1, fc2          ViT width -> LLM width
+vit_pos_embed.pos_embed     2D sin-cos over the ViT's position grid
+```
+
+Every cache input is a payload (`TextInput`, `ImageInput`) that names its first RoPE position:
+BAGEL's positions are not its cache positions (an image of n tokens takes one). Sampled tokens
+(text decoding) carry no payload; their RoPE position is their cache position less the
+sequence's offset, which the model notes from each payload it writes (`rope_offsets`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+from torch import nn
+
+from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.paged_model import PagedKVContext
+from mstar.zoo.bagel.config import BagelConfig
+from mstar.zoo.bagel.llm import (
+    Attend,
+    PositionEmbedding,
+    Qwen2MoTForCausalLM,
+    Routing,
+    TimestepEmbedder,
+)
+from mstar.zoo.bagel.vision import (
+    MLPConnector,
+    NaViT,
+    connector_output,
+    flattened_positions,
+    patchify,
+)
+
+__all__ = ["BagelWeights", "ImageInput", "TextInput"]
+
+
+@dataclass(frozen=True, slots=True)
+class TextInput:
+    """Text tokens for the cache, the first at RoPE position ``rope`` (understanding weights, causal)."""
+
+    token_ids: torch.Tensor  # [n] int64
+    rope: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Count the cache positions."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def rope_end(self) -> int:
+        """The RoPE position after the input."""
+        return self.rope + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """``[<soi>, n image tokens, <eoi>]``, all at RoPE position ``rope`` (full attention).
+
+    Attributes:
+        kind: "vit": ``tokens`` are LLM-width ViT tokens (understanding weights); "vae" (a
+            clean input image, ``timestep`` 0) or "flow" (noisy latents at ``timestep``):
+            ``tokens`` are latent tokens ``[n, p*p*z]`` (generation weights).
+        latent_positions: ``[n]`` latent table positions ("vae" and "flow").
+    """
+
+    kind: Literal["vit", "vae", "flow"]
+    tokens: torch.Tensor
+    rope: int
+    latent_positions: torch.Tensor | None = None
+    timestep: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Count the cache positions (the markers included)."""
+        return int(self.tokens.shape[0]) + 2
+
+    @property
+    def rope_end(self) -> int:
+        """The RoPE position after the image."""
+        return self.rope + 1
+
+
+class BagelWeights(nn.Module):
+    """The weights of ``ema.safetensors``, and BAGEL's step on the paged cache (a `PagedModel`)."""
+
+    def __init__(self, config: BagelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.llm.hidden_size
+        self.language_model = Qwen2MoTForCausalLM(config.llm)
+        self.time_embedder = TimestepEmbedder(hidden, config.timestep_frequencies)
+        self.vae2llm = nn.Linear(config.patch_latent_dim, hidden)
+        self.llm2vae = nn.Linear(hidden, config.patch_latent_dim)
+        self.latent_pos_embed = PositionEmbedding(config.max_latent_size, hidden)
+        self.vit_model = NaViT(config.vit)
+        self.connector = MLPConnector(config.vit.hidden_size, hidden)
+        self.vit_pos_embed = PositionEmbedding(config.vit.max_patches_per_side, hidden)
+        # Sequence (engine id) -> cache position less RoPE position after its last payload.
+        self.rope_offsets: dict[str, int] = {}
+
+    # -- the PagedModel contract -----------------------------------------------------------
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Return the cache geometry (one joint attention for both experts)."""
+        cfg = self.config.llm
+        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.vae2llm.weight.dtype)
+
+    @property
+    def max_position(self) -> int:
+        """Return the longest sequence of cache positions."""
+        return self.config.llm.max_position
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Return next-token logits of text rows."""
+        return cast(torch.Tensor, self.language_model.lm_head(hidden))
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is noted for a request's sequences (it is released)."""
+        for key in [k for k in self.rope_offsets if k == request_id or k.startswith(f"{request_id}/")]:
+            self.rope_offsets.pop(key, None)
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.vae2llm.weight.dtype
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Return token embeddings."""
+        embed = self.language_model.model.embed_tokens
+        return cast(torch.Tensor, embed(token_ids.to(embed.weight.device)))
+
+    @torch.inference_mode()
+    def embed_vit(self, image: torch.Tensor) -> torch.Tensor:
+        """Return one image's LLM-width ViT tokens ``[h*w, hidden]`` for pixels ``[3, h*p, w*p]`` in [-1, 1]."""
+        cfg = self.config.vit
+        p = cfg.patch_size
+        h, w = image.shape[1] // p, image.shape[2] // p
+        positions = flattened_positions(h, w, cfg.max_patches_per_side).to(self.vae2llm.weight.device)
+        states = self.vit_model.encode(patchify(image.to(positions.device, self._dtype), p), positions)
+        return connector_output(self.connector, self.vit_pos_embed, states, positions)
+
+    def embed_input(self, payload: TextInput | ImageInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return a payload's rows, their RoPE positions and which rows run the generation weights."""
+        device = self.vae2llm.weight.device
+        if isinstance(payload, TextInput):
+            n = payload.num_tokens
+            x = self.embed_tokens(payload.token_ids)
+            rope = payload.rope + torch.arange(n, device=device)
+            return x, rope, torch.zeros(n, dtype=torch.bool, device=device)
+        if not isinstance(payload, ImageInput):
+            raise TypeError(f"BAGEL chunks carry a TextInput or an ImageInput, got {type(payload).__name__}")
+        tokens = self.config.tokens
+        markers = self.embed_tokens(torch.tensor([tokens.start_of_image, tokens.end_of_image], device=device))
+        n = payload.num_tokens
+        is_gen = torch.zeros(n, dtype=torch.bool, device=device)
+        if payload.kind == "vit":
+            middle = payload.tokens.to(device, self._dtype)
+        else:
+            assert payload.latent_positions is not None
+            t = torch.tensor([payload.timestep], dtype=torch.float32, device=device)
+            middle = (
+                self.vae2llm(payload.tokens.to(device, self._dtype))
+                + self.time_embedder(t)
+                + self.latent_pos_embed(payload.latent_positions.to(device))
+            )
+            is_gen[1:-1] = True
+        x = torch.cat([markers[:1], middle.to(markers.dtype), markers[1:]])
+        return x, torch.full((n,), payload.rope, device=device), is_gen
+
+    def run(self, x: torch.Tensor, rope: torch.Tensor, is_gen: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Run embedded rows through the decoder with ``attend`` over their caches; return final states."""
+        return cast(torch.Tensor, self.language_model.model(x, rope, Routing.of(is_gen), attend))
+
+    # -- the step --------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+        """Run a step's chunks jointly over the paged cache; return every row's final state."""
+        cfg = self.config.llm
+        xs: list[torch.Tensor] = []
+        ropes: list[torch.Tensor] = []
+        gens: list[torch.Tensor] = []
+        for chunk in ctx.step.chunks:
+            payload = chunk.payload
+            if payload is None:  # sampled tokens: RoPE follows the sequence's last payload
+                rows = slice(chunk.row_start, chunk.row_end)
+                xs.append(self.embed_tokens(input_ids[rows]))
+                ropes.append(positions[rows] - self.rope_offsets.get(chunk.seq_key, 0))
+                gens.append(torch.zeros(chunk.num_rows, dtype=torch.bool, device=positions.device))
+                continue
+            x, rope, is_gen = self.embed_input(payload)
+            if x.shape[0] != chunk.num_rows:
+                raise ValueError(f"a payload of {x.shape[0]} rows was scheduled as {chunk.num_rows}")
+            if not chunk.is_read_only:
+                self.rope_offsets[chunk.seq_key] = chunk.position + chunk.num_rows - payload.rope_end
+            xs.append(x)
+            ropes.append(rope)
+            gens.append(is_gen)
+        scale = cfg.head_dim**-0.5
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ctx.attend(i, q, k, v, scale)
+
+        return self.run(torch.cat(xs), torch.cat(ropes), torch.cat(gens), attend)
