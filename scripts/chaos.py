@@ -188,8 +188,12 @@ class Chaos:
 
     # --- faults ------------------------------------------------------------------------------
 
+    def worker_pids(self) -> set[int]:
+        return {p.pid for p in self.engine.processes.values() if p.pid is not None}
+
     async def inject(self, fault: str, http: httpx.AsyncClient) -> None:
         self.tally.faults[fault] += 1
+        self.pids |= self.worker_pids()
         self.fault_until = time.monotonic() + 3.0
         if fault in ("kill_worker", "stop_worker"):
             procs = self.engine.processes
@@ -280,12 +284,13 @@ class Chaos:
         rss_before = _rss(me)
         fds_before = me.num_fds()
         children_before = {p.pid for p in me.children(recursive=True)}
-        files_before = _mstar_files()
+        files_before = _mstar_files({me.pid})
         thread = self.start()
-        self.worker_pids = {p.pid for p in self.engine.processes.values()}
+        self.pids = {me.pid} | self.worker_pids()
         asyncio.run(self.run_load())
         recovered = asyncio.run(self._healthy_since(time.monotonic()))
         held = _wait_idle(self)
+        self.pids |= self.worker_pids()
         rss_serving = _rss(me)
         assert self.server is not None
         self.server.handle_exit(signal.SIGTERM, None)
@@ -296,7 +301,7 @@ class Chaos:
             if p.pid not in children_before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
             and "resource_tracker" not in " ".join(p.cmdline())
         ]
-        files = _mstar_files() - files_before
+        files = _mstar_files(self.pids) - files_before
         return {
             "model": self.model,
             "tally": self.tally,
@@ -341,11 +346,14 @@ def _rss(proc: psutil.Process) -> float:
     return round(total / 2**20, 1)
 
 
-def _mstar_files() -> set[str]:
+def _mstar_files(pids: set[int]) -> set[str]:
+    """Return the shared segments and socket files owned by ``pids`` (other mstar processes
+    on the machine have theirs)."""
+    prefixes = tuple(f"mstar-{pid}-" for pid in pids)
     out = set()
     for kind, directory in (("shm", SHM_DIR), ("sock", runtime_dir())):
         with contextlib.suppress(OSError):
-            out |= {f"{kind}:{p.name}" for p in directory.iterdir() if p.name.startswith("mstar-")}
+            out |= {f"{kind}:{p.name}" for p in directory.iterdir() if p.name.startswith(prefixes)}
     return out
 
 
