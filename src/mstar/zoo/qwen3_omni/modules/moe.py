@@ -1,0 +1,113 @@
+"""Qwen3-MoE feed-forward blocks: top-k routed experts (fused weights), an optional shared expert.
+
+Experts are stored fused, one tensor per projection over all experts (the layout transformers
+keeps in memory; checkpoints that store one tensor per expert are stacked on loading)::
+
+    experts.gate_up_proj  [E, 2 * I, H]   gate rows first, then up rows
+    experts.down_proj     [E, H, I]
+
+A step's rows are grouped by expert: each expert that some row picked runs one product over
+its rows, and the results are summed back weighted by the router's probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DenseMLP", "Experts", "SparseMoE"]
+
+
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, no biases)."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` ``[rows, hidden]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """``E`` SiLU-gated experts in two fused tensors."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+
+    def forward(
+        self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """Return ``sum_k weight[r, k] * expert[index[r, k]](x[r])`` for each row ``r``."""
+        out = torch.zeros_like(x)
+        flat = top_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = order // top_index.shape[1]
+        weights = top_weight.reshape(-1).index_select(0, order)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            sel = rows[start : start + count]
+            gate, up = F.linear(x.index_select(0, sel), self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, sel, y * weights[start : start + count, None].to(y.dtype))
+            start += count
+        return out
+
+
+class Router(nn.Module):
+    """Softmax router picking the top ``k`` experts (renormalised when ``norm_topk_prob``)."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(indices, weights)`` ``[rows, k]``, the weights in ``x``'s dtype."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_weight, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
+        return top_index, top_weight.to(logits.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts, plus a sigmoid-gated shared expert when ``shared_inner`` > 0 (the talker)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inner: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        shared_inner: int = 0,
+    ) -> None:
+        super().__init__()
+        self.gate = Router(num_experts, hidden, top_k, norm_topk_prob)
+        self.experts = Experts(num_experts, hidden, inner)
+        self.shared_expert: DenseMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_inner:
+            self.shared_expert = DenseMLP(hidden, shared_inner)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` ``[rows, hidden]``."""
+        top_index, top_weight = self.gate(x)
+        out = self.experts(x, top_index, top_weight)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

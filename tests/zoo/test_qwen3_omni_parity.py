@@ -1,0 +1,252 @@
+"""Qwen3-Omni on mstar's engines against transformers' model, on shared tiny random weights.
+
+One random checkpoint is written with transformers' ``save_pretrained`` and loaded by both
+sides; every figure below compares mstar's result with transformers' on the same input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mstar.streaming import LeftContextChunkPolicy, StreamBuffer
+from mstar.zoo.qwen3_omni import pipeline
+from mstar.zoo.qwen3_omni.checkpoint import load_qwen3_omni, make_random_checkpoint
+from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig, get_qwen3_omni_config
+from mstar.zoo.qwen3_omni.modules.encoders import (
+    ImageInput,
+    audio_token_count,
+    embed_prompt,
+    encode_audio,
+    encode_image,
+)
+from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def config() -> Qwen3OmniConfig:
+    return get_qwen3_omni_config("qwen3-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, config: Qwen3OmniConfig) -> Path:
+    return make_random_checkpoint(config, tmp_path_factory.mktemp("qwen3_omni") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint: Path, config: Qwen3OmniConfig) -> Qwen3OmniWeights:
+    return load_qwen3_omni(checkpoint, config)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> Any:
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeForConditionalGeneration,
+    )
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint)).eval()
+
+
+def _chat(config: Qwen3OmniConfig, user: list[int]) -> list[int]:
+    """A system turn, a user turn, and the assistant's opening."""
+    start, end = config.token_id("im_start_token_id"), config.token_id("im_end_token_id")
+    newline = 5
+    return [
+        start, config.token_id("system_token_id"), newline, 40, 41, 42, end, newline,
+        start, config.token_id("user_token_id"), newline, *user, end, newline,
+        start, config.token_id("assistant_token_id"), newline,
+    ]  # fmt: skip
+
+
+def _captured_codes(reference: Any) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """Record the codes transformers hands to Code2Wav (its talker's output)."""
+    seen: dict[str, torch.Tensor] = {}
+    original = reference.code2wav.chunked_decode
+
+    def capture(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen["codes"] = codes.clone()
+        return original(codes, **kwargs)
+
+    reference.code2wav.chunked_decode = capture
+
+    def restore() -> None:
+        reference.code2wav.chunked_decode = original
+
+    return seen, restore
+
+
+def test_thinker_logits_and_greedy_tokens_match(
+    ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
+) -> None:
+    prompt = _chat(config, [50, 51, 52, 53, 54])
+    result = pipeline.run_thinker(ours, prompt, max_tokens=8)
+    with torch.no_grad():
+        ref = reference.thinker.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert result.generated == ref.sequences[0, len(prompt) :].tolist()
+    diff = (torch.stack(result.logits) - torch.cat(ref.logits)).abs().max().item()
+    assert diff < 1e-5, diff
+
+
+def test_the_talker_reads_the_output_of_layer_accept_minus_one(
+    ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
+) -> None:
+    """transformers' ``hidden_states[k]`` is layer k-1's output (0: the embeddings); the talker takes k = accept_hidden_layer."""
+    prompt = _chat(config, [60, 61, 62])
+    result = pipeline.run_thinker(ours, prompt, max_tokens=1)
+    with torch.no_grad():
+        out = reference.thinker(input_ids=torch.tensor([prompt]), output_hidden_states=True)
+    k = config.accept_hidden_layer
+    assert 0 < k < config.thinker_text.num_layers
+    torch.testing.assert_close(result.embeds, out.hidden_states[0][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.hidden, out.hidden_states[k][0], rtol=0, atol=1e-5)
+    assert not torch.allclose(result.hidden, out.hidden_states[k + 1][0], atol=1e-3)
+
+
+def _audio_prompt(
+    ours: Qwen3OmniWeights, config: Qwen3OmniConfig, frames: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    mel = int(config.thinker_hf["audio_config"]["num_mel_bins"])
+    features = torch.randn(mel, frames, generator=torch.Generator().manual_seed(1))
+    n = audio_token_count(frames, int(config.thinker_hf["audio_config"]["n_window"]))
+    audio = [config.token_id("audio_start_token_id"), *[config.token_id("audio_token_id")] * n, 7]
+    prompt = _chat(config, [*audio, 55, 56])
+    tokens = encode_audio(ours.audio_tower, features)
+    assert tokens.shape == (n, config.thinker_text.hidden_size)
+    return prompt, features, tokens
+
+
+def test_audio_prompt_logits_match(
+    ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
+) -> None:
+    prompt, features, tokens = _audio_prompt(ours, config, frames=130)
+    embedded = embed_prompt(config, ours.thinker_text.embedding, prompt, audio=[tokens])
+    result = pipeline.run_thinker(ours, embedded, prompt_ids=prompt, max_tokens=4)
+    with torch.no_grad():
+        ref = reference.thinker.generate(
+            input_ids=torch.tensor([prompt]), input_features=features[None],
+            feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
+            max_new_tokens=4, do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert result.generated == ref.sequences[0, len(prompt) :].tolist()
+    assert (torch.stack(result.logits) - torch.cat(ref.logits)).abs().max().item() < 1e-5
+
+
+def test_image_prompt_with_mrope_and_deepstack_matches(
+    ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
+) -> None:
+    vision = config.thinker_hf["vision_config"]
+    patch, temporal, merge = (
+        int(vision["patch_size"]),
+        int(vision["temporal_patch_size"]),
+        int(vision["spatial_merge_size"]),
+    )
+    grid = (1, 2, 4)
+    pixels = torch.randn(
+        grid[0] * grid[1] * grid[2],
+        3 * temporal * patch * patch,
+        generator=torch.Generator().manual_seed(2),
+    )
+    image = ImageInput(pixels, grid)
+    tokens, deepstack = encode_image(ours.visual, image)
+    n = grid[0] * grid[1] * grid[2] // merge**2
+    image_ids = [
+        config.token_id("vision_start_token_id"),
+        *[config.token_id("image_token_id")] * n,
+        8,
+    ]
+    prompt = _chat(config, [*image_ids, 57, 58])
+    embedded = embed_prompt(
+        config, ours.thinker_text.embedding, prompt, images=[(tokens, deepstack, grid)]
+    )
+    assert (
+        embedded.rope_delta is not None and embedded.rope_delta < 0
+    )  # a 2x4 grid spans 4 positions, not 8
+    result = pipeline.run_thinker(ours, embedded, prompt_ids=prompt, max_tokens=4)
+    with torch.no_grad():
+        ref = reference.thinker.generate(
+            input_ids=torch.tensor([prompt]), pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
+            max_new_tokens=4, do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert result.generated == ref.sequences[0, len(prompt) :].tolist()
+    assert (torch.stack(result.logits) - torch.cat(ref.logits)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "seeded"])
+def test_talker_codes_match_transformers(
+    ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig, sample: bool
+) -> None:
+    """Thinker text, then the talker's frames (audio in the user turn: hidden_projection is used)."""
+    prompt, features, tokens = _audio_prompt(ours, config, frames=100)
+    seen, restore = _captured_codes(reference)
+    eos = config.token_id("im_end_token_id")
+    try:
+        torch.manual_seed(11)
+        with torch.no_grad():
+            _, wav = reference.generate(
+                input_ids=torch.tensor([prompt]), input_features=features[None],
+                feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
+                thinker_max_new_tokens=6, thinker_eos_token_id=eos, thinker_do_sample=False,
+                talker_max_new_tokens=30, talker_do_sample=sample,
+            )  # fmt: skip
+    finally:
+        restore()
+    embedded = embed_prompt(config, ours.thinker_text.embedding, prompt, audio=[tokens])
+    thinker = pipeline.run_thinker(
+        ours, embedded, prompt_ids=prompt, max_tokens=6, stop_token_ids=(eos,)
+    )
+    sampling = pipeline.TALKER_SAMPLING if sample else pipeline.TALKER_GREEDY
+    speech = pipeline.speak(
+        ours, thinker, max_frames=30, sampling=sampling, generator=torch.Generator().manual_seed(11)
+    )
+    assert speech.codes.shape[1] > 0
+    ref = seen["codes"][0]
+    assert speech.codes.shape == ref.shape, (speech.codes.shape, ref.shape)
+    mism = (speech.codes != ref).nonzero()
+    assert torch.equal(speech.codes, ref), mism[:5].tolist()
+    audio = pipeline.decode_chunks(ours, speech.codes, chunk=300, left_context=25)
+    torch.testing.assert_close(audio, wav.reshape(-1), rtol=0, atol=1e-6)
+
+
+def test_code2wav_streamed_in_left_context_chunks_equals_chunked_decode(
+    ours: Qwen3OmniWeights, config: Qwen3OmniConfig
+) -> None:
+    frames = 60
+    codes = torch.randint(
+        0,
+        config.codebook_size,
+        (config.num_code_groups, frames),
+        generator=torch.Generator().manual_seed(3),
+    )
+    buffer = StreamBuffer(LeftContextChunkPolicy(25, 25))
+    pieces = []
+    per_frame = config.samples_per_frame
+    for start in range(0, frames, 7):  # frames arrive in uneven groups
+        buffer.put([codes[:, i] for i in range(start, min(start + 7, frames))])
+        for chunk in buffer.pop_ready():
+            with torch.no_grad():
+                wav = ours.code2wav(torch.stack(chunk.items, dim=1)[None])
+            pieces.append(wav[0, 0, chunk.context_len * per_frame :])
+    buffer.close()
+    for chunk in buffer.pop_ready():
+        if chunk.items:
+            with torch.no_grad():
+                wav = ours.code2wav(torch.stack(chunk.items, dim=1)[None])
+            pieces.append(wav[0, 0, chunk.context_len * per_frame :])
+    streamed = torch.cat(pieces)
+    with torch.no_grad():
+        expected = ours.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[
+            0, 0
+        ]
+    assert streamed.shape == expected.shape
+    assert streamed.shape[0] > (frames - 1) * per_frame
+    assert float(expected.abs().max()) > 0
+    torch.testing.assert_close(streamed, expected, rtol=0, atol=0)
