@@ -25,6 +25,20 @@ def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.C
         assert f.getnframes() > 0
 
 
+@pytest.mark.slow  # starts `mstar serve assistant` with real weights
+def test_the_main_demo_speaks_the_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "answer.wav"
+    assert main(["demo", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    answer = printed.split("answer:", 1)[1].splitlines()[0].strip()
+    assert len(answer.split()) >= 5, printed  # a real answer, streamed as text
+    with wave.open(str(out)) as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 22050)
+        seconds = f.getnframes() / f.getframerate()
+    # English speech runs about 12-16 characters a second: the WAV speaks the printed answer.
+    assert 0.035 <= seconds / len(answer) <= 0.12, (answer, seconds)
+
+
 def test_models_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     assert "toy-composite" in capsys.readouterr().out

@@ -40,7 +40,7 @@ from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs
 __all__ = ["run_assistant_demo", "run_demo"]
 
 DEMO_MODELS = ("assistant", "toy-composite")
-QUESTION = "What is the capital of France, and what is it famous for?"
+QUESTION = "Why do we need sleep?"
 _STARTUP_TIMEOUT_S = 600.0  # the first start converts SmolLM2's GGUF file (tens of seconds)
 
 PLACEMENT = """
@@ -198,19 +198,22 @@ def run_assistant_demo(question: str = QUESTION, out: Path | None = Path("answer
             messages=[{"role": "user", "content": question}],
             modalities=["text", "audio"],
             audio={"voice": "joe", "format": "pcm16"},
+            max_tokens=200,
             stream=True,
         )
         for chunk in stream:
             if not chunk.choices:
                 continue
-            audio = getattr(chunk.choices[0].delta, "audio", None) or {}
-            if audio.get("transcript"):
+            audio = chunk.choices[0].delta.audio
+            if audio is None:
+                continue
+            if audio.transcript:
                 first_text = first_text or time.perf_counter() - start
-                print(audio["transcript"], end="", flush=True)
-            rate = int(audio.get("sample_rate", rate))
-            if audio.get("data"):
+                print(audio.transcript, end="", flush=True)
+            if audio.data:
                 first_audio = first_audio or time.perf_counter() - start
-                pcm += base64.b64decode(audio["data"])
+                pcm += base64.b64decode(audio.data)
+                rate = int(getattr(audio, "sample_rate", rate))
         took = time.perf_counter() - start
     print()
     seconds = len(pcm) / 2 / rate

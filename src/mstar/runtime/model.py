@@ -202,10 +202,13 @@ class SupportsTextOutput(Protocol):
     Attributes:
         tokenizer: A Hugging Face tokenizer (callable, with ``apply_chat_template``), or None
             when the checkpoint ships none; then clients must send token ids.
+        system_prompt: The system message the server puts first in a chat that has none
+            (None: the chat template's own default).
     """
 
     supports_text_output: ClassVar[Literal[True]] = True
     tokenizer: Any
+    system_prompt: str | None = None
 
     @property
     @abstractmethod

@@ -31,6 +31,7 @@ from mstar.errors import APIRequestError
 
 __all__ = [
     "MAX_CHOICES",
+    "ChatAudio",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -210,6 +211,20 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
+class ChatAudio(BaseModel):
+    """`audio`: how a chat answer with ``modalities: ["text", "audio"]`` is spoken.
+
+    ``pcm16`` is little-endian 16-bit mono at the model's rate (which mstar adds to each
+    audio delta as ``sample_rate``; OpenAI's own is 24 kHz); streams send ``pcm16`` only, as
+    OpenAI's API does. The voice is the model's own (the assistant has one).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    voice: str | None = None
+    format: Literal["wav", "pcm16"] = "pcm16"
+
+
 class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`."""
 
@@ -217,12 +232,36 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Count | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: Count | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudio | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _field_error(type(self), ("top_logprobs",), "top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _check_audio(self) -> ChatCompletionRequest:
+        if self.modalities is not None and "text" not in self.modalities:
+            raise _field_error(type(self), ("modalities",), 'modalities must include "text"')
+        if not self.with_audio:
+            return self
+        if self.n > 1:
+            raise _field_error(type(self), ("n",), "an answer with audio has one choice: n must be 1")
+        if self.stream and self.audio_format != "pcm16":
+            raise _field_error(type(self), ("audio", "format"), 'a stream carries audio as "pcm16" only')
+        return self
+
+    @property
+    def with_audio(self) -> bool:
+        """Return whether the answer is spoken too (``modalities`` holds "audio")."""
+        return self.modalities is not None and "audio" in self.modalities
+
+    @property
+    def audio_format(self) -> str:
+        """Return the spoken answer's format: ``audio.format``, or pcm16."""
+        return self.audio.format if self.audio is not None else "pcm16"
 
     @property
     def num_logprobs(self) -> int | None:

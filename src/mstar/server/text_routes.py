@@ -9,11 +9,19 @@ characters.
 Each of the `n` choices is an engine request of its own, in a task of its own; the choices
 of one prompt share its KV blocks (the engine forks them, see `KVTurn.prefix_group`), and
 choice i with a `seed` draws from seed + i. A stream interleaves the choices' chunks.
+
+A chat with ``modalities: ["text", "audio"]`` to a model with audio outputs (the assistant,
+Qwen3-Omni) is answered as OpenAI's audio-output API answers: the text is the audio's
+``transcript``, and the speech comes base64-encoded in ``audio.data`` (``pcm16`` chunks as
+they are spoken in a stream, each delta also naming its ``sample_rate``; a whole ``wav`` or
+``pcm16`` file otherwise). Models with audio outputs get ``modalities`` in the request data,
+so a text-only chat does not run their voice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import time
 import uuid
@@ -30,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Output, Request, SupportsTextOutput
+from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from mstar.server.encoding import SSE_DONE, error_body, sse, token_ids, token_logprobs
 from mstar.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -45,14 +54,15 @@ router = APIRouter()
 
 @dataclass
 class Piece:
-    """What one output adds to a choice: text, and the log-probabilities of its tokens."""
+    """What one output adds to a choice: text, the log-probabilities of its tokens, or speech."""
 
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # each token's offset in the choice's text
+    pcm: bytes = b""  # 16-bit mono samples of an audio output
 
     def __bool__(self) -> bool:
-        return bool(self.text or self.logprobs)
+        return bool(self.text or self.logprobs or self.pcm)
 
 
 class TextGeneration:
@@ -83,6 +93,8 @@ class TextGeneration:
 
     def feed(self, out: Output) -> Piece:
         """Take one output; return what it adds (nothing for other modalities)."""
+        if out.modality == "audio" and not self.is_stopped:
+            return Piece(pcm=pcm16_bytes(out.data))
         if out.modality != "text" or self.is_stopped:
             return Piece()
         ids = token_ids(out.data)
@@ -184,17 +196,22 @@ class _Choices:
     """
 
     def __init__(
-        self, state: ServerState, requests: list[Request], gens: list[TextGeneration]
+        self,
+        state: ServerState,
+        requests: list[Request],
+        gens: list[TextGeneration],
+        sample_rate: int | None = None,
     ) -> None:
         self.state = state
         self.gens = gens
+        self.sample_rate = sample_rate
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.started = [loop.create_future() for _ in requests]
         self.tasks = [asyncio.ensure_future(self._follow(i, r)) for i, r in enumerate(requests)]
 
     async def _follow(self, index: int, request: Request) -> None:
-        stream = RequestStream(self.state, request)
+        stream = RequestStream(self.state, request, sample_rate=self.sample_rate)
         gen = self.gens[index]
         started = self.started[index]
         try:
@@ -251,6 +268,7 @@ class _Choices:
                 whole.text += item.text
                 whole.logprobs += item.logprobs
                 whole.offsets += item.offsets
+                whole.pcm += item.pcm
         return results
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
@@ -312,7 +330,10 @@ def _text_model(state: ServerState) -> SupportsTextOutput:
     return text_model
 
 
-def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def _chat_prompt(text_model: SupportsTextOutput, messages: list[dict[str, str]]) -> list[int]:
+    tokenizer = text_model.tokenizer
+    if text_model.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": text_model.system_prompt}, *messages]
     try:
         rendered = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
@@ -365,25 +386,32 @@ async def _run(
     kind: str,
 ) -> Response:
     request_id = f"{kind}-{uuid.uuid4().hex}"
+    spoken = isinstance(body, ChatCompletionRequest) and body.with_audio
     requests, gens = [], []
     for i in range(body.n):
         data: dict[str, Any] = {"prompt_token_ids": prompt_ids, **body.sampling_data(max_tokens, i)}
         if body.n > 1:
             data["prefix_group"] = request_id
+        if state.sample_rate is not None:  # a model that speaks: say whether to
+            data["modalities"] = ["text", "audio"] if spoken else ["text"]
         requests.append(
             Request("generate", data, request_id if body.n == 1 else f"{request_id}-{i}")
         )
         gens.append(TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens, i))
     texts = TokenTexts(text_model.tokenizer)
     meta = {"id": request_id, "created": int(time.time()), "model": state.name}
-    choices = _Choices(state, requests, gens)
+    rate = state.sample_rate if spoken else None
+    choices = _Choices(state, requests, gens, sample_rate=rate)
+    with_logprobs = body.num_logprobs is not None
     if body.stream:
         await cancel_on_disconnect(http, choices.wait_started())
-        events = _chat_events if kind == "chatcmpl" else _completion_events
-        with_logprobs = body.num_logprobs is not None
-        return _ChoicesResponse(
-            events(choices, texts, meta, body.include_usage, with_logprobs), choices
-        )
+        if spoken:
+            assert rate is not None
+            content = _spoken_chat_events(choices, texts, meta, body.include_usage, with_logprobs, rate)
+        else:
+            events = _chat_events if kind == "chatcmpl" else _completion_events
+            content = events(choices, texts, meta, body.include_usage, with_logprobs)
+        return _ChoicesResponse(content, choices)
     results = await cancel_on_disconnect(http, choices.collect())
     out = []
     for gen, piece in zip(gens, results, strict=True):
@@ -394,6 +422,13 @@ async def _run(
         }
         if kind == "chatcmpl":
             choice["message"] = {"role": "assistant", "content": piece.text}
+            if spoken:
+                assert isinstance(body, ChatCompletionRequest) and rate is not None
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": None,
+                    "audio": _spoken_answer(meta, piece, body.audio_format, rate),
+                }
             if body.num_logprobs is not None:
                 choice["logprobs"] = _chat_logprobs(texts, piece.logprobs)
         else:
@@ -448,6 +483,58 @@ async def _chat_events(
     yield SSE_DONE
 
 
+def _audio_id(meta: dict[str, Any]) -> str:
+    return f"audio_{meta['id']}"
+
+
+def _spoken_answer(meta: dict[str, Any], piece: Piece, audio_format: str, rate: int) -> dict[str, Any]:
+    """Return a whole spoken answer's ``message.audio`` (mstar keeps no audio: it expires at once)."""
+    data = piece.pcm if audio_format == "pcm16" else wav_header(rate, num_data_bytes=len(piece.pcm)) + piece.pcm
+    return {
+        "id": _audio_id(meta),
+        "expires_at": meta["created"],
+        "data": base64.b64encode(data).decode("ascii"),
+        "transcript": piece.text,
+        "sample_rate": rate,
+    }
+
+
+async def _spoken_chat_events(
+    choices: _Choices,
+    texts: TokenTexts,
+    meta: dict[str, Any],
+    include_usage: bool,
+    with_logprobs: bool,
+    rate: int,
+) -> AsyncIterator[bytes]:
+    """Stream a spoken answer (one choice): transcript deltas and pcm16 chunks as they come."""
+    audio_id = _audio_id(meta)
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        return sse({**meta, "object": "chat.completion.chunk", "choices": [choice]})
+
+    yield chunk({"role": "assistant", "content": None})
+    try:
+        async for _, piece in choices.pieces():
+            if piece is None:
+                yield chunk({"audio": {"id": audio_id, "expires_at": meta["created"]}})
+                yield chunk({}, choices.gens[0].finish_reason)
+                continue
+            if piece.text or piece.logprobs:
+                logprobs = _chat_logprobs(texts, piece.logprobs) if with_logprobs else None
+                yield chunk({"audio": {"id": audio_id, "transcript": piece.text}}, logprobs=logprobs)
+            if piece.pcm:
+                data = base64.b64encode(piece.pcm).decode("ascii")
+                yield chunk({"audio": {"id": audio_id, "data": data, "sample_rate": rate}})
+        if include_usage:
+            usage = _usage(choices.gens[0].prompt_tokens, choices.gens)
+            yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+    except (MStarError, ValueError) as exc:
+        yield _stream_error(exc)
+    yield SSE_DONE
+
+
 async def _completion_events(
     choices: _Choices,
     texts: TokenTexts,
@@ -491,7 +578,12 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Re
     state = _state(http)
     state.check_model(body.model)
     text_model = _text_model(state)
-    prompt_ids = _chat_prompt(text_model.tokenizer, body.chat())
+    if body.with_audio and state.sample_rate is None:
+        raise APIRequestError(
+            f"model {state.name!r} has no audio output: modalities can only be [\"text\"]",
+            param="modalities",
+        )
+    prompt_ids = _chat_prompt(text_model, body.chat())
     limit_param = (
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     )

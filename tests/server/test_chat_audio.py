@@ -1,0 +1,115 @@
+"""Spoken chat answers over HTTP, as OpenAI's audio-output API gives them, from `assistant`.
+
+The real assistant (SmolLM2 + the Piper voice, its noise at 0) behind a real server, asked
+through the official `openai` client: the stream's transcript is the text answer, its pcm16
+chunks the speech; a whole answer comes as a WAV; bad audio options are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from mstar.runtime.model import ModelSpec
+from tests.server.conftest import RunningServer, running_server
+
+pytestmark = pytest.mark.slow  # real weights
+
+QUESTION = [{"role": "user", "content": "Why do we need sleep?"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    spec = ModelSpec("mstar.zoo.assistant.model:AssistantModel", {"noise_scale": 0.0, "noise_w_scale": 0.0})
+    with running_server(spec, names=("assistant",)) as running:
+        yield running
+
+
+def _client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_a_stream_speaks_its_transcript_while_it_is_written(server: RunningServer) -> None:
+    client = _client(server)
+    written = client.chat.completions.create(model="assistant", messages=QUESTION, **GREEDY)  # type: ignore[arg-type]
+    text = written.choices[0].message.content
+    assert text and written.choices[0].message.audio is None  # a text-only chat: no voice
+    stream = client.chat.completions.create(
+        model="assistant",
+        messages=QUESTION,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "pcm16"},
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    transcript, pcm, order, rates = [], bytearray(), [], set()
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        if not chunk.choices or chunk.choices[0].delta.audio is None:
+            continue
+        audio = chunk.choices[0].delta.audio
+        assert audio.id
+        if audio.transcript:
+            transcript.append(audio.transcript)
+            order.append("text")
+        if audio.data:
+            pcm += base64.b64decode(audio.data)
+            rates.add(audio.sample_rate)  # type: ignore[attr-defined]
+            order.append("audio")
+    assert "".join(transcript) == text
+    assert rates == {22050}
+    seconds = len(pcm) / 2 / 22050
+    assert 0.035 <= seconds / len(text) <= 0.12
+    # Speech came before the text was finished: some transcript follows the first audio chunk.
+    assert "text" in order[order.index("audio") :], order
+    assert usage is not None and usage.completion_tokens == written.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_a_whole_answer_comes_as_a_wav(server: RunningServer) -> None:
+    answer = _client(server).chat.completions.create(
+        model="assistant",
+        messages=QUESTION,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "wav"},
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    message = answer.choices[0].message
+    assert message.content is None and message.audio is not None and message.audio.transcript
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 22050)
+        assert f.getnframes() / 22050 > 1.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"modalities": ["text", "video"]}, "modalities.1"),
+        ({"modalities": ["text", "audio"], "audio": {"format": "mp3"}}, "audio.format"),
+        ({"modalities": ["text", "audio"], "audio": {"format": "wav"}, "stream": True}, "audio.format"),
+        ({"modalities": ["text", "audio"], "n": 2}, "n"),
+    ],
+)
+def test_bad_audio_options_are_400s_naming_the_field(
+    server: RunningServer, extra: dict[str, object], param: str
+) -> None:
+    body = {"model": "assistant", "messages": QUESTION, **extra}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_a_model_without_a_voice_says_so(llama_server: RunningServer) -> None:
+    body = {"messages": QUESTION, "modalities": ["text", "audio"], "max_tokens": 4}
+    answer = httpx.post(f"{llama_server.url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "modalities"
+    assert "no audio output" in answer.json()["error"]["message"]
