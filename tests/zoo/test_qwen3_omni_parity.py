@@ -24,6 +24,7 @@ from mstar.zoo.qwen3_omni.modules.encoders import (
     encode_audio,
     encode_image,
 )
+from mstar.zoo.qwen3_omni.modules.talker import make_talker_prompt, user_positions
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -250,3 +251,57 @@ def test_code2wav_streamed_in_left_context_chunks_equals_chunked_decode(
     assert streamed.shape[0] > (frames - 1) * per_frame
     assert float(expected.abs().max()) > 0
     torch.testing.assert_close(streamed, expected, rtol=0, atol=0)
+
+
+def test_talker_codes_match_with_an_image_in_the_user_turn(
+    ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
+) -> None:
+    """Images move the talker's MRoPE coordinates too (its prompt holds the image positions)."""
+    vision = config.thinker_hf["vision_config"]
+    patch, temporal = int(vision["patch_size"]), int(vision["temporal_patch_size"])
+    grid = (1, 4, 2)
+    pixels = torch.randn(
+        8, 3 * temporal * patch * patch, generator=torch.Generator().manual_seed(4)
+    )
+    tokens, deepstack = encode_image(ours.visual, ImageInput(pixels, grid))
+    start, image = config.token_id("vision_start_token_id"), config.token_id("image_token_id")
+    prompt = _chat(config, [start, *[image] * tokens.shape[0], 8, 59])
+    eos = config.token_id("im_end_token_id")
+    seen, restore = _captured_codes(reference)
+    try:
+        with torch.no_grad():
+            reference.generate(
+                input_ids=torch.tensor([prompt]), pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
+                thinker_max_new_tokens=5, thinker_eos_token_id=eos, thinker_do_sample=False,
+                talker_max_new_tokens=12, talker_do_sample=False,
+            )  # fmt: skip
+    finally:
+        restore()
+    embedded = embed_prompt(
+        config, ours.thinker_text.embedding, prompt, images=[(tokens, deepstack, grid)]
+    )
+    thinker = pipeline.run_thinker(
+        ours, embedded, prompt_ids=prompt, max_tokens=5, stop_token_ids=(eos,)
+    )
+    speech = pipeline.speak(
+        ours, thinker, max_frames=12, sampling=pipeline.TALKER_GREEDY, image_grids=[grid]
+    )
+    assert speech.codes.shape[1] > 0
+    assert torch.equal(speech.codes, seen["codes"][0])
+    # The talker's coordinates are transformers' (greedy codes alone barely feel them here).
+    users = user_positions(prompt, config)
+    talker_ids = [prompt[i] for i in users] + [config.token_id("tts_pad_token_id")] * 9
+    ids = torch.tensor([talker_ids])
+    expected, delta = reference.talker.get_rope_index(
+        ids, torch.tensor([grid]), None, torch.ones_like(ids)
+    )
+    talker_prompt = make_talker_prompt(
+        config, token_ids=thinker.token_ids, prompt_len=thinker.prompt_len,
+        thinker_embed=thinker.embeds, thinker_hidden=thinker.hidden,
+        text_projection=ours.text_projection, hidden_projection=ours.hidden_projection,
+        codec_embedding=ours.talker_text.embedding, thinker_embedding=ours.thinker_text.embedding,
+        image_grids=[grid],
+    )  # fmt: skip
+    assert talker_prompt.positions3 is not None
+    assert torch.equal(talker_prompt.positions3, expected[:, 0].long())
+    assert talker_prompt.rope_delta == int(delta) < 0

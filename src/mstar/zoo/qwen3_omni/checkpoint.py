@@ -205,5 +205,15 @@ def make_random_checkpoint(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config.make_hf_config())
+        # transformers initialises the thinker's MoE blocks but leaves the talker's experts as
+        # allocated (uninitialised memory) and its router at zero: draw them here, reproducibly.
+        with torch.no_grad():
+            for layer in model.talker.model.layers:
+                for param in (
+                    layer.mlp.experts.gate_up_proj,
+                    layer.mlp.experts.down_proj,
+                    layer.mlp.gate.weight,
+                ):
+                    param.normal_(0.0, 0.02)
     model.save_pretrained(str(directory))
     return directory

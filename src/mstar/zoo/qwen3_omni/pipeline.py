@@ -198,10 +198,11 @@ def run_talker(
     eos = config.codec_id("codec_eos_token_id")
     suppress = talker_suppress_mask(config, prompt.embeds.device)
     request_id = f"talker-{next(_ids)}"
+    first = EmbedsInput(prompt.embeds, positions3=prompt.positions3, rope_delta=prompt.rope_delta)
     engine.add_request(
         request_id,
         [],
-        payload=EmbedsInput(prompt.embeds),
+        payload=first,
         num_tokens=prompt.embeds.shape[0],
         output_mode="hidden",
         keep_alive=True,
@@ -264,6 +265,7 @@ def speak(
     speaker: str | None = None,
     sampling: DrawParams = TALKER_SAMPLING,
     generator: torch.Generator | None = None,
+    image_grids: list[tuple[int, int, int]] | None = None,
 ) -> SpeechResult:
     """Build the talker's prompt from a thinker run and draw its frames."""
     prompt = make_talker_prompt(
@@ -277,6 +279,7 @@ def speak(
         codec_embedding=weights.talker_text.embedding,
         thinker_embedding=weights.thinker_text.embedding,
         speaker=speaker,
+        image_grids=image_grids,
     )
     return run_talker(
         weights, prompt, max_frames=max_frames, sampling=sampling, generator=generator

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig
+from mstar.zoo.qwen3_omni.modules.encoders import mrope_positions
 
 __all__ = ["ResizeMLP", "TalkerPrompt", "make_talker_prompt", "user_positions"]
 
@@ -50,11 +51,16 @@ class TalkerPrompt:
         embeds: ``[n, talker_hidden]`` the prefill (user turns, then the 9 assistant positions).
         trailing: ``[m, talker_hidden]`` text added at decode steps 0..m-1 (ends with tts_eos).
         tts_pad: ``[talker_hidden]`` added once the trailing text is exhausted.
+        positions3: ``[3, n]`` MRoPE coordinates of the prefill when the user turns hold
+            images (None: 1-D positions).
+        rope_delta: The talker sequence's MRoPE offset after the prefill.
     """
 
     embeds: torch.Tensor
     trailing: torch.Tensor
     tts_pad: torch.Tensor
+    positions3: torch.Tensor | None = None
+    rope_delta: int = 0
 
 
 def user_positions(token_ids: list[int], config: Qwen3OmniConfig) -> list[int]:
@@ -84,6 +90,7 @@ def make_talker_prompt(
     codec_embedding: nn.Embedding,
     thinker_embedding: nn.Embedding,
     speaker: str | None = None,
+    image_grids: list[tuple[int, int, int]] | None = None,
 ) -> TalkerPrompt:
     """Build the talker's prompt from a finished (or started) thinker sequence.
 
@@ -98,6 +105,8 @@ def make_talker_prompt(
         codec_embedding: The talker's codec embedding.
         thinker_embedding: The thinker's token embedding (for tts_pad / bos / eos).
         speaker: The voice (default: the config's).
+        image_grids: The ``(t, h, w)`` grid of each image of the prompt, in order (the talker
+            gives its image positions the thinker's MRoPE coordinates).
 
     Raises:
         ValueError: The prompt has no ``<|im_start|>assistant`` turn.
@@ -149,4 +158,13 @@ def make_talker_prompt(
     codec_side = torch.cat((text.new_zeros(3, text.shape[1]), codec_embedding(codec_ids)))
     parts.append(text_side + codec_side)
     trailing = torch.cat((text[4:], tts_eos[None]))
-    return TalkerPrompt(torch.cat(parts), trailing, tts_pad)
+    embeds = torch.cat(parts)
+    image_id = config.token_id("image_token_id")
+    if not image_grids or not any(prompt[i] == image_id for i in users):
+        return TalkerPrompt(embeds, trailing, tts_pad)
+    # transformers' talker ids: the user tokens, then tts_pad for the 9 assistant positions.
+    talker_ids = [prompt[i] for i in users] + [config.token_id("tts_pad_token_id")] * 9
+    merge = int(config.thinker_hf["vision_config"].get("spatial_merge_size", 2))
+    per_second = int(config.talker_hf.get("position_id_per_seconds", 13))
+    positions3, delta = mrope_positions(talker_ids, image_id, image_grids, merge, per_second)
+    return TalkerPrompt(embeds, trailing, tts_pad, positions3.to(device), delta)
