@@ -4,6 +4,7 @@ penalties, log-probabilities, and parallel samples of one prompt forking its KV 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -264,3 +265,33 @@ async def test_a_walk_that_could_not_finish_fails_before_its_first_token(
     finally:
         await engine.aclose()
     assert tokens == []
+
+
+async def test_seeded_walks_draw_anew_and_the_same_on_any_rank(model: LlamaCausalLM) -> None:
+    prompt = list(range(3, 12))
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=11)
+    together = KVNodeEngine("llm", GroupNode(model), None, "cpu")
+    together.start()
+    try:
+        both = await _sample(together, {"r": {"prompt": prompt, "params": params}}, 8)
+    finally:
+        await together.aclose()
+    tokens = [o["token"] for o in both["r"]]
+    prefill, decode = (KVNodeEngine("llm", GroupNode(model), None, "cpu") for _ in range(2))
+    for engine in (prefill, decode):
+        engine.start()
+    try:
+        first: list[Any] = []
+        await prefill.run("r", {"prompt": prompt, "params": params}, 1, first.append)
+        rest: list[Any] = []  # another rank: the cache is rebuilt from the history
+        history = [*prompt, first[0]["token"]]
+        await decode.run(
+            "r",
+            {"prompt": history, "params": dataclasses.replace(params, max_tokens=7)},
+            7,
+            rest.append,
+        )
+    finally:
+        await prefill.aclose()
+        await decode.aclose()
+    assert [o["token"] for o in first + rest] == tokens

@@ -111,6 +111,17 @@ StepOutput = RequestOutput
 """One request's result of a step (see `RequestOutput`)."""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _walk_seed(seed: int, position: int) -> int:
+    """Return a 64-bit seed mixing a request's seed with a position (SplitMix64's finaliser)."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def _make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchPagedAttention(device)
@@ -237,9 +248,9 @@ class KVCacheEngine:
             keep_alive=keep_alive,
             logits_processor=logits_processor,
             stop_check=stop_check,
-            generator=self._make_generator(params),
         )
         self._extend(seq, prompt_token_ids, mask, payload, num_tokens, expert, output_mode)
+        seq.generator = self._make_generator(params, seq.num_tokens)
         seq.walk_start = seq.num_tokens
         seq.reserve_tokens = reserve_tokens
         self._check_fits(seq)
@@ -301,7 +312,7 @@ class KVCacheEngine:
         self._extend(seq, new_token_ids, mask, payload, num_tokens, expert, output_mode)
         if sampling_params is not None:
             seq.params = sampling_params
-            seq.generator = self._make_generator(sampling_params)
+            seq.generator = self._make_generator(sampling_params, seq.num_tokens)
         if keep_alive is not None:
             seq.keep_alive = keep_alive
         self._check_fits(seq)
@@ -343,8 +354,8 @@ class KVCacheEngine:
             keep_alive=parent.keep_alive if keep_alive is None else keep_alive,
             logits_processor=parent.logits_processor,
             stop_check=parent.stop_check,
-            generator=self._make_generator(params),
         )
+        child.generator = self._make_generator(params, child.num_tokens)
         child.inherit_segments(parent)
         if num_tokens is not None:
             child.truncate(count)
@@ -569,11 +580,17 @@ class KVCacheEngine:
         except KeyError:
             raise RequestNotFoundError(f"no request {request_id!r} in this engine") from None
 
-    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+    def _make_generator(self, params: SamplingParams, position: int) -> torch.Generator | None:
+        """Return the generator of a walk whose first draw samples the token after ``position`` tokens.
+
+        Seeded by the request's seed and that position: the walks of one request (prefill,
+        then decode) draw different numbers, and a walk draws the same ones on any rank (a
+        decode rank rebuilding the sequence from its history) and in any batch.
+        """
         if params.seed is None:
             return None
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed)
+        generator.manual_seed(_walk_seed(params.seed, position))
         return generator
 
     def _check_fits(self, seq: Sequence) -> None:
