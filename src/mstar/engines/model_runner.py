@@ -17,6 +17,7 @@ from mstar.engines.paged_model import (
     StepChunk,
     StepInputs,
     supports_narrow_logits,
+    supports_step_chunks,
 )
 from mstar.engines.sampler import Sampler
 from mstar.engines.scheduler import SchedulerOutput
@@ -78,6 +79,7 @@ class ModelRunner:
     ) -> None:
         """Create a runner; `kv_cache` comes from `allocate_kv_cache`."""
         self.model = model
+        self._needs_chunks = supports_step_chunks(model)  # no decode fast path (see `SupportsStepChunks`)
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
@@ -121,7 +123,7 @@ class ModelRunner:
         # The decode fast path returns no rows: a walk that returns its rows (even one
         # token's) takes the general path, which also keeps it off the CUDA graphs (their
         # outputs are static buffers, overwritten by the next replay).
-        if scheduled and all(
+        if scheduled and not self._needs_chunks and all(
             item.num_tokens == 1
             and item.start >= item.seq.segments_end
             and not item.seq.is_read_only

