@@ -5,8 +5,9 @@
 
 Closed loop at each concurrency c: c robots, each sends its next observation when its last
 action chunk arrived; at least 5 x c measured requests per point, after c unmeasured warm-up
-requests per target. Two targets hold the same weights (one copy) and run one after the other
-at every point, on the same requests:
+requests per target. Two targets hold the same weights (each its own copy: the engine stores its
+products fused, in the layouts that multiply fastest) and run one after the other at every
+point, on the same requests:
 
 - ``mstar``: `AsyncEngine` serving `Pi05Model` in this process. Each robot's prefix (SigLIP
   image tokens and the prompt with the binned state) is written once into the paged KV cache;
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import functools
 import json
@@ -537,8 +539,8 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     torch.set_num_threads(settings.threads)
     model = Pi05Model(settings.config)
     cfg = model.config
-    # The engine's own copy: the model loads its weights once per device, for every node.
-    weights = cast(Pi05Weights, model.submodule("vision", torch.device("cpu")).weights)
+    # A copy of the same weights in the checkpoint's layout (the engine fuses its own products).
+    weights = copy.deepcopy(cast(Pi05Weights, model.submodule("vision", torch.device("cpu")).weights))
     openpi = OpenpiServer(model, weights)
     flops = chunk_flops(
         openpi,

@@ -4,6 +4,7 @@ the action expert; equal to the naive recompute of prefix and suffix at every st
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,14 +57,20 @@ async def serve(engine: KVNodeEngine, rid: str, prefix: Mapping[str, Any], noise
     return out["actions"]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["checkpoint-layout", "fused"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_cached_flow_equals_the_naive_recompute(weights: Pi05Weights, batch: int) -> None:
+def test_cached_flow_equals_the_naive_recompute(weights: Pi05Weights, batch: int, fused: bool) -> None:
     vision = VisionNode(weights)
     requests = [request_inputs(weights, seed) for seed in range(batch)]
     prefixes = [p["prefix"] for p in vision([r for r, _ in requests])]
+    served = weights
+    if fused:  # the engine's products fused and re-laid out, the reference's as loaded
+        served = copy.deepcopy(weights)
+        served.fuse_for_inference(prefix_rows=(CFG.prefix_len, 4 * CFG.prefix_len), action_rows=(CFG.action_horizon, 16 * CFG.action_horizon))
+        assert served.modulation is not None and served.gemma_expert.blocks[0].self_attn.qkv is not None
 
     async def main() -> list[torch.Tensor]:
-        engine = KVNodeEngine("llm", LLMNode(weights), None, "cpu")
+        engine = KVNodeEngine("llm", LLMNode(served), None, "cpu")
         engine.start()
         try:
             outs = await asyncio.gather(*(serve(engine, f"r{i}", prefixes[i], requests[i][1]) for i in range(batch)))

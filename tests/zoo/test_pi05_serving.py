@@ -14,7 +14,7 @@ from mstar.errors import MStarError
 from mstar.runtime import AsyncEngine, EngineConfig, Placement, Request
 from mstar.zoo import resolve_model
 from mstar.zoo.pi05.model import Pi05Model
-from mstar.zoo.pi05.modules import PrefixInput
+from mstar.zoo.pi05.modules import Pi05Weights, PrefixInput
 from mstar.zoo.pi05.nodes import VisionNode
 from mstar.zoo.pi05.policy import droid_actions
 from mstar.zoo.pi05.reference import naive_sample_actions
@@ -41,17 +41,25 @@ def model() -> Pi05Model:
     return Pi05Model("pi05-tiny")
 
 
-def reference_actions(model: Pi05Model, data: dict[str, Any]) -> np.ndarray:
+@pytest.fixture(scope="module")
+def reference_weights() -> Pi05Weights:
+    """The same checkpoint loaded again, unfused (the engine fuses its own copy's products)."""
+    weights: Pi05Weights = Pi05Model("pi05-tiny").submodule("vision", torch.device("cpu")).weights
+    return weights
+
+
+def reference_actions(model: Pi05Model, weights: Pi05Weights, data: dict[str, Any]) -> np.ndarray:
     """The same request through preprocessing, the naive sampler and postprocessing."""
     prepared = model.preprocess(Request("act", data))
-    weights = model.submodule("vision", torch.device("cpu")).weights
     prefix = VisionNode(weights)([prepared.inputs["vision"]])[0]["prefix"]
     noise = prepared.inputs["llm"]["flow"]["x"]
     actions = naive_sample_actions(weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise)
     return droid_actions(actions, model.norm_stats, model.config.robot_dof).astype(np.float32)
 
 
-async def test_robots_get_unnormalized_actions_equal_to_the_naive_loop(model: Pi05Model) -> None:
+async def test_robots_get_unnormalized_actions_equal_to_the_naive_loop(
+    model: Pi05Model, reference_weights: Pi05Weights
+) -> None:
     async with await AsyncEngine.start(model) as engine:
         data = [observation(i) for i in range(6)]
         results = await asyncio.gather(*(engine.run(Request("act", d)) for d in data))
@@ -60,7 +68,7 @@ async def test_robots_get_unnormalized_actions_equal_to_the_naive_loop(model: Pi
     for d, outputs in zip(data, results, strict=True):
         (out,) = [o for o in outputs if o.name == "actions"]
         assert out.modality == "action" and out.data.shape == (model.config.action_horizon, 8)
-        np.testing.assert_allclose(out.data, reference_actions(model, d), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out.data, reference_actions(model, reference_weights, d), rtol=1e-4, atol=1e-4)
     llm = stats[0]["llm"]
     assert llm["batched"] == 6 * (1 + model.config.num_steps) and llm["steps"] < llm["batched"]  # robots shared steps
     assert llm["kv_blocks_used"] == 0
@@ -78,11 +86,13 @@ async def test_the_seed_fixes_the_noise_and_bad_observations_fail_alone(model: P
 
 
 @pytest.mark.slow
-async def test_vision_and_llm_on_separate_worker_processes(model: Pi05Model) -> None:
+async def test_vision_and_llm_on_separate_worker_processes(
+    model: Pi05Model, reference_weights: Pi05Weights
+) -> None:
     placement = Placement.from_yaml("node_groups:\n  - {node_names: [vision], ranks: [0]}\n  - {node_names: [llm], ranks: [1]}\n")
     spec = resolve_model("pi05-tiny")
     async with await AsyncEngine.start(spec, placement, EngineConfig(worker_processes=True)) as engine:
         data = observation(4)
         outputs = await engine.run(Request("act", data))
     (out,) = [o for o in outputs if o.name == "actions"]
-    np.testing.assert_allclose(out.data, reference_actions(model, data), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.data, reference_actions(model, reference_weights, data), rtol=1e-4, atol=1e-4)

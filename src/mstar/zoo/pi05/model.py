@@ -144,7 +144,15 @@ class Pi05Model(Model, SupportsActionPolicy):
         if node == "vision":
             return VisionNode(self._load(device))
         if node == "llm":
-            return LLMNode(self._load(device))
+            weights = self._load(device)
+            if weights.modulation is None:  # fused once: the rank's vision node shares the weights
+                cfg = self.config
+                robots = (1, 16)
+                weights.fuse_for_inference(
+                    prefix_rows=tuple(r * cfg.prefix_len for r in robots),
+                    action_rows=tuple(r * cfg.action_horizon for r in robots),
+                )
+            return LLMNode(weights)
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:

@@ -22,6 +22,12 @@ read-only over their request's prefix). Each expert keeps its own residual strea
 differ); at every layer both project to queries, keys and values of one shape and attend jointly
 through the cache. The model returns, per row, the velocity of an action row (zeros for prefix
 rows, whose only product is their cache).
+
+`Pi05Weights.fuse_for_inference` (called when the engine's node is built) stores each block's
+q/k/v, gate/up, output and down projections as `FusedLinear`s in the layout that multiplies
+fastest for the rows they see, and every adaptive norm's conditioning map as one product over
+a step's flow times (one row per chunk, not per action row). The checkpoint-named modules keep
+working unfused until then; in the dense layouts they stay views of the fused weights.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import apply_rotary
+from mstar.engines.layers import FusedLinear, apply_rotary
 from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
 
@@ -107,7 +113,11 @@ class AdaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``rms(x) * (1 + scale) + shift`` and the gate, for rows ``x`` and their ``cond``."""
-        scale, shift, gate = self.dense(cond).chunk(3, dim=-1)
+        return self.modulate(x, self.dense(cond))
+
+    def modulate(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the normalised rows and the gate, given ``dense(cond)`` (``[rows, 3 * width]``)."""
+        scale, shift, gate = modulation.chunk(3, dim=-1)
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         y = y * (1.0 + scale.float()) + shift.float()
@@ -119,10 +129,35 @@ class _Attention(nn.Module):
 
     def __init__(self, cfg: GemmaConfig) -> None:
         super().__init__()
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.q_proj = nn.Linear(cfg.width, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.width, bias=False)
+        self.qkv: FusedLinear | None = None
+        self.o: FusedLinear | None = None
+
+    def fuse(self, rows: tuple[int, ...]) -> None:
+        """Store q/k/v as one product and the output projection in their fastest layouts."""
+        self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj], rows=rows)
+        self.o = FusedLinear.of([self.o_proj], rows=rows)
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return queries, keys and values ``[rows, heads, head_dim]`` of rows ``h``."""
+        heads, kv_heads, head_dim = self.shape
+        n = h.shape[0]
+        if self.qkv is None:
+            return (
+                self.q_proj(h).view(n, heads, head_dim),
+                self.k_proj(h).view(n, kv_heads, head_dim),
+                self.v_proj(h).view(n, kv_heads, head_dim),
+            )
+        q, k, v = self.qkv(h).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """Project the attention's output ``[rows, heads * head_dim]`` back to the width."""
+        return self.o(attended) if self.o is not None else cast(torch.Tensor, self.o_proj(attended))
 
 
 class _MLP(nn.Module):
@@ -133,10 +168,20 @@ class _MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
         self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
         self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
+        self.gate_up: FusedLinear | None = None
+        self.down: FusedLinear | None = None
+
+    def fuse(self, rows: tuple[int, ...]) -> None:
+        """Store gate/up as one product and down in their fastest layouts."""
+        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj], rows=rows)
+        self.down = FusedLinear.of([self.down_proj], rows=rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP."""
-        return cast(torch.Tensor, self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)))
+        if self.gate_up is None or self.down is None:
+            return cast(torch.Tensor, self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaLayer(nn.Module):
@@ -232,6 +277,46 @@ class Pi05Weights(nn.Module):
         self.action_out_proj = nn.Linear(width, config.action_dim)
         self.time_mlp_in = nn.Linear(width, width)
         self.time_mlp_out = nn.Linear(width, width)
+        self.modulation: FusedLinear | None = None  # every adaptive norm's dense, fused
+
+    def fuse_for_inference(self, prefix_rows: tuple[int, ...], action_rows: tuple[int, ...]) -> None:
+        """Fuse the blocks' products for the rows their experts see (see the module doc).
+
+        Args:
+            prefix_rows: Rows of a prefix step (a prefix's tokens, a few robots' at once).
+            action_rows: Rows of a flow step (the horizon, times the robots in a batch).
+        """
+        for stack, rows in ((self.language_model, prefix_rows), (self.gemma_expert, action_rows)):
+            for layer in stack.blocks:
+                layer.self_attn.fuse(rows)
+                layer.mlp.fuse(rows)
+        chunks = tuple(sorted({max(1, r // self.config.action_horizon) for r in action_rows}))
+        self.modulation = FusedLinear.of([norm.dense for norm in self._adaptive_norms()], rows=chunks)
+
+    def _adaptive_norms(self) -> list[AdaRMSNorm]:
+        """Return the action expert's adaptive norms: two per block, then the final one."""
+        norms: list[nn.Module] = []
+        for layer in self.gemma_expert.blocks:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms.append(self.gemma_expert.norm)
+        return cast(list[AdaRMSNorm], norms)
+
+    def modulations(self, times: torch.Tensor, counts: torch.Tensor) -> list[torch.Tensor]:
+        """Return each adaptive norm's ``dense(cond)`` for action rows, ``[rows, 3 * width]``.
+
+        ``times`` holds one flow time per action chunk, ``counts`` its rows: the conditioning
+        map runs once per chunk, and its result is repeated for the chunk's rows.
+        """
+        cond = self.condition(times)
+        norms = self._adaptive_norms()
+        if self.modulation is None:
+            per_chunk = [norm.dense(cond) for norm in norms]
+        else:
+            per_chunk = list(self.modulation(cond).chunk(len(norms), dim=-1))
+        if cond.shape[0] == 1:
+            rows = int(counts[0])
+            return [m.expand(rows, -1) for m in per_chunk]
+        return [m.repeat_interleave(counts, dim=0) for m in per_chunk]
 
     # -- the PagedModel contract -----------------------------------------------------------
 
@@ -308,61 +393,49 @@ class Pi05Weights(nn.Module):
         index1 = torch.tensor(rows1, dtype=torch.long, device=device)
         x0 = torch.cat(x0_parts) if x0_parts else None
         x1 = self.action_in_proj(torch.cat(x1_parts)) if x1_parts else None
-        cond = None
+        mods: list[torch.Tensor] = []
         if x1 is not None:
-            per_chunk = self.condition(torch.tensor(times, dtype=torch.float32, device=device))
-            cond = per_chunk.repeat_interleave(torch.tensor(counts, device=device), dim=0)
+            mods = self.modulations(
+                torch.tensor(times, dtype=torch.float32, device=device), torch.tensor(counts, device=device)
+            )
         cos, sin = rope_tables(positions, cfg.vlm.head_dim, cfg.rope_theta)
         only = total == len(rows0) or total == len(rows1)  # one expert in the step: rows in order
-        vlm, expert = self.language_model.layers, self.gemma_expert.layers
-        heads, kv_heads, head_dim = cfg.vlm.num_heads, cfg.vlm.num_kv_heads, cfg.vlm.head_dim
+        vlm, expert = self.language_model.blocks, self.gemma_expert.blocks
+        heads, head_dim = cfg.vlm.num_heads, cfg.vlm.head_dim
         scale = head_dim**-0.5
         last = cfg.vlm.depth - 1
         for i in range(cfg.vlm.depth):
             parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
             gate1: torch.Tensor | None = None
             if x0 is not None:
-                layer0 = cast(GemmaLayer, vlm[i])
-                h = layer0.input_layernorm(x0)
-                parts.append((index0, *_qkv(layer0.self_attn, h, heads, kv_heads, head_dim)))
+                h = vlm[i].input_layernorm(x0)
+                parts.append((index0, *vlm[i].self_attn.project(h)))
             if x1 is not None:
-                layer1 = cast(GemmaLayer, expert[i])
-                h, gate1 = layer1.input_layernorm(x1, cond)
-                parts.append((index1, *_qkv(layer1.self_attn, h, heads, kv_heads, head_dim)))
+                h, gate1 = cast(AdaRMSNorm, expert[i].input_layernorm).modulate(x1, mods[2 * i])
+                parts.append((index1, *expert[i].self_attn.project(h)))
             q, k, v = _join(parts, total, only)
             q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
             k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
             out = ctx.attend(i, q, k, v, scale).reshape(total, heads * head_dim)
             if x0 is not None:
-                layer0 = cast(GemmaLayer, vlm[i])
-                x0 = x0 + layer0.self_attn.o_proj(out if only else out.index_select(0, index0))
+                layer0 = vlm[i]
+                x0 = x0 + layer0.self_attn.output(out if only else out.index_select(0, index0))
                 if i < last:  # the last block's MLP feeds nothing: the prefix is only its cache
                     x0 = x0 + layer0.mlp(layer0.post_attention_layernorm(x0))
             if x1 is not None:
                 assert gate1 is not None
-                layer1 = cast(GemmaLayer, expert[i])
-                x1 = x1 + layer1.self_attn.o_proj(out if only else out.index_select(0, index1)) * gate1
-                h, gate2 = layer1.post_attention_layernorm(x1, cond)
+                layer1 = expert[i]
+                x1 = x1 + layer1.self_attn.output(out if only else out.index_select(0, index1)) * gate1
+                h, gate2 = cast(AdaRMSNorm, layer1.post_attention_layernorm).modulate(x1, mods[2 * i + 1])
                 x1 = x1 + layer1.mlp(h) * gate2
         velocity = torch.zeros(total, cfg.action_dim, dtype=torch.float32, device=device)
         if x1 is not None:
-            final, _gate = self.gemma_expert.norm(x1, cond)
+            final, _gate = cast(AdaRMSNorm, self.gemma_expert.norm).modulate(x1, mods[-1])
             v1 = self.action_out_proj(final).float()
             if only:
                 return v1
             velocity.index_copy_(0, index1, v1)
         return velocity
-
-
-def _qkv(
-    attn: _Attention, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n = h.shape[0]
-    return (
-        attn.q_proj(h).view(n, heads, head_dim),
-        attn.k_proj(h).view(n, kv_heads, head_dim),
-        attn.v_proj(h).view(n, kv_heads, head_dim),
-    )
 
 
 def _join(
