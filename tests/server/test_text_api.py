@@ -145,7 +145,9 @@ def test_chat_logprobs_are_the_models_and_name_their_bytes(
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content or []
     ]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # Equal up to float rounding: another request may share a step (batched matmuls round differently).
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     plain = oa.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, extra_body=IGNORE_EOS
     )  # type: ignore[arg-type]

@@ -79,6 +79,8 @@ class KVTurn:
             computed once, and each request forks those blocks copy-on-write and samples
             on its own. A request arriving after the shared prompt was computed and handed
             out computes its own.
+        prefix_group_size: How many requests the group has: an idle engine waits for them
+            all (20 ms at most) before computing the prompt.
     """
 
     new_token_ids: list[int]
@@ -87,6 +89,7 @@ class KVTurn:
     logits_processor: LogitsProcessor | None = None
     is_done: bool = False
     prefix_group: str | None = None
+    prefix_group_size: int = 0
 
 
 class KVNode(Protocol):
@@ -251,6 +254,9 @@ returned, and its new tokens' log-probabilities when its params ask for them."""
 
 # At most this many event-loop turns are waited for a wave of firings to arrive.
 _FIRING_ROUNDS = 16
+# At most this long an idle engine waits for the rest of a prefix group (its requests are
+# prepared one by one, on other threads too) before computing the shared prompt.
+_GROUP_WAIT_S = 0.02
 
 
 def seq_key(request_id: str, seq: str) -> str:
@@ -291,6 +297,7 @@ class KVNodeEngine(StepLoop):
         self._release_after: set[str] = set()  # sequences dropped once their chunk ran
         self._token_node: Any = kv_node if self.has_native_loop else None
         self._groups: dict[str, _PrefixGroup] = {}  # by engine id of the shared sequence (step thread only)
+        self._group_arrivals: dict[str, tuple[int, int]] = {}  # group -> (arrived, size), on the loop
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
         self._steps = OverlappedSteps(self.engine.runner, self._step, self._deliver, self._fail_step, self._keep_stepping)
@@ -443,6 +450,9 @@ class KVNodeEngine(StepLoop):
         self._walks[request_id] = running
         self._keys.setdefault(request_id, set()).add(request_id)
         if is_first and self._can_share(turn):
+            assert turn.prefix_group is not None
+            arrived, _ = self._group_arrivals.get(turn.prefix_group, (0, 0))
+            self._group_arrivals[turn.prefix_group] = (arrived + 1, turn.prefix_group_size)
             self._ops.append((request_id, lambda: self._join_group(request_id, turn, params)))
         elif is_first:
             self._ops.append(
@@ -475,6 +485,16 @@ class KVNodeEngine(StepLoop):
                 del self._walks[request_id]
             elif running.done.done() and not running.done.cancelled():
                 running.done.exception()  # ended as this task was cancelled: nobody else reads it
+
+    async def _gather_groups(self) -> None:
+        """Let the requests of the prefix groups just arriving all arrive (bounded), then forget them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _GROUP_WAIT_S
+        turns = 0
+        while any(arrived < size for arrived, size in self._group_arrivals.values()) and loop.time() < deadline:
+            await asyncio.sleep(0 if turns < 16 else 0.001)
+            turns += 1
+        self._group_arrivals.clear()
 
     @staticmethod
     def _can_share(turn: KVTurn) -> bool:
@@ -613,6 +633,7 @@ class KVNodeEngine(StepLoop):
                             break  # a whole loop turn brought nothing new
                         seen = len(self._ops)
                         await asyncio.sleep(0)
+                await self._gather_groups()
             if self.executor is not None:
                 await loop.run_in_executor(self.executor, self._run_steps, loop)
                 continue

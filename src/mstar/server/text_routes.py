@@ -391,7 +391,7 @@ async def _run(
     for i in range(body.n):
         data: dict[str, Any] = {"prompt_token_ids": prompt_ids, **body.sampling_data(max_tokens, i)}
         if body.n > 1:
-            data["prefix_group"] = request_id
+            data["prefix_group"], data["prefix_group_size"] = request_id, body.n
         if state.sample_rate is not None:  # a model that speaks: say whether to
             data["modalities"] = ["text", "audio"] if spoken else ["text"]
         requests.append(

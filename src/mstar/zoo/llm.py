@@ -15,7 +15,8 @@ model's length (`max_model_len`) ends first (the OpenAI routes send the rest of 
 as vLLM does). With ``logprobs`` (0-20 alternatives) each emitted token
 is a `TokenLogprobs` dict (``token_id``, ``logprob``, ``top_token_ids``, ``top_logprobs``)
 instead of a bare id. Requests sending the same ``prefix_group`` (a string) and the same
-prompt at once share the prompt's KV blocks (parallel samples of one prompt).
+prompt at once share the prompt's KV blocks (parallel samples of one prompt; with
+``prefix_group_size``, how many they are).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _SAMPLING_KEYS = (
     "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "seed", "logprobs",
 )
-_REQUEST_KEYS = (*_SAMPLING_KEYS, "ignore_eos", "prefix_group")
+_REQUEST_KEYS = (*_SAMPLING_KEYS, "ignore_eos", "prefix_group", "prefix_group_size")
 
 DEFAULT_MAX_TOKENS = 256
 """Tokens a request without ``max_tokens`` may generate (at most: the model's length may end first)."""
@@ -81,7 +82,9 @@ class LlamaKVNode:
         """Generate what is left of ``max_tokens``; feed the history where the cache is empty."""
         params = inputs["params"]
         stops = () if params.get("ignore_eos") else self.eos_token_ids
-        return history_turn(inputs, is_first, stops, prefix_group=params.get("prefix_group"))
+        return history_turn(
+            inputs, is_first, stops, prefix_group=params.get("prefix_group"), prefix_group_size=int(params.get("prefix_group_size", 0))
+        )
 
     def outputs(
         self, request_id: str, token_id: int, history: list[int] | None, *, logprobs: TokenLogprobs | None = None
@@ -227,6 +230,9 @@ class TextLLM(Model, SupportsTextOutput):
             )
         if not isinstance(params.get("prefix_group", ""), str):
             raise ValueError("prefix_group must be a string")
+        size = params.get("prefix_group_size", 0)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 1024:
+            raise ValueError("prefix_group_size must be an integer in [0, 1024]")
         SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
         params["prompt_len"] = len(tokens)
         return PreparedRequest({"llm": {"history": torch.tensor(tokens), "params": params}})
