@@ -87,9 +87,10 @@ _IGNORED = frozenset({_EXPERT_LM_HEAD})
 
 # config.json keys (openpi's and LeRobot's spellings) that must agree with the config.
 _VARIANT_KEYS = {"paligemma_variant": "vlm", "action_expert_variant": "expert"}
+# Shapes the weights fix. The action horizon is not one of them: the action expert runs over
+# however many action tokens it is given, so a checkpoint trained with chunks of 50
+# (`lerobot/pi05_base`) serves DROID's 15 (its config.json's chunk_size is only its default).
 _INT_KEYS = {
-    "action_horizon": "action_horizon",
-    "chunk_size": "action_horizon",
     "action_dim": "action_dim",
     "max_action_dim": "action_dim",
 }
