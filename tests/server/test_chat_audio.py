@@ -113,3 +113,21 @@ def test_a_model_without_a_voice_says_so(llama_server: RunningServer) -> None:
     answer = httpx.post(f"{llama_server.url}/v1/chat/completions", json=body, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "modalities"
     assert "no audio output" in answer.json()["error"]["message"]
+
+
+def test_log_probabilities_come_with_a_spoken_answer(server: RunningServer) -> None:
+    answer = _client(server).chat.completions.create(
+        model="assistant",
+        messages=QUESTION,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "wav"},
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    choice = answer.choices[0]
+    assert choice.message.audio is not None and choice.logprobs is not None
+    content = choice.logprobs.content or []
+    # Every sampled token, the end of turn included, carries its log-probability.
+    assert "".join(t.token for t in content).removesuffix("<|im_end|>") == choice.message.audio.transcript
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)

@@ -93,7 +93,7 @@ async def test_text_only_requests_do_not_run_the_voice(model: AssistantModel) ->
 
 class _BrokenVoice(VoiceNode):
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        if any("Paris" in self.text(x["tokens"]) for x in batch):
+        if any("Paris" in self.text(x["say"]) for x in batch):
             raise RuntimeError("the voice cannot say Paris")
         return super().__call__(batch)
 

@@ -1,8 +1,9 @@
 """`assistant`: SmolLM2 writes the answer, a Piper voice speaks it while it is being written.
 
 Partition ``LLM`` (KV cache): SmolLM2-135M-Instruct's ``prefill`` and ``decode`` walks, as
-the ``llama`` model runs them; every sampled token is emitted as text and streams to
-partition ``Voice`` through `SentenceChunkPolicy`, which fires on sentence (or clause)
+the ``llama`` model runs them; every sampled token is emitted as text (with its
+log-probabilities when asked) and its id streams to partition ``Voice`` through
+`SentenceChunkPolicy`, which fires on sentence (or clause)
 boundaries of the token stream. Walk ``speak`` (stateless engine) detokenizes each chunk and
 emits its 22,050 Hz speech. By default the partitions sit on ranks 0 and 1, so the voice
 speaks one sentence while the LLM writes the next.
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mstar.engines.sampler import TokenLogprobs
 from mstar.graph import (
     EMIT,
     Connection,
@@ -40,9 +42,10 @@ from mstar.runtime.placement import NodeGroup, Placement
 from mstar.streaming import Chunk
 from mstar.zoo.assistant.sentences import SentenceChunkPolicy
 from mstar.zoo.assistant.voice import PiperSpeaker, VoiceSettings
-from mstar.zoo.llm import TextLLM
+from mstar.zoo.llama import load_llama
+from mstar.zoo.llm import LlamaKVNode, TextLLM
 
-__all__ = ["AssistantModel", "VoiceNode", "make_assistant_graph"]
+__all__ = ["AssistantLLMNode", "AssistantModel", "VoiceNode", "make_assistant_graph"]
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in a few short, clear sentences."
 _MODALITIES = ("text", "audio")
@@ -56,18 +59,34 @@ def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
         [
             GraphEdge("llm", "history", persist=True),
             GraphEdge(EMIT, "tokens", modality="text"),
-            StreamingGraphEdge("voice", "tokens"),
+            StreamingGraphEdge("voice", "say"),
         ],
         signals={"stop"},
     )
-    voice = GraphNode("voice", {"tokens"}, [GraphEdge(EMIT, "audio", modality="audio")])
+    voice = GraphNode("voice", {"say"}, [GraphEdge(EMIT, "audio", modality="audio")])
     return ModelGraph(
         name="assistant",
         walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "speak": voice},
         partitions={"LLM": ["prefill", "decode"], "Voice": ["speak"]},
-        connections=[Connection("LLM", "Voice", "tokens", policy)],
+        connections=[Connection("LLM", "Voice", "say", policy)],
         inputs={"llm": {"history", "params"}},
     )
+
+
+class AssistantLLMNode(LlamaKVNode):
+    """The ``llm`` node: SmolLM2 as the ``llama`` model runs it, also streaming each token id."""
+
+    def outputs(
+        self,
+        request_id: str,
+        token_id: int,
+        history: list[int] | None,
+        *,
+        logprobs: TokenLogprobs | None = None,
+    ) -> Mapping[str, Any]:
+        """Emit the token (as text) and stream its id to the voice (``say``)."""
+        out = super().outputs(request_id, token_id, history, logprobs=logprobs)
+        return {**out, "say": token_id}
 
 
 class VoiceNode:
@@ -84,7 +103,7 @@ class VoiceNode:
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """Return each chunk's samples; a chunk that cannot be spoken fails its request alone."""
         return [
-            {"audio": torch.from_numpy(self.speaker.speak(self.text(x["tokens"])))} for x in batch
+            {"audio": torch.from_numpy(self.speaker.speak(self.text(x["say"])))} for x in batch
         ]
 
 
@@ -160,7 +179,9 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
     def submodule(self, node: str, device: torch.device) -> Any:
         """Load SmolLM2 or the voice."""
         if node == "llm":
-            return self.llm.submodule("llm", device)
+            llm = self.llm
+            weights = load_llama(llm.checkpoint_dir, device=device, dtype=llm.dtype)
+            return AssistantLLMNode(weights, llm.engine_config, llm.eos_token_ids)
         if node == "voice":
             return VoiceNode(self.tokenizer, PiperSpeaker(settings=self.voice_settings))
         raise KeyError(node)
