@@ -93,7 +93,7 @@ def make_app(
             log.info("engine_stopping")
             await engine.shutdown()
 
-    app = FastAPI(title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.include_router(openai_routes.router)
     app.include_router(text_routes.router)
     app.include_router(native.router)
