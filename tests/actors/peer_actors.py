@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from mstar.actors import Actor, ActorSystem
-from mstar.messages import Ack, Ping, Pong, TensorBundle
+from mstar.actors.wire import Ack, Ping, Pong, TensorBundle
 
 
 class Echo(Actor):

@@ -11,8 +11,8 @@ import torch
 
 from mstar.actors import ActorSystem
 from mstar.actors.process import SystemProcess
+from mstar.actors.wire import CudaIpcLoc, Tell, TensorBundle
 from mstar.errors import ProtocolError
-from mstar.messages import CudaIpcLoc, Tell, TensorBundle
 from mstar.transport.codec import LinkCodec
 from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor
 from tests.actors.conftest import TEST_CONFIG

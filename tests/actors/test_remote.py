@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from mstar.actors import Actor, ActorSystem
+from mstar.actors.wire import Ack, ArenaRelease, Ping, Pong, Reply, TensorBundle
 from mstar.errors import (
     ActorDeadError,
     ActorHandlerError,
@@ -27,7 +28,6 @@ from mstar.errors import (
     ProtocolError,
     TransportClosedError,
 )
-from mstar.messages import Ack, ArenaRelease, Ping, Pong, Reply, TensorBundle
 from mstar.transport.base import parse_address
 from tests.actors.conftest import TEST_CONFIG, Linked, bind_address
 from tests.actors.peer_actors import setup

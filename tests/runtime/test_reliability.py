@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from mstar.actors.wire import ActorId
 from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerLostError
-from mstar.messages import ActorId, UpdatePeer
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
+from mstar.runtime.messages import UpdatePeer
 from mstar.runtime.model import PreparedRequest
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo.noop import NoopLoopModel

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from mstar.actors.wire import Ping, Tell, TensorBundle
 from mstar.errors import MessageTooLargeError, ProtocolError
-from mstar.messages import Ping, Tell, TensorBundle
 from mstar.transport.codec import LinkCodec
 from mstar.transport.shm import ArenaMapping, SharedArena, is_shm_available
 from mstar.transport.tally import TRANSPORT_KINDS, TransportTally

@@ -5,6 +5,10 @@ the other's shared arena does so and says `ArenaAttached`; from then on the othe
 large CPU tensors through its arena. Both sides send a `Heartbeat` when they sent nothing else
 for a heartbeat interval; a link that hears nothing for the heartbeat timeout is lost, and
 its pending asks fail with `PeerLostError`.
+
+A link to another process carries each message in its wire form (`WireMessage.to_wire`) and
+hands what arrives to actors converted back (`WireMessage.from_wire`); an in-process link
+passes messages by reference, as they are.
 """
 
 from __future__ import annotations
@@ -21,15 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mstar import errors
-from mstar.errors import (
-    ActorHandlerError,
-    MessageTooLargeError,
-    PeerLostError,
-    ProtocolError,
-    TransportClosedError,
-)
-from mstar.messages import (
-    MESSAGE_TYPES,
+from mstar.actors.wire import (
     PROTOCOL_VERSION,
     ArenaAttached,
     ArenaRelease,
@@ -41,6 +37,15 @@ from mstar.messages import (
     Hello,
     Reply,
     Tell,
+    WireMessage,
+    is_wire_message,
+)
+from mstar.errors import (
+    ActorHandlerError,
+    MessageTooLargeError,
+    PeerLostError,
+    ProtocolError,
+    TransportClosedError,
 )
 from mstar.transport.base import Channel
 from mstar.transport.janitor import is_pid_alive, sweep_stale
@@ -98,14 +103,14 @@ class RemoteReply:
         self.call_id = call_id
 
     def resolve(self, value: Any) -> None:
-        if value is not None and type(value) not in MESSAGE_TYPES:
+        if value is not None and not is_wire_message(value):
             self.fail(ProtocolError(
                 f"reply of type {type(value).__name__} is not a wire message "
-                "(add it to mstar.messages.Message)"
+                "(register it with mstar.actors.wire.register_messages)"
             ))
             return
         try:
-            self.link.send(Reply(self.call_id, value))
+            self.link.send(Reply(self.call_id, self.link.outgoing(value) if value is not None else None))
         except (ProtocolError, MessageTooLargeError) as exc:
             self.fail(exc)
         except TransportClosedError:
@@ -165,6 +170,14 @@ class PeerLink:
         self.channel.send(envelope)
         self.last_send = time.monotonic()
 
+    def outgoing(self, message: WireMessage) -> WireMessage:
+        """Return ``message`` as this link carries it: in wire form unless in-process."""
+        return message if self.codec is None else message.to_wire()
+
+    def incoming(self, message: WireMessage) -> WireMessage:
+        """Return a message that arrived on this link as actors handle it."""
+        return message if self.codec is None else message.from_wire()
+
     def send_heartbeat(self) -> None:
         """Send a heartbeat, unless the channel is already closed."""
         with contextlib.suppress(TransportClosedError):
@@ -191,7 +204,8 @@ class PeerLink:
                 future = self.pending.pop(envelope.call_id, None)  # type: ignore[union-attr]
                 if future is not None and not future.done():
                     if kind is Reply:
-                        future.set_result(envelope.body)  # type: ignore[union-attr]
+                        body = envelope.body  # type: ignore[union-attr]
+                        future.set_result(None if body is None else self.incoming(body))
                     else:
                         future.set_exception(error_from_reply(envelope))  # type: ignore[arg-type]
             elif kind is Heartbeat:

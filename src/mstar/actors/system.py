@@ -37,17 +37,7 @@ from mstar.actors.config import SystemConfig
 from mstar.actors.link import PeerLink, RemoteReply
 from mstar.actors.ref import DEFAULT_ASK_TIMEOUT_S, ActorRef
 from mstar.actors.timeouts import AskTimeouts
-from mstar.errors import (
-    ActorDeadError,
-    ActorNameTakenError,
-    ActorNotFoundError,
-    MailboxFullError,
-    PeerLostError,
-    ProtocolError,
-    TransportClosedError,
-)
-from mstar.messages import (
-    MESSAGE_TYPES,
+from mstar.actors.wire import (
     SYSTEM_TARGET,
     Ack,
     ActorId,
@@ -58,6 +48,16 @@ from mstar.messages import (
     Ping,
     Pong,
     Tell,
+    is_wire_message,
+)
+from mstar.errors import (
+    ActorDeadError,
+    ActorNameTakenError,
+    ActorNotFoundError,
+    MailboxFullError,
+    PeerLostError,
+    ProtocolError,
+    TransportClosedError,
 )
 from mstar.transport.base import Channel, Listener, connect, listen, parse_address
 from mstar.transport.codec import LinkCodec
@@ -279,7 +279,8 @@ class ActorSystem:
             cell.offer(message, None)
             return
         _check_wire(message)
-        self._link_to(ref.address).send(Tell(ref.name, message))
+        link = self._link_to(ref.address)
+        link.send(Tell(ref.name, link.outgoing(message)))
 
     async def _ask(self, ref: ActorRef, message: Any, timeout: float | None) -> Any:
         loop = asyncio.get_running_loop()
@@ -295,7 +296,7 @@ class ActorSystem:
         call_id = next(self._call_ids)
         link.pending[call_id] = future
         try:
-            link.send(Ask(ref.name, call_id, message))
+            link.send(Ask(ref.name, call_id, link.outgoing(message)))
             return await self._wait(future, ref, timeout)
         finally:
             link.pending.pop(call_id, None)
@@ -326,7 +327,7 @@ class ActorSystem:
         try:
             if cell is None:
                 raise ActorDeadError(f"no actor named {envelope.target!r} is running")
-            cell.offer(envelope.body, reply)
+            cell.offer(link.incoming(envelope.body), reply)
         except (ActorDeadError, MailboxFullError) as exc:
             if reply is not None:
                 fail_reply(reply, exc)
@@ -492,8 +493,8 @@ class ActorSystem:
 
 
 def _check_wire(message: Any) -> None:
-    if type(message) not in MESSAGE_TYPES:
+    if not is_wire_message(message):
         raise ProtocolError(
-            f"{type(message).__name__} is not a wire message: only mstar.messages.Message "
-            "types can be sent to another actor system"
+            f"{type(message).__name__} is not a wire message: only registered "
+            "mstar.actors.wire.WireMessage types can be sent to another actor system"
         )

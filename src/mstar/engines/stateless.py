@@ -152,7 +152,7 @@ class StatelessEngine(StepLoop):
         """
         if self._closed:
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
-        future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Mapping[str, Any]] = (self._loop or asyncio.get_running_loop()).create_future()
         self._queue.append(_Pending(request_id, inputs, future, walk))
         if not self._is_inline:
             self._wakeup.set()
@@ -175,8 +175,12 @@ class StatelessEngine(StepLoop):
         return dropped
 
     def _take_batch(self) -> list[_Pending]:
-        n = min(self.config.max_batch_size, len(self._queue))
-        batch = [self._queue.popleft() for _ in range(n)]
+        queue = self._queue
+        if len(queue) == 1:  # the common case at low load: no batch to cut
+            p = queue.popleft()
+            return [] if p.future.done() else [p]
+        n = min(self.config.max_batch_size, len(queue))
+        batch = [queue.popleft() for _ in range(n)]
         return [p for p in batch if not p.future.done()]  # cancelled while waiting
 
     async def _run(self) -> None:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import gc
 import importlib.util
-import json
 import os
 import weakref
 from collections.abc import AsyncGenerator, Callable
@@ -26,15 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-import msgspec
 import structlog
 
 from mstar.actors import ActorRef, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess, check_main_guard
+from mstar.actors.wire import ActorId
 from mstar.engines.stateless import StatelessEngineConfig
 from mstar.errors import EngineClosedError, MStarError, PeerLostError, RequestAbortedError
-from mstar.messages import (
-    ActorId,
+from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
+from mstar.runtime.messages import (
     InitWorker,
     StateQuery,
     StateReport,
@@ -44,7 +43,6 @@ from mstar.messages import (
     WalkStepStats,
     WorkerReady,
 )
-from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
 from mstar.runtime.model import Model, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
@@ -269,11 +267,12 @@ class AsyncEngine:
         init = InitWorker(
             rank,
             self.spec.factory,
-            json.dumps(dict(self.spec.kwargs)),
-            self.placement.to_yaml(),
+            dict(self.spec.kwargs),
+            list(self.placement.groups),
             ActorId(self._served, CONDUCTOR),
             {r: ActorId(ref.address, ref.name) for r, ref in self.workers.items()},
-            msgspec.json.encode(self._worker_config(rank)).decode(),
+            self._worker_config(rank),
+            self.placement.model,
         )
         ready = await host.ask(init, timeout=300.0)
         if not isinstance(ready, WorkerReady):

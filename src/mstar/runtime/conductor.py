@@ -25,7 +25,16 @@ from mstar.errors import (
     WorkerLostError,
 )
 from mstar.graph import Emission, ModelGraph
-from mstar.messages import (
+from mstar.runtime.conductor_core import (
+    Command,
+    ConductorCore,
+    Deliver,
+    Fail,
+    Finish,
+    Release,
+    StartWalk,
+)
+from mstar.runtime.messages import (
     EmittedMsg,
     ReleaseRequest,
     StartWalkMsg,
@@ -36,17 +45,8 @@ from mstar.messages import (
     WalkDoneMsg,
     WalkFailedMsg,
 )
-from mstar.runtime.conductor_core import (
-    Command,
-    ConductorCore,
-    Deliver,
-    Fail,
-    Finish,
-    Release,
-    StartWalk,
-)
 from mstar.runtime.model import Model, PreparedRequest, Request
-from mstar.runtime.values import from_slots, from_wire, to_slots
+from mstar.runtime.values import from_slots, to_slots
 
 __all__ = ["END", "Abort", "Conductor", "RankWaitExpired", "Submit", "WorkerLost"]
 
@@ -125,10 +125,10 @@ class Conductor(Actor):
         """Postprocess an output for its client, or route a stream item."""
         m = message
         if isinstance(m, EmittedMsg):
-            emission = Emission(m.partition, m.walk, m.node, m.name, m.modality, from_wire(m.value))
+            emission = Emission(m.partition, m.walk, m.node, m.name, m.modality, m.value)
             self._execute(self.core.emitted(m.request_id, emission))
         else:
-            self._execute(self.core.stream_item(m.request_id, (m.node, m.name), from_wire(m.value)))
+            self._execute(self.core.stream_item(m.request_id, (m.node, m.name), m.value))
 
     async def handle(self, message: Any) -> Any:
         """Turn one event into the core's commands and carry them out."""
@@ -201,9 +201,7 @@ class Conductor(Actor):
                     queue.put_nowait(END if isinstance(c, Finish) else c.error)
 
     def _send_walk(self, c: StartWalk) -> None:
-        ref = self.workers[c.rank]
-        wire = ref.address != self.system.address
-        ref.tell(StartWalkMsg(c.request_id, c.walk_seq, c.walk, c.node_ranks, to_slots(c.initial, wire=wire)))
+        self.workers[c.rank].tell(StartWalkMsg(c.request_id, c.walk_seq, c.walk, c.node_ranks, to_slots(c.initial)))
 
     def _down_rank(self, c: StartWalk) -> int | None:
         """Return a lost rank the walk needs (any rank's share of it may send values there)."""

@@ -1,33 +1,93 @@
-"""Node values to and from their wire form (`mstar.messages.Value`).
+"""Node values and their wire form (`Value`: tagged msgspec Structs and plain scalars).
 
-Inside one process values pass by reference and are never converted; only a message to
-another actor system carries wire values. Tuples come back as lists.
+Inside one process values pass by reference and are never converted; a link to another
+process converts the values in the messages it carries (`mstar.runtime.messages`), so no
+role ever does. Tuples come back as lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, TypeAlias
 
+import msgspec
 import numpy as np
 import torch
 
+from mstar.actors.wire import WireStruct
 from mstar.errors import ProtocolError
-from mstar.messages import (
-    BytesValue,
-    ChunkValue,
-    DictValue,
-    ListValue,
-    PyValue,
-    SlotValue,
-    TensorValue,
-    Value,
-)
 from mstar.streaming import Chunk
 
-__all__ = ["from_slots", "from_wire", "to_slots", "to_wire"]
+__all__ = [
+    "BytesValue",
+    "ChunkValue",
+    "DictValue",
+    "ListValue",
+    "SlotValue",
+    "TensorValue",
+    "Value",
+    "from_slots",
+    "from_wire",
+    "slots_from_wire",
+    "slots_to_wire",
+    "to_slots",
+    "to_wire",
+]
 
-_WIRE = (TensorValue, PyValue, BytesValue, ListValue, DictValue, ChunkValue)
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Value(WireStruct, tag=True):
+    """Base of node values on the wire."""
+
+
+class TensorValue(_Value):
+    """A tensor."""
+
+    tensor: torch.Tensor
+
+
+class BytesValue(_Value):
+    """Raw bytes."""
+
+    data: bytes
+
+
+class ListValue(_Value):
+    """A list (or tuple) of values."""
+
+    items: list[Value]
+
+
+class DictValue(_Value):
+    """A mapping from names to values."""
+
+    items: dict[str, Value]
+
+
+class ChunkValue(_Value):
+    """A stream chunk (`mstar.streaming.Chunk`)."""
+
+    items: list[Value]
+    start: NonNegative
+    context_len: NonNegative
+    is_last: bool
+
+
+# Scalars, strings and None travel as themselves (msgpack tells them apart).
+Value: TypeAlias = TensorValue | BytesValue | ListValue | DictValue | ChunkValue | bool | int | float | str | None
+
+
+class SlotValue(WireStruct):
+    """The value of input ``name`` of ``node`` (in-process: the value itself)."""
+
+    node: str
+    name: str
+    value: Value
+
+
+_WIRE = (TensorValue, BytesValue, ListValue, DictValue, ChunkValue)
+_SCALARS = frozenset({bool, int, float, str, type(None)})
 Slot = tuple[str, str]
 
 
@@ -37,10 +97,14 @@ def to_wire(value: Any) -> Value:
     Raises:
         ProtocolError: The value has a type that cannot cross processes.
     """
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, torch.Tensor):
         return TensorValue(value)
-    if value is None or isinstance(value, bool | int | float | str):
-        return PyValue(value)
+    if isinstance(value, bool | int | float | str):  # a subclass (an enum, say): its plain value
+        for kind in (bool, int, float, str):
+            if isinstance(value, kind):
+                return kind(value)
     if isinstance(value, bytes | bytearray | memoryview):
         return BytesValue(bytes(value))
     if isinstance(value, Chunk):
@@ -63,8 +127,6 @@ def from_wire(value: Any) -> Any:
         return value
     if isinstance(value, TensorValue):
         return value.tensor
-    if isinstance(value, PyValue):
-        return value.value
     if isinstance(value, BytesValue):
         return value.data
     if isinstance(value, ListValue):
@@ -74,11 +136,21 @@ def from_wire(value: Any) -> Any:
     return Chunk(tuple(from_wire(v) for v in value.items), value.start, value.context_len, value.is_last)
 
 
-def to_slots(values: Mapping[Slot, Any], *, wire: bool) -> list[SlotValue]:
-    """Pack slot values for a message (converted only when ``wire``)."""
-    return [SlotValue(node, name, to_wire(v) if wire else v) for (node, name), v in values.items()]
+def to_slots(values: Mapping[Slot, Any]) -> list[SlotValue]:
+    """Pack slot values for a message (the values as they are: a link converts them)."""
+    return [SlotValue(node, name, v) for (node, name), v in values.items()]
 
 
 def from_slots(slots: list[SlotValue]) -> dict[Slot, Any]:
     """Unpack slot values from a message."""
-    return {(s.node, s.name): from_wire(s.value) for s in slots}
+    return {(s.node, s.name): s.value for s in slots}
+
+
+def slots_to_wire(slots: list[SlotValue]) -> list[SlotValue]:
+    """Return ``slots`` with their values in wire form."""
+    return [SlotValue(s.node, s.name, to_wire(s.value)) for s in slots]
+
+
+def slots_from_wire(slots: list[SlotValue]) -> list[SlotValue]:
+    """Return ``slots`` with their values converted back from wire form."""
+    return [SlotValue(s.node, s.name, from_wire(s.value)) for s in slots]

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
-
 from mstar.actors import Actor, ActorRef, ActorSystem
+from mstar.actors.wire import ActorId
 from mstar.errors import MStarError, WalkExecutionError
 from mstar.graph import Emission, ModelGraph
-from mstar.messages import (
-    ActorId,
+from mstar.runtime.conductor_core import StartWalk
+from mstar.runtime.messages import (
     EmittedMsg,
     InitWorker,
     NodeValuesMsg,
@@ -30,10 +28,9 @@ from mstar.messages import (
     WalkStepStats,
     WorkerReady,
 )
-from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
-from mstar.runtime.values import from_slots, from_wire, to_slots, to_wire
+from mstar.runtime.values import from_slots, to_slots
 from mstar.runtime.walk_runner import ValueKey
 from mstar.runtime.worker_core import NodeEngine, WorkerConfig, WorkerCore
 
@@ -80,10 +77,7 @@ class Worker(Actor):
 
     def handle_now(self, message: NodeValuesMsg) -> None:
         """Hand values from a peer worker to the runner of their walk."""
-        items: list[tuple[ValueKey, Any]] = [
-            (tuple(k), from_wire(v))  # type: ignore[misc]
-            for k, v in zip(message.keys, message.values, strict=True)
-        ]
+        items: list[tuple[ValueKey, Any]] = list(zip(message.keys, message.values, strict=True))
         self.core.deliver(message.request_id, message.walk_seq, items)
 
     async def handle(self, message: Any) -> Any:
@@ -108,14 +102,11 @@ class Worker(Actor):
         return None
 
     # --- WorkerOutbox ------------------------------------------------------------------------
-
-    def _is_remote(self, ref: ActorRef) -> bool:
-        return ref.address != self.system.address
+    # Values go into messages as they are: a link to another process converts them.
 
     def walk_done(self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]) -> None:
         """Report a finished walk share to the conductor."""
-        slots = to_slots(persisted, wire=self._is_remote(self.conductor))
-        self.conductor.tell(WalkDoneMsg(request_id, walk_seq, rank, slots))
+        self.conductor.tell(WalkDoneMsg(request_id, walk_seq, rank, to_slots(persisted)))
 
     def walk_failed(self, request_id: str, walk_seq: int, rank: int, error: Exception) -> None:
         """Report a failed walk share to the conductor."""
@@ -127,22 +118,18 @@ class Worker(Actor):
 
     def emitted(self, request_id: str, emission: Emission) -> None:
         """Send an emission to the conductor."""
-        value = to_wire(emission.value) if self._is_remote(self.conductor) else emission.value
         e = emission
-        self.conductor.tell(EmittedMsg(request_id, e.partition, e.walk, e.node, e.name, e.modality, value))
+        self.conductor.tell(EmittedMsg(request_id, e.partition, e.walk, e.node, e.name, e.modality, e.value))
 
     def stream_item(self, request_id: str, slot: Slot, value: Any) -> None:
         """Send a stream item to the conductor."""
-        wire = to_wire(value) if self._is_remote(self.conductor) else value
-        self.conductor.tell(StreamItemMsg(request_id, slot[0], slot[1], wire))
+        self.conductor.tell(StreamItemMsg(request_id, slot[0], slot[1], value))
 
     def node_values(self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
         """Send values straight to the worker of another rank (one message)."""
-        ref = self.workers[rank]
-        remote = self._is_remote(ref)
         keys = [key for key, _ in items]
-        values = [to_wire(v) if remote else v for _, v in items]
-        ref.tell(NodeValuesMsg(request_id, walk_seq, keys, values))
+        values = [v for _, v in items]
+        self.workers[rank].tell(NodeValuesMsg(request_id, walk_seq, keys, values))
 
 
 class WorkerHost(Actor):
@@ -152,11 +139,11 @@ class WorkerHost(Actor):
         """Build the worker from an `InitWorker`; answer `WorkerReady`."""
         if not isinstance(message, InitWorker):
             raise TypeError(f"the worker host does not handle {type(message).__name__}")
-        spec = ModelSpec(message.model_factory, json.loads(message.model_kwargs_json))
+        spec = ModelSpec(message.model_factory, message.model_kwargs)
         model = await asyncio.to_thread(spec.build)  # keep the loop free for heartbeats
         graph = model.graph()
-        placement = Placement.from_yaml(message.placement_yaml).resolve(graph)
-        config = msgspec.json.decode(message.config_json, type=WorkerConfig)
+        placement = Placement(tuple(message.node_groups), message.placement_model).resolve(graph)
+        config = message.config
         system: ActorSystem = self.system
         conductor = system.ref(message.conductor)
         workers = {rank: system.ref(actor_id) for rank, actor_id in message.workers.items()}

@@ -24,8 +24,8 @@ from types import TracebackType
 from typing import Protocol, Self
 from urllib.parse import urlsplit
 
+from mstar.actors.wire import Envelope
 from mstar.errors import InvalidAddressError, TransportClosedError
-from mstar.messages import Envelope
 from mstar.transport.codec import LinkCodec
 
 __all__ = [

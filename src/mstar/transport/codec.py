@@ -23,8 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
-from mstar.errors import MessageTooLargeError, ProtocolError
-from mstar.messages import (
+from mstar.actors.wire import (
     CudaIpcLoc,
     Envelope,
     FrameLoc,
@@ -32,7 +31,9 @@ from mstar.messages import (
     TensorRef,
     make_decoder,
     make_encoder,
+    registry_version,
 )
+from mstar.errors import MessageTooLargeError, ProtocolError
 from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor
 from mstar.transport.shm import ArenaMapping, SharedArena
 from mstar.transport.tally import CUDA_IPC, SHM, TransportTally
@@ -149,6 +150,7 @@ class LinkCodec:
         self.sent_slots: set[int] = set()
         self._encoder = make_encoder(self._enc_hook)
         self._decoder = make_decoder(self._dec_hook)
+        self._decoder_version = registry_version()
         self._out: list[Any] | None = None
         self._new_slots: list[int] = []
         self._in: Sequence[Any] | None = None
@@ -288,11 +290,15 @@ class LinkCodec:
             raise MessageTooLargeError(
                 f"received a {nbytes}-byte message, over the limit of {self.max_message_bytes}"
             )
+        if self._decoder_version != registry_version():
+            # Message types were registered since: decode them too.
+            self._decoder = make_decoder(self._dec_hook)
+            self._decoder_version = registry_version()
         self._in = frames
         self._in_used = [False] * len(frames)
         self._has_tensors = False
         try:
-            envelope = self._decoder.decode(head)
+            envelope: Envelope = self._decoder.decode(head)
         except (msgspec.DecodeError, TypeError, ValueError) as exc:
             if isinstance(exc, ProtocolError):
                 raise

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mstar.actors.wire import CudaIpcLoc
 from mstar.errors import ProtocolError
-from mstar.messages import CudaIpcLoc
 
 __all__ = ["export_cuda_tensor", "import_cuda_tensor", "is_cuda_ipc_available"]
 

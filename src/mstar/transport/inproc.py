@@ -11,8 +11,8 @@ import asyncio
 import collections
 from collections.abc import Callable
 
+from mstar.actors.wire import Envelope
 from mstar.errors import InvalidAddressError, PeerLostError, TransportClosedError
-from mstar.messages import Envelope
 from mstar.transport.base import Address, ChannelBase, register_transport
 from mstar.transport.codec import LinkCodec
 

@@ -34,13 +34,13 @@ from typing import Any
 
 import zmq
 
+from mstar.actors.wire import Envelope, ErrorReply
 from mstar.errors import (
     InvalidAddressError,
     MessageTooLargeError,
     ProtocolError,
     TransportClosedError,
 )
-from mstar.messages import Envelope, ErrorReply
 from mstar.transport.base import (
     Address,
     ChannelBase,
@@ -67,6 +67,9 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+# Likewise an option passed as its enum member costs a conversion on every call: EVENTS is
+# read about three times per message.
+_EVENTS = int(zmq.EVENTS)
 # Smaller frames are copied into the message (what pyzmq would do anyway, but without a
 # zmq.Frame object per frame); larger ones are sent without copying.
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
@@ -93,6 +96,7 @@ class _SocketDriver:
         self._on_frames = on_frames
         self._loop = asyncio.get_running_loop()
         self._fd: int = sock.FD
+        self._get = sock.get
         self._backlog: collections.deque[list[Any]] = collections.deque()
         self._is_scheduled = False
         self.is_closed = False
@@ -123,7 +127,7 @@ class _SocketDriver:
             self._schedule()
 
     def _events(self) -> int:
-        return int(self._sock.getsockopt(zmq.EVENTS))
+        return self._get(_EVENTS)  # type: ignore[return-value]
 
     def _send_now(self, frames: list[Any]) -> None:
         # ZeroMQ takes a multipart message whole or not at all: only the first part can
