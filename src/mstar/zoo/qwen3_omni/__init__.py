@@ -18,6 +18,7 @@ from mstar.zoo.qwen3_omni.config import (
     get_qwen3_omni_config,
 )
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
+from mstar.zoo.qwen3_omni.model import Qwen3OmniModel, make_qwen3_omni_graph
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 
 __all__ = [
@@ -27,8 +28,10 @@ __all__ = [
     "MoEDecoder",
     "MoETextConfig",
     "Qwen3OmniConfig",
+    "Qwen3OmniModel",
     "Qwen3OmniWeights",
     "get_qwen3_omni_config",
     "load_qwen3_omni",
+    "make_qwen3_omni_graph",
     "make_random_checkpoint",
 ]

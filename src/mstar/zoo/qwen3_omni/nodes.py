@@ -1,0 +1,505 @@
+"""Qwen3-Omni's graph nodes: the encoders, the thinker, the talker (with its code predictor), Code2Wav.
+
+The thinker and the talker are forward-fired KV-cache nodes (`ForwardKVNode`): each firing
+appends one segment of the prompt or one decode position to the request's paged cache, and
+``forward_outputs`` samples every request the step completed at once (one logits matmul, one
+code-predictor batch). What crosses from the thinker to the talker, one stream item per
+firing::
+
+    prefill item   {"kind": "prefill", rows of the segment's user positions (input embeddings,
+                    or captured states at audio / image positions), the talker's coordinates,
+                    and on the last segment the assistant turn's rows and the first answer token's}
+    text item      {"kind": "text", "embed": [hidden]}  one per answer token but the last
+
+The talker keeps, per request, the text rows not yet spoken, the code history (repetition
+penalty), its generator and the summed embedding of the last frame; each decode firing adds
+``frame sum + next text`` (``tts_eos`` once the answer is spoken, then ``tts_pad``), draws
+codebook 0 and the code predictor's 15 codes, and streams the frame to Code2Wav.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.engines.kv_engine import KVCacheEngineConfig
+from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
+from mstar.streaming import Chunk
+from mstar.zoo.qwen3_omni.modules.encoders import ImageInput, encode_audio, encode_image
+from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
+from mstar.zoo.qwen3_omni.modules.text import EmbedsInput
+from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
+from mstar.zoo.qwen3_omni.pipeline import CODE_PREDICTOR_SAMPLING, talker_suppress_mask
+
+__all__ = [
+    "AudioEncoderNode",
+    "Code2WavNode",
+    "TalkerNode",
+    "ThinkerNode",
+    "VisionEncoderNode",
+    "draw_params",
+]
+
+
+def draw_params(raw: Mapping[str, Any], prefix: str = "") -> DrawParams:
+    """Return the `DrawParams` of a request's sampling dict (keys ``temperature``, ``top_k``, ...)."""
+    return DrawParams(
+        temperature=float(raw.get(f"{prefix}temperature", 0.0)),
+        top_k=int(raw.get(f"{prefix}top_k", 0) or 0),
+        top_p=float(raw.get(f"{prefix}top_p", 1.0)),
+        repetition_penalty=float(raw.get(f"{prefix}repetition_penalty", 1.0)),
+    )
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def _segment(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    return inputs["segments"][int(inputs["cursor"])]
+
+
+class AudioEncoderNode:
+    """``audio_encoder``: the current segment's log-mel features through the audio tower."""
+
+    def __init__(self, weights: Qwen3OmniWeights) -> None:
+        self.weights = weights
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Return each request's audio tokens as the thinker's ``media``."""
+        out: list[Mapping[str, Any]] = []
+        for x in batch:
+            features = torch.as_tensor(_segment(x)["features"])
+            out.append(
+                {
+                    "media": {
+                        "embeds": encode_audio(self.weights.audio_tower, features),
+                        "deepstack": None,
+                    }
+                }
+            )
+        return out
+
+
+class VisionEncoderNode:
+    """``vision_encoder``: the current segment's image patches through the vision tower (with DeepStack)."""
+
+    def __init__(self, weights: Qwen3OmniWeights) -> None:
+        self.weights = weights
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Return each request's image tokens and DeepStack features as the thinker's ``media``."""
+        out: list[Mapping[str, Any]] = []
+        for x in batch:
+            seg = _segment(x)
+            t, h, w = (int(v) for v in seg["grid"])
+            tokens, deepstack = encode_image(
+                self.weights.visual, ImageInput(torch.as_tensor(seg["pixels"]), (t, h, w))
+            )
+            out.append({"media": {"embeds": tokens, "deepstack": deepstack}})
+        return out
+
+
+def _engine_config(max_model_len: int) -> KVCacheEngineConfig:
+    # Payload prompts (media, summed talker rows) are never shared by token hash.
+    return KVCacheEngineConfig(
+        block_size=16, max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=max_model_len,
+        enable_prefix_caching=False, cuda_graphs=False,
+    )  # fmt: skip
+
+
+class ThinkerNode:
+    """``thinker`` (`ForwardKVNode`): prompt segments, then one answer token per firing.
+
+    Inputs: ``segments`` and ``cursor`` (which segment is next), ``media`` (the encoder's output
+    in audio / vision walks), ``last`` (the answer so far: ``token``, ``count``, ``done`` and the
+    request's sampling settings). Outputs: ``text`` (each sampled token, EOS included),
+    ``thinker_states`` (the talker's stream), ``cursor``, ``last`` and the ``stop`` signal.
+    """
+
+    forward_walks = True
+
+    def __init__(self, weights: Qwen3OmniWeights, max_model_len: int = 4096) -> None:
+        self.weights = weights
+        self.model = weights.thinker_text
+        self.hidden = self.model.hidden_size
+        self.engine_config = _engine_config(max_model_len)
+        self._generators: dict[str, torch.Generator] = {}
+        self._history: dict[str, list[int]] = {}  # prompt + answer, for a repetition penalty
+
+    def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
+        """Append the next segment, or the last sampled token (nothing once the answer ended)."""
+        cursor, segments = int(inputs["cursor"]), inputs["segments"]
+        if cursor < len(segments):
+            seg = segments[cursor]
+            ids = [int(i) for i in torch.as_tensor(seg["ids"]).tolist()]
+            self._history.setdefault(request_id, []).extend(ids)
+            if seg["kind"] == "text":
+                return KVForward([KVChunk(token_ids=ids)])
+            media = inputs["media"]
+            if not isinstance(media, Mapping):
+                raise ValueError(f"a {seg['kind']} segment needs its encoder's output")
+            payload = EmbedsInput(
+                torch.as_tensor(media["embeds"]), positions3=seg["positions3"], rope_delta=seg["rope_delta"],
+                deepstack=media.get("deepstack"),
+            )  # fmt: skip
+            if payload.num_rows != len(ids):
+                raise ValueError(
+                    f"the encoder made {payload.num_rows} tokens for {len(ids)} placeholders"
+                )
+            return KVForward([KVChunk(payload=payload, num_tokens=payload.num_rows)])
+        last = inputs["last"]
+        if last["done"]:
+            return KVForward([])
+        token = int(last["token"])
+        self._history.setdefault(request_id, []).append(token)
+        return KVForward([KVChunk(token_ids=[token])])
+
+    def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
+        """Sample the next token of every request whose firing ends a prompt or a decode step."""
+        results: list[Mapping[str, Any] | BaseException] = [{} for _ in firings]
+        to_sample: list[int] = []
+        for i, f in enumerate(firings):
+            cursor, segments = int(f.inputs["cursor"]), f.inputs["segments"]
+            if not f.rows:  # the answer already ended
+                results[i] = {"stop": True}
+            elif cursor < len(segments) and not segments[cursor]["is_last"]:
+                out: dict[str, Any] = {"cursor": cursor + 1, "stop": False}
+                if f.inputs["last"]["speak"]:
+                    out["thinker_states"] = self._prefill_item(segments[cursor], f.rows[0], None)
+                results[i] = out
+            else:
+                to_sample.append(i)
+        if to_sample:
+            for i, sampled in zip(
+                to_sample, self._sample([firings[i] for i in to_sample]), strict=True
+            ):
+                results[i] = sampled
+        return results
+
+    def _sample(self, firings: list[FiringRows]) -> list[Mapping[str, Any]]:
+        outs: list[Mapping[str, Any]] = []
+        groups: dict[DrawParams, list[int]] = {}
+        for k, f in enumerate(firings):
+            groups.setdefault(draw_params(f.inputs["last"]), []).append(k)
+        rows = torch.cat([f.rows[0][-1:] for f in firings if f.rows[0] is not None])
+        logits = self.model.compute_logits(rows)
+        tokens: list[int] = [0] * len(firings)
+        for params, members in groups.items():
+            gens: list[torch.Generator | None] = [self._gen(firings[k]) for k in members]
+            history = [self._history.get(firings[k].request_id, []) for k in members]
+            drawn = draw(logits[members], params, gens, history=history)
+            for k, token in zip(members, drawn.tolist(), strict=True):
+                tokens[k] = int(token)
+        for k, f in enumerate(firings):
+            last = dict(f.inputs["last"])
+            forced = last.get("forced")
+            token = int(forced[last["count"]]) if forced else tokens[k]
+            last["count"] = count = int(last["count"]) + 1
+            is_end = token in last["stop_ids"] or count >= int(last["max_tokens"])
+            last.update(token=token, done=is_end)
+            out: dict[str, Any] = {"text": token, "last": last, "stop": is_end}
+            cursor, segments = int(f.inputs["cursor"]), f.inputs["segments"]
+            embed = (
+                None
+                if is_end
+                else self.model.embedding(torch.tensor([token], device=rows.device))[0]
+            )
+            if cursor < len(segments):
+                out["cursor"] = cursor + 1
+                if last["speak"]:
+                    out["thinker_states"] = self._prefill_item(segments[cursor], f.rows[0], embed)
+            elif last["speak"] and embed is not None:
+                out["thinker_states"] = {"kind": "text", "embed": embed}
+            outs.append(out)
+        return outs
+
+    def _prefill_item(
+        self, seg: Mapping[str, Any], rows: torch.Tensor | None, first: torch.Tensor | None
+    ) -> dict[str, Any]:
+        """Return the talker's share of a prefill segment (see the module docstring)."""
+        assert rows is not None
+        hidden = self.hidden
+        keep = torch.as_tensor(seg["keep"], dtype=torch.bool, device=rows.device)
+        is_mm = seg["kind"] != "text"
+        part = rows[keep, 2 * hidden :] if is_mm else rows[keep, hidden : 2 * hidden]
+        item: dict[str, Any] = {
+            "kind": "prefill", "rows": part, "is_mm": is_mm, "is_last": bool(seg["is_last"]),
+            "positions3": seg["talker_positions3"], "rope_delta": seg["talker_rope_delta"],
+        }  # fmt: skip
+        if seg["is_last"]:
+            item["opening"] = rows[-int(seg["opening"]) :, hidden : 2 * hidden]
+            item["first_text"] = first
+        return item
+
+    def _gen(self, firing: FiringRows) -> torch.Generator:
+        gen = self._generators.get(firing.request_id)
+        if gen is None:
+            device = self.model.embedding.weight.device
+            gen = self._generators[firing.request_id] = _generator(
+                int(firing.inputs["last"]["seed"]), device
+            )
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's generator, history and MRoPE offset."""
+        self._generators.pop(request_id, None)
+        self._history.pop(request_id, None)
+        self.model.forget(request_id)
+
+
+@dataclass
+class _Speech:
+    """What the talker keeps for one request between firings."""
+
+    sampling: DrawParams
+    code_sampling: DrawParams
+    generator: torch.Generator
+    max_frames: int
+    speaker: int
+    texts: deque[torch.Tensor] = field(default_factory=deque)  # projected text rows not yet spoken
+    drawn: list[int] = field(
+        default_factory=list
+    )  # codebook-0 draws (the repetition penalty's history)
+    pending: torch.Tensor | None = None  # summed embeddings of the last frame
+    is_started: bool = False  # the assistant prefill is in the cache
+    is_done: bool = False
+    eos_used: bool = False
+    expects_frame: bool = False  # the firing in flight returns the row to sample
+    num_seen: int = 0  # stream items taken (a looped firing sees its chunk again)
+
+
+class TalkerNode:
+    """``talker`` (`ForwardKVNode`): the talker's prompt segment by segment, then one codec frame per firing.
+
+    Inputs: ``thinker_states`` (a chunk of the thinker's stream) and ``talker_params``
+    (sampling, voice, frame cap, seed). Outputs: ``codes`` (a frame ``[16]``, streamed to
+    Code2Wav) and the ``stop`` signal: raised after each thinker item, and once the
+    thinker is done, at codec EOS.
+    """
+
+    forward_walks = True
+
+    def __init__(self, weights: Qwen3OmniWeights, max_model_len: int = 8192) -> None:
+        config = weights.config
+        self.weights = weights
+        self.config = config
+        self.model = weights.talker_text
+        self.engine_config = _engine_config(max_model_len)
+        device = self.model.embedding.weight.device
+        self.eos = config.codec_id("codec_eos_token_id")
+        self.suppress = talker_suppress_mask(config, device)
+        with torch.no_grad():
+            ids = torch.tensor(
+                [
+                    config.token_id(n)
+                    for n in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")
+                ],
+                device=device,
+            )
+            self.tts_bos, self.tts_eos, self.tts_pad = weights.text_projection(
+                weights.thinker_text.embedding(ids)
+            ).unbind(0)
+            codec = torch.tensor(
+                [
+                    config.codec_id(n)
+                    for n in (
+                        "codec_nothink_id",
+                        "codec_think_bos_id",
+                        "codec_think_eos_id",
+                        "codec_pad_id",
+                        "codec_bos_id",
+                    )
+                ],
+                device=device,
+            )
+            self._codec = self.model.embedding(codec)  # nothink, think_bos, think_eos, pad, bos
+        self._speech: dict[str, _Speech] = {}
+
+    def _state(self, request_id: str, params: Mapping[str, Any]) -> _Speech:
+        state = self._speech.get(request_id)
+        if state is None:
+            sampling = draw_params(params, "talker_")
+            code_sampling = (
+                DrawParams(temperature=0.0) if sampling.is_greedy else CODE_PREDICTOR_SAMPLING
+            )
+            device = self.model.embedding.weight.device
+            state = self._speech[request_id] = _Speech(
+                sampling, code_sampling, _generator(int(params["seed"]), device), int(params["max_frames"]),
+                int(params["speaker"]),
+            )  # fmt: skip
+        return state
+
+    @torch.no_grad()
+    def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
+        """Turn the chunk's items into cache rows: a prompt segment, or the next frame's input."""
+        chunk: Chunk[Any] = inputs["thinker_states"]
+        state = self._state(request_id, inputs["talker_params"])
+        state.expects_frame = False
+        projection = self.weights.text_projection
+        device = self.model.embedding.weight.device
+        prefill: list[torch.Tensor] = []
+        positions3 = rope_delta = None
+        output = "none"
+        fresh = [item for j, item in enumerate(chunk.items) if chunk.start + j >= state.num_seen]
+        state.num_seen = max(state.num_seen, chunk.end)
+        for item in fresh:
+            if item["kind"] == "text":
+                state.texts.append(projection(torch.as_tensor(item["embed"]).to(device)[None])[0])
+                continue
+            rows = torch.as_tensor(item["rows"]).to(device)
+            if rows.shape[0]:
+                mlp = self.weights.hidden_projection if item["is_mm"] else projection
+                prefill.append(mlp(rows))
+            positions3, rope_delta = item["positions3"], item["rope_delta"]
+            if item["is_last"]:
+                opening = projection(torch.as_tensor(item["opening"]).to(device))
+                state.texts.extend([*opening[3:]])
+                if item["first_text"] is not None:
+                    state.texts.append(
+                        projection(torch.as_tensor(item["first_text"]).to(device)[None])[0]
+                    )
+                if not state.texts:  # no answer text to speak (transformers cannot either)
+                    state.is_done = True
+                    return KVForward([])
+                prefill.append(self._assistant(opening[:3], state))
+                output = "hidden"
+                state.is_started = True
+        if state.is_done:
+            return KVForward([])
+        if prefill:
+            embeds = torch.cat(prefill)
+            payload = EmbedsInput(embeds, positions3=positions3, rope_delta=rope_delta)
+            state.expects_frame = output == "hidden"
+            return KVForward([KVChunk(payload=payload, num_tokens=payload.num_rows, output=output)])  # type: ignore[arg-type]
+        if not state.is_started or state.pending is None:
+            return KVForward([])
+        if state.texts:
+            text = state.texts.popleft()
+        elif chunk.is_last and not state.eos_used:
+            text, state.eos_used = self.tts_eos, True
+        else:
+            text = self.tts_pad
+        x = (state.pending + text)[None]
+        state.expects_frame = True
+        return KVForward([KVChunk(payload=EmbedsInput(x), num_tokens=1)])
+
+    def _assistant(self, opening: torch.Tensor, state: _Speech) -> torch.Tensor:
+        """Return the 9 assistant positions: text ``A0 A1 A2 pad*4 bos A3`` plus codec ``0 0 0 nothink think_bos think_eos speaker pad bos``."""
+        first = state.texts.popleft()
+        text = torch.cat((opening, self.tts_pad.expand(4, -1), self.tts_bos[None], first[None]))
+        speaker = self.model.embedding(torch.tensor([state.speaker], device=opening.device))
+        nothink, think_bos, think_eos, pad, bos = self._codec
+        codec = torch.cat(
+            (
+                opening.new_zeros(3, opening.shape[1]),
+                torch.stack((nothink, think_bos, think_eos)),
+                speaker,
+                torch.stack((pad, bos)),
+            )
+        )
+        return text + codec
+
+    @torch.no_grad()
+    def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
+        """Draw a frame for every firing that returned its row (all requests of the step in one batch)."""
+        results: list[Mapping[str, Any] | BaseException] = []
+        sample: list[tuple[int, _Speech, torch.Tensor]] = []
+        for i, f in enumerate(firings):
+            state = self._speech.get(f.request_id)
+            chunk: Chunk[Any] = f.inputs["thinker_states"]
+            # An item's walk is one step; the final chunk's walk speaks to the end.
+            results.append({"stop": state is None or state.is_done or not chunk.is_last})
+            if state is not None and state.expects_frame and f.rows and f.rows[0] is not None:
+                state.expects_frame = False
+                sample.append((i, state, f.rows[0][-1:]))
+        if not sample:
+            return results
+        groups: dict[DrawParams, list[int]] = {}
+        for k, (_, state, _) in enumerate(sample):
+            groups.setdefault(state.sampling, []).append(k)
+        last = torch.cat([row for _, _, row in sample])
+        logits = self.model.compute_logits(last)
+        code0 = torch.empty(len(sample), dtype=torch.long, device=last.device)
+        for params, members in groups.items():
+            gens: list[torch.Generator | None] = [sample[k][1].generator for k in members]
+            history = [sample[k][1].drawn for k in members]
+            code0[members] = draw(
+                logits[members], params, gens, history=history, suppress=self.suppress
+            )
+        speaking: list[int] = []
+        for k, (i, state, _) in enumerate(sample):
+            token = int(code0[k])
+            state.drawn.append(token)
+            if token == self.eos or len(state.drawn) >= state.max_frames:
+                state.is_done = True
+                results[i] = {"stop": True}
+            else:
+                speaking.append(k)
+        by_code: dict[DrawParams, list[int]] = {}
+        for k in speaking:
+            by_code.setdefault(sample[k][1].code_sampling, []).append(k)
+        for params, members in by_code.items():
+            embeds0 = self.model.embedding(code0[members])
+            residual, embeds = self.weights.code_predictor.generate(
+                last[members], embeds0, params, [sample[k][1].generator for k in members]
+            )
+            summed = embeds0 + torch.stack(embeds).sum(0)
+            for j, k in enumerate(members):
+                i, state, _ = sample[k]
+                state.pending = summed[j]
+                frame = torch.cat((code0[k : k + 1], residual[j])).cpu()
+                out = {**results[i], "codes": frame}  # type: ignore[dict-item]
+                if firings[i].inputs["talker_params"].get("return_codes"):
+                    out["talker_codes"] = frame
+                results[i] = out
+        return results
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's speech state and MRoPE offset."""
+        self._speech.pop(request_id, None)
+        self.model.forget(request_id)
+
+
+class Code2WavNode:
+    """``code2wav``: each request's chunk of frames to audio, context trimmed.
+
+    Chunks of equal length run as one batch of at most ``max_batch_size`` (1: each alone, so
+    a chunk's samples never depend on what it was batched with).
+    """
+
+    def __init__(self, weights: Qwen3OmniWeights, max_batch_size: int | None = None) -> None:
+        self.weights = weights
+        self.samples_per_frame = weights.config.samples_per_frame
+        self.max_batch_size = max_batch_size
+
+    @torch.no_grad()
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Decode every chunk; an empty final chunk makes no audio."""
+        out: list[Mapping[str, Any]] = [{} for _ in batch]
+        by_len: dict[int, list[int]] = {}
+        for i, x in enumerate(batch):
+            chunk: Chunk[Any] = x["codes"]
+            if chunk.items:
+                by_len.setdefault(len(chunk.items), []).append(i)
+        device = next(self.weights.code2wav.parameters()).device
+        size = self.max_batch_size or len(batch)
+        groups = [g[k : k + size] for g in by_len.values() for k in range(0, len(g), size)]
+        for members in groups:
+            codes = torch.stack(
+                [
+                    torch.stack([torch.as_tensor(c) for c in batch[i]["codes"].items], dim=1)
+                    for i in members
+                ]
+            )
+            wav = self.weights.code2wav(codes.to(device))
+            for j, i in enumerate(members):
+                context = batch[i]["codes"].context_len
+                out[i] = {"audio": wav[j, 0, context * self.samples_per_frame :].float().cpu()}
+        return out
