@@ -17,8 +17,8 @@ from mstar.zoo.qwen3_omni.config import (
     Qwen3OmniConfig,
     get_qwen3_omni_config,
 )
-from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.model import Qwen3OmniModel, make_qwen3_omni_graph
+from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 
 __all__ = [
