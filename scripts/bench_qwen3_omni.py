@@ -123,6 +123,9 @@ class StagePipeline:
         self.thinker = model.submodule("thinker", device)
         self.talker = model.submodule("talker", device)
         self.weights = model.load_weights(device)
+        # One engine per stage for the whole run (its cache is allocated once, as mstar's is).
+        self.thinker_engine = KVCacheEngine(self.thinker.model, self.thinker.engine_config)
+        self.talker_engine = KVCacheEngine(self.talker.model, self.talker.engine_config)
         self.executor = ThreadPoolExecutor(
             1,
             thread_name_prefix="stage",
@@ -212,7 +215,7 @@ class StagePipeline:
             talker_params[rid] = prepared.inputs["talker"]["talker_params"]
         texts: dict[str, list[int]] = {rid: [] for rid in inputs}
         items: dict[str, list[Any]] = {rid: [] for rid in inputs}
-        thinker_engine = KVCacheEngine(self.thinker.model, self.thinker.engine_config)
+        thinker_engine = self.thinker_engine
         active = dict(inputs)
         while active:  # the thinker to the end of every answer
             outs = self._fire(self.thinker, thinker_engine, active)
@@ -228,10 +231,11 @@ class StagePipeline:
                     active.pop(rid)
         for rid in inputs:
             self.thinker.release(rid)
+            thinker_engine.abort(rid)
         thought = time.perf_counter()
         for rid, _, text, _ in batch:
             loop.call_soon_threadsafe(text.set_result, texts[rid])
-        talker_engine = KVCacheEngine(self.talker.model, self.talker.engine_config)
+        talker_engine = self.talker_engine
         frames: dict[str, list[torch.Tensor]] = {rid: [] for rid in inputs}
         work = {
             rid: {
@@ -249,6 +253,7 @@ class StagePipeline:
                     work.pop(rid)
         for rid in inputs:
             self.talker.release(rid)
+            talker_engine.abort(rid)
         spoken = time.perf_counter()
         code2wav = self.weights.code2wav
         for rid, _, _, audio in batch:
