@@ -38,6 +38,7 @@ __all__ = [
     "OverloadedError",
     "ClientDisconnectedError",
     "RolloutStateError",
+    "UntrustedModelError",
 ]
 
 
@@ -158,6 +159,10 @@ class RequestAbortedError(MStarError, RuntimeError):
 
 class ModelLoadError(MStarError, RuntimeError):
     """Raised when a model, its factory or its checkpoint cannot be loaded."""
+
+
+class UntrustedModelError(ModelLoadError):
+    """Raised when a worker is asked to build a model whose factory is neither in the zoo nor allow-listed."""
 
 
 class AudioTokenError(MStarError, ValueError):

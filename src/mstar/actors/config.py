@@ -4,7 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SystemConfig"]
+import zmq
+
+__all__ = ["CurveKeys", "SystemConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """The ZeroMQ CURVE keys of one deployment (Z85 text), shared by all its actor systems.
+
+    Every system serves tcp with the server key pair and connects with the client key pair;
+    a server accepts only clients that present ``client_public`` (checked by a ZAP handler),
+    and a client talks only to a server that proves it holds ``server_secret``. A peer without
+    the keys cannot open a link, and what crosses a link is encrypted. Generated at start
+    (`generate`) and handed to workers with their launch, never sent in a message.
+    """
+
+    server_public: str
+    server_secret: str
+    client_public: str
+    client_secret: str
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """Return fresh random key pairs."""
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public.decode(), server_secret.decode(), client_public.decode(), client_secret.decode())
+
+    def __repr__(self) -> str:
+        return f"CurveKeys(server_public={self.server_public!r}, client_public={self.client_public!r}, secrets hidden)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +50,10 @@ class SystemConfig:
         shm_min_tensor_bytes: smaller CPU tensors travel as frames.
         allow_remote: let `serve` bind TCP on non-loopback interfaces.
         stop_timeout_s: how long `stop` waits for a busy actor before cancelling it.
+        curve: CURVE keys for every tcp link this system serves or opens (None: plain tcp).
+        host_id: what tells this system's host apart, for shared memory and CUDA IPC with
+            peers (None: the machine's boot); systems in one machine that should act as
+            separate hosts (Ray nodes of one test cluster) get different ones.
     """
 
     mailbox_size: int = 1024
@@ -31,6 +64,8 @@ class SystemConfig:
     shm_min_tensor_bytes: int = 64 << 10
     allow_remote: bool = False
     stop_timeout_s: float = 10.0
+    curve: CurveKeys | None = None
+    host_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.mailbox_size < 1:

@@ -5,7 +5,7 @@ hang on its first parallel op). It serves the given addresses, runs a setup coro
 as `"package.module:function"` (which spawns its actors), reports the bound addresses, and
 runs until told to stop (SIGTERM), or until the lifeline pipe to its parent closes: when the
 parent drops its `SystemProcess`, exits, or dies. Only strings cross the process boundary
-at start-up.
+at start-up (the setup's keyword arguments as JSON).
 
     proc = SystemProcess("myapp.workers:setup_worker", serve=["ipc://"])
     addresses = proc.start()                 # blocks: use asyncio.to_thread in async code
@@ -24,10 +24,10 @@ import multiprocessing.util
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import msgspec
 
@@ -63,7 +63,7 @@ def check_main_guard() -> None:
         raise SystemExit(_MAIN_GUARD_EXIT)
 
 
-def _resolve(path: str) -> Callable[[ActorSystem], Awaitable[None]]:
+def _resolve(path: str) -> Callable[..., Awaitable[None]]:
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"setup must look like 'package.module:function', got {path!r}")
@@ -82,6 +82,7 @@ class SystemProcess:
         serve: addresses the child serves (`ipc://` and `tcp://127.0.0.1:0` pick free ones).
         config: the child's system config.
         loop: `"asyncio"` or `"uvloop"`.
+        setup_args: keyword arguments of the setup function (JSON-encodable).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class SystemProcess:
         serve: Sequence[str] = ("ipc://",),
         config: SystemConfig | None = None,
         loop: str = "asyncio",
+        setup_args: Mapping[str, Any] | None = None,
     ) -> None:
         if loop not in ("asyncio", "uvloop"):
             raise ValueError(f"loop must be 'asyncio' or 'uvloop', got {loop!r}")
@@ -100,6 +102,7 @@ class SystemProcess:
         self.serve = list(serve)
         self.config = config or SystemConfig()
         self.loop = loop
+        self.setup_args = msgspec.json.encode(dict(setup_args or {})).decode()
         self.addresses: list[str] = []
         self._process: multiprocessing.process.BaseProcess | None = None
         self._pid: int | None = None
@@ -138,7 +141,7 @@ class SystemProcess:
         # lifeline ends it instead, also when this interpreter exits without calling stop().
         process = context.Process(
             target=_child_main,
-            args=(self.setup, self.serve, config, self.loop, theirs),
+            args=(self.setup, self.serve, config, self.loop, theirs, self.setup_args),
             name=f"mstar-system:{self.setup}",
         )
         process.start()
@@ -214,10 +217,12 @@ class SystemProcess:
         self.stop()
 
 
-def _child_main(setup: str, serve: list[str], config: str, loop: str, lifeline: Connection) -> None:
+def _child_main(
+    setup: str, serve: list[str], config: str, loop: str, lifeline: Connection, setup_args: str = "{}"
+) -> None:
     """Run in the child: serve, set up, report, and wait to be stopped."""
     parsed = msgspec.json.decode(config, type=SystemConfig)
-    main = _child(setup, serve, parsed, lifeline)
+    main = _child(setup, serve, parsed, lifeline, msgspec.json.decode(setup_args))
     if loop == "uvloop":
         import uvloop
 
@@ -226,7 +231,9 @@ def _child_main(setup: str, serve: list[str], config: str, loop: str, lifeline: 
         asyncio.run(main)
 
 
-async def _child(setup: str, serve: list[str], config: SystemConfig, lifeline: Connection) -> None:
+async def _child(
+    setup: str, serve: list[str], config: SystemConfig, lifeline: Connection, setup_args: dict[str, Any]
+) -> None:
     parent = os.getppid()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -239,7 +246,7 @@ async def _child(setup: str, serve: list[str], config: SystemConfig, lifeline: C
         async with ActorSystem(config) as system:
             try:
                 addresses = [await system.serve(address) for address in serve]
-                await _resolve(setup)(system)
+                await _resolve(setup)(system, **setup_args)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
             else:

@@ -88,7 +88,7 @@ class ActorSystem:
     def __init__(self, config: SystemConfig | None = None) -> None:
         self.config = config or SystemConfig()
         self.system_id = uuid.uuid4().hex
-        self._host_id = _host_id()
+        self._host_id = self.config.host_id or _host_id()
         self._self_address = f"peer://{self.system_id}"
         self._served: list[str] = []
         self._own: set[str] = {self._self_address}
@@ -389,7 +389,7 @@ class ActorSystem:
         if scheme != "inproc":
             self._ensure_arena()
         make_codec = functools.partial(self._make_codec, scheme)
-        listener = listen(address, make_codec, allow_remote=self.config.allow_remote)
+        listener = listen(address, make_codec, allow_remote=self.config.allow_remote, curve=self.config.curve)
         self._listeners.append(listener)
         self._served.append(listener.address)
         self._own.add(listener.address)
@@ -426,7 +426,7 @@ class ActorSystem:
             raise PeerLostError(f"no link to {address} (that system is not connected to this one)")
         if scheme != "inproc":
             self._ensure_arena()
-        link = self._add_link(connect(address, self._make_codec(scheme)), address)
+        link = self._add_link(connect(address, self._make_codec(scheme), curve=self.config.curve), address)
         link.start()
         return link
 

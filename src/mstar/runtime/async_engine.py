@@ -45,6 +45,7 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.model import Model, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
+from mstar.runtime.trust import check_model_factory
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
 from mstar.runtime.worker_core import WorkerConfig
 from mstar.transport.janitor import sweep_stale
@@ -91,6 +92,9 @@ class EngineConfig:
             it (bytes, or a fraction of the device's free memory; see `WorkerConfig`).
         kv_cache_shares: Node -> fraction of its rank's budget (overrides the placement
             file's ``kv_cache_share``); the nodes not named split the rest evenly.
+        allowed_model_factories: Model factories worker processes may build besides the
+            zoo's: exact ``module:callable`` paths, modules, or prefixes ending in ``.`` or
+            ``:`` (see `mstar.runtime.trust`). A worker refuses any other.
     """
 
     worker_processes: bool = False
@@ -108,6 +112,7 @@ class EngineConfig:
     freeze_gc: bool = False
     kv_cache_memory: int | float | None = None
     kv_cache_shares: dict[str, float] = field(default_factory=dict)
+    allowed_model_factories: tuple[str, ...] = ()
 
     def worker_config(
         self, rank: int, num_ranks: int = 1, kv_cache_shares: dict[str, float] | None = None
@@ -220,6 +225,8 @@ class AsyncEngine:
             placement = Placement.from_yaml(placement)
         if config.worker_processes and spec is None:
             raise MStarError("worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)")
+        if config.worker_processes and spec is not None:
+            check_model_factory(spec.factory, config.allowed_model_factories)  # before any process starts
         engine = cls(instance, placement, config)
         engine.spec = spec
         await engine.system.__aenter__()
@@ -258,7 +265,12 @@ class AsyncEngine:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="mstar-watchdog")
 
     def _make_process(self) -> SystemProcess:
-        return SystemProcess("mstar.runtime.worker:setup_worker_host", config=self.config.system, loop=self.config.loop)
+        return SystemProcess(
+            "mstar.runtime.worker:setup_worker_host",
+            config=self.config.system,
+            loop=self.config.loop,
+            setup_args={"allowed_model_factories": list(self.config.allowed_model_factories)},
+        )
 
     async def _init_worker(self, rank: int) -> None:
         assert self.spec is not None

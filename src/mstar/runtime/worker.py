@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mstar.actors import Actor, ActorRef, ActorSystem
@@ -30,6 +30,7 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
+from mstar.runtime.trust import check_model_factory
 from mstar.runtime.values import from_slots, to_slots
 from mstar.runtime.walk_runner import ValueKey
 from mstar.runtime.worker_core import NodeEngine, WorkerConfig, WorkerCore
@@ -133,12 +134,25 @@ class Worker(Actor):
 
 
 class WorkerHost(Actor):
-    """Runs in a worker process: builds that process's `Worker` when told how."""
+    """Runs in a worker process: builds that process's `Worker` when told how.
+
+    Args:
+        allowed_model_factories: What it may build besides the zoo's models (see
+            `mstar.runtime.trust`); given at launch, never by a message.
+    """
+
+    def __init__(self, allowed_model_factories: Sequence[str] = ()) -> None:
+        self.allowed_model_factories = tuple(allowed_model_factories)
 
     async def handle(self, message: Any) -> Any:
-        """Build the worker from an `InitWorker`; answer `WorkerReady`."""
+        """Build the worker from an `InitWorker`; answer `WorkerReady`.
+
+        Raises:
+            UntrustedModelError: The factory is neither the zoo's nor allow-listed.
+        """
         if not isinstance(message, InitWorker):
             raise TypeError(f"the worker host does not handle {type(message).__name__}")
+        check_model_factory(message.model_factory, self.allowed_model_factories)
         spec = ModelSpec(message.model_factory, message.model_kwargs)
         model = await asyncio.to_thread(spec.build)  # keep the loop free for heartbeats
         graph = model.graph()
@@ -169,6 +183,7 @@ def stats_report(engines: Mapping[str, NodeEngine], system: ActorSystem) -> Stat
     return StatsReport(stats, walks, system.transport_tally.snapshot())
 
 
-async def setup_worker_host(system: ActorSystem) -> None:
+async def setup_worker_host(system: ActorSystem, allowed_model_factories: Sequence[str] = ()) -> None:
     """Spawn the worker host in a fresh worker process (`SystemProcess` setup)."""
-    await system.spawn(WorkerHost, name=HOST_NAME)
+    allowed = tuple(allowed_model_factories)
+    await system.spawn(lambda: WorkerHost(allowed), name=HOST_NAME)

@@ -32,7 +32,9 @@ from fastapi import FastAPI
 from mstar.errors import MStarError, ServerConfigError
 from mstar.progress import progress
 from mstar.runtime.async_engine import EngineConfig
+from mstar.runtime.model import ModelSpec
 from mstar.runtime.placement import Placement
+from mstar.runtime.trust import check_model_factory
 from mstar.server.admission import AdmissionLimits
 from mstar.server.app import make_app
 from mstar.server.config import ServerConfig
@@ -73,6 +75,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
+    parser.add_argument(
+        "--allow-model-factory",
+        action="append",
+        default=[],
+        metavar="MODULE[:CALLABLE]",
+        help="let workers build models from this module or factory besides the zoo's (repeatable); "
+        "MODEL may then be package.module:callable",
+    )
     parser.add_argument("--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)")
     parser.add_argument("--max-running", type=int, default=64, help="requests in the engine at once (default 64)")
     parser.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that; more get 503 (default 256)")
@@ -222,10 +232,18 @@ def resolve_api_key(given: str | None, path: str | None) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    """Run `mstar serve`."""
+def _model_spec(model: str, allowed: list[str]) -> ModelSpec:
+    """Return the spec of MODEL: a zoo name, a checkpoint directory, or an allow-listed factory."""
     from mstar.zoo import resolve_model
 
+    if ":" in model and not Path(model).exists():
+        check_model_factory(model, allowed)
+        return ModelSpec(model)
+    return resolve_model(model)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Run `mstar serve`."""
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
         config = ServerConfig(
@@ -237,7 +255,7 @@ def serve_command(args: argparse.Namespace) -> int:
             admission=AdmissionLimits(args.max_running, args.max_waiting),
             graceful_shutdown_s=args.shutdown_grace,
         )
-        spec = resolve_model(args.model)
+        spec = _model_spec(args.model, args.allow_model_factory)
         placement = Placement.from_yaml(args.config) if args.config else None
     except (MStarError, OSError) as exc:
         print(f"mstar serve: error: {exc}", file=sys.stderr)
@@ -245,7 +263,12 @@ def serve_command(args: argparse.Namespace) -> int:
     json_logs = None if args.log_format == "auto" else args.log_format == "json"
     configure_logging(args.log_level, json=json_logs, secrets=[api_key] if api_key else [])
     devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
-    engine_config = EngineConfig(worker_processes=args.worker_processes, devices=devices, freeze_gc=True)
+    engine_config = EngineConfig(
+        worker_processes=args.worker_processes,
+        devices=devices,
+        freeze_gc=True,
+        allowed_model_factories=tuple(args.allow_model_factory),
+    )
     app = make_app(
         spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=loading_display
     )

@@ -21,11 +21,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, Self
+from typing import TYPE_CHECKING, Protocol, Self
 from urllib.parse import urlsplit
 
 from mstar.actors.wire import Envelope
 from mstar.errors import InvalidAddressError, TransportClosedError
+
+if TYPE_CHECKING:
+    from mstar.actors.config import CurveKeys
 from mstar.transport.codec import LinkCodec
 
 __all__ = [
@@ -173,12 +176,17 @@ class Transport(Protocol):
     """Makes listeners and channels for one address scheme."""
 
     def listen(
-        self, address: Address, make_codec: Callable[[], LinkCodec], *, allow_remote: bool
+        self,
+        address: Address,
+        make_codec: Callable[[], LinkCodec],
+        *,
+        allow_remote: bool,
+        curve: CurveKeys | None = None,
     ) -> Listener:
-        """Bind at `address` now and return the listener."""
+        """Bind at `address` now and return the listener (CURVE-secured where it applies)."""
         ...
 
-    def connect(self, address: Address, codec: LinkCodec) -> Channel:
+    def connect(self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None) -> Channel:
         """Return a channel to `address` at once; messages queue until the peer is reached."""
         ...
 
@@ -291,7 +299,11 @@ def get_transport(address: Address) -> Transport:
 
 
 def listen(
-    address: str, make_codec: Callable[[], LinkCodec], *, allow_remote: bool = False
+    address: str,
+    make_codec: Callable[[], LinkCodec],
+    *,
+    allow_remote: bool = False,
+    curve: CurveKeys | None = None,
 ) -> Listener:
     """Bind a listener at `address`; call it from a coroutine (the running loop drives it).
 
@@ -300,15 +312,17 @@ def listen(
             `tcp://HOST:PORT` (port 0 picks a free port).
         make_codec: makes the codec of each accepted channel.
         allow_remote: permit TCP on non-loopback interfaces.
+        curve: CURVE keys: a tcp listener then admits only clients holding them.
     """
     parsed = parse_address(address)
-    return get_transport(parsed).listen(parsed, make_codec, allow_remote=allow_remote)
+    return get_transport(parsed).listen(parsed, make_codec, allow_remote=allow_remote, curve=curve)
 
 
-def connect(address: str, codec: LinkCodec) -> Channel:
+def connect(address: str, codec: LinkCodec, *, curve: CurveKeys | None = None) -> Channel:
     """Open a channel to the listener at `address`; call it from a coroutine.
 
-    Messages sent before the peer is reached wait in the channel (ZeroMQ reconnects).
+    Messages sent before the peer is reached wait in the channel (ZeroMQ reconnects). With
+    ``curve``, a tcp channel talks only to a server holding the keys' server secret.
     """
     parsed = parse_address(address)
-    return get_transport(parsed).connect(parsed, codec)
+    return get_transport(parsed).connect(parsed, codec, curve=curve)

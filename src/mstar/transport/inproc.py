@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mstar.actors.wire import Envelope
 from mstar.errors import InvalidAddressError, PeerLostError, TransportClosedError
 from mstar.transport.base import Address, ChannelBase, register_transport
 from mstar.transport.codec import LinkCodec
+
+if TYPE_CHECKING:
+    from mstar.actors.config import CurveKeys
 
 __all__ = ["InprocChannel", "InprocListener", "InprocTransport"]
 
@@ -116,11 +120,16 @@ class InprocTransport:
     """Listeners and channels for `inproc://NAME`."""
 
     def listen(
-        self, address: Address, make_codec: Callable[[], LinkCodec], *, allow_remote: bool
+        self,
+        address: Address,
+        make_codec: Callable[[], LinkCodec],
+        *,
+        allow_remote: bool,
+        curve: CurveKeys | None = None,
     ) -> InprocListener:
         return InprocListener(address.rest)
 
-    def connect(self, address: Address, codec: LinkCodec) -> InprocChannel:
+    def connect(self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None) -> InprocChannel:
         listener = _LISTENERS.get(address.rest)
         if listener is None:
             raise PeerLostError(f"nothing listens at {address} in this process")

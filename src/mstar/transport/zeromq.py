@@ -18,6 +18,8 @@ mailboxes.
 
 Binding is to loopback only unless `allow_remote`; `ipc://` alone picks a private socket
 path, and a socket file left by a dead process is replaced, never one a live process serves.
+With CURVE keys, a tcp listener admits only clients holding them and every tcp connection
+is encrypted (`mstar.transport.curve`); ipc sockets live in a private directory instead.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -49,7 +51,11 @@ from mstar.transport.base import (
     split_host_port,
 )
 from mstar.transport.codec import LinkCodec, salvage_call_id
+from mstar.transport.curve import secure_client, secure_server
 from mstar.transport.janitor import make_owned_name, runtime_dir
+
+if TYPE_CHECKING:
+    from mstar.actors.config import CurveKeys
 
 __all__ = ["ZmqChannel", "ZmqListener", "ZmqServerChannel", "ZmqTransport"]
 
@@ -363,7 +369,12 @@ class ZmqTransport:
         self.scheme = scheme
 
     def listen(
-        self, address: Address, make_codec: Callable[[], LinkCodec], *, allow_remote: bool
+        self,
+        address: Address,
+        make_codec: Callable[[], LinkCodec],
+        *,
+        allow_remote: bool,
+        curve: CurveKeys | None = None,
     ) -> ZmqListener:
         ipc_path: Path | None = None
         if self.scheme == "ipc":
@@ -382,6 +393,8 @@ class ZmqTransport:
         sock = _make_socket(zmq.ROUTER)
         if self.scheme == "tcp" and endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        if self.scheme == "tcp" and curve is not None:
+            secure_server(sock, curve)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -390,7 +403,7 @@ class ZmqTransport:
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return ZmqListener(sock, bound, make_codec, ipc_path)
 
-    def connect(self, address: Address, codec: LinkCodec) -> ZmqChannel:
+    def connect(self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None) -> ZmqChannel:
         if self.scheme == "ipc" and not address.rest:
             raise InvalidAddressError("connecting needs a path: ipc://PATH")
         if self.scheme == "tcp":
@@ -400,6 +413,8 @@ class ZmqTransport:
         sock = _make_socket(zmq.DEALER)
         if self.scheme == "tcp" and address.rest.startswith("["):
             sock.setsockopt(zmq.IPV6, 1)
+        if self.scheme == "tcp" and curve is not None:
+            secure_client(sock, curve)
         try:
             sock.connect(str(address))
         except zmq.ZMQError as exc:

@@ -10,7 +10,7 @@ from typing import Any
 from mstar.errors import ModelLoadError
 from mstar.runtime.model import Model, ModelSpec
 
-__all__ = ["ZooEntry", "list_models", "make_model", "resolve_model"]
+__all__ = ["ZooEntry", "list_models", "make_model", "resolve_model", "zoo_factories"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,16 @@ _ZOO: dict[str, ZooEntry] = {
         "mstar.zoo.llm:TextLLM",
         "any local Hugging Face Llama checkpoint directory (pass checkpoint_dir, or the path as MODEL)",
     ),
+    "noop-loop": ZooEntry(
+        "mstar.zoo.noop:NoopLoopModel",
+        "a DynamicLoop of two no-op nodes (pass steps=): the runtime's own overhead per walk step",
+    ),
 }
+
+
+def zoo_factories() -> frozenset[str]:
+    """Return the factory path of every zoo model (what workers build without an allow-list)."""
+    return frozenset(entry.factory for entry in _ZOO.values())
 
 
 def list_models() -> dict[str, str]:
