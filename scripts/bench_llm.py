@@ -1,25 +1,42 @@
-"""Benchmark LLM decode through mstar against transformers' `generate`, on the bench harness.
+"""Benchmark LLM decode through mstar against transformers' `generate` (and vLLM), on the bench harness.
 
-For each model and concurrency c, waves of c requests with random token prompts decode
-`--new-tokens` greedy tokens each (end-of-sequence ignored, so both sides do equal work):
+For each model, dtype and concurrency c, waves of c requests with random token prompts
+decode `--new-tokens` greedy tokens each (end-of-sequence ignored, so every side does equal
+work):
 
 - `mstar`: the `llama` text model served by `AsyncEngine` (one rank, in process): prefill,
   then a `DynamicLoop` over the paged-KV node, continuous batching across requests.
 - `transformers`: `LlamaForCausalLM.generate` on the same weights, the requests of a wave
   run as one batch (equal prompt lengths, so no padding), tokens streamed per step.
+- `vllm` (with `--peer vllm`): vLLM's CPU build in its own virtual environment
+  (`scripts/setup_vllm_peer.sh` makes `.venv-vllm`), run by `scripts/vllm_peer.py` in a
+  subprocess on the same checkpoint directory (random weights for the tiny model, as
+  `load_format="dummy"`; the real ones for SmolLM2), eager, token-id prompts, streaming each
+  step's tokens back; it gets the same torch threads.
 
-The harness (`mstar.bench`) times both identically on the client side and reports
-throughput (output tokens/s), TTFT, TPOT, ITL and E2E (DESIGN §7), the ratios
-mstar / transformers, a JSON file and a PNG per model. Peak memory added while a side
-runs a point (CPU: peak RSS above the RSS before; CUDA: peak allocated above the
-allocation before; weights excluded) is printed next to it.
+The harness (`mstar.bench`) times every side identically on the client side and reports
+throughput (output tokens/s), TTFT, TPOT, ITL and E2E (DESIGN §7), the ratios, a JSON file
+and a PNG per model. Peak memory added while mstar or transformers runs a point (CPU: peak
+RSS above the RSS before; CUDA: peak allocated above the allocation before; weights
+excluded) is printed next to it.
+
+The floor: a decode step must read every weight it multiplies (the embedding only for its
+rows) and every cached key and value of the batch (at the mean context of a request's
+decode). Those bytes over the memory bandwidth measured in the same run with the same
+threads (a large tensor summed) give the fastest possible step; `% floor` is that over
+mstar's TPOT. A step can also be bound by arithmetic instead: `flop ms` is its products'
+floating-point work over the rate measured for a large matrix product, same threads.
 
 Models: `tiny` (Llama, hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 512,
-vocab 32000, fp32, random weights) and `smollm2` (SmolLM2-135M-Instruct, real weights).
-Target (issue #4): at concurrency 16, at least 1.5x transformers' throughput.
+vocab 32000, random weights) and `smollm2` (SmolLM2-135M-Instruct, real weights).
+Targets: at concurrency 16, at least 1.5x transformers' throughput (issue #4); with the
+peer, at least 1.3x vLLM's throughput at every concurrency and 80 % of the bandwidth floor
+at concurrency 16 (issue #21).
 
     python scripts/bench_llm.py                      # the default sweep
     python scripts/bench_llm.py --models tiny --concurrency 1,16 --new-tokens 64
+    scripts/setup_vllm_peer.sh && python scripts/bench_llm.py --models tiny,smollm2 \
+        --concurrency 1,4,16 --prompt-len 16 --dtypes float32,bfloat16 --peer vllm
 """
 
 from __future__ import annotations
@@ -29,6 +46,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -59,6 +77,12 @@ from mstar.zoo.llm import TextLLM
 
 TARGET_RATIO = 1.5
 TARGET_CONCURRENCY = 16
+PEER_TARGET_RATIO = 1.3  # mstar / vLLM throughput, at every concurrency
+FLOOR_TARGET_PCT = 80.0  # of the bandwidth floor, at TARGET_CONCURRENCY
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_SCRIPT = REPO / "scripts" / "vllm_peer.py"
+DEFAULT_PEER_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -81,6 +105,7 @@ def make_tiny_checkpoint(directory: Path) -> Path:
 
     torch.manual_seed(0)
     config = LlamaConfig(**{k: v for k, v in TINY_CONFIG.items() if k != "model_type"})
+    config.architectures = ["LlamaForCausalLM"]  # vLLM picks its model class from this
     model = LlamaForCausalLM(config)
     save_state_dict(model.state_dict(), directory, config.to_dict())
     return directory
@@ -218,6 +243,133 @@ class TransformersBatches:
         streamer.end()
 
 
+class VllmPeer:
+    """vLLM's CPU build in a subprocess of its own environment, serving token streams.
+
+    `scripts/vllm_peer.py` speaks JSON lines (see its docstring): a request per line in, a
+    line per engine step out (each request's new tokens). One reader task routes them.
+    """
+
+    def __init__(self, python: Path, config: dict[str, Any], *, threads: int, log: Path) -> None:
+        self.python, self.config, self.threads, self.log = python, config, threads, log
+        self.proc: asyncio.subprocess.Process | None = None
+        self.queues: dict[str, asyncio.Queue[int | None]] = {}
+        self.info: dict[str, Any] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = iter(range(1 << 62))
+
+    async def start(self) -> None:
+        """Start the peer and wait until its engine is loaded."""
+        if not self.python.exists():
+            raise SystemExit(f"--peer vllm needs {self.python}: run scripts/setup_vllm_peer.sh first")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   OMP_NUM_THREADS=str(self.threads))
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                str(self.python), str(PEER_SCRIPT), json.dumps(self.config),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
+            )
+        assert self.proc.stdout is not None
+        line = await self.proc.stdout.readline()
+        if not line:
+            await self.proc.wait()
+            raise SystemExit(f"the vLLM peer exited while loading (status {self.proc.returncode}); see {self.log}")
+        self.info = json.loads(line)
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            for request_id, tokens, done in json.loads(line)["step"]:
+                queue = self.queues.get(request_id)
+                if queue is None:
+                    continue
+                for token in tokens:
+                    queue.put_nowait(int(token))
+                if done:
+                    queue.put_nowait(None)
+        for queue in self.queues.values():  # the peer died: nobody waits forever
+            queue.put_nowait(None)
+
+    async def generate(self, prompt: list[int], new_tokens: int) -> AsyncIterator[int]:
+        """Yield the request's tokens as the peer's steps produce them."""
+        assert self.proc is not None and self.proc.stdin is not None
+        request_id = f"r{next(self._ids)}"
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            line = json.dumps({"id": request_id, "prompt": prompt, "max_tokens": new_tokens})
+            self.proc.stdin.write(line.encode() + b"\n")
+            await self.proc.stdin.drain()
+            count = 0
+            while (token := await queue.get()) is not None:
+                count += 1
+                yield token
+            if count < new_tokens:
+                raise RuntimeError(f"the vLLM peer ended a request after {count} of {new_tokens} tokens; see {self.log}")
+        finally:
+            del self.queues[request_id]
+
+    async def close(self) -> None:
+        """Ask the peer to exit; kill it if it does not."""
+        if self.proc is None:
+            return
+        if self.proc.returncode is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write(b'{"exit": true}\n')
+                await self.proc.stdin.drain()
+                self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 60)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        if self._reader is not None:
+            await self._reader
+
+
+def _best_seconds(fn: Any, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(num_bytes: int = 256 << 20) -> float:
+    """Return memory read bandwidth (bytes/s) of this thread's torch threads: a large tensor summed, best of 5."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return x.numel() * 4 / _best_seconds(lambda: x.sum())
+
+
+def measure_flops(dtype: torch.dtype) -> float:
+    """Return the floating-point rate (FLOP/s) of a large matrix product in `dtype`, best of 5."""
+    a = torch.randn(256, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
+    return 2 * 256 * 2048 * 2048 / _best_seconds(lambda: torch.mm(a, b))
+
+
+def decode_step_cost(config: dict[str, Any], element_size: int, concurrency: int, context: float) -> tuple[float, float]:
+    """Return the bytes a decode step of `concurrency` sequences must read and its FLOPs.
+
+    Bytes: every weight the step multiplies (layers, norms, head) once, the embedding rows
+    of its tokens, and each sequence's cached keys and values at `context` tokens.
+    """
+    hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
+    layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    products = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner  # per layer
+    weights = layers * (products + 2 * hidden) + hidden + vocab * hidden + concurrency * hidden
+    kv = concurrency * context * layers * 2 * kv_heads * head_dim
+    flops = 2 * concurrency * (layers * products + vocab * hidden) + 4 * concurrency * context * heads * head_dim * layers
+    return (weights + kv) * element_size, flops
+
+
 _ONE_TOKEN = (OutputEvent("text", num_tokens=1),)  # events are immutable: one serves every token
 
 
@@ -230,9 +382,12 @@ def _token_event(out: Any) -> Iterable[OutputEvent]:
     return _ONE_TOKEN
 
 
-async def bench_model(name: str, args: argparse.Namespace, scratch: Path, console: Console) -> list[dict[str, Any]]:
-    """Run the sweep of one model; return its rows for the summary table."""
+async def bench_model(
+    name: str, dtype_name: str, args: argparse.Namespace, scratch: Path, console: Console, machine: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Run the sweep of one model in one dtype; return its rows for the summary table."""
     device = torch.device(args.device)
+    dtype = getattr(torch, dtype_name)
     checkpoint = checkpoint_for(name, scratch)
     small_cpu = device.type == "cpu" and not args.full and name == "smollm2"
     levels = args.smollm2_concurrency if small_cpu else args.concurrency
@@ -244,15 +399,23 @@ async def bench_model(name: str, args: argparse.Namespace, scratch: Path, consol
         "max_num_batched_tokens": max(2048, args.prompt_len), "attention_backend": args.backend,
         "cuda_graphs": not args.no_cuda_graphs,
     }
-    model = TextLLM(checkpoint, name=name, engine_config=kv)
+    model = TextLLM(checkpoint, name=name, engine_config=kv, dtype=dtype_name)
     engine = await AsyncEngine.start(model, config=EngineConfig(devices={0: str(device)}))
     from transformers import LlamaForCausalLM
 
-    dtype = torch.float32 if device.type == "cpu" else None
-    hf = LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=dtype or "auto").to(device).eval()
+    hf = LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).to(device).eval()
     baseline = TransformersBatches(hf, device)
     memory = PeakMemory(device)
     vocab = int(model.hf_config["vocab_size"])
+    peer: VllmPeer | None = None
+    if args.peer == "vllm":
+        peer_config = {
+            "model": str(checkpoint), "dtype": dtype_name, "load_format": "dummy" if name == "tiny" else "auto",
+            "max_model_len": per_seq_blocks * block + block, "max_num_seqs": max(levels),
+        }
+        peer = VllmPeer(args.peer_python, peer_config, threads=torch.get_num_threads(),
+                        log=args.out / f"vllm_peer_{name}_{dtype_name}.log")
+        await peer.start()
 
     async def mstar_fn(request: BenchRequest) -> AsyncIterator[Output]:
         memory.start("mstar")
@@ -273,8 +436,15 @@ async def bench_model(name: str, args: argparse.Namespace, scratch: Path, consol
         finally:
             memory.stop("transformers", request.request_id)
 
+    async def vllm_fn(request: BenchRequest) -> AsyncIterator[int]:
+        assert peer is not None and request.max_tokens is not None
+        async for token in peer.generate(request.params["prompt_token_ids"], request.max_tokens):
+            yield token
+
     targets = {"mstar": CallableTarget(mstar_fn, name="mstar", to_events=_token_event),
                "transformers": CallableTarget(hf_fn, name="transformers", to_events=_token_event)}
+    if peer is not None:
+        targets["vllm"] = CallableTarget(vllm_fn, name="vllm", to_events=_token_event)
     gen = torch.Generator().manual_seed(1)
     requests = [
         BenchRequest(f"p{i}", "", new_tokens, True,
@@ -282,25 +452,32 @@ async def bench_model(name: str, args: argparse.Namespace, scratch: Path, consol
         # A large pool, so that waves rarely repeat a prompt (repeats would share KV blocks).
         for i in range(2048)
     ]
-    config = {"model": name, "checkpoint": checkpoint.name, "device": str(device), "dtype": str(hf.dtype),
+    config = {"model": name, "checkpoint": checkpoint.name, "device": str(device), "dtype": dtype_name,
               "new_tokens": new_tokens, "prompt_len": args.prompt_len, "kv_cache": kv,
-              "torch_threads": torch.get_num_threads(), "waves": args.waves}
+              "torch_threads": torch.get_num_threads(), "waves": args.waves, "peer": peer.info if peer else None,
+              **machine}
     rows: list[dict[str, Any]] = []
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    context = args.prompt_len + new_tokens / 2  # a request's mean context while it decodes
     try:
         load = OfflineWaves(tuple(levels), num_waves=args.waves)
-        result = await run_benchmark(targets, requests, load, name=f"bench_llm {name}",
+        label = f"{name}_{dtype_name}"
+        result = await run_benchmark(targets, requests, load, name=f"bench_llm {label}",
                                      seed=0, progress=True, console=console, config=config)
         print_table(result, console)
-        write_json(result, args.out / f"bench_llm_{name}.json")
-        plot_png(result, args.out / f"bench_llm_{name}.png")
+        write_json(result, args.out / f"bench_llm_{label}.json")
+        plot_png(result, args.out / f"bench_llm_{label}.png")
         for conc in levels:
             ours = result.result("mstar", float(conc)).summary
             theirs = result.result("transformers", float(conc)).summary
             key = f"{load.kind}-{conc}"
-            rows.append({
-                "model": name, "concurrency": conc, "new_tokens": new_tokens,
+            step_bytes, step_flops = decode_step_cost(model.hf_config, element_size, conc, context)
+            floor_ms = step_bytes / machine["bandwidth_bytes_per_s"] * 1e3
+            tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
+            row = {
+                "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
                 "mstar_tokens_per_s": ours.output_tokens_per_s,
-                "mstar_tpot_ms": ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan"),
+                "mstar_tpot_ms": tpot_ms,
                 "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
                 "mstar_peak_mib": memory.peaks.get(("mstar", key), float("nan")),
                 "hf_tokens_per_s": theirs.output_tokens_per_s,
@@ -309,32 +486,69 @@ async def bench_model(name: str, args: argparse.Namespace, scratch: Path, consol
                 "hf_peak_mib": memory.peaks.get(("transformers", key), float("nan")),
                 "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
                 "failed": ours.num_failed + theirs.num_failed,
-            })
+                "step_bytes": step_bytes,
+                "floor_ms": floor_ms,
+                "floor_pct": 100 * floor_ms / tpot_ms,
+                "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
+            }
+            if peer is not None:
+                peer_summary = result.result("vllm", float(conc)).summary
+                row.update({
+                    "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
+                    "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3 if peer_summary.tpot_s else float("nan"),
+                    "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3 if peer_summary.ttft_s else float("nan"),
+                    "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
+                })
+                row["failed"] += peer_summary.num_failed
+            rows.append(row)
     finally:
         await engine.shutdown()
         baseline.executor.shutdown()
+        if peer is not None:
+            await peer.close()
     return rows
 
 
 def report(rows: list[dict[str, Any]], console: Console) -> bool:
-    """Print the summary table and the target check; return whether the target is met."""
-    table = Table(title="LLM decode: mstar vs transformers generate (waves of c requests)")
-    for col in ("model", "c", "new", "mstar tok/s", "TPOT ms", "TTFT ms", "+MiB",
-                "hf tok/s", "TPOT ms", "TTFT ms", "+MiB", "ratio"):
+    """Print the summary table and the target checks; return whether every target is met."""
+    has_peer = any("vllm_tokens_per_s" in r for r in rows)
+    title = "LLM decode: mstar vs transformers generate" + (" and vLLM" if has_peer else "") + " (waves of c requests)"
+    table = Table(title=title)
+    columns = ["model", "dtype", "c", "new", "mstar tok/s", "TPOT ms", "TTFT ms", "+MiB", "hf tok/s"]
+    columns += ["vllm tok/s", "TPOT ms"] if has_peer else []
+    columns += ["÷hf"] + (["÷vllm"] if has_peer else []) + ["floor ms", "% floor", "flop ms"]
+    for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["model"], str(r["concurrency"]), str(r["new_tokens"]),
-                      f"{r['mstar_tokens_per_s']:.1f}", f"{r['mstar_tpot_ms']:.2f}", f"{r['mstar_ttft_ms']:.1f}",
-                      f"{r['mstar_peak_mib']:.0f}", f"{r['hf_tokens_per_s']:.1f}", f"{r['hf_tpot_ms']:.2f}",
-                      f"{r['hf_ttft_ms']:.1f}", f"{r['hf_peak_mib']:.0f}", f"{r['ratio']:.2f}x")
+        cells = [r["model"], r["dtype"].replace("float", "fp").replace("bfloat", "bf"), str(r["concurrency"]),
+                 str(r["new_tokens"]), f"{r['mstar_tokens_per_s']:.1f}", f"{r['mstar_tpot_ms']:.2f}",
+                 f"{r['mstar_ttft_ms']:.1f}", f"{r['mstar_peak_mib']:.0f}", f"{r['hf_tokens_per_s']:.1f}"]
+        if has_peer:
+            cells += [f"{r.get('vllm_tokens_per_s', float('nan')):.1f}", f"{r.get('vllm_tpot_ms', float('nan')):.2f}"]
+        cells.append(f"{r['ratio']:.2f}x")
+        if has_peer:
+            cells.append(f"{r.get('vllm_ratio', float('nan')):.2f}x")
+        cells += [f"{r['floor_ms']:.2f}", f"{r['floor_pct']:.0f}%", f"{r['flop_ms']:.2f}"]
+        table.add_row(*cells)
     console.print(table)
     met = True
+
+    def check(ok: bool, text: str) -> None:
+        nonlocal met
+        met = met and ok
+        console.print(f"target {text}: {'MET' if ok else 'NOT MET'}")
+
     for r in rows:
+        where = f"{r['model']} {r['dtype']} c={r['concurrency']}"
         if r["concurrency"] == TARGET_CONCURRENCY:
-            ok = r["ratio"] >= TARGET_RATIO and r["failed"] == 0
-            met = met and ok
-            console.print(f"target {r['model']}: >= {TARGET_RATIO}x transformers' throughput at "
-                          f"c={TARGET_CONCURRENCY} -> {r['ratio']:.2f}x: {'MET' if ok else 'NOT MET'}")
+            check(r["ratio"] >= TARGET_RATIO and r["failed"] == 0,
+                  f"{where}: >= {TARGET_RATIO}x transformers' throughput -> {r['ratio']:.2f}x")
+        if "vllm_ratio" in r:
+            check(r["vllm_ratio"] >= PEER_TARGET_RATIO and r["failed"] == 0,
+                  f"{where}: >= {PEER_TARGET_RATIO}x vLLM's throughput -> {r['vllm_ratio']:.2f}x")
+            if r["concurrency"] == TARGET_CONCURRENCY:
+                check(r["floor_pct"] >= FLOOR_TARGET_PCT,
+                      f"{where}: >= {FLOOR_TARGET_PCT:.0f}% of the bandwidth floor -> {r['floor_pct']:.0f}%")
     return met
 
 
@@ -346,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, run the sweep, print and write the results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,smollm2")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated: float32, bfloat16")
     parser.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
     # SmolLM2 is ~30x the tiny model's compute: on a CPU its default sweep is cut so the
@@ -361,21 +576,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--peer", default="none", choices=["none", "vllm"],
+                        help="also run vLLM's CPU build (see scripts/setup_vllm_peer.sh)")
+    parser.add_argument("--peer-python", type=Path, default=DEFAULT_PEER_PYTHON,
+                        help="the interpreter of the vLLM environment")
     parser.add_argument("--out", type=Path, default=Path("bench-results/llm"))
     args = parser.parse_args(argv)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
+        parser.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
+    if args.peer == "vllm" and not args.peer_python.exists():
+        raise SystemExit(f"--peer vllm needs {args.peer_python}: run scripts/setup_vllm_peer.sh first")
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console(width=None if sys.stdout.isatty() else 150)
+    console = Console(width=None if sys.stdout.isatty() else 170)
     console.print("bench_llm", json.dumps({k: str(v) for k, v in vars(args).items()}))
     start = time.perf_counter()
+    machine = {"bandwidth_bytes_per_s": measure_bandwidth()}
+    for dtype_name in dtypes:
+        machine[f"{dtype_name}_flop_per_s"] = measure_flops(getattr(torch, dtype_name))
+    console.print(f"memory bandwidth {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matrix product "
+                  + ", ".join(f"{d} {machine[f'{d}_flop_per_s'] / 1e9:.0f} GFLOP/s" for d in dtypes)
+                  + f" ({torch.get_num_threads()} torch threads)")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):
-            rows += asyncio.run(bench_model(name, args, Path(scratch), console))
+            for dtype_name in dtypes:
+                rows += asyncio.run(bench_model(name, dtype_name, args, Path(scratch), console, machine))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_llm_summary.json").write_text(json.dumps(rows, indent=1))
     met = report(rows, console)
-    console.print(f"wrote {args.out}/ (harness JSON and PNG per model, bench_llm_summary.json); "
+    console.print(f"wrote {args.out}/ (harness JSON and PNG per model and dtype, bench_llm_summary.json); "
                   f"total {time.perf_counter() - start:.0f} s")
     return 0 if met else 1
 

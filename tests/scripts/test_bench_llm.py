@@ -1,0 +1,90 @@
+"""scripts/bench_llm.py: the floor arithmetic, the vLLM peer's stream protocol, a tiny run."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_llm.py"
+
+# Speaks the peer's protocol without vLLM: each request gets tokens 0, 1, ... one per step.
+FAKE_PEER = '''
+import json, sys
+print(json.dumps({"ready": True, "torch_threads": 1}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    if request.get("exit"):
+        break
+    n = request["max_tokens"]
+    for i in range(n):
+        print(json.dumps({"step": [[request["id"], [i], i == n - 1]]}), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_llm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_llm"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_step_cost_counts_weights_once_and_every_cached_key(bench: ModuleType) -> None:
+    config = dict(bench.TINY_CONFIG)
+    one, flops_one = bench.decode_step_cost(config, 4, 1, 0)
+    # Layers (q, k, v, o, gate, up, down, two norms), the final norm, the head, one embedding row.
+    per_layer = 256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 512 + 2 * 256
+    assert one == 4 * (4 * per_layer + 256 + 32000 * 256 + 256)
+    sixteen, flops_sixteen = bench.decode_step_cost(config, 4, 16, 100)
+    kv = 16 * 100 * 4 * 2 * 4 * 32 * 4
+    assert sixteen == one + 15 * 256 * 4 + kv
+    assert flops_sixteen > 16 * flops_one
+
+
+def test_peer_streams_each_request_its_tokens(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "fake_peer.py"
+    fake.write_text(FAKE_PEER)
+    monkeypatch.setattr(bench, "PEER_SCRIPT", fake)
+
+    async def run() -> list[list[int]]:
+        peer = bench.VllmPeer(Path(sys.executable), {}, threads=1, log=tmp_path / "peer.log")
+        await peer.start()
+        try:
+
+            async def one(n: int) -> list[int]:
+                return [t async for t in peer.generate([1, 2, 3], n)]
+
+            return list(await asyncio.gather(one(3), one(5)))
+        finally:
+            await peer.close()
+
+    assert asyncio.run(run()) == [[0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_a_missing_peer_environment_says_how_to_make_it(bench: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"setup_vllm_peer\.sh"):
+        bench.main(["--models", "tiny", "--concurrency", "1", "--new-tokens", "2", "--waves", "1",
+                    "--peer", "vllm", "--peer-python", str(tmp_path / "none" / "python"), "--out", str(tmp_path)])
+
+
+def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path: Path) -> None:
+    bench.main(["--models", "tiny", "--concurrency", "1,2", "--new-tokens", "4", "--prompt-len", "8",
+                "--waves", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_llm_summary.json").read_text())
+    assert [(r["model"], r["dtype"], r["concurrency"]) for r in rows] == [("tiny", "float32", 1), ("tiny", "float32", 2)]
+    for row in rows:
+        assert row["failed"] == 0 and row["mstar_tokens_per_s"] > 0 and row["ratio"] > 0
+        assert row["floor_ms"] > 0 and row["floor_pct"] > 0 and row["flop_ms"] > 0
+        assert "vllm_tokens_per_s" not in row
+    assert (tmp_path / "bench_llm_tiny_float32.json").exists()
