@@ -116,6 +116,18 @@ def test_greedy_tokens_and_logits_match_transformers(
     assert engine.num_requests == 0
 
 
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_greedy_tokens_without_logits_match_transformers(tiny: dict[str, object], batch_size: int) -> None:
+    # No logits asked: greedy rows take the model's own argmax (`SupportsGreedyTokens`; on a
+    # CPU with bfloat16 products, a bfloat16 screen decided in float32).
+    model = load_llama(tiny["checkpoint"])  # type: ignore[arg-type]
+    prompts: list[list[int]] = tiny["prompts"][:batch_size]  # type: ignore[index]
+    refs: list[tuple[list[int], torch.Tensor]] = tiny["refs"][:batch_size]  # type: ignore[index]
+    engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=1024, max_num_seqs=16))
+    got = engine.generate(prompts, SamplingParams.greedy(max_tokens=NUM_STEPS))
+    assert got == [ref_tokens for ref_tokens, _ in refs]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -16,6 +16,8 @@ from mstar.engines.paged_model import (
     PagedModel,
     StepChunk,
     StepInputs,
+    SupportsGreedyTokens,
+    supports_greedy_tokens,
     supports_narrow_logits,
     supports_step_chunks,
 )
@@ -80,6 +82,7 @@ class ModelRunner:
         """Create a runner; `kv_cache` comes from `allocate_kv_cache`."""
         self.model = model
         self._needs_chunks = supports_step_chunks(model)  # no decode fast path (see `SupportsStepChunks`)
+        self._greedy_tokens = supports_greedy_tokens(model)
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
@@ -268,6 +271,10 @@ class ModelRunner:
         rows = hidden.index_select(0, batch.logits_indices)
         if self.before_logits is not None:
             self.before_logits()
+        if self._greedy_tokens and not return_logits and all(_is_plain_greedy(s) for s in seqs):
+            greedy = cast(SupportsGreedyTokens, self.model).greedy_tokens(rows)
+            if greedy is not None:
+                return StepResult(greedy.tolist(), None, [])
         ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
         if not return_logits and supports_narrow_logits(self.model) and all(r is not None for r in ranges):
             # Constrained rows: project onto the ids they may take only (the rest is -inf).
@@ -277,3 +284,15 @@ class ModelRunner:
         raw = logits.clone() if return_logits else None
         tokens = self.sampler(logits, seqs, ranges)
         return StepResult([int(t) for t in tokens.tolist()], raw, [])
+
+
+def _is_plain_greedy(seq: Sequence) -> bool:
+    """Whether a row's token is the argmax of its raw logits (nothing else touches them)."""
+    params = seq.params
+    return (
+        params.is_greedy
+        and seq.logits_processor is None
+        and params.repetition_penalty == 1.0
+        and not params.has_penalties
+        and params.logprobs is None
+    )

@@ -29,8 +29,10 @@ __all__ = [
     "PagedModel",
     "StepChunk",
     "StepInputs",
+    "SupportsGreedyTokens",
     "SupportsNarrowLogits",
     "SupportsStepChunks",
+    "supports_greedy_tokens",
     "supports_narrow_logits",
     "supports_step_chunks",
 ]
@@ -153,6 +155,29 @@ class SupportsNarrowLogits(Protocol):
 def supports_narrow_logits(model: object) -> TypeGuard[SupportsNarrowLogits]:
     """Whether `model` declares `SupportsNarrowLogits`."""
     return getattr(model, "supports_narrow_logits", False) is True  # compiled wrappers forward it
+
+
+@runtime_checkable
+class SupportsGreedyTokens(Protocol):
+    """A `PagedModel` that finds greedy tokens without computing every logit.
+
+    The runner asks it when every sampled row is plain greedy (temperature 0, no penalties,
+    processors or log-probabilities) and the step returns no logits.
+    """
+
+    supports_greedy_tokens: ClassVar[Literal[True]]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Return `[rows]` int64 argmax ids of `compute_logits(hidden)` (the first on ties), or None.
+
+        None: not decided this way (the runner computes the logits and samples as usual).
+        """
+        ...
+
+
+def supports_greedy_tokens(model: object) -> TypeGuard[SupportsGreedyTokens]:
+    """Whether `model` declares `SupportsGreedyTokens`."""
+    return getattr(model, "supports_greedy_tokens", False) is True  # compiled wrappers forward it
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import FusedLinear, RMSNorm, apply_rotary
 from mstar.engines.paged_model import PagedKVContext
@@ -236,9 +237,10 @@ class LlamaBackbone(nn.Module):
 
 
 class LlamaCausalLM(nn.Module):
-    """A Llama causal LM for `KVCacheEngine` (`PagedModel`, `SupportsNarrowLogits`)."""
+    """A Llama causal LM for `KVCacheEngine` (`PagedModel`, `SupportsNarrowLogits`, `SupportsGreedyTokens`)."""
 
     supports_narrow_logits: ClassVar[Literal[True]] = True
+    supports_greedy_tokens: ClassVar[Literal[True]] = True
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -250,6 +252,7 @@ class LlamaCausalLM(nn.Module):
         self.model = LlamaBackbone(config)
         self.lm_head: nn.Linear | None = None
         self._head: FusedLinear | None = None
+        self._greedy: ScreenedArgmax | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -307,6 +310,7 @@ class LlamaCausalLM(nn.Module):
             self._head = FusedLinear.shared(self.lm_head.weight)
         else:
             self._head = FusedLinear.shared(self.model.embed_tokens.weight)
+        self._greedy = None
 
     def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
         """Return logits computed only inside each row's id ranges, `-inf` elsewhere.
@@ -329,6 +333,18 @@ class LlamaCausalLM(nn.Module):
     def _dense_head(self) -> torch.Tensor:
         """Return the head as a dense `[vocab, hidden]` matrix (rows can be sliced)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Return each row's argmax token of `compute_logits(hidden)`, or None (see `SupportsGreedyTokens`)."""
+        if self._greedy is None:
+            dense = self._dense_head()
+            if self._head is None or not can_screen(dense):
+                return None
+            # A float32 head on a CPU with bfloat16 products: greedy rows screen in bfloat16
+            # and stay exact (see `ScreenedArgmax`). Its copy (half the head's size) is made
+            # at the first greedy step: models that always constrain their logits never pay it.
+            self._greedy = ScreenedArgmax(dense)
+        return self._greedy(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to vocabulary logits."""

@@ -1,0 +1,105 @@
+"""`ScreenedArgmax`: the exact argmax of a float32 head, found through a bfloat16 product.
+
+Greedy decoding needs only each row's best token, not its logits. On a CPU with bfloat16
+dot products (AVX-512 BF16) the head's product in bfloat16 runs 2.5-3x faster than in
+float32 and reads half the bytes; at decode batch sizes it is the largest kernel of a small
+model's step. Its rounding is bounded, so it can choose the candidates and float32 decide:
+
+```
+ approx  = bf16(x) @ bf16(W).T                  one fast product, every id
+ bound   = what rounding can move any logit       per row, from norms (below)
+ keep    = ids with approx >= max(approx) - 2 * bound
+ token   = argmax over `keep` of x @ W[keep].T  exact float32, a handful of ids
+```
+
+With `xb = bf16(x)`, `dx = x - xb`, `wb_j = bf16(w_j)`, `dw_j = w_j - wb_j`, the exact
+logit differs from `xb . wb_j` by `xb . dw_j + dx . wb_j + dx . dw_j`, at most
+`|xb| |dw_j| + |dx| (|wb_j| + |dw_j|)` (Cauchy-Schwarz); float32 accumulation adds at most
+`n u |xb| |wb_j|` (n inputs, u = 2**-24) on each side, and rounding the product's output to
+bfloat16 at most 2**-8 of the logit. The bound is the maximum of those over the vocabulary
+(row norms of the weights are taken once), doubled for safety. The true argmax always
+survives the screen, so the token equals the float32 argmax (ties: the smallest id);
+rows the screen cannot decide (non-finite values, too many candidates) fall back to the
+full float32 product.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mstar.engines.layers import FusedLinear, can_pack
+
+__all__ = ["ScreenedArgmax", "can_screen"]
+
+_BF16_UNIT = 2.0**-8  # bfloat16's unit roundoff (8 significant bits)
+_FP32_UNIT = 2.0**-24
+_SAFETY = 2.0
+# More candidates than this per row (a nearly flat row) are not worth gathering.
+_MAX_CANDIDATES_PER_ROW = 256
+
+
+def can_screen(weight: torch.Tensor) -> bool:
+    """Whether a float32 head on this device gains from screening (a CPU with bfloat16 products)."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and can_pack(weight)
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+class ScreenedArgmax:
+    """Each row's argmax of `x @ W.T` in float32, screened by a bfloat16 product (see the module).
+
+    Args:
+        weight: The head `[out, in]`, float32; kept by reference (not copied) for the exact
+            products of the candidates. A bfloat16 copy (half its size) is packed for the screen.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            w = weight.detach()
+            wb = w.to(torch.bfloat16)
+            wb32 = wb.float()
+            wb_norm = wb32.norm(dim=1)
+            dw_norm = (w - wb32).norm(dim=1)
+            del wb32
+            self.weight = w
+            self._screen = FusedLinear.shared(wb)  # packed where that is faster (timed)
+            self._dw_max = float(dw_norm.max())
+            self._sum_max = float((wb_norm + dw_norm).max())
+            self._accum = _SAFETY * 2 * w.shape[1] * _FP32_UNIT * float(wb_norm.max())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Return `[rows]` int64 token ids for `x` `[rows, in]` float32, or None if undecided.
+
+        None means the screen could not decide some row (non-finite values, a nearly flat
+        row): the caller computes the logits in full.
+        """
+        xb = x.to(torch.bfloat16)
+        xb32 = xb.float()
+        nb = xb32.norm(dim=1)
+        nd = (x - xb32).norm(dim=1)
+        # The scan over every id runs in numpy: its compare, max and flatnonzero were 4-7x
+        # faster than torch's on a [16, 32000] screen (torch's nonzero alone took 0.3 ms).
+        approx = self._screen(xb).float().numpy()
+        top = approx.max(axis=1)
+        if not np.isfinite(top).all():
+            return None
+        base = (nb * (self._dw_max + self._accum) + nd * self._sum_max).numpy()
+        bound = _SAFETY * (base + _BF16_UNIT * (np.abs(top) + 2 * base))
+        flat = np.flatnonzero(approx >= (top - 2 * bound)[:, None])
+        num_rows, vocab = approx.shape
+        rows_np, cols_np = np.divmod(flat, vocab)
+        counts = np.bincount(rows_np, minlength=num_rows)
+        if int(counts.min()) == 0 or int(counts.max()) > _MAX_CANDIDATES_PER_ROW:
+            return None
+        if len(flat) == num_rows:  # one candidate per row: it is the argmax
+            return torch.from_numpy(cols_np)
+        rows, cols = torch.from_numpy(rows_np), torch.from_numpy(cols_np)
+        exact = (x.index_select(0, rows) * self.weight.index_select(0, cols)).sum(dim=1)
+        best = exact.new_full((num_rows,), float("-inf")).scatter_reduce(0, rows, exact, "amax")
+        is_best = exact == best.index_select(0, rows)
+        tokens = torch.full((num_rows,), vocab, dtype=torch.int64)
+        return tokens.scatter_reduce(0, rows[is_best], cols[is_best], "amin")
