@@ -128,6 +128,33 @@ def test_greedy_tokens_without_logits_match_transformers(tiny: dict[str, object]
     assert got == [ref_tokens for ref_tokens, _ in refs]
 
 
+def _decided_steps(logits: torch.Tensor) -> int:
+    """Return how many steps come before the first whose top two logits lie within a bfloat16 ulp."""
+    top2 = logits.float().reshape(len(logits), -1).topk(2, dim=-1).values
+    ulp = torch.exp2(torch.floor(torch.log2(top2[:, 0].abs())) - 7)
+    close = (top2[:, 0] - top2[:, 1] <= ulp).nonzero()
+    return int(close[0]) if len(close) else len(logits)
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(tiny: dict[str, object], batch_size: int) -> None:
+    # bfloat16 weights and cache (products accumulate in float32) on both sides. Their
+    # rounding differs, so a step whose two best logits are at most an ulp apart may go
+    # either way: tokens must match up to the first such step of each prompt.
+    steps = 16
+    prompts: list[list[int]] = tiny["prompts"][:batch_size]  # type: ignore[index]
+    hf = HFLlamaForCausalLM.from_pretrained(str(tiny["checkpoint"]), dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        refs = [_hf_reference(hf, p, steps) for p in prompts]
+    model = load_llama(tiny["checkpoint"], dtype=torch.bfloat16)  # type: ignore[arg-type]
+    engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=1024, max_num_seqs=16))
+    got = engine.generate(prompts, SamplingParams.greedy(max_tokens=steps))
+    decided = [_decided_steps(ref_logits) for _, ref_logits in refs]
+    for tokens, (ref_tokens, _), n in zip(got, refs, decided, strict=True):
+        assert tokens[:n] == ref_tokens[:n]
+    assert sum(decided) >= steps * len(prompts) // 2  # most steps are decided
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
