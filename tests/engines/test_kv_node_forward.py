@@ -135,6 +135,49 @@ async def test_fork_chunks_continue_from_the_mark(model: LlamaCausalLM) -> None:
         await engine.aclose()
 
 
+async def test_chunks_of_one_sequence_run_in_order(model: LlamaCausalLM) -> None:
+    """A context of parts with masks of their own, built in one firing (a CFG branch rebuilt on
+    another rank): the parts run in order and the sequence's rows come under its last chunk."""
+    engine = KVNodeEngine("n", ChunkNode(model), None, "cpu")
+    engine.start()
+    try:
+        full = AttentionMask.full()
+        rows = await fire(
+            engine,
+            "r",
+            KVChunk(seq="b", token_ids=[3, 1, 4], output="none", reset=True),
+            KVChunk(seq="b", token_ids=[1, 5], mask=full, output="none"),
+            KVChunk(seq="b", token_ids=[9, 2]),
+        )
+        assert rows[:2] == [None, None] and rows[2] is not None
+        ref = ChunkNode(model)
+        dense = KVNodeEngine("ref", ref, None, "cpu").engine
+        dense.add_request("x", [3, 1, 4], output_mode="none", keep_alive=True)
+        dense.step()
+        dense.resume("x", [1, 5], mask=full, output_mode="none")
+        dense.step()
+        dense.resume("x", [9, 2], output_mode="hidden")
+        want = next(o.hidden for o in dense.step() if o.hidden is not None)
+        torch.testing.assert_close(rows[2], want)
+        with pytest.raises(ValueError, match="cannot reset"):
+            await fire(engine, "r", KVChunk(seq="c", token_ids=[1]), KVChunk(seq="c", token_ids=[2], reset=True))
+    finally:
+        await engine.aclose()
+
+
+async def test_truncate_rolls_a_sequence_back_to_a_mark(model: LlamaCausalLM) -> None:
+    """Tokens past a mark are dropped and the next inputs follow the mark."""
+    engine = KVNodeEngine("n", ChunkNode(model), None, "cpu")
+    engine.start()
+    try:
+        await fire(engine, "r", KVChunk(token_ids=[3, 1, 4, 1, 5], output="none"))
+        await fire(engine, "r", KVChunk(token_ids=[9, 9, 9], output="none"))
+        rows = (await fire(engine, "r", KVChunk(token_ids=[2, 6], truncate=5)))[0]
+        torch.testing.assert_close(rows, dense_rows(model, [3, 1, 4, 1, 5, 2, 6], 2))
+    finally:
+        await engine.aclose()
+
+
 def test_forward_nodes_declare_themselves(model: LlamaCausalLM) -> None:
     node = ChunkNode(model)
     assert supports_forward_walks(node) and not supports_token_walks(node)

@@ -49,7 +49,7 @@ def t2i(i: int, **extra: Any) -> Request:
 
 def edit(i: int, **extra: Any) -> Request:
     size = [(64, 64), (48, 80), (64, 32)][i % 3]
-    return Request("edit", {"prompt": f"make it blue {i}", "image": _image(i, size), "seed": i, "num_timesteps": 4, **extra})
+    return Request("image_edit", {"prompt": f"make it blue {i}", "image": _image(i, size), "seed": i, "num_timesteps": 4, **extra})
 
 
 def understand(i: int) -> Request:
@@ -121,7 +121,7 @@ async def test_editing_and_understanding_equal_the_dense_reference(model64: Bage
         latents, pixels, _ = dense(model64, request)
         torch.testing.assert_close(by_name(out, "latents")[0], latents, rtol=0, atol=1e-6)
         assert by_name(out, "image")[0] == _png(pixels)
-        if request.task == "edit":  # the output takes the input's (resized) size
+        if request.task == "image_edit":  # the output takes the input's (resized) size
             assert pixels.shape[:2] == model64.preprocess(request).state.items[0].size
 
 
@@ -142,3 +142,36 @@ async def test_the_reference_interpreter_agrees(model64: BagelModel) -> None:
                 assert a == b, name
         if request.task != "understand":
             assert passes() == prepared.state.spec.num_passes()
+
+
+async def test_think_mode_equals_the_dense_reference(model64: BagelModel) -> None:
+    """A planning text is decoded (and streamed) first, then taken by the full context alone."""
+    requests = [t2i(0, think=True, max_think_tokens=6), edit(1, think=True, max_think_tokens=5),
+                Request("understand", {**understand(3).data, "think": True})]
+    outs, _ = await serve(model64, requests)
+    weights, vae = model64.load(CPU)
+    for request, out in zip(requests, outs, strict=True):
+        prepared = model64.preprocess(request)
+        plan = prepared.state
+        if request.task == "understand":  # the reasoning instruction first, then the answer
+            assert by_name(out, "token") == reference_understand(weights, vae, plan.items, 6)
+            continue
+        think_ids = reference_understand(weights, vae, plan.items, prepared.inputs["llm"]["segments"].max_tokens)
+        assert by_name(out, "token") == think_ids and think_ids
+        latents, pixels, _ = reference_generate(weights, vae, plan.items, plan.spec, prepared.inputs["cfg_combine"]["flow"].x, think_ids)
+        torch.testing.assert_close(by_name(out, "latents")[0], latents, rtol=0, atol=1e-6)
+        assert by_name(out, "image")[0] == _png(pixels)
+        assert [o.name for o in out] == ["token"] * len(think_ids) + ["latents", "image"]
+        nodes, _ = dense_nodes(model64)  # the reference interpreter on the same walks
+        emissions = run_reference(model64.graph(), nodes, prepared.inputs, model64, state=prepared.state)
+        assert [e.value for e in emissions if e.name == "token"] == think_ids
+        torch.testing.assert_close(next(e.value for e in emissions if e.name == "latents"), latents, rtol=0, atol=1e-6)
+
+
+def test_think_options_are_checked(model32: BagelModel) -> None:
+    with pytest.raises(ValueError, match="think"):
+        model32.preprocess(t2i(0, think="yes"))
+    with pytest.raises(ValueError, match="max_think_tokens"):
+        model32.preprocess(t2i(0, think=True, max_think_tokens=0))
+    plan = model32.preprocess(t2i(0, think=True)).state
+    assert plan.walks == ["prefill_text", "prefill_text", "decode", "prefill_text", "image_gen"]

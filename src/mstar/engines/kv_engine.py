@@ -319,6 +319,29 @@ class KVCacheEngine:
         del self.scheduler.paused[request_id]
         self.scheduler.add(seq)
 
+    def extend(
+        self,
+        request_id: str,
+        new_token_ids: list[int] | None = None,
+        *,
+        mask: AttentionMask | None = None,
+        payload: object = None,
+        num_tokens: int | None = None,
+        expert: int = 0,
+        output_mode: OutputMode = "sample",
+    ) -> None:
+        """Append more inputs to a request's walk that has not ended (added or resumed this step).
+
+        One walk may so append several inputs, each with its own mask, payload and expert
+        (a context of text and images built at once); they run in order, and the walk
+        returns what `output_mode` says of the last ones. The arguments are `resume`'s.
+        """
+        seq = self._get(request_id)
+        if seq.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING) or seq.is_read_only:
+            raise RequestNotFoundError(f"request {request_id!r} is {seq.status.value}; only a running walk can be extended")
+        self._extend(seq, new_token_ids, mask, payload, num_tokens, expert, output_mode)
+        self._check_fits(seq)
+
     def fork(
         self,
         parent_id: str,

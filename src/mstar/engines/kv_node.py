@@ -142,6 +142,8 @@ class KVChunk:
         reserve_tokens: Admit a new `seq` only once blocks for this many tokens are held
             for it (a rollout that must never stall half way).
         release: Drop `seq` once this chunk ran (its last use).
+        truncate: Roll `seq` back to its first this many tokens first (a mark taken
+            earlier: tokens decoded past it are dropped, to be computed again as inputs).
     """
 
     seq: str = ""
@@ -157,6 +159,7 @@ class KVChunk:
     fork_tokens: int | None = None
     reserve_tokens: int = 0
     release: bool = False
+    truncate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,12 @@ class FiringRows:
 
 @dataclass(frozen=True)
 class KVForward:
-    """A forward firing: one chunk per sequence it touches (run in one step)."""
+    """A forward firing: a chunk per sequence it touches, run in one step.
+
+    Several chunks of one sequence (none but the first resetting, forking or truncating it)
+    append their inputs in order, in as many steps as their masks and payloads need; the
+    sequence's rows (its last chunk's inputs) come under its last chunk.
+    """
 
     chunks: list[KVChunk] = field(default_factory=list)
 
@@ -361,10 +369,15 @@ class KVNodeEngine(StepLoop):
         for chunk in forward.chunks:
             key = seq_key(request_id, chunk.seq)
             out_key = f"{key}?{next(self._query_ids)}" if chunk.read_only else key
-            if out_key in self._firings or out_key in self._walks or out_key in keys:
+            if out_key in keys and (chunk.reset or chunk.fork_from is not None or chunk.truncate is not None):
+                raise ValueError(f"a later chunk of sequence {chunk.seq!r} in one firing cannot reset, fork or truncate it")
+            if out_key in self._firings or out_key in self._walks:
                 raise RuntimeError(f"sequence {out_key!r} of node {self.node!r} already runs a walk")
             keys.append(out_key)
-        ops = [self._chunk_ops(request_id, seq_key(request_id, c.seq), k, c) for k, c in zip(keys, forward.chunks, strict=True)]
+        ops = [
+            self._chunk_ops(request_id, seq_key(request_id, c.seq), k, c, extends=k in keys[:i])
+            for i, (k, c) in enumerate(zip(keys, forward.chunks, strict=True))
+        ]
         firing = _Firing(request_id, inputs, asyncio.get_running_loop().create_future(), walk, keys)
         held = self._keys.setdefault(request_id, set())
         for key, chunk in zip(keys, forward.chunks, strict=True):
@@ -381,24 +394,31 @@ class KVNodeEngine(StepLoop):
                     del self._firings[key]
         return firing.done.result()
 
-    def _chunk_ops(self, request_id: str, key: str, out_key: str, chunk: KVChunk) -> tuple[Callable[[], object], Callable[[], object]]:
+    def _chunk_ops(
+        self, request_id: str, key: str, out_key: str, chunk: KVChunk, *, extends: bool = False
+    ) -> tuple[Callable[[], object], Callable[[], object]]:
         """Return the engine calls of one chunk: its reset or fork, then its inputs.
 
         All of a firing's resets and forks run before any of its inputs are appended (a
-        branch forked at a mark of a sequence that the same firing extends).
+        branch forked at a mark of a sequence that the same firing extends). A chunk that
+        ``extends`` its sequence after an earlier chunk of the same firing appends to that walk.
         """
         engine = self.engine
         output = chunk.output
         args: dict[str, Any] = {"mask": chunk.mask, "payload": chunk.payload, "num_tokens": chunk.num_tokens, "expert": chunk.expert}
 
         def prepare() -> None:
+            if chunk.truncate is not None:
+                engine.truncate(key, chunk.truncate)
             if chunk.reset or chunk.fork_from is not None:
                 engine.abort(key)
             if chunk.fork_from is not None:
                 engine.fork(seq_key(request_id, chunk.fork_from), key, num_tokens=chunk.fork_tokens, keep_alive=True)
 
         def append() -> None:
-            if chunk.read_only:
+            if extends:
+                engine.extend(key, chunk.token_ids, output_mode=output, **args)
+            elif chunk.read_only:
                 engine.query(key, out_key, token_ids=chunk.token_ids, **args)
             elif self._holds(key):
                 engine.resume(key, chunk.token_ids, output_mode=output, **args)
@@ -720,14 +740,14 @@ class KVNodeEngine(StepLoop):
 
     def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None, completed: list[_Firing]) -> None:
         firing.rows[key] = rows
-        if len(firing.rows) == len(firing.keys) and not firing.done.done():
+        if len(firing.rows) == len(set(firing.keys)) and not firing.done.done():
             completed.append(firing)
 
     def _complete(self, firings: list[_Firing]) -> None:
         """Hand the firings a step completed to the node in one call; resolve each with its result."""
         node = self._forward_node
         assert node is not None
-        batch = [FiringRows(f.request_id, f.inputs, [f.rows[k] for k in f.keys]) for f in firings]
+        batch = [FiringRows(f.request_id, f.inputs, _chunk_rows(f)) for f in firings]
         try:
             results = node.forward_outputs(batch)
         except Exception as exc:  # the node failed them all
@@ -739,6 +759,12 @@ class KVNodeEngine(StepLoop):
                 _fail(firing, result)
             elif not firing.done.done():
                 firing.done.set_result(result)
+
+
+def _chunk_rows(firing: _Firing) -> list[torch.Tensor | None]:
+    """Return each chunk's rows: a sequence's come under its last chunk (None under earlier ones)."""
+    keys = firing.keys
+    return [firing.rows[k] if k not in keys[i + 1 :] else None for i, k in enumerate(keys)]
 
 
 def _end(walk: _Walk, error: BaseException | None) -> None:

@@ -8,7 +8,7 @@ role ever does. Tuples come back as lists.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeAlias
+from typing import Annotated, Any, ClassVar, Literal, Protocol, TypeAlias, TypeGuard
 
 import msgspec
 import numpy as np
@@ -26,10 +26,12 @@ __all__ = [
     "SlotValue",
     "TensorValue",
     "Value",
+    "WireForm",
     "from_slots",
     "from_wire",
     "slots_from_wire",
     "slots_to_wire",
+    "supports_wire_form",
     "to_slots",
     "to_wire",
 ]
@@ -91,6 +93,25 @@ _SCALARS = frozenset({bool, int, float, str, type(None)})
 Slot = tuple[str, str]
 
 
+class WireForm(Protocol):
+    """A node value of a model's own type that can cross processes as plain data.
+
+    The other side gets what `wire_form` returns (tensors, numbers, strings, bytes, lists and
+    str-keyed dicts of them), never the type: nothing on the wire names code to import.
+    """
+
+    has_wire_form: ClassVar[Literal[True]]
+
+    def wire_form(self) -> Any:
+        """Return the value as plain data."""
+        ...
+
+
+def supports_wire_form(value: object) -> TypeGuard[WireForm]:
+    """Whether a value declares `WireForm`."""
+    return getattr(value, "has_wire_form", False) is True
+
+
 def to_wire(value: Any) -> Value:
     """Convert a node value to its wire form.
 
@@ -115,6 +136,8 @@ def to_wire(value: Any) -> Value:
         return DictValue({k: to_wire(v) for k, v in value.items()})
     if isinstance(value, np.ndarray | np.generic):
         return TensorValue(torch.from_numpy(np.ascontiguousarray(value)))
+    if supports_wire_form(value):
+        return to_wire(value.wire_form())
     raise ProtocolError(
         f"a node value of type {type(value).__name__} cannot cross processes: use tensors, "
         "numbers, strings, bytes, lists and str-keyed dicts of them"

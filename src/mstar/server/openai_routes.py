@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from PIL import Image as PILImage
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -199,6 +201,9 @@ async def _run_images(
             data["seed"] = body.seed + i
         if size is not None:
             data["width"], data["height"] = size
+        for field, key in (("num_inference_steps", "num_timesteps"), ("guidance_scale", "guidance_scale"), ("think", "think")):
+            if getattr(body, field) is not None:
+                data[key] = getattr(body, field)
         requests.append(Request(task, data, f"{task}-{uuid.uuid4().hex}"))
     results = await run_to_end(state, http, requests)
     images = []
@@ -207,12 +212,19 @@ async def _run_images(
         if not pictures:
             raise MStarError(f"model {state.name!r} finished an image request without an image")
         picture = pictures[-1]
-        shape = tuple(torch.as_tensor(picture).shape)
+        shape: tuple[int, ...]
+        if isinstance(picture, bytes | bytearray):  # encoded by the model already
+            png = bytes(picture)
+            with PILImage.open(io.BytesIO(png)) as header:
+                shape = (header.height, header.width)
+        else:
+            png = png_bytes(picture)
+            shape = tuple(torch.as_tensor(picture).shape)
         if size is not None and (shape[1], shape[0]) != size:
             raise APIRequestError(
                 f"model {state.name!r} makes {shape[1]}x{shape[0]} images, not {size[0]}x{size[1]}: "
                 "omit size or send 'auto'",
                 param="size",
             )
-        images.append({"b64_json": base64.b64encode(png_bytes(picture)).decode("ascii"), "revised_prompt": None})
+        images.append({"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None})
     return JSONResponse({"created": int(time.time()), "data": images})

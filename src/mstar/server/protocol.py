@@ -412,6 +412,11 @@ class ImageGenerationRequest(_Body):
     seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1] - 2 * MAX_CHOICES)] | None = (
         None  # form fields are text
     )
+    # Diffusion settings of models that have them (sent as request data only when given):
+    # flow steps, the guidance scale(s) (a model says how many it takes) and think mode.
+    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    guidance_scale: float | list[float] | None = None
+    think: bool | None = None
 
     @field_validator("size")
     @classmethod

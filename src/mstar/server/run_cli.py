@@ -233,8 +233,15 @@ def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
         if not collected.images:
             raise ValueError("the request produced no image: choose another --out (.wav, .txt)")
         assert out is not None
-        out.write_bytes(png_bytes(collected.images[-1]))
-        return f"wrote {out} (image {list(torch.as_tensor(collected.images[-1]).shape)})"
+        image = collected.images[-1]
+        if isinstance(image, bytes | bytearray):  # PNG bytes from the model itself
+            out.write_bytes(image)
+            from PIL import Image
+
+            with Image.open(out) as written:
+                return f"wrote {out} (image {[written.height, written.width, len(written.getbands())]})"
+        out.write_bytes(png_bytes(image))
+        return f"wrote {out} (image {list(torch.as_tensor(image).shape)})"
     if (
         collected.others
         and not collected.audio

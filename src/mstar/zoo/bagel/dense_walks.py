@@ -44,6 +44,7 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
     weights, vae = model.load(device or torch.device("cpu"))
     contexts = {COND: DenseContext(weights), CFG_TEXT: DenseContext(weights), CFG_IMG: DenseContext(weights)}
     decoded: list[int] = []
+    thinking: list[DenseContext] = []  # the full context before a planning text was decoded
     tokens = model.config.tokens
 
     def one(node: Callable[[list[Mapping[str, Any]]], list[Mapping[str, Any]]]) -> NodeFn:
@@ -59,7 +60,14 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
             contexts[CFG_TEXT] = _copy(contexts[COND])
             for branch in (COND, CFG_IMG):
                 contexts[branch].add(TextInput(item.token_ids, contexts[branch].rope))
-            return {"context": state.after_text(len(item.token_ids))}
+            return {"context": state.after_text(TextInput(item.token_ids, state.cond.rope))}
+        if state.think_ids is not None:  # prefill_text of the planning text: the full context alone
+            ids = torch.tensor([tokens.bos, *state.think_ids, tokens.eos], dtype=torch.long)
+            contexts[COND] = thinking.pop()
+            contexts[COND].add(TextInput(ids, contexts[COND].rope))
+            return {"context": state.after_think(TextInput(ids, state.cond.rope))}
+        if not decoded:  # decode on a copy: a planning text is prefilled again afterwards
+            thinking.append(_copy(contexts[COND]))
         ctx = contexts[COND]  # decode: one greedy token per firing
         token = decoded[-1] if decoded else tokens.bos
         hidden = ctx._run(TextInput(torch.tensor([token]), ctx.rope), causal=True, write=True)
@@ -68,6 +76,8 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
         out: dict[str, Any] = {"stop": nxt == tokens.eos or len(decoded) >= segments.max_tokens}
         if nxt != tokens.eos:
             out["token"] = nxt
+        if out["stop"] and segments.is_think:
+            out["context"] = state.with_think([t for t in decoded if t != tokens.eos])
         return out
 
     @torch.inference_mode()
@@ -76,7 +86,7 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
         embeds = inputs["vit_embeds"]
         contexts[COND].add(ImageInput("vit", embeds, contexts[COND].rope))
         contexts[CFG_TEXT] = _copy(contexts[COND])
-        return {"context": state.after_image(embeds.shape[0] + 2, is_last_part=True)}
+        return {"context": state.after_image(ImageInput("vit", embeds, state.cond.rope), is_last_part=True)}
 
     @torch.inference_mode()
     def llm_vae(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -85,7 +95,8 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
         positions = latent_grid(weights, latents.height, latents.width)
         contexts[COND].add(ImageInput("vae", latents.tokens, contexts[COND].rope, positions, 0.0))
         contexts[CFG_TEXT] = _copy(contexts[COND])
-        return {"context": state.after_image(latents.tokens.shape[0] + 2, is_last_part=not latents.then_vit)}
+        payload = ImageInput("vae", latents.tokens, state.cond.rope, positions, 0.0)
+        return {"context": state.after_image(payload, is_last_part=not latents.then_vit)}
 
     def denoise(branch: str) -> NodeFn:
         @torch.inference_mode()

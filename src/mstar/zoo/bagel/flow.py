@@ -13,7 +13,9 @@ is above 1 but uses it only with text guidance: skipping it otherwise changes no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -29,6 +31,8 @@ BRANCHES = (COND, CFG_TEXT, CFG_IMG)
 class FlowSpec:
     """One image's sampling: its latent grid and the guidance settings (validated by the model)."""
 
+    has_wire_form: ClassVar[Literal[True]] = True
+
     height: int  # latent tokens
     width: int
     num_timesteps: int = 50
@@ -38,6 +42,8 @@ class FlowSpec:
     cfg_interval: tuple[float, float] = (0.4, 1.0)
     cfg_renorm_type: str = "global"
     cfg_renorm_min: float = 0.0
+    # Run every branch on every step (what skipping saves is then spent; the result is the same).
+    run_all_branches: bool = False
 
     @classmethod
     def of(cls, height: int, width: int, defaults: GenDefaults, **overrides: object) -> FlowSpec:
@@ -53,6 +59,19 @@ class FlowSpec:
         }
         fields.update(overrides)
         return cls(height, width, **fields)  # type: ignore[arg-type]
+
+    def wire_form(self) -> dict[str, Any]:
+        """Return the spec as plain data."""
+        return asdict(self)
+
+    @classmethod
+    def of_value(cls, value: FlowSpec | Mapping[str, Any]) -> FlowSpec:
+        """Read a spec back (or pass one through)."""
+        if isinstance(value, FlowSpec):
+            return value
+        fields = dict(value)
+        fields["cfg_interval"] = tuple(fields["cfg_interval"])
+        return cls(**fields)
 
     @property
     def num_steps(self) -> int:
@@ -83,9 +102,13 @@ class FlowSpec:
             return (COND,)
         return (COND, CFG_TEXT, CFG_IMG) if self.cfg_img_scale > 1.0 else (COND, CFG_TEXT)
 
+    def branches_run(self, k: int) -> tuple[str, ...]:
+        """Return the branches step ``k`` queries: those it needs, or all of them (``run_all_branches``)."""
+        return BRANCHES if self.run_all_branches else self.branches(k)
+
     def num_passes(self) -> int:
         """Count the LLM passes of the whole loop (one per branch per step)."""
-        return sum(len(self.branches(k)) for k in range(self.num_steps))
+        return sum(len(self.branches_run(k)) for k in range(self.num_steps))
 
 
 def guidance(spec: FlowSpec, v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | None) -> torch.Tensor:

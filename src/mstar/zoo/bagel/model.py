@@ -21,11 +21,18 @@ Tasks: ``image`` (``prompt``), ``edit`` (``image``, ``prompt``: the output has t
 ``understand`` (``image``, ``prompt``). Prompts may be ``token_ids`` instead of text. Options:
 ``seed`` or ``noise``, ``height``/``width`` (``image``), ``num_timesteps``, ``timestep_shift``,
 ``cfg_text_scale``, ``cfg_img_scale``, ``cfg_interval``, ``cfg_renorm_type``, ``cfg_renorm_min``,
-``max_tokens`` (``understand``).
+``max_tokens`` (``understand``), ``think`` and ``max_think_tokens``, ``skip_branches`` (false: every
+CFG branch on every step, which benchmarks what skipping saves; the image is the same).
+
+Think mode (``think: true``) puts the planning instruction first, as a text item. Before an
+image the request then decodes a planning text (``decode``: its tokens stream as text) and
+prefills it into the full context alone (``prefill_text``, over the decode's own tokens, rolled
+back), as upstream's ``interleave_inference`` does; understanding just answers after it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
@@ -55,6 +62,7 @@ from mstar.runtime.model import (
     PreparedRequest,
     Request,
     SupportsSharedEngines,
+    SupportsTextOutput,
 )
 from mstar.zoo.bagel.checkpoint import cached_random_checkpoint, load_bagel
 from mstar.zoo.bagel.config import BagelConfig, get_bagel_config
@@ -72,6 +80,7 @@ from mstar.zoo.bagel.nodes import (
     query_input,
     velocity_output,
 )
+from mstar.zoo.bagel.tokenizer import ByteTokenizer
 from mstar.zoo.bagel.vae import FluxVAE
 from mstar.zoo.bagel.vision import image_tensor, resize_for
 from mstar.zoo.bagel.weights import BagelWeights
@@ -79,8 +88,17 @@ from mstar.zoo.bagel.weights import BagelWeights
 __all__ = ["PARTITION", "BagelModel", "BagelPlan", "denoise_node", "make_bagel_graph"]
 
 PARTITION = "bagel"
+# Think mode's system prompts (upstream's planning instructions; data, not code).
+GEN_THINK_PROMPT = (
+    "You should first think about the planning process in the mind and then generate the image. \n"
+    "The planning process is enclosed within <think> </think> tags, i.e. <think> planning process here </think> image here"
+)
+VLM_THINK_PROMPT = (
+    "You should first think about the reasoning process in the mind and then provide the user with the answer. \n"
+    "The reasoning process is enclosed within <think> </think> tags, i.e. <think> reasoning process here </think> answer here"
+)
 MAX_TIMESTEPS = 1000
-TASKS = ("image", "edit", "understand")
+TASKS = ("image", "image_edit", "understand", "generate")
 # float64 runs the parity checks where one rounding step apart would flip a pixel.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -144,9 +162,10 @@ class BagelPlan:
     task: str = "image"
     spec: FlowSpec | None = None
     items: list[Item] = field(default_factory=list)
+    is_think: bool = False
 
 
-class BagelModel(Model, SupportsSharedEngines):
+class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
     """BAGEL (``bagel-7b-mot``, ``bagel-small`` or ``bagel-tiny``): text-to-image, editing, understanding.
 
     Args:
@@ -169,10 +188,10 @@ class BagelModel(Model, SupportsSharedEngines):
         self.config = cfg
         self.checkpoint = str(Path(checkpoint))
         self.dtype = _DTYPES[dtype]
-        self._tokenizer: Any = None if config != "bagel-7b-mot" else _hf_tokenizer(self.checkpoint)
+        self.tokenizer: Any = ByteTokenizer(cfg.tokens) if config != "bagel-7b-mot" else _hf_tokenizer(self.checkpoint)
         self._graph = make_bagel_graph(cfg)
         self._loaded: dict[torch.device, tuple[BagelWeights, FluxVAE]] = {}
-        self._llm_nodes: dict[torch.device, LLMNode] = {}
+        self._loading = threading.Lock()
 
     # -- the contract ----------------------------------------------------------------------
 
@@ -196,17 +215,21 @@ class BagelModel(Model, SupportsSharedEngines):
 
     def load(self, device: torch.device) -> tuple[BagelWeights, FluxVAE]:
         """Load the weights onto ``device`` once (every node of a rank shares them)."""
-        if device not in self._loaded:
-            self._loaded[device] = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype)
-        return self._loaded[device]
+        with self._loading:  # ranks in one process build their engines on threads of their own
+            if device not in self._loaded:
+                self._loaded[device] = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype)
+            return self._loaded[device]
 
     def submodule(self, node: str, device: torch.device) -> Any:
-        """Return a node's computation on ``device``."""
+        """Return a node's computation on ``device``.
+
+        A CFG branch node asked for here runs on an engine of its own (it is placed away
+        from ``llm``): that engine builds the branch's context itself.
+        """
         weights, vae = self.load(device)
         if node in LLM_NODES:
-            if device not in self._llm_nodes:
-                self._llm_nodes[device] = LLMNode(weights)
-            return self._llm_nodes[device]
+            branch = next((b for b in BRANCHES if denoise_node(b) == node), None)
+            return LLMNode(weights, branch=branch)
         if node == "vit":
             return VitNode(weights)
         if node == "vae_encoder":
@@ -219,38 +242,86 @@ class BagelModel(Model, SupportsSharedEngines):
 
     # -- requests ----------------------------------------------------------------------------
 
+    # -- text output (SupportsTextOutput) ----------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Return ``<|im_end|>``, which ends an answer."""
+        return (self.config.tokens.eos,)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Return the text of token ids."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    # -- requests ----------------------------------------------------------------------------
+
     def tokenize(self, text: str) -> list[int]:
         """Return a prompt's ids (bytes for the small configs' toy vocabulary)."""
-        if self._tokenizer is not None:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        return list(text.encode("utf-8"))
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def _wrap(self, ids: list[int]) -> TextItem:
+        tokens = self.config.tokens
+        return TextItem(torch.tensor([tokens.bos, *ids, tokens.eos], dtype=torch.long))
+
+    def _ids(self, value: Any, name: str) -> list[int]:
+        vocab = self.config.llm.vocab_size
+        if not isinstance(value, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ValueError(f"{name} must be a list of token ids")
+        if any(not 0 <= t < vocab for t in value):
+            raise ValueError(f"{name} must be in [0, {vocab})")
+        return [int(t) for t in value]
 
     def _text_item(self, data: Mapping[str, Any]) -> TextItem:
-        tokens = self.config.tokens
         if "token_ids" in data:
-            ids = [int(t) for t in data["token_ids"]]
-            if any(not 0 <= t < self.config.llm.vocab_size for t in ids):
-                raise ValueError(f"token_ids must be in [0, {self.config.llm.vocab_size})")
-        elif isinstance(data.get("prompt"), str):
-            ids = self.tokenize(data["prompt"])
+            ids = self._ids(data["token_ids"], "token_ids")
+        elif isinstance(data.get("prompt", data.get("text")), str):
+            ids = self.tokenize(data.get("prompt", data.get("text")))
         else:
             raise ValueError("a prompt is needed: 'prompt' (text) or 'token_ids'")
         if len(ids) > self.config.max_text_tokens:
             raise ValueError(f"the prompt has {len(ids)} tokens; at most {self.config.max_text_tokens}")
-        return TextItem(torch.tensor([tokens.bos, *ids, tokens.eos], dtype=torch.long))
+        return self._wrap(ids)
 
     def _image(self, data: Mapping[str, Any]) -> Image.Image:
-        value = data.get("image")
-        if isinstance(value, Image.Image):
-            return value.convert("RGB")
-        if isinstance(value, bytes | bytearray):
-            try:
-                return Image.open(BytesIO(value)).convert("RGB")
-            except Exception as exc:
-                raise ValueError(f"'image' is not an image: {exc}") from None
-        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3 and value.shape[2] == 3:
-            return Image.fromarray(value)
-        raise ValueError("'image' must be a PIL image, encoded image bytes or an H x W x 3 uint8 array")
+        if "images" in data and "image" not in data:
+            images = data["images"]
+            if not isinstance(images, list | tuple) or len(images) != 1:
+                count = len(images) if isinstance(images, list | tuple) else "no list of"
+                raise ValueError(f"images: BAGEL edits one image at a time, got {count} images")
+            return _as_image(images[0], "images[0]")
+        if "image" not in data:
+            raise ValueError("image is required: the image to edit or to answer about")
+        return _as_image(data["image"], "image")
+
+    def _chat_items(self, data: Mapping[str, Any]) -> list[Item]:
+        """Return the items of a chat (``generate``): each message's images and text, in order.
+
+        ``prompt_token_ids`` (a chat rendered by the tokenizer's template) are one text item as they are.
+        """
+        cfg = self.config
+        if "messages" not in data:
+            if "prompt_token_ids" not in data:
+                return [self._text_item(data)]
+            return [TextItem(torch.tensor(self._ids(data["prompt_token_ids"], "prompt_token_ids"), dtype=torch.long))]
+        items: list[Item] = []
+        messages = data["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, Mapping) else None
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) or content is None else content
+            texts: list[str] = []
+            for j, part in enumerate(parts):
+                if part.get("type") == "image":
+                    image = resize_for(_as_image(part.get("image"), f"messages.{i}.content.{j}"), cfg.vae_image)
+                    items.append(ImageItem(None, image_tensor(resize_for(image, cfg.vit_image))))
+                elif isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+            if any(texts):
+                items.append(self._wrap(self.tokenize("".join(texts))))
+        if not items:
+            raise ValueError("messages hold no text and no image")
+        return items
 
     def preprocess(self, request: Request) -> PreparedRequest:
         """Make the request's items, its walks, its flow spec and noise.
@@ -261,8 +332,17 @@ class BagelModel(Model, SupportsSharedEngines):
         if request.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {request.task!r}")
         cfg, data = self.config, request.data
-        text = self._text_item(data)
+        answers = request.task in ("understand", "generate")
+        think = data.get("think", False)
+        if not isinstance(think, bool):
+            raise ValueError(f"think must be true or false, got {think!r}")
         items: list[Item] = []
+        if think:  # the planning instruction comes first, as a text item of every context that takes text
+            items.append(self._wrap(self.tokenize(VLM_THINK_PROMPT if answers else GEN_THINK_PROMPT)))
+        if request.task == "generate":
+            items.extend(self._chat_items(data))
+            return self._prepare(request, items, None, answers=True)
+        text = self._text_item(data)
         if request.task == "image":
             height, width = int(data.get("height", cfg.image_size[0])), int(data.get("width", cfg.image_size[1]))
             for name, side in (("height", height), ("width", width)):
@@ -272,20 +352,27 @@ class BagelModel(Model, SupportsSharedEngines):
             image = resize_for(self._image(data), cfg.vae_image)
             width, height = image.size
             vit = image_tensor(resize_for(image, cfg.vit_image))
-            items.append(ImageItem(image_tensor(image) if request.task == "edit" else None, vit))
+            items.append(ImageItem(image_tensor(image) if request.task == "image_edit" else None, vit))
         items.append(text)
-        walks = [w for item in items for w in _prefill_walks(item)]
         down = cfg.latent_downsample
-        spec = None
-        if request.task == "understand":
-            walks.append("decode")
-        else:
-            spec = _flow_spec(cfg, request.task, height // down, width // down, data)
-            walks.append("image_gen")
-        max_tokens = int(data.get("max_tokens", cfg.max_text_tokens)) if request.task == "understand" else 0
-        if not 0 <= max_tokens <= cfg.max_text_tokens:
-            raise ValueError(f"max_tokens must be in [0, {cfg.max_text_tokens}], got {max_tokens}")
-        segments = Segments(tuple(items), max_tokens)
+        spec = None if answers else _flow_spec(cfg, request.task, height // down, width // down, data)
+        return self._prepare(request, items, spec, answers=answers)
+
+    def _prepare(self, request: Request, items: list[Item], spec: FlowSpec | None, *, answers: bool) -> PreparedRequest:
+        """Make a request's walks and inputs from its items (and the flow of an image)."""
+        cfg, data = self.config, request.data
+        walks = [w for item in items for w in _prefill_walks(item)]
+        walks.append("decode" if answers else "image_gen")
+        max_tokens = 0
+        if request.task == "generate":  # a chat: as long as the route allows, up to the model's limit
+            max_tokens = min(_int_option(data, "max_tokens", 2**31, 0), cfg.max_text_tokens)
+        elif answers:
+            max_tokens = _int_option(data, "max_tokens", cfg.max_text_tokens, 0)
+        is_think = data.get("think", False) is True and not answers
+        if is_think:  # the planning text is decoded before the image
+            max_tokens = _int_option(data, "max_think_tokens", cfg.max_text_tokens, 1)
+            walks[-1:] = ["decode", "prefill_text", "image_gen"]
+        segments = Segments(tuple(items), max_tokens, is_think)
         inputs: dict[str, dict[str, Any]] = {n: {"context": ContextState()} for n in _CONTEXT_READERS}
         for name in ("llm", "vit", "vae_encoder"):
             inputs[name]["segments"] = segments
@@ -294,7 +381,7 @@ class BagelModel(Model, SupportsSharedEngines):
         for b in BRANCHES:
             inputs[denoise_node(b)][query_input(b)] = first[query_input(b)]
         inputs["cfg_combine"] = {"flow": flow}
-        return PreparedRequest(inputs, BagelPlan(walks, task=request.task, spec=spec, items=items))
+        return PreparedRequest(inputs, BagelPlan(walks, task=request.task, spec=spec, items=items, is_think=is_think))
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """Start with the first item's prefill."""
@@ -310,6 +397,29 @@ class BagelModel(Model, SupportsSharedEngines):
     def postprocess(self, request_id: str, emission: Emission) -> Output:
         """Pass values on: PNG bytes (``image``), token ids (``token``), latent tokens (``latents``)."""
         return Output(request_id, emission.modality, emission.name, emission.value, emission.node, emission.walk)
+
+
+def _as_image(value: Any, name: str) -> Image.Image:
+    """Return an input image as RGB: a PIL image, encoded bytes, or a uint8 array (grey, RGB or RGBA)."""
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, bytes | bytearray):
+        try:
+            return Image.open(BytesIO(value)).convert("RGB")
+        except Exception as exc:
+            raise ValueError(f"{name} is not an image: {exc}") from None
+    if isinstance(value, torch.Tensor):
+        value = value.numpy()
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and (value.ndim == 2 or (value.ndim == 3 and value.shape[2] in (1, 3, 4))):
+        return Image.fromarray(value[:, :, 0] if value.ndim == 3 and value.shape[2] == 1 else value).convert("RGB")
+    raise ValueError(f"{name} must be a PIL image, encoded image bytes or an H x W (x 3 or 4) uint8 array")
+
+
+def _int_option(data: Mapping[str, Any], name: str, high: int, low: int) -> int:
+    value = data.get(name, high)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 def _prefill_walks(item: Item) -> list[str]:
@@ -329,6 +439,15 @@ def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, data: Mappi
             if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
             overrides[name] = float(value)
+    if "guidance_scale" in data:  # the images routes' field: the text scale, or [text, image]
+        scales = data["guidance_scale"]
+        scales = list(scales) if isinstance(scales, list | tuple) else [scales]
+        if not 1 <= len(scales) <= 2:
+            raise ValueError(f"guidance_scale: BAGEL takes one or two scales (text, then image), got {len(scales)}")
+        for name, value in zip(("cfg_text_scale", "cfg_img_scale"), scales, strict=False):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"guidance_scale must hold finite numbers >= 0, got {value!r}")
+            overrides[name] = float(value)
     if "num_timesteps" in data:
         steps = data["num_timesteps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= MAX_TIMESTEPS:
@@ -339,6 +458,10 @@ def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, data: Mappi
         if not isinstance(interval, list | tuple) or len(interval) != 2 or not all(isinstance(v, int | float) for v in interval):
             raise ValueError(f"cfg_interval must be two numbers [low, high], got {interval!r}")
         overrides["cfg_interval"] = (float(interval[0]), float(interval[1]))
+    if "skip_branches" in data:  # False: every branch on every step (benchmarks what skipping saves)
+        if not isinstance(data["skip_branches"], bool):
+            raise ValueError(f"skip_branches must be true or false, got {data['skip_branches']!r}")
+        overrides["run_all_branches"] = not data["skip_branches"]
     if "cfg_renorm_type" in data:
         if data["cfg_renorm_type"] not in ("global", "channel", "text_channel"):
             raise ValueError(f"cfg_renorm_type must be 'global', 'channel' or 'text_channel', got {data['cfg_renorm_type']!r}")

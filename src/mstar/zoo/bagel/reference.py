@@ -106,10 +106,21 @@ def build_context(weights: BagelWeights, vae: FluxVAE | None, items: list[Item])
 
 @torch.inference_mode()
 def reference_generate(
-    weights: BagelWeights, vae: FluxVAE, items: list[Item], spec: FlowSpec, noise: torch.Tensor
+    weights: BagelWeights,
+    vae: FluxVAE,
+    items: list[Item],
+    spec: FlowSpec,
+    noise: torch.Tensor,
+    think_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, np.ndarray, int]:
-    """Generate one image densely: return its final latent tokens, its uint8 pixels and the LLM passes."""
-    contexts = {branch: build_context(weights, vae, its) for branch, its in branch_items(items).items()}
+    """Generate one image densely: return its final latent tokens, its uint8 pixels and the LLM passes.
+
+    ``think_ids``: the planning text of think mode (`reference_understand` over the items),
+    which the full context takes after the items.
+    """
+    tokens = weights.config.tokens
+    think = None if think_ids is None else TextItem(torch.tensor([tokens.bos, *think_ids, tokens.eos], dtype=torch.long))
+    contexts = {branch: build_context(weights, vae, its) for branch, its in branch_items(items, think).items()}
     positions = latent_grid(weights, spec.height, spec.width)
     x = noise.float()
     for k in range(spec.num_steps):
@@ -132,7 +143,10 @@ def decode_image(weights: BagelWeights, vae: FluxVAE, tokens: torch.Tensor, heig
 
 @torch.inference_mode()
 def reference_understand(weights: BagelWeights, vae: FluxVAE | None, items: list[Item], max_tokens: int) -> list[int]:
-    """Answer densely and greedily: tokens sampled after ``<|im_start|>`` until ``<|im_end|>`` (excluded)."""
+    """Answer densely and greedily: tokens sampled after ``<|im_start|>`` until ``<|im_end|>`` (excluded).
+
+    Think mode's planning text is such an answer too (over the items of an image request).
+    """
     ctx = build_context(weights, vae, items)
     eos = weights.config.tokens.eos
     token = weights.config.tokens.bos

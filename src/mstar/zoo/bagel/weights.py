@@ -13,13 +13,13 @@ vit_pos_embed.pos_embed     2D sin-cos over the ViT's position grid
 Every cache input is a payload (`TextInput`, `ImageInput`) that names its first RoPE position:
 BAGEL's positions are not its cache positions (an image of n tokens takes one). Sampled tokens
 (text decoding) carry no payload; their RoPE position is their cache position less the
-sequence's offset, which the model notes from each payload it writes (`rope_offsets`).
+sequence's offset, which each engine notes from every payload it writes (``rope_offsets`` of `step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal, cast
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -92,10 +92,7 @@ class ImageInput:
 
 
 class BagelWeights(nn.Module):
-    """The weights of ``ema.safetensors``, and BAGEL's step on the paged cache (a `PagedModel`)."""
-
-    # Sampled tokens need their sequence's RoPE offset, decode steps included.
-    supports_step_chunks: ClassVar[Literal[True]] = True
+    """The weights of ``ema.safetensors``, and BAGEL's step on the paged cache (`step`)."""
 
     def __init__(self, config: BagelConfig) -> None:
         super().__init__()
@@ -109,8 +106,6 @@ class BagelWeights(nn.Module):
         self.vit_model = NaViT(config.vit)
         self.connector = MLPConnector(config.vit.hidden_size, hidden)
         self.vit_pos_embed = PositionEmbedding(config.vit.max_patches_per_side, hidden)
-        # Sequence (engine id) -> cache position less RoPE position after its last payload.
-        self.rope_offsets: dict[str, int] = {}
 
     # -- the PagedModel contract -----------------------------------------------------------
 
@@ -128,11 +123,6 @@ class BagelWeights(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Return next-token logits of text rows."""
         return cast(torch.Tensor, self.language_model.lm_head(hidden))
-
-    def forget(self, request_id: str) -> None:
-        """Drop what is noted for a request's sequences (it is released)."""
-        for key in [k for k in self.rope_offsets if k == request_id or k.startswith(f"{request_id}/")]:
-            self.rope_offsets.pop(key, None)
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -189,8 +179,14 @@ class BagelWeights(nn.Module):
 
     # -- the step --------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
-        """Run a step's chunks jointly over the paged cache; return every row's final state."""
+    def step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext, rope_offsets: dict[str, int]
+    ) -> torch.Tensor:
+        """Run a step's chunks jointly over the paged cache; return every row's final state.
+
+        ``rope_offsets`` maps each sequence (engine id) to its cache position less its RoPE
+        position after its last payload; the step updates it from the payloads it writes.
+        """
         cfg = self.config.llm
         xs: list[torch.Tensor] = []
         ropes: list[torch.Tensor] = []
@@ -200,14 +196,14 @@ class BagelWeights(nn.Module):
             if payload is None:  # sampled tokens: RoPE follows the sequence's last payload
                 rows = slice(chunk.row_start, chunk.row_end)
                 xs.append(self.embed_tokens(input_ids[rows]))
-                ropes.append(positions[rows] - self.rope_offsets.get(chunk.seq_key, 0))
+                ropes.append(positions[rows] - rope_offsets.get(chunk.seq_key, 0))
                 gens.append(torch.zeros(chunk.num_rows, dtype=torch.bool, device=positions.device))
                 continue
             x, rope, is_gen = self.embed_input(payload)
             if x.shape[0] != chunk.num_rows:
                 raise ValueError(f"a payload of {x.shape[0]} rows was scheduled as {chunk.num_rows}")
             if not chunk.is_read_only:
-                self.rope_offsets[chunk.seq_key] = chunk.position + chunk.num_rows - payload.rope_end
+                rope_offsets[chunk.seq_key] = chunk.position + chunk.num_rows - payload.rope_end
             xs.append(x)
             ropes.append(rope)
             gens.append(is_gen)

@@ -1,0 +1,48 @@
+"""scripts/bench_bagel.py on bagel-tiny: the three targets return the same images, and it writes its figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from rich.console import Console
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_bagel.py"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_bagel", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_bagel"] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments(bench: ModuleType) -> None:
+    settings = bench.parse_args([])
+    assert settings.config == "bagel-small" and settings.concurrency == (1, 2, 4, 8) and settings.timesteps is None
+    assert bench.parse_args(["--timesteps", "10", "--concurrency", "1,2"]).concurrency == (1, 2)
+
+
+@pytest.mark.slow
+async def test_a_tiny_run_agrees_and_writes_its_figures(bench: ModuleType, tmp_path: Path) -> None:
+    settings = bench.parse_args(
+        ["--config", "bagel-tiny", "--timesteps", "4", "--concurrency", "1,2", "--num-requests", "2", "--out", str(tmp_path)]
+    )
+    summary = await bench.run(settings, Console(quiet=True))
+    assert [(r["task"], r["c"]) for r in summary["rows"]] == [("image", 1), ("image", 2), ("image_edit", 1), ("image_edit", 2)]
+    for row in summary["rows"]:
+        assert all(row[t]["failed"] == 0 and row[t]["images_per_s"] > 0 for t in bench.TARGET_NAMES)
+    # the same image from every target (the dense baseline: fp32 rounding, a pixel level at most)
+    assert summary["agreement"]["image"]["mstar_all_branches"] == 0
+    assert max(max(a.values()) for a in summary["agreement"].values()) <= 1
+    assert json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert (tmp_path / "image.png").is_file() and (tmp_path / "image_edit_c2.json").is_file()
