@@ -15,6 +15,7 @@ from mstar.engines.layers import (
     PACKED,
     FusableLinear,
     FusedLinear,
+    GatedMLP,
     apply_rotary,
     can_pack,
     choose_layout,
@@ -113,3 +114,25 @@ def test_route_experts_runs_each_row_through_its_own_weights() -> None:
             torch.testing.assert_close(out[row], experts[expert](x[row]))
         torch.testing.assert_close(route_experts(x, None, experts), experts[0](x))
         torch.testing.assert_close(route_experts(x, torch.ones(7, dtype=torch.long), experts), experts[1](x))
+
+
+@pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
+@pytest.mark.parametrize(
+    ("activation", "act"), [("silu", F.silu), ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))]
+)
+def test_gated_mlp_is_the_gated_block_before_and_after_fusing(
+    forced_layout: str, activation: str, act: object
+) -> None:
+    torch.manual_seed(0)
+    mlp = GatedMLP(24, 40, activation=activation, bias=True)
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        want = F.linear(act(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight, mlp.down_proj.bias)  # type: ignore[operator]
+        torch.testing.assert_close(mlp(x), want)
+        mlp.fuse()
+        torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gated_mlp_names_the_activations_it_knows() -> None:
+    with pytest.raises(ValueError, match="activation must be one of"):
+        GatedMLP(4, 8, activation="relu")

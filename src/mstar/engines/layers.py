@@ -40,6 +40,7 @@ __all__ = [
     "PACKED",
     "FusableLinear",
     "FusedLinear",
+    "GatedMLP",
     "RMSNorm",
     "apply_rotary",
     "can_pack",
@@ -231,6 +232,51 @@ class FusableLinear(nn.Linear):
         if self.fused is None:
             return super().forward(x)
         return self.fused(x)
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,  # SwiGLU (Llama, Qwen)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GeGLU (Gemma)
+}
+
+
+class GatedMLP(nn.Module):
+    """The gated feed-forward block: ``down(act(gate(x)) * up(x))``, under checkpoint names.
+
+    ``gate_proj``, ``up_proj`` and ``down_proj`` load as any checkpoint names them;
+    `fuse` then stores gate/up as one product and down in their fastest layouts for the rows
+    the block sees (in the packed layout the named weights leave their modules; see
+    `FusedLinear`).
+
+    Args:
+        hidden: Input and output width.
+        inner: The gated width.
+        activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+        bias: Whether the projections have biases.
+    """
+
+    def __init__(self, hidden: int, inner: int, *, activation: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        self.act = _ACTIVATIONS[activation]
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up: FusedLinear | None = None
+        self.down: FusedLinear | None = None
+
+    def fuse(self, rows: tuple[int, ...] = DECODE_ROWS) -> None:
+        """Store gate/up as one product and down in their fastest layouts at ``rows`` input rows."""
+        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj], rows=rows)
+        self.down = FusedLinear.of([self.down_proj], rows=rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` ``[..., hidden]``."""
+        if self.gate_up is None or self.down is None:
+            return cast(torch.Tensor, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,7 @@ from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import FusedLinear, RMSNorm, apply_rotary
+from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary
 from mstar.engines.paged_model import PagedKVContext
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
@@ -181,31 +181,6 @@ class LlamaAttention(nn.Module):
         return self.o(out) if self.o is not None else self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
-    """SiLU-gated feed-forward block."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.gate_up: FusedLinear | None = None
-        self.down: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        """Store gate/up as one transposed matrix (the HF-named weights become views of it)."""
-        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
-        self.down = FusedLinear.of([self.down_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block."""
-        if self.gate_up is None or self.down is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residuals."""
 
@@ -214,7 +189,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext

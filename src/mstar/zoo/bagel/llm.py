@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.layers import RMSNorm, apply_rotary
+from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
 from mstar.zoo.bagel.config import LLMConfig
 
 __all__ = [
@@ -84,20 +83,6 @@ class Routing:
         return out
 
 
-class _MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP."""
-        return cast(torch.Tensor, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-
-
 class _Attention(nn.Module):
     """Both experts' projections and per-head query/key norms (Qwen2: biased q/k/v, unbiased o)."""
 
@@ -128,8 +113,8 @@ class MoTLayer(nn.Module):
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
         self.self_attn = _Attention(cfg)
-        self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.mlp_moe_gen = _MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp_moe_gen = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.input_layernorm_moe_gen = RMSNorm(cfg.hidden_size, eps)

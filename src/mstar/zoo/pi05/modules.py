@@ -42,7 +42,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import FusedLinear, apply_rotary
+from mstar.engines.layers import FusedLinear, GatedMLP, apply_rotary
 from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
 
@@ -160,37 +160,13 @@ class _Attention(nn.Module):
         return self.o(attended) if self.o is not None else cast(torch.Tensor, self.o_proj(attended))
 
 
-class _MLP(nn.Module):
-    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``."""
-
-    def __init__(self, cfg: GemmaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.width, cfg.mlp_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_dim, cfg.width, bias=False)
-        self.gate_up: FusedLinear | None = None
-        self.down: FusedLinear | None = None
-
-    def fuse(self, rows: tuple[int, ...]) -> None:
-        """Store gate/up as one product and down in their fastest layouts."""
-        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj], rows=rows)
-        self.down = FusedLinear.of([self.down_proj], rows=rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP."""
-        if self.gate_up is None or self.down is None:
-            return cast(torch.Tensor, self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.gelu(gate, approximate="tanh") * up)
-
-
 class GemmaLayer(nn.Module):
     """One Gemma block: attention and MLP, each behind its (plain or adaptive) norm."""
 
     def __init__(self, cfg: GemmaConfig, eps: float, adaptive: bool) -> None:
         super().__init__()
         self.self_attn = _Attention(cfg)
-        self.mlp = _MLP(cfg)
+        self.mlp = GatedMLP(cfg.width, cfg.mlp_dim, activation="gelu_tanh")
         norm: type[nn.Module] = AdaRMSNorm if adaptive else GemmaRMSNorm
         self.input_layernorm = norm(cfg.width, eps)
         self.post_attention_layernorm = norm(cfg.width, eps)

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.layers import RMSNorm, apply_rotary
+from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
 from mstar.zoo.qwen3_omni.config import CodePredictorConfig
-from mstar.zoo.qwen3_omni.modules.moe import DenseMLP
 from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
 
 __all__ = ["CodePredictor"]
@@ -77,7 +76,7 @@ class _Layer(nn.Module):
     def __init__(self, config: CodePredictorConfig) -> None:
         super().__init__()
         self.self_attn = _Attention(config)
-        self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -16,21 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DenseMLP", "Experts", "SparseMoE"]
+from mstar.engines.layers import GatedMLP
 
-
-class DenseMLP(nn.Module):
-    """SiLU-gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, no biases)."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block to ``x`` ``[rows, hidden]``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+__all__ = ["Experts", "SparseMoE"]
 
 
 class Experts(nn.Module):
@@ -98,10 +86,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(num_experts, hidden, top_k, norm_topk_prob)
         self.experts = Experts(num_experts, hidden, inner)
-        self.shared_expert: DenseMLP | None = None
+        self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_inner:
-            self.shared_expert = DenseMLP(hidden, shared_inner)
+            self.shared_expert = GatedMLP(hidden, shared_inner)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import RMSNorm, apply_rotary
+from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
 from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.qwen3_omni.config import MoETextConfig
-from mstar.zoo.qwen3_omni.modules.moe import DenseMLP, SparseMoE
+from mstar.zoo.qwen3_omni.modules.moe import SparseMoE
 from mstar.zoo.qwen3_omni.modules.rope import MRoPE
 
 __all__ = ["EmbedsInput", "MoEDecoder", "MoEDecoderLayer", "QKNormAttention"]
@@ -113,7 +113,7 @@ class MoEDecoderLayer(nn.Module):
                 config.shared_expert_intermediate_size,
             )
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
