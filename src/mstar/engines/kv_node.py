@@ -309,6 +309,10 @@ class KVNodeEngine(StepLoop):
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
         self._steps = OverlappedSteps(self.engine.runner, self._step, self._deliver, self._fail_step, self._keep_stepping)
+        # A step answered firings (set on the step thread, read between its runs): the next
+        # step waits for their walks to fire again, so that requests stay in one wave.
+        self._answered = False
+        self._awaited: set[str] = set()  # requests the last step answered that have not fired again
 
     def _fail_pending(self, error: EngineClosedError) -> None:
         for walk in self._walks.values():
@@ -383,6 +387,7 @@ class KVNodeEngine(StepLoop):
         for key, chunk in zip(keys, forward.chunks, strict=True):
             self._firings[key] = firing
             held.add(seq_key(request_id, chunk.seq))
+        self._awaited.discard(request_id)
         for phase in (0, 1):
             self._ops.extend((key, op[phase]) for key, op in zip(keys, ops, strict=True))
         self._wakeup.set()
@@ -576,6 +581,7 @@ class KVNodeEngine(StepLoop):
         keys = self._keys.pop(request_id, set())
         keys.add(request_id)
         self._release_after -= keys
+        self._awaited.discard(request_id)
         self._ops.append((request_id, lambda: [self.engine.abort(k) for k in keys]))
         if self._forward_node is not None:
             self._forward_node.release(request_id)
@@ -623,7 +629,7 @@ class KVNodeEngine(StepLoop):
                 continue
             if o.finished and o.finish_reason is FinishReason.COMPUTED:
                 results.append((o.request_id, [], None, o.hidden, None))
-                urgent = True
+                urgent = self._answered = True
                 if o.request_id in self._release_after:
                     self._release_after.discard(o.request_id)
                     engine.abort(o.request_id)
@@ -644,16 +650,11 @@ class KVNodeEngine(StepLoop):
             if not self._ops and (self.engine.is_stalled or not self.engine.has_unfinished()):
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                if self._forward_node is not None:
-                    # Firings come in waves (the walks a step or an upstream batch answered):
-                    # let the wave arrive, so that every request in lockstep joins one step.
-                    seen = -1
-                    for _ in range(_FIRING_ROUNDS):
-                        if len(self._ops) == seen:
-                            break  # a whole loop turn brought nothing new
-                        seen = len(self._ops)
-                        await asyncio.sleep(0)
+                await self._gather_firings()
                 await self._gather_groups()
+            elif self._answered:
+                await self._gather_firings()
+            self._answered = False
             if self.executor is not None:
                 await loop.run_in_executor(self.executor, self._run_steps, loop)
                 continue
@@ -668,6 +669,25 @@ class KVNodeEngine(StepLoop):
                 continue
             self._deliver(time.perf_counter() - start, failed, results)
 
+    async def _gather_firings(self) -> None:
+        """Let a wave of firings arrive (bounded), so that every request in lockstep joins one step.
+
+        Firings come in waves: the walks a step answered fire again (at once, or as new walks
+        a few loop turns later, through the conductor), and an upstream batch fires the walks
+        it fed. Waited for after an idle spell and after every step that answered firings
+        (while other work is queued too): until a whole loop turn brought nothing new and
+        every request the last step answered fired again or left.
+        """
+        if self._forward_node is None:
+            return
+        seen = -1
+        for _ in range(_FIRING_ROUNDS):
+            if len(self._ops) == seen and not self._awaited:
+                break
+            seen = len(self._ops)
+            await asyncio.sleep(0)
+        self._awaited.clear()
+
     def _run_steps(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run steps back to back on the step thread (see `OverlappedSteps`)."""
         self._steps.run(loop, overlap=overlap_pays(self.engine.device))
@@ -676,7 +696,7 @@ class KVNodeEngine(StepLoop):
         """Whether the step thread runs another step at once (see `OverlappedSteps`)."""
         engine = self.engine
         has_work = bool(self._ops) or (engine.has_unfinished() and not engine.is_stalled)
-        return not self._closed and not self._thread_wanted() and has_work
+        return not self._closed and not self._thread_wanted() and has_work and not self._answered
 
     def _thread_wanted(self) -> bool:
         """Whether other work waits for the step thread (always assumed when it can't be told)."""
@@ -748,6 +768,7 @@ class KVNodeEngine(StepLoop):
         node = self._forward_node
         assert node is not None
         batch = [FiringRows(f.request_id, f.inputs, _chunk_rows(f)) for f in firings]
+        self._awaited.update(f.request_id for f in firings)
         try:
             results = node.forward_outputs(batch)
         except Exception as exc:  # the node failed them all
