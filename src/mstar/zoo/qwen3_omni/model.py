@@ -167,7 +167,8 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         max_audio_frames: Default cap on codec frames per answer.
         max_model_len: Positions of each KV cache.
         codec_batch_size: Most Code2Wav chunks per call (None: every pending chunk of equal
-            length; 1 makes each chunk's samples independent of its batch).
+            length on an accelerator, one on a CPU; 1 makes each chunk's samples
+            independent of its batch).
     """
 
     audio_sample_rate = 24_000

@@ -4,6 +4,16 @@ Both loops sample inside the talker node (its steps are forward firings, not eng
 walks), so they follow `generate`'s order exactly: repetition penalty over the generated
 tokens, suppressed ids, then temperature, top-k, top-p, and one multinomial draw per row from
 the request's own generator. With the same seed, one request draws what transformers draws.
+
+Two shortcuts keep every bit of that while batching the rows (the code predictor draws 15
+times per frame, so these draws are most of a frame's time on a CPU):
+
+- top-p after top-k: the ascending sort of a row whose finite scores are exactly its top-k
+  values (distinct) is those values reversed after the ``-inf`` ones, so the sort is built
+  from `torch.topk`'s (sorted) output instead of sorting the whole vocabulary;
+- the draw: ``torch.multinomial(p, 1, generator=g)`` on a CPU is ``argmax(p / q)`` with
+  ``q = empty_like(p).exponential_(generator=g)`` (the exponential race), so each row fills
+  its own ``q`` from its generator and one division and one argmax serve the batch.
 """
 
 from __future__ import annotations
@@ -41,6 +51,37 @@ def _penalise(logits: torch.Tensor, history: list[list[int]], penalty: float) ->
     return logits
 
 
+def _top_p(scores: torch.Tensor, top_p: float, top: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Drop the least likely tokens outside the ``top_p`` mass (transformers' `TopPLogitsWarper`)."""
+    rows, vocab = scores.shape
+    if top is not None:
+        values, indices = top  # descending
+        k = values.shape[-1]
+        finite = values.isfinite().all() and bool((values[:, 1:] != values[:, :-1]).all())
+        if finite and bool(((scores != float("-inf")).sum(-1) == k).all()):
+            ordered = scores.new_full((rows, vocab), float("-inf"))
+            ordered[:, vocab - k :] = values.flip(-1)
+            drop = ordered.softmax(dim=-1).cumsum(dim=-1)[:, vocab - k :] <= 1 - top_p
+            drop[:, -1] = False  # always keep the most likely token
+            mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, drop.flip(-1))
+            return scores.masked_fill(mask, float("-inf"))
+    ordered, order = torch.sort(scores, descending=False, dim=-1)
+    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p
+    drop[..., -1:] = False  # always keep the most likely token
+    return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+def _multinomial(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Return one draw per row, each ``torch.multinomial(probs[i], 1, generator=generators[i])``."""
+    if probs.device.type != "cpu":
+        return torch.cat([torch.multinomial(probs[i], 1, generator=gen) for i, gen in enumerate(generators)])
+    race = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        race[i].exponential_(generator=gen)
+    return (probs / race).argmax(dim=-1)
+
+
 def draw(
     logits: torch.Tensor,
     params: DrawParams,
@@ -65,17 +106,14 @@ def draw(
         scores = scores.masked_fill(suppress, float("-inf"))
     if params.is_greedy:
         return scores.argmax(dim=-1)
-    scores = scores / params.temperature
+    if params.temperature != 1.0:  # x / 1.0 is x
+        scores = scores / params.temperature
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
     if params.top_k > 0:
         k = min(params.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        values, indices = torch.topk(scores, k, dim=-1)
+        top = (values, indices)
+        scores = scores.masked_fill(scores < values[..., -1:], float("-inf"))
     if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=False, dim=-1)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1 - params.top_p
-        drop[..., -1:] = False  # always keep the most likely token
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    rows = [torch.multinomial(probs[i], 1, generator=gen) for i, gen in enumerate(generators)]
-    return torch.cat(rows)
+        scores = _top_p(scores, params.top_p, top)
+    return _multinomial(scores.softmax(dim=-1), generators)
