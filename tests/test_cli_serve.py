@@ -66,6 +66,8 @@ def test_serve_refuses_a_public_address_without_a_key(
         (["serve", "no-such-model"], "unknown model 'no-such-model'"),
         (["serve", "/no/such/checkpoint"], "local checkpoint directory with a config.json"),
         (["serve", "toy-composite", "--config", "/no/such/placement.yaml"], "does not exist"),
+        (["serve", "os:system"], "not in the zoo and not allow-listed"),
+        (["serve", "os:system", "--allow-model-factory", "mymodels"], "--allow-model-factory"),
     ],
 )
 def test_serve_explains_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -312,7 +312,7 @@ class PeerLink:
             self.codec.release_all()
             if self.codec.peer_arena is not None:
                 self.codec.peer_arena.close()
-        self.system._forget_link(self)
+        self.system._forget_link(self, error)
         peer = self.peer
         if (
             isinstance(error, PeerLostError)

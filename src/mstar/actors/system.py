@@ -64,13 +64,13 @@ from mstar.transport.codec import LinkCodec
 from mstar.transport.shm import SharedArena, is_shm_available
 from mstar.transport.tally import TransportTally
 
-__all__ = ["ActorSystem", "SystemConfig"]
+__all__ = ["ActorSystem", "SystemConfig", "default_host_id"]
 
 log = logging.getLogger(__name__)
 
 
-def _host_id() -> str:
-    # Processes share /dev/shm and CUDA IPC only within one boot of one machine.
+def default_host_id() -> str:
+    """Return what tells this machine (and boot) apart: processes share /dev/shm and CUDA IPC only within it."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -88,7 +88,7 @@ class ActorSystem:
     def __init__(self, config: SystemConfig | None = None) -> None:
         self.config = config or SystemConfig()
         self.system_id = uuid.uuid4().hex
-        self._host_id = self.config.host_id or _host_id()
+        self._host_id = self.config.host_id or default_host_id()
         self._self_address = f"peer://{self.system_id}"
         self._served: list[str] = []
         self._own: set[str] = {self._self_address}
@@ -104,6 +104,7 @@ class ActorSystem:
         self._names = itertools.count(1)
         self._tg: asyncio.TaskGroup | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._link_lost_callbacks: list[Callable[[list[str], Exception], None]] = []
         self._is_closed = False
 
     # ------------------------------------------------------------------------ lifecycle
@@ -458,6 +459,14 @@ class ActorSystem:
         if link is not None:
             link.lose(error)
 
+    def on_link_lost(self, callback: Callable[[list[str], Exception], None]) -> None:
+        """Call ``callback(addresses, error)`` whenever a link to a peer system is lost.
+
+        ``addresses`` are those the peer was known by (the one connected to, and what it
+        said at the handshake); ``error`` is what its pending asks failed with.
+        """
+        self._link_lost_callbacks.append(callback)
+
     def _register_link(self, link: PeerLink, hello: Hello) -> None:
         for address in hello.addresses:
             if address in self._own:
@@ -468,10 +477,17 @@ class ActorSystem:
             if current is None or (current.peer is not None and current.peer.system_id != hello.system_id):
                 self._routes[address] = link
 
-    def _forget_link(self, link: PeerLink) -> None:
+    def _forget_link(self, link: PeerLink, error: Exception | None = None) -> None:
         self._links.discard(link)
         for address in [a for a, routed in self._routes.items() if routed is link]:
             del self._routes[address]
+        if error is not None and self._link_lost_callbacks and not self._is_closed:
+            addresses = [a for a in [link.address, *(link.peer.addresses if link.peer else [])] if a]
+            for callback in list(self._link_lost_callbacks):
+                try:
+                    callback(addresses, error)
+                except Exception:
+                    log.exception("a link-lost callback failed")
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

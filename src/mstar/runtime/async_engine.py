@@ -8,7 +8,10 @@ By default every rank's `Worker` runs in this process, as actors on the in-proce
 transport. With ``EngineConfig(worker_processes=True)`` each rank runs in a process of its
 own, started (with ``spawn``) and stopped by the engine, talking ZeroMQ over ipc sockets
 and a shared-memory arena for CPU tensors; the model is rebuilt in each process from its
-`ModelSpec`.
+`ModelSpec`. With ``EngineConfig(ray_address=...)`` each rank's worker runs as a Ray actor on
+the node its placement names (`mstar.runtime.ray_launcher`), started, supervised and
+restarted by Ray, talking ZeroMQ over tcp with CURVE keys generated here; the conductor
+stays in this process.
 """
 
 from __future__ import annotations
@@ -21,17 +24,24 @@ import os
 import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self
 
 import structlog
 
 from mstar.actors import ActorRef, ActorSystem, SystemConfig
+from mstar.actors.config import CurveKeys
 from mstar.actors.process import SystemProcess, check_main_guard
 from mstar.actors.wire import ActorId
 from mstar.engines.stateless import StatelessEngineConfig
-from mstar.errors import EngineClosedError, MStarError, PeerLostError, RequestAbortedError
+from mstar.errors import (
+    EngineClosedError,
+    MStarError,
+    PeerLostError,
+    RequestAbortedError,
+    WorkerLostError,
+)
 from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
 from mstar.runtime.messages import (
     InitWorker,
@@ -45,6 +55,7 @@ from mstar.runtime.messages import (
 )
 from mstar.runtime.model import Model, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
+from mstar.runtime.ray_launcher import RankInfo, RayLauncher, ray_host_id
 from mstar.runtime.trust import check_model_factory
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
 from mstar.runtime.worker_core import WorkerConfig
@@ -95,6 +106,11 @@ class EngineConfig:
         allowed_model_factories: Model factories worker processes may build besides the
             zoo's: exact ``module:callable`` paths, modules, or prefixes ending in ``.`` or
             ``:`` (see `mstar.runtime.trust`). A worker refuses any other.
+        ray_address: Run each rank's worker as a Ray actor on this cluster (``"auto"``,
+            ``"ray://head:10001"``; an application that called ``ray.init`` itself passes
+            any value), pinned by the placement's ``ray_resources``.
+        ray_num_cpus: CPUs each rank's Ray actor reserves (and its torch threads).
+        ray_max_restarts: How often Ray restarts a rank's process (-1: without limit).
     """
 
     worker_processes: bool = False
@@ -113,6 +129,14 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     kv_cache_shares: dict[str, float] = field(default_factory=dict)
     allowed_model_factories: tuple[str, ...] = ()
+    ray_address: str | None = None
+    ray_num_cpus: float = 1.0
+    ray_max_restarts: int = -1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether workers run in processes of their own (local ones, or Ray actors)."""
+        return self.worker_processes or self.ray_address is not None
 
     def worker_config(
         self, rank: int, num_ranks: int = 1, kv_cache_shares: dict[str, float] | None = None
@@ -123,14 +147,16 @@ class EngineConfig:
         config's own override them).
         """
         threads = self.cpu_threads
-        if threads is None and (self.worker_processes or num_ranks > 1):
+        if threads is None and self.ray_address is not None:
+            threads = max(1, int(self.ray_num_cpus))  # its own node's share, not this machine's
+        elif threads is None and (self.worker_processes or num_ranks > 1):
             threads = max(1, (os.cpu_count() or 1) // num_ranks)
         return WorkerConfig(
             device=self.devices.get(rank, "cpu"),
             offload_steps=self.offload_steps,
             stateless=StatelessEngineConfig(self.max_batch_size, self.max_wait_s),
             num_threads=threads,
-            freeze_gc=self.freeze_gc and self.worker_processes,
+            freeze_gc=self.freeze_gc and self.is_distributed,
             kv_cache_memory=self.kv_cache_memory,
             kv_cache_shares={**(kv_cache_shares or {}), **self.kv_cache_shares},
         )
@@ -167,13 +193,21 @@ class _Pending:
 class AsyncEngine:
     """Serve one model: submit requests, stream their outputs, abort them; shut down."""
 
-    def __init__(self, model: Model, placement: Placement, config: EngineConfig) -> None:
+    def __init__(
+        self, model: Model, placement: Placement, config: EngineConfig, launcher: RayLauncher | None = None
+    ) -> None:
         self.model = model
         self.placement = placement
         self.config = config
         self.graph = model.graph()
         self.resolved = placement.resolve(self.graph)
-        self.system = ActorSystem(config.system)
+        self.launcher = launcher
+        self.rank_info: dict[int, RankInfo] = {}  # where each rank's Ray actor serves
+        system = config.system
+        if launcher is not None:
+            # The workers' systems got the same config (and CURVE keys) with their launch.
+            system = replace(launcher.system, allow_remote=True, host_id=ray_host_id(launcher.node_id))
+        self.system = ActorSystem(system)
         self.conductor: ActorRef | None = None
         self.workers: dict[int, ActorRef] = {}
         self.processes: dict[int, SystemProcess] = {}
@@ -186,6 +220,8 @@ class AsyncEngine:
         self._preprocessing = ThreadPoolExecutor(2, thread_name_prefix="mstar-preprocess")
         self._not_started: weakref.WeakValueDictionary[str, _Pending] = weakref.WeakValueDictionary()
         self._watchdog: asyncio.Task[None] | None = None
+        self._ray_watchers: list[asyncio.Task[None]] = []
+        self._links_lost: dict[int, asyncio.Event] = {}  # rank -> the link to its Ray actor broke
         self._is_closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -223,11 +259,27 @@ class AsyncEngine:
             placement = instance.default_placement() or Placement.colocated(instance.graph())
         elif not isinstance(placement, Placement):
             placement = Placement.from_yaml(placement)
-        if config.worker_processes and spec is None:
+        if config.is_distributed and spec is None:
             raise MStarError("worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)")
-        if config.worker_processes and spec is not None:
+        if config.is_distributed and spec is not None:
             check_model_factory(spec.factory, config.allowed_model_factories)  # before any process starts
-        engine = cls(instance, placement, config)
+        launcher = None
+        if config.ray_address is not None:
+            placement.resolve(instance.graph())  # a bad placement fails before the cluster is joined
+            launcher = RayLauncher(
+                config.ray_address,
+                replace(config.system, curve=CurveKeys.generate()),  # the same keys for every system
+                {"allowed_model_factories": list(config.allowed_model_factories)},
+                loop=config.loop,
+                num_cpus=config.ray_num_cpus,
+                max_restarts=config.ray_max_restarts,
+            )
+        try:
+            engine = cls(instance, placement, config, launcher)
+        except BaseException:
+            if launcher is not None:
+                await launcher.stop()
+            raise
         engine.spec = spec
         await engine.system.__aenter__()
         try:
@@ -238,12 +290,25 @@ class AsyncEngine:
         if config.freeze_gc:
             gc.collect()
             gc.freeze()
-        log.info("engine_started", model=instance.name, ranks=list(placement.ranks), worker_processes=config.worker_processes)
+        log.info(
+            "engine_started",
+            model=instance.name,
+            ranks=list(placement.ranks),
+            worker_processes=config.worker_processes,
+            ray=config.ray_address is not None,
+        )
         return engine
 
     async def _start_actors(self, spec: ModelSpec | None) -> None:
         ranks = self.placement.ranks
-        if self.config.worker_processes:
+        if self.launcher is not None:
+            launcher = self.launcher
+            host = launcher.node_ip()
+            self._served = await self.system.serve(f"tcp://{'[' + host + ']' if ':' in host else host}:0")
+            infos = await asyncio.gather(*(launcher.start(r, self.placement.ray_resources(r)) for r in ranks))
+            self.rank_info = dict(zip(ranks, infos, strict=True))
+            self.workers = {r: self.system.ref(worker_name(r), info.addresses[0]) for r, info in self.rank_info.items()}
+        elif self.config.worker_processes:
             self._served = await self.system.serve("ipc://")
             for rank in ranks:
                 self.processes[rank] = self._make_process()
@@ -255,11 +320,17 @@ class AsyncEngine:
         self.conductor = await self.system.spawn(
             lambda: Conductor(self.model, self.graph, self.resolved, self.workers, wait_s), name=CONDUCTOR
         )
-        if not self.config.worker_processes:
+        if not self.config.is_distributed:
             for rank in ranks:
                 await self.system.spawn(self._worker_factory(rank, self.conductor), name=worker_name(rank))
             return
         await asyncio.gather(*(self._init_worker(rank) for rank in ranks))
+        if self.launcher is not None:
+            loop = asyncio.get_running_loop()
+            self._links_lost = {r: asyncio.Event() for r in ranks}
+            self.system.on_link_lost(self._link_lost)
+            self._ray_watchers = [loop.create_task(self._watch_ray(r), name=f"mstar-ray-watch-{r}") for r in ranks]
+            return
         for rank in ranks:
             self._watch_exit(rank)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="mstar-watchdog")
@@ -274,8 +345,8 @@ class AsyncEngine:
 
     async def _init_worker(self, rank: int) -> None:
         assert self.spec is not None
-        proc = self.processes[rank]
-        host = self.system.ref(HOST_NAME, proc.addresses[0])
+        address = self.rank_info[rank].addresses[0] if self.launcher is not None else self.processes[rank].addresses[0]
+        host = self.system.ref(HOST_NAME, address)
         init = InitWorker(
             rank,
             self.spec.factory,
@@ -335,7 +406,60 @@ class AsyncEngine:
         proc = self.processes[rank] = self._make_process()
         await asyncio.to_thread(proc.start)  # a child that dies starting is reaped (and retried)
         self._watch_exit(rank)
-        ref = self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
+        self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
+        await self._worker_back(rank)
+        log.info("worker_restarted", rank=rank, pid=proc.pid)
+
+    def _link_lost(self, addresses: list[str], error: Exception) -> None:
+        """Wake the watcher of a Ray rank whose link broke (sooner than Ray tells of the death)."""
+        for rank, info in self.rank_info.items():
+            if rank not in self._lost and set(info.addresses) & set(addresses):
+                self._links_lost[rank].set()
+
+    async def _wait_ray_lost(self, rank: int) -> None:
+        """Return when ``rank``'s process is gone: Ray says so, or its tcp connection closed."""
+        assert self.launcher is not None
+        link_lost = self._links_lost[rank]
+        waits = [asyncio.ensure_future(self.launcher.wait_lost(rank)), asyncio.ensure_future(link_lost.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            link_lost.clear()
+
+    async def _watch_ray(self, rank: int) -> None:
+        """Hear of the death of ``rank``'s Ray actor; once Ray restarted it, bring it back in."""
+        assert self.launcher is not None and self.conductor is not None
+        launcher = self.launcher
+        while not self._is_closed:
+            await self._wait_ray_lost(rank)
+            if self._is_closed:
+                return
+            old = self.rank_info[rank]
+            log.error("worker_lost", rank=rank, pid=old.pid, ray_node=old.node_id)
+            self._lost.add(rank)
+            self.conductor.tell(WorkerLost(rank))
+            for address in old.addresses:
+                self.system.drop_link(address, PeerLostError(f"the worker of rank {rank} died"))
+            try:
+                info = self.rank_info[rank] = await launcher.restarted(rank, old)
+                self.workers[rank] = self.system.ref(worker_name(rank), info.addresses[0])
+                await self._worker_back(rank)
+            except WorkerLostError:
+                log.error("worker_gone", rank=rank)  # Ray gave up on it: walks fail after restart_wait_s
+                return
+            except Exception:
+                if self._is_closed:
+                    return
+                log.exception("worker_restart_failed", rank=rank)
+                continue
+            log.info("worker_restarted", rank=rank, pid=info.pid, ray_node=info.node_id)
+
+    async def _worker_back(self, rank: int) -> None:
+        """Build the restarted worker of ``rank``; point the conductor and the other workers at it."""
+        ref = self.workers[rank]
         await self._init_worker(rank)
         update = UpdatePeer(rank, ActorId(ref.address, ref.name))
         assert self.conductor is not None
@@ -345,7 +469,6 @@ class AsyncEngine:
                 peer.tell(update)
         self._lost.discard(rank)
         self.num_restarts += 1
-        log.info("worker_restarted", rank=rank, pid=proc.pid)
 
     def _worker_config(self, rank: int) -> WorkerConfig:
         shares = self.placement.kv_cache_shares(rank)
@@ -364,18 +487,24 @@ class AsyncEngine:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
+        for watcher in self._ray_watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._ray_watchers, return_exceptions=True)
         loop = asyncio.get_running_loop()
         for sentinel in self._sentinels:
             loop.remove_reader(sentinel)
         if self.conductor is not None:
             with contextlib.suppress(Exception):
                 await self.system.stop(self.conductor)
-        if not self.config.worker_processes:
+        if not self.config.is_distributed:
             for ref in self.workers.values():
                 with contextlib.suppress(Exception):
                     await self.system.stop(ref)
         for proc in self.processes.values():
             await asyncio.to_thread(proc.stop)
+        if self.launcher is not None:
+            with contextlib.suppress(Exception):
+                await self.launcher.stop()
         await self.system.__aexit__(None, None, None)
         self._preprocessing.shutdown(wait=False, cancel_futures=True)
 
@@ -500,7 +629,7 @@ class AsyncEngine:
                 continue
             out.nodes[rank] = {node: dict(values) for node, values in report.stats.items()}
             out.walks[rank] = {node: dict(walks) for node, walks in report.walks.items()}
-            if rank in self.processes:  # in-process workers share this process's links
+            if rank in self.processes or rank in self.rank_info:  # in-process workers share this process's links
                 out.transport[f"rank{rank}"] = {kind: dict(v) for kind, v in report.transport.items()}
         return out
 

@@ -8,6 +8,18 @@ node_groups:
   - {node_names: [snac_decoder], ranks: [0]}
 ```
 
+On a Ray cluster (`EngineConfig.ray_address`), ``ray_resources`` pins the group's ranks to
+the nodes that advertise those custom resources (each rank's worker asks for them):
+
+```yaml
+node_groups:
+  - {node_names: [LLM], ranks: [0], ray_resources: {gpu_box_a: 1}}
+  - {node_names: [snac_decoder], ranks: [1], ray_resources: {gpu_box_b: 1}}
+```
+
+``rank_resources`` does the same per rank, for the ranks of one group (replicas) that belong
+on different nodes: ``rank_resources: {0: {node_a: 1}, 1: {node_b: 1}}``.
+
 A group without ``graph_walks`` covers its nodes in every walk that uses them. Every
 (node, walk) pair of the graph must be covered by exactly one group. A group with several
 ranks spreads requests over them (replicas). ``kv_cache_share`` gives the group's KV-cache
@@ -42,11 +54,13 @@ class NodeGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ranks: list[int]
     graph_walks: list[str] | None = None
     kv_cache_share: float | None = None
+    ray_resources: dict[str, float] | None = None
 
 
-class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     node_groups: list[NodeGroup]
     model: str | None = None
+    rank_resources: dict[int, dict[str, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,7 @@ class Placement:
 
     groups: tuple[NodeGroup, ...]
     model: str | None = None
+    rank_resources: dict[int, dict[str, float]] | None = None
 
     @classmethod
     def colocated(cls, graph: ModelGraph) -> Placement:
@@ -82,7 +97,7 @@ class Placement:
             raise PlacementError(f"{where}: {exc}") from None
         except msgspec.DecodeError as exc:
             raise PlacementError(f"{where} is not valid YAML: {exc}") from None
-        return cls(tuple(spec.node_groups), spec.model)
+        return cls(tuple(spec.node_groups), spec.model, spec.rank_resources)
 
     def resolve(self, graph: ModelGraph, num_ranks: int | None = None) -> dict[tuple[str, str], tuple[int, ...]]:
         """Check this placement against ``graph``; return (node, walk) -> ranks.
@@ -121,7 +136,7 @@ class Placement:
 
     def to_yaml(self) -> str:
         """Return this placement as YAML text (what `from_yaml` reads)."""
-        return msgspec.yaml.encode(_PlacementFile(list(self.groups), self.model)).decode()
+        return msgspec.yaml.encode(_PlacementFile(list(self.groups), self.model, self.rank_resources)).decode()
 
     def kv_cache_shares(self, rank: int) -> dict[str, float]:
         """Return node -> KV-cache share of the groups on ``rank`` that set one.
@@ -141,6 +156,22 @@ class Placement:
                     raise PlacementError(f"node_groups[{i}]: node {node!r} has two kv_cache_share values")
                 shares[node] = share
         return shares
+
+    def ray_resources(self, rank: int) -> dict[str, float]:
+        """Return the Ray resources the worker of ``rank`` asks for (the largest amount named for it).
+
+        Raises:
+            PlacementError: An amount is not positive.
+        """
+        asks = [(f"node_groups[{i}].ray_resources", g.ray_resources) for i, g in enumerate(self.groups) if rank in g.ranks]
+        asks.append((f"rank_resources[{rank}]", (self.rank_resources or {}).get(rank)))
+        out: dict[str, float] = {}
+        for where, resources in asks:
+            for name, amount in (resources or {}).items():
+                if not amount > 0:
+                    raise PlacementError(f"{where}[{name!r}] must be > 0, got {amount}")
+                out[name] = max(out.get(name, 0.0), float(amount))
+        return out
 
     @property
     def ranks(self) -> tuple[int, ...]:

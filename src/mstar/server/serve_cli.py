@@ -76,6 +76,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
     parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="run each rank's worker as a Ray actor on this cluster (auto, ray://head:10001), on the node "
+        "its placement's ray_resources name; the HTTP server and the conductor stay here",
+    )
+    parser.add_argument(
+        "--ray-num-cpus", type=float, default=1.0, help="CPUs each rank's Ray actor reserves (default 1)"
+    )
+    parser.add_argument(
         "--allow-model-factory",
         action="append",
         default=[],
@@ -268,6 +278,8 @@ def serve_command(args: argparse.Namespace) -> int:
         devices=devices,
         freeze_gc=True,
         allowed_model_factories=tuple(args.allow_model_factory),
+        ray_address=args.ray_address,
+        ray_num_cpus=args.ray_num_cpus,
     )
     app = make_app(
         spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=loading_display

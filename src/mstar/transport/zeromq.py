@@ -20,6 +20,10 @@ Binding is to loopback only unless `allow_remote`; `ipc://` alone picks a privat
 path, and a socket file left by a dead process is replaced, never one a live process serves.
 With CURVE keys, a tcp listener admits only clients holding them and every tcp connection
 is encrypted (`mstar.transport.curve`); ipc sockets live in a private directory instead.
+
+A connecting tcp channel watches its connection (a ZeroMQ socket monitor): once established,
+a connection the peer closes (its process died, with its machine or not) closes the
+channel at once, so that its link is lost now rather than at the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from mstar.actors.wire import Envelope, ErrorReply
 from mstar.errors import (
@@ -76,6 +81,8 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 # Likewise an option passed as its enum member costs a conversion on every call: EVENTS is
 # read about three times per message.
 _EVENTS = int(zmq.EVENTS)
+_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 # Smaller frames are copied into the message (what pyzmq would do anyway, but without a
 # zmq.Frame object per frame); larger ones are sent without copying.
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
@@ -232,21 +239,65 @@ class _FrameHandler(ChannelBase):
         raise NotImplementedError
 
 
-class ZmqChannel(_FrameHandler):
-    """The connecting end: a DEALER socket."""
+class _ConnectionWatch:
+    """Call ``on_lost`` when a socket's established connection is closed by the peer."""
 
-    def __init__(self, sock: zmq.Socket[bytes], codec: LinkCodec) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], on_lost: Callable[[], None]) -> None:
+        self._on_lost = on_lost
+        self._is_up = False
+        self._mon = sock.get_monitor_socket(_HANDSHAKE_SUCCEEDED | _DISCONNECTED)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._fd: int = self._mon.FD
+        self._is_closed = False
+        self._loop.add_reader(self._fd, self._drain)
+        self._loop.call_soon(self._drain)  # edge-triggered, like the socket's own descriptor
+
+    def _drain(self) -> None:
+        while not self._is_closed and int(self._mon.get(_EVENTS)) & _POLLIN:
+            event = parse_monitor_message(self._mon.recv_multipart(_NOBLOCK))["event"]
+            if event == _HANDSHAKE_SUCCEEDED:
+                self._is_up = True
+            elif event == _DISCONNECTED and self._is_up:
+                self._on_lost()
+                return
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._loop.remove_reader(self._fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._mon.close(linger=0)
+
+
+class ZmqChannel(_FrameHandler):
+    """The connecting end: a DEALER socket (its connection watched, on tcp)."""
+
+    def __init__(self, sock: zmq.Socket[bytes], codec: LinkCodec, *, watch: bool = False) -> None:
         super().__init__(codec)
         self._driver = _SocketDriver(sock, self._arrived)
+        self._watch = _ConnectionWatch(sock, self._peer_closed) if watch else None
 
     def _send_frames(self, frames: list[Any]) -> None:
         self._driver.send(frames)
 
-    async def aclose(self) -> None:
+    def _peer_closed(self) -> None:
+        log.info("the peer closed the connection")
+        self._close_now()
+
+    def _close_now(self) -> None:
         if self._closed:
             return
         self._mark_closed()
+        if self._watch is not None:
+            self._watch.close()
         self._driver.close()
+
+    async def aclose(self) -> None:
+        self._close_now()
 
 
 class ZmqServerChannel(_FrameHandler):
@@ -415,12 +466,13 @@ class ZmqTransport:
             sock.setsockopt(zmq.IPV6, 1)
         if self.scheme == "tcp" and curve is not None:
             secure_client(sock, curve)
+        channel = ZmqChannel(sock, codec, watch=self.scheme == "tcp")  # watching from before connecting
         try:
             sock.connect(str(address))
         except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            channel._close_now()
             raise InvalidAddressError(f"cannot connect to {address}: {exc}") from exc
-        return ZmqChannel(sock, codec)
+        return channel
 
 
 register_transport("ipc", ZmqTransport("ipc"))

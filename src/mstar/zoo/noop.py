@@ -3,11 +3,15 @@
 One walk, ``loop``: ``DynamicLoop(Sequential([a, b]), max_iters=steps, stop="stop")``; ``a``
 passes a counter to ``b``, ``b`` increments it, hands it back to ``a`` and raises ``stop``
 at ``steps``. Place ``a`` and ``b`` on different ranks to put a worker-to-worker round trip
-in every step.
+in every step. ``delay_s`` makes each of ``b``'s steps take that long (requests then stay in
+flight for ``steps * delay_s``, as failure tests need). ``payload_numel`` > 0 adds a float32
+tensor of that many elements that ``a`` hands to ``b`` and ``b`` back to ``a`` every step
+(tensor throughput between ranks).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,16 +28,20 @@ class NoopLoopModel(Model):
 
     name = "noop-loop"
 
-    def __init__(self, steps: int = 1000) -> None:
+    def __init__(self, steps: int = 1000, delay_s: float = 0.0, payload_numel: int = 0) -> None:
         self.steps = steps
-        a = GraphNode("a", {"i"}, [GraphEdge("b", "x")])
-        b = GraphNode("b", {"x"}, [GraphEdge("a", "i"), GraphEdge("done", "i")], signals={"stop"})
+        self.delay_s = delay_s
+        self.payload_numel = payload_numel
+        p = {"p"} if payload_numel else set()
+        a = GraphNode("a", {"i", *p}, [GraphEdge("b", "x"), *(GraphEdge("b", n) for n in p)])
+        b_out = [GraphEdge("a", "i"), GraphEdge("done", "i"), *(GraphEdge("a", n) for n in p)]
+        b = GraphNode("b", {"x", *p}, b_out, signals={"stop"})
         done = GraphNode("done", {"i"}, [GraphEdge(EMIT, "steps", modality="latent")])
         self._graph = ModelGraph(
             name=self.name,
             walks={"loop": Sequential([DynamicLoop(Sequential([a, b]), max_iters=steps, stop="stop"), done])},
             partitions={"P": ["loop"]},
-            inputs={"a": {"i"}},
+            inputs={"a": {"i", *p}},
         )
 
     def graph(self) -> ModelGraph:
@@ -46,13 +54,18 @@ class NoopLoopModel(Model):
 
     def submodule(self, node: str, device: torch.device) -> Any:
         """Return the no-op batched callable of a node."""
-        steps = self.steps
+        steps, delay_s = self.steps, self.delay_s
 
         def a(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-            return [{"x": inputs["i"]} for inputs in batch]
+            return [{"x": inputs["i"], **({"p": inputs["p"]} if "p" in inputs else {})} for inputs in batch]
 
         def b(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-            return [{"i": inputs["x"] + 1, "stop": inputs["x"] + 1 >= steps} for inputs in batch]
+            if delay_s:
+                time.sleep(delay_s)
+            return [
+                {"i": inputs["x"] + 1, "stop": inputs["x"] + 1 >= steps, **({"p": inputs["p"]} if "p" in inputs else {})}
+                for inputs in batch
+            ]
 
         def done(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
             return [{"steps": inputs["i"]} for inputs in batch]
@@ -65,6 +78,8 @@ class NoopLoopModel(Model):
 
     def preprocess(self, request: Request) -> PreparedRequest:
         """Start the counter at 0."""
+        if self.payload_numel:
+            return PreparedRequest({"a": {"i": 0, "p": torch.zeros(self.payload_numel)}})
         return PreparedRequest({"a": {"i": 0}})
 
     def first_walk(self, partition: str, state: Any) -> str | None:

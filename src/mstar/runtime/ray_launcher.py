@@ -1,0 +1,266 @@
+"""Workers on a Ray cluster: each rank's worker process started, placed and restarted by Ray.
+
+    launcher = RayLauncher("ray://head:10001" or "auto", system_config, ...)
+    info = await launcher.start(rank, resources={"node_a": 1})   # a Ray actor hosting the rank
+    ...
+    await launcher.wait_lost(rank)        # returns when that process died
+    info = await launcher.restarted(rank, info)   # Ray restarted it (on a node with the resources)
+
+Each rank runs in a Ray actor (`RankHost`) pinned by custom resources that the placement file
+names per node group (``ray_resources: {node_a: 1}``; the cluster's nodes advertise them,
+``ray start --resources '{"node_a": 4}'``). The actor's process runs an mstar actor system on
+a thread of its own, serving tcp on its node's address with the deployment's CURVE keys, and
+a worker host there, exactly as a local worker process does. Ray starts, supervises and
+restarts these processes (``max_restarts``); the data plane stays mstar's: ZeroMQ over tcp,
+tensors out of band, never Ray's object store. The conductor and the HTTP server stay on
+the driver.
+
+Ray is an optional dependency (``pip install 'mstar[ray]'``): it is imported only here, and
+only when a launcher is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+
+from mstar.actors.config import SystemConfig
+from mstar.errors import MStarError, WorkerLostError
+
+__all__ = ["RankHost", "RankInfo", "RayLauncher", "ray_host_id"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank's Ray actor runs now (one incarnation of it)."""
+
+    addresses: list[str]
+    system_id: str
+    node_id: str
+    pid: int
+
+
+def ray_host_id(node_id: str) -> str:
+    """Return the host id of actor systems on the Ray node ``node_id``.
+
+    Ray nodes are the unit of placement: two ranks on one node share memory, two ranks on
+    different nodes talk tcp, also when a test cluster runs its nodes on one machine.
+    """
+    from mstar.actors.system import default_host_id
+
+    return f"{default_host_id()}/ray:{node_id}"
+
+
+class RankHost:
+    """The Ray actor hosting one rank's worker: an mstar actor system on a thread of its own.
+
+    Its methods are coroutines, so that Ray runs it as an async actor: `wait_stopped` stays
+    open on Ray's event loop without holding up `info` and `stop`.
+
+    Args:
+        config_json: The system's `SystemConfig` (msgspec JSON; CURVE keys included).
+        setup_args_json: Keyword arguments of `mstar.runtime.worker.setup_worker_host`.
+        loop: ``"asyncio"`` or ``"uvloop"``.
+    """
+
+    def __init__(self, config_json: str, setup_args_json: str, loop: str = "asyncio") -> None:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        host = ray.util.get_node_ip_address()
+        config = msgspec.json.decode(config_json, type=SystemConfig)
+        self._config = replace(config, allow_remote=True, host_id=ray_host_id(node_id))
+        self._setup_args = msgspec.json.decode(setup_args_json)
+        self._serve_at = f"tcp://{'[' + host + ']' if ':' in host else host}:0"
+        self._node_id = node_id
+        self._ready = threading.Event()
+        self._error: str | None = None
+        self._info: RankInfo | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stopped = threading.Event()
+        self._on_stopped: list[Any] = []
+        self._thread = threading.Thread(target=self._main, args=(loop,), name="mstar-rank-host", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise MStarError(f"the rank host did not start: {self._error}")
+
+    def _main(self, loop: str) -> None:
+        try:
+            if loop == "uvloop":
+                import uvloop
+
+                uvloop.run(self._serve())
+            else:
+                asyncio.run(self._serve())
+        finally:
+            self._stopped.set()
+            self._ready.set()
+            for notify in list(self._on_stopped):
+                notify()
+
+    async def _serve(self) -> None:
+        from mstar.actors.system import ActorSystem
+        from mstar.runtime.worker import setup_worker_host
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            async with ActorSystem(self._config) as system:
+                address = await system.serve(self._serve_at)
+                await setup_worker_host(system, **self._setup_args)
+                self._info = RankInfo([address], system.system_id, self._node_id, os.getpid())
+                self._ready.set()
+                await self._stop.wait()
+        except Exception as exc:
+            self._error = f"{type(exc).__name__}: {exc}"
+            self._ready.set()
+
+    async def info(self) -> RankInfo:
+        """Return where this incarnation serves."""
+        assert self._info is not None
+        return self._info
+
+    async def wait_stopped(self) -> None:
+        """Return once the host stopped (a call the driver keeps open, to hear of this process's death)."""
+        ray_loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = ray_loop.create_future()
+
+        def resolve() -> None:
+            if not stopped.done():
+                stopped.set_result(None)
+
+        def notify() -> None:
+            ray_loop.call_soon_threadsafe(resolve)
+
+        self._on_stopped.append(notify)
+        if self._stopped.is_set():
+            return
+        await stopped
+
+    async def stop(self) -> None:
+        """Shut the actor system down (the worker's engines close); return once it did."""
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not self._stopped.is_set():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
+        await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, 30.0)
+
+
+async def _ray_call(ref: Any) -> Any:
+    """Await a Ray object ref on any event loop (asyncio or uvloop)."""
+    return await asyncio.wrap_future(ref.future())
+
+
+class RayLauncher:
+    """Start, watch and stop the rank actors of one engine on a Ray cluster.
+
+    Args:
+        address: The cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``); an
+            already initialised Ray (``ray.init`` called by the application) is used as it is.
+        system: The `SystemConfig` of every rank's actor system (with the CURVE keys).
+        setup_args: Keyword arguments of the worker host (the model allow-list).
+        loop: Event loop of the rank hosts.
+        num_cpus: CPUs each rank's actor reserves.
+        max_restarts: How often Ray restarts a rank's process (-1: without limit).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        system: SystemConfig,
+        setup_args: Mapping[str, Any],
+        *,
+        loop: str = "asyncio",
+        num_cpus: float = 1.0,
+        max_restarts: int = -1,
+    ) -> None:
+        try:
+            import ray
+        except ImportError as exc:
+            raise MStarError("serving on a Ray cluster needs Ray: pip install 'mstar[ray]'") from exc
+        self._ray = ray
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address, log_to_driver=False)
+        self.system = system
+        self._config_json = msgspec.json.encode(system).decode()
+        self._setup_json = msgspec.json.encode(dict(setup_args)).decode()
+        self._loop = loop
+        self._num_cpus = num_cpus
+        self._max_restarts = max_restarts
+        self._actors: dict[int, Any] = {}
+        self._remote = ray.remote(RankHost)
+
+    @property
+    def node_id(self) -> str:
+        """The Ray node of this driver (where the conductor runs)."""
+        return str(self._ray.get_runtime_context().get_node_id())
+
+    def node_ip(self) -> str:
+        """The address of this driver's node, as the cluster sees it."""
+        return str(self._ray.util.get_node_ip_address())
+
+    async def start(self, rank: int, resources: Mapping[str, float]) -> RankInfo:
+        """Start the actor of ``rank`` on a node offering ``resources``; return where it serves."""
+        actor = self._remote.options(
+            num_cpus=self._num_cpus,
+            resources=dict(resources),
+            max_restarts=self._max_restarts,
+            max_task_retries=0,
+        ).remote(self._config_json, self._setup_json, self._loop)
+        self._actors[rank] = actor
+        return await self.info(rank)
+
+    async def info(self, rank: int) -> RankInfo:
+        """Return where the actor of ``rank`` serves (waiting while Ray restarts it)."""
+        ray = self._ray
+        while True:
+            try:
+                return await _ray_call(self._actors[rank].info.remote())
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(0.1)  # restarting: Ray answers once it is back
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(f"the Ray actor of rank {rank} is dead for good: {exc}") from exc
+
+    async def wait_lost(self, rank: int) -> None:
+        """Return when the process of ``rank``'s current incarnation is gone."""
+        ray = self._ray
+        with contextlib.suppress(ray.exceptions.RayError):
+            await _ray_call(self._actors[rank].wait_stopped.remote())
+
+    async def restarted(self, rank: int, old: RankInfo) -> RankInfo:
+        """Return the next incarnation of ``rank``'s actor (forcing a restart if the old one lives)."""
+        info = await self.info(rank)
+        if info.system_id == old.system_id:
+            # The call broke but the process lives: restart it, so that nothing stale serves.
+            self._ray.kill(self._actors[rank], no_restart=False)
+            while info.system_id == old.system_id:
+                await asyncio.sleep(0.1)
+                info = await self.info(rank)
+        return info
+
+    async def stop(self) -> None:
+        """Stop every rank's actor (for good), then leave the cluster if this launcher joined it."""
+        ray = self._ray
+        stops = []
+        for actor in self._actors.values():
+            with contextlib.suppress(ray.exceptions.RayError):
+                stops.append(actor.stop.remote())
+        for ref in stops:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                await asyncio.wait_for(_ray_call(ref), 30)
+        for actor in self._actors.values():
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(actor, no_restart=True)
+        self._actors.clear()
+        if self._owns_ray:
+            ray.shutdown()

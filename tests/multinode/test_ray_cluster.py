@@ -1,0 +1,160 @@
+"""Workers on a (local) Ray cluster: loops and streams across nodes, and a node that goes away.
+
+The cluster (see conftest) has one node with ``node_a`` and two with ``node_b``; placements
+pin ranks to them with ``ray_resources`` / ``rank_resources``. Outputs must equal those of the
+co-located engine (or the graph's reference interpreter), byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+
+from mstar.errors import WorkerLostError
+from mstar.graph import Emission, run_reference
+from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
+from mstar.runtime.model import Output
+from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs, prepare_toy_images
+from tests.multinode.conftest import LocalCluster, ray
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SEED = 3
+# The LM partition on node A streams its tokens to the vocoder on a node_b node; the image
+# loop's CFG branches run on both.
+TOY_ACROSS = """
+model: toy-composite
+node_groups:
+  - {node_names: [encoder, lm, init, image_encoder, cond], ranks: [0], ray_resources: {node_a: 1}}
+  - {node_names: [vocoder, uncond, combine, vae], ranks: [1], ray_resources: {node_b: 1}}
+"""
+# Every step of the DynamicLoop goes from node A (a) to a node_b node (b) and back.
+LOOP_ACROSS = """
+model: noop-loop
+node_groups:
+  - {node_names: [a, done], ranks: [0], ray_resources: {node_a: 1}}
+  - {node_names: [b], ranks: [1], ray_resources: {node_b: 1}}
+"""
+# Two replicas of the whole loop, one per node: requests alternate between them.
+REPLICAS = """
+model: noop-loop
+node_groups:
+  - {node_names: [a, b, done], ranks: [0, 1]}
+rank_resources: {0: {node_a: 1}, 1: {node_b: 1}}
+"""
+
+
+def ray_config(**kwargs: Any) -> EngineConfig:
+    return EngineConfig(ray_address="auto", ray_num_cpus=0.5, **kwargs)
+
+
+def reference(request: Request) -> list[Emission]:
+    model = ToyModel(seed=SEED)
+    images = prepare_toy_images(request.data["images"], model.config) if request.task == "image_edit" else None
+    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0), images)
+    return run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task)
+
+
+def by_output(outputs: list[Output] | list[Emission]) -> dict[tuple[str, str], list[Any]]:
+    got: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for o in outputs:
+        got[(o.node, o.name)].append(o.data if isinstance(o, Output) else o.value)
+    return got
+
+
+def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
+    got, want = by_output(outputs), by_output(emissions)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert len(got[key]) == len(want[key]), key
+        for a, b in zip(got[key], want[key], strict=True):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), key
+
+
+def toy_requests(n: int) -> list[Request]:
+    rng = random.Random(5)
+    out = []
+    for i in range(n):
+        task = ["speech", "image", "image_edit"][i % 3]
+        data: dict[str, Any] = {"text": rng.choice(["hello", "mstar serves graphs", "models walk"]), "seed": i}
+        if task == "image_edit":
+            data["images"] = [torch.randint(0, 256, (12, 10, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))]
+        out.append(Request(task, data))
+    return out
+
+
+def node_of(engine: AsyncEngine, rank: int) -> str:
+    return engine.rank_info[rank].node_id
+
+
+async def test_a_stream_and_a_cfg_loop_across_nodes_equal_the_reference(ray_cluster: LocalCluster) -> None:
+    spec = ModelSpec("mstar.zoo.toy:ToyModel", {"seed": SEED})
+    async with await AsyncEngine.start(spec, Placement.from_yaml(TOY_ACROSS), ray_config()) as engine:
+        assert node_of(engine, 0) == ray_cluster.cluster.head_node.node_id
+        assert node_of(engine, 1) in {n.node_id for n in ray_cluster.b_nodes}
+        reqs = toy_requests(6)
+        results = await asyncio.gather(*(engine.run(r) for r in reqs))
+        for r, outputs in zip(reqs, results, strict=True):
+            assert_same(outputs, reference(r))
+        # The tokens crossed between the nodes as tcp frames, not through shared memory.
+        stats = await engine.engine_stats()
+        assert stats.transport["rank1"]["tcp"]["received"] > 0
+        assert stats.transport["rank1"].get("shm", {}).get("received", 0) == 0
+
+
+async def test_a_dynamic_loop_spanning_two_nodes_equals_co_located(ray_cluster: LocalCluster) -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 200})
+    async with await AsyncEngine.start(spec) as local:
+        want = [await local.run(Request("loop", {}, request_id=f"r{i}")) for i in range(3)]
+    async with await AsyncEngine.start(spec, Placement.from_yaml(LOOP_ACROSS), ray_config()) as engine:
+        assert node_of(engine, 0) != node_of(engine, 1)
+        got = await asyncio.gather(*(engine.run(Request("loop", {}, request_id=f"r{i}")) for i in range(3)))
+    assert [[(o.name, o.data) for o in out] for out in got] == [[(o.name, o.data) for o in out] for out in want]
+    assert got[0][0].data == 200
+
+
+async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(ray_cluster: LocalCluster) -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 60, "delay_s": 0.05})  # ~3 s a request
+    config = ray_config(restart_wait_s=60.0)
+    async with await AsyncEngine.start(spec, Placement.from_yaml(REPLICAS), config) as engine:
+        lost_node = node_of(engine, 1)
+        tasks = [asyncio.ensure_future(engine.run(Request("loop", {}, request_id=f"r{i}"))) for i in range(4)]
+        # Requests alternate between the replicas: r0, r2 on rank 0; r1, r3 on rank 1.
+        while True:
+            held = await engine.held_state()
+            if held["rank0"]["runners"] == 2 and held["rank1"]["runners"] == 2:
+                break
+            await asyncio.sleep(0.05)
+        node = next(n for n in ray_cluster.b_nodes if n.node_id == lost_node)
+        removed = time.monotonic()
+        ray_cluster.cluster.remove_node(node, allow_graceful=False)
+        ray_cluster.b_nodes.remove(node)
+        failed_at: dict[int, float] = {}
+        for i, task in enumerate(tasks):
+            if i % 2 == 1:
+                with pytest.raises(WorkerLostError):
+                    await task
+                failed_at[i] = time.monotonic() - removed
+        assert max(failed_at.values()) < 2.0, failed_at
+        for i in (0, 2):
+            outputs = await tasks[i]
+            assert [o.data for o in outputs] == [60]
+        # Ray restarts rank 1 on the node_b node that is left; new requests then succeed.
+        while not engine.ranks_up()[1]:
+            await asyncio.sleep(0.1)
+        assert node_of(engine, 1) != lost_node
+        assert node_of(engine, 1) in {n.node_id for n in ray_cluster.b_nodes}
+        again = await asyncio.gather(*(engine.run(Request("loop", {}, request_id=f"n{i}")) for i in range(2)))
+        assert [[o.data for o in out] for out in again] == [[60], [60]]
+    ray_cluster.add_b_node()  # for later tests
+
+
+def test_ray_is_left_running_for_the_application(ray_cluster: LocalCluster) -> None:
+    """An engine that found Ray initialised leaves it so (the application owns it)."""
+    assert ray.is_initialized()
