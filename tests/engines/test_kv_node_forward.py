@@ -219,3 +219,29 @@ async def test_kv_nodes_of_different_geometries_share_a_budget() -> None:
     starved.engine_config = KVCacheEngineConfig(block_size=8)
     with pytest.raises(KVCacheCapacityError, match="holds no block"):
         KVNodeEngine("tiny", starved, None, "cpu", kv_cache_memory=100)
+
+
+async def test_firings_answered_together_fire_together_again(model: LlamaCausalLM) -> None:
+    """Requests a step answered share the next step, whether their walk fires again at once or
+    a few loop turns later (a new walk started through the conductor): one step per round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    executor = ThreadPoolExecutor(1)
+    engine = KVNodeEngine("n", ChunkNode(model), executor, "cpu")
+    engine.start()
+    rounds = 8
+
+    async def walk(rid: str, hops: int) -> None:
+        for _ in range(rounds):
+            for _ in range(hops):  # the conductor's turns between this request's walks
+                await asyncio.sleep(0)
+            await fire(engine, rid, KVChunk(token_ids=[3]))
+
+    try:
+        await asyncio.gather(walk("looping", 0), walk("via-conductor", 4))
+        stats = engine.stats()
+        assert stats["batched"] == 2 * rounds
+        assert stats["steps"] <= rounds + 1  # the first round may split: nothing was answered yet
+    finally:
+        await engine.aclose()
+        executor.shutdown()
