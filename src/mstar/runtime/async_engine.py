@@ -454,6 +454,7 @@ class AsyncEngine:
                 if self._is_closed:
                     return
                 log.exception("worker_restart_failed", rank=rank)
+                launcher.kill(rank)  # its next incarnation gets another try
                 continue
             log.info("worker_restarted", rank=rank, pid=info.pid, ray_node=info.node_id)
 

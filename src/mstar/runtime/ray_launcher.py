@@ -248,6 +248,11 @@ class RayLauncher:
                 info = await self.info(rank)
         return info
 
+    def kill(self, rank: int) -> None:
+        """Kill the process of ``rank`` (Ray restarts it): what a rank that will not come back in gets."""
+        with contextlib.suppress(self._ray.exceptions.RayError):
+            self._ray.kill(self._actors[rank], no_restart=False)
+
     async def stop(self) -> None:
         """Stop every rank's actor (for good), then leave the cluster if this launcher joined it."""
         ray = self._ray
