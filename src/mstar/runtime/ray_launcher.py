@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -190,7 +191,13 @@ class RayLauncher:
         self._ray = ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
+            # ray.init makes SIGTERM exit the process at once; the server's graceful drain
+            # (or the application's own handler) keeps it.
+            is_main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if is_main else None
             ray.init(address=address, log_to_driver=False)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         self.system = system
         self._config_json = msgspec.json.encode(system).decode()
         self._setup_json = msgspec.json.encode(dict(setup_args)).decode()
