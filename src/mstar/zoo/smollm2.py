@@ -22,6 +22,7 @@ import torch
 
 from mstar.errors import CheckpointError
 from mstar.progress import ProgressUpdate, progress
+from mstar.zoo.cache import mstar_cache_dir
 from mstar.zoo.hf_checkpoint import save_state_dict
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
@@ -38,15 +39,6 @@ __all__ = [
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CHECKPOINT_NAME = "smollm2-135m-instruct-q4_1"
 _DONE_MARKER = ".complete"
-
-
-def mstar_cache_dir() -> Path:
-    """Return the cache root: `$MSTAR_CACHE_DIR`, else `$XDG_CACHE_HOME/mstar`, else ~/.cache/mstar."""
-    explicit = os.environ.get("MSTAR_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mstar"
 
 
 def find_smollm2_gguf() -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from mstar.zoo.bagel.config import BagelConfig
 from mstar.zoo.bagel.llm import sincos_2d
 from mstar.zoo.bagel.vae import FluxVAE, bfl_vae_shapes
 from mstar.zoo.bagel.weights import BagelWeights
+from mstar.zoo.cache import mstar_cache_dir, written_once
 
 __all__ = [
     "cached_random_checkpoint",
@@ -248,23 +248,12 @@ def make_random_checkpoint(config: BagelConfig, directory: str | Path, *, seed: 
 
 def cached_random_checkpoint(config: BagelConfig, seed: int = 0) -> Path:
     """Return a random checkpoint of ``config`` under the mstar cache, writing it once (small configs)."""
-    from mstar.zoo.smollm2 import mstar_cache_dir
-
     digest = hashlib.sha256(f"{_RANDOM_FORMAT}:{config!r}".encode()).hexdigest()[:12]
-    root = mstar_cache_dir() / "bagel" / f"{config.name}-seed{seed}-{digest}"
-    if (root / EMA_FILE).is_file():
-        return root
-    log.info("writing_random_checkpoint", config=config.name, path=str(root))
-    staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    make_random_checkpoint(config, staging, seed=seed)
-    try:
-        staging.rename(root)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (root / EMA_FILE).is_file():
-            raise
-    return root
+    return written_once(
+        mstar_cache_dir() / "bagel" / f"{config.name}-seed{seed}-{digest}",
+        lambda folder: make_random_checkpoint(config, folder, seed=seed),
+        label=f"random {config.name} weights",
+    )
 
 
 def _write(path: Path, write: Callable[[Path], object]) -> None:

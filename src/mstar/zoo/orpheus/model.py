@@ -15,9 +15,6 @@ Request: ``Request("speech", {"text": ..., "voice": "tara", "max_tokens": ..., "
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,9 +33,9 @@ from mstar.graph import (
     ModelGraph,
     StreamingGraphEdge,
 )
-from mstar.progress import progress
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
+from mstar.zoo.cache import mstar_cache_dir, written_once
 from mstar.zoo.llama import LlamaCausalLM
 from mstar.zoo.llm import history_turn
 from mstar.zoo.orpheus.audio import SAMPLE_RATE
@@ -233,18 +230,9 @@ class OrpheusModel(Model, SupportsAudioOutput):
 
 def _cached_random_checkpoint(cfg: OrpheusConfig) -> OrpheusConfig:
     """Return ``cfg`` pointing at random weights under the cache, writing them once."""
-    from mstar.zoo.smollm2 import mstar_cache_dir
-
-    root = mstar_cache_dir() / "orpheus" / cfg.name
-    if not (root / "complete.json").is_file():
-        # Write aside, then rename into place: concurrent processes never see half a checkpoint.
-        log.info("writing_random_checkpoint", config=cfg.name, path=str(root))
-        staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-        with progress(f"writing random {cfg.name} weights (once)"):
-            make_random_checkpoint(cfg, staging, seed=0)
-        (staging / "complete.json").write_text(json.dumps({"config": cfg.name, "seed": 0}))
-        try:
-            staging.rename(root)
-        except OSError:  # another process won the race
-            shutil.rmtree(staging, ignore_errors=True)
+    root = written_once(
+        mstar_cache_dir() / "orpheus" / cfg.name,
+        lambda folder: make_random_checkpoint(cfg, folder, seed=0),
+        label=f"random {cfg.name} weights",
+    )
     return cfg.with_checkpoints(root / "llm", root / "snac")

@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,7 +47,7 @@ from torch import nn
 from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings
 
 from mstar.errors import CheckpointError
-from mstar.progress import progress
+from mstar.zoo.cache import mstar_cache_dir, written_once
 from mstar.zoo.hf_checkpoint import load_hf_config, safetensors_files
 from mstar.zoo.pi05.config import GEMMA_VARIANTS, GemmaConfig, Pi05Config
 from mstar.zoo.pi05.modules import Pi05Weights
@@ -323,24 +322,12 @@ def cached_random_checkpoint(config: Pi05Config, seed: int = 0) -> Path:
     written aside and renamed), so concurrent processes never see half of one. Meant for the
     small configs (``pi05-tiny``, ``pi05-small``): ``pi05-droid`` is 14.5 GB.
     """
-    from mstar.zoo.smollm2 import mstar_cache_dir
-
     digest = hashlib.sha256(f"{_RANDOM_FORMAT}:{config!r}".encode()).hexdigest()[:12]
-    root = mstar_cache_dir() / "pi05" / f"{config.name}-seed{seed}-{digest}"
-    if (root / WEIGHTS_FILE).is_file():
-        return root
-    log.info("writing_random_checkpoint", config=config.name, path=str(root))
-    staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    with progress(f"writing random {config.name} weights (once)"):
-        make_random_checkpoint(config, staging, seed=seed)
-    try:
-        staging.rename(root)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (root / WEIGHTS_FILE).is_file():  # not a lost race: a real failure
-            raise
-    return root
+    return written_once(
+        mstar_cache_dir() / "pi05" / f"{config.name}-seed{seed}-{digest}",
+        lambda folder: make_random_checkpoint(config, folder, seed=seed),
+        label=f"random {config.name} weights",
+    )
 
 
 def _random_weights(config: Pi05Config, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -26,8 +26,8 @@ import numpy as np
 import sentencepiece
 
 from mstar.errors import CheckpointError, UnsupportedModelError
+from mstar.zoo.cache import mstar_cache_dir
 from mstar.zoo.pi05.config import Pi05Config
-from mstar.zoo.smollm2 import mstar_cache_dir
 
 __all__ = [
     "MAX_TRAINED_VOCAB",

@@ -27,9 +27,6 @@ in a turn. ``Request("speech", {"text", "voice"})`` speaks ``text`` as the answe
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +46,6 @@ from mstar.graph import (
     Sequential,
     StreamingGraphEdge,
 )
-from mstar.progress import progress
 from mstar.runtime.model import (
     EngineType,
     Model,
@@ -60,6 +56,7 @@ from mstar.runtime.model import (
 )
 from mstar.runtime.placement import NodeGroup, Placement
 from mstar.streaming import FixedChunkPolicy, LeftContextChunkPolicy
+from mstar.zoo.cache import mstar_cache_dir, written_once
 from mstar.zoo.qwen3_omni.checkpoint import load_qwen3_omni, make_random_checkpoint
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig, get_qwen3_omni_config
 from mstar.zoo.qwen3_omni.modules.encoders import audio_token_count
@@ -469,18 +466,8 @@ def _load_tokenizer(cfg: Qwen3OmniConfig, path: Path) -> Any:
 
 def _cached_random_checkpoint(cfg: Qwen3OmniConfig) -> Path:
     """Return random weights for ``cfg`` under the cache, writing them once."""
-    from mstar.zoo.smollm2 import mstar_cache_dir
-
-    root = mstar_cache_dir() / "qwen3_omni" / cfg.name
-    if not (root / "complete.json").is_file():
-        # Written aside, then renamed into place: concurrent processes never see half a checkpoint.
-        log.info("writing_random_checkpoint", config=cfg.name, path=str(root))
-        staging = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-        with progress(f"writing random {cfg.name} weights (once)"):
-            make_random_checkpoint(cfg, staging, seed=0)
-        (staging / "complete.json").write_text(json.dumps({"config": cfg.name, "seed": 0}))
-        try:
-            staging.rename(root)
-        except OSError:  # another process won the race
-            shutil.rmtree(staging, ignore_errors=True)
-    return root
+    return written_once(
+        mstar_cache_dir() / "qwen3_omni" / cfg.name,
+        lambda folder: make_random_checkpoint(cfg, folder, seed=0),
+        label=f"random {cfg.name} weights",
+    )

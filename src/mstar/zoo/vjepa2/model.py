@@ -542,7 +542,7 @@ class VJepa2Model(Model):
 
 def _cached_random_checkpoint(cfg: VJepa2Config, seed: int) -> Path:
     """Return the cached random checkpoint of ``cfg``, writing it once (atomically)."""
-    from mstar.zoo.smollm2 import mstar_cache_dir
+    from mstar.zoo.cache import mstar_cache_dir
 
     path = mstar_cache_dir() / "vjepa2" / f"{cfg.name}-seed{seed}.pt"
     if not path.is_file():
