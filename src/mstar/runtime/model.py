@@ -215,11 +215,14 @@ class SupportsTextOutput(Protocol):
             when the checkpoint ships none; then clients must send token ids.
         system_prompt: The system message the server puts first in a chat that has none
             (None: the chat template's own default).
+        chat_prompts: Whether the model's prompts are chats its tokenizer's template renders
+            (an instruct model); a one-off text prompt is then sent as a user message.
     """
 
     supports_text_output: ClassVar[Literal[True]] = True
     tokenizer: Any
     system_prompt: str | None = None
+    chat_prompts: bool = False
 
     @property
     @abstractmethod

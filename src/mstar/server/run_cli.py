@@ -110,9 +110,7 @@ def _params(pairs: list[str]) -> dict[str, Any]:
 
 def _is_chat_model(model: Model) -> bool:
     """Whether the model's prompts go through a chat template (an instruct model's tokenizer has one)."""
-    if not supports_text_output(model) or model.tokenizer is None:
-        return False
-    return bool(getattr(model.tokenizer, "chat_template", None))
+    return supports_text_output(model) and model.chat_prompts
 
 
 def _task(args: argparse.Namespace, model: Model) -> str:

@@ -145,6 +145,7 @@ class TextLLM(Model, SupportsTextOutput):
             self.tokenizer = AutoTokenizer.from_pretrained(
                 str(self.checkpoint_dir), local_files_only=True
             )
+        self.chat_prompts = self.tokenizer is not None and self.tokenizer.chat_template is not None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

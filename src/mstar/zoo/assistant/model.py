@@ -142,7 +142,7 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
             name="assistant",
             engine_config={"max_model_len": 2048, **dict(engine_config or {})},
         )
-        self.tokenizer = self.llm.tokenizer
+        self.tokenizer, self.chat_prompts = self.llm.tokenizer, self.llm.chat_prompts
         self.system_prompt, self.max_tokens, self.colocated = system_prompt, max_tokens, colocated
         self.voice_settings = VoiceSettings(noise_scale, noise_w_scale, length_scale, voice_threads)
         self.policy = SentenceChunkPolicy.for_tokenizer(self.tokenizer, max_tokens=chunk_max_tokens)

@@ -84,6 +84,7 @@ from mstar.zoo.bagel.tokenizer import ByteTokenizer
 from mstar.zoo.bagel.vae import FluxVAE
 from mstar.zoo.bagel.vision import image_tensor, resize_for
 from mstar.zoo.bagel.weights import BagelWeights
+from mstar.zoo.requests import initial_noise
 
 __all__ = ["PARTITION", "BagelModel", "BagelPlan", "denoise_node", "make_bagel_graph"]
 
@@ -189,6 +190,8 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         self.checkpoint = str(Path(checkpoint))
         self.dtype = _DTYPES[dtype]
         self.tokenizer: Any = ByteTokenizer(cfg.tokens) if config != "bagel-7b-mot" else _hf_tokenizer(self.checkpoint)
+        # The byte tokenizer of the small configs takes raw prompts.
+        self.chat_prompts = not isinstance(self.tokenizer, ByteTokenizer) and self.tokenizer.chat_template is not None
         self._graph = make_bagel_graph(cfg)
         self._loaded: dict[torch.device, tuple[BagelWeights, FluxVAE]] = {}
         self._loading = threading.Lock()
@@ -376,7 +379,7 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         inputs: dict[str, dict[str, Any]] = {n: {"context": ContextState()} for n in _CONTEXT_READERS}
         for name in ("llm", "vit", "vae_encoder"):
             inputs[name]["segments"] = segments
-        flow = initial_flow(spec, _noise(data, spec, cfg)) if spec is not None else None
+        flow = initial_flow(spec, initial_noise(data, (spec.num_tokens, cfg.patch_latent_dim))) if spec is not None else None
         first = queries(flow) if flow is not None else dict.fromkeys(map(query_input, BRANCHES))
         for b in BRANCHES:
             inputs[denoise_node(b)][query_input(b)] = first[query_input(b)]
@@ -468,24 +471,6 @@ def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, data: Mappi
         overrides["cfg_renorm_type"] = data["cfg_renorm_type"]
     return FlowSpec.of(height, width, cfg.t2i if task == "image" else cfg.edit, **overrides)
 
-
-def _noise(data: Mapping[str, Any], spec: FlowSpec, cfg: BagelConfig) -> torch.Tensor:
-    """Return the request's initial noise: given (``noise``), seeded (``seed``) or fresh."""
-    shape = (spec.num_tokens, cfg.patch_latent_dim)
-    if "noise" in data:
-        noise = torch.as_tensor(np.asarray(data["noise"], dtype=np.float32))
-        if tuple(noise.shape) != shape or not bool(torch.isfinite(noise).all()):
-            raise ValueError(f"noise must be a finite array of shape {list(shape)}, got {list(noise.shape)}")
-        return noise
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    generator = torch.Generator()
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    return torch.randn(shape, generator=generator)
 
 
 def _hf_tokenizer(checkpoint: str) -> Any:

@@ -209,6 +209,8 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         self.max_model_len = max_model_len
         self.codec_batch_size = codec_batch_size
         self.tokenizer: Any = _load_tokenizer(cfg, path)
+        # The character tokenizer of the random-weight configs takes raw prompts.
+        self.chat_prompts = not isinstance(self.tokenizer, CharTokenizer) and self.tokenizer.chat_template is not None
         self._graph = make_qwen3_omni_graph(config, cfg.chunk_frames)
         self._weights: dict[torch.device, Qwen3OmniWeights] = {}
 
