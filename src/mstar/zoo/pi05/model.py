@@ -18,7 +18,6 @@ the actions and cuts them to the robot's ``robot_dof`` dimensions: ``actions`` `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from mstar.zoo.pi05.modules import Pi05Weights
 from mstar.zoo.pi05.nodes import LLMNode, VisionNode
 from mstar.zoo.pi05.policy import DroidObservation, NormStats, droid_actions
 from mstar.zoo.pi05.prompt import PromptTokenizer
+from mstar.zoo.requests import initial_noise
 
 __all__ = ["PARTITION", "Pi05Model", "make_pi05_graph"]
 
@@ -167,7 +167,7 @@ class Pi05Model(Model, SupportsActionPolicy):
         state = obs.normalized_state(self.norm_stats)
         images, mask = obs.camera_images(cfg.cameras, cfg.vision.image_size)
         token_ids = torch.tensor(self.tokenizer.token_ids(obs.prompt, state), dtype=torch.long)
-        noise = _noise(data, cfg)
+        noise = initial_noise(data, (cfg.action_horizon, cfg.action_dim))
         return PreparedRequest(
             {
                 "vision": {"images": images, "image_mask": mask, "token_ids": token_ids},
@@ -191,21 +191,3 @@ class Pi05Model(Model, SupportsActionPolicy):
             value = droid_actions(torch.as_tensor(value), self.norm_stats, self.config.robot_dof).astype(np.float32)
         return Output(request_id, emission.modality, emission.name, value, emission.node, emission.walk)
 
-
-def _noise(data: Mapping[str, Any], cfg: Pi05Config) -> torch.Tensor:
-    """Return the request's initial noise: given (``noise``), seeded (``seed``) or fresh."""
-    shape = (cfg.action_horizon, cfg.action_dim)
-    if "noise" in data:
-        noise = torch.as_tensor(np.asarray(data["noise"], dtype=np.float32))
-        if tuple(noise.shape) != shape or not bool(torch.isfinite(noise).all()):
-            raise ValueError(f"noise must be a finite array of shape {list(shape)}, got {list(noise.shape)}")
-        return noise
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    generator = torch.Generator()
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    return torch.randn(shape, generator=generator)
