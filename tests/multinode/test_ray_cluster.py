@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from mstar.errors import WorkerLostError
+from mstar.errors import PlacementError, WorkerLostError
 from mstar.graph import Emission, run_reference
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.model import Output
@@ -48,6 +48,14 @@ node_groups:
   - {node_names: [a, b, done], ranks: [0, 1]}
 rank_resources: {0: {node_a: 1}, 1: {node_b: 1}}
 """
+
+
+# Ray switched on by the placement file itself (the test's Ray is already initialised).
+LOOP_BACKEND_RAY = "backend: ray\nray_address: auto\n" + LOOP_ACROSS
+
+
+def placement_groups(state: str) -> list[dict[str, Any]]:
+    return [g for g in ray.util.placement_group_table().values() if g["state"] == state]
 
 
 def ray_config(**kwargs: Any) -> EngineConfig:
@@ -153,6 +161,43 @@ async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(ray_cl
         again = await asyncio.gather(*(engine.run(Request("loop", {}, request_id=f"n{i}")) for i in range(2)))
         assert [[o.data for o in out] for out in again] == [[60], [60]]
     ray_cluster.add_b_node()  # for later tests
+
+
+async def test_backend_ray_in_the_placement_file_places_ranks_through_a_placement_group(
+    ray_cluster: LocalCluster,
+) -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 20})
+    before = {g["placement_group_id"] for g in placement_groups("CREATED")}
+    config = EngineConfig(ray_num_cpus=0.5)  # no ray_address: the file says where
+    async with await AsyncEngine.start(spec, Placement.from_yaml(LOOP_BACKEND_RAY), config) as engine:
+        assert engine.launcher is not None and engine.config.ray_address == "auto"
+        assert node_of(engine, 0) == ray_cluster.cluster.head_node.node_id
+        assert node_of(engine, 1) in {n.node_id for n in ray_cluster.b_nodes}
+        (group,) = [g for g in placement_groups("CREATED") if g["placement_group_id"] not in before]
+        assert group["strategy"] == "PACK"
+        assert group["bundles"] == {0: {"CPU": 0.5, "node_a": 1.0}, 1: {"CPU": 0.5, "node_b": 1.0}}
+        assert group["bundles_to_node_id"] == {0: node_of(engine, 0), 1: node_of(engine, 1)}
+        got = await engine.run(Request("loop", {}))
+        assert [o.data for o in got] == [20]
+    assert group["placement_group_id"] not in {g["placement_group_id"] for g in placement_groups("CREATED")}
+
+
+@pytest.mark.parametrize(
+    ("resources", "why"),
+    [
+        ("{0: {node_a: 1}, 1: {node_z: 1}}", r"no node of the cluster offers rank 1 \{CPU: 0.5, node_z: 1\}"),
+        ("{0: {node_a: 1}, 1: {node_b: 5}}", r"no node of the cluster offers rank 1 \{CPU: 0.5, node_b: 5\}"),
+        ("{0: {node_a: 3}, 1: {node_a: 3}}", "every rank fits some node, but not all of them at once"),
+    ],
+)
+async def test_a_placement_the_cluster_cannot_satisfy_fails_fast(
+    ray_cluster: LocalCluster, resources: str, why: str
+) -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 2})
+    placement = Placement.from_yaml(f"node_groups:\n  - {{node_names: [a, b, done], ranks: [0, 1]}}\nrank_resources: {resources}\n")
+    with pytest.raises(PlacementError, match=why):
+        await AsyncEngine.start(spec, placement, ray_config(ray_placement_timeout_s=1.0))
+    assert placement_groups("PENDING") == []  # the reservation was withdrawn, nothing waits for it
 
 
 def test_ray_is_left_running_for_the_application(ray_cluster: LocalCluster) -> None:

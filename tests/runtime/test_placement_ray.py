@@ -32,3 +32,57 @@ def test_bad_amounts_are_placement_errors() -> None:
         p.ray_resources(0)
     with pytest.raises(PlacementError):
         Placement.from_yaml("node_groups:\n  - {node_names: [a], ranks: [0]}\nrank_resources: {0: {x: nope}}\n")
+
+
+RAY_FILE = """
+backend: ray
+ray_address: ray://head:10001
+node_groups:
+  - {node_names: [a, b, done], ranks: [0]}
+"""
+RAY_FILE_NO_ADDRESS = "backend: ray\nnode_groups:\n  - {node_names: [a, b, done], ranks: [0]}\n"
+LOCAL_FILE = "backend: local\nnode_groups:\n  - {node_names: [a, b, done], ranks: [0]}\n"
+PLAIN_FILE = "node_groups:\n  - {node_names: [a, b, done], ranks: [0]}\n"
+
+
+def test_backend_ray_names_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = Placement.from_yaml(RAY_FILE)
+    assert (p.backend, p.ray_address) == ("ray", "ray://head:10001")
+    assert p.cluster_address(None) == "ray://head:10001"
+    assert p.cluster_address("ray://head:10001") == "ray://head:10001"  # the same cluster twice is fine
+    assert Placement.from_yaml(p.to_yaml()) == p
+    bare = Placement.from_yaml(RAY_FILE_NO_ADDRESS)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert bare.cluster_address(None) == "auto"
+    assert bare.cluster_address("10.0.0.1:6379") == "10.0.0.1:6379"  # the config names it
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert bare.cluster_address(None) == "10.0.0.2:6379"
+
+
+def test_without_backend_the_config_decides() -> None:
+    p = Placement.from_yaml(PLAIN_FILE)
+    assert p.backend is None
+    assert p.cluster_address(None) is None
+    assert p.cluster_address("auto") == "auto"
+    assert Placement.from_yaml(LOCAL_FILE).cluster_address(None) is None
+
+
+def test_conflicting_settings_are_placement_errors() -> None:
+    with pytest.raises(PlacementError, match=r"names the Ray cluster 'ray://head:10001' and the engine's config 'auto'"):
+        Placement.from_yaml(RAY_FILE).cluster_address("auto")
+    with pytest.raises(PlacementError, match="backend: local"):
+        Placement.from_yaml(LOCAL_FILE).cluster_address("auto")
+    with pytest.raises(PlacementError, match="ray_address needs backend: ray"):
+        Placement.from_yaml("ray_address: auto\n" + PLAIN_FILE)
+    with pytest.raises(PlacementError, match="ray_address needs backend: ray"):
+        Placement.from_yaml("backend: local\nray_address: auto\n" + PLAIN_FILE)
+    with pytest.raises(PlacementError, match="backend"):
+        Placement.from_yaml("backend: kubernetes\n" + PLAIN_FILE)
+
+
+async def test_a_local_engine_refuses_a_ray_config_with_a_local_placement() -> None:
+    from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec
+
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 2})
+    with pytest.raises(PlacementError, match="backend: local"):
+        await AsyncEngine.start(spec, Placement.from_yaml(LOCAL_FILE), EngineConfig(ray_address="auto"))

@@ -108,9 +108,12 @@ class EngineConfig:
             ``:`` (see `mstar.runtime.trust`). A worker refuses any other.
         ray_address: Run each rank's worker as a Ray actor on this cluster (``"auto"``,
             ``"ray://head:10001"``; an application that called ``ray.init`` itself passes
-            any value), pinned by the placement's ``ray_resources``.
+            any value), pinned by the placement's ``ray_resources``. A placement file with
+            ``backend: ray`` sets it too (`Placement.cluster_address`).
         ray_num_cpus: CPUs each rank's Ray actor reserves (and its torch threads).
         ray_max_restarts: How often Ray restarts a rank's process (-1: without limit).
+        ray_placement_timeout_s: How long the Ray cluster may take to reserve every rank's
+            resources (one placement group) before the start fails with `PlacementError`.
     """
 
     worker_processes: bool = False
@@ -132,6 +135,7 @@ class EngineConfig:
     ray_address: str | None = None
     ray_num_cpus: float = 1.0
     ray_max_restarts: int = -1
+    ray_placement_timeout_s: float = 60.0
 
     @property
     def is_distributed(self) -> bool:
@@ -259,6 +263,9 @@ class AsyncEngine:
             placement = instance.default_placement() or Placement.colocated(instance.graph())
         elif not isinstance(placement, Placement):
             placement = Placement.from_yaml(placement)
+        ray_address = placement.cluster_address(config.ray_address)  # backend: ray in the placement file
+        if ray_address != config.ray_address:
+            config = replace(config, ray_address=ray_address)
         if config.is_distributed and spec is None:
             raise MStarError("worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)")
         if config.is_distributed and spec is not None:
@@ -273,6 +280,7 @@ class AsyncEngine:
                 loop=config.loop,
                 num_cpus=config.ray_num_cpus,
                 max_restarts=config.ray_max_restarts,
+                placement_timeout_s=config.ray_placement_timeout_s,
             )
         try:
             engine = cls(instance, placement, config, launcher)
@@ -305,8 +313,7 @@ class AsyncEngine:
             launcher = self.launcher
             host = launcher.node_ip()
             self._served = await self.system.serve(f"tcp://{'[' + host + ']' if ':' in host else host}:0")
-            infos = await asyncio.gather(*(launcher.start(r, self.placement.ray_resources(r)) for r in ranks))
-            self.rank_info = dict(zip(ranks, infos, strict=True))
+            self.rank_info = await launcher.start({r: self.placement.ray_resources(r) for r in ranks})
             self.workers = {r: self.system.ref(worker_name(r), info.addresses[0]) for r, info in self.rank_info.items()}
         elif self.config.worker_processes:
             self._served = await self.system.serve("ipc://")

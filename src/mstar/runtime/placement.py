@@ -20,6 +20,18 @@ node_groups:
 ``rank_resources`` does the same per rank, for the ranks of one group (replicas) that belong
 on different nodes: ``rank_resources: {0: {node_a: 1}, 1: {node_b: 1}}``.
 
+``backend: ray`` switches Ray on from the file itself, as ``EngineConfig(ray_address=...)`` /
+``mstar serve --ray-address`` do; ``ray_address`` names the cluster (default: the
+``RAY_ADDRESS`` variable, else ``auto``). ``backend: local`` keeps the workers on this
+machine. A file and a config that name different clusters, or a local file with a Ray
+config, are a `PlacementError`:
+
+```yaml
+backend: ray
+ray_address: auto
+node_groups: ...
+```
+
 A group without ``graph_walks`` covers its nodes in every walk that uses them. Every
 (node, walk) pair of the graph must be covered by exactly one group. A group with several
 ranks spreads requests over them (replicas). ``kv_cache_share`` gives the group's KV-cache
@@ -34,9 +46,11 @@ node_groups:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import msgspec.yaml
@@ -44,7 +58,10 @@ import msgspec.yaml
 from mstar.errors import PlacementError
 from mstar.graph import ModelGraph
 
-__all__ = ["NodeGroup", "Placement"]
+__all__ = ["RAY_ADDRESS_ENV", "NodeGroup", "Placement"]
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+"""The variable naming the Ray cluster of a ``backend: ray`` placement without ``ray_address``."""
 
 
 class NodeGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,15 +78,23 @@ class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     node_groups: list[NodeGroup]
     model: str | None = None
     rank_resources: dict[int, dict[str, float]] | None = None
+    backend: Literal["local", "ray"] | None = None
+    ray_address: str | None = None
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A validated map from (node, walk) to the ranks that host it."""
+    """A validated map from (node, walk) to the ranks that host it.
+
+    ``backend`` is where the workers run (``"ray"``: on the Ray cluster at ``ray_address``;
+    ``"local"``: on this machine; None: as the engine's config says).
+    """
 
     groups: tuple[NodeGroup, ...]
     model: str | None = None
     rank_resources: dict[int, dict[str, float]] | None = None
+    backend: Literal["local", "ray"] | None = None
+    ray_address: str | None = None
 
     @classmethod
     def colocated(cls, graph: ModelGraph) -> Placement:
@@ -97,7 +122,9 @@ class Placement:
             raise PlacementError(f"{where}: {exc}") from None
         except msgspec.DecodeError as exc:
             raise PlacementError(f"{where} is not valid YAML: {exc}") from None
-        return cls(tuple(spec.node_groups), spec.model, spec.rank_resources)
+        if spec.ray_address is not None and spec.backend != "ray":
+            raise PlacementError(f"{where}: ray_address needs backend: ray")
+        return cls(tuple(spec.node_groups), spec.model, spec.rank_resources, spec.backend, spec.ray_address)
 
     def resolve(self, graph: ModelGraph, num_ranks: int | None = None) -> dict[tuple[str, str], tuple[int, ...]]:
         """Check this placement against ``graph``; return (node, walk) -> ranks.
@@ -136,7 +163,32 @@ class Placement:
 
     def to_yaml(self) -> str:
         """Return this placement as YAML text (what `from_yaml` reads)."""
-        return msgspec.yaml.encode(_PlacementFile(list(self.groups), self.model, self.rank_resources)).decode()
+        spec = _PlacementFile(list(self.groups), self.model, self.rank_resources, self.backend, self.ray_address)
+        return msgspec.yaml.encode(spec).decode()
+
+    def cluster_address(self, configured: str | None) -> str | None:
+        """Return the Ray cluster to run on, given the config's ``ray_address`` (None: run locally).
+
+        A ``backend: ray`` placement names it (``ray_address``, else ``$RAY_ADDRESS``, else
+        ``"auto"``) unless the config does; both may name it only if they agree.
+
+        Raises:
+            PlacementError: The placement and the config disagree.
+        """
+        if self.backend == "local" and configured is not None:
+            raise PlacementError(
+                f"the placement says backend: local, but the engine is configured for the Ray cluster {configured!r}"
+            )
+        if self.backend != "ray":
+            if self.ray_address is not None:
+                raise PlacementError("ray_address needs backend: ray")
+            return configured
+        if configured is not None and self.ray_address is not None and configured != self.ray_address:
+            raise PlacementError(
+                f"the placement names the Ray cluster {self.ray_address!r} and the engine's config {configured!r}: "
+                "name it in one place (or the same in both)"
+            )
+        return configured or self.ray_address or os.environ.get(RAY_ADDRESS_ENV) or "auto"
 
     def kv_cache_shares(self, rank: int) -> dict[str, float]:
         """Return node -> KV-cache share of the groups on ``rank`` that set one.

@@ -1,14 +1,20 @@
 """Workers on a Ray cluster: each rank's worker process started, placed and restarted by Ray.
 
     launcher = RayLauncher("ray://head:10001" or "auto", system_config, ...)
-    info = await launcher.start(rank, resources={"node_a": 1})   # a Ray actor hosting the rank
+    infos = await launcher.start({0: {"node_a": 1}, 1: {"node_b": 1}})   # a Ray actor per rank
     ...
     await launcher.wait_lost(rank)        # returns when that process died
     info = await launcher.restarted(rank, info)   # Ray restarted it (on a node with the resources)
 
 Each rank runs in a Ray actor (`RankHost`) pinned by custom resources that the placement file
 names per node group (``ray_resources: {node_a: 1}``; the cluster's nodes advertise them,
-``ray start --resources '{"node_a": 4}'``). The actor's process runs an mstar actor system on
+``ray start --resources '{"node_a": 4}'``). The launcher reserves them first, all at once, as
+one Ray placement group with a bundle per rank (its CPUs and resources; strategy ``PACK``, so
+ranks that name no resource share nodes), and schedules each rank's actor on its bundle: a
+placement the cluster cannot satisfy fails within ``placement_timeout_s`` with a
+`PlacementError` naming the ranks and what the nodes offer, before any worker starts. When a
+node dies, Ray reschedules its bundles on nodes that still offer the resources and restarts
+the actors there. The actor's process runs an mstar actor system on
 a thread of its own, serving tcp on its node's address with the deployment's CURVE keys, and
 a worker host there, exactly as a local worker process does. Ray starts, supervises and
 restarts these processes (``max_restarts``); the data plane stays mstar's: ZeroMQ over tcp,
@@ -33,7 +39,7 @@ from typing import Any
 import msgspec
 
 from mstar.actors.config import SystemConfig
-from mstar.errors import MStarError, WorkerLostError
+from mstar.errors import MStarError, PlacementError, WorkerLostError
 
 __all__ = ["RankHost", "RankInfo", "RayLauncher", "ray_host_id"]
 
@@ -172,6 +178,7 @@ class RayLauncher:
         loop: Event loop of the rank hosts.
         num_cpus: CPUs each rank's actor reserves.
         max_restarts: How often Ray restarts a rank's process (-1: without limit).
+        placement_timeout_s: How long the cluster may take to reserve every rank's resources.
     """
 
     def __init__(
@@ -183,6 +190,7 @@ class RayLauncher:
         loop: str = "asyncio",
         num_cpus: float = 1.0,
         max_restarts: int = -1,
+        placement_timeout_s: float = 60.0,
     ) -> None:
         try:
             import ray
@@ -204,7 +212,9 @@ class RayLauncher:
         self._loop = loop
         self._num_cpus = num_cpus
         self._max_restarts = max_restarts
+        self._placement_timeout_s = placement_timeout_s
         self._actors: dict[int, Any] = {}
+        self._group: Any = None  # the placement group reserving every rank's bundle
         self._remote = ray.remote(RankHost)
 
     @property
@@ -216,16 +226,66 @@ class RayLauncher:
         """The address of this driver's node, as the cluster sees it."""
         return str(self._ray.util.get_node_ip_address())
 
-    async def start(self, rank: int, resources: Mapping[str, float]) -> RankInfo:
-        """Start the actor of ``rank`` on a node offering ``resources``; return where it serves."""
-        actor = self._remote.options(
-            num_cpus=self._num_cpus,
-            resources=dict(resources),
-            max_restarts=self._max_restarts,
-            max_task_retries=0,
-        ).remote(self._config_json, self._setup_json, self._loop)
-        self._actors[rank] = actor
-        return await self.info(rank)
+    def bundle(self, rank: int, resources: Mapping[str, float]) -> dict[str, float]:
+        """Return the placement-group bundle of ``rank``: its actor's CPUs and ``resources``.
+
+        Raises:
+            PlacementError: The bundle would be empty (Ray cannot reserve nothing).
+        """
+        out = {"CPU": float(self._num_cpus)} if self._num_cpus > 0 else {}
+        out.update({name: float(amount) for name, amount in resources.items()})
+        if not any(v > 0 for v in out.values()):
+            raise PlacementError(f"rank {rank} asks Ray for nothing: give it ray_resources, or CPUs (ray_num_cpus > 0)")
+        return out
+
+    async def start(self, resources: Mapping[int, Mapping[str, float]]) -> dict[int, RankInfo]:
+        """Reserve a bundle per rank (``rank -> resources``), start each rank's actor on its own.
+
+        Returns where each rank serves.
+
+        Raises:
+            PlacementError: The cluster did not reserve every bundle within the timeout.
+        """
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ranks = sorted(resources)
+        bundles = [self.bundle(r, resources[r]) for r in ranks]
+        self._group = group = placement_group(bundles, strategy="PACK")
+        try:
+            await asyncio.wait_for(_ray_call(group.ready()), self._placement_timeout_s)
+        except TimeoutError:
+            raise PlacementError(self._unplaced(ranks, bundles)) from None
+        for index, rank in enumerate(ranks):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+            self._actors[rank] = self._remote.options(
+                num_cpus=self._num_cpus,
+                resources=dict(resources[rank]),
+                max_restarts=self._max_restarts,
+                max_task_retries=0,
+                scheduling_strategy=strategy,
+            ).remote(self._config_json, self._setup_json, self._loop)
+        infos = await asyncio.gather(*(self.info(r) for r in ranks))
+        return dict(zip(ranks, infos, strict=True))
+
+    def _unplaced(self, ranks: list[int], bundles: list[dict[str, float]]) -> str:
+        """Say why the placement group of ``bundles`` is not ready: what no node has, or is free now."""
+        nodes = [n for n in self._ray.nodes() if n.get("Alive")]
+        offers = "; ".join(f"{n['NodeID'][:8]}: {_fmt(n.get('Resources', {}))}" for n in nodes) or "no node"
+        never = [
+            f"rank {r} {_fmt(b)}"
+            for r, b in zip(ranks, bundles, strict=True)
+            if not any(all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in b.items()) for n in nodes)
+        ]
+        what = (
+            f"no node of the cluster offers {', '.join(never)}"
+            if never
+            else "every rank fits some node, but not all of them at once with what is free now"
+        )
+        return (
+            f"the Ray cluster did not place the ranks within {self._placement_timeout_s:g} s: {what} "
+            f"(nodes: {offers}); name resources the cluster's nodes advertise (ray start --resources)"
+        )
 
     async def info(self, rank: int) -> RankInfo:
         """Return where the actor of ``rank`` serves (waiting while Ray restarts it)."""
@@ -274,5 +334,15 @@ class RayLauncher:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(actor, no_restart=True)
         self._actors.clear()
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(ray.exceptions.RayError):
+                remove_placement_group(self._group)
+            self._group = None
         if self._owns_ray:
             ray.shutdown()
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")) + "}"
