@@ -166,6 +166,9 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         codec_batch_size: Most Code2Wav chunks per call (None: every pending chunk of equal
             length on an accelerator, one on a CPU; 1 makes each chunk's samples
             independent of its batch).
+        codec_skip_context: Run Code2Wav's ConvNet only over the context frames its kept
+            samples read (see `Code2WavNode`; False: the whole chunk, bit-equal to
+            transformers' decode).
     """
 
     audio_sample_rate = 24_000
@@ -182,6 +185,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         max_audio_frames: int | None = None,
         max_model_len: int = 4096,
         codec_batch_size: int | None = None,
+        codec_skip_context: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -208,6 +212,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         )
         self.max_model_len = max_model_len
         self.codec_batch_size = codec_batch_size
+        self.codec_skip_context = codec_skip_context
         self.tokenizer: Any = _load_tokenizer(cfg, path)
         # The character tokenizer of the random-weight configs takes raw prompts.
         self.chat_prompts = not isinstance(self.tokenizer, CharTokenizer) and self.tokenizer.chat_template is not None
@@ -278,7 +283,9 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         if node == "vision_encoder":
             return VisionEncoderNode(weights)
         if node == "code2wav":
-            return Code2WavNode(weights, self.codec_batch_size)
+            return Code2WavNode(
+                weights, self.codec_batch_size, skip_context=self.codec_skip_context
+            )
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:

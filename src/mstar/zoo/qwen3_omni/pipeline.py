@@ -22,6 +22,7 @@ import torch
 
 from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig
+from mstar.zoo.qwen3_omni.modules.codec import conv_lookback, decode_chunk
 from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
 from mstar.zoo.qwen3_omni.modules.talker import TalkerPrompt, make_talker_prompt
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
@@ -247,13 +248,16 @@ def run_talker(
 def decode_chunks(
     weights: Qwen3OmniWeights, codes: torch.Tensor, chunk: int = 25, left_context: int = 25
 ) -> torch.Tensor:
-    """Decode ``codes`` ``[16, frames]`` to audio ``[samples]`` in left-context chunks (trimmed)."""
-    per_frame = weights.config.samples_per_frame
+    """Decode ``codes`` ``[16, frames]`` to audio ``[samples]`` in left-context chunks (trimmed).
+
+    The ConvNet skips the context frames no kept sample reads (`decode_chunk`).
+    """
+    lookback = conv_lookback(weights.code2wav)
     pieces = []
     for start in range(0, codes.shape[1], chunk):
         context = min(left_context, start)
-        wav = weights.code2wav(codes[None, :, start - context : start + chunk])
-        pieces.append(wav[0, 0, context * per_frame :])
+        window = codes[None, :, start - context : start + chunk]
+        pieces.append(decode_chunk(weights.code2wav, window, context, lookback)[0, 0])
     return torch.cat(pieces) if pieces else torch.zeros(0)
 
 
