@@ -26,13 +26,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
+from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary, can_pack
 from mstar.zoo.bagel.config import LLMConfig
 
 __all__ = [
     "GEN",
     "UND",
     "Attend",
+    "MoTLayer",
     "PositionEmbedding",
     "Qwen2MoTForCausalLM",
     "Routing",
@@ -97,14 +98,37 @@ class _Attention(nn.Module):
         self.o_proj_moe_gen = nn.Linear(heads * d, h, bias=False)
         self.q_norm, self.q_norm_moe_gen = RMSNorm(d, eps), RMSNorm(d, eps)
         self.k_norm, self.k_norm_moe_gen = RMSNorm(d, eps), RMSNorm(d, eps)
+        # Per expert suffix: q/k/v as one product, and o (set by `fuse`).
+        self.fused_qkv: dict[str, FusedLinear] = {}
+        self.fused_o: dict[str, FusedLinear] = {}
+
+    def fuse(self, suffix: str, rows: tuple[int, ...]) -> None:
+        """Store one expert's q/k/v as one product and o in their fastest layouts at ``rows`` rows."""
+        names = [f"{p}_proj{suffix}" for p in "qkv"]
+        self.fused_qkv[suffix] = FusedLinear.of([getattr(self, n) for n in names], rows=rows)
+        self.fused_o[suffix] = FusedLinear.of([getattr(self, f"o_proj{suffix}")], rows=rows)
 
     def qkv(self, h: torch.Tensor, suffix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return the normalised queries and keys, and the values, of rows ``h`` by one expert."""
         n = h.shape[0]
-        q = getattr(self, f"q_proj{suffix}")(h).view(n, self.num_heads, self.head_dim)
-        k = getattr(self, f"k_proj{suffix}")(h).view(n, self.num_kv_heads, self.head_dim)
-        v = getattr(self, f"v_proj{suffix}")(h).view(n, self.num_kv_heads, self.head_dim)
+        fused = self.fused_qkv.get(suffix)
+        if fused is None:
+            q = getattr(self, f"q_proj{suffix}")(h)
+            k = getattr(self, f"k_proj{suffix}")(h)
+            v = getattr(self, f"v_proj{suffix}")(h)
+        else:
+            q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
+            packed = fused(h)
+            q, k, v = packed[:, :q_end], packed[:, q_end:k_end], packed[:, k_end:]
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         return getattr(self, f"q_norm{suffix}")(q), getattr(self, f"k_norm{suffix}")(k), v
+
+    def o(self, out: torch.Tensor, suffix: str) -> torch.Tensor:
+        """Return one expert's output projection of attention rows ``out``."""
+        fused = self.fused_o.get(suffix)
+        return fused(out) if fused is not None else cast(torch.Tensor, getattr(self, f"o_proj{suffix}")(out))
 
 
 class MoTLayer(nn.Module):
@@ -143,10 +167,18 @@ class MoTLayer(nn.Module):
         q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
         out = attend(index, q, k, v).reshape(n, attn.num_heads * attn.head_dim)
-        x = x + routing.apply(out, attn.o_proj, attn.o_proj_moe_gen)
+        x = x + routing.apply(out, lambda rows: attn.o(rows, ""), lambda rows: attn.o(rows, "_moe_gen"))
         mlp_und = lambda rows: self.mlp(self.post_attention_layernorm(rows))  # noqa: E731
         mlp_gen = lambda rows: self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(rows))  # noqa: E731
         return x + routing.apply(x, mlp_und, mlp_gen)
+
+
+    def fuse(self, und_rows: tuple[int, ...], gen_rows: tuple[int, ...]) -> None:
+        """Store each expert's products in their fastest layouts for the rows it mostly sees."""
+        for suffix, rows in (("", und_rows), ("_moe_gen", gen_rows)):
+            self.self_attn.fuse(suffix, rows)
+        self.mlp.fuse(und_rows)
+        self.mlp_moe_gen.fuse(gen_rows)
 
 
 class Qwen2MoTModel(nn.Module):

@@ -220,7 +220,9 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         """Load the weights onto ``device`` once (every node of a rank shares them)."""
         with self._loading:  # ranks in one process build their engines on threads of their own
             if device not in self._loaded:
-                self._loaded[device] = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype)
+                weights, vae = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype)
+                weights.fuse_for_inference()
+                self._loaded[device] = weights, vae
             return self._loaded[device]
 
     def submodule(self, node: str, device: torch.device) -> Any:

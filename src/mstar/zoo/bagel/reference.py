@@ -39,8 +39,9 @@ class DenseContext:
         x, rope, is_gen = w.embed_input(payload)
         n = x.shape[0]
         past = self.keys[0].shape[0] if self.keys else 0
-        visible = torch.ones(n, past + n, dtype=torch.bool)
+        visible: torch.Tensor | None = None  # full attention (images, queries): no mask, as the paged kernel runs it
         if causal:
+            visible = torch.ones(n, past + n, dtype=torch.bool)
             visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
         new_k: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
