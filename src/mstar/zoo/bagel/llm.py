@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary, can_pack
+from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary
 from mstar.zoo.bagel.config import LLMConfig
 
 __all__ = [
