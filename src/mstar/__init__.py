@@ -29,6 +29,7 @@ from mstar.errors import (
     PlacementError,
     ProtocolError,
     RequestAbortedError,
+    RequestStalledError,
     WalkDeadlockError,
     WalkExecutionError,
     WorkerLostError,
@@ -88,6 +89,7 @@ __all__ = [
     "PlacementError",
     "ProtocolError",
     "RequestAbortedError",
+    "RequestStalledError",
     "WorkerLostError",
     # what a model's submodules return: stateless (batched) and KV-cache nodes
     "BatchedNode",

@@ -20,6 +20,7 @@ __all__ = [
     "ModelLoadError",
     "EngineClosedError",
     "RequestAbortedError",
+    "RequestStalledError",
     "PlacementError",
     "GraphValidationError",
     "WalkDeadlockError",
@@ -53,12 +54,13 @@ class GraphValidationError(MStarError, ValueError):
 class WalkExecutionError(MStarError, RuntimeError):
     """Raised when a node fails while a walk runs; names the node, walk and request."""
 
-    def __init__(self, message: str, *, node: str, walk: str, request_id: str) -> None:
+    def __init__(self, message: str, *, node: str, walk: str, request_id: str, cause: str = "") -> None:
         super().__init__(f"{message} (node {node!r}, walk {walk!r}, request {request_id!r})")
         self.reason = message
         self.node = node
         self.walk = walk
         self.request_id = request_id
+        self.cause = cause  # the class name of the node's own error ("" when none)
 
 
 class BenchConfigError(MStarError, ValueError):
@@ -155,6 +157,10 @@ class EngineClosedError(MStarError, RuntimeError):
 
 class RequestAbortedError(MStarError, RuntimeError):
     """Raised when a request's pending work is dropped because the request was aborted."""
+
+
+class RequestStalledError(MStarError, RuntimeError):
+    """Raised when a request made no progress for `EngineConfig.request_stall_timeout_s` (e.g. a lost message); it is failed and freed."""
 
 
 class ModelLoadError(MStarError, RuntimeError):

@@ -1,4 +1,5 @@
-"""No request left hanging: duplicate ids, early aborts, walks that wait for a lost worker."""
+"""No request left hanging: duplicate ids, early aborts, walks that wait for a lost worker,
+lost messages; and nothing left held once a request returns."""
 
 from __future__ import annotations
 
@@ -6,21 +7,35 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
+import torch
 
+from mstar import (
+    EMIT,
+    DynamicLoop,
+    EngineType,
+    GraphEdge,
+    GraphNode,
+    Model,
+    ModelGraph,
+    RequestStalledError,
+    batched,
+)
 from mstar.actors.wire import ActorId
 from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerLostError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
-from mstar.runtime.messages import UpdatePeer
+from mstar.runtime.messages import NodeValuesMsg, StartWalkMsg, UpdatePeer, WalkDoneMsg
 from mstar.runtime.model import PreparedRequest
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo.noop import NoopLoopModel
 from tests.helpers import wait_until_idle
+from tests.server.models import save_tiny_chat_llama
 
 TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
 
@@ -160,3 +175,96 @@ def test_worker_processes_without_a_main_guard_say_how_to_fix_it(tmp_path: Path)
     assert "MissingMainGuardError" in done.stderr
     assert 'if __name__ == "__main__":' in done.stderr
     assert "PeerLostError" not in done.stderr
+
+
+# --- lost messages --------------------------------------------------------------------------
+
+
+def drop_first(kind: type, taken: list[Any]) -> Callable[[str, Any, Callable[[], None]], bool]:
+    """A fault hook that drops the first message of ``kind`` (and keeps it in ``taken``)."""
+
+    def hook(target: str, message: Any, deliver: Callable[[], None]) -> bool:
+        if isinstance(message, kind) and not taken:
+            taken.append(message)
+            return True
+        return False
+
+    return hook
+
+
+@pytest.mark.parametrize("kind", [StartWalkMsg, NodeValuesMsg, WalkDoneMsg])
+async def test_a_request_whose_message_is_lost_fails_as_stalled_and_frees_what_it_held(kind: type) -> None:
+    async with await start(30, request_stall_timeout_s=0.4) as engine:
+        taken: list[Any] = []
+        engine.system.fault_hook = drop_first(kind, taken)
+        with pytest.raises(RequestStalledError, match=r"made no progress for 0\.4 s"):
+            await asyncio.wait_for(engine.run(Request("loop", {}, "dropped")), 10)
+        assert len(taken) == 1 and taken[0].request_id == "dropped"
+        await wait_until_idle(engine)
+        # The others run on (a request that makes progress never stalls, however long it runs).
+        engine.system.fault_hook = None
+        outputs = await asyncio.wait_for(engine.run(Request("loop", {})), 10)
+        assert [o.data for o in outputs] == [30]
+
+
+class Ticker(Model):
+    """One node in a loop that emits every step, each step taking ``delay_s``."""
+
+    name = "ticker"
+
+    def __init__(self, steps: int, delay_s: float) -> None:
+        self.steps, self.delay_s = steps, delay_s
+        tick = GraphNode("tick", {"i"}, [GraphEdge("tick", "i"), GraphEdge(EMIT, "i", modality="latent")], signals={"stop"})
+        loop = DynamicLoop(tick, max_iters=steps, stop="stop")
+        self._graph = ModelGraph(name="ticker", walks={"loop": loop}, partitions={"P": ["loop"]}, inputs={"tick": {"i"}})
+
+    def graph(self) -> ModelGraph:
+        return self._graph
+
+    def engine_types(self) -> dict[str, EngineType]:
+        return {"tick": EngineType.STATELESS}
+
+    def submodule(self, node: str, device: torch.device) -> Any:
+        def tick(x: Mapping[str, Any]) -> dict[str, Any]:
+            time.sleep(self.delay_s)
+            return {"i": x["i"] + 1, "stop": x["i"] + 1 >= self.steps}
+
+        return batched(tick)
+
+    def tasks(self) -> tuple[str, ...]:
+        return ("loop",)
+
+    def preprocess(self, request: Request) -> PreparedRequest:
+        return PreparedRequest({"tick": {"i": 0}})
+
+    def first_walk(self, partition: str, state: Any) -> str | None:
+        return "loop"
+
+    def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
+        return None
+
+
+async def test_a_request_that_keeps_making_progress_is_never_stalled() -> None:
+    # 20 steps of 50 ms: a second in all, four stall timeouts, with an output every step.
+    config = EngineConfig(offload_steps=False, request_stall_timeout_s=0.25)
+    async with await AsyncEngine.start(Ticker(20, 0.05), config=config) as engine:
+        outputs = await asyncio.wait_for(engine.run(Request("loop", {})), 10)
+        assert [o.data for o in outputs] == list(range(1, 21))
+
+
+def test_the_stall_timeout_is_validated() -> None:
+    with pytest.raises(ValueError, match="request_stall_timeout_s"):
+        EngineConfig(request_stall_timeout_s=0)
+
+
+# --- held state -----------------------------------------------------------------------------
+
+
+async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: Path) -> None:
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(save_tiny_chat_llama(tmp_path))})
+    async with await AsyncEngine.start(spec) as engine:
+        for i in range(5):
+            outputs = await engine.run(Request("generate", {"prompt_token_ids": [1, 5, 9], "max_tokens": 3}, f"r{i}"))
+            assert len(outputs) == 3
+            held = await engine.held_state()  # at once: no waiting for the next engine step
+            assert all(v == 0 for counts in held.values() for v in counts.values()), held

@@ -70,3 +70,39 @@ async def test_requests_sent_while_a_worker_restarts_wait_for_it_and_never_hang(
         assert await asyncio.wait_for(asyncio.gather(*after), 120) == ["ok"] * 3
         assert engine.num_restarts == 1 and engine.ranks_up() == {0: True, 1: True}
         assert [o.data for o in await engine.run(Request("loop", {}))] == [20]
+
+
+@pytest.mark.timeout(240)
+async def test_requests_for_a_lost_replica_run_on_the_live_one_without_waiting() -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 20})
+    replicated = "node_groups:\n  - {node_names: [a, b, done], ranks: [0, 1]}\n"
+    config = EngineConfig(worker_processes=True, offload_steps=False)
+    async with await AsyncEngine.start(spec, Placement.from_yaml(replicated), config) as engine:
+        let_back = asyncio.Event()
+        restart = engine._restart
+
+        async def held_back(rank: int) -> None:  # the lost rank stays away until the test is done
+            await let_back.wait()
+            await restart(rank)
+
+        engine._restart = held_back  # type: ignore[method-assign]
+        runs = [engine.run(Request("loop", {})) for _ in range(4)]
+        assert [[o.data for o in out] for out in await asyncio.wait_for(asyncio.gather(*runs), 60)] == [[20]] * 4
+        assert {rank: stats["a"]["steps"] > 0 for rank, stats in (await engine.stats()).items()} == {0: True, 1: True}
+        victim = engine.processes[1]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        while engine.ranks_up()[1]:
+            await asyncio.sleep(0.01)
+        # Half of these would pick rank 1: they run on rank 0 instead, at once.
+        runs = [engine.run(Request("loop", {})) for _ in range(4)]
+        assert [[o.data for o in out] for out in await asyncio.wait_for(asyncio.gather(*runs), 30)] == [[20]] * 4
+        assert engine.ranks_up() == {0: True, 1: False}
+        assert (await engine.held_state())["conductor"] == {"requests": 0, "client_queues": 0, "parked_walks": 0}
+        let_back.set()
+        while not engine.ranks_up()[1]:
+            await asyncio.sleep(0.01)
+        # Back: the restarted replica takes its share again.
+        runs = [engine.run(Request("loop", {})) for _ in range(4)]
+        assert [[o.data for o in out] for out in await asyncio.wait_for(asyncio.gather(*runs), 60)] == [[20]] * 4
+        assert (await engine.stats())[1]["a"]["steps"] > 0

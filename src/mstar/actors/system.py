@@ -64,9 +64,12 @@ from mstar.transport.codec import LinkCodec
 from mstar.transport.shm import SharedArena, is_shm_available
 from mstar.transport.tally import TransportTally
 
-__all__ = ["ActorSystem", "SystemConfig", "default_host_id"]
+__all__ = ["ActorSystem", "FaultHook", "SystemConfig", "default_host_id"]
 
 log = logging.getLogger(__name__)
+
+FaultHook = Callable[[str, Any, Callable[[], None]], bool]
+"""``hook(target actor name, message, deliver) -> taken``: see `ActorSystem.fault_hook`."""
 
 
 def default_host_id() -> str:
@@ -106,6 +109,10 @@ class ActorSystem:
         self._heartbeat: asyncio.Task[None] | None = None
         self._link_lost_callbacks: list[Callable[[list[str], Exception], None]] = []
         self._is_closed = False
+        # Fault injection (chaos runs, tests); None costs one attribute check per message. It
+        # sees every message this system tells and every message a peer sends its actors, and
+        # returns True to take it: drop it, or call ``deliver()`` later to pass it on then.
+        self.fault_hook: FaultHook | None = None
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -273,6 +280,8 @@ class ActorSystem:
     # -------------------------------------------------------------------------- sending
 
     def _tell(self, ref: ActorRef, message: Any) -> None:
+        if self.fault_hook is not None and self._hooked(ref.name, message, self._tell, ref, message):
+            return
         if ref.address in self._own:
             cell = self._cells.get(ref.name)
             if cell is None:
@@ -318,6 +327,8 @@ class ActorSystem:
 
     def _deliver(self, link: PeerLink, envelope: Tell | Ask) -> None:
         """Hand a peer's message to a local actor (or to the system itself)."""
+        if self.fault_hook is not None and self._hooked(envelope.target, envelope.body, self._deliver, link, envelope):
+            return
         is_ask = type(envelope) is Ask
         reply = RemoteReply(link, envelope.call_id) if is_ask else None  # type: ignore[union-attr]
         if envelope.target == SYSTEM_TARGET:
@@ -334,6 +345,18 @@ class ActorSystem:
                 fail_reply(reply, exc)
             else:
                 log.warning("dropped a message from %s: %s", link.label, exc)
+
+    def _hooked(self, target: str, message: Any, send: Callable[..., None], *args: Any) -> bool:
+        assert self.fault_hook is not None
+        return self.fault_hook(target, message, functools.partial(self._unhooked, send, *args))
+
+    def _unhooked(self, send: Callable[..., None], *args: Any) -> None:
+        """Pass on a message the fault hook took, without the hook seeing it again."""
+        hook, self.fault_hook = self.fault_hook, None
+        try:
+            send(*args)
+        finally:
+            self.fault_hook = hook
 
     def _answer_system(self, body: Any, reply: RemoteReply) -> None:
         if type(body) is Lookup:

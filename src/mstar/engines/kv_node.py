@@ -589,6 +589,24 @@ class KVNodeEngine(StepLoop):
 
     abort = release
 
+    async def wait_released(self) -> None:
+        """Return once the releases (and other engine calls) queued so far are applied.
+
+        A release frees its blocks on the step thread, before the next step: this waits for
+        that, so that what the engine then reports holds nothing of the released requests.
+        """
+        if self._closed or self._task is None:
+            return
+        loop = asyncio.get_running_loop()
+        applied: asyncio.Future[None] = loop.create_future()
+
+        def mark() -> None:  # runs after every call queued before it
+            loop.call_soon_threadsafe(_resolve, applied)
+
+        self._ops.append(("", mark))
+        self._wakeup.set()
+        await applied
+
     def _holds(self, key: str) -> bool:
         try:
             return self.engine.get_sequence(key).status is SequenceStatus.PAUSED
@@ -800,3 +818,8 @@ def _end(walk: _Walk, error: BaseException | None) -> None:
 def _fail(firing: _Firing, error: BaseException) -> None:
     if not firing.done.done():
         firing.done.set_exception(error)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -89,6 +89,13 @@ class EngineConfig:
         restart_wait_s: How long a walk that needs a lost worker waits for its restart;
             then it fails with `WorkerLostError` (and so do later ones, at once, until the
             worker is back).
+        request_stall_timeout_s: How long a request may go without progress (an output, a
+            stream item, or a walk share done reaching the conductor) before it fails with
+            `RequestStalledError` and everything it held is released: a message lost on the
+            way no longer hangs it. Set it above the longest quiet spell a request may have:
+            a long loop inside one walk, or a long wait for KV-cache blocks in an engine
+            queued full of requests. None: never (an offline batch that queues thousands of
+            requests in one engine may want that).
         cpu_threads: Torch threads of each rank's engine steps (default: the machine's
             cores shared evenly among the ranks, in worker processes or in this one; one
             rank in this process leaves torch's setting as it is). Oversubscribed OpenMP
@@ -127,6 +134,7 @@ class EngineConfig:
     system: SystemConfig = field(default_factory=lambda: SystemConfig(heartbeat_timeout_s=20.0))
     watchdog_interval_s: float = 0.25
     restart_wait_s: float = 60.0
+    request_stall_timeout_s: float | None = 600.0
     cpu_threads: int | None = None
     freeze_gc: bool = False
     kv_cache_memory: int | float | None = None
@@ -136,6 +144,11 @@ class EngineConfig:
     ray_num_cpus: float = 1.0
     ray_max_restarts: int = -1
     ray_placement_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        stall = self.request_stall_timeout_s
+        if stall is not None and not stall > 0:
+            raise ValueError(f"request_stall_timeout_s must be > 0 seconds, or None for no timeout; got {stall}")
 
     @property
     def is_distributed(self) -> bool:
@@ -323,9 +336,9 @@ class AsyncEngine:
             self.workers = {r: self.system.ref(worker_name(r), p.addresses[0]) for r, p in self.processes.items()}
         else:
             self.workers = {r: self.system.ref(worker_name(r)) for r in ranks}
-        wait_s = self.config.restart_wait_s
+        wait_s, stall_s = self.config.restart_wait_s, self.config.request_stall_timeout_s
         self.conductor = await self.system.spawn(
-            lambda: Conductor(self.model, self.graph, self.resolved, self.workers, wait_s), name=CONDUCTOR
+            lambda: Conductor(self.model, self.graph, self.resolved, self.workers, wait_s, stall_s), name=CONDUCTOR
         )
         if not self.config.is_distributed:
             for rank in ranks:

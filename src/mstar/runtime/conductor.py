@@ -1,11 +1,16 @@
 """The `Conductor` actor: runs `ConductorCore` and carries out its commands.
 
 It also keeps walks away from lost workers. Between a worker's death (`WorkerLost`) and
-its restart (`UpdatePeer`), a walk that needs that rank is parked here, whole (every rank's
-share of it), and started once the rank is back; a rank that stays away for
-``restart_wait_s`` fails the walks parked for it, and later ones at once, with
-`WorkerLostError`, until it returns. Nothing is ever sent into a dead worker's socket,
-where it would wait forever.
+its restart (`UpdatePeer`), a node replicated on other ranks runs on a live replica; a walk
+that needs the lost rank itself (no replica is up) is parked here, whole (every rank's share
+of it), and started once the rank is back; a rank that stays away for ``restart_wait_s``
+fails the walks parked for it, and later ones at once, with `WorkerLostError`, until it
+returns. Nothing is ever sent into a dead worker's socket, where it would wait forever.
+
+And it fails stalled requests: one of which nothing (an output, a stream item, a walk share
+done) arrived for ``request_stall_timeout_s`` seconds, say because a message was lost, fails
+with `RequestStalledError` and everything it held is released. A parked walk is not stalled
+(``restart_wait_s`` bounds it).
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from mstar.actors import Actor, ActorRef
 from mstar.errors import (
     DuplicateRequestError,
     MStarError,
     RequestAbortedError,
+    RequestStalledError,
     WalkExecutionError,
     WorkerLostError,
 )
@@ -48,10 +56,16 @@ from mstar.runtime.messages import (
 from mstar.runtime.model import Model, PreparedRequest, Request
 from mstar.runtime.values import from_slots, to_slots
 
-__all__ = ["END", "Abort", "Conductor", "RankWaitExpired", "Submit", "WorkerLost"]
+__all__ = ["END", "Abort", "Conductor", "RankWaitExpired", "SweepStalls", "Submit", "WorkerLost"]
+
+log = structlog.get_logger(__name__)
 
 END = object()
 """Put on a request's output queue after its last output."""
+
+# A stalled request is looked for this many times per stall timeout: it fails after between
+# one and 1 + 1/_SWEEPS timeouts without progress.
+_SWEEPS = 4
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,11 @@ class RankWaitExpired:
     epoch: int
 
 
+@dataclass(frozen=True)
+class SweepStalls:
+    """Fail the requests that made no progress lately (in-process only; sent by a timer)."""
+
+
 class Conductor(Actor):
     """Per-request walk state and stream routing for one model (see `ConductorCore`).
 
@@ -99,6 +118,8 @@ class Conductor(Actor):
         placement: (node, walk) to the ranks that host it.
         workers: Each rank's worker.
         restart_wait_s: How long walks wait for a lost worker to come back.
+        request_stall_timeout_s: How long a request may go without progress before it fails
+            (None: never).
     """
 
     def __init__(
@@ -108,6 +129,7 @@ class Conductor(Actor):
         placement: Mapping[tuple[str, str], tuple[int, ...]],
         workers: Mapping[int, ActorRef],
         restart_wait_s: float = 60.0,
+        request_stall_timeout_s: float | None = None,
     ) -> None:
         self.core = ConductorCore(model, graph, placement)
         self.workers = dict(workers)
@@ -117,6 +139,14 @@ class Conductor(Actor):
         self.gone: set[int] = set()  # lost ranks that did not come back in time
         self.parked: dict[tuple[str, int], list[StartWalk]] = {}  # (request, walk seq) -> shares
         self._losses: dict[int, int] = {}  # rank -> how often it was lost (tags its timer)
+        self.stall_timeout_s = request_stall_timeout_s
+        self._progressed: set[str] = set()  # requests something arrived for since the last sweep
+        self._quiet: dict[str, int] = {}  # request -> sweeps in a row that found no progress
+        self._sweep_timer: asyncio.TimerHandle | None = None
+
+    async def on_start(self) -> None:
+        """Start looking for stalled requests (when a stall timeout is set)."""
+        self._schedule_sweep()
 
     # Outputs arrive once per token or chunk: an idle conductor hands them on at once.
     immediate_types = frozenset({EmittedMsg, StreamItemMsg})
@@ -124,6 +154,8 @@ class Conductor(Actor):
     def handle_now(self, message: EmittedMsg | StreamItemMsg) -> None:
         """Postprocess an output for its client, or route a stream item."""
         m = message
+        if self.stall_timeout_s is not None:
+            self._progressed.add(m.request_id)
         if isinstance(m, EmittedMsg):
             emission = Emission(m.partition, m.walk, m.node, m.name, m.modality, m.value)
             self._execute(self.core.emitted(m.request_id, emission))
@@ -136,6 +168,8 @@ class Conductor(Actor):
         if isinstance(message, EmittedMsg | StreamItemMsg):
             self.handle_now(message)
             return None
+        if isinstance(message, WalkDoneMsg | WalkFailedMsg) and self.stall_timeout_s is not None:
+            self._progressed.add(message.request_id)
         if isinstance(message, WalkDoneMsg):
             commands = core.walk_done(message.request_id, message.walk_seq, message.rank, from_slots(message.persisted))
         elif isinstance(message, WalkFailedMsg):
@@ -147,6 +181,8 @@ class Conductor(Actor):
                 message.queue.put_nowait(DuplicateRequestError(f"request id {request_id!r} is already running"))
                 return None
             self.queues[request_id] = message.queue
+            if self.stall_timeout_s is not None:
+                self._progressed.add(request_id)
             try:
                 commands = core.submit(message.request, message.prepared)
             except Exception as exc:
@@ -166,6 +202,9 @@ class Conductor(Actor):
             self.restarting.discard(message.rank)
             self.gone.add(message.rank)
             commands = core.worker_lost(message.rank, self._gone_error(message.rank))
+        elif isinstance(message, SweepStalls):
+            commands = self._sweep_stalls()
+            self._schedule_sweep()
         elif isinstance(message, StateQuery):
             counts = {"requests": len(core.requests), "client_queues": len(self.queues), "parked_walks": len(self.parked)}
             return StateReport(counts)
@@ -216,11 +255,12 @@ class Conductor(Actor):
         epoch = self._losses[rank] = self._losses.get(rank, 0) + 1
         self.gone.discard(rank)
         self.restarting.add(rank)
+        self.core.ranks_down.add(rank)
         asyncio.get_running_loop().call_later(self.restart_wait_s, self._expire, RankWaitExpired(rank, epoch))
         error = WorkerLostError(f"the worker of rank {rank} died; it is being restarted")
         return self.core.worker_lost(rank, error)
 
-    def _expire(self, message: RankWaitExpired) -> None:
+    def _expire(self, message: RankWaitExpired | SweepStalls) -> None:
         if not self.system.is_closed:
             with contextlib.suppress(MStarError):
                 self.ref.tell(message)
@@ -230,6 +270,7 @@ class Conductor(Actor):
         self.workers[rank] = ref
         self.restarting.discard(rank)
         self.gone.discard(rank)
+        self.core.ranks_down.discard(rank)
         for key, shares in list(self.parked.items()):
             if self._down_rank(shares[0]) is None:
                 del self.parked[key]
@@ -239,8 +280,38 @@ class Conductor(Actor):
     def _gone_error(self, rank: int) -> WorkerLostError:
         return WorkerLostError(f"the worker of rank {rank} died and did not come back within {self.restart_wait_s} s")
 
+    # --- stalled requests -------------------------------------------------------------------
+
+    def _schedule_sweep(self) -> None:
+        if self.stall_timeout_s is not None:
+            delay = self.stall_timeout_s / _SWEEPS
+            self._sweep_timer = asyncio.get_running_loop().call_later(delay, self._expire, SweepStalls())
+
+    def _sweep_stalls(self) -> list[Command]:
+        """Fail the requests that went ``_SWEEPS`` sweeps in a row without progress."""
+        parked = {request_id for request_id, _ in self.parked}
+        quiet: dict[str, int] = {}
+        commands: list[Command] = []
+        for request_id in list(self.core.requests):
+            if request_id in self._progressed or request_id in parked:
+                continue
+            num_quiet = quiet[request_id] = self._quiet.get(request_id, 0) + 1
+            if num_quiet >= _SWEEPS:
+                del quiet[request_id]
+                log.warning("request_stalled", engine_request_id=request_id, timeout_s=self.stall_timeout_s)
+                error = RequestStalledError(
+                    f"request {request_id!r} made no progress for {self.stall_timeout_s} s (a message lost on the "
+                    "way?); it was failed and everything it held released"
+                )
+                commands += self.core.fail(request_id, error)
+        self._quiet = quiet
+        self._progressed.clear()
+        return commands
+
     async def on_stop(self) -> None:
         """Fail every request still running: the engine is shutting down."""
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
         for request_id, queue in self.queues.items():
             queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted: the engine shut down"))
         self.queues.clear()
@@ -248,5 +319,7 @@ class Conductor(Actor):
 
 def _error_of(message: WalkFailedMsg) -> Exception:
     if message.kind == "WalkExecutionError":
-        return WalkExecutionError(message.message, node=message.node, walk=message.walk, request_id=message.request_id)
+        return WalkExecutionError(
+            message.message, node=message.node, walk=message.walk, request_id=message.request_id, cause=message.cause
+        )
     return MStarError(f"walk failed on rank {message.rank}: {message.message}")

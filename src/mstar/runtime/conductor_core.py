@@ -100,6 +100,7 @@ class _Request:
     partitions: dict[str, _Partition]
     buffers: dict[Slot, StreamBuffer[Any]]
     ranks_used: set[int] = field(default_factory=set)
+    replicas: dict[str, int] = field(default_factory=dict)  # node -> the rank it runs on for this request
 
 
 class ConductorCore:
@@ -114,6 +115,8 @@ class ConductorCore:
     def __init__(self, model: Model, graph: ModelGraph, placement: Mapping[tuple[str, str], tuple[int, ...]]) -> None:
         self.model, self.graph, self.placement = model, graph, placement
         self.requests: dict[str, _Request] = {}
+        # Ranks whose worker is lost: a node replicated elsewhere runs on a live replica.
+        self.ranks_down: set[int] = set()
         self._num_submitted = 0
         self._num_walks = 0  # walk sequence numbers are unique across requests
         self._stream_slots = {
@@ -214,11 +217,15 @@ class ConductorCore:
 
     def abort(self, request_id: str, reason: str = "") -> list[Command]:
         """Abort a request (saying why, if ``reason``) and release everything held for it."""
+        why = f": {reason}" if reason else ""
+        return self.fail(request_id, RequestAbortedError(f"request {request_id!r} was aborted{why}"))
+
+    def fail(self, request_id: str, error: Exception) -> list[Command]:
+        """Fail a request with ``error`` and release everything held for it."""
         req = self.requests.get(request_id)
         if req is None:
             return []
-        why = f": {reason}" if reason else ""
-        return self._fail(req, RequestAbortedError(f"request {request_id!r} was aborted{why}"), [])
+        return self._fail(req, error, [])
 
     # --- walks -------------------------------------------------------------------------------
 
@@ -244,10 +251,7 @@ class ConductorCore:
     def _start(self, req: _Request, part: str, walk: str, out: list[Command]) -> None:
         state = req.partitions[part]
         state.walk_seq = self._next_seq(req)
-        node_ranks = {}
-        for node in self.graph.walk_nodes(walk):
-            ranks = self.placement[(node.name, walk)]
-            node_ranks[node.name] = ranks[req.index % len(ranks)]
+        node_ranks = {node.name: self._replica(req, node.name, walk) for node in self.graph.walk_nodes(walk)}
         initial: dict[int, dict[Slot, Any]] = {r: {} for r in set(node_ranks.values())}
         for slot, value in req.persistent.items():
             if slot[0] in node_ranks:
@@ -260,6 +264,20 @@ class ConductorCore:
         req.ranks_used |= state.outstanding
         for rank, values in sorted(initial.items()):
             out.append(StartWalk(req.request_id, state.walk_seq, walk, rank, dict(node_ranks), values))
+
+    def _replica(self, req: _Request, node: str, walk: str) -> int:
+        """Return the rank that runs ``node`` in ``walk`` for a request.
+
+        The one it ran on before (its state is there); else the request's pick by its index
+        among the group's live ranks (all of them when none is live: the walk then waits for
+        a restart, or fails). With every rank up, requests spread over the replicas evenly.
+        """
+        ranks = self.placement[(node, walk)]
+        chosen = req.replicas.get(node)
+        if chosen is None or chosen not in ranks:
+            live = [r for r in ranks if r not in self.ranks_down] or ranks
+            chosen = req.replicas[node] = live[req.index % len(live)]
+        return chosen
 
     def _next_seq(self, req: _Request) -> int:
         self._num_walks += 1

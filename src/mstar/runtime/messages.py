@@ -115,6 +115,7 @@ class WalkFailedMsg(WireMessage):
     message: str
     node: str = ""
     walk: str = ""
+    cause: str = ""  # the class name of the node's own error
 
 
 class EmittedMsg(WireMessage):

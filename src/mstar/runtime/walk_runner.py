@@ -212,7 +212,7 @@ class WalkRunner:
         except WalkExecutionError:
             raise
         except Exception as exc:
-            raise self._error(node, f"node raised {type(exc).__name__}: {exc}") from exc
+            raise self._error(node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__) from exc
         self._absorb(node, out, env, accs, stops)
 
     async def _native_loop(self, loop: DynamicLoop, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> bool:
@@ -237,7 +237,7 @@ class WalkRunner:
         except WalkExecutionError:
             raise
         except Exception as exc:
-            raise self._error(node, f"node raised {type(exc).__name__}: {exc}") from exc
+            raise self._error(node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__) from exc
         env.signals.pop(loop.stop, None)
         return True
 
@@ -341,8 +341,8 @@ class WalkRunner:
             del self._inbox[value.key]
         return value.value
 
-    def _error(self, node: GraphNode, message: str) -> WalkExecutionError:
-        return WalkExecutionError(message, node=node.name, walk=self.walk, request_id=self.request_id)
+    def _error(self, node: GraphNode, message: str, cause: str = "") -> WalkExecutionError:
+        return WalkExecutionError(message, node=node.name, walk=self.walk, request_id=self.request_id, cause=cause)
 
 
 def _nodes(section: Section) -> list[GraphNode]:

@@ -95,6 +95,7 @@ class Worker(Actor):
         elif isinstance(message, UpdatePeer):
             self.workers[message.rank] = self.system.ref(message.worker)
         elif isinstance(message, StateQuery):
+            await self.core.settle()  # released blocks are free by now, not at the next step
             return StateReport(self.core.held_state())
         elif isinstance(message, StatsQuery):
             return stats_report(self.core.owned_engines, self.system)
@@ -112,7 +113,8 @@ class Worker(Actor):
     def walk_failed(self, request_id: str, walk_seq: int, rank: int, error: Exception) -> None:
         """Report a failed walk share to the conductor."""
         if isinstance(error, WalkExecutionError):
-            msg = WalkFailedMsg(request_id, walk_seq, rank, type(error).__name__, error.reason, error.node, error.walk)
+            kind = type(error).__name__
+            msg = WalkFailedMsg(request_id, walk_seq, rank, kind, error.reason, error.node, error.walk, error.cause)
         else:
             msg = WalkFailedMsg(request_id, walk_seq, rank, type(error).__name__, f"{type(error).__name__}: {error}")
         self.conductor.tell(msg)

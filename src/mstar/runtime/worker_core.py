@@ -9,6 +9,7 @@ and reports emissions, stream items and walk completion to the conductor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 from collections import OrderedDict
@@ -303,8 +304,16 @@ class WorkerCore:
         """Return each engine once, under the node that owns it (hosted nodes left out)."""
         return {name: engine for name, engine in self.engines.items() if name not in self.hosted}
 
+    async def settle(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) until the releases received so far are applied in every engine."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                for engine in self.owned_engines.values():
+                    if isinstance(engine, KVNodeEngine):
+                        await engine.wait_released()
+
     def held_state(self) -> dict[str, int]:
-        """Count what this worker holds for requests (all zero when idle)."""
+        """Count what this worker holds for requests (all zero when idle; see `settle`)."""
         counts = {"runners": len(self.runners), "tasks": len(self.tasks), "early_values": len(self.early)}
         for name, engine in self.owned_engines.items():
             counts[f"pending:{name}"] = engine.num_pending
