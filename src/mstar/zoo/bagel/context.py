@@ -17,10 +17,13 @@ On the paged cache they are sequences of one request, sharing blocks wherever th
     cfg_img    [ text A ]+[ text B' ]            "" up to its first image, forked there once
                                                  text comes after it (B' at its own RoPE position)
 
-`ContextState` is what the walks carry between them (a persisted value): each context's
-extent and next RoPE position, which item is next, and every input of the full context
-(``parts``), from which a CFG branch placed on another rank rebuilds its own context.
-Every value here crosses processes as plain data (`WireForm`) and is read back with ``of``.
+`ContextState` is what the walks carry between them (a persisted value, small, read by every
+node that follows a request's items): each context's extent and next RoPE position and which
+item is next. The inputs the cache took (`Parts`: token ids, VAE latents, ViT embeddings, the
+large part) persist apart, only to the nodes that need them: the prefilling nodes, which
+append to them, and each CFG branch, which gets its own context's inputs (`branch_parts`) to
+rebuild that context when it is placed on another rank. Every value here crosses processes as
+plain data (`WireForm`) and is read back with ``of``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ __all__ = [
     "ImageItem",
     "Item",
     "Part",
+    "Parts",
     "TextItem",
     "branch_items",
+    "branch_parts",
     "item_of",
     "part_of",
 ]
@@ -134,7 +139,7 @@ class Context:
 
 @dataclass(frozen=True, slots=True)
 class ContextState:
-    """The three contexts of a request, the index of its next item to prefill, and the full context's inputs.
+    """The three contexts of a request and the index of its next item to prefill.
 
     Attributes:
         think_ids: The planning text decoded in think mode, until it is prefilled (the next
@@ -148,7 +153,6 @@ class ContextState:
     cond: Context = Context()
     cfg_text: Context = Context()
     cfg_img: Context = Context()
-    parts: tuple[Part, ...] = ()
     think_ids: tuple[int, ...] | None = None
     has_think: bool = False
 
@@ -169,7 +173,7 @@ class ContextState:
             cfg_img = cond
         else:
             cfg_img = Context("cfg_img", self.cfg_img.num_tokens + n, self.cfg_img.rope + n)
-        return ContextState(self.cursor + 1, cond, self.cond, cfg_img, (*self.parts, payload))
+        return ContextState(self.cursor + 1, cond, self.cond, cfg_img)
 
     def after_image(self, payload: ImageInput, *, is_last_part: bool) -> ContextState:
         """Return the state after one path of an image (its tokens with their markers, one RoPE position).
@@ -177,7 +181,7 @@ class ContextState:
         The item is done after its last path (VAE then ViT); the text-free context takes it in.
         """
         cond = Context("", self.cond.num_tokens + payload.num_tokens, self.cond.rope + 1)
-        return replace(self, cursor=self.cursor + int(is_last_part), cond=cond, cfg_text=cond, parts=(*self.parts, payload))
+        return replace(self, cursor=self.cursor + int(is_last_part), cond=cond, cfg_text=cond)
 
     def with_think(self, token_ids: Sequence[int]) -> ContextState:
         """Return the state once the planning text is decoded (it is prefilled next)."""
@@ -187,36 +191,13 @@ class ContextState:
         """Return the state after the planning text: in the full context only."""
         n = payload.num_tokens
         cond = Context("", self.cond.num_tokens + n, self.cond.rope + n)
-        return replace(self, cond=cond, parts=(*self.parts, payload), think_ids=None, has_think=True)
-
-    def branch_parts(self, branch: str) -> list[Part]:
-        """Return the inputs a branch's context is made of, at the RoPE positions that context gives them."""
-        if branch == "cond":
-            return list(self.parts)
-        if branch == "cfg_text":  # a prefix of the full context
-            out: list[Part] = []
-            count = 0
-            for part in self.parts:
-                if count >= self.cfg_text.num_tokens:
-                    break
-                out.append(part)
-                count += part.num_tokens
-            assert count == self.cfg_text.num_tokens, "the text-free context is a prefix of the full one"
-            return out
-        texts: list[Part] = []
-        rope = 0
-        for part in self.parts[: len(self.parts) - int(self.has_think)]:
-            if isinstance(part, TextInput):
-                texts.append(TextInput(part.token_ids, rope))
-                rope = texts[-1].rope_end
-        return texts
+        return replace(self, cond=cond, think_ids=None, has_think=True)
 
     def wire_form(self) -> dict[str, Any]:
         """Return the state as plain data."""
         return {
             "cursor": self.cursor,
             "contexts": [[c.seq, c.num_tokens, c.rope] for c in (self.cond, self.cfg_text, self.cfg_img)],
-            "parts": [part_form(p) for p in self.parts],
             "think_ids": list(self.think_ids) if self.think_ids is not None else None,
             "has_think": self.has_think,
         }
@@ -229,6 +210,61 @@ class ContextState:
         cond, cfg_text, cfg_img = (Context(str(c[0]), int(c[1]), int(c[2])) for c in value["contexts"])
         think = value.get("think_ids")
         return cls(
-            int(value["cursor"]), cond, cfg_text, cfg_img, tuple(part_of(p) for p in value["parts"]),
+            int(value["cursor"]), cond, cfg_text, cfg_img,
             tuple(int(t) for t in think) if think is not None else None, bool(value.get("has_think", False)),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Inputs of a context as the cache took them, in order (their RoPE positions included)."""
+
+    has_wire_form: ClassVar[Literal[True]] = True
+
+    parts: tuple[Part, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Count the cache positions the inputs take."""
+        return sum(p.num_tokens for p in self.parts)
+
+    def then(self, part: Part) -> Parts:
+        """Return these inputs and one more."""
+        return Parts((*self.parts, part))
+
+    def wire_form(self) -> dict[str, Any]:
+        """Return the inputs as plain data."""
+        return {"parts": [part_form(p) for p in self.parts]}
+
+    @classmethod
+    def of(cls, value: Parts | Mapping[str, Any]) -> Parts:
+        """Read inputs back (or pass them through)."""
+        if isinstance(value, Parts):
+            return value
+        return cls(tuple(part_of(p) for p in value["parts"]))
+
+
+def branch_parts(state: ContextState, parts: Parts, branch: str) -> Parts:
+    """Return the inputs a branch's context is made of, at the RoPE positions that context gives them.
+
+    ``parts`` are the full context's inputs (`ContextState` says how far each context goes).
+    """
+    if branch == "cond":
+        return parts
+    if branch == "cfg_text":  # a prefix of the full context
+        out: list[Part] = []
+        count = 0
+        for part in parts.parts:
+            if count >= state.cfg_text.num_tokens:
+                break
+            out.append(part)
+            count += part.num_tokens
+        assert count == state.cfg_text.num_tokens, "the text-free context is a prefix of the full one"
+        return Parts(tuple(out))
+    texts: list[Part] = []
+    rope = 0
+    for part in parts.parts[: len(parts.parts) - int(state.has_think)]:
+        if isinstance(part, TextInput):
+            texts.append(TextInput(part.token_ids, rope))
+            rope = texts[-1].rope_end
+    return Parts(tuple(texts))

@@ -25,6 +25,7 @@ from mstar.zoo.bagel.nodes import (
     VaeEncoderNode,
     VaeLatents,
     VitNode,
+    prefilled,
     query_input,
     velocity_output,
 )
@@ -60,12 +61,14 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
             contexts[CFG_TEXT] = _copy(contexts[COND])
             for branch in (COND, CFG_IMG):
                 contexts[branch].add(TextInput(item.token_ids, contexts[branch].rope))
-            return {"context": state.after_text(TextInput(item.token_ids, state.cond.rope))}
+            text = TextInput(item.token_ids, state.cond.rope)
+            return prefilled(inputs, state.after_text(text), text)
         if state.think_ids is not None:  # prefill_text of the planning text: the full context alone
             ids = torch.tensor([tokens.bos, *state.think_ids, tokens.eos], dtype=torch.long)
             contexts[COND] = thinking.pop()
             contexts[COND].add(TextInput(ids, contexts[COND].rope))
-            return {"context": state.after_think(TextInput(ids, state.cond.rope))}
+            think = TextInput(ids, state.cond.rope)
+            return prefilled(inputs, state.after_think(think), think)
         if not decoded:  # decode on a copy: a planning text is prefilled again afterwards
             thinking.append(_copy(contexts[COND]))
         ctx = contexts[COND]  # decode: one greedy token per firing
@@ -86,7 +89,8 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
         embeds = inputs["vit_embeds"]
         contexts[COND].add(ImageInput("vit", embeds, contexts[COND].rope))
         contexts[CFG_TEXT] = _copy(contexts[COND])
-        return {"context": state.after_image(ImageInput("vit", embeds, state.cond.rope), is_last_part=True)}
+        vit = ImageInput("vit", embeds, state.cond.rope)
+        return prefilled(inputs, state.after_image(vit, is_last_part=True), vit)
 
     @torch.inference_mode()
     def llm_vae(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -96,7 +100,7 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
         contexts[COND].add(ImageInput("vae", latents.tokens, contexts[COND].rope, positions, 0.0))
         contexts[CFG_TEXT] = _copy(contexts[COND])
         payload = ImageInput("vae", latents.tokens, state.cond.rope, positions, 0.0)
-        return {"context": state.after_image(payload, is_last_part=not latents.then_vit)}
+        return prefilled(inputs, state.after_image(payload, is_last_part=not latents.then_vit), payload)
 
     def denoise(branch: str) -> NodeFn:
         @torch.inference_mode()

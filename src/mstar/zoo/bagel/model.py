@@ -66,16 +66,17 @@ from mstar.runtime.model import (
 )
 from mstar.zoo.bagel.checkpoint import cached_random_checkpoint, load_bagel
 from mstar.zoo.bagel.config import BagelConfig, get_bagel_config
-from mstar.zoo.bagel.context import ContextState, ImageItem, Item, TextItem
+from mstar.zoo.bagel.context import ContextState, ImageItem, Item, Parts, TextItem
 from mstar.zoo.bagel.flow import BRANCHES, COND, FlowSpec
+from mstar.zoo.bagel.llm_node import LLMNode
 from mstar.zoo.bagel.nodes import (
     CombineNode,
-    LLMNode,
     Segments,
     VaeDecoderNode,
     VaeEncoderNode,
     VitNode,
     initial_flow,
+    parts_input,
     queries,
     query_input,
     velocity_output,
@@ -109,20 +110,27 @@ def denoise_node(branch: str) -> str:
     return "denoise" if branch == COND else f"denoise_{branch}"
 
 
-LLM_NODES = ("llm", "llm_vit", "llm_vae", *(denoise_node(b) for b in BRANCHES))
+_PREFILLS = ("llm", "llm_vit", "llm_vae")
+LLM_NODES = (*_PREFILLS, *(denoise_node(b) for b in BRANCHES))
 _CONTEXT_READERS = (*LLM_NODES, "vit", "vae_encoder")
+# Who gets which context inputs (the large values: ViT embeddings, latents): the prefills
+# the full ones, to append to; each branch its own context's, to rebuild it on a rank of its own.
+_PARTS_READERS = {parts_input(b): [denoise_node(b)] for b in BRANCHES}
+_PARTS_READERS[parts_input(COND)] = [*_PREFILLS, denoise_node(COND)]
 
 
 def make_bagel_graph(config: BagelConfig) -> ModelGraph:
     """Return the graph and walks of a BAGEL model."""
     context = [GraphEdge(dst, "context", persist=True) for dst in _CONTEXT_READERS]
-    llm = GraphNode("llm", {"segments", "context"}, [*context, GraphEdge(EMIT, "token", modality="text")], signals={"stop"})
+    context += [GraphEdge(dst, name, persist=True) for name, dsts in _PARTS_READERS.items() for dst in dsts]
+    llm = GraphNode("llm", {"segments", "context", "parts"}, [*context, GraphEdge(EMIT, "token", modality="text")], signals={"stop"})
     vit = GraphNode("vit", {"segments", "context"}, [GraphEdge("llm_vit", "vit_embeds")])
     vae_encoder = GraphNode("vae_encoder", {"segments", "context"}, [GraphEdge("llm_vae", "vae_latents")])
-    llm_vit = GraphNode("llm_vit", {"vit_embeds", "context"}, context)
-    llm_vae = GraphNode("llm_vae", {"vae_latents", "context"}, context)
+    llm_vit = GraphNode("llm_vit", {"vit_embeds", "context", "parts"}, context)
+    llm_vae = GraphNode("llm_vae", {"vae_latents", "context", "parts"}, context)
     denoise = [
-        GraphNode(denoise_node(b), {query_input(b), "context"}, [GraphEdge("cfg_combine", velocity_output(b))]) for b in BRANCHES
+        GraphNode(denoise_node(b), {query_input(b), "context", parts_input(b)}, [GraphEdge("cfg_combine", velocity_output(b))])
+        for b in BRANCHES
     ]
     combine = GraphNode(
         "cfg_combine",
@@ -146,6 +154,9 @@ def make_bagel_graph(config: BagelConfig) -> ModelGraph:
         "image_gen": Sequential([flow, vae_decoder]),
     }
     inputs: dict[str, set[str]] = {n: {"context"} for n in _CONTEXT_READERS}
+    for name, dsts in _PARTS_READERS.items():
+        for dst in dsts:
+            inputs[dst].add(name)
     for name in ("llm", "vit", "vae_encoder"):
         inputs[name].add("segments")
     for b in BRANCHES:
@@ -379,6 +390,9 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             walks[-1:] = ["decode", "prefill_text", "image_gen"]
         segments = Segments(tuple(items), max_tokens, is_think)
         inputs: dict[str, dict[str, Any]] = {n: {"context": ContextState()} for n in _CONTEXT_READERS}
+        for name, dsts in _PARTS_READERS.items():
+            for dst in dsts:
+                inputs[dst][name] = Parts()
         for name in ("llm", "vit", "vae_encoder"):
             inputs[name]["segments"] = segments
         flow = initial_flow(spec, initial_noise(data, (spec.num_tokens, cfg.patch_latent_dim))) if spec is not None else None
