@@ -2,6 +2,7 @@
 
     python scripts/chaos.py --duration 60                        # orpheus-tiny, then toy-composite
     python scripts/chaos.py --duration 5 --models toy-composite   # what the test suite runs
+    python scripts/chaos.py --duration 900 --json soak.json       # the soak: 15 minutes per model
 
 Each model is served in this process (uvicorn in a thread, as `mstar serve` runs it):
 ``orpheus-tiny`` with a worker process per rank and both nodes replicated on ranks 0 and 1,
@@ -10,6 +11,13 @@ Each model is served in this process (uvicorn in a thread, as `mstar serve` runs
 
 - ``kill_worker`` / ``stop_worker``: SIGKILL a worker process, or SIGSTOP it and SIGCONT it
   a second later (worker processes only);
+- ``drop_message``: the engine's actor system loses the next message that moves a walk on
+  (a walk's start, a walk share's end, values between ranks; `ActorSystem.fault_hook`): that
+  request fails with `RequestStalledError` after ``--stall-s`` seconds and is released;
+- ``delay_message``: every message the engine's actor system sends or receives is held back
+  for 0.1 to 1 s, then delivered in order (a link that stalls);
+- ``node_raise``: a request whose text makes the toy LM raise at its first decode step, after
+  its first token went out (toy-composite, which runs in this process);
 - ``disconnect``: a client that leaves mid-stream;
 - ``oversized`` / ``malformed`` / ``long_text``: a body over the 16 MiB limit, bytes that are
   not JSON, a text over the cap;
@@ -21,8 +29,9 @@ Each model is served in this process (uvicorn in a thread, as `mstar serve` runs
 Every request ends as ``ok``, ``typed_error`` (a 4xx/5xx with an error body, or a stream
 whose last line or event is an error), ``lost`` (a cut stream, a non-JSON 500, a refused
 connection while the server runs) or ``hung`` (no end within ``--hang-s``). The run fails
-unless lost, hung and every leftover (processes, shared segments, socket files, descriptors)
-are zero.
+unless lost, hung and every leftover (request state the engine still holds, processes,
+shared segments, socket files, descriptors) are zero. The table goes to stdout at the end;
+``--json`` writes the same figures to a file.
 """
 
 from __future__ import annotations
@@ -38,25 +47,104 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from multiprocessing import resource_tracker
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mstar.actors import ActorSystem
+from mstar.engines.stateless import BatchedNode
 from mstar.runtime import EngineConfig, Placement
+from mstar.runtime.messages import NodeValuesMsg, StartWalkMsg, WalkDoneMsg
 from mstar.server import AdmissionLimits, ServerConfig, configure_logging, make_app
 from mstar.server.serve_cli import DrainingServer, uvicorn_config
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo import resolve_model
+from mstar.zoo.toy import ToyModel, make_toy_inputs, make_toy_nodes
 
 REPLICATED_ORPHEUS = "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [0, 1]}\n"
-FAULTS = ("kill_worker", "stop_worker", "disconnect", "oversized", "malformed", "long_text", "kv_burst", "fuzz")
+FAULTS = (
+    "kill_worker", "stop_worker", "drop_message", "disconnect", "oversized", "delay_message", "malformed",
+    "node_raise", "long_text", "kv_burst", "fuzz",
+)
+WORKER_FAULTS = frozenset({"kill_worker", "stop_worker"})  # worker processes only
+IN_PROCESS_FAULTS = frozenset({"node_raise"})  # a model of this script's own, in this process
+# Messages that move a walk on: losing one stalls its request (see `drop_message`).
+WALK_MESSAGES = (StartWalkMsg, WalkDoneMsg, NodeValuesMsg)
+RAISE_TEXT = "chaos: raise in lm"
+
+
+class RaisingToy(ToyModel):
+    """toy-composite whose LM raises at the first decode step of a request whose text is
+    `RAISE_TEXT` (its first token is out by then): a node failing for one request."""
+
+    def submodule(self, node: str, device: torch.device) -> BatchedNode:
+        inner = super().submodule(node, device)
+        if node != "lm":
+            return inner
+        nodes = make_toy_nodes(self.config, self.seed)
+        marker = nodes["encoder"]({"text": make_toy_inputs(RAISE_TEXT, self.config)["encoder"]["text"]})["hidden"]
+        bos = self.config.bos_id
+
+        def lm(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+            for x in batch:
+                if int(x["token"]) != bos and torch.equal(x["hidden"], marker):
+                    raise RuntimeError("chaos: the toy LM fails this request on purpose")
+            return list(inner(batch))
+
+        return lm
+
+
+class MessageFaults:
+    """Fault hooks for an `ActorSystem` (installed, and run, on its event loop)."""
+
+    def __init__(self, system: ActorSystem, loop: asyncio.AbstractEventLoop) -> None:
+        self.system, self.loop = system, loop
+        self.num_dropped = 0
+        self.num_delayed = 0
+
+    def drop_next_walk_message(self) -> None:
+        """Lose the next message that moves a walk on."""
+
+        def hook(target: str, message: Any, deliver: Callable[[], None]) -> bool:
+            if not isinstance(message, WALK_MESSAGES):
+                return False
+            self.system.fault_hook = None
+            self.num_dropped += 1
+            return True
+
+        self.loop.call_soon_threadsafe(setattr, self.system, "fault_hook", hook)
+
+    def delay_everything(self, seconds: float) -> None:
+        """Hold every message back for ``seconds``, then deliver them in the order they came."""
+        held: deque[Callable[[], None]] = deque()
+
+        def hook(target: str, message: Any, deliver: Callable[[], None]) -> bool:
+            held.append(deliver)
+            self.num_delayed += 1
+            return True
+
+        def release() -> None:
+            if self.system.fault_hook is hook:
+                self.system.fault_hook = None
+            while held:
+                with contextlib.suppress(Exception):  # an actor or link gone meanwhile: lost, as on a wire
+                    held.popleft()()
+
+        def install() -> None:
+            self.system.fault_hook = hook
+            self.loop.call_later(seconds, release)
+
+        self.loop.call_soon_threadsafe(install)
 
 
 @dataclass(frozen=True)
@@ -68,7 +156,9 @@ class ChaosSettings:
     concurrency: int = 4
     fault_every_s: float = 2.0
     hang_s: float = 60.0
+    stall_s: float = 30.0
     seed: int = 0
+    json_path: str | None = None
 
 
 @dataclass
@@ -80,10 +170,13 @@ class Tally:
     affected: int = 0  # requests that overlapped a fault window or were faults themselves
     recoveries: list[float] = field(default_factory=list)
     examples: dict[str, str] = field(default_factory=dict)  # outcome -> one example
+    error_kinds: Counter[str] = field(default_factory=Counter)  # typed errors by mstar_error (or HTTP status)
 
-    def record(self, outcome: str, detail: str = "", *, affected: bool = False) -> None:
+    def record(self, outcome: str, detail: str = "", *, affected: bool = False, kind: str = "") -> None:
         self.outcomes[outcome] += 1
         self.affected += affected
+        if outcome == "typed_error" and kind:
+            self.error_kinds[kind] += 1
         if outcome not in ("ok", "typed_error") or outcome not in self.examples:
             self.examples.setdefault(outcome, detail[:200])
 
@@ -100,14 +193,16 @@ class Chaos:
         self.fault_until = 0.0  # requests started before this overlap a fault
         self.url = ""
         self.server: DrainingServer | None = None
+        self.messages: MessageFaults | None = None
 
     # --- server ------------------------------------------------------------------------------
 
     def start(self) -> threading.Thread:
         config = ServerConfig(port=0, admission=AdmissionLimits(max_running=8, max_waiting=8), graceful_shutdown_s=2.0)
-        engine = EngineConfig(worker_processes=self.processes, restart_wait_s=30.0)
+        engine = EngineConfig(worker_processes=self.processes, restart_wait_s=30.0, request_stall_timeout_s=self.cfg.stall_s)
         placement = Placement.from_yaml(REPLICATED_ORPHEUS) if self.processes else None
-        app = make_app(resolve_model(self.model), config, names=(self.model,), placement=placement, engine_config=engine)
+        model = RaisingToy() if self.model == "toy-composite" else resolve_model(self.model)
+        app = make_app(model, config, names=(self.model,), placement=placement, engine_config=engine)
         self.app = app
         self.server = DrainingServer(uvicorn_config(app, config), config, app)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -122,6 +217,8 @@ class Chaos:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start: {getattr(app.state, 'startup_error', None)!r}")
             time.sleep(0.05)
+        assert self.server._loop is not None
+        self.messages = MessageFaults(self.engine.system, self.server._loop)
         return thread
 
     @property
@@ -142,11 +239,15 @@ class Chaos:
             body["stream_format"] = "sse"
         return "/v1/audio/speech", body
 
-    async def one_request(self, http: httpx.AsyncClient, path: str, body: dict[str, Any], *, leave_after: int = 0) -> None:
+    async def one_request(
+        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], *, leave_after: int = 0, expect: str = ""
+    ) -> None:
+        """Send one request and record how it ended (``expect``: the typed error it must end with)."""
         affected = time.monotonic() < self.fault_until
+        kind = ""
         try:
             async with asyncio.timeout(self.cfg.hang_s):
-                outcome, detail = await self._stream(http, path, body, leave_after)
+                outcome, detail, kind = await self._stream(http, path, body, leave_after)
         except TimeoutError:
             outcome, detail = "hung", f"{path} {json.dumps(body)[:100]}"
         except httpx.RemoteProtocolError as exc:
@@ -154,31 +255,39 @@ class Chaos:
             # short (documented), which the client sees as this error, not as silence.
             is_raw_audio = path == "/v1/audio/speech" and "stream_format" not in body
             outcome, detail = ("typed_error", "") if is_raw_audio else ("lost", f"{path}: {exc}")
+            kind = "cut raw audio"
         except httpx.HTTPError as exc:
             outcome, detail = "lost", f"{path}: {type(exc).__name__}: {exc}"
-        self.tally.record(outcome, detail, affected=affected or time.monotonic() < self.fault_until)
+        if expect and (outcome, kind) != ("typed_error", expect):
+            outcome, detail = "lost", f"{path}: ended {outcome} ({kind or 'no error'}), not with {expect}"
+        self.tally.record(outcome, detail, affected=affected or time.monotonic() < self.fault_until, kind=kind)
 
-    async def _stream(self, http: httpx.AsyncClient, path: str, body: dict[str, Any], leave_after: int) -> tuple[str, str]:
+    async def _stream(self, http: httpx.AsyncClient, path: str, body: dict[str, Any], leave_after: int) -> tuple[str, str, str]:
         async with http.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                return ("typed_error", "") if _is_error_body(text) else ("lost", f"{response.status_code}: {text[:100]}")
+                if not _is_error_body(text):
+                    return "lost", f"{response.status_code}: {text[:100]}", ""
+                if response.status_code == 503:  # a client that honours Retry-After (1 s here) rather than spinning
+                    with contextlib.suppress(ValueError):
+                        await asyncio.sleep(min(float(response.headers.get("retry-after", "1")), 5.0))
+                return "typed_error", "", _error_kind(text, response.status_code)
             last = b""
             received = 0
             async for chunk in response.aiter_bytes():
                 received += 1
                 last = (last + chunk)[-4096:]
                 if leave_after and received >= leave_after:
-                    return "typed_error", "left on purpose"  # a client that disconnects
+                    return "typed_error", "left on purpose", "client left"  # a client that disconnects
             tail = [line for line in last.decode(errors="replace").splitlines() if line.strip()][-1:]
             if path == "/generate" or "stream_format" in body:  # NDJSON lines, SSE events
                 end = '"finished":true' if path == "/generate" else '"speech.audio.done"'
                 if tail and end in tail[0]:
-                    return "ok", ""
+                    return "ok", "", ""
                 if tail and _is_error_body(tail[0]):
-                    return "typed_error", ""
-                return "lost", f"{path}: the stream ended without its end or an error: {tail!r}"
-            return "ok", ""  # raw audio that ended with its last chunk
+                    return "typed_error", "", _error_kind(tail[0], None)
+                return "lost", f"{path}: the stream ended without its end or an error: {tail!r}", ""
+            return "ok", "", ""  # raw audio that ended with its last chunk
 
     async def client_loop(self, deadline: float) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.cfg.hang_s)) as http:
@@ -219,6 +328,14 @@ class Chaos:
             await self.expect_4xx(http, self.rng.choice(["/generate", "/v1/audio/speech"]), content=junk, detail=fault)
         elif fault == "long_text":
             await self.expect_4xx(http, "/generate", content=json.dumps({"task": "speech", "text": "a" * 20_000}).encode(), detail=fault)
+        elif fault == "drop_message":
+            assert self.messages is not None
+            self.messages.drop_next_walk_message()
+        elif fault == "delay_message":
+            assert self.messages is not None
+            self.messages.delay_everything(self.rng.uniform(0.1, 1.0))
+        elif fault == "node_raise":
+            await self.one_request(http, "/generate", {"task": "speech", "text": RAISE_TEXT}, expect="WalkExecutionError")
         elif fault == "kv_burst":
             burst = [self.speech_body(long=True) for _ in range(20)]
             await asyncio.gather(*(self.one_request(http, p, b) for p, b in burst))
@@ -232,7 +349,8 @@ class Chaos:
             self.tally.record("lost", f"{detail}: {exc}", affected=True)
             return
         ok = 400 <= answer.status_code < 500 and _is_error_body(answer.text)
-        self.tally.record("typed_error" if ok else "lost", f"{detail}: {answer.status_code} {answer.text[:100]}", affected=True)
+        kind = _error_kind(answer.text, answer.status_code) if ok else ""
+        self.tally.record("typed_error" if ok else "lost", f"{detail}: {answer.status_code} {answer.text[:100]}", affected=True, kind=kind)
 
     def fuzz(self) -> None:
         """POST hypothesis-drawn bodies to every route: each must get a typed answer (no 5xx)."""
@@ -247,7 +365,8 @@ class Chaos:
                 tally.record("lost", f"fuzz {path}: {exc}", affected=True)
                 return
             typed = answer.status_code == 200 or (answer.status_code < 500 and _is_error_body(answer.text))
-            tally.record("typed_error" if typed else "lost", f"fuzz {path} {json.dumps(body)[:80]}: {answer.status_code} {answer.text[:80]}", affected=True)
+            kind = _error_kind(answer.text, answer.status_code) if typed and answer.status_code != 200 else ""
+            tally.record("typed_error" if typed else "lost", f"fuzz {path} {json.dumps(body)[:80]}: {answer.status_code} {answer.text[:80]}", affected=True, kind=kind)
 
         post()
 
@@ -265,7 +384,7 @@ class Chaos:
             return await self.until_healthy(http, since)
 
     async def fault_loop(self, deadline: float) -> None:
-        faults = [f for f in FAULTS if self.processes or f not in ("kill_worker", "stop_worker")]
+        faults = [f for f in FAULTS if (f not in WORKER_FAULTS or self.processes) and (f not in IN_PROCESS_FAULTS or not self.processes)]
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.cfg.hang_s)) as http:
             turn = 0
             while time.monotonic() + self.cfg.fault_every_s < deadline:
@@ -288,6 +407,8 @@ class Chaos:
         thread = self.start()
         self.pids = {me.pid} | self.worker_pids()
         asyncio.run(self.run_load())
+        assert self.messages is not None
+        self.messages.loop.call_soon_threadsafe(setattr, self.engine.system, "fault_hook", None)  # an armed drop
         recovered = asyncio.run(self._healthy_since(time.monotonic()))
         held = _wait_idle(self)
         self.pids |= self.worker_pids()
@@ -307,6 +428,8 @@ class Chaos:
             "tally": self.tally,
             "recovered_s": recovered,
             "held_after": held,
+            "messages_dropped": self.messages.num_dropped,
+            "messages_delayed": self.messages.num_delayed,
             "server_stopped": not thread.is_alive(),
             "leftover_processes": len(leftover_procs),
             "leftover_segments": sum(1 for f in files if f.startswith("shm:")),
@@ -338,6 +461,17 @@ def _is_error_body(text: str) -> bool:
     return False
 
 
+def _error_kind(text: str, status: int | None) -> str:
+    """Name a typed error: the mstar error class its body names, else its HTTP status (None: an
+    error event in a stream)."""
+    for line in text.strip().splitlines()[-1:] or [text]:
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            error = json.loads(line.removeprefix("data: ").strip())["error"]
+            if isinstance(error, dict) and error.get("mstar_error"):
+                return str(error["mstar_error"])
+    return "error event" if status is None else f"HTTP {status}"
+
+
 def _rss(proc: psutil.Process) -> float:
     total = proc.memory_info().rss
     for child in proc.children(recursive=True):
@@ -358,14 +492,19 @@ def _mstar_files(pids: set[int]) -> set[str]:
 
 
 def _wait_idle(chaos: Chaos, timeout: float = 30.0) -> int:
-    """Wait (bounded) until the engine holds nothing; return what it still holds."""
+    """Wait (bounded) until the server and the engine hold nothing; return what they still hold
+    (requests running, admission slots, and every count of `AsyncEngine.held_state`)."""
     state = chaos.app.state.server
+    assert chaos.messages is not None
     deadline = time.monotonic() + timeout
     left = -1
     while time.monotonic() < deadline:
         left = len(state.running) + state.admission.num_running
         if left == 0:
-            return 0
+            held = asyncio.run_coroutine_threadsafe(state.engine.held_state(), chaos.messages.loop).result(60)
+            left = sum(v for counts in held.values() for v in counts.values())
+            if left == 0:
+                return 0
         time.sleep(0.05)
     return left
 
@@ -377,12 +516,21 @@ def parse_args(argv: list[str] | None = None) -> ChaosSettings:
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (default 4)")
     parser.add_argument("--fault-every", type=float, default=2.0, help="seconds between faults (default 2)")
     parser.add_argument("--hang-s", type=float, default=60.0, help="a request not done in this long is hung")
+    parser.add_argument(
+        "--stall-s", type=float, default=30.0,
+        help="the engine's request_stall_timeout_s: a request whose message was dropped fails after this long (default 30)",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
     if args.duration <= 0 or args.concurrency < 1 or args.fault_every <= 0 or not models:
         parser.error("--duration, --fault-every must be > 0, --concurrency >= 1, and name a model")
-    return ChaosSettings(models, args.duration, args.concurrency, args.fault_every, args.hang_s, args.seed)
+    if not 0 < args.stall_s < args.hang_s:
+        parser.error("--stall-s must be > 0 and below --hang-s (a stalled request must fail before it counts as hung)")
+    return ChaosSettings(
+        models, args.duration, args.concurrency, args.fault_every, args.hang_s, args.stall_s, args.seed, args.json_path
+    )
 
 
 def report(results: list[dict[str, Any]]) -> str:
@@ -392,6 +540,10 @@ def report(results: list[dict[str, Any]]) -> str:
         ("requests affected by a fault", lambda r: r["tally"].affected),
         ("completed", lambda r: r["tally"].outcomes["ok"]),
         ("failed with a typed error", lambda r: r["tally"].outcomes["typed_error"]),
+        ("  of them stalled (lost message)", lambda r: r["tally"].error_kinds["RequestStalledError"]),
+        ("  of them a node's error", lambda r: r["tally"].error_kinds["WalkExecutionError"]),
+        ("  of them a lost worker", lambda r: r["tally"].error_kinds["WorkerLostError"]),
+        ("messages dropped / delayed", lambda r: f"{r['messages_dropped']} / {r['messages_delayed']}"),
         ("lost (must be 0)", lambda r: r["tally"].outcomes["lost"]),
         ("hung (must be 0)", lambda r: r["tally"].outcomes["hung"]),
         ("time to recover, max s", lambda r: f"{max(r['tally'].recoveries, default=0.0):.2f}"),
@@ -429,15 +581,40 @@ def warm_up() -> None:
     Chaos("toy-composite", ChaosSettings(("toy-composite",), 0.5, 1, 10.0, 30.0)).run()
 
 
+def to_json(cfg: ChaosSettings, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return the run's settings and figures as JSON values."""
+    models = []
+    for r in results:
+        tally: Tally = r["tally"]
+        figures = {k: v for k, v in r.items() if k != "tally"}
+        models.append({
+            **figures,
+            "faults": dict(tally.faults),
+            "outcomes": {k: tally.outcomes[k] for k in ("ok", "typed_error", "lost", "hung")},
+            "requests": sum(tally.outcomes.values()),
+            "affected": tally.affected,
+            "typed_errors_by_kind": dict(tally.error_kinds),
+            "recover_max_s": max(tally.recoveries, default=0.0),
+            "examples": tally.examples,
+            "is_clean": is_clean(r),
+        })
+    return {"settings": asdict(cfg), "models": models}
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     configure_logging("error", json=False)
     warm_up()
     print(f"chaos: models={','.join(cfg.models)} duration={cfg.duration_s}s concurrency={cfg.concurrency} "
-          f"fault_every={cfg.fault_every_s}s hang_s={cfg.hang_s} seed={cfg.seed}", flush=True)
+          f"fault_every={cfg.fault_every_s}s hang_s={cfg.hang_s} stall_s={cfg.stall_s} seed={cfg.seed}", flush=True)
     print("orpheus-tiny: worker processes, LLM and SNAC replicated on ranks 0 and 1; toy-composite: in-process workers", flush=True)
+    started = time.monotonic()
     results = [Chaos(model, cfg).run() for model in cfg.models]
     print(report(results), flush=True)
+    print(f"wall time {time.monotonic() - started:.0f} s", flush=True)
+    if cfg.json_path is not None:
+        figures = to_json(cfg, results)
+        Path(cfg.json_path).write_text(json.dumps(figures, indent=2, default=str) + "\n")
     return 0 if all(is_clean(r) for r in results) else 1
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,9 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from mstar.runtime import EngineConfig, ModelSpec, Placement
 from mstar.server import ServerConfig
 from tests.server.conftest import RunningServer, running_server
+from tests.server.models import save_tiny_chat_llama
 
 TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
 KEY = "sk-test-reliable"
+# A KV block of the tiny chat Llama: 2 layers x (K, V) x 2 heads x 16 dims x 16 tokens x 4 bytes.
+TINY_LLAMA_BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +101,31 @@ def test_health_and_metrics_report_a_lost_worker_at_once() -> None:
         assert rank_up(server, http.get("/metrics").text) == {"0": 1.0, "1": 1.0}
         answer = http.post("/generate", json={})
         assert answer.status_code == 200 and answer.text.rstrip().endswith('"finished":true}')
+
+
+@pytest.mark.timeout(120)
+def test_generate_past_a_kv_cache_smaller_than_the_models_length_is_a_400_naming_the_field(tmp_path: Path) -> None:
+    # The checkpoint's length is 4,096 positions; the KV-cache budget holds 8 blocks of 16
+    # tokens, which only the engine knows once it sized its cache.
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(save_tiny_chat_llama(tmp_path)), "name": "tiny-chat"})
+    engine = EngineConfig(kv_cache_memory=8 * TINY_LLAMA_BLOCK_BYTES)
+    with running_server(spec, names=("tiny-chat",), engine_config=engine) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        limit = server.call(server.state.max_seq_len())
+        assert limit is not None and limit <= 128
+        for stream in (True, False):
+            for body, field in (
+                ({"prompt_token_ids": [1, 2, 3], "max_tokens": 200}, "max_tokens"),
+                ({"prompt_token_ids": list(range(5, 205)), "max_tokens": 1}, "prompt_token_ids"),
+                ({"prompt": "x" * 300}, "prompt"),  # max_tokens left out: the default does not fit either
+            ):
+                answer = http.post("/generate", json={**body, "stream": stream})
+                assert answer.status_code == 400, answer.text
+                error = answer.json()["error"]
+                assert (error["param"], error["code"], error["type"]) == (field, "context_length_exceeded", "invalid_request_error")
+                assert f"holds {limit} tokens" in error["message"], error["message"]
+            nested = http.post("/generate", json={"data": {"prompt_token_ids": [1, 2, 3], "max_tokens": limit}, "stream": stream})
+            assert nested.status_code == 400 and nested.json()["error"]["param"] == "data.max_tokens"
+            assert f"at most {limit - 3}" in nested.json()["error"]["message"]
+        fits = http.post("/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": limit - 3, "ignore_eos": True})
+        assert fits.status_code == 200 and fits.text.rstrip().endswith('"finished":true}')
+        assert server.wait_idle() == {k: dict.fromkeys(v, 0) for k, v in server.held_state().items()}

@@ -11,7 +11,9 @@ fails after the first line, ``{"error": {...}}``. With ``"stream": false`` the s
 arrive in one body when the request ends.
 
 A `text` or `prompt` longer than `ServerConfig.max_text_chars` (16,384 by default) is
-refused with 400 naming the field.
+refused with 400 naming the field. So is a request that cannot fit the model's KV cache
+(prompt and ``max_tokens`` together; the cache may hold less than the model's own length),
+with code ``context_length_exceeded``, as on the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from mstar.errors import APIRequestError, MStarError
+from mstar.errors import APIRequestError, KVCacheCapacityError, MStarError, WalkExecutionError
 from mstar.runtime.model import Request
 from mstar.server.detokenize import IncrementalDetokenizer
 from mstar.server.encoding import error_body, ndjson, output_line
@@ -48,6 +50,8 @@ router = APIRouter()
 NDJSON = "application/x-ndjson"
 # Request data fields holding text for the model (capped by `ServerConfig.max_text_chars`).
 _TEXT_FIELDS = frozenset({"text", "prompt"})
+# Request data fields holding a prompt, in the order a model reads them.
+_PROMPT_FIELDS = ("prompt_token_ids", "messages", "prompt", "text")
 
 
 def _task(state: ServerState, body: GenerateRequest) -> str:
@@ -93,6 +97,48 @@ def _check_text(body: GenerateRequest, limit: int) -> None:
             )
 
 
+async def _does_not_fit(
+    state: ServerState, body: GenerateRequest, data: dict[str, Any], exc: WalkExecutionError
+) -> APIRequestError:
+    """Describe a request its KV cache cannot hold as a 400 naming the field to change.
+
+    The prompt's field when the prompt alone is too long (as far as the server can count it),
+    else ``max_tokens`` (sent, or left to the model's default).
+    """
+    limit = await state.max_seq_len()
+    inner = set(body.data.given())
+
+    def name(key: str) -> str:
+        return f"data.{key}" if key in inner else key
+
+    num_prompt = _prompt_length(state, data)
+    prompt_key = next((k for k in _PROMPT_FIELDS if k in data), None)
+    reason = exc.reason.removeprefix(f"node raised {KVCacheCapacityError.__name__}: ")
+    if prompt_key is not None and num_prompt is not None and limit is not None and num_prompt >= limit:
+        param, fix = name(prompt_key), "shorten the prompt"
+    else:
+        param = name("max_tokens")
+        room = f" to at most {limit - num_prompt}" if num_prompt is not None and limit is not None else ""
+        fix = f"send max_tokens{room}" if "max_tokens" not in data else f"lower max_tokens{room}"
+    holds = f"the KV cache holds {limit} tokens, prompt and completion together" if limit is not None else "the KV cache is full"
+    return APIRequestError(f"{reason} ({holds}): {fix}", param=param, code="context_length_exceeded")
+
+
+def _prompt_length(state: ServerState, data: dict[str, Any]) -> int | None:
+    """Count the prompt's tokens where the server can (token ids, or a text its tokenizer reads)."""
+    ids = data.get("prompt_token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    tokenizer = state.tokenizer
+    text = data.get("prompt", data.get("text"))
+    if tokenizer is None or not isinstance(text, str):
+        return None
+    try:
+        return len(tokenizer(text)["input_ids"])
+    except Exception:  # a tokenizer of another shape: the count is only a hint
+        return None
+
+
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HttpRequest) -> Response:
     """Run any task; stream its outputs as NDJSON."""
@@ -104,7 +150,12 @@ async def generate(body: GenerateRequest, http: HttpRequest) -> Response:
     if task != "generate" and "prompt" in data and "text" not in data:
         data["text"] = data.pop("prompt")
     request = Request(task, data, f"gen-{uuid.uuid4().hex}")
-    stream = await open_stream(state, http, request, sample_rate=state.sample_rate)
+    try:
+        stream = await open_stream(state, http, request, sample_rate=state.sample_rate)
+    except WalkExecutionError as exc:
+        if exc.cause != KVCacheCapacityError.__name__:
+            raise
+        raise await _does_not_fit(state, body, data, exc) from exc
     lines = _lines(stream, state, body.audio_data)
     if body.stream:
         return EngineStreamingResponse(lines, stream, media_type=NDJSON)

@@ -24,7 +24,7 @@ from starlette.datastructures import UploadFile
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Request
 from mstar.server.audio import pcm16_bytes, wav_header
-from mstar.server.encoding import sse
+from mstar.server.encoding import error_body, sse
 from mstar.server.images import decode_image, png_bytes
 from mstar.server.protocol import ImageEditRequest, ImageGenerationRequest, SpeechRequest
 from mstar.server.session import (
@@ -136,7 +136,8 @@ async def _speech_events(stream: RequestStream, response_format: str, rate: int)
         yield sse({"type": "speech.audio.done", "usage": {"num_samples": num_samples, "sample_rate": rate}})
     except (MStarError, ValueError) as exc:
         log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
-        yield sse({"type": "error", "error": {"message": str(exc), "type": "server_error"}})
+        kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+        yield sse({"type": "error", **error_body(str(exc), kind, exc=exc)})  # names the mstar error, for clients
 
 
 # --- images ------------------------------------------------------------------------------
