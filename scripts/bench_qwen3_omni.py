@@ -1,31 +1,37 @@
 """Benchmark Qwen3-Omni's spoken answers: mstar's streaming graph against a stage pipeline and transformers.
 
-    python scripts/bench_qwen3_omni.py                  # qwen3-omni-small, c = 1, 4, 16
-    python scripts/bench_qwen3_omni.py --quick          # c = 1, 4; shorter answers
-    python scripts/bench_qwen3_omni.py --concurrency 1 --max-tokens 8 --max-frames 12 --no-transformers
+    python scripts/bench_qwen3_omni.py                  # qwen3-omni-small, c = 1, 4, 16, both shapes
+    python scripts/bench_qwen3_omni.py --shapes short   # the short shape only
+    python scripts/bench_qwen3_omni.py --quick          # c = 1, 4; the short shape
+    python scripts/bench_qwen3_omni.py --concurrency 1 --max-tokens 8 --max-frames 12 --transformers
 
-Closed loop at each concurrency c (at least 5 x c measured requests per point, ``--warmup``
-unmeasured ones per target). Every target answers the same prompts with the same random
-``qwen3-omni-small`` weights: the thinker greedy to ``--max-tokens`` (random weights rarely
-reach end of turn), the talker sampled (temperature 0.9, top-k 50, repetition penalty 1.05, a
-per-request seed) to codec EOS or ``--max-frames``. Targets:
+Closed loop at each concurrency c (5 x c measured requests per point, 2 x c and at least 3
+for answers over 300 frames, or ``--num-requests``; ``--warmup`` unmeasured ones per target).
+Every target answers the same prompts with the same random ``qwen3-omni-small`` weights: the
+thinker greedy to the shape's ``max_tokens`` (random weights rarely reach end of turn), the
+talker sampled (temperature 0.9, top-k 50, repetition penalty 1.05, a per-request seed) to
+codec EOS or the shape's ``max_frames``. Shapes (`SHAPES`): ``reference``, the M* reference's
+256 answer tokens spoken at 3.75 frames a token (960 frames, 76.8 s of audio), and ``short``
+(32 tokens, 120 frames). Targets:
 
 - ``mstar``: `AsyncEngine` serving `Qwen3OmniModel` in this process, default placement
   (Thinker, Talker, Code2Wav on ranks 0, 1, 2, each stepping on its own thread): each answer
   token streams to the talker, each 25 frames to Code2Wav, and every step batches all users.
-- ``stage``: what a stage DAG without streaming does, on mstar's own kernels and batching:
-  the requests waiting when it is free form a batch; the thinker runs the whole batch to the
-  end (its nodes on one `KVCacheEngine`, every step batched), then the talker the whole batch
-  (batched steps, one code-predictor batch per step), then Code2Wav each request's codes
-  (transformers' ``chunked_decode``, 300-frame chunks, 25 of context). Its text and audio
-  arrive when their stage ends.
-- ``transformers``: ``Qwen3OmniMoeForConditionalGeneration.generate`` one request at a time
-  (all codes, then Code2Wav), its output when it returns (``--no-transformers`` skips it).
+- ``stage``: what a stage DAG without streaming does, on mstar's own kernels and batching,
+  with the same three step threads: each stage takes the requests waiting for it when it is
+  free and runs them to its end, the thinker (its nodes on one `KVCacheEngine`, every step
+  batched), then the talker (batched steps, one code-predictor batch per step), then Code2Wav
+  (transformers' ``chunked_decode``, 300-frame chunks, 25 of context); stages overlap across
+  batches. Its text and audio arrive when their stage ends.
+- ``transformers`` (``--transformers``): ``Qwen3OmniMoeForConditionalGeneration.generate``
+  one request at a time (all codes, then Code2Wav), its output when it returns.
 
-Reported per c and target: TTFT, TTFA p50 / p95, RTF p50 / p95 (client E2E latency / audio
-duration), audio seconds per second, streaming viability; the ratios stage / mstar of TTFA p50
-and RTF p50 and mstar / stage of audio s/s, with the targets (TTFA p50 >= 5x at every c; at
-c = 16 RTF p50 >= 2.9x and audio s/s >= 1.5x). Writes JSON and a PNG into ``--out``.
+Reported per shape, c and target: TTFT, TTFA p50 / p95, RTF p50 / p95 (client E2E latency /
+audio duration), audio seconds per second, streaming viability; the ratios stage / mstar of
+TTFA p50 and RTF p50 and mstar / stage of audio s/s, with the targets (TTFA p50 >= 5x at every
+c; at c = 16 RTF p50 >= 2.9x and audio s/s >= 1.5x); and where the CPU goes: each component's
+thread CPU time (thinker, talker, Code2Wav, the event loop) per audio second made, and how
+many cores the target kept busy. Writes a JSON and a PNG per shape into ``--out``.
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,20 +84,141 @@ PROMPTS = (
 TARGETS = {"ttfa_p50_ratio": 5.0, "rtf_p50_ratio_c16": 2.9, "audio_s_per_s_ratio_c16": 1.5}
 
 
+SHAPES = {"reference": (256, 960), "short": (32, 120)}
+"""Answer shapes (answer tokens, most codec frames). ``reference``: the M* reference's thinker
+budget of 256 tokens, spoken at 3.75 frames a token (12.5 frames/s at 3.3 tokens/s of speech);
+``short``: a quick shape whose first audio comes well before the answer ends."""
+
+
 @dataclass(frozen=True)
 class Settings:
-    """One run's configuration (printed first, recorded in the JSON)."""
+    """One run's configuration (printed first, recorded in the JSON); ``max_tokens`` and ``max_frames`` are the shape being run."""
 
     config: str = "qwen3-omni-small"
     concurrency: tuple[int, ...] = (1, 4, 16)
-    max_tokens: int = 48
-    max_frames: int = 100
+    shapes: tuple[tuple[str, int, int], ...] = tuple((k, *v) for k, v in SHAPES.items())
+    max_tokens: int = SHAPES["reference"][0]
+    max_frames: int = SHAPES["reference"][1]
     num_requests: int | None = None
     warmup: int = 1
     threads: int = 1
-    transformers: bool = True
+    transformers: bool = False
     seed: int = 0
     out: str = "results/qwen3_omni"
+
+    def requests_at(self, c: int) -> int:
+        """Measured requests at concurrency ``c``: ``--num-requests``, else 5 x c, or 2 x c (at least 3) for answers over 300 frames."""
+        if self.num_requests is not None:
+            return self.num_requests
+        return max(3, 2 * c) if self.max_frames > 300 else 5 * c
+
+
+@dataclass(frozen=True)
+class Loop(ClosedLoop):
+    """`ClosedLoop` with exactly ``num_requests`` measured requests (long answers take fewer per point)."""
+
+    def requests_at(self, point: float) -> int:
+        return self.num_requests or super().requests_at(point)
+
+
+# --- where the CPU goes ----------------------------------------------------------------------
+
+COMPONENTS = {
+    "mstar": (("mstar-rank0", "thinker"), ("mstar-rank1", "talker"), ("mstar-rank2", "code2wav")),
+    "stage": (
+        ("stage-thinker", "thinker"),
+        ("stage-talker", "talker"),
+        ("stage-codec", "code2wav"),
+    ),
+    "transformers": (("hf", "generate"),),
+}
+"""Thread-name prefix -> component, per target (mstar's default placement: Thinker, Talker and
+Code2Wav step on ranks 0, 1 and 2). The main thread (the event loop: mstar's conductor and
+walks, the stage pipeline's hand-offs, the load generator) is ``loop``; any other thread
+(prompt preprocessing, ...) is ``other``."""
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """Return every live thread's CPU seconds so far, by thread id."""
+    out: dict[int, tuple[str, float]] = {}
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        try:
+            clock = time.pthread_getcpuclockid(thread.ident)
+            out[thread.ident] = (thread.name, time.clock_gettime(clock))
+        except (OSError, ProcessLookupError):  # the thread just ended
+            continue
+    return out
+
+
+class CpuAccount:
+    """CPU seconds per component while a target has requests in flight, and the audio it made.
+
+    The load generator runs one target at a time, so a target's windows (first request in
+    flight to last one out, warmup included) hold only its own work; the threads of the
+    targets not running stay idle and are not counted, nor is a thread that ends inside a
+    window (every step thread lives for the whole run).
+    """
+
+    def __init__(self) -> None:
+        self.active: dict[str, int] = {}
+        self.since: dict[str, tuple[float, dict[int, tuple[str, float]]]] = {}
+        self.cpu: dict[str, dict[str, float]] = {}
+        self.wall: dict[str, float] = {}
+        self.samples: dict[str, int] = {}
+
+    def wrap(self, target: str, fn: Any) -> Any:
+        async def stream(request: BenchRequest) -> AsyncIterator[OutputEvent]:
+            self._enter(target)
+            try:
+                async for event in fn(request):
+                    if event.num_samples:
+                        self.samples[target] = self.samples.get(target, 0) + event.num_samples
+                    yield event
+            finally:
+                self._exit(target)
+
+        return stream
+
+    def _enter(self, target: str) -> None:
+        if not self.active.get(target):
+            self.since[target] = (time.perf_counter(), _thread_cpu())
+        self.active[target] = self.active.get(target, 0) + 1
+
+    def _exit(self, target: str) -> None:
+        self.active[target] -= 1
+        if self.active[target]:
+            return
+        started, before = self.since.pop(target)
+        self.wall[target] = self.wall.get(target, 0.0) + time.perf_counter() - started
+        cpu = self.cpu.setdefault(target, {})
+        prefixes = COMPONENTS.get(target, ())
+        for ident, (name, now) in _thread_cpu().items():
+            used = now - before.get(ident, (name, 0.0))[1]
+            if name == "MainThread":
+                component = "loop"
+            else:
+                component = next((c for p, c in prefixes if name.startswith(p)), None) or (
+                    "other"
+                    if not any(name.startswith(p) for ps in COMPONENTS.values() for p, _ in ps)
+                    else ""
+                )
+            if component:  # another target's threads: idle now, not this target's
+                cpu[component] = cpu.get(component, 0.0) + used
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """Return per target: ms of CPU per audio second per component, the total, and cores busy; reset."""
+        out: dict[str, dict[str, float]] = {}
+        for target, cpu in self.cpu.items():
+            audio_s = self.samples.get(target, 0) / 24_000
+            row = {k: 1e3 * v / audio_s if audio_s else math.nan for k, v in sorted(cpu.items())}
+            row["total"] = 1e3 * sum(cpu.values()) / audio_s if audio_s else math.nan
+            wall = self.wall.get(target, 0.0)
+            row["cores_busy"] = sum(cpu.values()) / wall if wall else math.nan
+            out[target] = row
+        self.cpu, self.wall, self.samples = {}, {}, {}
+        return out
 
 
 def _text() -> OutputEvent:
@@ -115,7 +245,15 @@ def request_data(settings: Settings, request: BenchRequest) -> dict[str, Any]:
 
 
 class StagePipeline:
-    """Thinker, then talker, then Code2Wav, each over the whole batch, nothing streamed between them."""
+    """Thinker, then talker, then Code2Wav, each stage over its whole batch, nothing streamed between them.
+
+    Each stage works on a thread of its own (the same three step threads and torch threads
+    as mstar's ranks), so stages overlap across batches as a stage DAG's do: while the talker
+    speaks one batch, the thinker answers the next. A stage takes every request waiting for
+    it when it is free.
+    """
+
+    STAGES = ("thinker", "talker", "codec")
 
     def __init__(self, model: Qwen3OmniModel, settings: Settings) -> None:
         self.model, self.settings = model, settings
@@ -126,51 +264,59 @@ class StagePipeline:
         # One engine per stage for the whole run (its cache is allocated once, as mstar's is).
         self.thinker_engine = KVCacheEngine(self.thinker.model, self.thinker.engine_config)
         self.talker_engine = KVCacheEngine(self.talker.model, self.talker.engine_config)
-        self.executor = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="stage",
-            initializer=functools.partial(torch.set_num_threads, settings.threads),
-        )
-        self.queue: list[tuple[str, dict[str, Any], asyncio.Future[Any], asyncio.Future[Any]]] = []
-        self.wakeup = asyncio.Event()
-        self.timings: list[
-            tuple[int, float, float, float]
-        ] = []  # batch size, thinker s, talker s, codec s
-        self.task: asyncio.Task[None] | None = None
+        self.executors = {
+            stage: ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"stage-{stage}",
+                initializer=functools.partial(torch.set_num_threads, settings.threads),
+            )
+            for stage in self.STAGES
+        }
+        self.queues: dict[str, list[Any]] = {stage: [] for stage in self.STAGES}
+        self.wakeups = {stage: asyncio.Event() for stage in self.STAGES}
+        self.timings: list[tuple[str, int, float]] = []  # stage, batch size, wall s
+        self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._serve())
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._serve(stage)) for stage in self.STAGES]
 
     async def stream(self, settings: Settings, request: BenchRequest) -> AsyncIterator[OutputEvent]:
         loop = asyncio.get_running_loop()
         text, audio = loop.create_future(), loop.create_future()
-        self.queue.append((request.request_id, request_data(settings, request), text, audio))
-        self.wakeup.set()
+        self._put("thinker", (request.request_id, request_data(settings, request), text, audio))
         for _ in range(len(await text)):
             yield _text()
         samples = await audio
         if samples:
             yield _audio(samples)
 
-    async def _serve(self) -> None:
+    def _put(self, stage: str, item: Any) -> None:
+        self.queues[stage].append(item)
+        self.wakeups[stage].set()
+
+    async def _serve(self, stage: str) -> None:
         loop = asyncio.get_running_loop()
+        run = {"thinker": self._think, "talker": self._talk, "codec": self._decode}[stage]
         while True:
-            await self.wakeup.wait()
-            self.wakeup.clear()
+            await self.wakeups[stage].wait()
+            self.wakeups[stage].clear()
             for _ in range(8):  # let the requests arriving together join the batch
                 await asyncio.sleep(0)
-            batch, self.queue = self.queue, []
+            batch, self.queues[stage] = self.queues[stage], []
             if not batch:
                 continue
+            started = time.perf_counter()
             try:
-                await loop.run_in_executor(self.executor, self._run_batch, loop, batch)
+                await loop.run_in_executor(self.executors[stage], run, loop, batch)
             except Exception as exc:
-                for _, _, text, audio in batch:
-                    for f in (text, audio):
+                for item in batch:
+                    for f in (item[2], item[3]):
                         if not f.done():
-                            loop.call_soon_threadsafe(f.set_exception, exc)
-            if self.queue:
-                self.wakeup.set()
+                            f.set_exception(exc)
+            self.timings.append((stage, len(batch), time.perf_counter() - started))
+            if self.queues[stage]:
+                self.wakeups[stage].set()
 
     def _fire(
         self, node: Any, engine: KVCacheEngine, work: dict[str, Mapping[str, Any]]
@@ -204,21 +350,19 @@ class StagePipeline:
         return dict(zip(firings, done, strict=True))
 
     @torch.inference_mode()
-    def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
-        model = self.model
-        start = time.perf_counter()
+    def _think(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+        """The thinker to the end of every answer of the batch; then the batch waits for the talker."""
         inputs: dict[str, dict[str, Any]] = {}
         talker_params: dict[str, Any] = {}
         for rid, data, _, _ in batch:
-            prepared = model.preprocess(Request("generate", data, rid))
+            prepared = self.model.preprocess(Request("generate", data, rid))
             inputs[rid] = dict(prepared.inputs["thinker"])
             talker_params[rid] = prepared.inputs["talker"]["talker_params"]
         texts: dict[str, list[int]] = {rid: [] for rid in inputs}
         items: dict[str, list[Any]] = {rid: [] for rid in inputs}
-        thinker_engine = self.thinker_engine
         active = dict(inputs)
-        while active:  # the thinker to the end of every answer
-            outs = self._fire(self.thinker, thinker_engine, active)
+        while active:
+            outs = self._fire(self.thinker, self.thinker_engine, active)
             for rid, out in outs.items():
                 if "text" in out:
                     texts[rid].append(int(out["text"]))
@@ -231,47 +375,50 @@ class StagePipeline:
                     active.pop(rid)
         for rid in inputs:
             self.thinker.release(rid)
-            thinker_engine.abort(rid)
-        thought = time.perf_counter()
-        for rid, _, text, _ in batch:
+            self.thinker_engine.abort(rid)
+        for rid, _, text, audio in batch:
             loop.call_soon_threadsafe(text.set_result, texts[rid])
-        talker_engine = self.talker_engine
-        frames: dict[str, list[torch.Tensor]] = {rid: [] for rid in inputs}
-        work = {
-            rid: {
+            work = {
                 "thinker_states": Chunk(tuple(items[rid]), 0, 0, True),
                 "talker_params": talker_params[rid],
             }
-            for rid in inputs
-        }
-        while work:  # the talker over all of each answer's text
-            outs = self._fire(self.talker, talker_engine, work)
+            loop.call_soon_threadsafe(self._put, "talker", (rid, work, text, audio))
+
+    @torch.inference_mode()
+    def _talk(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+        """The talker over all of each answer's text, every step batched; then Code2Wav's turn."""
+        frames: dict[str, list[torch.Tensor]] = {rid: [] for rid, *_ in batch}
+        work = {rid: inputs for rid, inputs, _, _ in batch}
+        while work:
+            outs = self._fire(self.talker, self.talker_engine, work)
             for rid, out in outs.items():
                 if "codes" in out:
                     frames[rid].append(out["codes"])
                 if out.get("stop"):
                     work.pop(rid)
-        for rid in inputs:
+        for rid, _, text, audio in batch:
             self.talker.release(rid)
-            talker_engine.abort(rid)
-        spoken = time.perf_counter()
+            self.talker_engine.abort(rid)
+            loop.call_soon_threadsafe(self._put, "codec", (rid, frames[rid], text, audio))
+
+    @torch.inference_mode()
+    def _decode(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+        """transformers' ``chunked_decode`` (300-frame chunks, 25 of context) of each request's codes."""
         code2wav = self.weights.code2wav
-        for rid, _, _, audio in batch:
+        for _, frames, _, audio in batch:
             samples = 0
-            if frames[rid]:
-                codes = torch.stack(frames[rid], dim=1)[None]
+            if frames:
+                codes = torch.stack(frames, dim=1)[None]
                 samples = int(
                     code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25).numel()
                 )
             loop.call_soon_threadsafe(audio.set_result, samples)
-        self.timings.append(
-            (len(batch), thought - start, spoken - thought, time.perf_counter() - spoken)
-        )
 
     def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-        self.executor.shutdown()
+        for task in self.tasks:
+            task.cancel()
+        for executor in self.executors.values():
+            executor.shutdown()
 
 
 class TransformersTarget:
@@ -325,7 +472,7 @@ class TransformersTarget:
 
 
 async def run(settings: Settings, console: Console) -> dict[str, Any]:
-    """Run every point, print the tables, write JSON and PNG."""
+    """Run every shape and point, print the tables, write JSON and PNGs."""
     before = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
@@ -343,21 +490,64 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
     config = {
         "settings": dataclasses.asdict(settings),
         "model": f"{settings.config} (random weights): thinker {model.config.thinker_text}, talker {model.config.talker_text}",
-        "mstar": "AsyncEngine in process, default placement (Thinker rank 0, Talker rank 1, Code2Wav rank 2); "
-        "streams FixedChunkPolicy(1) and LeftContextChunkPolicy(25, 25)",
-        "stage": "batch of waiting requests: thinker to the end, then talker, then Code2Wav chunked_decode (300/25)",
+        "mstar": "AsyncEngine in process, default placement (Thinker rank 0, Talker rank 1, Code2Wav rank 2, "
+        "each stepping on a thread of its own); streams FixedChunkPolicy(1) and LeftContextChunkPolicy(25, 25)",
+        "stage": "thinker, talker and Code2Wav stages on a thread each, overlapping across batches; each takes "
+        "the requests waiting for it: the thinker to the end, then the talker, then chunked_decode (300/25)",
         "transformers": "Qwen3OmniMoeForConditionalGeneration.generate one at a time"
         if reference
-        else "skipped",
+        else "skipped (--transformers)",
         "rtf": "client E2E latency / audio duration",
-        "torch": f"{torch.__version__}, {settings.threads} threads per target",
+        "cpu": "thread CPU time per component while a target has requests in flight, per audio second made",
+        "torch": f"{torch.__version__}, {settings.threads} threads per step thread; {_cores()} cores",
     }
     console.print("[bold]bench_qwen3_omni[/bold]: configuration")
     for key, value in config.items():
         console.print(f"  {key}: {value}", highlight=False, markup=False)
     engine = await AsyncEngine.start(model, None, EngineConfig(cpu_threads=settings.threads))
     stage.start()
+    account = CpuAccount()
+    shapes: dict[str, Any] = {}
+    try:
+        for name, max_tokens, max_frames in settings.shapes:
+            shaped = dataclasses.replace(settings, max_tokens=max_tokens, max_frames=max_frames)
+            console.print(
+                f"shape {name}: max_tokens {max_tokens}, max_frames {max_frames}",
+                highlight=False,
+                markup=False,
+            )
+            shapes[name] = await _run_shape(
+                shaped, name, engine, stage, reference, account, config, console
+            )
+    finally:
+        await engine.shutdown()
+        stage.close()
+        if reference is not None:
+            reference.close()
+    return {
+        "settings": _json_safe(dataclasses.asdict(settings)),
+        "config": config,
+        "shapes": shapes,
+    }
 
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+async def _run_shape(
+    settings: Settings,
+    name: str,
+    engine: AsyncEngine,
+    stage: StagePipeline,
+    reference: TransformersTarget | None,
+    account: CpuAccount,
+    config: Mapping[str, Any],
+    console: Console,
+) -> dict[str, Any]:
     async def mstar_target(request: BenchRequest) -> AsyncIterator[OutputEvent]:
         async for out in engine.generate(Request("generate", request_data(settings, request))):
             if out.modality == "text":
@@ -366,71 +556,92 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
                 yield _audio(int(out.data.numel()))
 
     targets: dict[str, Any] = {
-        "mstar": mstar_target,
-        "stage": functools.partial(stage.stream, settings),
+        "mstar": account.wrap("mstar", mstar_target),
+        "stage": account.wrap("stage", functools.partial(stage.stream, settings)),
     }
     if reference is not None:
-        targets["transformers"] = functools.partial(reference.stream, settings)
+        targets["transformers"] = account.wrap(
+            "transformers", functools.partial(reference.stream, settings)
+        )
     templates = make_requests(list(PROMPTS), max_tokens=settings.max_tokens)
     results: list[BenchResult] = []
-    try:
-        for c in settings.concurrency:
-            started = time.perf_counter()
-            result = await run_benchmark(
-                targets, templates, ClosedLoop((c,), num_requests=settings.num_requests, warmup=settings.warmup),
-                name="bench_qwen3_omni", seed=settings.seed * 1000 + c, progress=False, console=Console(quiet=True),
-            )  # fmt: skip
-            results.append(result)
-            for p in result.points:
-                errors = sorted({r.error for r in p.records if r.error})
-                if errors:
-                    console.print(
-                        f"  {p.target} errors: {errors[:3]}", highlight=False, markup=False
-                    )
-            console.print(
-                f"c={c}: point took {time.perf_counter() - started:.0f} s",
-                highlight=False,
-                markup=False,
-            )
-    finally:
-        await engine.shutdown()
-        stage.close()
-        if reference is not None:
-            reference.close()
+    cpu: dict[str, Any] = {}
+    stage.timings.clear()
+    for c in settings.concurrency:
+        started = time.perf_counter()
+        load = Loop((c,), num_requests=settings.requests_at(c), warmup=settings.warmup)
+        result = await run_benchmark(
+            targets, templates, load, name=f"bench_qwen3_omni ({name})", seed=settings.seed * 1000 + c,
+            progress=False, console=Console(quiet=True),
+        )  # fmt: skip
+        results.append(result)
+        cpu[str(c)] = account.take()
+        for p in result.points:
+            errors = sorted({r.error for r in p.records if r.error})
+            if errors:
+                console.print(f"  {p.target} errors: {errors[:3]}", highlight=False, markup=False)
+        console.print(
+            f"{name} c={c}: {load.requests_at(c)} requests per target, point took "
+            f"{time.perf_counter() - started:.0f} s",
+            highlight=False,
+            markup=False,
+        )
     first = results[0]
     merged = dataclasses.replace(
         first,
         config={
             **first.config,
             **config,
+            "shape": {
+                "name": name,
+                "max_tokens": settings.max_tokens,
+                "max_frames": settings.max_frames,
+            },
             "load": {"pattern": "closed_loop", "points": [r.load_points[0] for r in results]},
         },
         points=tuple(p for r in results for p in r.points),
     )
     print_table(merged, console)
-    rows = _summary(merged, console)
+    rows = _summary(merged, name, console)
+    _cpu_table(cpu, name, console)
     verdicts = _verdicts(rows, console)
-    stage_time = [
-        {"batch": b, "thinker_s": t, "talker_s": k, "code2wav_s": w} for b, t, k, w in stage.timings
-    ]
+    stage_time = [{"stage": st, "batch": b, "wall_s": w} for st, b, w in stage.timings]
     data = result_to_dict(merged)
     data["qwen3_omni"] = _json_safe(
         {
             "settings": dataclasses.asdict(settings),
             "summary": rows,
+            "cpu_ms_per_audio_s": cpu,
             "verdicts": verdicts,
             "stage_batches": stage_time,
         }
     )
-    from pathlib import Path
-
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "bench_qwen3_omni.json"
+    json_path = out / f"bench_qwen3_omni_{name}.json"
     json_path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-    png_path = plot_png(merged, out / "bench_qwen3_omni.png")
+    png_path = plot_png(merged, out / f"bench_qwen3_omni_{name}.png")
     console.print(f"wrote {json_path} and {png_path}", highlight=False, markup=False)
     return data
+
+
+def _cpu_table(
+    cpu: Mapping[str, Mapping[str, Mapping[str, float]]], name: str, console: Console
+) -> None:
+    components = sorted(
+        {k for per in cpu.values() for row in per.values() for k in row} - {"total", "cores_busy"}
+    )
+    table = Table(title=f"Qwen3-Omni ({name}): ms of CPU per audio second, per component")
+    for header in ["c", "target", *components, "total", "cores busy"]:
+        table.add_column(header, justify="left" if header == "target" else "right")
+    for c, per in cpu.items():
+        for target, row in per.items():
+            table.add_row(
+                c, target, *(f"{row[k]:.1f}" if k in row and not math.isnan(row[k]) else "-" for k in components),
+                f"{row['total']:.1f}", f"{row['cores_busy']:.2f}",
+            )  # fmt: skip
+        table.add_section()
+    console.print(table)
 
 
 def _stat(value: Any, field: str) -> float:
@@ -441,8 +652,10 @@ def _ratio(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) or not b else a / b
 
 
-def _summary(result: BenchResult, console: Console) -> dict[str, dict[str, Any]]:
-    table = Table(title="Qwen3-Omni per concurrency (RTF = client E2E latency / audio duration)")
+def _summary(result: BenchResult, name: str, console: Console) -> dict[str, dict[str, Any]]:
+    table = Table(
+        title=f"Qwen3-Omni ({name}) per concurrency (RTF = client E2E latency / audio duration)"
+    )
     for header in [
         "c",
         "target",
@@ -532,23 +745,25 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         "--concurrency", default=None, help="comma-separated (default 1,4,16; --quick 1,4)"
     )
     p.add_argument(
-        "--max-tokens", type=int, default=None, help="answer tokens (default 48; --quick 24)"
+        "--shapes",
+        default=None,
+        help=f"comma-separated answer shapes of {sorted(SHAPES)} (default reference,short; --quick short)",
     )
     p.add_argument(
-        "--max-frames",
-        type=int,
-        default=None,
-        help="most codec frames per answer (default 100; --quick 50)",
+        "--max-tokens", type=int, default=None, help="answer tokens: one custom shape instead"
+    )
+    p.add_argument(
+        "--max-frames", type=int, default=None, help="most codec frames per answer (custom shape)"
     )
     p.add_argument(
         "--num-requests",
         type=int,
         default=None,
-        help="measured requests per point (at least 5 x c)",
+        help="measured requests per point (default 5 x c; 2 x c, at least 3, over 300 frames)",
     )
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (every target)")
-    p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (every step thread)")
+    p.add_argument("--transformers", action="store_true", help="add transformers' generate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/qwen3_omni")
     p.add_argument("--quick", action="store_true")
@@ -558,13 +773,28 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         levels = tuple(int(c) for c in concurrency.split(","))
     except ValueError:
         p.error(f"--concurrency must be comma-separated integers, got {concurrency!r}")
-    max_tokens = args.max_tokens if args.max_tokens is not None else (24 if args.quick else 48)
-    max_frames = args.max_frames if args.max_frames is not None else (50 if args.quick else 100)
     if not levels or min(levels) < 1:
         p.error("--concurrency values must be >= 1")
+    if args.max_tokens is not None or args.max_frames is not None:
+        if args.shapes is not None:
+            p.error("give --shapes or --max-tokens / --max-frames, not both")
+        base = SHAPES["short" if args.quick else "reference"]
+        shapes = (
+            (
+                "custom",
+                base[0] if args.max_tokens is None else args.max_tokens,
+                base[1] if args.max_frames is None else args.max_frames,
+            ),
+        )
+    else:
+        names = (args.shapes or ("short" if args.quick else ",".join(SHAPES))).split(",")
+        unknown = [n for n in names if n not in SHAPES]
+        if unknown or not names:
+            p.error(f"--shapes must name shapes of {sorted(SHAPES)}, got {args.shapes!r}")
+        shapes = tuple((n, *SHAPES[n]) for n in names)
     for flag, value in (
-        ("--max-tokens", max_tokens),
-        ("--max-frames", max_frames),
+        ("--max-tokens", min(s[1] for s in shapes)),
+        ("--max-frames", min(s[2] for s in shapes)),
         ("--threads", args.threads),
         ("--num-requests", args.num_requests or 1),
     ):
@@ -573,13 +803,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     return Settings(
-        config=args.config, concurrency=levels, max_tokens=max_tokens, max_frames=max_frames, num_requests=args.num_requests,
-        warmup=args.warmup, threads=args.threads, transformers=not args.no_transformers, seed=args.seed, out=args.out,
+        config=args.config, concurrency=levels, shapes=shapes, max_tokens=shapes[0][1], max_frames=shapes[0][2],
+        num_requests=args.num_requests, warmup=args.warmup, threads=args.threads, transformers=args.transformers,
+        seed=args.seed, out=args.out,
     )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark from the command line; return what it wrote to JSON."""
+    """Run the benchmark from the command line; return what it wrote to JSON (per shape)."""
     settings = parse_args(argv)
     start = time.perf_counter()
     data = asyncio.run(run(settings, Console(width=160)))
@@ -589,4 +820,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     result = main()
-    sys.exit(0 if all(int(r["summary"]["num_failed"]) == 0 for r in result["results"]) else 1)
+    failed = sum(
+        int(r["summary"]["num_failed"])
+        for shape in result["shapes"].values()
+        for r in shape["results"]
+    )
+    sys.exit(0 if failed == 0 else 1)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -30,20 +34,57 @@ def test_arguments_are_validated(bench: ModuleType) -> None:
     assert (full.config, full.concurrency, full.transformers) == (
         "qwen3-omni-small",
         (1, 4, 16),
-        True,
+        False,
     )
+    assert full.shapes == (("reference", 256, 960), ("short", 32, 120))
+    assert (full.requests_at(1), full.requests_at(16)) == (3, 32)  # long answers: fewer
     quick = bench.parse_args(["--quick", "--concurrency", "2"])
-    assert quick.concurrency == (2,) and quick.max_tokens < full.max_tokens
-    assert not bench.parse_args(["--no-transformers"]).transformers
+    assert quick.concurrency == (2,) and quick.shapes == (("short", 32, 120),)
+    assert quick.requests_at(2) == 10
+    assert bench.parse_args(["--transformers"]).transformers
+    custom = bench.parse_args(["--max-frames", "40", "--num-requests", "2"])
+    assert custom.shapes == (("custom", 256, 40),) and custom.requests_at(16) == 2
     for bad in (
         ["--concurrency", "0"],
         ["--concurrency", "x"],
         ["--max-tokens", "0"],
         ["--max-frames", "0"],
         ["--warmup", "-1"],
+        ["--shapes", "long"],
+        ["--shapes", "short", "--max-tokens", "4"],
     ):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_cpu_account_charges_each_target_its_own_threads(bench: ModuleType) -> None:
+    """Work on a stage thread while the stage target has a request in flight is the stage's, per audio second."""
+    account = bench.CpuAccount()
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="stage-talker")  # lives on, as a stage's
+
+    async def stage_target(request: object) -> AsyncIterator[object]:
+        await asyncio.get_running_loop().run_in_executor(pool, spin, 0.05)
+        yield bench.OutputEvent("audio", num_samples=24_000, sample_rate=24_000)
+
+    async def consume() -> None:
+        async for _ in account.wrap("stage", stage_target)(object()):
+            pass
+
+    try:
+        asyncio.run(consume())
+    finally:
+        pool.shutdown()
+    row = account.take()["stage"]
+    assert 45 <= row["talker"] <= 80  # ms of CPU per audio second
+    assert "thinker" not in row and row["total"] >= row["talker"]
+    assert 0 < row["cores_busy"] <= 2
+    assert account.take() == {}
 
 
 @pytest.mark.slow
@@ -53,19 +94,21 @@ def test_a_tiny_run_reports_every_target(
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     data = bench.main(
         ["--config", "qwen3-omni-tiny", "--concurrency", "1,2", "--max-tokens", "4", "--max-frames", "8",
-         "--num-requests", "2", "--warmup", "0", "--out", str(tmp_path)]
+         "--num-requests", "2", "--warmup", "0", "--transformers", "--out", str(tmp_path)]
     )  # fmt: skip
-    assert all(r["summary"]["num_failed"] == 0 for r in data["results"])
-    summary = data["qwen3_omni"]["summary"]
+    (shape,) = data["shapes"].values()
+    assert all(r["summary"]["num_failed"] == 0 for r in shape["results"])
+    summary = shape["qwen3_omni"]["summary"]
     assert set(summary) == {"1", "2"}
     for row in summary.values():
         assert {"mstar", "stage", "transformers"} <= set(row) and row["mstar"]["audio_s_per_s"] > 0
         assert row["ttfa_p50_ratio"] is not None and row["rtf_p50_ratio"] is not None
-    assert set(data["qwen3_omni"]["verdicts"]) == {"ttfa_p50_ratio_c1", "ttfa_p50_ratio_c2"}
-    assert (
-        json.loads((tmp_path / "bench_qwen3_omni.json").read_text())["qwen3_omni"]["settings"][
-            "max_frames"
-        ]
-        == 8
-    )
-    assert (tmp_path / "bench_qwen3_omni.png").stat().st_size > 0
+    assert set(shape["qwen3_omni"]["verdicts"]) == {"ttfa_p50_ratio_c1", "ttfa_p50_ratio_c2"}
+    cpu = shape["qwen3_omni"]["cpu_ms_per_audio_s"]["2"]
+    assert {"thinker", "talker", "code2wav", "loop"} <= set(cpu["mstar"])
+    assert cpu["mstar"]["talker"] > 0
+    assert {"thinker", "talker", "code2wav"} <= set(cpu["stage"]) and cpu["stage"]["code2wav"] > 0
+    assert cpu["transformers"]["generate"] > 0
+    written = json.loads((tmp_path / "bench_qwen3_omni_custom.json").read_text())
+    assert written["qwen3_omni"]["settings"]["max_frames"] == 8
+    assert (tmp_path / "bench_qwen3_omni_custom.png").stat().st_size > 0
