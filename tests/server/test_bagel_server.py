@@ -82,6 +82,21 @@ def test_images_edits_take_the_input_size(server: RunningServer, model: BagelMod
     assert png == dense_png(model, "image_edit", {"text": "make it blue", "images": [source], "seed": 3, "num_timesteps": 3})
 
 
+def test_a_multipart_edit_takes_one_guidance_scale_the_text_scale(server: RunningServer, model: BagelModel) -> None:
+    source = picture(3, (64, 64))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        answer = http.post(
+            "/v1/images/edits",
+            files=[("image", ("in.png", encoded(source), "image/png"))],
+            data={"prompt": "make it red", "guidance_scale": "2.5", "seed": "5", "num_inference_steps": "3", "size": "64x64"},
+        )
+    assert answer.status_code == 200, answer.text
+    png = base64.b64decode(answer.json()["data"][0]["b64_json"])
+    data = {"text": "make it red", "images": [source], "seed": 5, "num_timesteps": 3}
+    assert png == dense_png(model, "image_edit", {**data, "cfg_text_scale": 2.5})
+    assert png != dense_png(model, "image_edit", data)  # the default text scale (4.0) makes another image
+
+
 def test_chat_understands_an_image_url(server: RunningServer, model: BagelModel) -> None:
     source = picture(2, (40, 56))
     url = "data:image/png;base64," + base64.b64encode(encoded(source)).decode()
@@ -102,6 +117,11 @@ def test_chat_understands_an_image_url(server: RunningServer, model: BagelModel)
         ("/v1/images/generations", {"json": {"prompt": "x", "size": "4096x64"}}, "width"),
         ("/v1/images/generations", {"json": {"prompt": "x", "guidance_scale": [4.0, 2.0, 1.5]}}, "guidance_scale"),
         ("/v1/images/edits", {"files": [("image", ("a.png", b"not an image", "image/png"))], "data": {"prompt": "x"}}, "image"),
+        (
+            "/v1/images/edits",
+            {"files": [("image", ("a.png", encoded(picture(4, (48, 80))), "image/png"))], "data": {"prompt": "x", "size": "64x64"}},
+            "size",
+        ),
         (
             "/v1/chat/completions",
             {"json": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}},

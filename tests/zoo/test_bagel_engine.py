@@ -176,3 +176,28 @@ def test_think_options_are_checked(model32: BagelModel) -> None:
         model32.preprocess(t2i(0, think=True, max_think_tokens=0))
     plan = model32.preprocess(t2i(0, think=True)).state
     assert plan.walks == ["prefill_text", "prefill_text", "decode", "prefill_text", "image_gen"]
+
+
+async def test_answers_honour_the_sampling_settings(model32: BagelModel) -> None:
+    def ask(**sampling: Any) -> Request:
+        return Request("understand", {"prompt": "what is this?", "image": _image(5, (40, 56)), "max_tokens": 8, **sampling})
+
+    requests = [ask(), ask(temperature=1.5, seed=1), ask(temperature=1.5, seed=1), ask(temperature=1.5, top_p=0.9, seed=2)]
+    outs, _ = await serve(model32, requests)
+    greedy, sampled, again, nucleus = (by_name(o, "token") for o in outs)
+    weights, vae = model32.load(CPU)
+    assert greedy == reference_understand(weights, vae, model32.preprocess(requests[0]).state.items, 8)
+    assert sampled == again  # seeded draws repeat
+    assert sampled != greedy and nucleus != sampled  # and are draws (fixed seeds: deterministic)
+
+
+def test_bad_sampling_settings_and_edit_sizes_are_refused_before_generation(model32: BagelModel) -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        model32.preprocess(Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), "top_p": 0.0}))
+    for name, value in (("logprobs", 2), ("ignore_eos", True)):
+        with pytest.raises(ValueError, match=name):
+            model32.preprocess(Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), name: value}))
+    with pytest.raises(ValueError, match="size: an edit keeps the input's size, 80x48"):
+        model32.preprocess(edit(1, width=64, height=64))
+    plan = model32.preprocess(edit(1, width=80, height=48)).state  # its own size is fine
+    assert plan.spec is not None and (plan.spec.width, plan.spec.height) == (80 // 16, 48 // 16)

@@ -244,7 +244,10 @@ class LLMNode:
     # -- token walks (understanding text, planning text) ---------------------------------
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Decode greedily from ``<|im_start|>`` after the request's context, until ``<|im_end|>``."""
+        """Decode from ``<|im_start|>`` after the request's context, until ``<|im_end|>``.
+
+        Greedily, unless the request's sampling says otherwise (answers only; a planning text is greedy).
+        """
         if is_first:
             raise ValueError("decode needs the request's context in this engine: prefill it first, on this rank")
         segments = Segments.of(inputs["segments"])
@@ -252,7 +255,8 @@ class LLMNode:
         if state.cursor >= len(segments.items) and segments.is_think:
             self._decoding[request_id] = state
         tokens = self.config.tokens
-        params = SamplingParams(temperature=0.0, max_tokens=max(1, segments.max_tokens), stop_token_ids=(tokens.eos,))
+        sampling: dict[str, Any] = {"temperature": 0.0, **dict(segments.sampling)}
+        params = SamplingParams(**sampling, max_tokens=max(1, segments.max_tokens), stop_token_ids=(tokens.eos,))
         return KVTurn([tokens.bos], params, is_done=segments.max_tokens < 1)
 
     def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:

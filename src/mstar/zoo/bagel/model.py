@@ -23,6 +23,12 @@ Tasks: ``image`` (``prompt``), ``edit`` (``image``, ``prompt``: the output has t
 ``cfg_text_scale``, ``cfg_img_scale``, ``cfg_interval``, ``cfg_renorm_type``, ``cfg_renorm_min``,
 ``max_tokens`` (``understand``), ``think`` and ``max_think_tokens``, ``skip_branches`` (false: every
 CFG branch on every step, which benchmarks what skipping saves; the image is the same).
+``guidance_scale`` (the images routes' field) is the text scale, or ``[text, image]``; a
+multipart edit form sends one number, the text scale (the image scale keeps its default). An
+edit's ``width``/``height`` (the route's ``size``) must be the input's size after resizing, or absent.
+Answers (``understand``, ``generate``) are greedy unless ``temperature``, ``top_p``, ``top_k``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` or ``seed`` say otherwise;
+``logprobs`` and ``ignore_eos`` are refused.
 
 Think mode (``think: true``) puts the planning instruction first, as a text item. Before an
 image the request then decodes a planning text (``decode``: its tokens stream as text) and
@@ -43,7 +49,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mstar.errors import CheckpointError
+from mstar.engines.sampling_params import SamplingParams
+from mstar.errors import CheckpointError, InvalidSamplingParamsError
 from mstar.graph import (
     EMIT,
     DynamicLoop,
@@ -367,6 +374,13 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         else:
             image = resize_for(self._image(data), cfg.vae_image)
             width, height = image.size
+            if request.task == "image_edit" and ("width" in data or "height" in data):
+                asked = data.get("width", width), data.get("height", height)
+                if asked != (width, height):
+                    raise ValueError(
+                        f"size: an edit keeps the input's size, {width}x{height} here (after resizing), "
+                        f"not {asked[0]}x{asked[1]}: omit size or send 'auto'"
+                    )
             vit = image_tensor(resize_for(image, cfg.vit_image))
             items.append(ImageItem(image_tensor(image) if request.task == "image_edit" else None, vit))
         items.append(text)
@@ -388,7 +402,8 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         if is_think:  # the planning text is decoded before the image
             max_tokens = _int_option(data, "max_think_tokens", cfg.max_text_tokens, 1)
             walks[-1:] = ["decode", "prefill_text", "image_gen"]
-        segments = Segments(tuple(items), max_tokens, is_think)
+        sampling = _sampling(data) if answers else ()
+        segments = Segments(tuple(items), max_tokens, is_think, sampling)
         inputs: dict[str, dict[str, Any]] = {n: {"context": ContextState()} for n in _CONTEXT_READERS}
         for name, dsts in _PARTS_READERS.items():
             for dst in dsts:
@@ -439,6 +454,22 @@ def _int_option(data: Mapping[str, Any], name: str, high: int, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
     return value
+
+
+_SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+
+
+def _sampling(data: Mapping[str, Any]) -> tuple[tuple[str, float | int], ...]:
+    """Return an answer's sampling settings, checked (none: greedy)."""
+    for name in ("logprobs", "ignore_eos"):
+        if data.get(name) not in (None, False):
+            raise ValueError(f"{name}: BAGEL's answers do not support it (omit {name})")
+    sampling = tuple((name, data[name]) for name in _SAMPLING if data.get(name) is not None)
+    try:
+        SamplingParams(**{"temperature": 0.0, **dict(sampling)})
+    except (InvalidSamplingParamsError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    return sampling
 
 
 def _prefill_walks(item: Item) -> list[str]:

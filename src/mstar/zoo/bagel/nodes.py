@@ -77,17 +77,23 @@ class Segments:
     items: tuple[Item, ...]
     max_tokens: int = 0
     is_think: bool = False  # the decode after the items is a planning text, then an image
+    # The answer's sampling (`SamplingParams` fields: temperature, top_p, seed...); none: greedy.
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
     def wire_form(self) -> dict[str, Any]:
         """Return the segments as plain data."""
-        return {"items": [item_form(i) for i in self.items], "max_tokens": self.max_tokens, "is_think": self.is_think}
+        return {
+            "items": [item_form(i) for i in self.items], "max_tokens": self.max_tokens, "is_think": self.is_think,
+            "sampling": [list(kv) for kv in self.sampling],
+        }
 
     @classmethod
     def of(cls, value: Segments | Mapping[str, Any]) -> Segments:
         """Read segments back (or pass them through)."""
         if isinstance(value, Segments):
             return value
-        return cls(tuple(item_of(i) for i in value["items"]), int(value["max_tokens"]), bool(value["is_think"]))
+        sampling = tuple((str(k), v) for k, v in value.get("sampling", ()))
+        return cls(tuple(item_of(i) for i in value["items"]), int(value["max_tokens"]), bool(value["is_think"]), sampling)
 
 
 @dataclass(frozen=True, slots=True)
