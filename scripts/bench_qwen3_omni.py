@@ -11,8 +11,9 @@ Every target answers the same prompts with the same random ``qwen3-omni-small`` 
 thinker greedy to the shape's ``max_tokens`` (random weights rarely reach end of turn), the
 talker sampled (temperature 0.9, top-k 50, repetition penalty 1.05, a per-request seed) to
 codec EOS or the shape's ``max_frames``. Shapes (`SHAPES`): ``reference``, the M* reference's
-256 answer tokens spoken at 3.75 frames a token (960 frames, 76.8 s of audio), and ``short``
-(32 tokens, 120 frames). Targets:
+256 answer tokens spoken at 3.75 frames a token (960 frames, 76.8 s of audio), ``short``
+(32 tokens, 120 frames), and, with ``--shapes mixed``, answers of a quarter to all of
+``reference``'s length by request (a stage's batch waits for its longest answer). Targets:
 
 - ``mstar``: `AsyncEngine` serving `Qwen3OmniModel` in this process, default placement
   (Thinker, Talker, Code2Wav on ranks 0, 1, 2, each stepping on its own thread): each answer
@@ -84,10 +85,13 @@ PROMPTS = (
 TARGETS = {"ttfa_p50_ratio": 5.0, "rtf_p50_ratio_c16": 2.9, "audio_s_per_s_ratio_c16": 1.5}
 
 
-SHAPES = {"reference": (256, 960), "short": (32, 120)}
+SHAPES = {"reference": (256, 960), "short": (32, 120), "mixed": (256, 960)}
 """Answer shapes (answer tokens, most codec frames). ``reference``: the M* reference's thinker
 budget of 256 tokens, spoken at 3.75 frames a token (12.5 frames/s at 3.3 tokens/s of speech);
-``short``: a quick shape whose first audio comes well before the answer ends."""
+``short``: a quick shape whose first audio comes well before the answer ends; ``mixed``
+(opt-in): answers of 1/4, 2/4, 3/4 or all of ``reference``'s length, by request."""
+DEFAULT_SHAPES = ("reference", "short")
+VARIED = frozenset({"mixed"})
 
 
 @dataclass(frozen=True)
@@ -96,9 +100,10 @@ class Settings:
 
     config: str = "qwen3-omni-small"
     concurrency: tuple[int, ...] = (1, 4, 16)
-    shapes: tuple[tuple[str, int, int], ...] = tuple((k, *v) for k, v in SHAPES.items())
+    shapes: tuple[tuple[str, int, int], ...] = tuple((k, *SHAPES[k]) for k in DEFAULT_SHAPES)
     max_tokens: int = SHAPES["reference"][0]
     max_frames: int = SHAPES["reference"][1]
+    varied: bool = False  # the shape being run varies its answers' lengths by request
     num_requests: int | None = None
     warmup: int = 1
     threads: int = 1
@@ -230,13 +235,14 @@ def _audio(num_samples: int) -> OutputEvent:
 
 
 def request_data(settings: Settings, request: BenchRequest) -> dict[str, Any]:
-    """Return the request every target answers (a per-request talker seed)."""
+    """Return the request every target answers (a per-request talker seed; a varied shape's length by request)."""
     seed = int(request.request_id.rsplit("-", 1)[-1]) if request.request_id[-1].isdigit() else 0
+    quarters = 1 + seed % 4 if settings.varied else 4
     return {
         "text": request.prompt,
         "temperature": 0.0,
-        "max_tokens": settings.max_tokens,
-        "max_audio_frames": settings.max_frames,
+        "max_tokens": max(1, settings.max_tokens * quarters // 4),
+        "max_audio_frames": max(1, settings.max_frames * quarters // 4),
         "seed": seed,
     }
 
@@ -510,7 +516,9 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
     shapes: dict[str, Any] = {}
     try:
         for name, max_tokens, max_frames in settings.shapes:
-            shaped = dataclasses.replace(settings, max_tokens=max_tokens, max_frames=max_frames)
+            shaped = dataclasses.replace(
+                settings, max_tokens=max_tokens, max_frames=max_frames, varied=name in VARIED
+            )
             console.print(
                 f"shape {name}: max_tokens {max_tokens}, max_frames {max_frames}",
                 highlight=False,
@@ -787,7 +795,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
             ),
         )
     else:
-        names = (args.shapes or ("short" if args.quick else ",".join(SHAPES))).split(",")
+        names = (args.shapes or ("short" if args.quick else ",".join(DEFAULT_SHAPES))).split(",")
         unknown = [n for n in names if n not in SHAPES]
         if unknown or not names:
             p.error(f"--shapes must name shapes of {sorted(SHAPES)}, got {args.shapes!r}")

@@ -44,6 +44,19 @@ def test_arguments_are_validated(bench: ModuleType) -> None:
     assert bench.parse_args(["--transformers"]).transformers
     custom = bench.parse_args(["--max-frames", "40", "--num-requests", "2"])
     assert custom.shapes == (("custom", 256, 40),) and custom.requests_at(16) == 2
+    mixed = bench.parse_args(["--shapes", "mixed"])
+    assert mixed.shapes == (("mixed", 256, 960),)
+    varied = bench.dataclasses.replace(mixed, varied=True)
+    lengths = {
+        bench.request_data(varied, bench.BenchRequest(f"concurrency-4-{i}", "hi"))[
+            "max_audio_frames"
+        ]
+        for i in range(8)
+    }
+    assert lengths == {240, 480, 720, 960}
+    assert (
+        bench.request_data(mixed, bench.BenchRequest("concurrency-4-1", "hi"))["max_tokens"] == 256
+    )
     for bad in (
         ["--concurrency", "0"],
         ["--concurrency", "x"],
