@@ -30,10 +30,12 @@ from mstar.actors.wire import ActorId
 from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerLostError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
+from mstar.runtime.conductor_core import ConductorCore, StartWalk
 from mstar.runtime.messages import NodeValuesMsg, StartWalkMsg, UpdatePeer, WalkDoneMsg
 from mstar.runtime.model import PreparedRequest
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo.noop import NoopLoopModel
+from mstar.zoo.toy import ToyModel
 from tests.helpers import wait_until_idle
 from tests.server.models import save_tiny_chat_llama
 
@@ -268,3 +270,28 @@ async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: 
             assert len(outputs) == 3
             held = await engine.held_state()  # at once: no waiting for the next engine step
             assert all(v == 0 for counts in held.values() for v in counts.values()), held
+
+
+# --- replicas -------------------------------------------------------------------------------
+
+
+def test_while_a_rank_is_down_new_walks_pick_a_live_replica_and_requests_keep_theirs() -> None:
+    model = ToyModel()
+    graph = model.graph()
+    core = ConductorCore(model, graph, {(n.name, w): (0, 1, 2) for w in graph.walks for n in graph.walk_nodes(w)})
+
+    def started(commands: list[Any]) -> list[StartWalk]:
+        return [c for c in commands if isinstance(c, StartWalk)]
+
+    prefills = [started(core.submit(Request("speech", {"text": "hi"}, f"r{i}"))) for i in range(3)]
+    assert [[c.rank for c in walks] for walks in prefills] == [[0], [1], [2]]  # spread by index
+    core.ranks_down.add(0)
+    # A running request stays where its state is: r2's decode walk runs on rank 2 again (its
+    # pick among the live ranks 1 and 2 would be rank 1).
+    decode = started(core.walk_done("r2", prefills[2][0].walk_seq, 2, {}))
+    assert [(c.walk, c.rank) for c in decode] == [("decode", 2)]
+    # New requests spread over the live replicas only.
+    news = [started(core.submit(Request("speech", {"text": "hi"}, f"n{i}"))) for i in range(4)]
+    assert [c.rank for walks in news for c in walks] == [2, 1, 2, 1]
+    core.ranks_down.discard(0)
+    assert [c.rank for c in started(core.submit(Request("speech", {"text": "hi"}, "back")))] == [1]  # index 7 of 0, 1, 2
