@@ -16,7 +16,6 @@ with `RequestStalledError` and everything it held is released. A parked walk is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import structlog
 from mstar.actors import Actor, ActorRef
 from mstar.errors import (
     DuplicateRequestError,
+    MailboxFullError,
     MStarError,
     RequestAbortedError,
     RequestStalledError,
@@ -66,6 +66,7 @@ END = object()
 # A stalled request is looked for this many times per stall timeout: it fails after between
 # one and 1 + 1/_SWEEPS timeouts without progress.
 _SWEEPS = 4
+_RETRY_S = 0.05  # a timer's message that found the mailbox full is sent again this much later
 
 
 @dataclass(frozen=True)
@@ -261,9 +262,14 @@ class Conductor(Actor):
         return self.core.worker_lost(rank, error)
 
     def _expire(self, message: RankWaitExpired | SweepStalls) -> None:
-        if not self.system.is_closed:
-            with contextlib.suppress(MStarError):
-                self.ref.tell(message)
+        if self.system.is_closed:
+            return
+        try:
+            self.ref.tell(message)
+        except MailboxFullError:  # a burst of outputs: the timer must not be lost, or walks would wait forever
+            asyncio.get_running_loop().call_later(_RETRY_S, self._expire, message)
+        except MStarError:
+            pass  # the conductor stopped
 
     def _worker_back(self, rank: int, ref: ActorRef) -> None:
         """Point at the rank's new worker; start the walks that waited for it."""
