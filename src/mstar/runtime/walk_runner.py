@@ -142,15 +142,18 @@ class WalkRunner:
         self.persisted: dict[Slot, Any] = {}
         self._initial = dict(initial)
         self._others = sorted(set(node_ranks.values()) - {rank})
-        self._inbox: dict[ValueKey, asyncio.Future[Any]] = {}
+        self._inbox: dict[ValueKey, asyncio.Future[Any]] = {}  # awaited, not arrived yet
+        self._arrived: dict[ValueKey, Any] = {}  # arrived, not awaited yet (no future for those)
         self._fired: Counter[str] = Counter()
         self._outgoing: dict[int, list[tuple[ValueKey, Any]]] = {}  # sent once per firing
         self._loop_passes: Counter[int] = Counter()
 
     def deliver(self, key: ValueKey, value: Any) -> None:
         """Accept a value from another worker (before or after this runner needs it)."""
-        future = self._future(key)
-        if not future.done():
+        future = self._inbox.pop(key, None)
+        if future is None:
+            self._arrived.setdefault(key, value)
+        elif not future.done():
             future.set_result(value)
 
     async def run(self) -> dict[Slot, Any]:
@@ -168,7 +171,13 @@ class WalkRunner:
                 self._expect(sec, env, accs, stops)
         elif isinstance(sec, Sequential):
             for s in sec.sections:
-                await self._section(s, env, accs, stops)
+                if isinstance(s, GraphNode):  # as above, without a coroutine per node (a loop body's every step)
+                    if self.node_ranks[s.name] == self.rank:
+                        await self._fire(s, env, accs, stops)
+                    else:
+                        self._expect(s, env, accs, stops)
+                else:
+                    await self._section(s, env, accs, stops)
         elif isinstance(sec, Parallel):
             before = dict(env.values)
             branches = [_Env(dict(before), dict(env.signals)) for _ in sec.sections]
@@ -206,7 +215,9 @@ class WalkRunner:
                     break
 
     async def _fire(self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
-        args = await self._inputs(node, env)
+        args = self._ready_inputs(node, env)
+        if args is None:
+            args = await self._inputs(node, env)
         try:
             out = await self.ports.fire(node.name, args)
         except WalkExecutionError:
@@ -240,6 +251,25 @@ class WalkRunner:
             raise self._error(node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__) from exc
         env.signals.pop(loop.stop, None)
         return True
+
+    def _ready_inputs(self, node: GraphNode, env: _Env) -> dict[str, Any] | None:
+        """Return the node's inputs if every one is here already (else None: `_inputs` waits)."""
+        args: dict[str, Any] = {}
+        values = env.values
+        name_ = node.name
+        for name in node.inputs:
+            value = values.get((name_, name), _MISSING)
+            if type(value) is _Pending:
+                pending = value
+                if pending.value is _Pending._UNSET and pending.key in self._arrived:
+                    pending.value = self._arrived.pop(pending.key)
+                value = pending.value
+                if value is _Pending._UNSET:
+                    return None
+            elif value is _MISSING:
+                return None  # `_inputs` names it
+            args[name] = value
+        return args
 
     async def _inputs(self, node: GraphNode, env: _Env) -> dict[str, Any]:
         args: dict[str, Any] = {}
@@ -327,18 +357,18 @@ class WalkRunner:
 
     # --- values from other workers ---------------------------------------------------------
 
-    def _future(self, key: ValueKey) -> asyncio.Future[Any]:
-        future = self._inbox.get(key)
-        if future is None:
-            future = self._inbox[key] = asyncio.get_running_loop().create_future()
-        return future
-
     async def _resolve(self, value: Any) -> Any:
         if not isinstance(value, _Pending):
             return value
         if value.value is _Pending._UNSET:
-            value.value = await self._future(value.key)
-            del self._inbox[value.key]
+            key = value.key
+            arrived = self._arrived.pop(key, _MISSING)
+            if arrived is _MISSING:
+                future = self._inbox.get(key)
+                if future is None:
+                    future = self._inbox[key] = asyncio.get_running_loop().create_future()
+                arrived = await future
+            value.value = arrived
         return value.value
 
     def _error(self, node: GraphNode, message: str, cause: str = "") -> WalkExecutionError:

@@ -78,8 +78,7 @@ class Worker(Actor):
 
     def handle_now(self, message: NodeValuesMsg) -> None:
         """Hand values from a peer worker to the runner of their walk."""
-        items: list[tuple[ValueKey, Any]] = list(zip(message.keys, message.values, strict=True))
-        self.core.deliver(message.request_id, message.walk_seq, items)
+        self.core.deliver(message.request_id, message.walk_seq, zip(message.keys, message.values, strict=True))
 
     async def handle(self, message: Any) -> Any:
         """Start walks, take values from peers, release requests."""

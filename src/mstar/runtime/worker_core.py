@@ -13,7 +13,7 @@ import contextlib
 import functools
 import gc
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -334,12 +334,13 @@ class WorkerCore:
         for value_key, value in self.early.pop(key, ()):
             runner.deliver(value_key, value)
 
-    def deliver(self, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+    def deliver(self, request_id: str, walk_seq: int, items: Iterable[tuple[ValueKey, Any]]) -> None:
         """Accept values from another rank's share of a walk."""
         runner = self.runners.get((request_id, walk_seq))
         if runner is not None:
+            deliver = runner.deliver
             for key, value in items:
-                runner.deliver(key, value)
+                deliver(key, value)
         elif not self._is_released(request_id, walk_seq):
             self.early.setdefault((request_id, walk_seq), []).extend(items)
 

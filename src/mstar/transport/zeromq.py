@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -109,7 +110,9 @@ class _SocketDriver:
         self._on_frames = on_frames
         self._loop = asyncio.get_running_loop()
         self._fd: int = sock.FD
-        self._get = sock.get
+        self._get: Callable[[int], int] = sock.get  # type: ignore[assignment]
+        self._send = sock.send
+        self._recv: Callable[[], zmq.Frame] = functools.partial(sock.recv, _NOBLOCK, copy=False)  # type: ignore[assignment]
         self._backlog: collections.deque[list[Any]] = collections.deque()
         self._is_scheduled = False
         self.is_closed = False
@@ -124,41 +127,28 @@ class _SocketDriver:
         """
         if self.is_closed:
             raise TransportClosedError("socket is closed")
-        if self._backlog:
-            self._backlog.append(frames)
+        backlog = self._backlog
+        if backlog:
+            backlog.append(frames)
         else:
             try:
                 self._send_now(frames)
             except zmq.Again:
-                self._backlog.append(frames)
+                backlog.append(frames)
             except zmq.ZMQError as exc:
                 raise TransportClosedError(f"socket send failed: {exc}") from exc
         # Sending may have consumed the descriptor's edge while input is waiting.
-        if not self._is_scheduled and self._events() & (
-            _POLLIN | (_POLLOUT if self._backlog else 0)
-        ):
+        if not self._is_scheduled and self._get(_EVENTS) & (_POLLOUT | _POLLIN if backlog else _POLLIN):
             self._schedule()
-
-    def _events(self) -> int:
-        return self._get(_EVENTS)  # type: ignore[return-value]
 
     def _send_now(self, frames: list[Any]) -> None:
         # ZeroMQ takes a multipart message whole or not at all: only the first part can
         # raise Again. Frames are bytes (headers, identities) or arrays (tensors).
-        sock = self._sock
-        last = len(frames) - 1
-        for i, frame in enumerate(frames):
-            copy = type(frame) is bytes and len(frame) < _COPY_THRESHOLD
-            sock.send(frame, _NOBLOCK if i == last else _MORE, copy=copy)
-
-    def _recv(self) -> list[Any]:
-        # The later parts of a multipart message arrive with the first.
-        frame = self._sock.recv(_NOBLOCK, copy=False)
-        frames = [frame]
-        while frame.more:
-            frame = self._sock.recv(_NOBLOCK, copy=False)
-            frames.append(frame)
-        return frames
+        send = self._send
+        last = frames[-1]
+        for frame in frames[:-1] if len(frames) > 1 else ():
+            send(frame, _MORE, copy=type(frame) is bytes and len(frame) < _COPY_THRESHOLD)
+        send(last, _NOBLOCK, copy=type(last) is bytes and len(last) < _COPY_THRESHOLD)
 
     def _schedule(self) -> None:
         self._is_scheduled = True
@@ -166,20 +156,26 @@ class _SocketDriver:
 
     def _drain(self) -> None:
         self._is_scheduled = False
+        get, recv, on_frames = self._get, self._recv, self._on_frames
         for _ in range(_BATCH):
             if self.is_closed:
                 return
-            events = self._events()
+            events = get(_EVENTS)
             if self._backlog and events & _POLLOUT:
                 self._flush_backlog()
             if not events & _POLLIN:
                 return
             try:
-                frames = self._recv()
+                # The later parts of a multipart message arrive with the first.
+                frame = recv()
+                frames = [frame]
+                while frame.more:
+                    frame = recv()
+                    frames.append(frame)
             except zmq.Again:
                 return
             try:
-                self._on_frames(frames)
+                on_frames(frames)
             except Exception:
                 log.exception("failed to handle a ZeroMQ message")
         if not self.is_closed and not self._is_scheduled:
