@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.runtime import EngineConfig, ModelSpec, Placement
 from mstar.server import ServerConfig
+from mstar.server.serve_cli import EXIT_USAGE, add_serve_arguments, serve_command
 from tests.server.conftest import RunningServer, running_server
 from tests.server.models import save_tiny_chat_llama
 
@@ -129,3 +131,11 @@ def test_generate_past_a_kv_cache_smaller_than_the_models_length_is_a_400_naming
         fits = http.post("/generate", json={"prompt_token_ids": [1, 2, 3], "max_tokens": limit - 3, "ignore_eos": True})
         assert fits.status_code == 200 and fits.text.rstrip().endswith('"finished":true}')
         assert server.wait_idle() == {k: dict.fromkeys(v, 0) for k, v in server.held_state().items()}
+
+
+def test_serve_takes_a_request_stall_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["toy-composite"]).request_stall_timeout == 600.0
+    assert serve_command(parser.parse_args(["toy-composite", "--request-stall-timeout", "-1"])) == EXIT_USAGE
+    assert "--request-stall-timeout must be >= 0" in capsys.readouterr().err

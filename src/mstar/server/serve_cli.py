@@ -73,6 +73,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
         help="on SIGTERM, how long running requests may take to finish (default 10)",
     )
+    parser.add_argument(
+        "--request-stall-timeout", type=float, default=600.0, metavar="SECONDS",
+        help="fail a request that made no progress for this long, e.g. a message lost on the way "
+        "(RequestStalledError; default 600, 0 never)",
+    )
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
     parser.add_argument(
@@ -267,6 +272,8 @@ def serve_command(args: argparse.Namespace) -> int:
         )
         spec = _model_spec(args.model, args.allow_model_factory)
         placement = Placement.from_yaml(args.config) if args.config else None
+        if args.request_stall_timeout < 0:
+            raise ServerConfigError(f"--request-stall-timeout must be >= 0 seconds, got {args.request_stall_timeout}")
     except (MStarError, OSError) as exc:
         print(f"mstar serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -280,6 +287,7 @@ def serve_command(args: argparse.Namespace) -> int:
         allowed_model_factories=tuple(args.allow_model_factory),
         ray_address=args.ray_address,
         ray_num_cpus=args.ray_num_cpus,
+        request_stall_timeout_s=args.request_stall_timeout or None,
     )
     app = make_app(
         spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=loading_display
