@@ -36,6 +36,7 @@ __all__ = [
     "MoTLayer",
     "PositionEmbedding",
     "Qwen2MoTForCausalLM",
+    "Repeats",
     "Routing",
     "TimestepEmbedder",
     "rope_tables",
@@ -82,6 +83,19 @@ class Routing:
         out.index_copy_(0, self.und, y_und)
         out.index_copy_(0, self.gen, y_gen)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Repeats:
+    """Rows of a batch whose inputs repeat earlier rows' (the CFG branches' queries of one flow step).
+
+    Until attention (which reads each row's own context and RoPE position) such rows are the
+    same: the first layer's norm and q/k/v products run on the distinct rows alone.
+    """
+
+    distinct: torch.Tensor  # row indices computed (int64)
+    expand: torch.Tensor  # for every row, its row among ``distinct``
+    routing: Routing  # of the distinct rows
 
 
 class _Attention(nn.Module):
@@ -146,18 +160,34 @@ class MoTLayer(nn.Module):
         self.post_attention_layernorm_moe_gen = RMSNorm(cfg.hidden_size, eps)
 
     def forward(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routing: Routing, attend: Attend
+        self,
+        index: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        routing: Routing,
+        attend: Attend,
+        repeats: Repeats | None = None,
     ) -> torch.Tensor:
-        """Run rows ``x`` through the layer; ``attend`` reads and writes their caches."""
+        """Run rows ``x`` through the layer; ``attend`` reads and writes their caches.
+
+        ``repeats``: rows equal to earlier ones (``x`` too), whose q/k/v before RoPE are theirs.
+        """
         attn = self.self_attn
-        h = routing.apply(x, self.input_layernorm, self.input_layernorm_moe_gen)
-        n = h.shape[0]
+        n = x.shape[0]
         width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
 
         def qkv(suffix: str) -> Callable[[torch.Tensor], torch.Tensor]:
             return lambda rows: torch.cat([t.reshape(rows.shape[0], -1) for t in attn.qkv(rows, suffix)], dim=1)
 
-        packed = routing.apply(h, qkv(""), qkv("_moe_gen"))
+        def projections(rows: torch.Tensor, rows_routing: Routing) -> torch.Tensor:
+            h = rows_routing.apply(rows, self.input_layernorm, self.input_layernorm_moe_gen)
+            return rows_routing.apply(h, qkv(""), qkv("_moe_gen"))
+
+        if repeats is None:
+            packed = projections(x, routing)
+        else:
+            packed = projections(x.index_select(0, repeats.distinct), repeats.routing).index_select(0, repeats.expand)
         assert packed.shape[1] == width
         q_end = attn.num_heads * attn.head_dim
         k_end = q_end + attn.num_kv_heads * attn.head_dim
@@ -192,12 +222,17 @@ class Qwen2MoTModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm_moe_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, routing: Routing, attend: Attend) -> torch.Tensor:
-        """Run embedded rows at RoPE positions ``rope`` through every layer; return the normed states."""
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, routing: Routing, attend: Attend, repeats: Repeats | None = None
+    ) -> torch.Tensor:
+        """Run embedded rows at RoPE positions ``rope`` through every layer; return the normed states.
+
+        ``repeats``: rows whose inputs repeat earlier rows' (the first layer projects them once).
+        """
         cfg = self.config
         cos, sin = rope_tables(rope, cfg.head_dim, cfg.rope_theta)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, cos, sin, routing, attend)
+            x = layer(i, x, cos, sin, routing, attend, repeats if i == 0 else None)
         return routing.apply(x, self.norm, self.norm_moe_gen)
 
 

@@ -33,6 +33,7 @@ from mstar.zoo.bagel.llm import (
     MoTLayer,
     PositionEmbedding,
     Qwen2MoTForCausalLM,
+    Repeats,
     Routing,
     TimestepEmbedder,
 )
@@ -190,9 +191,11 @@ class BagelWeights(nn.Module):
         x = torch.cat([markers[:1], middle.to(markers.dtype), markers[1:]])
         return x, torch.full((n,), payload.rope, device=device), is_gen
 
-    def run(self, x: torch.Tensor, rope: torch.Tensor, is_gen: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, rope: torch.Tensor, is_gen: torch.Tensor, attend: Attend, repeats: Repeats | None = None
+    ) -> torch.Tensor:
         """Run embedded rows through the decoder with ``attend`` over their caches; return final states."""
-        return cast(torch.Tensor, self.language_model.model(x, rope, Routing.of(is_gen), attend))
+        return cast(torch.Tensor, self.language_model.model(x, rope, Routing.of(is_gen), attend, repeats))
 
     # -- the step --------------------------------------------------------------------------
 
@@ -208,6 +211,10 @@ class BagelWeights(nn.Module):
         xs: list[torch.Tensor] = []
         ropes: list[torch.Tensor] = []
         gens: list[torch.Tensor] = []
+        # The CFG branches of one flow step query the same latents: embedded (and projected
+        # by the first layer) once. Per chunk: the index of the chunk it repeats, or its own.
+        firsts: list[int] = []
+        queries: list[tuple[int, ImageInput]] = []
         for chunk in ctx.step.chunks:
             payload = chunk.payload
             if payload is None:  # sampled tokens: RoPE follows the sequence's last payload
@@ -215,8 +222,17 @@ class BagelWeights(nn.Module):
                 xs.append(self.embed_tokens(input_ids[rows]))
                 ropes.append(positions[rows] - rope_offsets.get(chunk.seq_key, 0))
                 gens.append(torch.zeros(chunk.num_rows, dtype=torch.bool, device=positions.device))
+                firsts.append(len(xs) - 1)
                 continue
-            x, rope, is_gen = self.embed_input(payload)
+            first = next((j for j, q in queries if _same_query(q, payload)), None)
+            if first is None:
+                x, rope, is_gen = self.embed_input(payload)
+                if isinstance(payload, ImageInput) and payload.kind == "flow":
+                    queries.append((len(xs), payload))
+            else:
+                x, is_gen = xs[first], gens[first]
+                rope = torch.full((x.shape[0],), payload.rope, device=x.device)
+            firsts.append(len(xs) if first is None else first)
             if x.shape[0] != chunk.num_rows:
                 raise ValueError(f"a payload of {x.shape[0]} rows was scheduled as {chunk.num_rows}")
             if not chunk.is_read_only:
@@ -229,4 +245,34 @@ class BagelWeights(nn.Module):
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ctx.attend(i, q, k, v, scale)
 
-        return self.run(torch.cat(xs), torch.cat(ropes), torch.cat(gens), attend)
+        is_gen = torch.cat(gens)
+        repeats = _repeats(firsts, [x.shape[0] for x in xs], is_gen) if len(set(firsts)) < len(firsts) else None
+        return self.run(torch.cat(xs), torch.cat(ropes), is_gen, attend, repeats)
+
+
+def _same_query(a: ImageInput, b: TextInput | ImageInput) -> bool:
+    """Whether two flow queries hold the same latents at the same time (their RoPE positions may differ)."""
+    if not isinstance(b, ImageInput) or b.kind != "flow" or a.timestep != b.timestep:
+        return False
+    if a.tokens is not b.tokens and not (a.tokens.shape == b.tokens.shape and torch.equal(a.tokens, b.tokens)):
+        return False
+    assert a.latent_positions is not None and b.latent_positions is not None
+    return a.latent_positions is b.latent_positions or torch.equal(a.latent_positions, b.latent_positions)
+
+
+def _repeats(firsts: list[int], sizes: list[int], is_gen: torch.Tensor) -> Repeats:
+    """Return which rows repeat which: chunk ``i`` repeats chunk ``firsts[i]`` (itself: computed)."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    distinct_chunks = sorted(set(firsts))
+    offset = {}  # a computed chunk's first row among the distinct rows
+    count = 0
+    for i in distinct_chunks:
+        offset[i] = count
+        count += sizes[i]
+    distinct = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in distinct_chunks])
+    expand = torch.cat([offset[f] + torch.arange(sizes[i]) for i, f in enumerate(firsts)])
+    device = is_gen.device
+    distinct, expand = distinct.to(device), expand.to(device)
+    return Repeats(distinct, expand, Routing.of(is_gen.index_select(0, distinct)))
