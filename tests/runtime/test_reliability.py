@@ -4,6 +4,7 @@ lost messages; and nothing left held once a request returns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -270,6 +271,13 @@ async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: 
             assert len(outputs) == 3
             held = await engine.held_state()  # at once: no waiting for the next engine step
             assert all(v == 0 for counts in held.values() for v in counts.values()), held
+        # A client that leaves early: once its generator is closed, the request holds nothing.
+        request = Request("generate", {"prompt_token_ids": [1, 5, 9], "max_tokens": 50, "ignore_eos": True}, "left")
+        async with contextlib.aclosing(engine.generate(request)) as outputs:
+            async for _ in outputs:
+                break
+        held = await engine.held_state()
+        assert all(v == 0 for counts in held.values() for v in counts.values()), held
 
 
 # --- replicas -------------------------------------------------------------------------------
