@@ -165,3 +165,44 @@ def test_guidance_modes() -> None:
     text = text * (v.norm(dim=-1, keepdim=True) / (text.norm(dim=-1, keepdim=True) + 1e-8)).clamp(max=1.0)
     torch.testing.assert_close(guidance(chan, v, vt, vi), vi + 2.0 * (text - vi))
     assert guidance(spec, v, None, None) is v
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_repeated_queries_projected_once_equal_each_projected_alone(fused: bool) -> None:
+    """Three branches' queries of one step (the same latents, three RoPE positions and contexts)."""
+    from mstar.zoo.bagel.llm import Repeats, Routing
+    from mstar.zoo.bagel.weights import BagelWeights, ImageInput
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if fused else torch.float64
+    weights = BagelWeights(CFG).to(dtype).eval()
+    if fused:
+        weights.fuse_for_inference()
+    llm = CFG.llm
+    n = 6
+    query = ImageInput("flow", torch.randn(n - 2, CFG.patch_latent_dim), 0, torch.arange(n - 2), 0.7)
+    x, _, is_gen = weights.embed_input(query)
+    contexts = [(torch.randn(ctx, llm.num_kv_heads, llm.head_dim, dtype=dtype),) * 2 for ctx in (5, 3, 0)]
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = []
+        for b, (ck, cv) in enumerate(contexts):  # each branch: its own context, then its own rows
+            rows = slice(b * n, (b + 1) * n)
+            keys, values = torch.cat([ck, k[rows]]), torch.cat([cv, v[rows]])
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), enable_gqa=True
+            )
+            out.append(o.transpose(0, 1))
+        return torch.cat(out)
+
+    rows, rope = torch.cat([x] * 3), torch.tensor([9] * n + [4] * n + [2] * n)
+    gen = torch.cat([is_gen] * 3)
+    distinct, expand = torch.arange(n), torch.arange(n).repeat(3)
+    repeats = Repeats(distinct, expand, Routing.of(is_gen))
+    with torch.inference_mode():
+        alone = weights.run(rows, rope, gen, attend)
+        once = weights.run(rows, rope, gen, attend, repeats)
+    if fused:  # oneDNN's packed products may round a row differently at another row count
+        torch.testing.assert_close(once, alone, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(once, alone)
