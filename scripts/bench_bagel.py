@@ -15,9 +15,16 @@ target. Three targets hold the same weights and run one after the other on the s
   serving requests in turn); the contexts prefilled into dense per-layer tensors of their own;
   then every step runs all three branches, each concatenating its context's keys and values
   with the query's into new dense tensors (`DenseContext.velocity`, the same modules and
-  attention math as mstar's dense reference); the same guidance, so the same image.
+  attention math as mstar's dense reference); the same guidance, so the same image. Same
+  kernels as mstar: the same fused products (oneDNN's packed layout in float32 on a CPU) and
+  unmasked attention for full-attention rows.
 - ``mstar_all_branches`` (b): mstar with branch skipping off (every branch on every step):
   what skipping buys (mstar vs b) and what paging and batching buy (b vs a).
+
+Where mstar's design saves work at one request: each context is prefilled once (the text-free
+one is a fork; (a) encodes and prefills the input image for both contexts that hold it), and
+the branches of a step are embedded and projected by the first layer once. The rest of a step
+(attention over each context, the MLPs) is the same arithmetic on both sides.
 
 Reported per task and c: latency p50 / p95 and images/s per target, and the ratios. Checks the
 targets: text-to-image p50 >= 1.5x lower than (a) at the default schedule, editing p50 >= 1.2x
