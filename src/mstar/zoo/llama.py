@@ -28,7 +28,7 @@ from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary
+from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.paged_model import PagedKVContext
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
@@ -162,7 +162,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
     ) -> torch.Tensor:
-        """Attend the flat batch `x` `[tokens, hidden]`."""
+        """Attend the flat batch `x` `[tokens, hidden]`; `sin` is signed (see `signed_sin`)."""
         tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -170,12 +170,12 @@ class LlamaAttention(nn.Module):
             # q and k sit side by side in the fused output: rotate them in one pass.
             qkv = self.qkv(x)
             qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rotary_signed(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
             v2 = qkv[:, q_size + kv_size :]
         else:
             q2, k2, v2 = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = apply_rotary(q2.view(tokens, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rotary(k2.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            q = apply_rotary_signed(q2.view(tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary_signed(k2.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v2.view(tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_index, q, k, v, self.scale).reshape(tokens, q_size)
         return self.o(out) if self.o is not None else self.o_proj(out)
@@ -259,8 +259,9 @@ class LlamaCausalLM(nn.Module):
         """Return final hidden states `[tokens, hidden]` for a flat token batch."""
         x = self.model.embed_tokens(input_ids)
         dtype = x.dtype
+        # The step's rotary tables, once for every layer (the sine signed: see `apply_rotary_signed`).
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = signed_sin(self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype))
         for layer in self.decoder_layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
