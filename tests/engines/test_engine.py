@@ -296,6 +296,52 @@ def test_decode_staging_matches_plain_gather(tiny_llama: LlamaCausalLM) -> None:
         torch.testing.assert_close(torch.stack(staged[name]), torch.stack(plain[name]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_length_decode_staging_matches_plain_gather(dtype: torch.dtype) -> None:
+    """A wave of equal-length sequences (one append column per step) decodes as gathering does;
+    a bfloat16 cache is staged as exact float32 copies (the same tokens up to a near-tie)."""
+    from mstar.engines import TorchPagedAttention
+
+    model = make_tiny_llama(dtype=dtype)
+    prompts = [[(7 * r + i) % 64 for i in range(6)] for r in range(4)]
+
+    def run(staging: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
+        engine = _engine(model)
+        backend = TorchPagedAttention(decode_staging=staging)
+        engine.runner.backend = backend
+        engine.runner.ctx.backend = backend
+        engine.return_logits = True
+        for r, prompt in enumerate(prompts):
+            engine.add_request(f"r{r}", prompt, SamplingParams.greedy(12))
+        tokens: dict[str, list[int]] = {}
+        logits: dict[str, list[torch.Tensor]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.logits is not None
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logits.setdefault(out.request_id, []).append(out.logits.float())
+        return tokens, {k: torch.stack(v) for k, v in logits.items()}, backend
+
+    (staged_tokens, staged, backend), (plain_tokens, plain, _) = run(True), run(False)
+    assert backend._staging is not None
+    buffers = list(backend._staging.buffers.values())
+    assert len(buffers) == 2 and all(b.dtype == torch.float32 for pair in buffers for b in pair)
+    if dtype == torch.float32:
+        assert staged_tokens == plain_tokens
+        for name in staged:
+            torch.testing.assert_close(staged[name], plain[name])
+        return
+    # bfloat16: float32 attention rounds differently, so a step whose two best logits are
+    # closer than that rounding may pick the other one; until then everything agrees.
+    for name in staged:
+        for step, (ours, theirs) in enumerate(zip(staged[name], plain[name], strict=True)):
+            torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.1)
+            if staged_tokens[name][step] != plain_tokens[name][step]:
+                best = theirs.topk(2).values
+                assert float(best[0] - best[1]) <= 0.1
+                break
+
+
 def test_torch_compile_option_keeps_outputs(tiny_llama: LlamaCausalLM) -> None:
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     eager = _engine(tiny_llama).generate(prompts, SamplingParams.greedy(6))
