@@ -52,6 +52,13 @@ def test_step_cost_counts_weights_once_and_every_cached_key(bench: ModuleType) -
     assert flops_sixteen > 16 * flops_one
 
 
+def test_roofline_is_the_larger_floor(bench: ModuleType) -> None:
+    # Bound by arithmetic (the tiny model at c = 16 on one thread) ...
+    assert bench.roofline(1.31, 3.17, 4.0) == pytest.approx((3.17, 79.25))
+    # ... or by bandwidth (one row).
+    assert bench.roofline(1.09, 0.20, 2.0) == pytest.approx((1.09, 54.5))
+
+
 def test_peer_streams_each_request_its_tokens(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "fake_peer.py"
     fake.write_text(FAKE_PEER)
@@ -86,5 +93,7 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
     for row in rows:
         assert row["failed"] == 0 and row["mstar_tokens_per_s"] > 0 and row["ratio"] > 0
         assert row["floor_ms"] > 0 and row["floor_pct"] > 0 and row["flop_ms"] > 0
+        assert row["roofline_ms"] == max(row["floor_ms"], row["flop_ms"])
+        assert row["roofline_pct"] >= row["floor_pct"]
         assert "vllm_tokens_per_s" not in row
     assert (tmp_path / "bench_llm_tiny_float32.json").exists()
