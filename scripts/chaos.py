@@ -28,7 +28,8 @@ Each model is served in this process (uvicorn in a thread, as `mstar serve` runs
 
 Every request ends as ``ok``, ``typed_error`` (a 4xx/5xx with an error body, or a stream
 whose last line or event is an error), ``lost`` (a cut stream, a non-JSON 500, a refused
-connection while the server runs) or ``hung`` (no end within ``--hang-s``). The run fails
+connection while the server runs) or ``hung`` (no progress, neither its answer's headers nor
+a body chunk, for ``--hang-s``; or ten times that in all). The run fails
 unless lost, hung and every leftover (request state the engine still holds, processes,
 shared segments, socket files, descriptors) are zero. The table goes to stdout at the end;
 ``--json`` writes the same figures to a file.
@@ -48,7 +49,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -102,6 +103,31 @@ class RaisingToy(ToyModel):
             return list(inner(batch))
 
         return lm
+
+
+class Progress:
+    """When a request last made progress (its answer's headers, or a body chunk)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.headers_s: float | None = None
+        self.num_bytes = 0
+
+    def saw(self, num_bytes: int) -> None:
+        now = time.monotonic()
+        if self.headers_s is None:
+            self.headers_s = now - self.start
+        self.last = now
+        self.num_bytes += num_bytes
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def describe(self) -> str:
+        if self.headers_s is None:
+            return f"no answer in {self.elapsed():.0f} s"
+        idle = time.monotonic() - self.last
+        return f"headers after {self.headers_s:.1f} s, {self.num_bytes} bytes, then nothing for {idle:.0f} s"
 
 
 class MessageFaults:
@@ -171,6 +197,7 @@ class Tally:
     recoveries: list[float] = field(default_factory=list)
     examples: dict[str, str] = field(default_factory=dict)  # outcome -> one example
     error_kinds: Counter[str] = field(default_factory=Counter)  # typed errors by mstar_error (or HTTP status)
+    slow: int = 0  # requests that took longer than --hang-s in all, making progress all along
 
     def record(self, outcome: str, detail: str = "", *, affected: bool = False, kind: str = "") -> None:
         self.outcomes[outcome] += 1
@@ -229,15 +256,18 @@ class Chaos:
 
     def speech_body(self, *, long: bool = False) -> tuple[str, dict[str, Any]]:
         words = " ".join(self.rng.choice(["hello", "mstar", "serves", "speech", "today"]) for _ in range(self.rng.randint(1, 6)))
+        body: dict[str, Any]
         if self.rng.random() < 0.5:
-            body: dict[str, Any] = {"task": "speech", "text": words}
-            if long and self.model == "orpheus-tiny":
-                body["max_tokens"] = 560
-            return "/generate", body
-        body = {"model": self.model, "input": words, "response_format": "pcm", "stream": True}
-        if self.rng.random() < 0.5:
-            body["stream_format"] = "sse"
-        return "/v1/audio/speech", body
+            path, body = "/generate", {"task": "speech", "text": words}
+        else:
+            path, body = "/v1/audio/speech", {"model": self.model, "input": words, "response_format": "pcm", "stream": True}
+            if self.rng.random() < 0.5:
+                body["stream_format"] = "sse"
+        if self.model == "orpheus-tiny":
+            # Random weights rarely end speech: every request runs to max_tokens. Short ones
+            # (1 to 12 SNAC frames of 7 tokens) keep its queues turning over; bursts are long.
+            body["max_tokens"] = 560 if long else 7 * self.rng.randint(1, 12)
+        return path, body
 
     async def one_request(
         self, http: httpx.AsyncClient, path: str, body: dict[str, Any], *, leave_after: int = 0, expect: str = ""
@@ -245,11 +275,11 @@ class Chaos:
         """Send one request and record how it ended (``expect``: the typed error it must end with)."""
         affected = time.monotonic() < self.fault_until
         kind = ""
+        progress = Progress()
         try:
-            async with asyncio.timeout(self.cfg.hang_s):
-                outcome, detail, kind = await self._stream(http, path, body, leave_after)
+            outcome, detail, kind = await self._until_idle(self._stream(http, path, body, leave_after, progress), progress)
         except TimeoutError:
-            outcome, detail = "hung", f"{path} {json.dumps(body)[:100]}"
+            outcome, detail = "hung", f"{progress.describe()}: {path} {json.dumps(body)[:100]}"
         except httpx.RemoteProtocolError as exc:
             # Raw audio has no room for an error event: a failure cuts the chunked transfer
             # short (documented), which the client sees as this error, not as silence.
@@ -261,9 +291,33 @@ class Chaos:
         if expect and (outcome, kind) != ("typed_error", expect):
             outcome, detail = "lost", f"{path}: ended {outcome} ({kind or 'no error'}), not with {expect}"
         self.tally.record(outcome, detail, affected=affected or time.monotonic() < self.fault_until, kind=kind)
+        if progress.elapsed() > self.cfg.hang_s and outcome != "hung":
+            self.tally.slow += 1
 
-    async def _stream(self, http: httpx.AsyncClient, path: str, body: dict[str, Any], leave_after: int) -> tuple[str, str, str]:
+    async def _until_idle(self, work: Coroutine[Any, Any, tuple[str, str, str]], progress: Progress) -> tuple[str, str, str]:
+        """Await ``work``; raise TimeoutError once it made no progress for ``--hang-s`` (or ran
+        ten times that long in all)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                idle = time.monotonic() - progress.last
+                left = min(self.cfg.hang_s - idle, 10 * self.cfg.hang_s - progress.elapsed())
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await task
+
+    async def _stream(
+        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], leave_after: int, progress: Progress
+    ) -> tuple[str, str, str]:
         async with http.stream("POST", path, json=body) as response:
+            progress.saw(0)
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 if not _is_error_body(text):
@@ -275,6 +329,7 @@ class Chaos:
             last = b""
             received = 0
             async for chunk in response.aiter_bytes():
+                progress.saw(len(chunk))
                 received += 1
                 last = (last + chunk)[-4096:]
                 if leave_after and received >= leave_after:
@@ -290,7 +345,7 @@ class Chaos:
             return "ok", "", ""  # raw audio that ended with its last chunk
 
     async def client_loop(self, deadline: float) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.cfg.hang_s)) as http:
+        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(2 * self.cfg.hang_s)) as http:
             while time.monotonic() < deadline:
                 path, body = self.speech_body()
                 await self.one_request(http, path, body)
@@ -385,7 +440,7 @@ class Chaos:
 
     async def fault_loop(self, deadline: float) -> None:
         faults = [f for f in FAULTS if (f not in WORKER_FAULTS or self.processes) and (f not in IN_PROCESS_FAULTS or not self.processes)]
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.cfg.hang_s)) as http:
+        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(2 * self.cfg.hang_s)) as http:
             turn = 0
             while time.monotonic() + self.cfg.fault_every_s < deadline:
                 await asyncio.sleep(self.cfg.fault_every_s)
@@ -515,7 +570,7 @@ def parse_args(argv: list[str] | None = None) -> ChaosSettings:
     parser.add_argument("--models", default="orpheus-tiny,toy-composite", help="comma-separated zoo models")
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (default 4)")
     parser.add_argument("--fault-every", type=float, default=2.0, help="seconds between faults (default 2)")
-    parser.add_argument("--hang-s", type=float, default=60.0, help="a request not done in this long is hung")
+    parser.add_argument("--hang-s", type=float, default=60.0, help="a request with no progress (headers, a body chunk) for this long is hung (default 60)")
     parser.add_argument(
         "--stall-s", type=float, default=30.0,
         help="the engine's request_stall_timeout_s: a request whose message was dropped fails after this long (default 30)",
@@ -546,6 +601,7 @@ def report(results: list[dict[str, Any]]) -> str:
         ("messages dropped / delayed", lambda r: f"{r['messages_dropped']} / {r['messages_delayed']}"),
         ("lost (must be 0)", lambda r: r["tally"].outcomes["lost"]),
         ("hung (must be 0)", lambda r: r["tally"].outcomes["hung"]),
+        ("slow (over --hang-s in all, never idle)", lambda r: r["tally"].slow),
         ("time to recover, max s", lambda r: f"{max(r['tally'].recoveries, default=0.0):.2f}"),
         ("healthy after the load, s", lambda r: f"{r['recovered_s']:.2f}"),
         ("requests still held", lambda r: r["held_after"]),
@@ -593,6 +649,7 @@ def to_json(cfg: ChaosSettings, results: list[dict[str, Any]]) -> dict[str, Any]
             "outcomes": {k: tally.outcomes[k] for k in ("ok", "typed_error", "lost", "hung")},
             "requests": sum(tally.outcomes.values()),
             "affected": tally.affected,
+            "slow": tally.slow,
             "typed_errors_by_kind": dict(tally.error_kinds),
             "recover_max_s": max(tally.recoveries, default=0.0),
             "examples": tally.examples,
