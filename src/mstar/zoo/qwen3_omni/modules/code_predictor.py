@@ -25,7 +25,7 @@ from torch import nn
 
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
 from mstar.zoo.qwen3_omni.config import CodePredictorConfig
-from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw, draw_uniforms
+from mstar.zoo.qwen3_omni.modules.sampling import GATHER_ROWS, DrawParams, draw, draw_uniforms
 
 __all__ = ["CodePredictor"]
 
@@ -175,7 +175,7 @@ class CodePredictor(nn.Module):
         heads = cast(list[nn.Linear], list(self.lm_head))
         x = torch.stack((talker_hidden, code0_embeds), dim=1)
         uniforms = None
-        if not params.is_greedy and device.type == "cpu":
+        if not params.is_greedy and device.type == "cpu" and batch >= GATHER_ROWS:
             uniforms = draw_uniforms(generators, config.num_code_groups - 1, config.vocab_size)
         start = 0
         codes: list[torch.Tensor] = []

@@ -20,7 +20,9 @@ times per frame, so these draws are most of a frame's time on a CPU):
   add ``0 / q = 0`` to the race whatever ``q`` is. A row's consecutive draws are one stream,
   so a loop that draws several times per row (the code predictor, 15 codes a frame) can draw
   all of a row's uniforms in one call (`draw_uniforms`). ``u = 0`` (``q = 0``: a ``0 / 0``
-  in the race) takes the full path.
+  in the race) takes the full path. Below `GATHER_ROWS` rows the fixed cost of finding the
+  ``p > 0`` entries outweighs the saved logarithms, so those rows fill ``q`` with
+  ``exponential_`` itself (the same numbers).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DrawParams", "draw", "draw_uniforms"]
+__all__ = ["GATHER_ROWS", "DrawParams", "draw", "draw_uniforms"]
+
+GATHER_ROWS = 4
+"""From this many rows a draw turns only the ``p > 0`` entries into exponentials."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,11 @@ def _multinomial(
     """Return one draw per row, each ``torch.multinomial(probs[i], 1, generator=generators[i])``."""
     if probs.device.type != "cpu":
         return torch.cat([torch.multinomial(probs[i], 1, generator=gen) for i, gen in enumerate(generators)])
+    if uniforms is None and probs.shape[0] < GATHER_ROWS:
+        race = torch.empty_like(probs)
+        for i, gen in enumerate(generators):
+            race[i].exponential_(generator=gen)
+        return (probs / race).argmax(dim=-1)
     if uniforms is None:
         uniforms = torch.empty(probs.shape, dtype=torch.float64)
         for i, gen in enumerate(generators):
