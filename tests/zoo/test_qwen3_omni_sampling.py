@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, _exponentials, draw, draw_uniforms
+from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
 
 
 def _reference(
@@ -79,34 +79,3 @@ def test_draws_equal_the_plain_chain(params: DrawParams) -> None:
 def test_greedy_is_the_argmax() -> None:
     logits = torch.randn(4, 50)
     assert torch.equal(draw(logits, DrawParams(temperature=0.0), [None] * 4), logits.argmax(-1))
-
-
-def test_uniforms_turned_into_exponentials_are_exponential_draws() -> None:
-    # the race's premise: `exponential_` on float32 is float32(-log1p(-u)) of `uniform_`'s
-    # float64 draws, consuming the same stream (one row's 15 draws as one block included)
-    for seed in range(3):
-        a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        want = torch.stack([torch.empty(2048).exponential_(generator=a) for _ in range(15)])
-        uniforms = torch.empty(15, 2048, dtype=torch.float64).uniform_(generator=b)
-        assert torch.equal(_exponentials(uniforms), want)
-        assert torch.equal(a.get_state(), b.get_state())
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_uniforms_drawn_ahead_give_the_same_tokens_and_states(shared: bool) -> None:
-    params = DrawParams(1.0, 50, 0.8)
-    rows, vocab, draws = 4, 2048, 5
-    logits = torch.randn(draws, rows, vocab, generator=torch.Generator().manual_seed(9)) * 3
-    ours = [torch.Generator().manual_seed(r) for r in range(rows)]
-    theirs = [torch.Generator().manual_seed(r) for r in range(rows)]
-    if shared:  # one generator for every row: the rows' draws interleave, nothing drawn ahead
-        ours, theirs = [ours[0]] * rows, [theirs[0]] * rows
-    uniforms = draw_uniforms(ours, draws, vocab)
-    assert (uniforms is None) == shared
-    for d in range(draws):
-        ahead = None if uniforms is None else uniforms[:, d]
-        got = draw(logits[d], params, ours, uniforms=ahead)
-        want = _reference(logits[d], params, theirs, [[] for _ in range(rows)], None)
-        assert torch.equal(got, want), (d, got, want)
-    for a, b in zip(ours, theirs, strict=True):
-        assert torch.equal(a.get_state(), b.get_state())

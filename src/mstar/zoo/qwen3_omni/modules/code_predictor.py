@@ -25,7 +25,7 @@ from torch import nn
 
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
 from mstar.zoo.qwen3_omni.config import CodePredictorConfig
-from mstar.zoo.qwen3_omni.modules.sampling import GATHER_ROWS, DrawParams, draw, draw_uniforms
+from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
 
 __all__ = ["CodePredictor"]
 
@@ -174,9 +174,6 @@ class CodePredictor(nn.Module):
         embeddings = cast(list[nn.Embedding], list(self.model.codec_embedding))
         heads = cast(list[nn.Linear], list(self.lm_head))
         x = torch.stack((talker_hidden, code0_embeds), dim=1)
-        uniforms = None
-        if not params.is_greedy and device.type == "cpu" and batch >= GATHER_ROWS:
-            uniforms = draw_uniforms(generators, config.num_code_groups - 1, config.vocab_size)
         start = 0
         codes: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
@@ -188,8 +185,7 @@ class CodePredictor(nn.Module):
             for layer, cache in zip(self.model.layers, caches, strict=True):
                 h = layer(h, cos, sin, cache, start)
             h = self.model.norm(h[:, -1])
-            races = None if uniforms is None else uniforms[:, k]
-            code = draw(heads[k](h), params, generators, uniforms=races)
+            code = draw(heads[k](h), params, generators)
             codes.append(code)
             embed = embeddings[k](code)
             embeds.append(embed)

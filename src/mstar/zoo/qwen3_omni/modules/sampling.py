@@ -12,30 +12,17 @@ times per frame, so these draws are most of a frame's time on a CPU):
   values (distinct) is those values reversed after the ``-inf`` ones, so the sort is built
   from `torch.topk`'s (sorted) output instead of sorting the whole vocabulary;
 - the draw: ``torch.multinomial(p, 1, generator=g)`` on a CPU is ``argmax(p / q)`` with
-  ``q = empty_like(p).exponential_(generator=g)`` (the exponential race). ``exponential_``
-  fills ``q`` serially, element ``j`` as ``float32(-log1p(-u_j))`` of the double ``u_j`` that
-  ``uniform_`` on a float64 tensor draws from the same generator state (the same stream, the
-  same generator state after), so each row draws its uniforms (cheap: no logarithm) and only
-  the entries with ``p > 0`` (at most k after top-k) are turned into exponentials; the others
-  add ``0 / q = 0`` to the race whatever ``q`` is. A row's consecutive draws are one stream,
-  so a loop that draws several times per row (the code predictor, 15 codes a frame) can draw
-  all of a row's uniforms in one call (`draw_uniforms`). ``u = 0`` (``q = 0``: a ``0 / 0``
-  in the race) takes the full path. Below `GATHER_ROWS` rows the fixed cost of finding the
-  ``p > 0`` entries outweighs the saved logarithms, so those rows fill ``q`` with
-  ``exponential_`` itself (the same numbers).
+  ``q = empty_like(p).exponential_(generator=g)`` (the exponential race), so each row fills
+  its own ``q`` from its generator and one division and one argmax serve the batch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GATHER_ROWS", "DrawParams", "draw", "draw_uniforms"]
-
-GATHER_ROWS = 4
-"""From this many rows a draw turns only the ``p > 0`` entries into exponentials."""
+__all__ = ["DrawParams", "draw"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,50 +72,14 @@ def _top_p(scores: torch.Tensor, top_p: float, top: tuple[torch.Tensor, torch.Te
     return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
-def draw_uniforms(
-    generators: list[torch.Generator | None], draws: int, vocab: int
-) -> torch.Tensor | None:
-    """Return ``[rows, draws, vocab]`` float64 uniforms: each row's next ``draws`` races.
-
-    ``[:, d]`` is what the rows' ``d``-th consecutive `draw` (``vocab`` wide) would use. None
-    where rows share a generator (or use torch's default one): their streams interleave by
-    draw, so those draws take their uniforms one draw at a time.
-    """
-    if None in generators or len({id(gen) for gen in generators}) < len(generators):
-        return None
-    uniforms = torch.empty(len(generators), draws, vocab, dtype=torch.float64)
-    for i, gen in enumerate(generators):
-        uniforms[i].uniform_(generator=gen)
-    return uniforms
-
-
-def _exponentials(uniforms: torch.Tensor) -> torch.Tensor:
-    """``exponential_``'s transform of ``uniform_``'s doubles, as float32 (see the module docstring)."""
-    values = [-math.log1p(-u) for u in uniforms.flatten().tolist()]
-    return torch.tensor(values, dtype=torch.float64).view(uniforms.shape).float()
-
-
-def _multinomial(
-    probs: torch.Tensor, generators: list[torch.Generator | None], uniforms: torch.Tensor | None
-) -> torch.Tensor:
+def _multinomial(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Return one draw per row, each ``torch.multinomial(probs[i], 1, generator=generators[i])``."""
     if probs.device.type != "cpu":
         return torch.cat([torch.multinomial(probs[i], 1, generator=gen) for i, gen in enumerate(generators)])
-    if uniforms is None and probs.shape[0] < GATHER_ROWS:
-        race = torch.empty_like(probs)
-        for i, gen in enumerate(generators):
-            race[i].exponential_(generator=gen)
-        return (probs / race).argmax(dim=-1)
-    if uniforms is None:
-        uniforms = torch.empty(probs.shape, dtype=torch.float64)
-        for i, gen in enumerate(generators):
-            uniforms[i].uniform_(generator=gen)
-    if bool((uniforms == 0).any()):
-        return (probs / _exponentials(uniforms)).argmax(dim=-1)
-    rows, cols = (probs > 0).nonzero(as_tuple=True)
-    race = torch.zeros_like(probs)
-    race[rows, cols] = probs[rows, cols] / _exponentials(uniforms[rows, cols])
-    return race.argmax(dim=-1)
+    race = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        race[i].exponential_(generator=gen)
+    return (probs / race).argmax(dim=-1)
 
 
 def draw(
@@ -138,7 +89,6 @@ def draw(
     *,
     history: list[list[int]] | None = None,
     suppress: torch.Tensor | None = None,
-    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return one token per row of ``logits`` ``[rows, vocab]`` (float32 processing).
 
@@ -148,8 +98,6 @@ def draw(
         generators: One per row (None: torch's default generator).
         history: Per row, the tokens the repetition penalty applies to.
         suppress: ``[vocab]`` bool, ids never drawn.
-        uniforms: ``[rows, vocab]`` float64, the rows' uniforms for this draw, already drawn
-            (a slice of `draw_uniforms`); None: drawn here from ``generators``.
     """
     scores = logits.float()
     if history is not None and params.repetition_penalty != 1.0:
@@ -172,4 +120,4 @@ def draw(
         scores = scores.masked_fill(scores < values[..., -1:], float("-inf"))
     if params.top_p < 1.0:
         scores = _top_p(scores, params.top_p, top)
-    return _multinomial(scores.softmax(dim=-1), generators, uniforms)
+    return _multinomial(scores.softmax(dim=-1), generators)
