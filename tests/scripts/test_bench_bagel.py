@@ -41,8 +41,9 @@ async def test_a_tiny_run_agrees_and_writes_its_figures(bench: ModuleType, tmp_p
     assert [(r["task"], r["c"]) for r in summary["rows"]] == [("image", 1), ("image", 2), ("image_edit", 1), ("image_edit", 2)]
     for row in summary["rows"]:
         assert all(row[t]["failed"] == 0 and row[t]["images_per_s"] > 0 for t in bench.TARGET_NAMES)
-    # the same image from every target (the dense baseline: fp32 rounding, a pixel level at most)
-    assert summary["agreement"]["image"]["mstar_all_branches"] == 0
+    # the same image from every target, up to fp32 rounding (a pixel level at most): the
+    # products' summation order depends on how many branch rows a step batches, so skipping
+    # a branch may move a boundary pixel by one level (float64 runs agree exactly elsewhere)
     assert max(max(a.values()) for a in summary["agreement"].values()) <= 1
     assert json.loads((tmp_path / "summary.json").read_text())["rows"]
     assert (tmp_path / "image.png").is_file() and (tmp_path / "image_edit_c2.json").is_file()
