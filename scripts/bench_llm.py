@@ -30,6 +30,12 @@ roofline floor is the larger of the two (a step can go no faster than either all
 `% roofline` is it over mstar's TPOT: on one thread the tiny model's step at c = 16 is
 bound by arithmetic, not by bandwidth, so `% floor` alone cannot reach 100 %.
 
+Rounds (`--rounds R`): the whole sweep is measured R times, every side at every point in
+each round (side after side within a point), and the table gives each figure's median over
+the rounds; a ratio is the median of the rounds' own ratios, with its range in brackets. On
+a shared machine whose speed drifts by tens of percent within minutes, a single round
+compares sides measured under different conditions; the rounds show how far that goes.
+
 Models: `tiny` (Llama, hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 512,
 vocab 32000, random weights) and `smollm2` (SmolLM2-135M-Instruct, real weights).
 Targets: at concurrency 16, at least 1.5x transformers' throughput (issue #4); with the
@@ -39,7 +45,7 @@ at concurrency 16 (issue #21).
     python scripts/bench_llm.py                      # the default sweep
     python scripts/bench_llm.py --models tiny --concurrency 1,16 --new-tokens 64
     scripts/setup_vllm_peer.sh && python scripts/bench_llm.py --models tiny,smollm2 \
-        --concurrency 1,4,16 --prompt-len 16 --dtypes float32,bfloat16 --peer vllm
+        --concurrency 1,4,16 --prompt-len 16 --dtypes float32,bfloat16 --peer vllm --rounds 3
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -463,60 +470,98 @@ async def bench_model(
     ]
     config = {"model": name, "checkpoint": checkpoint.name, "device": str(device), "dtype": dtype_name,
               "new_tokens": new_tokens, "prompt_len": args.prompt_len, "kv_cache": kv,
-              "torch_threads": torch.get_num_threads(), "waves": args.waves, "peer": peer.info if peer else None,
+              "torch_threads": torch.get_num_threads(), "waves": args.waves, "rounds": args.rounds, "peer": peer.info if peer else None,
               **machine}
-    rows: list[dict[str, Any]] = []
     element_size = torch.empty(0, dtype=dtype).element_size()
     context = args.prompt_len + new_tokens / 2  # a request's mean context while it decodes
+    rounds: list[list[dict[str, Any]]] = []
     try:
         load = OfflineWaves(tuple(levels), num_waves=args.waves)
         label = f"{name}_{dtype_name}"
-        result = await run_benchmark(targets, requests, load, name=f"bench_llm {label}",
-                                     seed=0, progress=True, console=console, config=config)
-        print_table(result, console)
-        write_json(result, args.out / f"bench_llm_{label}.json")
-        plot_png(result, args.out / f"bench_llm_{label}.png")
-        for conc in levels:
-            ours = result.result("mstar", float(conc)).summary
-            theirs = result.result("transformers", float(conc)).summary
-            key = f"{load.kind}-{conc}"
-            step_bytes, step_flops = decode_step_cost(model.hf_config, element_size, conc, context)
-            floor_ms = step_bytes / machine["bandwidth_bytes_per_s"] * 1e3
-            tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
-            row = {
-                "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
-                "mstar_tokens_per_s": ours.output_tokens_per_s,
-                "mstar_tpot_ms": tpot_ms,
-                "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
-                "mstar_peak_mib": memory.peaks.get(("mstar", key), float("nan")),
-                "hf_tokens_per_s": theirs.output_tokens_per_s,
-                "hf_tpot_ms": theirs.tpot_s.mean * 1e3 if theirs.tpot_s else float("nan"),
-                "hf_ttft_ms": theirs.ttft_s.p50 * 1e3 if theirs.ttft_s else float("nan"),
-                "hf_peak_mib": memory.peaks.get(("transformers", key), float("nan")),
-                "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
-                "failed": ours.num_failed + theirs.num_failed,
-                "step_bytes": step_bytes,
-                "floor_ms": floor_ms,
-                "floor_pct": 100 * floor_ms / tpot_ms,
-                "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
-            }
-            row["roofline_ms"], row["roofline_pct"] = roofline(floor_ms, row["flop_ms"], tpot_ms)
-            if peer is not None:
-                peer_summary = result.result("vllm", float(conc)).summary
-                row.update({
-                    "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
-                    "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3 if peer_summary.tpot_s else float("nan"),
-                    "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3 if peer_summary.ttft_s else float("nan"),
-                    "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
-                })
-                row["failed"] += peer_summary.num_failed
-            rows.append(row)
+        for index in range(args.rounds):
+            # Each round measures every side at every point again (side after side within a
+            # point), so a machine whose speed drifts shows up as spread across rounds
+            # instead of as a ratio between sides measured minutes apart.
+            suffix = f"_round{index + 1}" if args.rounds > 1 else ""
+            result = await run_benchmark(targets, requests, load, name=f"bench_llm {label}{suffix}",
+                                         seed=index, progress=True, console=console, config=config)
+            print_table(result, console)
+            write_json(result, args.out / f"bench_llm_{label}{suffix}.json")
+            plot_png(result, args.out / f"bench_llm_{label}{suffix}.png")
+            rounds.append([_point_row(result, conc, load.kind, memory, model.hf_config, element_size, context,
+                                      machine, name, dtype_name, new_tokens, peer is not None) for conc in levels])
     finally:
         await engine.shutdown()
         baseline.executor.shutdown()
         if peer is not None:
             await peer.close()
-    return rows
+    return [combine_rounds([points[i] for points in rounds]) for i in range(len(levels))]
+
+
+def _point_row(
+    result: Any, conc: int, kind: str, memory: PeakMemory, hf_config: dict[str, Any], element_size: int,
+    context: float, machine: dict[str, float], name: str, dtype_name: str, new_tokens: int, has_peer: bool,
+) -> dict[str, Any]:
+    """Return one round's summary row of the point at concurrency `conc`."""
+    ours = result.result("mstar", float(conc)).summary
+    theirs = result.result("transformers", float(conc)).summary
+    key = f"{kind}-{conc}"
+    step_bytes, step_flops = decode_step_cost(hf_config, element_size, conc, context)
+    floor_ms = step_bytes / machine["bandwidth_bytes_per_s"] * 1e3
+    tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
+    row = {
+        "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
+        "mstar_tokens_per_s": ours.output_tokens_per_s,
+        "mstar_tpot_ms": tpot_ms,
+        "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
+        "mstar_peak_mib": memory.peaks.get(("mstar", key), float("nan")),
+        "hf_tokens_per_s": theirs.output_tokens_per_s,
+        "hf_tpot_ms": theirs.tpot_s.mean * 1e3 if theirs.tpot_s else float("nan"),
+        "hf_ttft_ms": theirs.ttft_s.p50 * 1e3 if theirs.ttft_s else float("nan"),
+        "hf_peak_mib": memory.peaks.get(("transformers", key), float("nan")),
+        "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
+        "failed": ours.num_failed + theirs.num_failed,
+        "step_bytes": step_bytes,
+        "floor_ms": floor_ms,
+        "floor_pct": 100 * floor_ms / tpot_ms,
+        "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
+    }
+    row["roofline_ms"], row["roofline_pct"] = roofline(floor_ms, row["flop_ms"], tpot_ms)
+    if has_peer:
+        peer_summary = result.result("vllm", float(conc)).summary
+        row.update({
+            "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
+            "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3 if peer_summary.tpot_s else float("nan"),
+            "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3 if peer_summary.ttft_s else float("nan"),
+            "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
+        })
+        row["failed"] += peer_summary.num_failed
+    return row
+
+
+# Figures of a point that combine as a median over rounds (ratios: the median of each round's
+# ratio, both sides measured back to back); the rest is the same every round or summed.
+_MEDIAN_FIELDS = (
+    "mstar_tokens_per_s", "mstar_tpot_ms", "mstar_ttft_ms", "hf_tokens_per_s", "hf_tpot_ms", "hf_ttft_ms",
+    "ratio", "vllm_tokens_per_s", "vllm_tpot_ms", "vllm_ttft_ms", "vllm_ratio", "floor_pct", "roofline_pct",
+)
+
+
+def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return one point's row over its rounds: medians, the ratios' range, failures summed."""
+    combined = dict(rows[0])
+    for field in _MEDIAN_FIELDS:
+        if field in combined:
+            combined[field] = statistics.median(r[field] for r in rows)
+    for field in ("mstar_peak_mib", "hf_peak_mib"):
+        combined[field] = max(r[field] for r in rows)
+    combined["failed"] = sum(r["failed"] for r in rows)
+    combined["rounds"] = len(rows)
+    for field in ("ratio", "vllm_ratio"):
+        if field in combined:
+            combined[f"{field}_min"] = min(r[field] for r in rows)
+            combined[f"{field}_max"] = max(r[field] for r in rows)
+    return combined
 
 
 def report(rows: list[dict[str, Any]], console: Console) -> bool:
@@ -535,9 +580,9 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
                  f"{r['mstar_ttft_ms']:.1f}", f"{r['mstar_peak_mib']:.0f}", f"{r['hf_tokens_per_s']:.1f}"]
         if has_peer:
             cells += [f"{r.get('vllm_tokens_per_s', float('nan')):.1f}", f"{r.get('vllm_tpot_ms', float('nan')):.2f}"]
-        cells.append(f"{r['ratio']:.2f}x")
+        cells.append(_ratio_cell(r, "ratio"))
         if has_peer:
-            cells.append(f"{r.get('vllm_ratio', float('nan')):.2f}x")
+            cells.append(_ratio_cell(r, "vllm_ratio"))
         cells += [f"{r['floor_ms']:.2f}", f"{r['floor_pct']:.0f}%", f"{r['flop_ms']:.2f}", f"{r['roofline_pct']:.0f}%"]
         table.add_row(*cells)
     console.print(table)
@@ -563,6 +608,16 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
     return met
 
 
+def _ratio_cell(row: dict[str, Any], field: str) -> str:
+    """A ratio, with its range over the rounds when there were several."""
+    if field not in row:
+        return "nan"
+    text = f"{row[field]:.2f}x"
+    if row.get("rounds", 1) > 1:
+        text += f" ({row[field + '_min']:.2f}-{row[field + '_max']:.2f})"
+    return text
+
+
 def _levels(text: str) -> list[int]:
     return [int(c) for c in text.split(",") if c]
 
@@ -581,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="smollm2 uses --concurrency/--new-tokens")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--waves", type=int, default=2, help="measured waves per point")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every side at every point this many times; report medians")
     # One thread by default on CPU: on shared cores, multi-threaded GEMMs spin-wait on busy
     # siblings and slow down by an order of magnitude, which says nothing about the engines.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -596,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
         parser.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.peer == "vllm" and not args.peer_python.exists():
         raise SystemExit(f"--peer vllm needs {args.peer_python}: run scripts/setup_vllm_peer.sh first")
     if args.threads:

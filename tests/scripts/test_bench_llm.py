@@ -97,3 +97,30 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
         assert row["roofline_pct"] >= row["floor_pct"]
         assert "vllm_tokens_per_s" not in row
     assert (tmp_path / "bench_llm_tiny_float32.json").exists()
+
+
+def test_rounds_combine_as_medians_with_the_ratios_range(bench: ModuleType) -> None:
+    rows = [
+        {"model": "tiny", "concurrency": 4, "mstar_tokens_per_s": t, "ratio": r, "vllm_ratio": v,
+         "failed": f, "mstar_peak_mib": m, "hf_peak_mib": 1.0, "floor_pct": 10.0, "roofline_pct": 20.0}
+        for t, r, v, f, m in [(100.0, 1.2, 0.9, 0, 5.0), (300.0, 1.6, 1.4, 1, 7.0), (200.0, 1.3, 1.1, 0, 6.0)]
+    ]
+    combined = bench.combine_rounds(rows)
+    assert combined["mstar_tokens_per_s"] == 200.0 and combined["ratio"] == 1.3 and combined["vllm_ratio"] == 1.1
+    assert (combined["ratio_min"], combined["ratio_max"]) == (1.2, 1.6)
+    assert (combined["vllm_ratio_min"], combined["vllm_ratio_max"]) == (0.9, 1.4)
+    assert combined["failed"] == 1 and combined["mstar_peak_mib"] == 7.0 and combined["rounds"] == 3
+    assert bench._ratio_cell(combined, "vllm_ratio") == "1.10x (0.90-1.40)"
+
+
+def test_rounds_measure_every_point_again(bench: ModuleType, tmp_path: Path) -> None:
+    bench.main(["--models", "tiny", "--concurrency", "1", "--new-tokens", "3", "--prompt-len", "8",
+                "--waves", "1", "--rounds", "2", "--out", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "bench_llm_summary.json").read_text())
+    assert row["rounds"] == 2 and row["failed"] == 0
+    assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    for index in (1, 2):
+        result = json.loads((tmp_path / f"bench_llm_tiny_float32_round{index}.json").read_text())
+        assert result["config"]["rounds"] == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "tiny", "--rounds", "0", "--out", str(tmp_path)])
