@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--peer vllm needs {args.peer_python}: run scripts/setup_vllm_peer.sh first")
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console(width=None if sys.stdout.isatty() else 170)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print("bench_llm", json.dumps({k: str(v) for k, v in vars(args).items()}))
     start = time.perf_counter()
     machine = {"bandwidth_bytes_per_s": measure_bandwidth()}

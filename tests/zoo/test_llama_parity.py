@@ -155,6 +155,19 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(tiny: dict[str, o
     assert sum(decided) >= steps * len(prompts) // 2  # most steps are decided
 
 
+def test_a_bfloat16_head_takes_each_rows_first_maximum_of_its_logits(tiny: dict[str, object]) -> None:
+    # No screen for a bfloat16 head: greedy rows take the full product's first maximum, as the
+    # sampler would (ties, which rounding every logit to bfloat16 makes likely, included).
+    model = load_llama(tiny["checkpoint"], dtype=torch.bfloat16)  # type: ignore[arg-type]
+    hidden = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    hidden[5] = 0  # every logit 0: id 0 wins
+    with torch.inference_mode():
+        tokens = model.greedy_tokens(hidden)
+        logits = model.compute_logits(hidden).float()
+    expected = [int((row == row.max()).nonzero()[0, 0]) for row in logits]
+    assert tokens is not None and tokens.tolist() == expected and expected[5] == 0
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -30,6 +30,7 @@ from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.paged_model import PagedKVContext
+from mstar.engines.sampler import argmax_rows
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
 
@@ -227,7 +228,7 @@ class LlamaCausalLM(nn.Module):
         self.model = LlamaBackbone(config)
         self.lm_head: nn.Linear | None = None
         self._head: FusedLinear | None = None
-        self._greedy: ScreenedArgmax | None = None
+        self._greedy: ScreenedArgmax | Literal[False] | None = None  # False: no screen here
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -312,14 +313,18 @@ class LlamaCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Return each row's argmax token of `compute_logits(hidden)`, or None (see `SupportsGreedyTokens`)."""
+        if self._head is None:
+            return None
         if self._greedy is None:
             dense = self._dense_head()
-            if self._head is None or not can_screen(dense):
-                return None
             # A float32 head on a CPU with bfloat16 products: greedy rows screen in bfloat16
             # and stay exact (see `ScreenedArgmax`). Its copy (half the head's size) is made
             # at the first greedy step: models that always constrain their logits never pay it.
-            self._greedy = ScreenedArgmax(dense)
+            self._greedy = ScreenedArgmax(dense) if can_screen(dense) else False
+        if self._greedy is False:
+            # The full product, then each row's first maximum: what sampling greedy rows gives,
+            # without building the sampler's per-row state.
+            return argmax_rows(self._head(hidden).float())
         return self._greedy(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
