@@ -475,8 +475,46 @@ async def bench_model(
     element_size = torch.empty(0, dtype=dtype).element_size()
     context = args.prompt_len + new_tokens / 2  # a request's mean context while it decodes
     rounds: list[list[dict[str, Any]]] = []
+    load = OfflineWaves(tuple(levels), num_waves=args.waves)
+
+    def point_row(result: Any, conc: int) -> dict[str, Any]:
+        """Return one round's summary row of the point at concurrency `conc`."""
+        ours = result.result("mstar", float(conc)).summary
+        theirs = result.result("transformers", float(conc)).summary
+        key = f"{load.kind}-{conc}"
+        step_bytes, step_flops = decode_step_cost(model.hf_config, element_size, conc, context)
+        floor_ms = step_bytes / machine["bandwidth_bytes_per_s"] * 1e3
+        tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
+        row = {
+            "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
+            "mstar_tokens_per_s": ours.output_tokens_per_s,
+            "mstar_tpot_ms": tpot_ms,
+            "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
+            "mstar_peak_mib": memory.peaks.get(("mstar", key), float("nan")),
+            "hf_tokens_per_s": theirs.output_tokens_per_s,
+            "hf_tpot_ms": theirs.tpot_s.mean * 1e3 if theirs.tpot_s else float("nan"),
+            "hf_ttft_ms": theirs.ttft_s.p50 * 1e3 if theirs.ttft_s else float("nan"),
+            "hf_peak_mib": memory.peaks.get(("transformers", key), float("nan")),
+            "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
+            "failed": ours.num_failed + theirs.num_failed,
+            "step_bytes": step_bytes,
+            "floor_ms": floor_ms,
+            "floor_pct": 100 * floor_ms / tpot_ms,
+            "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
+        }
+        row["roofline_ms"], row["roofline_pct"] = roofline(floor_ms, row["flop_ms"], tpot_ms)
+        if peer is not None:
+            peer_summary = result.result("vllm", float(conc)).summary
+            row.update({
+                "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
+                "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3 if peer_summary.tpot_s else float("nan"),
+                "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3 if peer_summary.ttft_s else float("nan"),
+                "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
+            })
+            row["failed"] += peer_summary.num_failed
+        return row
+
     try:
-        load = OfflineWaves(tuple(levels), num_waves=args.waves)
         label = f"{name}_{dtype_name}"
         for index in range(args.rounds):
             # Each round measures every side at every point again (side after side within a
@@ -488,55 +526,13 @@ async def bench_model(
             print_table(result, console)
             write_json(result, args.out / f"bench_llm_{label}{suffix}.json")
             plot_png(result, args.out / f"bench_llm_{label}{suffix}.png")
-            rounds.append([_point_row(result, conc, load.kind, memory, model.hf_config, element_size, context,
-                                      machine, name, dtype_name, new_tokens, peer is not None) for conc in levels])
+            rounds.append([point_row(result, conc) for conc in levels])
     finally:
         await engine.shutdown()
         baseline.executor.shutdown()
         if peer is not None:
             await peer.close()
     return [combine_rounds([points[i] for points in rounds]) for i in range(len(levels))]
-
-
-def _point_row(
-    result: Any, conc: int, kind: str, memory: PeakMemory, hf_config: dict[str, Any], element_size: int,
-    context: float, machine: dict[str, float], name: str, dtype_name: str, new_tokens: int, has_peer: bool,
-) -> dict[str, Any]:
-    """Return one round's summary row of the point at concurrency `conc`."""
-    ours = result.result("mstar", float(conc)).summary
-    theirs = result.result("transformers", float(conc)).summary
-    key = f"{kind}-{conc}"
-    step_bytes, step_flops = decode_step_cost(hf_config, element_size, conc, context)
-    floor_ms = step_bytes / machine["bandwidth_bytes_per_s"] * 1e3
-    tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
-    row = {
-        "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
-        "mstar_tokens_per_s": ours.output_tokens_per_s,
-        "mstar_tpot_ms": tpot_ms,
-        "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
-        "mstar_peak_mib": memory.peaks.get(("mstar", key), float("nan")),
-        "hf_tokens_per_s": theirs.output_tokens_per_s,
-        "hf_tpot_ms": theirs.tpot_s.mean * 1e3 if theirs.tpot_s else float("nan"),
-        "hf_ttft_ms": theirs.ttft_s.p50 * 1e3 if theirs.ttft_s else float("nan"),
-        "hf_peak_mib": memory.peaks.get(("transformers", key), float("nan")),
-        "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
-        "failed": ours.num_failed + theirs.num_failed,
-        "step_bytes": step_bytes,
-        "floor_ms": floor_ms,
-        "floor_pct": 100 * floor_ms / tpot_ms,
-        "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
-    }
-    row["roofline_ms"], row["roofline_pct"] = roofline(floor_ms, row["flop_ms"], tpot_ms)
-    if has_peer:
-        peer_summary = result.result("vllm", float(conc)).summary
-        row.update({
-            "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
-            "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3 if peer_summary.tpot_s else float("nan"),
-            "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3 if peer_summary.ttft_s else float("nan"),
-            "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
-        })
-        row["failed"] += peer_summary.num_failed
-    return row
 
 
 # Figures of a point that combine as a median over rounds (ratios: the median of each round's
