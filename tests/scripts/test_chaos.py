@@ -47,7 +47,9 @@ def test_a_short_chaos_run_loses_hangs_and_leaks_nothing(
     # Every kind of fault of an in-process model was injected, and did what it says.
     faults = {"drop_message", "delay_message", "node_raise", "disconnect", "oversized", "malformed", "long_text", "kv_burst", "fuzz"}
     assert set(toy["faults"]) == faults, out
-    assert toy["messages_dropped"] == 1 and toy["messages_delayed"] > 0
+    # A drop_message fault loses at most one message (how many faults fit in the run, and
+    # whether a later fault replaces an armed drop before a message passes, is timing).
+    assert 1 <= toy["messages_dropped"] <= toy["faults"]["drop_message"] and toy["messages_delayed"] > 0
     assert toy["typed_errors_by_kind"]["WalkExecutionError"] >= 1  # the node that raised, as itself
 
 
