@@ -268,7 +268,7 @@ def test_decode_staging_matches_plain_gather(tiny_llama: LlamaCausalLM) -> None:
 
     def run(staging: bool) -> dict[str, list[torch.Tensor]]:
         engine = _engine(tiny_llama, num_blocks=12, max_num_batched_tokens=16)
-        backend = TorchPagedAttention(decode_staging=staging)
+        backend = TorchPagedAttention(decode_staging=staging, native=False)
         engine.runner.backend = backend
         engine.runner.ctx.backend = backend
         engine.return_logits = True
@@ -307,7 +307,7 @@ def test_equal_length_decode_staging_matches_plain_gather(dtype: torch.dtype) ->
 
     def run(staging: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
         engine = _engine(model)
-        backend = TorchPagedAttention(decode_staging=staging)
+        backend = TorchPagedAttention(decode_staging=staging, native=False)
         engine.runner.backend = backend
         engine.runner.ctx.backend = backend
         engine.return_logits = True

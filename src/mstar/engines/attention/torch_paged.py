@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engines.attention.base import AttentionMetadata, write_kv
+from mstar.engines.native import cpu_kernels
 
 __all__ = ["TorchPagedAttention"]
 
@@ -247,6 +248,22 @@ class _DecodeStaging:
             stage[self.rows, :, self.positions] = new.to(stage.dtype)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_NATIVE_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _fits_native(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the native decode kernel takes these queries over this cache (`cpu_kernels.cpp`)."""
+    return (
+        q.dtype == k_cache.dtype
+        and q.dtype in _NATIVE_DTYPES
+        and q.shape[-1] in _NATIVE_HEAD_DIMS
+        and q.stride(-1) == 1
+        and q.stride(1) == q.shape[-1]
+        and k_cache.is_contiguous()
+    )
+
+
 def _staged_dtype(cache: torch.Tensor) -> torch.dtype:
     """Return the dtype decode staging keeps a cache's keys and values in.
 
@@ -270,13 +287,19 @@ class TorchPagedAttention:
         decode_staging: bool = True,
         chunk_staging: bool = True,
         stage_budget_bytes: int = 256 << 20,
+        native: bool = True,
     ) -> None:
         """Create the backend for tensors on `device` (see the module notes on staging).
 
         `stage_budget_bytes` caps the keys one layer of one staged group may copy (K and V);
-        larger groups gather from the cache every step.
+        larger groups gather from the cache every step. `native`: on a CPU, decode rows go
+        through the native kernel where it is built and fits (see the module notes).
         """
         self.device = torch.device(device)
+        self._kernels = cpu_kernels() if native and self.device.type == "cpu" else None
+        self._native_tables: torch.Tensor | None = None  # [decode rows, blocks] of the step
+        self._native_lens: torch.Tensor | None = None
+        self._native_used = False  # the last decode went through the kernel: nothing is staged
         self._staging = _DecodeStaging() if decode_staging else None
         self._chunk_staging = chunk_staging
         self._stage_budget_bytes = stage_budget_bytes
@@ -346,7 +369,9 @@ class TorchPagedAttention:
             self._decode_shape = (len(decode_ids), max_len)
             if not self._all_decode:
                 self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(self.device)
-            if staging is not None and metadata.seq_keys is not None:
+            if staging is not None and self._native_used:
+                staging.deactivate()
+            elif staging is not None and metadata.seq_keys is not None:
                 keys = tuple(metadata.seq_keys[decode_ids].tolist())
                 staging.plan(keys, lens, max_len, self.device)
                 # Staged keys need no block rounding: equal lengths need no mask at all.
@@ -356,13 +381,18 @@ class TorchPagedAttention:
                     self._staged_mask = _padding_mask(lens, longest, self.device)
             elif staging is not None:
                 staging.deactivate()  # and break the append chain
-            if staging is None or not staging.active or staging.rebuild:
-                # Whole blocks are gathered (large rows copy at memory speed); the tail of
-                # each sequence's last block, and shorter sequences' padding, is masked.
+            gathers = staging is None or not staging.active or staging.rebuild
+            if gathers or self._kernels is not None:
                 tables = np.zeros((len(decode_ids), num_blocks), dtype=np.int64)
                 for row, i in enumerate(decode_ids):
                     table = metadata.block_tables[i][:num_blocks]
                     tables[row, : len(table)] = table
+                if self._kernels is not None:
+                    self._native_tables = torch.from_numpy(tables)
+                    self._native_lens = torch.from_numpy(lens.astype(np.int64))
+            if gathers:
+                # Whole blocks are gathered (large rows copy at memory speed); the tail of
+                # each sequence's last block, and shorter sequences' padding, is masked.
                 self._decode_blocks = torch.from_numpy(tables.reshape(-1)).to(self.device)
                 if not (lens == max_len).all():
                     self._decode_mask = _padding_mask(lens, max_len, self.device)
@@ -503,6 +533,14 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        kernels = self._kernels
+        if kernels is not None and _fits_native(q, k_cache):
+            # Keys and values read in place through the block tables: nothing staged.
+            if self._staging is not None and not self._native_used:
+                self._staging.deactivate()
+            self._native_used = True
+            return kernels.decode_attention(q, k_cache, v_cache, self._native_tables, self._native_lens, scale)
+        self._native_used = False
         batch, max_len = self._decode_shape
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
         shape = (batch, max_len, num_kv_heads, head_dim)

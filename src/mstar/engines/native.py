@@ -1,0 +1,89 @@
+"""Native CPU kernels: C++ in `csrc/`, built at first use by torch's extension loader.
+
+The build (about half a minute) happens once per machine, source and torch version; the
+library is cached under torch's extensions directory (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``) and later processes load it in milliseconds. It is compiled
+for the CPU it runs on (``-march=native``): the name of the cached build carries the CPU's
+feature flags, so a cache shared between machines never hands one CPU another's code.
+
+Where no C++ compiler is found, or the build fails, `cpu_kernels` returns None once with a
+warning and callers keep their torch-only paths; ``MSTAR_NATIVE_KERNELS=0`` turns the
+kernels off without trying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+__all__ = ["cpu_kernels", "native_kernels_enabled"]
+
+_log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CFLAGS = ("-O3", "-march=native")
+
+_lock = threading.Lock()
+_loaded: ModuleType | None = None
+_tried = False
+
+
+def native_kernels_enabled() -> bool:
+    """Whether native kernels may be used (``MSTAR_NATIVE_KERNELS`` is not ``0``)."""
+    return os.environ.get("MSTAR_NATIVE_KERNELS", "1") != "0"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+        digest.update(part)
+    return f"mstar_cpu_kernels_{digest.hexdigest()[:16]}"
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    try:  # torch's loader runs `ninja` from PATH: the ninja package's own binary serves
+        import ninja
+
+        path = os.environ.get("PATH", "")
+        if ninja.BIN_DIR not in path.split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+    except ImportError:
+        pass
+    return cpp_extension.load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), verbose=False)
+
+
+def cpu_kernels() -> ModuleType | None:
+    """Return the built kernels (`decode_attention`), building them on first call; None if they cannot be."""
+    global _loaded, _tried
+    if not native_kernels_enabled():
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            start = time.perf_counter()
+            try:
+                _loaded = _build()
+            except Exception as error:  # no compiler, a failed build: the torch paths serve
+                _log.warning("native_kernels_unavailable", error=str(error).strip().splitlines()[-1][:300])
+            else:
+                _log.info("native_kernels_ready", seconds=round(time.perf_counter() - start, 2))
+        return _loaded

@@ -1,0 +1,168 @@
+"""The native CPU decode-attention kernel: what attention over the gathered keys gives, read in
+place from the paged cache, its errors, and engines that decode through it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
+from mstar.engines.attention import TorchPagedAttention
+from mstar.engines.native import cpu_kernels
+
+from .conftest import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
+
+
+@pytest.fixture(scope="module")
+def kernels():  # type: ignore[no-untyped-def]
+    built = cpu_kernels()
+    assert built is not None, "the native CPU kernels failed to build (see the warning logged)"
+    return built
+
+
+def _paged(lens: list[int], kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+    """Random keys and values of each row scattered over shuffled blocks; return the caches,
+    tables, lengths and each row's keys and values in order `[kv_heads, len, dim]`."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(per_row), dtype=torch.long)
+    rows = []
+    for r, (n, count) in enumerate(zip(lens, per_row, strict=True)):
+        blocks = [order.pop() for _ in range(count)]
+        tables[r, :count] = torch.tensor(blocks)
+        keys = k_cache[blocks].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+        values = v_cache[blocks].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+        rows.append((keys.float(), values.float()))
+    return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long), rows
+
+
+def _reference(q: torch.Tensor, rows, kv_heads: int, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out = []
+    for r, (keys, values) in enumerate(rows):
+        heads, dim = q.shape[1], q.shape[2]
+        qr = q[r].float().view(kv_heads, heads // kv_heads, dim)
+        out.append(F.scaled_dot_product_attention(qr, keys, values, scale=scale).reshape(heads, dim))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(8, 4, 32, 16), (9, 3, 64, 16), (4, 4, 16, 8), (8, 1, 128, 32), (2, 2, 256, 16), (16, 2, 64, 4)],
+)
+def test_kernel_equals_attention_over_the_gathered_keys(kernels, dtype, heads, kv_heads, dim, block_size) -> None:  # type: ignore[no-untyped-def]
+    """Rows of many lengths (one key, partial blocks and tiles, several chunks), strided query rows."""
+    lens = [1, 5, 16, 17, 64, 100, 257]
+    k_cache, v_cache, tables, lengths, rows = _paged(lens, kv_heads, dim, block_size, dtype, seed=dim + heads)
+    # The queries as the layers hand them over: a view into a wider row (q and k side by side).
+    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = qk[:, :heads]
+    scale = dim**-0.5
+    out = kernels.decode_attention(q, k_cache, v_cache, tables, lengths, scale)
+    assert out.dtype == dtype and out.shape == (len(lens), heads, dim) and out.is_contiguous()
+    expected = _reference(q, rows, kv_heads, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:  # float32 arithmetic, rounded once to bfloat16
+        torch.testing.assert_close(out, expected.to(dtype), rtol=1.6e-2, atol=1e-2)
+    # Each row alone gives what it gives in the batch: no state leaks between work items.
+    alone = kernels.decode_attention(q[3:4].contiguous(), k_cache, v_cache, tables[3:4].contiguous(), lengths[3:4], scale)
+    torch.testing.assert_close(alone, out[3:4], rtol=0, atol=0)
+
+
+def test_a_dominant_key_takes_all_the_weight(kernels) -> None:  # type: ignore[no-untyped-def]
+    """Large score gaps (exp underflow) give exactly the one value, and NaN-free output."""
+    k_cache = torch.zeros(2, 16, 1, 16)
+    v_cache = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 16, 1, 16)
+    k_cache[1, 3, 0] = 1.0
+    q = torch.full((1, 1, 16), 400.0)
+    out = kernels.decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([32]), 1.0)
+    torch.testing.assert_close(out[0, 0], v_cache[1, 3, 0])
+
+
+def test_kernel_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+    k_cache = torch.zeros(4, 16, 2, 32)
+    q = torch.zeros(2, 4, 32)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    lens = torch.tensor([20, 3])
+    kernels.decode_attention(q, k_cache, k_cache, tables, lens, 1.0)  # valid
+    with pytest.raises(RuntimeError, match="outside its table"):
+        kernels.decode_attention(q, k_cache, k_cache, tables, torch.tensor([33, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="outside its table"):
+        kernels.decode_attention(q, k_cache, k_cache, tables, torch.tensor([0, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="names block 9"):
+        kernels.decode_attention(q, k_cache, k_cache, torch.tensor([[0, 9], [2, 3]]), lens, 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.decode_attention(q.bfloat16(), k_cache, k_cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim must be"):
+        kernels.decode_attention(torch.zeros(2, 4, 8), torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.decode_attention(q.double(), k_cache.double(), k_cache.double(), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        kernels.decode_attention(q.transpose(0, 1), k_cache, k_cache, tables, lens, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """Requests joining, leaving and preempted (a small cache): the same logits and tokens
+    whether decode rows go through the kernel or gather their blocks."""
+    model = make_tiny_llama(dtype=dtype, hidden_size=64, num_heads=4, num_kv_heads=2)  # head_dim 16
+
+    def run(native: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
+        engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16))
+        backend = TorchPagedAttention(decode_staging=False, native=native)
+        engine.runner.backend = backend
+        engine.runner.ctx.backend = backend
+        engine.return_logits = True
+        schedule = {0: ["a", "b"], 3: ["c"], 7: ["d", "e"], 12: ["f"]}
+        tokens: dict[str, list[int]] = {}
+        logits: dict[str, list[torch.Tensor]] = {}
+        for step in range(300):
+            for name in schedule.get(step, []):
+                prompt = [(ord(name) * 7 + i) % 64 for i in range(5 + ord(name) % 7)]
+                engine.add_request(name, prompt, SamplingParams.greedy(14))
+            if step == 9:
+                engine.abort("c")
+            for out in engine.step():
+                assert out.logits is not None
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logits.setdefault(out.request_id, []).append(out.logits.float())
+            if not engine.has_unfinished() and step > 12:
+                break
+        assert engine.scheduler.num_preemptions > 0
+        return tokens, {k: torch.stack(v) for k, v in logits.items()}, backend
+
+    (native_tokens, native, backend), (gathered_tokens, gathered, _) = run(True), run(False)
+    assert backend._native_used
+    assert native.keys() == gathered.keys()
+    if dtype == torch.float32:
+        assert native_tokens == gathered_tokens
+        for name in native:
+            torch.testing.assert_close(native[name], gathered[name], rtol=1e-4, atol=1e-4)
+    else:
+        # bfloat16 activations: the attention output rounds once either way, so a near-tie
+        # may pick another token; up to and including the first such step, logits agree.
+        compared = 0
+        for name in native:
+            a, b = native_tokens[name], gathered_tokens[name]
+            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
+            compared += same
+            torch.testing.assert_close(native[name][:same], gathered[name][:same], rtol=0.05, atol=0.1)
+        assert compared >= len(native) * 8
+
+
+def test_native_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mstar.engines import native
+
+    monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
+    assert native.cpu_kernels() is None
+    assert TorchPagedAttention("cpu")._kernels is None
