@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mstar.engines.native import cpu_kernels
 
 __all__ = [
     "DECODE_ROWS",
@@ -277,7 +280,11 @@ class GatedMLP(nn.Module):
         """Apply the block to ``x`` ``[..., hidden]``."""
         if self.gate_up is None or self.down is None:
             return cast(torch.Tensor, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        kernels = _native_for(gate_up) if self.act is F.silu and gate_up.dim() == 2 else None
+        if kernels is not None:  # one pass, the same roundings
+            return self.down(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
 
@@ -291,6 +298,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension."""
+        kernels = _native_for(x, self.weight)
+        if kernels is not None:  # one pass, the same rounding as below
+            return cast(torch.Tensor, kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)).view(x.shape)
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused kernel instead of seven small ops (a decode step runs 2L + 1 norms).
@@ -302,6 +312,28 @@ class RMSNorm(nn.Module):
             return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * normed.to(dtype)
+
+    def residual(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(x + delta, self(x + delta))``: a residual add and the norm after it."""
+        kernels = _native_for(x, self.weight)
+        if kernels is not None and x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype:
+            total, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
+            return total, normed
+        total = x + delta
+        return total, self(total)
+
+
+def _native_for(x: torch.Tensor, weight: torch.Tensor | None = None) -> ModuleType | None:
+    """The native kernels, where they take `x` (CPU, float32 or bfloat16, rows contiguous, no grad)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.stride(-1) != 1
+        or (weight is not None and weight.dtype != x.dtype)
+        or (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+    ):
+        return None
+    return cpu_kernels()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -329,6 +361,15 @@ def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
     with it; the result equals `apply_rotary`'s bit for bit (`-a * b` is `a * -b`).
     """
     head_dim = x.shape[-1]
+    kernels = _native_for(x)
+    if (
+        kernels is not None
+        and x.dim() == 3
+        and x.stride(1) == head_dim
+        and cos.shape == sin_signed.shape == (x.shape[0], 1, head_dim)
+        and cos.dtype == sin_signed.dtype == x.dtype
+    ):  # one pass, the same roundings
+        return cast(torch.Tensor, kernels.rotary(x, cos[:, 0], sin_signed[:, 0]))
     # The halves swapped: one copy (a flip of the half axis) instead of a negation and a cat.
     swapped = x.unflatten(-1, (2, head_dim // 2)).flip(-2).flatten(-2)
     out = x * cos

@@ -72,10 +72,12 @@ def _build() -> ModuleType:
 
 
 def cpu_kernels() -> ModuleType | None:
-    """Return the built kernels (`decode_attention`), building them on first call; None if they cannot be."""
+    """Return the built kernels (see `csrc/cpu_kernels.cpp`), building them on first call; None if they cannot be."""
     global _loaded, _tried
     if not native_kernels_enabled():
         return None
+    if _tried:  # the per-call path: layers ask on every step
+        return _loaded
     with _lock:
         if not _tried:
             _tried = True

@@ -196,8 +196,8 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
     ) -> torch.Tensor:
         """Apply the layer."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.residual(x, self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        return x + self.mlp(h)
 
 
 class LlamaBackbone(nn.Module):

@@ -1,5 +1,6 @@
-"""The native CPU decode-attention kernel: what attention over the gathered keys gives, read in
-place from the paged cache, its errors, and engines that decode through it."""
+"""The native CPU kernels: decode attention (what attention over the gathered keys gives, read
+in place from the paged cache) and the layers' small ops (what the torch ops give, rounding
+included), their errors, and engines and layers that run through them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
 from mstar.engines.attention import TorchPagedAttention
+from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.native import cpu_kernels
 
 from .conftest import make_tiny_llama
@@ -166,3 +168,72 @@ def test_native_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
     assert native.cpu_kernels() is None
     assert TorchPagedAttention("cpu")._kernels is None
+
+
+def _torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_round_as_the_torch_path_does(kernels, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(256, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(256, generator=gen))
+    wide = (3 * torch.randn(16, 512, generator=gen)).to(dtype)
+    x = wide[:, :256]  # strided rows, as a fused product's slice hands them over
+    delta = torch.randn(16, 256, generator=gen).to(dtype)
+    with torch.inference_mode():
+        native = norm(x), norm.residual(x, delta), norm(x.view(4, 4, 256))
+        _torch_paths(monkeypatch)
+        plain = norm(x), norm.residual(x, delta), norm(x.view(4, 4, 256))
+    assert torch.equal(native[1][0], plain[1][0])  # the sum rounds once either way
+    assert native[2].shape == (4, 4, 256)
+    if dtype == torch.bfloat16:  # bit for bit
+        for a, b in [(native[0], plain[0]), (native[1][1], plain[1][1]), (native[2], plain[2])]:
+            assert torch.equal(a, b)
+    else:  # the sum of squares in another order: an ulp or so
+        for a, b in [(native[0], plain[0]), (native[1][1], plain[1][1]), (native[2], plain[2])]:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_silu_mul_equal_the_torch_ops(kernels, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(16, 14 * 32, generator=gen).to(dtype)
+    qk = qkv[:, : 12 * 32].view(16, 12, 32)  # q and k heads side by side, v after them
+    angles = 40 * torch.rand(16, 1, 32, generator=gen)
+    cos, sin = angles.cos().to(dtype), signed_sin(angles.sin()).to(dtype)
+    mlp = GatedMLP(64, 128).to(dtype)
+    mlp.fuse()
+    x = torch.randn(16, 64, generator=gen).to(dtype)
+    with torch.inference_mode():
+        native = apply_rotary_signed(qk, cos, sin), kernels.silu_mul(8 * qkv[:, :256]), mlp(x)
+        _torch_paths(monkeypatch)
+        gate, up = (8 * qkv[:, :256]).chunk(2, dim=-1)
+        plain = apply_rotary_signed(qk, cos, sin), F.silu(gate) * up, mlp(x)
+    assert torch.equal(native[0], plain[0])  # the same three roundings, no fused multiply-add
+    if dtype == torch.bfloat16:
+        assert torch.equal(native[1], plain[1]) and torch.equal(native[2], plain[2])
+    else:  # exp to within an ulp or two
+        torch.testing.assert_close(native[1], plain[1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(native[2], plain[2], rtol=1e-5, atol=1e-5)
+    # Far tails of silu: exp's clamps give 0 and the identity, never NaN.
+    tails = kernels.silu_mul(torch.tensor([[-1e4, 1e4, 100.0, 2.0, 1.0, 1.0, 1.0, 1.0]]).to(dtype))
+    torch.testing.assert_close(tails.float(), torch.tensor([[-0.0, 1e4, 100.0, 2 * 0.8807970779778823]]), rtol=8e-3, atol=1e-30)
+
+
+def test_small_ops_refuse_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="share shape"):
+        kernels.add_rms_norm(x, torch.randn(4, 4), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.silu_mul(x.t())
+    with pytest.raises(RuntimeError, match="even width"):
+        kernels.silu_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernels.rotary(torch.randn(4, 2, 8), torch.randn(4, 6), torch.randn(4, 6))
