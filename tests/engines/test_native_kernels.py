@@ -237,3 +237,41 @@ def test_small_ops_refuse_bad_input(kernels) -> None:  # type: ignore[no-untyped
         kernels.silu_mul(torch.randn(4, 7))
     with pytest.raises(RuntimeError, match="cos and sin"):
         kernels.rotary(torch.randn(4, 2, 8), torch.randn(4, 6), torch.randn(4, 6))
+
+
+def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) -> None:  # type: ignore[no-untyped-def]
+    """One decode step whose first layer goes through the kernel (float32) and whose second
+    cannot (float64): both give attention over each row's keys."""
+    import numpy as np
+
+    from mstar.engines.attention import AttentionMetadata
+
+    lens, block_size, kv_heads, heads, dim = [5, 19, 33], 8, 2, 4, 16
+    backend = TorchPagedAttention("cpu", native=True)
+    for step in range(2):  # the second step finds the kernel used before
+        step_lens = [n + step for n in lens]
+        per_row = [-(-n // block_size) for n in step_lens]
+        tables = [list(range(sum(per_row[:r]), sum(per_row[: r + 1]))) for r in range(len(lens))]
+        slots = [tables[r][(n - 1) // block_size] * block_size + (n - 1) % block_size for r, n in enumerate(step_lens)]
+        metadata = AttentionMetadata(
+            num_tokens=len(lens), slot_mapping=torch.tensor(slots), query_start_loc=np.arange(len(lens) + 1),
+            seq_lens=np.array(step_lens), block_tables=tables, kv_limits=None, block_size=block_size,
+            seq_keys=np.arange(len(lens)),
+        )
+        backend.plan(metadata)
+        for dtype in (torch.float32, torch.float64):
+            gen = torch.Generator().manual_seed(step)
+            k_cache = torch.randn(sum(per_row), block_size, kv_heads, dim, generator=gen).to(dtype)
+            v_cache = torch.randn(sum(per_row), block_size, kv_heads, dim, generator=gen).to(dtype)
+            q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+            k = torch.randn(len(lens), kv_heads, dim, generator=gen).to(dtype)
+            v = torch.randn(len(lens), kv_heads, dim, generator=gen).to(dtype)
+            out = backend.forward(q, k, v, (k_cache, v_cache), dim**-0.5)
+            assert backend._native_used == (dtype == torch.float32)
+            for r, n in enumerate(step_lens):  # the step's keys were written first
+                keys = k_cache[tables[r]].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+                values = v_cache[tables[r]].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+                expected = F.scaled_dot_product_attention(
+                    q[r].view(kv_heads, 2, dim), keys, values, scale=dim**-0.5
+                ).reshape(heads, dim)
+                torch.testing.assert_close(out[r], expected, rtol=1e-5, atol=1e-5)

@@ -324,13 +324,14 @@ class RMSNorm(nn.Module):
 
 
 def _native_for(x: torch.Tensor, weight: torch.Tensor | None = None) -> ModuleType | None:
-    """The native kernels, where they take `x` (CPU, float32 or bfloat16, rows contiguous, no grad)."""
+    """The native kernels, where they take `x` (CPU, float32 or bfloat16, rows contiguous, no grad, eager)."""
     if (
         x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.bfloat16)
         or x.stride(-1) != 1
         or (weight is not None and weight.dtype != x.dtype)
         or (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+        or torch.compiler.is_compiling()  # compiled graphs fuse the torch ops themselves
     ):
         return None
     return cpu_kernels()

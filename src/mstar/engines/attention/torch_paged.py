@@ -381,7 +381,8 @@ class TorchPagedAttention:
                     self._staged_mask = _padding_mask(lens, longest, self.device)
             elif staging is not None:
                 staging.deactivate()  # and break the append chain
-            gathers = staging is None or not staging.active or staging.rebuild
+            # Once decode rows go through the kernel, only its tables are needed.
+            gathers = not self._native_used and (staging is None or not staging.active or staging.rebuild)
             if gathers or self._kernels is not None:
                 tables = np.zeros((len(decode_ids), num_blocks), dtype=np.int64)
                 for row, i in enumerate(decode_ids):
@@ -540,7 +541,13 @@ class TorchPagedAttention:
                 self._staging.deactivate()
             self._native_used = True
             return kernels.decode_attention(q, k_cache, v_cache, self._native_tables, self._native_lens, scale)
-        self._native_used = False
+        if self._native_used:  # a layer the kernel does not take, after ones it did (no staging)
+            self._native_used = False
+            assert self._native_tables is not None and self._native_lens is not None
+            self._decode_blocks = self._native_tables.reshape(-1)
+            width = self._native_tables.shape[1] * k_cache.shape[1]
+            lens = self._native_lens.numpy()
+            self._decode_mask = None if (lens == width).all() else _padding_mask(lens, width, self.device)
         batch, max_len = self._decode_shape
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
         shape = (batch, max_len, num_kv_heads, head_dim)
