@@ -1,4 +1,4 @@
-"""Pure-torch paged attention: the reference backend, and the one used on CPU.
+"""Torch paged attention: the reference backend, and the one used on CPU.
 
 Decode tokens of a step are batched into one masked attention over keys gathered from
 their block tables (padded to the longest sequence); chunks whose queries all see all
@@ -19,6 +19,13 @@ joins, leaves or did anything but decode one token):
  [blk 7][blk 2][blk 9] ... ──gather on change──▶  row 0: s0 keys 0..L0-1 | next token appended
                                                    row 1: s1 keys 0..L1-1 |
 ```
+
+Native decode (CPU, on by default): where mstar's native kernels are built
+(`mstar.engines.native`), decode rows in float32 or bfloat16 with a head size of 16, 32, 64,
+128 or 256 attend in one C++ call that reads each row's keys and values in place from the
+paged cache through its block table, at the cache's own width. Nothing is staged or
+gathered then; the torch paths above serve everything else (prefill chunks, other dtypes,
+CUDA, a machine without a compiler).
 """
 
 from __future__ import annotations

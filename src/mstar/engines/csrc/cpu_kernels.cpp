@@ -535,10 +535,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// Each call releases the GIL while it runs, as torch's own ops do: the event loop's Python
+// goes on beside it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (see the source).");
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows (see the source).");
-  m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).");
-  m.def("rotary", &rotary, "Rotary embedding of heads (see the source).");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (see the source).", release());
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows (see the source).", release());
+  m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).", release());
+  m.def("rotary", &rotary, "Rotary embedding of heads (see the source).", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).", release());
 }
