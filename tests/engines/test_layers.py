@@ -13,6 +13,7 @@ from mstar.engines.layers import (
     IN_OUT,
     OUT_IN,
     PACKED,
+    TILED,
     FusableLinear,
     FusedLinear,
     GatedMLP,
@@ -21,7 +22,7 @@ from mstar.engines.layers import (
     choose_layout,
 )
 
-LAYOUTS = [OUT_IN, IN_OUT, PACKED]
+LAYOUTS = [OUT_IN, IN_OUT, PACKED, TILED]
 
 
 @pytest.fixture
@@ -29,6 +30,8 @@ def forced_layout(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReques
     layout: str = request.param
     if layout == PACKED and not can_pack(torch.zeros(1, 1)):
         pytest.skip("this torch build has no oneDNN")
+    if layout == TILED and layers._tiles(torch.zeros(16, 2)) is None:
+        pytest.skip("the native kernels are not built here")
     monkeypatch.setattr(layers, "choose_layout", lambda weight, rows=DECODE_ROWS: layout)
     return layout
 
@@ -48,7 +51,7 @@ def test_fused_projections_match_separate_linears(forced_layout: str, bias: bool
             [F.linear(x, w, b) for w, b in zip(expected_weights, expected_biases, strict=True)], dim=-1
         )
         torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
-    if forced_layout == PACKED:
+    if forced_layout in (PACKED, TILED):
         # No second copy: the modules give their weights up to the packed matrix.
         assert all(lin.weight is None for lin in linears)
     else:
@@ -59,7 +62,7 @@ def test_fused_projections_match_separate_linears(forced_layout: str, bias: bool
 
 @pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
 def test_shared_head_leaves_the_embedding_intact(forced_layout: str) -> None:
-    embedding = torch.randn(100, 24)
+    embedding = torch.randn(96, 24)  # tiles take 16 outputs at a time
     before = embedding.clone()
     head = FusedLinear.shared(embedding)
     x = torch.randn(3, 24)
@@ -70,8 +73,8 @@ def test_shared_head_leaves_the_embedding_intact(forced_layout: str) -> None:
 @pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
 def test_fusable_linear_loads_like_a_linear_and_runs_fused(forced_layout: str) -> None:
     torch.manual_seed(1)
-    plain = nn.Linear(24, 40)
-    lin = FusableLinear(24, 40)
+    plain = nn.Linear(24, 48)
+    lin = FusableLinear(24, 48)
     lin.load_state_dict(plain.state_dict())
     lin.fuse_for_inference((64,))
     lin.fuse_for_inference((64,))  # a second call keeps the first fusion
@@ -124,8 +127,8 @@ def test_gated_mlp_is_the_gated_block_before_and_after_fusing(
     forced_layout: str, activation: str, act: object
 ) -> None:
     torch.manual_seed(0)
-    mlp = GatedMLP(24, 40, activation=activation, bias=True)
-    x = torch.randn(5, 24)
+    mlp = GatedMLP(32, 48, activation=activation, bias=True)
+    x = torch.randn(5, 32)
     with torch.no_grad():
         want = F.linear(act(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight, mlp.down_proj.bias)  # type: ignore[operator]
         torch.testing.assert_close(mlp(x), want)

@@ -275,3 +275,36 @@ def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) 
                     q[r].view(kv_heads, 2, dim), keys, values, scale=dim**-0.5
                 ).reshape(heads, dim)
                 torch.testing.assert_close(out[r], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_linear_is_the_product_rounded_once(kernels, dtype: torch.dtype, bias: bool) -> None:  # type: ignore[no-untyped-def]
+    """Every row count a step can have (one to past one block of 16), strided input rows."""
+    if dtype == torch.bfloat16 and not kernels.tiles_bfloat16():
+        pytest.skip("this CPU or compiler has no AVX-512 BF16")
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(80, 64, generator=gen).to(dtype)
+    b = torch.randn(80, generator=gen).to(dtype) if bias else None
+    tiles = kernels.pack_linear(weight)
+    for rows in (1, 2, 7, 16, 17, 40):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)[:, 16:80]
+        got = kernels.linear(x, tiles, b)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert got.dtype == dtype and got.shape == (rows, 80)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-5)
+        else:  # float32 sums, rounded once to bfloat16: within half a bfloat16 ulp of the sum
+            torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-4)
+
+
+def test_tiled_linear_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.pack_linear(torch.randn(20, 8))
+    tiles = kernels.pack_linear(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="8 features, the weights 8|has 9 features"):
+        kernels.linear(torch.randn(2, 9), tiles)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.linear(torch.randn(2, 8), tiles, torch.randn(31))
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.linear(torch.randn(2, 8).double(), tiles)

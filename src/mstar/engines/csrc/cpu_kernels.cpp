@@ -12,11 +12,22 @@
 // rms_norm / add_rms_norm (the residual add fused), rotary (q and k rotated in one pass),
 // silu_mul (SwiGLU's act(gate) * up).
 //
+// linear / pack_linear: x @ W.T (+ b) for the few rows of a decode step, over weights packed
+// in tiles of 16 outputs: one pass over the weights serves up to 16 rows, each tile's 16
+// sums held in a register (float32: a multiply-add per input; bfloat16: AVX-512 BF16's
+// pairwise dot products, where the CPU and compiler have them), accumulated in float32 and
+// rounded once. At these row counts the products cost a few microseconds where oneDNN's
+// calls cost about twenty; which layout a weight takes is still timed (`choose_layout`).
+//
 // The vectors are GCC/Clang vector extensions of 16 floats: AVX-512 registers where the CPU
 // has them, pairs of AVX2 registers (or narrower) elsewhere.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -404,6 +415,90 @@ void silu_mul_rows(const T* x, int64_t tokens, int64_t inner, int64_t x_stride, 
   }
 }
 
+// Tiled weights: float32 [N/16][K][16] (tile, input, output lane); bfloat16 [N/16][K/2][16][2]
+// (tile, input pair, output lane, pair member), the operand layout of a pairwise dot product.
+template <int M>
+void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
+                     int64_t y_stride) {
+  vf16 acc[M];
+  const vf16 b = bias ? load16(bias) : vf16{};
+  for (int m = 0; m < M; ++m) acc[m] = b;
+  for (int64_t k = 0; k < K; ++k) {
+    const vf16 wk = load16(w + 16 * k);
+    for (int m = 0; m < M; ++m) acc[m] += x[m * x_stride + k] * wk;
+  }
+  for (int m = 0; m < M; ++m) std::memcpy(y + m * y_stride, &acc[m], sizeof acc[m]);
+}
+
+#if defined(__AVX512BF16__)
+template <int M>
+void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias,
+                      uint16_t* y, int64_t y_stride) {
+  __m512 acc[M];
+  __m512 b = _mm512_setzero_ps();
+  if (bias) {
+    const vf16 bv = load16(bias);
+    std::memcpy(&b, &bv, sizeof b);
+  }
+  for (int m = 0; m < M; ++m) acc[m] = b;
+  for (int64_t kk = 0; kk < K / 2; ++kk) {
+    const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + 32 * kk);
+    for (int m = 0; m < M; ++m) {
+      uint32_t pair;
+      std::memcpy(&pair, x + m * x_stride + 2 * kk, sizeof pair);
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(int(pair)), wk);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(acc[m]);  // nearest even, as torch rounds
+    std::memcpy(y + m * y_stride, &rounded, sizeof rounded);
+  }
+}
+#endif
+
+template <typename T, typename Tile>
+void linear_rows(const T* x, int64_t rows, int64_t x_stride, const T* w, int64_t N, int64_t K, const T* bias, T* y,
+                 Tile&& tile) {
+  const int64_t tiles = N / 16, per_tile = 16 * K;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+      const int64_t mb = std::min<int64_t>(16, rows - m0);
+      for (int64_t t = begin; t < end; ++t)
+        tile(mb, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
+    }
+  });
+}
+
+template <template <int> class Fn, typename... Args>
+void by_rows(int64_t rows, Args... args) {
+  switch (rows) {
+#define MSTAR_ROWS(n) \
+  case n:             \
+    return Fn<n>::run(args...);
+    MSTAR_ROWS(1) MSTAR_ROWS(2) MSTAR_ROWS(3) MSTAR_ROWS(4) MSTAR_ROWS(5) MSTAR_ROWS(6) MSTAR_ROWS(7) MSTAR_ROWS(8)
+    MSTAR_ROWS(9) MSTAR_ROWS(10) MSTAR_ROWS(11) MSTAR_ROWS(12) MSTAR_ROWS(13) MSTAR_ROWS(14) MSTAR_ROWS(15)
+    MSTAR_ROWS(16)
+#undef MSTAR_ROWS
+  }
+}
+
+template <int M>
+struct TileF32 {
+  static void run(const float* x, int64_t xs, const float* w, int64_t K, const float* b, float* y, int64_t ys) {
+    linear_tile_f32<M>(x, xs, w, K, b, y, ys);
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int M>
+struct TileBF16 {
+  static void run(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, const uint16_t* b, uint16_t* y,
+                  int64_t ys) {
+    linear_tile_bf16<M>(x, xs, w, K, b, y, ys);
+  }
+};
+#endif
+
 template <typename F>
 void by_dtype(const at::Tensor& t, const char* op, F&& f) {
   if (t.scalar_type() == at::kFloat) {
@@ -493,6 +588,79 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
+// Whether bfloat16 weights can be tiled here (the build has AVX-512 BF16).
+bool tiles_bfloat16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] (N a multiple of 16; K even for bfloat16) -> its tiles (see linear_tile_*).
+at::Tensor pack_linear(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "pack_linear: a CPU matrix [out, in] expected");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0, "pack_linear: out features must be a multiple of 16, got ", N);
+  const auto c = w.contiguous();
+  if (c.scalar_type() == at::kFloat) {
+    auto out = at::empty({N / 16, K, 16}, c.options());
+    const float* src = c.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for (int64_t t = 0; t < N / 16; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        for (int l = 0; l < 16; ++l) dst[(t * K + k) * 16 + l] = src[(t * 16 + l) * K + k];
+    return out;
+  }
+  TORCH_CHECK(c.scalar_type() == at::kBFloat16, "pack_linear: float32 or bfloat16 only, got ", c.scalar_type());
+  TORCH_CHECK(tiles_bfloat16(), "pack_linear: this build has no AVX-512 BF16 (bfloat16 tiles)");
+  TORCH_CHECK(K % 2 == 0, "pack_linear: bfloat16 in features must be even, got ", K);
+  auto out = at::empty({N / 16, K / 2, 16, 2}, c.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(c.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t t = 0; t < N / 16; ++t)
+    for (int64_t kk = 0; kk < K / 2; ++kk)
+      for (int l = 0; l < 16; ++l)
+        for (int e = 0; e < 2; ++e) dst[((t * (K / 2) + kk) * 16 + l) * 2 + e] = src[(t * 16 + l) * K + 2 * kk + e];
+  return out;
+}
+
+// x [rows, K] (strided rows) @ W.T + bias, W tiled by pack_linear: [rows, N] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "linear");
+  const bool f32 = packed.dim() == 3;
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && (f32 || packed.dim() == 4),
+              "linear: weights tiled by pack_linear, of x's dtype, expected");
+  const int64_t N = packed.size(0) * 16, K = f32 ? packed.size(1) : 2 * packed.size(1);
+  TORCH_CHECK(x.size(1) == K, "linear: x has ", x.size(1), " features, the weights ", K);
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == N && b.scalar_type() == x.scalar_type()),
+              "linear: bias [out] of x's dtype expected");
+  auto y = at::empty({x.size(0), N}, x.options());
+  const int64_t xs = x.stride(0);
+  if (f32) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: float32 tiles need float32 input");
+    linear_rows<float>(x.data_ptr<float>(), x.size(0), xs, packed.data_ptr<float>(), N, K,
+                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                       [&](int64_t mb, const float* xr, const float* wt, const float* bt, float* yr) {
+                         by_rows<TileF32>(mb, xr, xs, wt, K, bt, yr, N);
+                       });
+    return y;
+  }
+#if defined(__AVX512BF16__)
+  using u16 = uint16_t;
+  linear_rows<u16>(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs,
+                   reinterpret_cast<const u16*>(packed.data_ptr()), N, K,
+                   b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr, reinterpret_cast<u16*>(y.data_ptr()),
+                   [&](int64_t mb, const u16* xr, const u16* wt, const u16* bt, u16* yr) {
+                     by_rows<TileBF16>(mb, xr, xs, wt, K, bt, yr, N);
+                   });
+  return y;
+#else
+  TORCH_CHECK(false, "linear: this build has no AVX-512 BF16 (bfloat16 tiles)");
+#endif
+}
+
 // q [rows, heads, head_dim] (rows may be strided; heads and head_dim contiguous);
 // k_cache, v_cache [blocks, block_size, kv_heads, head_dim] contiguous, q's dtype;
 // tables [rows, max_blocks] int64 (each row's blocks in order); lens [rows] int64 (keys per
@@ -544,4 +712,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).", release());
   m.def("rotary", &rotary, "Rotary embedding of heads (see the source).", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).", release());
+  m.def("tiles_bfloat16", &tiles_bfloat16, "Whether bfloat16 weights can be tiled in this build.");
+  m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
+  m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),
+        py::arg("bias") = py::none(), release());
 }
