@@ -417,84 +417,104 @@ void silu_mul_rows(const T* x, int64_t tokens, int64_t inner, int64_t x_stride, 
 
 // Tiled weights: float32 [N/16][K][16] (tile, input, output lane); bfloat16 [N/16][K/2][16][2]
 // (tile, input pair, output lane, pair member), the operand layout of a pairwise dot product.
-template <int M>
-void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
-                     int64_t y_stride) {
-  vf16 acc[M];
-  const vf16 b = bias ? load16(bias) : vf16{};
-  for (int m = 0; m < M; ++m) acc[m] = b;
-  for (int64_t k = 0; k < K; ++k) {
-    const vf16 wk = load16(w + 16 * k);
-    for (int m = 0; m < M; ++m) acc[m] += x[m * x_stride + k] * wk;
+// A block of M rows against NT adjacent tiles: M x NT sums in registers, each input's weight
+// vector loaded once per tile and each row's input broadcast once for all NT tiles.
+template <int M, int NT>
+void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t tile_stride, int64_t K,
+                     const float* bias, float* y, int64_t y_stride) {
+  vf16 acc[M][NT];
+  for (int n = 0; n < NT; ++n) {
+    const vf16 b = bias ? load16(bias + 16 * n) : vf16{};
+    for (int m = 0; m < M; ++m) acc[m][n] = b;
   }
-  for (int m = 0; m < M; ++m) std::memcpy(y + m * y_stride, &acc[m], sizeof acc[m]);
+  for (int64_t k = 0; k < K; ++k) {
+    vf16 wk[NT];
+    for (int n = 0; n < NT; ++n) wk[n] = load16(w + n * tile_stride + 16 * k);
+    for (int m = 0; m < M; ++m) {
+      const float xk = x[m * x_stride + k];
+      for (int n = 0; n < NT; ++n) acc[m][n] += xk * wk[n];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NT; ++n) std::memcpy(y + m * y_stride + 16 * n, &acc[m][n], sizeof(vf16));
 }
 
 #if defined(__AVX512BF16__)
-template <int M>
-void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias,
-                      uint16_t* y, int64_t y_stride) {
-  __m512 acc[M];
-  __m512 b = _mm512_setzero_ps();
-  if (bias) {
-    const vf16 bv = load16(bias);
-    std::memcpy(&b, &bv, sizeof b);
+template <int M, int NT>
+void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t tile_stride, int64_t K,
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+  __m512 acc[M][NT];
+  for (int n = 0; n < NT; ++n) {
+    __m512 b = _mm512_setzero_ps();
+    if (bias) {
+      const vf16 bv = load16(bias + 16 * n);
+      std::memcpy(&b, &bv, sizeof b);
+    }
+    for (int m = 0; m < M; ++m) acc[m][n] = b;
   }
-  for (int m = 0; m < M; ++m) acc[m] = b;
   for (int64_t kk = 0; kk < K / 2; ++kk) {
-    const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + 32 * kk);
+    __m512bh wk[NT];
+    for (int n = 0; n < NT; ++n) wk[n] = (__m512bh)_mm512_loadu_si512(w + n * tile_stride + 32 * kk);
     for (int m = 0; m < M; ++m) {
       uint32_t pair;
       std::memcpy(&pair, x + m * x_stride + 2 * kk, sizeof pair);
-      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32(int(pair)), wk);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(pair));
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xb, wk[n]);
     }
   }
-  for (int m = 0; m < M; ++m) {
-    const __m256bh rounded = _mm512_cvtneps_pbh(acc[m]);  // nearest even, as torch rounds
-    std::memcpy(y + m * y_stride, &rounded, sizeof rounded);
-  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NT; ++n) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(acc[m][n]);  // nearest even, as torch rounds
+      std::memcpy(y + m * y_stride + 16 * n, &rounded, sizeof rounded);
+    }
 }
 #endif
+
+// Rows in blocks of up to 8, tiles in pairs (a pair's weights stay in L1 across the blocks):
+// at most 16 sums, two weight vectors and a broadcast in registers.
+constexpr int64_t kRowBlock = 8, kTileGroup = 2;
 
 template <typename T, typename Tile>
 void linear_rows(const T* x, int64_t rows, int64_t x_stride, const T* w, int64_t N, int64_t K, const T* bias, T* y,
                  Tile&& tile) {
-  const int64_t tiles = N / 16, per_tile = 16 * K;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-      const int64_t mb = std::min<int64_t>(16, rows - m0);
-      for (int64_t t = begin; t < end; ++t)
-        tile(mb, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
+  const int64_t tiles = N / 16, per_tile = 16 * K, groups = (tiles + kTileGroup - 1) / kTileGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock)
+        tile(std::min(kRowBlock, rows - m0), nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr,
+             y + m0 * N + 16 * t);
     }
   });
 }
 
-template <template <int> class Fn, typename... Args>
-void by_rows(int64_t rows, Args... args) {
+// Calls Fn::template run<M, NT>(args...) for a runtime M in [1, 8] and NT in [1, 2].
+template <typename Fn, typename... Args>
+void by_block(int64_t rows, int64_t tiles, Args... args) {
+#define MSTAR_BLOCK(m)                                            \
+  case m:                                                         \
+    return tiles == 2 ? Fn::template run<m, 2>(args...) : Fn::template run<m, 1>(args...);
   switch (rows) {
-#define MSTAR_ROWS(n) \
-  case n:             \
-    return Fn<n>::run(args...);
-    MSTAR_ROWS(1) MSTAR_ROWS(2) MSTAR_ROWS(3) MSTAR_ROWS(4) MSTAR_ROWS(5) MSTAR_ROWS(6) MSTAR_ROWS(7) MSTAR_ROWS(8)
-    MSTAR_ROWS(9) MSTAR_ROWS(10) MSTAR_ROWS(11) MSTAR_ROWS(12) MSTAR_ROWS(13) MSTAR_ROWS(14) MSTAR_ROWS(15)
-    MSTAR_ROWS(16)
-#undef MSTAR_ROWS
+    MSTAR_BLOCK(1) MSTAR_BLOCK(2) MSTAR_BLOCK(3) MSTAR_BLOCK(4) MSTAR_BLOCK(5) MSTAR_BLOCK(6) MSTAR_BLOCK(7)
+    MSTAR_BLOCK(8)
   }
+#undef MSTAR_BLOCK
 }
 
-template <int M>
 struct TileF32 {
-  static void run(const float* x, int64_t xs, const float* w, int64_t K, const float* b, float* y, int64_t ys) {
-    linear_tile_f32<M>(x, xs, w, K, b, y, ys);
+  template <int M, int NT>
+  static void run(const float* x, int64_t xs, const float* w, int64_t ts, int64_t K, const float* b, float* y,
+                  int64_t ys) {
+    linear_tile_f32<M, NT>(x, xs, w, ts, K, b, y, ys);
   }
 };
 
 #if defined(__AVX512BF16__)
-template <int M>
 struct TileBF16 {
-  static void run(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, const uint16_t* b, uint16_t* y,
-                  int64_t ys) {
-    linear_tile_bf16<M>(x, xs, w, K, b, y, ys);
+  template <int M, int NT>
+  static void run(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ts, int64_t K, const uint16_t* b,
+                  uint16_t* y, int64_t ys) {
+    linear_tile_bf16<M, NT>(x, xs, w, ts, K, b, y, ys);
   }
 };
 #endif
@@ -642,8 +662,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: float32 tiles need float32 input");
     linear_rows<float>(x.data_ptr<float>(), x.size(0), xs, packed.data_ptr<float>(), N, K,
                        b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                       [&](int64_t mb, const float* xr, const float* wt, const float* bt, float* yr) {
-                         by_rows<TileF32>(mb, xr, xs, wt, K, bt, yr, N);
+                       [&](int64_t mb, int64_t nt, const float* xr, const float* wt, const float* bt, float* yr) {
+                         by_block<TileF32>(mb, nt, xr, xs, wt, 16 * K, K, bt, yr, N);
                        });
     return y;
   }
@@ -652,8 +672,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   linear_rows<u16>(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs,
                    reinterpret_cast<const u16*>(packed.data_ptr()), N, K,
                    b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr, reinterpret_cast<u16*>(y.data_ptr()),
-                   [&](int64_t mb, const u16* xr, const u16* wt, const u16* bt, u16* yr) {
-                     by_rows<TileBF16>(mb, xr, xs, wt, K, bt, yr, N);
+                   [&](int64_t mb, int64_t nt, const u16* xr, const u16* wt, const u16* bt, u16* yr) {
+                     by_block<TileBF16>(mb, nt, xr, xs, wt, 16 * K, K, bt, yr, N);
                    });
   return y;
 #else
