@@ -13,6 +13,14 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def decision_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the decision in the native kernel and in numpy (kernels off)."""
+    if request.param == "numpy":
+        monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
+    return str(request.param)
+
+
 def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x.double(), weight.double()).argmax(dim=1)
 
@@ -55,6 +63,13 @@ def test_non_finite_rows_are_left_undecided() -> None:
     x = torch.randn(2, 16)
     x[1, 0] = float("nan")
     assert head(x) is None
+    x[1, 0] = float("inf")
+    assert head(x) is None
+
+
+def test_flat_rows_with_too_many_candidates_are_left_undecided() -> None:
+    head = ScreenedArgmax(torch.ones(600, 16))  # every logit equal: 600 candidates a row
+    assert head(torch.randn(3, 16)) is None
 
 
 def test_only_float32_heads_on_a_cpu_are_screened() -> None:

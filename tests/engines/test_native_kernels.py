@@ -302,7 +302,7 @@ def test_tiled_linear_refuses_bad_input(kernels) -> None:  # type: ignore[no-unt
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.pack_linear(torch.randn(20, 8))
     tiles = kernels.pack_linear(torch.randn(32, 8))
-    with pytest.raises(RuntimeError, match="8 features, the weights 8|has 9 features"):
+    with pytest.raises(RuntimeError, match="has 9 features, the weights 8"):
         kernels.linear(torch.randn(2, 9), tiles)
     with pytest.raises(RuntimeError, match="bias"):
         kernels.linear(torch.randn(2, 8), tiles, torch.randn(31))

@@ -608,6 +608,108 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
+// ScreenedArgmax's decision (mstar/engines/greedy_head.py) after its bfloat16 product, in
+// two passes over each row's screen: the row maximum, then the ids within twice the
+// rounding bound of it, whose exact float32 logits (double sums) pick the first maximum.
+// Returns each row's token, or an empty tensor when some row cannot be decided (a
+// non-finite screen, no candidate or more than `max_candidates`): the caller then computes
+// the logits in full.
+at::Tensor screened_argmax(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& weight, double dw_max,
+                           double accum, double sum_max, double safety, double unit, int64_t max_candidates) {
+  TORCH_CHECK(approx.device().is_cpu() && approx.dim() == 2 && approx.is_contiguous() &&
+                  (approx.scalar_type() == at::kBFloat16 || approx.scalar_type() == at::kFloat),
+              "screened_argmax: a contiguous bfloat16 or float32 screen [rows, vocab] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  weight.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && x.size(0) == approx.size(0) &&
+                  weight.size(0) == approx.size(1) && weight.size(1) == x.size(1),
+              "screened_argmax: float32 x [rows, in] and a contiguous weight [vocab, in] expected");
+  const int64_t rows = approx.size(0), vocab = approx.size(1), n = x.size(1);
+  auto tokens = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const float* w = weight.data_ptr<float>();
+  std::vector<int64_t> candidates;
+  std::vector<float> group_max;
+  bool decided = true;
+  by_dtype(approx, "screened_argmax", [&](auto tag) {
+    using T = decltype(tag);
+    const T* scores = reinterpret_cast<const T*>(approx.data_ptr());
+    for (int64_t r = 0; r < rows && decided; ++r) {
+      const float* xr = x.data_ptr<float>() + r * x.stride(0);
+      double nb = 0, nd = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double xb = round_to<uint16_t>(xr[i]), dx = xr[i] - xb;
+        nb += xb * xb;
+        nd += dx * dx;
+      }
+      const T* sr = scores + r * vocab;
+      // Pass one: the maximum of every group of 256 ids (and of the row), NaN noticed.
+      constexpr int64_t kGroup = 256;
+      const int64_t groups = (vocab + kGroup - 1) / kGroup;
+      group_max.resize(groups);
+      float top = -std::numeric_limits<float>::infinity();
+      bool any_nan = false;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t lo = gi * kGroup, hi = std::min(vocab, lo + kGroup);
+        float gm = -std::numeric_limits<float>::infinity();
+        int64_t v = lo;
+        if (hi - lo == kGroup) {
+          vf16 maxima = splat(gm);
+          vi16 nan = {};
+          for (; v < hi; v += 16) {
+            const vf16 value = load16(sr + v);
+            nan |= value != value;
+            maxima = maxima > value ? maxima : value;
+          }
+          uint64_t lanes[8];
+          std::memcpy(lanes, &nan, sizeof lanes);
+          any_nan |= (lanes[0] | lanes[1] | lanes[2] | lanes[3] | lanes[4] | lanes[5] | lanes[6] | lanes[7]) != 0;
+          gm = hmax(maxima);
+        }
+        for (; v < hi; ++v) {
+          const float value = load(sr[v]);
+          any_nan |= value != value;
+          gm = std::max(gm, value);
+        }
+        group_max[gi] = gm;
+        top = std::max(top, gm);
+      }
+      if (any_nan || !std::isfinite(top)) {
+        decided = false;
+        break;
+      }
+      const double base = std::sqrt(nb) * (dw_max + accum) + std::sqrt(nd) * sum_max;
+      const double bound = safety * (base + unit * (std::abs(double(top)) + 2 * base));
+      const float threshold = float(double(top) - 2 * bound);
+      // Pass two: only the groups that reach the threshold.
+      candidates.clear();
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        if (group_max[gi] < threshold) continue;
+        for (int64_t v = gi * kGroup, hi = std::min(vocab, v + kGroup); v < hi; ++v)
+          if (load(sr[v]) >= threshold) candidates.push_back(v);
+      }
+      if (candidates.empty() || int64_t(candidates.size()) > max_candidates) {
+        decided = false;
+        break;
+      }
+      int64_t best_id = candidates[0];
+      double best = -std::numeric_limits<double>::infinity();
+      if (candidates.size() > 1) {
+        for (const int64_t v : candidates) {
+          const float* wr = w + v * n;
+          double dot = 0;
+          for (int64_t i = 0; i < n; ++i) dot += double(xr[i]) * double(wr[i]);
+          if (dot > best) {  // ascending ids: the first maximum stays
+            best = dot;
+            best_id = v;
+          }
+        }
+      }
+      out[r] = best_id;
+    }
+  });
+  return decided ? tokens : at::empty({0}, tokens.options());
+}
+
 // Whether bfloat16 weights can be tiled here (the build has AVX-512 BF16).
 bool tiles_bfloat16() {
 #if defined(__AVX512BF16__)
@@ -732,6 +834,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).", release());
   m.def("rotary", &rotary, "Rotary embedding of heads (see the source).", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).", release());
+  m.def("screened_argmax", &screened_argmax, "ScreenedArgmax's candidates and exact choice (see the source).",
+        release());
   m.def("tiles_bfloat16", &tiles_bfloat16, "Whether bfloat16 weights can be tiled in this build.");
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
   m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),
