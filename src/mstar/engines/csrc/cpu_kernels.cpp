@@ -199,15 +199,17 @@ struct Geometry {
   int64_t block_size, token_stride, len;
 };
 
-// Blocks of keys scored (or summed) for every query head of a group before moving on: their
-// keys or values stay in L1 across the group's heads.
+// Blocks of keys scored (or summed) for every query head of an item before moving on: their
+// keys or values stay in L1 across the item's heads.
 constexpr int64_t kChunkKeys = 64;
 
-// The query heads of one KV head's group (`group` rows of q, contiguous) against one
-// sequence's keys and values of that KV head; J = head_dim / 16. `s` holds group x padded
-// scores, `work` 3 x group x J vectors, `inv` group floats.
+// `group` query heads (rows of q, contiguous; `per_kv` of them to each KV head, the first
+// reading `keys` and `values`, the next KV head's D further) against one sequence's keys and
+// values; J = head_dim / 16. A row's KV heads go together, block by block: a block's tokens
+// are read whole (all heads side by side) instead of a slice per head, far apart. `s` holds
+// group x padded scores, `work` 3 x group x J vectors, `inv` group floats.
 template <int J, typename T>
-void attend_group(const T* q, int64_t group, const T* keys, const T* values, const int64_t* table,
+void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, const T* values, const int64_t* table,
                   const Geometry& g, float scale, T* out, float* s, vf16* work, float* inv) {
   constexpr int D = 16 * J;
   const int64_t len = g.len, bs = g.block_size, stride = g.token_stride;
@@ -234,7 +236,7 @@ void attend_group(const T* q, int64_t group, const T* keys, const T* values, con
       vf16 tiles_max = maxima[h];
       for (int64_t b = c; b < c_end; ++b) {
         const int64_t t0 = b * bs, n = std::min(bs, len - t0);
-        const T* kb = keys + table[b] * bs * stride;
+        const T* kb = keys + table[b] * bs * stride + (h / per_kv) * D;
         int64_t i = 0;
         for (; i + 16 <= n; i += 16) {
           vf16 a[16];
@@ -271,7 +273,7 @@ void attend_group(const T* q, int64_t group, const T* keys, const T* values, con
       for (int j = 0; j < J; ++j) a[j] = acc[h * J + j];
       for (int64_t b = c; b < c_end; ++b) {
         const int64_t t0 = b * bs, n = std::min(bs, len - t0);
-        const T* vb = values + table[b] * bs * stride;
+        const T* vb = values + table[b] * bs * stride + (h / per_kv) * D;
         for (int64_t i = 0; i < n; ++i) {
           const vf16 p = splat(sh[t0 + i]);
           vf16 vv[J];
@@ -299,16 +301,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t longest = rows ? *std::max_element(lp, lp + rows) : 0;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * ((longest + 15) / 16 * 16));
-    std::vector<vf16> work(3 * group * J);
-    std::vector<float> inv(group);
+  // A work item is a row's KV heads together; with fewer rows than threads, one KV head each.
+  const int64_t split = rows < at::get_num_threads() ? kv_heads : 1, per_item = kv_heads / split;
+  const int64_t item_heads = per_item * group;
+  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(item_heads * ((longest + 15) / 16 * 16));
+    std::vector<vf16> work(3 * item_heads * J);
+    std::vector<float> inv(item_heads);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, h = item % kv_heads;
+      const int64_t row = item / split, h = (item % split) * per_item;
       const Geometry geometry{block_size, token_stride, lp[row]};
-      attend_group<J>(qp + row * q_stride + h * group * D, group, kp + h * D, vp + h * D, tp + row * max_blocks,
-                      geometry, float(scale), op + (row * heads + h * group) * D, scores.data(), work.data(),
-                      inv.data());
+      attend_group<J>(qp + row * q_stride + h * group * D, item_heads, group, kp + h * D, vp + h * D,
+                      tp + row * max_blocks, geometry, float(scale), op + (row * heads + h * group) * D,
+                      scores.data(), work.data(), inv.data());
     }
   });
 }
