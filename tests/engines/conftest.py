@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.engines import KVCacheEngine, SamplingParams
 from mstar.zoo.llama import LlamaCausalLM, LlamaConfig
 
 
@@ -52,3 +53,24 @@ def tiny_llama() -> LlamaCausalLM:
 def tiny_llama64() -> LlamaCausalLM:
     """Return a float64 tiny Llama: batching cannot flip its greedy choices."""
     return make_tiny_llama(dtype=torch.float64)
+
+
+def run_join_leave_schedule(engine: KVCacheEngine) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Greedy requests joining at steps 0, 3, 7 and 12, one aborted at step 9; return each
+    request's tokens and per-step logits (the engine must return logits)."""
+    schedule = {0: ["a", "b"], 3: ["c"], 7: ["d", "e"], 12: ["f"]}
+    tokens: dict[str, list[int]] = {}
+    logits: dict[str, list[torch.Tensor]] = {}
+    for step in range(300):
+        for name in schedule.get(step, []):
+            prompt = [(ord(name) * 7 + i) % 64 for i in range(5 + ord(name) % 7)]
+            engine.add_request(name, prompt, SamplingParams.greedy(14))
+        if step == 9:
+            engine.abort("c")
+        for out in engine.step():
+            assert out.logits is not None
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            logits.setdefault(out.request_id, []).append(out.logits.float())
+        if not engine.has_unfinished() and step > 12:
+            break
+    return tokens, logits

@@ -22,7 +22,7 @@ from mstar.errors import (
 )
 from mstar.zoo.llama import LlamaCausalLM
 
-from .conftest import make_tiny_llama
+from .conftest import make_tiny_llama, run_join_leave_schedule
 
 
 def _engine(model: LlamaCausalLM, **kwargs: object) -> KVCacheEngine:
@@ -272,21 +272,7 @@ def test_decode_staging_matches_plain_gather(tiny_llama: LlamaCausalLM) -> None:
         engine.runner.backend = backend
         engine.runner.ctx.backend = backend
         engine.return_logits = True
-        logits: dict[str, list[torch.Tensor]] = {}
-        schedule = {0: ["a", "b"], 3: ["c"], 7: ["d", "e"], 12: ["f"]}
-        step = 0
-        while step < 200:
-            for name in schedule.get(step, []):
-                prompt = [(ord(name) * 7 + i) % 64 for i in range(5 + ord(name) % 7)]
-                engine.add_request(name, prompt, SamplingParams.greedy(14))
-            if step == 9:
-                engine.abort("c")
-            for out in engine.step():
-                assert out.logits is not None
-                logits.setdefault(out.request_id, []).append(out.logits)
-            step += 1
-            if not engine.has_unfinished() and step > 12:
-                break
+        _, logits = run_join_leave_schedule(engine)
         assert engine.scheduler.num_preemptions > 0  # 12 blocks force recomputes too
         return logits
 

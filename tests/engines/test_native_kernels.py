@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
+from mstar.engines import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.attention import TorchPagedAttention
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.native import cpu_kernels
 
-from .conftest import make_tiny_llama
+from .conftest import make_tiny_llama, run_join_leave_schedule
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
 
@@ -125,21 +125,7 @@ def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: to
         engine.runner.backend = backend
         engine.runner.ctx.backend = backend
         engine.return_logits = True
-        schedule = {0: ["a", "b"], 3: ["c"], 7: ["d", "e"], 12: ["f"]}
-        tokens: dict[str, list[int]] = {}
-        logits: dict[str, list[torch.Tensor]] = {}
-        for step in range(300):
-            for name in schedule.get(step, []):
-                prompt = [(ord(name) * 7 + i) % 64 for i in range(5 + ord(name) % 7)]
-                engine.add_request(name, prompt, SamplingParams.greedy(14))
-            if step == 9:
-                engine.abort("c")
-            for out in engine.step():
-                assert out.logits is not None
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                logits.setdefault(out.request_id, []).append(out.logits.float())
-            if not engine.has_unfinished() and step > 12:
-                break
+        tokens, logits = run_join_leave_schedule(engine)
         assert engine.scheduler.num_preemptions > 0
         return tokens, {k: torch.stack(v) for k, v in logits.items()}, backend
 

@@ -117,6 +117,14 @@ inline float hmax(vf16 v) {
   return m;
 }
 
+// e^r for |r| <= ln2 / 2: the degree-7 Taylor polynomial (float or vf16).
+template <typename V>
+inline V exp_polynomial(V r) {
+  V p = V{} + 1.f / 5040;
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  return p;
+}
+
 // exp for x <= 0 (softmax arguments): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
 // polynomial (relative error below 1e-8 before rounding); x below -87 gives 0.
 inline vf16 exp_nonpositive(vf16 x) {
@@ -127,14 +135,7 @@ inline vf16 exp_nonpositive(vf16 x) {
   n = __builtin_convertvector(__builtin_convertvector(n + (n < zero ? splat(-0.5f) : splat(0.5f)), vi16), vf16);
   vf16 r = x - n * 0.693145751953125f;
   r = r - n * 1.428606765330187045e-06f;
-  vf16 p = splat(1.f / 5040);
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const vf16 p = exp_polynomial(r);
   vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
   vf16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -338,14 +339,7 @@ inline float exp_scalar(float x) {
   const float n = std::nearbyint(x * 1.44269504088896341f);
   float r = x - n * 0.693145751953125f;
   r = r - n * 1.428606765330187045e-06f;
-  float p = 1.f / 5040;
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  const float p = exp_polynomial(r);
   const int32_t bits = (int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
