@@ -102,6 +102,15 @@ def _tiles(weight: torch.Tensor) -> ModuleType | None:
     return kernels
 
 
+def _stored(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """Return `weight` `[out, in]` stored for `layout` (a copy, except a contiguous `OUT_IN`)."""
+    if layout == PACKED:
+        return _pack(weight)
+    if layout == TILED:
+        return cast(torch.Tensor, cast(ModuleType, _tiles(weight)).pack_linear(weight))
+    return weight.t().contiguous() if layout == IN_OUT else weight.contiguous()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Return whether this weight's device and dtype support oneDNN's packed layout."""
     return (
@@ -130,17 +139,16 @@ def choose_layout(weight: torch.Tensor, rows: tuple[int, ...] = DECODE_ROWS) -> 
     if key in _LAYOUT_CHOICES:
         return _LAYOUT_CHOICES[key]
     candidates = {OUT_IN: FusedLinear(weight, None, layout=OUT_IN)}
-    candidates[IN_OUT] = FusedLinear(weight.t().contiguous(), None, layout=IN_OUT)
+    candidates[IN_OUT] = FusedLinear(_stored(weight, IN_OUT), None, layout=IN_OUT)
     if can_pack(weight):
         try:
-            packed = FusedLinear(_pack(weight), None, layout=PACKED)
+            packed = FusedLinear(_stored(weight, PACKED), None, layout=PACKED)
             packed(torch.zeros(1, in_features, dtype=weight.dtype))
             candidates[PACKED] = packed
         except RuntimeError:
             pass  # a build without oneDNN's linear kernels
-    kernels = _tiles(weight)
-    if kernels is not None:
-        candidates[TILED] = FusedLinear(kernels.pack_linear(weight), None, layout=TILED)
+    if _tiles(weight) is not None:
+        candidates[TILED] = FusedLinear(_stored(weight, TILED), None, layout=TILED)
     totals = dict.fromkeys(candidates, 0.0)
     with torch.no_grad():
         for num_rows in rows:
@@ -196,15 +204,13 @@ class FusedLinear:
                 if linears[0].bias is not None
                 else None
             )
+            weight = _stored(weights, layout)
             if layout in (PACKED, TILED):
-                stored = _pack(weights) if layout == PACKED else cast(ModuleType, _tiles(weights)).pack_linear(weights)
-                fused = cls(stored, bias, layout=layout)
                 for lin in linears:
                     lin.register_parameter("weight", None)
                     if bias is not None:
                         lin.register_parameter("bias", None)
-                return fused
-            weight = weights.t().contiguous() if layout == IN_OUT else weights.contiguous()
+                return cls(weight, bias, layout=layout)
             start = 0
             for lin in linears:
                 size = lin.out_features
@@ -220,12 +226,8 @@ class FusedLinear:
         """Use an `[out, in]` weight owned elsewhere (a tied head), copied only if faster."""
         with torch.no_grad():
             layout = choose_layout(weight, rows)
-            if layout == PACKED:
-                return cls(_pack(weight.detach()), None, layout=layout)
-            if layout == TILED:
-                return cls(cast(ModuleType, _tiles(weight)).pack_linear(weight.detach()), None, layout=layout)
-            if layout == IN_OUT:
-                return cls(weight.detach().t().contiguous(), None, layout=layout)
+            if layout != OUT_IN:
+                return cls(_stored(weight.detach(), layout), None, layout=layout)
         return cls(weight.detach(), None, layout=OUT_IN)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -354,7 +356,7 @@ class RMSNorm(nn.Module):
         kernels = _native_for(x, self.weight)
         if kernels is not None and x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype:
             total, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
-            return total, normed
+            return cast(torch.Tensor, total), cast(torch.Tensor, normed)
         total = x + delta
         return total, self(total)
 

@@ -39,9 +39,11 @@
 
 namespace {
 
+// Sixteen lanes each: float32, int32 (comparison masks), uint32 (bit patterns), and uint16
+// (bfloat16 bits, half the width).
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint32_t vu16x32 __attribute__((vector_size(64)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 
 inline vf16 load16(const float* p) {
@@ -53,7 +55,7 @@ inline vf16 load16(const float* p) {
 inline vf16 load16(const uint16_t* p) {  // bfloat16 bits: the upper half of a float32
   vu16 h;
   std::memcpy(&h, p, sizeof h);
-  vu16x32 w = __builtin_convertvector(h, vu16x32) << 16;
+  vu32 w = __builtin_convertvector(h, vu32) << 16;
   vf16 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
@@ -63,9 +65,9 @@ inline vf16 load16(const uint16_t* p) {  // bfloat16 bits: the upper half of a f
 // values (shifted into the upper half) and the odd-indexed ones (already in the upper half).
 // Dot products and weighted sums do not care about lane order, so queries are split alike.
 inline void load_pairs(const uint16_t* p, vf16& even, vf16& odd) {
-  vu16x32 w;
+  vu32 w;
   std::memcpy(&w, p, sizeof w);
-  const vu16x32 lo = w << 16, hi = w & 0xffff0000u;
+  const vu32 lo = w << 16, hi = w & 0xffff0000u;
   std::memcpy(&even, &lo, sizeof even);
   std::memcpy(&odd, &hi, sizeof odd);
 }
