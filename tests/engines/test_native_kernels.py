@@ -14,6 +14,7 @@ from mstar.engines import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.attention import TorchPagedAttention
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.native import cpu_kernels
+from mstar.engines.sampler import argmax_rows
 
 from .conftest import make_tiny_llama, run_join_leave_schedule
 
@@ -265,16 +266,21 @@ def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tiled_linear_is_the_product_rounded_once(kernels, dtype: torch.dtype, bias: bool) -> None:  # type: ignore[no-untyped-def]
-    """Every row count a step can have (one to past one block of 16), strided input rows."""
+@pytest.mark.parametrize("features", [64, 96, 18])
+def test_tiled_linear_is_the_product_rounded_once(kernels, dtype: torch.dtype, bias: bool, features: int) -> None:  # type: ignore[no-untyped-def]
+    """Every row count a step can have (one to past two blocks of 16), strided input rows.
+
+    On a CPU with AMX, bfloat16 products of 4 rows or more with features in blocks of 32 run
+    as tile products (96: a last block of 32 alone; 18: not in blocks, AVX-512 BF16's path).
+    """
     if dtype == torch.bfloat16 and not kernels.tiles_bfloat16():
         pytest.skip("this CPU or compiler has no AVX-512 BF16")
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(80, 64, generator=gen).to(dtype)
+    weight = torch.randn(80, features, generator=gen).to(dtype)
     b = torch.randn(80, generator=gen).to(dtype) if bias else None
     tiles = kernels.pack_linear(weight)
-    for rows in (1, 2, 7, 16, 17, 40):
-        x = torch.randn(rows, 96, generator=gen).to(dtype)[:, 16:80]
+    for rows in (1, 2, 4, 7, 16, 17, 40):
+        x = torch.randn(rows, features + 32, generator=gen).to(dtype)[:, 16 : 16 + features]
         got = kernels.linear(x, tiles, b)
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (rows, 80)
@@ -294,3 +300,34 @@ def test_tiled_linear_refuses_bad_input(kernels) -> None:  # type: ignore[no-unt
         kernels.linear(torch.randn(2, 8), tiles, torch.randn(31))
     with pytest.raises(RuntimeError, match="dtype"):
         kernels.linear(torch.randn(2, 8).double(), tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_the_first_maximum(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """As torch.argmax: the first of tied maxima, NaN above everything (the first NaN), rows
+    of any width (whole vectors and a tail), strided rows; bfloat16 read without a copy."""
+    gen = torch.Generator().manual_seed(11)
+    for width in (1, 15, 16, 31, 32, 33, 100, 32000):
+        for trial in range(6):
+            x = torch.randn(9, width + 3, generator=gen)[:, 2 : 2 + width]
+            if trial % 2:
+                x = (x * 2).round()  # many ties
+            x[1] = 1.0
+            x[2] = float("-inf")
+            if width > 3:
+                x[3, width // 2] = float("nan")
+                x[3, width - 1] = float("nan")
+                x[4, 1] = x[4, width - 1] = float("inf")
+            x = x.to(dtype)
+            expected = x.float().argmax(dim=-1)
+            assert torch.equal(kernels.argmax_rows(x), expected), (width, trial)
+            assert torch.equal(argmax_rows(x), expected)
+
+
+def test_argmax_rows_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.randn(4, 8).t())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="at least one|1 to"):
+        kernels.argmax_rows(torch.randn(2, 0))

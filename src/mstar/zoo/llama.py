@@ -324,7 +324,7 @@ class LlamaCausalLM(nn.Module):
         if self._greedy is False:
             # The full product, then each row's first maximum: what sampling greedy rows gives,
             # without building the sampler's per-row state.
-            return argmax_rows(self.compute_logits(hidden).float())
+            return argmax_rows(self.compute_logits(hidden))
         return self._greedy(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

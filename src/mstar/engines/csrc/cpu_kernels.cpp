@@ -28,6 +28,11 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MSTAR_AMX 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -111,6 +116,12 @@ inline float hsum(vf16 v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+}
+
+inline bool any(vi16 mask) {
+  uint64_t words[8];
+  std::memcpy(words, &mask, sizeof words);
+  return (words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] | words[7]) != 0;
 }
 
 inline float hmax(vf16 v) {
@@ -471,6 +482,107 @@ void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
 }
 #endif
 
+#if defined(MSTAR_AMX)
+// AMX, the CPU's matrix unit: tile registers of up to 16 rows x 64 bytes. One tile product
+// multiplies 16 rows by 32 features by 16 outputs, where AVX-512 BF16 takes 16 instructions
+// per row. Linux hands the tile registers to a process only once it asks.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-1: the float32 sums of M rows by two adjacent weight tiles; 2-3: M rows of the
+// input, 32 features each (two feature blocks in flight); 4-7: weights, 16 feature pairs by
+// 16 outputs by 2 (pack_linear's bfloat16 layout is the tile's own, so each weight tile is
+// 1 KB read as stored), two per feature block. Loads of the next block overlap the products
+// of this one: with one input tile, each load waited for the products before it (3x slower).
+void configure_tiles(int m) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t < 4 ? m : 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// M rows (the configured count, <= 16) of x by `nt` (1 or 2) adjacent weight tiles; K a multiple of 32.
+void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const int64_t second = 16 * K;  // the second weight tile
+  const int64_t x_bytes = x_stride * 2;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const uint16_t* wk = w + 16 * k;  // feature pair k / 2 of the first tile; 512 further: the next 32 features
+    _tile_loadd(2, x + k, x_bytes);
+    _tile_loadd(4, wk, 64);
+    if (nt > 1) _tile_loadd(5, wk + second, 64);
+    _tile_loadd(3, x + k + 32, x_bytes);
+    _tile_loadd(6, wk + 512, 64);
+    if (nt > 1) _tile_loadd(7, wk + second + 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if (nt > 1) _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(0, 3, 6);
+    if (nt > 1) _tile_dpbf16ps(1, 3, 7);
+  }
+  if (k < K) {  // the last 32 features
+    _tile_loadd(2, x + k, x_bytes);
+    _tile_loadd(4, w + 16 * k, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if (nt > 1) {
+      _tile_loadd(5, w + 16 * k + second, 64);
+      _tile_dpbf16ps(1, 2, 5);
+    }
+  }
+  alignas(64) float sums[2][16][16];
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  for (int n = 0; n < nt; ++n) {
+    __m512 b = _mm512_setzero_ps();
+    if (bias) {
+      const vf16 bv = load16(bias + 16 * n);
+      std::memcpy(&b, &bv, sizeof b);
+    }
+    for (int r = 0; r < m; ++r) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[n][r]), b));
+      std::memcpy(y + r * y_stride + 16 * n, &rounded, sizeof rounded);
+    }
+  }
+}
+
+constexpr int64_t kAmxTileGroup = 2;
+// Below 4 rows the tile products lose to AVX-512 BF16's (1.3-1.5x slower at 1 row; level at 2-3).
+constexpr int64_t kAmxMinRows = 4;
+
+// linear's bfloat16 product on AMX: rows in blocks of 16, weight tiles in pairs.
+void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* w, int64_t N, int64_t K,
+                const uint16_t* bias, uint16_t* y) {
+  const int64_t tiles = N / 16, groups = (tiles + kAmxTileGroup - 1) / kAmxTileGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+      const int m = int(std::min<int64_t>(16, rows - m0));
+      configure_tiles(m);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t t = g * kAmxTileGroup;
+        linear_amx_block(m, int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride, w + t * 16 * K, K,
+                         bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t, N);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // Rows in blocks of up to 8, tiles in pairs (a pair's weights stay in L1 across the blocks):
 // at most 16 sums, two weight vectors and a broadcast in registers.
 constexpr int64_t kRowBlock = 8, kTileGroup = 2;
@@ -711,6 +823,67 @@ at::Tensor screened_argmax(const at::Tensor& approx, const at::Tensor& x, const 
   return decided ? tokens : at::empty({0}, tokens.options());
 }
 
+// x [rows, n] (strided rows, contiguous within): each row's index of its first maximum,
+// int64, as torch.argmax and numpy's argmax pick it (NaN counts as the largest, the first
+// NaN wins). bfloat16 rows are compared as they are, widened on load: no float32 copy.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "argmax_rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(n >= 1 && n <= (int64_t(1) << 24), "argmax_rows: rows of 1 to 2^24 values expected");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  by_dtype(x, "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const T* base = reinterpret_cast<const T*>(x.data_ptr());
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* p = base + r * stride;
+        // Per lane: its largest value and the first index holding it (a strict > keeps the
+        // first), in two interleaved sets so that consecutive vectors do not wait on each other.
+        const int64_t whole = n / 32 * 32;
+        const vf16 lanes = __builtin_convertvector(vi16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, vf16);
+        vf16 best[2] = {splat(-std::numeric_limits<float>::infinity()), splat(-std::numeric_limits<float>::infinity())};
+        vf16 first[2] = {lanes, lanes + 16.0f};  // float indices: exact below 2^24 (checked above)
+        vi16 nan = vi16{};
+        for (int64_t i = 0; i < whole; i += 32) {
+          for (int h = 0; h < 2; ++h) {
+            const vf16 v = load16(p + i + 16 * h);
+            const vi16 better = v > best[h];
+            nan |= v != v;
+            best[h] = better ? v : best[h];
+            first[h] = better ? lanes + float(i + 16 * h) : first[h];
+          }
+        }
+        float top = -std::numeric_limits<float>::infinity();
+        int64_t index = n;
+        bool has_nan = any(nan);
+        if (whole) {
+          top = std::max(hmax(best[0]), hmax(best[1]));
+          for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 16; ++l)
+              if (best[h][l] == top) index = std::min(index, int64_t(first[h][l]));
+        }
+        for (int64_t i = whole; i < n; ++i) {
+          const float v = load(p[i]);
+          has_nan |= v != v;
+          if (v > top || index == n) {
+            top = v;
+            index = i;
+          }
+        }
+        if (has_nan) {
+          for (index = 0; index < n; ++index) {
+            const float v = load(p[index]);
+            if (v != v) break;
+          }
+        }
+        tokens[r] = index;
+      }
+    });
+  });
+  return out;
+}
+
 // Whether bfloat16 weights can be tiled here (the build has AVX-512 BF16).
 bool tiles_bfloat16() {
 #if defined(__AVX512BF16__)
@@ -772,6 +945,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 #if defined(__AVX512BF16__)
   using u16 = uint16_t;
+#if defined(MSTAR_AMX)
+  if (x.size(0) >= kAmxMinRows && K % 32 == 0 && amx_permitted()) {
+    linear_amx(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, reinterpret_cast<const u16*>(packed.data_ptr()),
+               N, K, b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr,
+               reinterpret_cast<u16*>(y.data_ptr()));
+    return y;
+  }
+#endif
   linear_rows<u16>(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs,
                    reinterpret_cast<const u16*>(packed.data_ptr()), N, K,
                    b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr, reinterpret_cast<u16*>(y.data_ptr()),
@@ -837,6 +1018,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).", release());
   m.def("screened_argmax", &screened_argmax, "ScreenedArgmax's candidates and exact choice (see the source).",
         release());
+  m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
   m.def("tiles_bfloat16", &tiles_bfloat16, "Whether bfloat16 weights can be tiled in this build.");
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
   m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),
