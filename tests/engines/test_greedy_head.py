@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.engines import native
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 
 pytestmark = [
@@ -17,7 +18,7 @@ pytestmark = [
 def decision_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with the decision in the native kernel and in numpy (kernels off)."""
     if request.param == "numpy":
-        monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
+        monkeypatch.setattr(native, "ENABLED", False)
     return str(request.param)
 
 

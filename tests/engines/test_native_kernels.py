@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig
 from mstar.engines.attention import TorchPagedAttention
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
+from mstar.engines import native
 from mstar.engines.native import cpu_kernels
 from mstar.engines.sampler import argmax_rows
 
@@ -150,15 +151,13 @@ def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: to
 
 
 def test_native_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mstar.engines import native
-
-    monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "ENABLED", False)
     assert native.cpu_kernels() is None
     assert TorchPagedAttention("cpu")._kernels is None
 
 
 def _torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "ENABLED", False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

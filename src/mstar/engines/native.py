@@ -35,9 +35,15 @@ _loaded: ModuleType | None = None
 _tried = False
 
 
+ENABLED = os.environ.get("MSTAR_NATIVE_KERNELS", "1") != "0"
+"""Whether native kernels may be used: ``MSTAR_NATIVE_KERNELS`` was not ``0`` at import. Read
+once, not per call (layers ask on every step; an environment lookup cost 5 % of a step's
+Python); tests switch the kernels off by setting it."""
+
+
 def native_kernels_enabled() -> bool:
-    """Whether native kernels may be used (``MSTAR_NATIVE_KERNELS`` is not ``0``)."""
-    return os.environ.get("MSTAR_NATIVE_KERNELS", "1") != "0"
+    """Whether native kernels may be used (see `ENABLED`)."""
+    return ENABLED
 
 
 def _cpu_flags() -> str:
