@@ -79,3 +79,44 @@ def test_non_causal_sequences_do_not_share_by_hash() -> None:
     bm.append(a, 5)
     b = Sequence("b", [1, 2, 3, 4, 5], SamplingParams(), arrival=1, mask=AttentionMask.full())
     assert bm.allocate_cached_prefix(b) == 0
+
+
+def test_a_cached_prefix_is_not_revived_out_of_another_sequences_reservation() -> None:
+    """A free block that still holds a cached prefix counts as free: taking it back for a new
+    sequence must not eat into blocks held back for a reservation."""
+    bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
+    done = _seq([1, 2, 3])
+    bm.append(done, 3)
+    done.num_computed_tokens = 3
+    bm.free(done)  # its first block stays cached, free
+    reserving = _seq([9], arrival=1)
+    bm.append(reserving, 1)
+    reserving.num_computed_tokens = 1
+    assert bm.can_reserve(reserving, 5)
+    bm.reserve(reserving, 5)  # the two free blocks are held back
+    newcomer = _seq([1, 2, 7], arrival=2)
+    assert bm.allocate_cached_prefix(newcomer) == 0  # the cached block is not taken
+    assert bm.can_append(reserving, 4)
+    bm.free(newcomer)
+    bm.check_invariants([reserving])
+
+
+def test_a_reservation_counts_the_copy_of_a_partial_block_the_cache_still_names() -> None:
+    """A fork's child holding part of a full cached block: a newcomer may share that block
+    before the child writes into it, and the write then copies it. The child's reservation
+    holds that block back from the start."""
+    bm = BlockManager(num_blocks=5, block_size=2, enable_prefix_caching=True)
+    parent = _seq([1, 2, 3])
+    bm.append(parent, 3)
+    parent.num_computed_tokens = 3
+    child = _seq([1], arrival=1)
+    bm.fork(parent, child, 1)
+    bm.free(parent)  # the child alone holds the first block, still cached as (1, 2)
+    assert bm.can_reserve(child, 3)
+    bm.reserve(child, 3)  # one block for token 3, one for the copy
+    newcomer = _seq([1, 2, 5, 6, 7, 8, 9], arrival=2)
+    assert bm.allocate_cached_prefix(newcomer) == 2  # shares the child's block
+    assert not bm.can_append(newcomer, 5)  # three more blocks would leave the child short
+    assert bm.can_append(child, 2)
+    bm.free(newcomer)
+    bm.check_invariants([child])

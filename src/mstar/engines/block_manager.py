@@ -93,8 +93,10 @@ class BlockManager:
 
     def _reservation(self, seq: Sequence, num_tokens: int) -> int:
         needed = -(-num_tokens // self.block_size) - len(seq.block_table)
-        # A shared partial block is copied on its first write: one block more.
-        return max(needed, 0) + int(self._needs_copy_on_write(seq))
+        # A shared partial block is copied on its first write: one block more. So is one the
+        # prefix cache still names (a fork's child holding part of a full block): a new
+        # sequence may share it before that write.
+        return max(needed, 0) + int(self._needs_copy_on_write(seq) or self._cached_partial(seq))
 
     def append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next `num_new_tokens` of `seq`; return block copies to do first.
@@ -146,6 +148,8 @@ class BlockManager:
             if block is None or self._block_key[block] != key:
                 break
             if self.ref_counts[block] == 0:
+                if self._available_to(seq) <= 0:
+                    break  # a free cached block, but held back for another sequence's reservation
                 del self._free[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
@@ -201,6 +205,12 @@ class BlockManager:
             return False
         index = seq.num_computed_tokens // self.block_size
         return index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1
+
+    def _cached_partial(self, seq: Sequence) -> bool:
+        if seq.num_computed_tokens % self.block_size == 0:
+            return False
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(seq.block_table) and self._block_key[seq.block_table[index]] is not None
 
     def _take_free_block(self, seq: Sequence) -> int:
         block = next(iter(self._free))
