@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.engines import KVCacheEngine, KVCacheEngineConfig
+from mstar.engines import KVCacheEngine, KVCacheEngineConfig, layers
 from mstar.engines.attention import TorchPagedAttention
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines import native
@@ -330,3 +330,78 @@ def test_argmax_rows_refuses_bad_input(kernels) -> None:  # type: ignore[no-unty
         kernels.argmax_rows(torch.randn(2, 8).double())
     with pytest.raises(RuntimeError, match="at least one|1 to"):
         kernels.argmax_rows(torch.randn(2, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["tiled", "in_out", "out_in", "packed"])
+def test_native_decoder_layers_equal_the_layer_by_layer_path(
+    kernels, dtype: torch.dtype, layout: str, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """Decode steps run each layer in one `decode_layer` call: bit for bit the logits and tokens
+    of the layer-by-layer path, with requests joining, leaving and preempted. Products in
+    oneDNN's packed layout are not taken (the layer-by-layer path serves them)."""
+    if dtype == torch.bfloat16 and layout == "tiled" and not kernels.tiles_bfloat16():
+        pytest.skip("this CPU or compiler has no AVX-512 BF16")
+    monkeypatch.setattr(layers, "choose_layout", lambda weight, rows=layers.DECODE_ROWS: layout)
+    calls = 0
+    real = kernels.decode_layer
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    def run(native: bool) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+        model = make_tiny_llama(dtype=dtype, hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=3)
+        model.fuse_for_inference()
+        if not native:
+            model._native_layers = False
+        engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16))
+        engine.return_logits = True
+        return run_join_leave_schedule(engine)
+
+    monkeypatch.setattr(native, "_loaded", _Counting(kernels, "decode_layer", counted))
+    fused_tokens, fused = run(True)
+    plain_tokens, plain = run(False)
+    assert (calls > 0) == (layout != "packed")
+    assert fused_tokens == plain_tokens
+    for name in fused:
+        assert all(torch.equal(a, b) for a, b in zip(fused[name], plain[name], strict=True)), name
+
+
+class _Counting:
+    """The kernels module with one function replaced."""
+
+    def __init__(self, module, name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        self._module, self._name, self._fn = module, name, fn
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return self._fn if name == self._name else getattr(self._module, name)
+
+
+def test_decode_layer_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+    model = make_tiny_llama(hidden_size=64, num_heads=4, num_kv_heads=2)
+    model.fuse_for_inference()
+    layer = model.decoder_layers[0]
+    products = layer.native_products()
+    assert products is not None
+    weights, biases, transposed = products
+    k_cache = torch.zeros(4, 4, 2, 16)
+    v_cache = torch.zeros(4, 4, 2, 16)
+    x, cos, sin = torch.randn(2, 64), torch.ones(2, 16), torch.zeros(2, 16)
+    tables, lens = torch.tensor([[0], [1]]), torch.tensor([1, 1])
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, 1e-5)
+
+    def call(slots: torch.Tensor, k: torch.Tensor = k_cache):  # type: ignore[no-untyped-def]
+        return kernels.decode_layer(x, None, *norms, weights, biases, transposed, cos, sin, k, v_cache,
+                                    slots, tables, lens, 0.25, 4)
+
+    residual, mlp = call(torch.tensor([0, 4]))
+    assert residual.shape == mlp.shape == (2, 64)
+    assert k_cache[1, 0].abs().sum() > 0  # row 1's key went to slot 4: block 1, offset 0
+    with pytest.raises(RuntimeError, match="slot 16 is outside the cache"):
+        call(torch.tensor([0, 16]))
+    with pytest.raises(RuntimeError, match="slots \\[rows\\] int64"):
+        call(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="caches"):
+        call(torch.tensor([0, 4]), k_cache.double())

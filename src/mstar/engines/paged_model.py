@@ -17,7 +17,7 @@ the whole batch, whichever weights produced a row's keys and values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, cast, runtime_checkable
 
 import torch
 
@@ -108,6 +108,14 @@ class PagedKVContext:
         staging) that compiled graphs must not freeze.
         """
         return self.backend.forward(q, k, v, self.kv_caches[layer_index], scale)
+
+    def native_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Return `(slots, block tables, lengths)` for native decoder layers, or None (see
+        `TorchPagedAttention.native_decode`): only a CPU backend with the native kernels offers them."""
+        offer = getattr(self.backend, "native_decode", None)
+        if offer is None or not self.kv_caches or torch.compiler.is_compiling():
+            return None
+        return cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None", offer(self.kv_caches[0][0]))
 
 
 class PagedModel(Protocol):

@@ -28,7 +28,8 @@ from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
+from mstar.engines.layers import IN_OUT, PACKED, FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
+from mstar.engines.native import cpu_kernels
 from mstar.engines.paged_model import PagedKVContext
 from mstar.engines.sampler import argmax_rows
 from mstar.errors import UnsupportedModelError
@@ -199,6 +200,23 @@ class LlamaDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.residual(x, self.self_attn(self.input_layernorm(x), cos, sin, ctx))
         return x + self.mlp(h)
 
+    def native_products(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[bool]] | None:
+        """The q/k/v, output, gate/up and down products as `decode_layer` takes them, or None.
+
+        None unless the layer is fused, its MLP is SwiGLU, both norms share an epsilon, and
+        every product is in a layout the native call multiplies (tiles, `[in, out]`, `[out, in]`).
+        """
+        attn, mlp = self.self_attn, self.mlp
+        products = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+        if (
+            any(p is None or p.layout == PACKED for p in products)
+            or mlp.act is not F.silu
+            or self.input_layernorm.eps != self.post_attention_layernorm.eps
+        ):
+            return None
+        fused = cast(tuple[FusedLinear, ...], products)
+        return [p.weight for p in fused], [p.bias for p in fused], [p.layout == IN_OUT for p in fused]
+
 
 class LlamaBackbone(nn.Module):
     """Embeddings, decoder layers and the final norm (HF's `LlamaModel`)."""
@@ -229,6 +247,9 @@ class LlamaCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         self._head: FusedLinear | None = None
         self._greedy: ScreenedArgmax | Literal[False] | None = None  # False: no screen here
+        # Each layer's products for `decode_layer` (None: not looked at yet; False: a layer
+        # that the native call cannot run).
+        self._native_layers: list[Any] | Literal[False] | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -263,9 +284,39 @@ class LlamaCausalLM(nn.Module):
         # The step's rotary tables, once for every layer (the sine signed: see `apply_rotary_signed`).
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = signed_sin(self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype))
+        if x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and not torch.is_grad_enabled():
+            plan = ctx.native_decode()
+            if plan is not None and (out := self._native_decode(x, cos, sin, ctx, plan)) is not None:
+                return out
         for layer in self.decoder_layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
+
+    def _native_decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext,
+        plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Every layer in one native call each (`decode_layer`): the same ops as `forward`'s
+        layers, without the Python and torch dispatch between them (about 60 ops a layer)."""
+        if self._native_layers is None:
+            layers = [layer.native_products() for layer in self.decoder_layers]
+            self._native_layers = False if any(p is None for p in layers) else cast(list[Any], layers)
+        kernels = cpu_kernels()
+        if self._native_layers is False or not self._native_layers or kernels is None:
+            return None
+        slots, tables, lens = plan
+        cos, sin = cos[:, 0], sin[:, 0]  # [tokens, head_dim]
+        delta = None
+        for layer, (weights, biases, transposed) in zip(self.decoder_layers, self._native_layers, strict=True):
+            attn = layer.self_attn
+            k_cache, v_cache = ctx.kv_caches[attn.layer_index]
+            x, delta = kernels.decode_layer(
+                x, delta, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                layer.input_layernorm.eps, weights, biases, transposed, cos, sin, k_cache, v_cache,
+                slots, tables, lens, attn.scale, attn.num_heads,
+            )
+        assert delta is not None
+        return self.model.norm.residual(x, delta)[1]
 
     @property
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
@@ -288,6 +339,7 @@ class LlamaCausalLM(nn.Module):
         else:
             self._head = FusedLinear.shared(self.model.embed_tokens.weight)
         self._greedy = None
+        self._native_layers = None
 
     def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
         """Return logits computed only inside each row's id ranges, `-inf` elsewhere.

@@ -532,6 +532,30 @@ class TorchPagedAttention:
                 out[group.rows] = o
         return out
 
+    def native_decode(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Return the step's `(slots, block tables, lengths)` where the native kernel takes all of it.
+
+        For a model that runs whole decoder layers in one native call (`cpu_kernels.cpp`'s
+        `decode_layer`): it writes the keys and values and attends itself, as `forward` would
+        through the kernel. None unless every row of the planned step decodes and the kernel
+        takes caches like `k_cache`; then the model calls `forward` as usual.
+        """
+        if (
+            not self._all_decode
+            or self._kernels is None
+            or self._native_tables is None
+            or self._slot_mapping is None
+            or k_cache.dtype not in _NATIVE_DTYPES
+            or k_cache.shape[-1] not in _NATIVE_HEAD_DIMS
+            or not k_cache.is_contiguous()
+        ):
+            return None
+        if self._staging is not None and not self._native_used:
+            self._staging.deactivate()
+        self._native_used = True
+        assert self._native_lens is not None
+        return self._slot_mapping.contiguous(), self._native_tables, self._native_lens
+
     def _decode(
         self,
         q: torch.Tensor,

@@ -1007,6 +1007,74 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+namespace {
+
+// x @ W + b in the layout FusedLinear stored W in: tiles (pack_linear's, 3 or 4 dimensions),
+// [in, out] (`transposed`) or [out, in].
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool transposed) {
+  if (w.dim() > 2) return ::linear(x, w, bias);
+  if (transposed) return bias.has_value() ? at::addmm(*bias, x, w) : at::mm(x, w);
+  return at::linear(x, w, bias);
+}
+
+}  // namespace
+
+// One Llama decoder layer over a batch of decode rows (one token each), in one call: the
+// torch path's ops in its order and with its roundings (rms_norm, the q/k/v product, rotary
+// on q and k, the keys and values written to their cache slots, decode_attention, the output
+// product, add_rms_norm, gate/up, silu_mul, down), with no Python between them. `delta` is
+// the previous layer's MLP output, added to `x` before the input norm (the add the torch
+// path makes at the end of a layer). Returns {the residual after attention, the MLP's output}.
+std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
+                                     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                                     const std::vector<at::Tensor>& weights,
+                                     const std::vector<c10::optional<at::Tensor>>& biases,
+                                     const std::vector<bool>& transposed, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                                     const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t heads) {
+  TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && transposed.size() == 4,
+              "decode_layer: the q/k/v, output, gate/up and down products expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == x.scalar_type(),
+              "decode_layer: contiguous caches [blocks, block_size, kv_heads, dim] of x's dtype expected");
+  const int64_t rows = x.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "decode_layer: slots [rows] int64 expected");
+  at::Tensor h;
+  at::Tensor residual = x;
+  if (delta.has_value()) {
+    auto both = ::add_rms_norm(x, *delta, input_norm, eps);
+    residual = both[0];
+    h = both[1];
+  } else {
+    h = ::rms_norm(x, input_norm, eps);
+  }
+  const at::Tensor qkv = product(h, weights[0], biases[0], transposed[0]);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "decode_layer: the q/k/v product's width is not "
+              "(heads + 2 kv_heads) x dim");
+  const at::Tensor qk = ::rotary(qkv.narrow(1, 0, (heads + kv_heads) * dim).view({rows, heads + kv_heads, dim}),
+                               cos, sin);
+  const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t token_bytes = kv_heads * dim * x.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(qk.data_ptr()) + heads * dim * x.element_size();
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_row = qk.stride(0) * x.element_size(), v_row = v.stride(0) * x.element_size();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "decode_layer: row ", r, "'s slot ", sp[r], " is outside the cache");
+    std::memcpy(kc + sp[r] * token_bytes, kp + r * k_row, token_bytes);
+    std::memcpy(vc + sp[r] * token_bytes, vp + r * v_row, token_bytes);
+  }
+  const at::Tensor attended = ::decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables, lens, scale);
+  const at::Tensor o = product(attended.view({rows, heads * dim}), weights[1], biases[1], transposed[1]);
+  auto after = ::add_rms_norm(residual, o, post_norm, eps);
+  const at::Tensor gate_up = product(after[1], weights[2], biases[2], transposed[2]);
+  return {after[0], product(::silu_mul(gate_up), weights[3], biases[3], transposed[3])};
+}
+
 // Each call releases the GIL while it runs, as torch's own ops do: the event loop's Python
 // goes on beside it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1018,6 +1086,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).", release());
   m.def("screened_argmax", &screened_argmax, "ScreenedArgmax's candidates and exact choice (see the source).",
         release());
+  m.def("decode_layer", &decode_layer, "One Llama decoder layer over decode rows (see the source).", release());
   m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
   m.def("tiles_bfloat16", &tiles_bfloat16, "Whether bfloat16 weights can be tiled in this build.");
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
