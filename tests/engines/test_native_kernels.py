@@ -405,3 +405,18 @@ def test_decode_layer_refuses_bad_input(kernels) -> None:  # type: ignore[no-unt
         call(torch.tensor([0]))
     with pytest.raises(RuntimeError, match="caches"):
         call(torch.tensor([0, 4]), k_cache.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_argmax_is_the_argmax_of_the_tiled_product(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    if dtype == torch.bfloat16 and not kernels.tiles_bfloat16():
+        pytest.skip("this CPU or compiler has no AVX-512 BF16")
+    gen = torch.Generator().manual_seed(13)
+    weight = torch.randn(4000, 64, generator=gen).to(dtype)
+    bias = torch.randn(4000, generator=gen).to(dtype)
+    tiles = kernels.pack_linear(weight)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        for b in (None, bias):
+            expected = kernels.argmax_rows(kernels.linear(x, tiles, b))
+            assert torch.equal(kernels.linear_argmax(x, tiles, b), expected)

@@ -28,7 +28,7 @@ from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import IN_OUT, PACKED, FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
+from mstar.engines.layers import IN_OUT, PACKED, TILED, FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.native import cpu_kernels
 from mstar.engines.paged_model import PagedKVContext
 from mstar.engines.sampler import argmax_rows
@@ -376,6 +376,9 @@ class LlamaCausalLM(nn.Module):
         if self._greedy is False:
             # The full product, then each row's first maximum: what sampling greedy rows gives,
             # without building the sampler's per-row state.
+            head, kernels = self._head, cpu_kernels()
+            if kernels is not None and head.layout == TILED and hidden.dim() == 2 and hidden.stride(-1) == 1:
+                return cast(torch.Tensor, kernels.linear_argmax(hidden, head.weight, head.bias))  # one native call
             return argmax_rows(self.compute_logits(hidden))
         return self._greedy(hidden)
 

@@ -1075,6 +1075,21 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
   return {after[0], product(::silu_mul(gate_up), weights[3], biases[3], transposed[3])};
 }
 
+// The greedy head in one call each, so the step's thread takes the GIL back once, not
+// between the product and the choice (the event loop holds it meanwhile, streaming the last
+// step's tokens): linear_argmax is argmax_rows(linear(x, tiles, bias)); screened_tokens is
+// screened_argmax over the screen linear(bf16(x), screen tiles) (ScreenedArgmax's decision).
+at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
+  return ::argmax_rows(::linear(x, tiles, bias));
+}
+
+at::Tensor screened_tokens(const at::Tensor& x, const at::Tensor& screen, const at::Tensor& weight, double dw_max,
+                           double accum, double sum_max, double safety, double unit, int64_t max_candidates) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "screened_tokens: float32 x [rows, in] expected");
+  const at::Tensor approx = ::linear(x.to(at::kBFloat16), screen, c10::nullopt);
+  return ::screened_argmax(approx, x, weight, dw_max, accum, sum_max, safety, unit, max_candidates);
+}
+
 // Each call releases the GIL while it runs, as torch's own ops do: the event loop's Python
 // goes on beside it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1087,6 +1102,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax", &screened_argmax, "ScreenedArgmax's candidates and exact choice (see the source).",
         release());
   m.def("decode_layer", &decode_layer, "One Llama decoder layer over decode rows (see the source).", release());
+  m.def("linear_argmax", &linear_argmax, "argmax_rows(linear(x, tiles, bias)) (see the source).", py::arg("x"),
+        py::arg("tiles"), py::arg("bias") = py::none(), release());
+  m.def("screened_tokens", &screened_tokens, "ScreenedArgmax's screen and choice in one call (see the source).",
+        release());
   m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
   m.def("tiles_bfloat16", &tiles_bfloat16, "Whether bfloat16 weights can be tiled in this build.");
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
