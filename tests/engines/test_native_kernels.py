@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.engines import KVCacheEngine, KVCacheEngineConfig, layers
+from mstar.engines import KVCacheEngine, KVCacheEngineConfig, layers, native
 from mstar.engines.attention import TorchPagedAttention
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
-from mstar.engines import native
 from mstar.engines.native import cpu_kernels
 from mstar.engines.sampler import argmax_rows
 
@@ -328,7 +327,7 @@ def test_argmax_rows_refuses_bad_input(kernels) -> None:  # type: ignore[no-unty
         kernels.argmax_rows(torch.randn(4, 8).t())
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernels.argmax_rows(torch.randn(2, 8).double())
-    with pytest.raises(RuntimeError, match="at least one|1 to"):
+    with pytest.raises(RuntimeError, match="rows of 1 to"):
         kernels.argmax_rows(torch.randn(2, 0))
 
 

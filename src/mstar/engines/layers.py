@@ -21,7 +21,9 @@ TILED    tiles of 16 outputs     mstar's native `linear` kernel       (CPU, fp32
 `TILED` is mstar's own product for the few rows of a decode step (`mstar.engines.native`):
 one pass over the weights serves up to 16 rows. On the tiny decode shapes it ran 1.3-4x
 faster than oneDNN's packed product (whose call alone costs about 20 us); on large weights at
-16 float32 rows oneDNN stays ahead, and the timing keeps it there.
+16 float32 rows oneDNN stays ahead, and the timing keeps it there. bfloat16 tiles are AMX's
+own operand layout: on a CPU with AMX, 4 rows or more multiply as tile products (a
+1024 x 256 weight at 16 rows: 20 us, where AVX-512 BF16 took 100 and oneDNN 52).
 
 `FusedLinear` holds one or more linears that read the same input as one product in the
 chosen layout. `FusableLinear` is an `nn.Linear` that sends its own product through a

@@ -28,7 +28,16 @@ from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import IN_OUT, PACKED, TILED, FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
+from mstar.engines.layers import (
+    IN_OUT,
+    PACKED,
+    TILED,
+    FusedLinear,
+    GatedMLP,
+    RMSNorm,
+    apply_rotary_signed,
+    signed_sin,
+)
 from mstar.engines.native import cpu_kernels
 from mstar.engines.paged_model import PagedKVContext
 from mstar.engines.sampler import argmax_rows

@@ -15,9 +15,13 @@
 // linear / pack_linear: x @ W.T (+ b) for the few rows of a decode step, over weights packed
 // in tiles of 16 outputs: one pass over the weights serves up to 16 rows, each tile's 16
 // sums held in a register (float32: a multiply-add per input; bfloat16: AVX-512 BF16's
-// pairwise dot products, where the CPU and compiler have them), accumulated in float32 and
-// rounded once. At these row counts the products cost a few microseconds where oneDNN's
-// calls cost about twenty; which layout a weight takes is still timed (`choose_layout`).
+// pairwise dot products, or AMX tile products from 4 rows where the CPU has AMX), accumulated
+// in float32 and rounded once. At these row counts the products cost a few microseconds where
+// oneDNN's calls cost about twenty; which layout a weight takes is still timed (`choose_layout`).
+//
+// argmax_rows, linear_argmax, screened_argmax / screened_tokens: the greedy head's choice.
+// decode_layer: a Llama decoder layer over decode rows in one call (the kernels above, in
+// the layer-by-layer path's order).
 //
 // The vectors are GCC/Clang vector extensions of 16 floats: AVX-512 registers where the CPU
 // has them, pairs of AVX2 registers (or narrower) elsewhere.
