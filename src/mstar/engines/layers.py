@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.native import cpu_kernels
+from mstar.engines.sampler import argmax_rows
 
 __all__ = [
     "DECODE_ROWS",
@@ -264,6 +265,23 @@ class FusedLinear:
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Return each row's first maximum of `self(x)` for `x` `[rows, in]` (a greedy head's choice).
+
+        Tiles multiply and choose in one native call: the calling thread takes the GIL back
+        once, not between the product and the choice.
+        """
+        if self.layout == TILED and x.dim() == 2 and x.stride(-1) == 1:
+            return cast(torch.Tensor, self._kernels.linear_argmax(x, self.weight, self.bias))
+        return argmax_rows(self(x))
+
+    def native_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
+        """Return `(weight, bias, transposed)` as native code multiplies them, or None (oneDNN's
+        packed layout, which only its own kernel reads). `transposed`: the weight is `[in, out]`."""
+        if self.layout == PACKED:
+            return None
+        return self.weight, self.bias, self.layout == IN_OUT
 
 
 class FusableLinear(nn.Linear):

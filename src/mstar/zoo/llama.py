@@ -28,19 +28,9 @@ from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import (
-    IN_OUT,
-    PACKED,
-    TILED,
-    FusedLinear,
-    GatedMLP,
-    RMSNorm,
-    apply_rotary_signed,
-    signed_sin,
-)
+from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.native import cpu_kernels
 from mstar.engines.paged_model import PagedKVContext
-from mstar.engines.sampler import argmax_rows
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
 
@@ -216,15 +206,15 @@ class LlamaDecoderLayer(nn.Module):
         every product is in a layout the native call multiplies (tiles, `[in, out]`, `[out, in]`).
         """
         attn, mlp = self.self_attn, self.mlp
-        products = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
-        if (
-            any(p is None or p.layout == PACKED for p in products)
-            or mlp.act is not F.silu
-            or self.input_layernorm.eps != self.post_attention_layernorm.eps
-        ):
+        if mlp.act is not F.silu or self.input_layernorm.eps != self.post_attention_layernorm.eps:
             return None
-        fused = cast(tuple[FusedLinear, ...], products)
-        return [p.weight for p in fused], [p.bias for p in fused], [p.layout == IN_OUT for p in fused]
+        operands = []
+        for product in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
+            operand = product.native_operands() if product is not None else None
+            if operand is None:
+                return None
+            operands.append(operand)
+        return [o[0] for o in operands], [o[1] for o in operands], [o[2] for o in operands]
 
 
 class LlamaBackbone(nn.Module):
@@ -311,7 +301,7 @@ class LlamaCausalLM(nn.Module):
             layers = [layer.native_products() for layer in self.decoder_layers]
             self._native_layers = False if any(p is None for p in layers) else cast(list[Any], layers)
         kernels = cpu_kernels()
-        if self._native_layers is False or not self._native_layers or kernels is None:
+        if not self._native_layers or kernels is None:
             return None
         slots, tables, lens = plan
         cos, sin = cos[:, 0], sin[:, 0]  # [tokens, head_dim]
@@ -385,10 +375,7 @@ class LlamaCausalLM(nn.Module):
         if self._greedy is False:
             # The full product, then each row's first maximum: what sampling greedy rows gives,
             # without building the sampler's per-row state.
-            head, kernels = self._head, cpu_kernels()
-            if kernels is not None and head.layout == TILED and hidden.dim() == 2 and hidden.stride(-1) == 1:
-                return cast(torch.Tensor, kernels.linear_argmax(hidden, head.weight, head.bias))  # one native call
-            return argmax_rows(self.compute_logits(hidden))
+            return self._head.argmax(hidden)
         return self._greedy(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -550,11 +550,15 @@ class TorchPagedAttention:
             or not k_cache.is_contiguous()
         ):
             return None
+        self._use_native()
+        assert self._native_lens is not None
+        return self._slot_mapping.contiguous(), self._native_tables, self._native_lens
+
+    def _use_native(self) -> None:
+        """Mark decode rows as going through the kernel: nothing is staged from now on."""
         if self._staging is not None and not self._native_used:
             self._staging.deactivate()
         self._native_used = True
-        assert self._native_lens is not None
-        return self._slot_mapping.contiguous(), self._native_tables, self._native_lens
 
     def _decode(
         self,
@@ -567,10 +571,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         kernels = self._kernels
         if kernels is not None and _fits_native(q, k_cache):
-            # Keys and values read in place through the block tables: nothing staged.
-            if self._staging is not None and not self._native_used:
-                self._staging.deactivate()
-            self._native_used = True
+            self._use_native()  # keys and values read in place through the block tables
             return kernels.decode_attention(q, k_cache, v_cache, self._native_tables, self._native_lens, scale)
         if self._native_used:  # a layer the kernel does not take, after ones it did (no staging)
             self._native_used = False

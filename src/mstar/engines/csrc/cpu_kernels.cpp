@@ -456,16 +456,22 @@ void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t t
 }
 
 #if defined(__AVX512BF16__)
+// Tile n's 16 bias values (bfloat16) widened to float32; zeros without a bias.
+inline __m512 bias16(const uint16_t* bias, int n) {
+  __m512 b = _mm512_setzero_ps();
+  if (bias) {
+    const vf16 bv = load16(bias + 16 * n);
+    std::memcpy(&b, &bv, sizeof b);
+  }
+  return b;
+}
+
 template <int M, int NT>
 void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t tile_stride, int64_t K,
                       const uint16_t* bias, uint16_t* y, int64_t y_stride) {
   __m512 acc[M][NT];
   for (int n = 0; n < NT; ++n) {
-    __m512 b = _mm512_setzero_ps();
-    if (bias) {
-      const vf16 bv = load16(bias + 16 * n);
-      std::memcpy(&b, &bv, sizeof b);
-    }
+    const __m512 b = bias16(bias, n);
     for (int m = 0; m < M; ++m) acc[m][n] = b;
   }
   for (int64_t kk = 0; kk < K / 2; ++kk) {
@@ -552,11 +558,7 @@ void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const 
   _tile_stored(0, sums[0], 64);
   _tile_stored(1, sums[1], 64);
   for (int n = 0; n < nt; ++n) {
-    __m512 b = _mm512_setzero_ps();
-    if (bias) {
-      const vf16 bv = load16(bias + 16 * n);
-      std::memcpy(&b, &bv, sizeof b);
-    }
+    const __m512 b = bias16(bias, n);
     for (int r = 0; r < m; ++r) {
       const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[n][r]), b));
       std::memcpy(y + r * y_stride + 16 * n, &rounded, sizeof rounded);
@@ -777,9 +779,7 @@ at::Tensor screened_argmax(const at::Tensor& approx, const at::Tensor& x, const 
             nan |= value != value;
             maxima = maxima > value ? maxima : value;
           }
-          uint64_t lanes[8];
-          std::memcpy(lanes, &nan, sizeof lanes);
-          any_nan |= (lanes[0] | lanes[1] | lanes[2] | lanes[3] | lanes[4] | lanes[5] | lanes[6] | lanes[7]) != 0;
+          any_nan |= any(nan);
           gm = hmax(maxima);
         }
         for (; v < hi; ++v) {
