@@ -336,30 +336,36 @@ def test_argmax_rows_refuses_bad_input(kernels) -> None:  # type: ignore[no-unty
 def test_native_decoder_layers_equal_the_layer_by_layer_path(
     kernels, dtype: torch.dtype, layout: str, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
-    """Decode steps run each layer in one `decode_layer` call: bit for bit the logits and tokens
+    """Decode steps run in one `DecodeStack.forward` call: bit for bit the logits and tokens
     of the layer-by-layer path, with requests joining, leaving and preempted. Products in
     oneDNN's packed layout are not taken (the layer-by-layer path serves them)."""
     if dtype == torch.bfloat16 and layout == "tiled" and not kernels.tiles_bfloat16():
         pytest.skip("this CPU or compiler has no AVX-512 BF16")
     monkeypatch.setattr(layers, "choose_layout", lambda weight, rows=layers.DECODE_ROWS: layout)
     calls = 0
-    real = kernels.decode_layer
 
-    def counted(*args):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        return real(*args)
+    class CountedStack:
+        def __init__(self, *args):  # type: ignore[no-untyped-def]
+            self._stack = kernels.DecodeStack(*args)
+
+        def add_layer(self, *args):  # type: ignore[no-untyped-def]
+            self._stack.add_layer(*args)
+
+        def forward(self, *args):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            return self._stack.forward(*args)
 
     def run(native: bool) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
         model = make_tiny_llama(dtype=dtype, hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=3)
         model.fuse_for_inference()
         if not native:
-            model._native_layers = False
+            model._native_stack = False
         engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16))
         engine.return_logits = True
         return run_join_leave_schedule(engine)
 
-    monkeypatch.setattr(native, "_loaded", _Counting(kernels, "decode_layer", counted))
+    monkeypatch.setattr(native, "_loaded", _Counting(kernels, "DecodeStack", CountedStack))
     fused_tokens, fused = run(True)
     plain_tokens, plain = run(False)
     assert (calls > 0) == (layout != "packed")
@@ -419,3 +425,34 @@ def test_linear_argmax_is_the_argmax_of_the_tiled_product(kernels, dtype: torch.
         for b in (None, bias):
             expected = kernels.argmax_rows(kernels.linear(x, tiles, b))
             assert torch.equal(kernels.linear_argmax(x, tiles, b), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(kernels, threads: int) -> None:  # type: ignore[no-untyped-def]
+    """On AMX the bfloat16 product's outputs are never written (each row's maximum is kept as
+    they come out, per thread, then merged): still the first maximum, the first NaN, and 0 for
+    a row of -inf, as `torch.argmax` of the written outputs gives."""
+    if not kernels.tiles_bfloat16():
+        pytest.skip("this CPU or compiler has no AVX-512 BF16")
+    gen = torch.Generator().manual_seed(14)
+    weight = torch.randn(4000, 64, generator=gen).to(torch.bfloat16)
+    weight[3001] = weight[17]  # equal outputs in different tiles and threads' halves
+    weight[40:48] = weight[33]  # and within one tile
+    tiles = kernels.pack_linear(weight)
+    inf, nan = float("inf"), float("nan")
+    biases = {"none": None, "tie": torch.zeros(4000), "nan": torch.zeros(4000), "ninf": torch.full((4000,), -inf)}
+    biases["tie"][[17, 3001, 33, 40]] = 100.0
+    biases["nan"][[2999, 3500]] = nan
+    biases["nan"][12] = inf
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (4, 7, 16, 19):
+            x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+            for name, bias in biases.items():
+                b = None if bias is None else bias.to(torch.bfloat16)
+                outputs = kernels.linear(x, tiles, b)
+                expected = torch.argmax(outputs.float(), dim=1)
+                assert torch.equal(kernels.linear_argmax(x, tiles, b), expected), (rows, name)
+    finally:
+        torch.set_num_threads(previous)

@@ -267,7 +267,9 @@ async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: 
     spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(save_tiny_chat_llama(tmp_path))})
     async with await AsyncEngine.start(spec) as engine:
         for i in range(5):
-            outputs = await engine.run(Request("generate", {"prompt_token_ids": [1, 5, 9], "max_tokens": 3}, f"r{i}"))
+            # Sampled (temperature 1): without ignore_eos, an end token could end one early.
+            data = {"prompt_token_ids": [1, 5, 9], "max_tokens": 3, "ignore_eos": True}
+            outputs = await engine.run(Request("generate", data, f"r{i}"))
             assert len(outputs) == 3
             held = await engine.held_state()  # at once: no waiting for the next engine step
             assert all(v == 0 for counts in held.values() for v in counts.values()), held

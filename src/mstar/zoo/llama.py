@@ -246,9 +246,9 @@ class LlamaCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         self._head: FusedLinear | None = None
         self._greedy: ScreenedArgmax | Literal[False] | None = None  # False: no screen here
-        # Each layer's products for `decode_layer` (None: not looked at yet; False: a layer
-        # that the native call cannot run).
-        self._native_layers: list[Any] | Literal[False] | None = None
+        # The decoder for the native decode step (`DecodeStack`; None: not built yet; False:
+        # a layer that the native call cannot run, or no kernels).
+        self._native_stack: Any = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -278,44 +278,43 @@ class LlamaCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
     ) -> torch.Tensor:
         """Return final hidden states `[tokens, hidden]` for a flat token batch."""
+        embed = self.model.embed_tokens.weight
+        dtype = embed.dtype
+        if dtype in (torch.float32, torch.bfloat16) and embed.device.type == "cpu" and not torch.is_grad_enabled():
+            plan = ctx.native_decode()
+            if plan is not None and (stack := self._decode_stack()) is not None:
+                slots, tables, lens = plan
+                caches = [cache for layer in self.decoder_layers for cache in ctx.kv_caches[layer.self_attn.layer_index]]
+                return cast(torch.Tensor, stack.forward(input_ids, positions, caches, slots, tables, lens))
         x = self.model.embed_tokens(input_ids)
-        dtype = x.dtype
         # The step's rotary tables, once for every layer (the sine signed: see `apply_rotary_signed`).
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = signed_sin(self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype))
-        if x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and not torch.is_grad_enabled():
-            plan = ctx.native_decode()
-            if plan is not None and (out := self._native_decode(x, cos, sin, ctx, plan)) is not None:
-                return out
         for layer in self.decoder_layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
 
-    def _native_decode(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext,
-        plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor | None:
-        """Every layer in one native call each (`decode_layer`): the same ops as `forward`'s
-        layers, without the Python and torch dispatch between them (about 60 ops a layer)."""
-        if self._native_layers is None:
-            layers = [layer.native_products() for layer in self.decoder_layers]
-            self._native_layers = False if any(p is None for p in layers) else cast(list[Any], layers)
-        kernels = cpu_kernels()
-        if not self._native_layers or kernels is None:
-            return None
-        slots, tables, lens = plan
-        cos, sin = cos[:, 0], sin[:, 0]  # [tokens, head_dim]
-        delta = None
-        for layer, (weights, biases, transposed) in zip(self.decoder_layers, self._native_layers, strict=True):
-            attn = layer.self_attn
-            k_cache, v_cache = ctx.kv_caches[attn.layer_index]
-            x, delta = kernels.decode_layer(
-                x, delta, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, weights, biases, transposed, cos, sin, k_cache, v_cache,
-                slots, tables, lens, attn.scale, attn.num_heads,
-            )
-        assert delta is not None
-        return self.model.norm.residual(x, delta)[1]
+    def _decode_stack(self) -> Any:
+        """The native decode step (`cpu_kernels.cpp`'s `DecodeStack`), or None where it cannot run.
+
+        The same ops as `forward`'s layers, in one call: no Python and torch dispatch between
+        them (about 60 ops a layer), and the GIL released for the whole step. Built at the
+        first decode step with the weights as they are then (`fuse_for_inference` drops it).
+        """
+        if self._native_stack is None:
+            kernels = cpu_kernels()
+            layers = [(layer, layer.native_products()) for layer in self.decoder_layers]
+            self._native_stack = False
+            if kernels is not None and all(products is not None for _, products in layers):
+                attn, norm = self.decoder_layers[0].self_attn, self.model.norm
+                stack = kernels.DecodeStack(self.model.embed_tokens.weight, self.rope_cos, self.rope_sin,
+                                            norm.weight, norm.eps, attn.scale, attn.num_heads)
+                for layer, products in layers:
+                    assert products is not None
+                    stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                    layer.input_layernorm.eps, *products)
+                self._native_stack = stack
+        return self._native_stack or None
 
     @property
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
@@ -338,7 +337,7 @@ class LlamaCausalLM(nn.Module):
         else:
             self._head = FusedLinear.shared(self.model.embed_tokens.weight)
         self._greedy = None
-        self._native_layers = None
+        self._native_stack = None
 
     def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
         """Return logits computed only inside each row's id ranges, `-inf` elsewhere.

@@ -21,7 +21,7 @@
 //
 // argmax_rows, linear_argmax, screened_argmax / screened_tokens: the greedy head's choice.
 // decode_layer: a Llama decoder layer over decode rows in one call (the kernels above, in
-// the layer-by-layer path's order).
+// the layer-by-layer path's order); DecodeStack: the whole decode step's layers in one call.
 //
 // The vectors are GCC/Clang vector extensions of 16 floats: AVX-512 registers where the CPU
 // has them, pairs of AVX2 registers (or narrower) elsewhere.
@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -524,9 +525,32 @@ void configure_tiles(int m) {
   _tile_loadconfig(&config);
 }
 
+// A row's first maximum over the rounded outputs seen so far, per lane (linear_argmax on
+// AMX keeps one per row instead of writing the outputs): a strict > keeps the first index.
+struct RowMax {
+  __m512 value = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t first_nan = -1;  // the first NaN output's index (torch's argmax returns it)
+
+  // Outputs col .. col + 15, rounded to bfloat16.
+  void take(__m256bh rounded, int32_t col) {
+    __m256i bits;
+    std::memcpy(&bits, &rounded, sizeof bits);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    const __mmask16 better = _mm512_cmp_ps_mask(v, value, _CMP_GT_OQ);
+    value = _mm512_mask_mov_ps(value, better, v);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    index = _mm512_mask_mov_epi32(index, better, _mm512_add_epi32(lanes, _mm512_set1_epi32(col)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan && first_nan < 0) first_nan = col + __builtin_ctz(nan);
+  }
+};
+
 // M rows (the configured count, <= 16) of x by `nt` (1 or 2) adjacent weight tiles; K a multiple of 32.
+// The outputs go to y, or (with `best`) into each row's running maximum, `col` being the first
+// tile's first output.
 void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
-                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride, RowMax* best, int32_t col) {
   _tile_zero(0);
   _tile_zero(1);
   const int64_t second = 16 * K;  // the second weight tile
@@ -561,7 +585,11 @@ void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const 
     const __m512 b = bias16(bias, n);
     for (int r = 0; r < m; ++r) {
       const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[n][r]), b));
-      std::memcpy(y + r * y_stride + 16 * n, &rounded, sizeof rounded);
+      if (best) {
+        best[r].take(rounded, col + 16 * n);
+      } else {
+        std::memcpy(y + r * y_stride + 16 * n, &rounded, sizeof rounded);
+      }
     }
   }
 }
@@ -570,22 +598,47 @@ constexpr int64_t kAmxTileGroup = 2;
 // Below 4 rows the tile products lose to AVX-512 BF16's (1.3-1.5x slower at 1 row; level at 2-3).
 constexpr int64_t kAmxMinRows = 4;
 
-// linear's bfloat16 product on AMX: rows in blocks of 16, weight tiles in pairs.
+// linear's bfloat16 product on AMX: rows in blocks of 16, weight tiles in pairs. With
+// `tokens`, each row's first maximum goes there instead of the outputs to y (linear_argmax):
+// the threads' maxima are merged (a larger value, or an equal one at a smaller index, wins).
 void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* w, int64_t N, int64_t K,
-                const uint16_t* bias, uint16_t* y) {
+                const uint16_t* bias, uint16_t* y, int64_t* tokens = nullptr) {
   const int64_t tiles = N / 16, groups = (tiles + kAmxTileGroup - 1) / kAmxTileGroup;
+  std::mutex merging;
+  std::vector<float> top(tokens ? rows : 0, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> first_nan(tokens ? rows : 0, -1);
+  if (tokens) std::fill(tokens, tokens + rows, std::numeric_limits<int64_t>::max());
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<RowMax> best(tokens ? rows : 0);
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
       const int m = int(std::min<int64_t>(16, rows - m0));
       configure_tiles(m);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t t = g * kAmxTileGroup;
         linear_amx_block(m, int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride, w + t * 16 * K, K,
-                         bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t, N);
+                         bias ? bias + 16 * t : nullptr, tokens ? nullptr : y + m0 * N + 16 * t, N,
+                         tokens ? best.data() + m0 : nullptr, int32_t(16 * t));
       }
     }
     _tile_release();
+    if (!tokens) return;
+    std::lock_guard<std::mutex> lock(merging);
+    for (int64_t r = 0; r < rows; ++r) {
+      alignas(64) float value[16];
+      alignas(64) int32_t index[16];
+      _mm512_store_ps(value, best[r].value);
+      _mm512_store_si512(index, best[r].index);
+      for (int l = 0; l < 16; ++l)
+        if (value[l] > top[r] || (value[l] == top[r] && index[l] < tokens[r])) {
+          top[r] = value[l];
+          tokens[r] = index[l];
+        }
+      if (best[r].first_nan >= 0 && (first_nan[r] < 0 || best[r].first_nan < first_nan[r]))
+        first_nan[r] = best[r].first_nan;
+    }
   });
+  for (int64_t r = 0; r < rows && tokens; ++r)
+    if (first_nan[r] >= 0) tokens[r] = first_nan[r];
 }
 #endif
 
@@ -926,7 +979,15 @@ at::Tensor pack_linear(const at::Tensor& w) {
 }
 
 // x [rows, K] (strided rows) @ W.T + bias, W tiled by pack_linear: [rows, N] in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// linear's operands, checked: outputs, inputs, the bias (undefined without one).
+struct Tiled {
+  int64_t N, K;
+  at::Tensor bias;
+};
+
+Tiled check_tiled(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   check_rows(x, "linear");
   const bool f32 = packed.dim() == 3;
   TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && (f32 || packed.dim() == 4),
@@ -936,6 +997,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == N && b.scalar_type() == x.scalar_type()),
               "linear: bias [out] of x's dtype expected");
+  return {N, K, b};
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const auto [N, K, b] = check_tiled(x, packed, bias);
+  const bool f32 = packed.dim() == 3;
   auto y = at::empty({x.size(0), N}, x.options());
   const int64_t xs = x.stride(0);
   if (f32) {
@@ -1079,11 +1148,88 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
   return {after[0], product(::silu_mul(gate_up), weights[3], biases[3], transposed[3])};
 }
 
+// A Llama decoder's decode step in one call: the embedding rows of the step's tokens, the
+// rotary tables at their positions (rounded to the weights' dtype, the first half of the sine
+// negated, as the torch path's `signed_sin`), every layer (decode_layer), then the final
+// residual add and norm. Built once per model with its weights; `forward` takes the step's
+// tokens, positions, each layer's key and value caches (in layer order), slots, block tables
+// and lengths, and returns the final hidden states [rows, hidden]. The GIL is released for
+// the whole step, not taken back between layers.
+class DecodeStack {
+ public:
+  DecodeStack(at::Tensor embed, at::Tensor rope_cos, at::Tensor rope_sin, at::Tensor final_norm, double eps,
+              double scale, int64_t heads)
+      : embed_(std::move(embed)), cos_(std::move(rope_cos)), sin_(std::move(rope_sin)),
+        final_norm_(std::move(final_norm)), eps_(eps), scale_(scale), heads_(heads) {
+    TORCH_CHECK(embed_.dim() == 2 && cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.size(1) % 2 == 0,
+                "DecodeStack: an embedding [vocab, hidden] and rotary tables [positions, head_dim] expected");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> weights,
+                 std::vector<c10::optional<at::Tensor>> biases, std::vector<bool> transposed) {
+    TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && transposed.size() == 4,
+                "DecodeStack.add_layer: the q/k/v, output, gate/up and down products expected");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), eps, std::move(weights), std::move(biases),
+                       std::move(transposed)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
+                     const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens) const {
+    TORCH_CHECK(!layers_.empty() && caches.size() == 2 * layers_.size(),
+                "DecodeStack.forward: a key and a value cache per layer expected");
+    TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes(),
+                "DecodeStack.forward: ids and positions [rows] expected");
+    at::Tensor x = embed_.index_select(0, ids);
+    const at::Tensor cos = cos_.index_select(0, positions).to(x.scalar_type());
+    const at::Tensor sin = sin_.index_select(0, positions).to(x.scalar_type());
+    sin.narrow(1, 0, sin.size(1) / 2).neg_();  // a fresh tensor either way (index_select's)
+    c10::optional<at::Tensor> delta;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      auto out = ::decode_layer(x, delta, layer.input_norm, layer.post_norm, layer.eps, layer.weights, layer.biases,
+                                layer.transposed, cos, sin, caches[2 * i], caches[2 * i + 1], slots, tables, lens,
+                                scale_, heads_);
+      x = out[0];
+      delta = out[1];
+    }
+    return ::add_rms_norm(x, *delta, final_norm_, eps_)[1];
+  }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    double eps;  // both norms'
+    std::vector<at::Tensor> weights;
+    std::vector<c10::optional<at::Tensor>> biases;
+    std::vector<bool> transposed;
+  };
+  at::Tensor embed_, cos_, sin_, final_norm_;
+  double eps_, scale_;  // the final norm's epsilon, the attention's scale
+  int64_t heads_;
+  std::vector<Layer> layers_;
+};
+
 // The greedy head in one call each, so the step's thread takes the GIL back once, not
 // between the product and the choice (the event loop holds it meanwhile, streaming the last
 // step's tokens): linear_argmax is argmax_rows(linear(x, tiles, bias)); screened_tokens is
 // screened_argmax over the screen linear(bf16(x), screen tiles) (ScreenedArgmax's decision).
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
+#if defined(MSTAR_AMX)
+  // On AMX the outputs are never written: each row's maximum is kept as the tiles come out.
+  if (x.scalar_type() == at::kBFloat16 && amx_permitted()) {
+    const auto [N, K, b] = check_tiled(x, tiles, bias);
+    if (x.size(0) >= kAmxMinRows && K % 32 == 0) {
+      auto tokens = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+      linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.stride(0),
+                 reinterpret_cast<const uint16_t*>(tiles.data_ptr()), N, K,
+                 b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr, nullptr,
+                 tokens.data_ptr<int64_t>());
+      return tokens;
+    }
+  }
+#endif
   return ::argmax_rows(::linear(x, tiles, bias));
 }
 
@@ -1106,6 +1252,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax", &screened_argmax, "ScreenedArgmax's candidates and exact choice (see the source).",
         release());
   m.def("decode_layer", &decode_layer, "One Llama decoder layer over decode rows (see the source).", release());
+  py::class_<DecodeStack>(m, "DecodeStack", "A Llama decoder's decode step in one call (see the source).")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, release());
   m.def("linear_argmax", &linear_argmax, "argmax_rows(linear(x, tiles, bias)) (see the source).", py::arg("x"),
         py::arg("tiles"), py::arg("bias") = py::none(), release());
   m.def("screened_tokens", &screened_tokens, "ScreenedArgmax's screen and choice in one call (see the source).",
