@@ -23,8 +23,10 @@ excluded) is printed next to it.
 The floor: a decode step must read every weight it multiplies (the embedding only for its
 rows) and every cached key and value of the batch (at the mean context of a request's
 decode). Those bytes over the memory bandwidth measured in the same run with the same
-threads (a large tensor summed) give the fastest possible step; `% floor` is that over
-mstar's TPOT. A step can also be bound by arithmetic instead: `flop ms` is its products'
+threads (a large tensor summed, best of five; measured again before every round, and the
+best of the whole run taken: the machine's bandwidth drifts by tens of percent, and the
+fastest it showed gives the strictest floor) give the fastest possible step; `% floor` is
+that over mstar's TPOT. A step can also be bound by arithmetic instead: `flop ms` is its products'
 floating-point work over the rate measured for a large matrix product, same threads. The
 roofline floor is the larger of the two (a step can go no faster than either allows), and
 `% roofline` is it over mstar's TPOT: on one thread the tiny model's step at c = 16 is
@@ -380,10 +382,13 @@ def decode_step_cost(config: dict[str, Any], element_size: int, concurrency: int
     return (weights + kv) * element_size, flops
 
 
-def roofline(floor_ms: float, flop_ms: float, tpot_ms: float) -> tuple[float, float]:
-    """Return the roofline floor of a step (the larger of its bandwidth and arithmetic floors) and TPOT's % of it."""
-    limit = max(floor_ms, flop_ms)
-    return limit, 100 * limit / tpot_ms
+def add_floors(row: dict[str, Any], bandwidth_bytes_per_s: float) -> None:
+    """Add a point's bandwidth floor, its roofline floor (the larger of that and the arithmetic
+    floor: a step can go no faster than either allows) and mstar's TPOT as a % of each."""
+    row["floor_ms"] = row["step_bytes"] / bandwidth_bytes_per_s * 1e3
+    row["floor_pct"] = 100 * row["floor_ms"] / row["mstar_tpot_ms"]
+    row["roofline_ms"] = max(row["floor_ms"], row["flop_ms"])
+    row["roofline_pct"] = 100 * row["roofline_ms"] / row["mstar_tpot_ms"]
 
 
 _ONE_TOKEN = (OutputEvent("text", num_tokens=1),)  # events are immutable: one serves every token
@@ -483,7 +488,6 @@ async def bench_model(
         theirs = result.result("transformers", float(conc)).summary
         key = f"{load.kind}-{conc}"
         step_bytes, step_flops = decode_step_cost(model.hf_config, element_size, conc, context)
-        floor_ms = step_bytes / machine["bandwidth_bytes_per_s"] * 1e3
         tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
         row = {
             "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
@@ -498,11 +502,8 @@ async def bench_model(
             "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
             "failed": ours.num_failed + theirs.num_failed,
             "step_bytes": step_bytes,
-            "floor_ms": floor_ms,
-            "floor_pct": 100 * floor_ms / tpot_ms,
             "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
         }
-        row["roofline_ms"], row["roofline_pct"] = roofline(floor_ms, row["flop_ms"], tpot_ms)
         if peer is not None:
             peer_summary = result.result("vllm", float(conc)).summary
             row.update({
@@ -521,6 +522,7 @@ async def bench_model(
             # point), so a machine whose speed drifts shows up as spread across rounds
             # instead of as a ratio between sides measured minutes apart.
             suffix = f"_round{index + 1}" if args.rounds > 1 else ""
+            machine["bandwidth_bytes_per_s"] = max(machine["bandwidth_bytes_per_s"], measure_bandwidth())
             result = await run_benchmark(targets, requests, load, name=f"bench_llm {label}{suffix}",
                                          seed=index, progress=True, console=console, config=config)
             print_table(result, console)
@@ -539,7 +541,7 @@ async def bench_model(
 # ratio, both sides measured back to back); the rest is the same every round or summed.
 _MEDIAN_FIELDS = (
     "mstar_tokens_per_s", "mstar_tpot_ms", "mstar_ttft_ms", "hf_tokens_per_s", "hf_tpot_ms", "hf_ttft_ms",
-    "ratio", "vllm_tokens_per_s", "vllm_tpot_ms", "vllm_ttft_ms", "vllm_ratio", "floor_pct", "roofline_pct",
+    "ratio", "vllm_tokens_per_s", "vllm_tpot_ms", "vllm_ttft_ms", "vllm_ratio",
 )
 
 
@@ -669,6 +671,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             for dtype_name in dtypes:
                 rows += asyncio.run(bench_model(name, dtype_name, args, Path(scratch), console, machine))
+    bandwidth = machine["bandwidth_bytes_per_s"]
+    console.print(f"floors at the best memory bandwidth of the run: {bandwidth / 1e9:.1f} GB/s")
+    for row in rows:
+        add_floors(row, bandwidth)
+        row["bandwidth_bytes_per_s"] = bandwidth
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_llm_summary.json").write_text(json.dumps(rows, indent=1))
     met = report(rows, console)

@@ -52,11 +52,16 @@ def test_step_cost_counts_weights_once_and_every_cached_key(bench: ModuleType) -
     assert flops_sixteen > 16 * flops_one
 
 
-def test_roofline_is_the_larger_floor(bench: ModuleType) -> None:
+def test_floors_are_the_step_bytes_over_the_bandwidth_and_the_larger_of_it_and_the_arithmetic(bench: ModuleType) -> None:
     # Bound by arithmetic (the tiny model at c = 16 on one thread) ...
-    assert bench.roofline(1.31, 3.17, 4.0) == pytest.approx((3.17, 79.25))
+    row = {"step_bytes": 1.31e7, "flop_ms": 3.17, "mstar_tpot_ms": 4.0}
+    bench.add_floors(row, 1e10)
+    assert (row["floor_ms"], row["floor_pct"]) == pytest.approx((1.31, 32.75))
+    assert (row["roofline_ms"], row["roofline_pct"]) == pytest.approx((3.17, 79.25))
     # ... or by bandwidth (one row).
-    assert bench.roofline(1.09, 0.20, 2.0) == pytest.approx((1.09, 54.5))
+    row = {"step_bytes": 1.09e7, "flop_ms": 0.20, "mstar_tpot_ms": 2.0}
+    bench.add_floors(row, 1e10)
+    assert (row["roofline_ms"], row["roofline_pct"]) == pytest.approx((1.09, 54.5))
 
 
 def test_peer_streams_each_request_its_tokens(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,6 +98,7 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
     for row in rows:
         assert row["failed"] == 0 and row["mstar_tokens_per_s"] > 0 and row["ratio"] > 0
         assert row["floor_ms"] > 0 and row["floor_pct"] > 0 and row["flop_ms"] > 0
+        assert row["floor_ms"] == pytest.approx(row["step_bytes"] / row["bandwidth_bytes_per_s"] * 1e3)
         assert row["roofline_ms"] == max(row["floor_ms"], row["flop_ms"])
         assert row["roofline_pct"] >= row["floor_pct"]
         assert "vllm_tokens_per_s" not in row
@@ -102,7 +108,7 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
 def test_rounds_combine_as_medians_with_the_ratios_range(bench: ModuleType) -> None:
     rows = [
         {"model": "tiny", "concurrency": 4, "mstar_tokens_per_s": t, "ratio": r, "vllm_ratio": v,
-         "failed": f, "mstar_peak_mib": m, "hf_peak_mib": 1.0, "floor_pct": 10.0, "roofline_pct": 20.0}
+         "failed": f, "mstar_peak_mib": m, "hf_peak_mib": 1.0}
         for t, r, v, f, m in [(100.0, 1.2, 0.9, 0, 5.0), (300.0, 1.6, 1.4, 1, 7.0), (200.0, 1.3, 1.1, 0, 6.0)]
     ]
     combined = bench.combine_rounds(rows)
