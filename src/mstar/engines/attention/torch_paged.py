@@ -535,8 +535,8 @@ class TorchPagedAttention:
     def native_decode(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Return the step's `(slots, block tables, lengths)` where the native kernel takes all of it.
 
-        For a model that runs whole decoder layers in one native call (`cpu_kernels.cpp`'s
-        `decode_layer`): it writes the keys and values and attends itself, as `forward` would
+        For a model that runs whole decoder layers in native calls (`cpu_kernels.cpp`'s
+        `decode_layer`, `DecodeStack`): it writes the keys and values and attends itself, as `forward` would
         through the kernel. None unless every row of the planned step decodes and the kernel
         takes caches like `k_cache`; then the model calls `forward` as usual.
         """
