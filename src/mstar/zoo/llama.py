@@ -305,10 +305,11 @@ class LlamaCausalLM(nn.Module):
             kernels = cpu_kernels()
             layers = [(layer, layer.native_products()) for layer in self.decoder_layers]
             self._native_stack = False
-            if kernels is not None and all(products is not None for _, products in layers):
-                attn, norm = self.decoder_layers[0].self_attn, self.model.norm
-                stack = kernels.DecodeStack(self.model.embed_tokens.weight, self.rope_cos, self.rope_sin,
-                                            norm.weight, norm.eps, attn.scale, attn.num_heads)
+            norm, embed = self.model.norm, self.model.embed_tokens.weight
+            if kernels is not None and norm.weight.dtype == embed.dtype and all(p is not None for _, p in layers):
+                attn = self.decoder_layers[0].self_attn
+                stack = kernels.DecodeStack(embed, self.rope_cos, self.rope_sin, norm.weight, norm.eps, attn.scale,
+                                            attn.num_heads)
                 for layer, products in layers:
                     assert products is not None
                     stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
