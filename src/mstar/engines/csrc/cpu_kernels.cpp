@@ -978,7 +978,6 @@ at::Tensor pack_linear(const at::Tensor& w) {
   return out;
 }
 
-// x [rows, K] (strided rows) @ W.T + bias, W tiled by pack_linear: [rows, N] in x's dtype.
 namespace {
 
 // linear's operands, checked: outputs, inputs, the bias (undefined without one).
@@ -1002,6 +1001,7 @@ Tiled check_tiled(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 
 }  // namespace
 
+// x [rows, K] (strided rows) @ W.T + bias, W tiled by pack_linear: [rows, N] in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const auto [N, K, b] = check_tiled(x, packed, bias);
   const bool f32 = packed.dim() == 3;
