@@ -385,6 +385,7 @@ def decode_step_cost(config: dict[str, Any], element_size: int, concurrency: int
 def add_floors(row: dict[str, Any], bandwidth_bytes_per_s: float) -> None:
     """Add a point's bandwidth floor, its roofline floor (the larger of that and the arithmetic
     floor: a step can go no faster than either allows) and mstar's TPOT as a % of each."""
+    row["bandwidth_bytes_per_s"] = bandwidth_bytes_per_s
     row["floor_ms"] = row["step_bytes"] / bandwidth_bytes_per_s * 1e3
     row["floor_pct"] = 100 * row["floor_ms"] / row["mstar_tpot_ms"]
     row["roofline_ms"] = max(row["floor_ms"], row["flop_ms"])
@@ -675,7 +676,6 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"floors at the best memory bandwidth of the run: {bandwidth / 1e9:.1f} GB/s")
     for row in rows:
         add_floors(row, bandwidth)
-        row["bandwidth_bytes_per_s"] = bandwidth
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_llm_summary.json").write_text(json.dumps(rows, indent=1))
     met = report(rows, console)

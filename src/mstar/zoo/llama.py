@@ -284,7 +284,7 @@ class LlamaCausalLM(nn.Module):
             plan = ctx.native_decode()
             if plan is not None and (stack := self._decode_stack()) is not None:
                 slots, tables, lens = plan
-                caches = [cache for layer in self.decoder_layers for cache in ctx.kv_caches[layer.self_attn.layer_index]]
+                caches = [cache for pair in ctx.kv_caches for cache in pair]  # layer i's are kv_caches[i]
                 return cast(torch.Tensor, stack.forward(input_ids, positions, caches, slots, tables, lens))
         x = self.model.embed_tokens(input_ids)
         # The step's rotary tables, once for every layer (the sine signed: see `apply_rotary_signed`).

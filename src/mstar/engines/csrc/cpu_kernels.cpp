@@ -528,8 +528,10 @@ void configure_tiles(int m) {
 // A row's first maximum over the rounded outputs seen so far, per lane (linear_argmax on
 // AMX keeps one per row instead of writing the outputs): a strict > keeps the first index.
 struct RowMax {
+  static __m512i lanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
   __m512 value = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i index = lanes();
   int64_t first_nan = -1;  // the first NaN output's index (torch's argmax returns it)
 
   // Outputs col .. col + 15, rounded to bfloat16.
@@ -539,8 +541,7 @@ struct RowMax {
     const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
     const __mmask16 better = _mm512_cmp_ps_mask(v, value, _CMP_GT_OQ);
     value = _mm512_mask_mov_ps(value, better, v);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    index = _mm512_mask_mov_epi32(index, better, _mm512_add_epi32(lanes, _mm512_set1_epi32(col)));
+    index = _mm512_mask_mov_epi32(index, better, _mm512_add_epi32(lanes(), _mm512_set1_epi32(col)));
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     if (nan && first_nan < 0) first_nan = col + __builtin_ctz(nan);
   }
@@ -597,6 +598,9 @@ void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const 
 constexpr int64_t kAmxTileGroup = 2;
 // Below 4 rows the tile products lose to AVX-512 BF16's (1.3-1.5x slower at 1 row; level at 2-3).
 constexpr int64_t kAmxMinRows = 4;
+
+// Whether linear's bfloat16 product of `rows` rows by K features runs on AMX.
+bool amx_takes(int64_t rows, int64_t K) { return rows >= kAmxMinRows && K % 32 == 0 && amx_permitted(); }
 
 // linear's bfloat16 product on AMX: rows in blocks of 16, weight tiles in pairs. With
 // `tokens`, each row's first maximum goes there instead of the outputs to y (linear_argmax):
@@ -1019,7 +1023,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 #if defined(__AVX512BF16__)
   using u16 = uint16_t;
 #if defined(MSTAR_AMX)
-  if (x.size(0) >= kAmxMinRows && K % 32 == 0 && amx_permitted()) {
+  if (amx_takes(x.size(0), K)) {
     linear_amx(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, reinterpret_cast<const u16*>(packed.data_ptr()),
                N, K, b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr,
                reinterpret_cast<u16*>(y.data_ptr()));
@@ -1173,8 +1177,6 @@ class DecodeStack {
                        std::move(transposed)});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& caches,
                      const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens) const {
     TORCH_CHECK(!layers_.empty() && caches.size() == 2 * layers_.size(),
@@ -1218,9 +1220,9 @@ class DecodeStack {
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& tiles, const c10::optional<at::Tensor>& bias) {
 #if defined(MSTAR_AMX)
   // On AMX the outputs are never written: each row's maximum is kept as the tiles come out.
-  if (x.scalar_type() == at::kBFloat16 && amx_permitted()) {
+  if (x.scalar_type() == at::kBFloat16) {
     const auto [N, K, b] = check_tiled(x, tiles, bias);
-    if (x.size(0) >= kAmxMinRows && K % 32 == 0) {
+    if (amx_takes(x.size(0), K)) {
       auto tokens = at::empty({x.size(0)}, x.options().dtype(at::kLong));
       linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), x.stride(0),
                  reinterpret_cast<const uint16_t*>(tiles.data_ptr()), N, K,
@@ -1255,7 +1257,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack", "A Llama decoder's decode step in one call (see the source).")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, release());
   m.def("linear_argmax", &linear_argmax, "argmax_rows(linear(x, tiles, bias)) (see the source).", py::arg("x"),
         py::arg("tiles"), py::arg("bias") = py::none(), release());
