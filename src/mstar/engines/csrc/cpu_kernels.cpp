@@ -15,16 +15,16 @@
 // linear / pack_linear: x @ W.T (+ b) for the few rows of a decode step, over weights packed
 // in tiles of 16 outputs: one pass over the weights serves up to 16 rows, each tile's 16
 // sums held in a register (float32: a multiply-add per input; bfloat16: AVX-512 BF16's
-// pairwise dot products, or AMX tile products from 4 rows where the CPU has AMX), accumulated
-// in float32 and rounded once. At these row counts the products cost a few microseconds where
+// pairwise dot products, AMX tile products from 4 rows where the CPU has AMX, or elsewhere
+// each weight widened to float32 on load), accumulated in float32 and rounded once. At these row counts the products cost a few microseconds where
 // oneDNN's calls cost about twenty; which layout a weight takes is still timed (`choose_layout`).
 //
 // argmax_rows, linear_argmax, screened_argmax / screened_tokens: the greedy head's choice.
 // decode_layer: a Llama decoder layer over decode rows in one call (the kernels above, in
 // the layer-by-layer path's order); DecodeStack: the whole decode step's layers in one call.
 //
-// The vectors are GCC/Clang vector extensions of 16 floats: AVX-512 registers where the CPU
-// has them, pairs of AVX2 registers (or narrower) elsewhere.
+// The vectors hold 16 floats: one AVX-512 register where the CPU has them, a pair of AVX2
+// registers (or narrower) elsewhere (see vf16).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -50,11 +50,30 @@
 namespace {
 
 // Sixteen lanes each: float32, int32 (comparison masks), uint32 (bit patterns), and uint16
-// (bfloat16 bits, half the width).
+// (bfloat16 bits, half the width). With AVX-512 each is one 64-byte GCC/Clang vector, one
+// register. Without it, GCC keeps a 64-byte vector in memory, a load and a store around
+// every operation (the tiled product ran 30x slower on AVX2): there each is two halves of
+// eight lanes (`Halves`), one register each, with the same operators.
+#if defined(__AVX512F__)
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+template <typename To, typename From>
+inline To convert(From v) {  // lane by lane, as a C cast converts
+  return __builtin_convertvector(v, To);
+}
+
+template <typename To, typename From>
+inline To bitcast(From v) {
+  return (To)v;
+}
+
+template <typename M, typename V>
+inline V select(M mask, V a, V b) {
+  return mask ? a : b;
+}
 
 inline vf16 load16(const float* p) {
   vf16 v;
@@ -62,24 +81,138 @@ inline vf16 load16(const float* p) {
   return v;
 }
 
-inline vf16 load16(const uint16_t* p) {  // bfloat16 bits: the upper half of a float32
+inline vu16 load_bits(const uint16_t* p) {
   vu16 h;
   std::memcpy(&h, p, sizeof h);
-  vu32 w = __builtin_convertvector(h, vu32) << 16;
-  vf16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
+  return h;
+}
+
+inline vu32 load_words(const uint16_t* p) {
+  vu32 w;
+  std::memcpy(&w, p, sizeof w);
+  return w;
+}
+
+inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline void store_bits(uint16_t* p, vu16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline vf16 lane_indices() { return vf16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+#else
+template <typename V>
+struct Halves {
+  V lo, hi;
+  auto operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+};
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+using vf16 = Halves<vf8>;
+using vi16 = Halves<vi8>;
+using vu32 = Halves<vu8>;
+using vu16 = Halves<vh8>;
+
+#define MSTAR_HALVES_OP(op)                                                                  \
+  template <typename V>                                                                      \
+  inline auto operator op(const Halves<V>& a, const Halves<V>& b) {                          \
+    return Halves<decltype(a.lo op b.lo)>{a.lo op b.lo, a.hi op b.hi};                       \
+  }                                                                                          \
+  template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>    \
+  inline auto operator op(const Halves<V>& a, S b) {                                         \
+    return Halves<decltype(a.lo op b)>{a.lo op b, a.hi op b};                                \
+  }                                                                                          \
+  template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>    \
+  inline auto operator op(S a, const Halves<V>& b) {                                         \
+    return Halves<decltype(a op b.lo)>{a op b.lo, a op b.hi};                                \
+  }                                                                                          \
+  template <typename V, typename B>                                                          \
+  inline Halves<V>& operator op##=(Halves<V>& a, const B& b) {                               \
+    return a = a op b;                                                                       \
+  }
+MSTAR_HALVES_OP(+)
+MSTAR_HALVES_OP(-)
+MSTAR_HALVES_OP(*)
+MSTAR_HALVES_OP(/)
+MSTAR_HALVES_OP(&)
+MSTAR_HALVES_OP(|)
+MSTAR_HALVES_OP(<<)
+MSTAR_HALVES_OP(>>)
+#undef MSTAR_HALVES_OP
+
+#define MSTAR_HALVES_COMPARE(op)                                                             \
+  template <typename V>                                                                      \
+  inline auto operator op(const Halves<V>& a, const Halves<V>& b) {                          \
+    return Halves<decltype(a.lo op b.lo)>{a.lo op b.lo, a.hi op b.hi};                       \
+  }                                                                                          \
+  template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>    \
+  inline auto operator op(const Halves<V>& a, S b) {                                         \
+    return Halves<decltype(a.lo op b)>{a.lo op b, a.hi op b};                                \
+  }
+MSTAR_HALVES_COMPARE(<)
+MSTAR_HALVES_COMPARE(>)
+MSTAR_HALVES_COMPARE(!=)
+#undef MSTAR_HALVES_COMPARE
+
+template <typename To, typename From>
+inline To convert(const Halves<From>& v) {
+  using H = decltype(To{}.lo);
+  return {__builtin_convertvector(v.lo, H), __builtin_convertvector(v.hi, H)};
+}
+
+template <typename To, typename From>
+inline To bitcast(const Halves<From>& v) {
+  using H = decltype(To{}.lo);
+  return {(H)v.lo, (H)v.hi};
+}
+
+template <typename M, typename V>
+inline Halves<V> select(const Halves<M>& mask, const Halves<V>& a, const Halves<V>& b) {
+  return {mask.lo ? a.lo : b.lo, mask.hi ? a.hi : b.hi};
+}
+
+// Unaligned loads and stores of one half (memcpy of a whole Halves went through the stack).
+typedef float vf8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint32_t vu8_unaligned __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint16_t vh8_unaligned __attribute__((vector_size(16), aligned(2), may_alias));
+
+inline vf16 load16(const float* p) {
+  return {*reinterpret_cast<const vf8_unaligned*>(p), *reinterpret_cast<const vf8_unaligned*>(p + 8)};
+}
+
+inline vu16 load_bits(const uint16_t* p) {
+  return {*reinterpret_cast<const vh8_unaligned*>(p), *reinterpret_cast<const vh8_unaligned*>(p + 8)};
+}
+
+inline vu32 load_words(const uint16_t* p) {
+  return {*reinterpret_cast<const vu8_unaligned*>(p), *reinterpret_cast<const vu8_unaligned*>(p + 16)};
+}
+
+inline void store16(float* p, vf16 v) {
+  *reinterpret_cast<vf8_unaligned*>(p) = v.lo;
+  *reinterpret_cast<vf8_unaligned*>(p + 8) = v.hi;
+}
+
+inline void store_bits(uint16_t* p, vu16 v) {
+  *reinterpret_cast<vh8_unaligned*>(p) = v.lo;
+  *reinterpret_cast<vh8_unaligned*>(p + 8) = v.hi;
+}
+
+inline vf16 lane_indices() { return {vf8{0, 1, 2, 3, 4, 5, 6, 7}, vf8{8, 9, 10, 11, 12, 13, 14, 15}}; }
+#endif
+
+inline vf16 load16(const uint16_t* p) {  // bfloat16 bits: the upper half of a float32
+  return bitcast<vf16>(convert<vu32>(load_bits(p)) << 16);
 }
 
 // 32 bfloat16 values as two float32 vectors, without widening each lane: the even-indexed
 // values (shifted into the upper half) and the odd-indexed ones (already in the upper half).
 // Dot products and weighted sums do not care about lane order, so queries are split alike.
 inline void load_pairs(const uint16_t* p, vf16& even, vf16& odd) {
-  vu32 w;
-  std::memcpy(&w, p, sizeof w);
-  const vu32 lo = w << 16, hi = w & 0xffff0000u;
-  std::memcpy(&even, &lo, sizeof even);
-  std::memcpy(&odd, &hi, sizeof odd);
+  const vu32 w = load_words(p);
+  even = bitcast<vf16>(w << 16);
+  odd = bitcast<vf16>(w & 0xffff0000u);
 }
 
 inline void store(float v, float* dst) { *dst = v; }
@@ -93,6 +226,13 @@ inline void store(float v, uint16_t* dst) {  // round to nearest even, as torch 
   }
   u += 0x7fffu + ((u >> 16) & 1u);
   *dst = uint16_t(u >> 16);
+}
+
+// 16 values rounded as `store` rounds each.
+inline void store16(uint16_t* dst, vf16 v) {
+  const vu32 u = bitcast<vu32>(v);
+  const vu32 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
+  store_bits(dst, convert<vu16>(select((u & 0x7fffffffu) > 0x7f800000u, vu32{} + 0x7fc0u, rounded)));
 }
 
 inline float load(float x) { return x; }
@@ -148,20 +288,18 @@ inline V exp_polynomial(V r) {
 inline vf16 exp_nonpositive(vf16 x) {
   const vf16 zero = {};
   const vi16 underflow = x < -87.0f;
-  x = underflow ? splat(-87.0f) : x;
+  x = select(underflow, splat(-87.0f), x);
   vf16 n = x * 1.44269504088896341f;
-  n = __builtin_convertvector(__builtin_convertvector(n + (n < zero ? splat(-0.5f) : splat(0.5f)), vi16), vf16);
+  n = convert<vf16>(convert<vi16>(n + select(n < zero, splat(-0.5f), splat(0.5f))));
   vf16 r = x - n * 0.693145751953125f;
   r = r - n * 1.428606765330187045e-06f;
   const vf16 p = exp_polynomial(r);
-  vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  vf16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  vf16 out = p * scale;
-  return underflow ? zero : out;
+  const vf16 scale = bitcast<vf16>((convert<vi16>(n) + 127) << 23);
+  return select(underflow, zero, p * scale);
 }
 
 // The 16 sums of 16 vectors, lane i holding the sum of a[i]: a tree of pairwise shuffles.
+#if defined(__AVX512F__)
 inline vf16 sum16(const vf16* a) {
   vf16 b[8], c[4], d[2];
   for (int k = 0; k < 8; ++k)
@@ -176,6 +314,26 @@ inline vf16 sum16(const vf16* a) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+// Eight sums of eight vectors, lane i holding the sum of a[i].
+inline vf8 sum8(const vf8* a) {
+  vf8 b[4], c[2];
+  for (int k = 0; k < 4; ++k)
+    b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 2; ++k)
+    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 4, 2, 6, 8, 12, 10, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 5, 3, 7, 9, 13, 11, 15);
+}
+
+inline vf16 sum16(const vf16* a) {
+  vf8 halves[16];
+  for (int r = 0; r < 16; ++r) halves[r] = a[r].lo + a[r].hi;
+  return {sum8(halves), sum8(halves + 8)};
+}
+#endif
 
 // A head_dim row as J vectors: in order for float32; for bfloat16 with head_dim a multiple
 // of 32, as (even, odd) pairs of each 32 values (see `load_pairs`); queries, the output and
@@ -261,13 +419,13 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
           vf16 a[16];
           for (int r = 0; r < 16; ++r) a[r] = dot<J>(qh, kb + (i + r) * stride);
           const vf16 tile = sum16(a);
-          std::memcpy(sh + t0 + i, &tile, sizeof tile);
-          tiles_max = tiles_max > tile ? tiles_max : tile;
+          store16(sh + t0 + i, tile);
+          tiles_max = select(tiles_max > tile, tiles_max, tile);
         }
         for (; i < n; ++i) {
           const float x = hsum(dot<J>(qh, kb + i * stride));
           sh[t0 + i] = x;
-          tiles_max[0] = std::max(tiles_max[0], x);
+          tiles_max = select(tiles_max > x, tiles_max, splat(x));  // hmax reads every lane
         }
       }
       maxima[h] = tiles_max;
@@ -279,7 +437,7 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
     vf16 total = {};
     for (int64_t t = 0; t < padded; t += 16) {
       const vf16 p = exp_nonpositive(load16(sh + t) - m);
-      std::memcpy(sh + t, &p, sizeof p);
+      store16(sh + t, p);
       total += p;
     }
     inv[h] = 1.f / hsum(total);
@@ -435,7 +593,14 @@ void silu_mul_rows(const T* x, int64_t tokens, int64_t inner, int64_t x_stride, 
 // Tiled weights: float32 [N/16][K][16] (tile, input, output lane); bfloat16 [N/16][K/2][16][2]
 // (tile, input pair, output lane, pair member), the operand layout of a pairwise dot product.
 // A block of M rows against NT adjacent tiles: M x NT sums in registers, each input's weight
-// vector loaded once per tile and each row's input broadcast once for all NT tiles.
+// vector loaded once per tile and each row's input broadcast once for all NT tiles. With 32
+// vector registers (AVX-512) blocks of 8 rows by 2 tiles; with 16 (AVX2), 6 rows by 1.
+#if defined(__AVX512F__)
+constexpr int64_t kRowBlock = 8, kTileGroup = 2;
+#else
+constexpr int64_t kRowBlock = 6, kTileGroup = 1;
+#endif
+
 template <int M, int NT>
 void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t tile_stride, int64_t K,
                      const float* bias, float* y, int64_t y_stride) {
@@ -453,7 +618,7 @@ void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t t
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int n = 0; n < NT; ++n) std::memcpy(y + m * y_stride + 16 * n, &acc[m][n], sizeof(vf16));
+    for (int n = 0; n < NT; ++n) store16(y + m * y_stride + 16 * n, acc[m][n]);
 }
 
 #if defined(__AVX512BF16__)
@@ -490,6 +655,31 @@ void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
       const __m256bh rounded = _mm512_cvtneps_pbh(acc[m][n]);  // nearest even, as torch rounds
       std::memcpy(y + m * y_stride + 16 * n, &rounded, sizeof rounded);
     }
+}
+#else
+// Without AVX-512 BF16: each weight pair widened to float32 (`load_pairs`), two multiply-adds
+// per row; x arrives widened to float32 (once per product, not once per tile).
+template <int M, int NT>
+void linear_tile_bf16(const float* x, int64_t x_stride, const uint16_t* w, int64_t tile_stride, int64_t K,
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+  vf16 acc[M][NT];
+  for (int n = 0; n < NT; ++n) {
+    const vf16 b = bias ? load16(bias + 16 * n) : vf16{};
+    for (int m = 0; m < M; ++m) acc[m][n] = b;
+  }
+  for (int64_t kk = 0; kk < K / 2; ++kk) {
+    vf16 even[NT], odd[NT];
+    for (int n = 0; n < NT; ++n) load_pairs(w + n * tile_stride + 32 * kk, even[n], odd[n]);
+    for (int m = 0; m < M; ++m) {
+      const float x0 = x[m * x_stride + 2 * kk], x1 = x[m * x_stride + 2 * kk + 1];
+      for (int n = 0; n < NT; ++n) {
+        acc[m][n] += x0 * even[n];
+        acc[m][n] += x1 * odd[n];
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NT; ++n) store16(y + m * y_stride + 16 * n, acc[m][n]);
 }
 #endif
 
@@ -646,35 +836,35 @@ void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_
 }
 #endif
 
-// Rows in blocks of up to 8, tiles in pairs (a pair's weights stay in L1 across the blocks):
-// at most 16 sums, two weight vectors and a broadcast in registers.
-constexpr int64_t kRowBlock = 8, kTileGroup = 2;
-
-template <typename T, typename Tile>
-void linear_rows(const T* x, int64_t rows, int64_t x_stride, const T* w, int64_t N, int64_t K, const T* bias, T* y,
+// Rows in blocks of up to kRowBlock (as even as they come: 16 rows in 6 + 5 + 5, not 6 + 6 + 4),
+// tiles in groups of kTileGroup (a group's weights stay in L1 across the blocks).
+template <typename X, typename T, typename Tile>
+void linear_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t N, int64_t K, const T* bias, T* y,
                  Tile&& tile) {
   const int64_t tiles = N / 16, per_tile = 16 * K, groups = (tiles + kTileGroup - 1) / kTileGroup;
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock)
-        tile(std::min(kRowBlock, rows - m0), nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr,
-             y + m0 * N + 16 * t);
+      for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+        const int64_t m = (rows - m0) / (blocks - b);
+        tile(m, nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
+        m0 += m;
+      }
     }
   });
 }
 
-// Calls Fn::template run<M, NT>(args...) for a runtime M in [1, 8] and NT in [1, 2].
-template <typename Fn, typename... Args>
+// Calls Fn::template run<M, NT>(args...) for a runtime M in [1, kRowBlock] and NT in [1, kTileGroup].
+template <typename Fn, int M = 1, typename... Args>
 void by_block(int64_t rows, int64_t tiles, Args... args) {
-#define MSTAR_BLOCK(m)                                            \
-  case m:                                                         \
-    return tiles == 2 ? Fn::template run<m, 2>(args...) : Fn::template run<m, 1>(args...);
-  switch (rows) {
-    MSTAR_BLOCK(1) MSTAR_BLOCK(2) MSTAR_BLOCK(3) MSTAR_BLOCK(4) MSTAR_BLOCK(5) MSTAR_BLOCK(6) MSTAR_BLOCK(7)
-    MSTAR_BLOCK(8)
+  if constexpr (M < kRowBlock) {
+    if (rows > M) return by_block<Fn, M + 1>(rows, tiles, args...);
   }
-#undef MSTAR_BLOCK
+  if constexpr (kTileGroup == 2) {
+    if (tiles == 2) return Fn::template run<M, 2>(args...);
+  }
+  Fn::template run<M, 1>(args...);
 }
 
 struct TileF32 {
@@ -685,15 +875,13 @@ struct TileF32 {
   }
 };
 
-#if defined(__AVX512BF16__)
-struct TileBF16 {
-  template <int M, int NT>
-  static void run(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ts, int64_t K, const uint16_t* b,
-                  uint16_t* y, int64_t ys) {
+struct TileBF16 {  // x in bfloat16 (AVX-512 BF16) or widened to float32
+  template <int M, int NT, typename X>
+  static void run(const X* x, int64_t xs, const uint16_t* w, int64_t ts, int64_t K, const uint16_t* b, uint16_t* y,
+                  int64_t ys) {
     linear_tile_bf16<M, NT>(x, xs, w, ts, K, b, y, ys);
   }
 };
-#endif
 
 template <typename F>
 void by_dtype(const at::Tensor& t, const char* op, F&& f) {
@@ -834,7 +1022,7 @@ at::Tensor screened_argmax(const at::Tensor& approx, const at::Tensor& x, const 
           for (; v < hi; v += 16) {
             const vf16 value = load16(sr + v);
             nan |= value != value;
-            maxima = maxima > value ? maxima : value;
+            maxima = select(maxima > value, maxima, value);
           }
           any_nan |= any(nan);
           gm = hmax(maxima);
@@ -902,7 +1090,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
         // Per lane: its largest value and the first index holding it (a strict > keeps the
         // first), in two interleaved sets so that consecutive vectors do not wait on each other.
         const int64_t whole = n / 32 * 32;
-        const vf16 lanes = __builtin_convertvector(vi16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, vf16);
+        const vf16 lanes = lane_indices();
         vf16 best[2] = {splat(-std::numeric_limits<float>::infinity()), splat(-std::numeric_limits<float>::infinity())};
         vf16 first[2] = {lanes, lanes + 16.0f};  // float indices: exact below 2^24 (checked above)
         vi16 nan = vi16{};
@@ -911,8 +1099,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
             const vf16 v = load16(p + i + 16 * h);
             const vi16 better = v > best[h];
             nan |= v != v;
-            best[h] = better ? v : best[h];
-            first[h] = better ? lanes + float(i + 16 * h) : first[h];
+            best[h] = select(better, v, best[h]);
+            first[h] = select(better, lanes + float(i + 16 * h), first[h]);
           }
         }
         float top = -std::numeric_limits<float>::infinity();
@@ -945,15 +1133,6 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// Whether bfloat16 weights can be tiled here (the build has AVX-512 BF16).
-bool tiles_bfloat16() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // W [N, K] (N a multiple of 16; K even for bfloat16) -> its tiles (see linear_tile_*).
 at::Tensor pack_linear(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "pack_linear: a CPU matrix [out, in] expected");
@@ -970,7 +1149,6 @@ at::Tensor pack_linear(const at::Tensor& w) {
     return out;
   }
   TORCH_CHECK(c.scalar_type() == at::kBFloat16, "pack_linear: float32 or bfloat16 only, got ", c.scalar_type());
-  TORCH_CHECK(tiles_bfloat16(), "pack_linear: this build has no AVX-512 BF16 (bfloat16 tiles)");
   TORCH_CHECK(K % 2 == 0, "pack_linear: bfloat16 in features must be even, got ", K);
   auto out = at::empty({N / 16, K / 2, 16, 2}, c.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(c.data_ptr());
@@ -1013,14 +1191,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   const int64_t xs = x.stride(0);
   if (f32) {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: float32 tiles need float32 input");
-    linear_rows<float>(x.data_ptr<float>(), x.size(0), xs, packed.data_ptr<float>(), N, K,
-                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                       [&](int64_t mb, int64_t nt, const float* xr, const float* wt, const float* bt, float* yr) {
-                         by_block<TileF32>(mb, nt, xr, xs, wt, 16 * K, K, bt, yr, N);
-                       });
+    linear_rows(x.data_ptr<float>(), x.size(0), xs, packed.data_ptr<float>(), N, K,
+                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                [&](int64_t mb, int64_t nt, const float* xr, const float* wt, const float* bt, float* yr) {
+                  by_block<TileF32>(mb, nt, xr, xs, wt, 16 * K, K, bt, yr, N);
+                });
     return y;
   }
-#if defined(__AVX512BF16__)
   using u16 = uint16_t;
 #if defined(MSTAR_AMX)
   if (amx_takes(x.size(0), K)) {
@@ -1030,16 +1207,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     return y;
   }
 #endif
-  linear_rows<u16>(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs,
-                   reinterpret_cast<const u16*>(packed.data_ptr()), N, K,
-                   b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr, reinterpret_cast<u16*>(y.data_ptr()),
-                   [&](int64_t mb, int64_t nt, const u16* xr, const u16* wt, const u16* bt, u16* yr) {
-                     by_block<TileBF16>(mb, nt, xr, xs, wt, 16 * K, K, bt, yr, N);
-                   });
-  return y;
+  const u16* w = reinterpret_cast<const u16*>(packed.data_ptr());
+  const u16* bias_bits = b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr;
+  u16* out = reinterpret_cast<u16*>(y.data_ptr());
+#if defined(__AVX512BF16__)
+  const u16* xp = reinterpret_cast<const u16*>(x.data_ptr());
+  const int64_t x_stride = xs;
 #else
-  TORCH_CHECK(false, "linear: this build has no AVX-512 BF16 (bfloat16 tiles)");
+  // x widened once: the tiles then broadcast float32 inputs.
+  std::vector<float> wide(x.size(0) * K);
+  const u16* bits = reinterpret_cast<const u16*>(x.data_ptr());
+  for (int64_t r = 0; r < x.size(0); ++r)
+    for (int64_t k = 0; k < K; ++k) wide[r * K + k] = load(bits[r * xs + k]);
+  const float* xp = wide.data();
+  const int64_t x_stride = K;
 #endif
+  linear_rows(xp, x.size(0), x_stride, w, N, K, bias_bits, out,
+              [&](int64_t mb, int64_t nt, const auto* xr, const u16* wt, const u16* bt, u16* yr) {
+                by_block<TileBF16>(mb, nt, xr, x_stride, wt, 16 * K, K, bt, yr, N);
+              });
+  return y;
 }
 
 // q [rows, heads, head_dim] (rows may be strided; heads and head_dim contiguous);
@@ -1263,7 +1450,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_tokens", &screened_tokens, "ScreenedArgmax's screen and choice in one call (see the source).",
         release());
   m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
-  m.def("tiles_bfloat16", &tiles_bfloat16, "Whether bfloat16 weights can be tiled in this build.");
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
   m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none(), release());
