@@ -358,16 +358,23 @@ def measure_bandwidth(num_bytes: int = 256 << 20) -> float:
 
 
 def measure_flops(dtype: torch.dtype) -> float:
-    """Return the floating-point rate (FLOP/s) of a large matrix product in `dtype`, best of 5.
-
-    bfloat16 takes the faster of its own product and float32's: a CPU without bfloat16
-    arithmetic (torch's bfloat16 product then crawls) still multiplies bfloat16 weights at
-    float32's rate once they are widened, as mstar's tiled products do.
-    """
+    """Return the floating-point rate (FLOP/s) of a large matrix product in `dtype`, best of 5."""
     a = torch.randn(256, 2048).to(dtype)
     b = torch.randn(2048, 2048).to(dtype)
-    rate = 2 * 256 * 2048 * 2048 / _best_seconds(lambda: torch.mm(a, b))
-    return max(rate, measure_flops(torch.float32)) if dtype == torch.bfloat16 else rate
+    return 2 * 256 * 2048 * 2048 / _best_seconds(lambda: torch.mm(a, b))
+
+
+def measure_machine(dtypes: list[str]) -> dict[str, float]:
+    """Return the memory bandwidth and each dtype's FLOP rate (`<dtype>_flop_per_s`).
+
+    bfloat16's rate is the faster of its own product and float32's: a CPU without bfloat16
+    arithmetic (where torch's bfloat16 product crawls) still multiplies bfloat16 weights at
+    float32's rate once they are widened, as mstar's tiled products do.
+    """
+    machine = {"bandwidth_bytes_per_s": measure_bandwidth(), "float32_flop_per_s": measure_flops(torch.float32)}
+    if "bfloat16" in dtypes:
+        machine["bfloat16_flop_per_s"] = max(measure_flops(torch.bfloat16), machine["float32_flop_per_s"])
+    return machine
 
 
 def decode_step_cost(config: dict[str, Any], element_size: int, concurrency: int, context: float) -> tuple[float, float]:
@@ -667,9 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print("bench_llm", json.dumps({k: str(v) for k, v in vars(args).items()}))
     start = time.perf_counter()
-    machine = {"bandwidth_bytes_per_s": measure_bandwidth()}
-    for dtype_name in dtypes:
-        machine[f"{dtype_name}_flop_per_s"] = measure_flops(getattr(torch, dtype_name))
+    machine = measure_machine(dtypes)
     console.print(f"memory bandwidth {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matrix product "
                   + ", ".join(f"{d} {machine[f'{d}_flop_per_s'] / 1e9:.0f} GFLOP/s" for d in dtypes)
                   + f" ({torch.get_num_threads()} torch threads)")

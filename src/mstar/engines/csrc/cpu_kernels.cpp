@@ -16,8 +16,9 @@
 // in tiles of 16 outputs: one pass over the weights serves up to 16 rows, each tile's 16
 // sums held in a register (float32: a multiply-add per input; bfloat16: AVX-512 BF16's
 // pairwise dot products, AMX tile products from 4 rows where the CPU has AMX, or elsewhere
-// each weight widened to float32 on load), accumulated in float32 and rounded once. At these row counts the products cost a few microseconds where
-// oneDNN's calls cost about twenty; which layout a weight takes is still timed (`choose_layout`).
+// each weight widened to float32 on load), accumulated in float32 and rounded once. At these
+// row counts the products cost a few microseconds where oneDNN's calls cost about twenty;
+// which layout a weight takes is still timed (`choose_layout`).
 //
 // argmax_rows, linear_argmax, screened_argmax / screened_tokens: the greedy head's choice.
 // decode_layer: a Llama decoder layer over decode rows in one call (the kernels above, in
@@ -114,7 +115,9 @@ using vi16 = Halves<vi8>;
 using vu32 = Halves<vu8>;
 using vu16 = Halves<vh8>;
 
-#define MSTAR_HALVES_OP(op)                                                                  \
+// Halves op Halves and Halves op scalar (comparisons give Halves of masks); arithmetic and
+// bitwise ops also scalar op Halves and the compound assignment.
+#define MSTAR_HALVES_BINARY(op)                                                              \
   template <typename V>                                                                      \
   inline auto operator op(const Halves<V>& a, const Halves<V>& b) {                          \
     return Halves<decltype(a.lo op b.lo)>{a.lo op b.lo, a.hi op b.hi};                       \
@@ -122,7 +125,9 @@ using vu16 = Halves<vh8>;
   template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>    \
   inline auto operator op(const Halves<V>& a, S b) {                                         \
     return Halves<decltype(a.lo op b)>{a.lo op b, a.hi op b};                                \
-  }                                                                                          \
+  }
+#define MSTAR_HALVES_ARITHMETIC(op)                                                          \
+  MSTAR_HALVES_BINARY(op)                                                                    \
   template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>    \
   inline auto operator op(S a, const Halves<V>& b) {                                         \
     return Halves<decltype(a op b.lo)>{a op b.lo, a op b.hi};                                \
@@ -131,29 +136,19 @@ using vu16 = Halves<vh8>;
   inline Halves<V>& operator op##=(Halves<V>& a, const B& b) {                               \
     return a = a op b;                                                                       \
   }
-MSTAR_HALVES_OP(+)
-MSTAR_HALVES_OP(-)
-MSTAR_HALVES_OP(*)
-MSTAR_HALVES_OP(/)
-MSTAR_HALVES_OP(&)
-MSTAR_HALVES_OP(|)
-MSTAR_HALVES_OP(<<)
-MSTAR_HALVES_OP(>>)
-#undef MSTAR_HALVES_OP
-
-#define MSTAR_HALVES_COMPARE(op)                                                             \
-  template <typename V>                                                                      \
-  inline auto operator op(const Halves<V>& a, const Halves<V>& b) {                          \
-    return Halves<decltype(a.lo op b.lo)>{a.lo op b.lo, a.hi op b.hi};                       \
-  }                                                                                          \
-  template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>    \
-  inline auto operator op(const Halves<V>& a, S b) {                                         \
-    return Halves<decltype(a.lo op b)>{a.lo op b, a.hi op b};                                \
-  }
-MSTAR_HALVES_COMPARE(<)
-MSTAR_HALVES_COMPARE(>)
-MSTAR_HALVES_COMPARE(!=)
-#undef MSTAR_HALVES_COMPARE
+MSTAR_HALVES_ARITHMETIC(+)
+MSTAR_HALVES_ARITHMETIC(-)
+MSTAR_HALVES_ARITHMETIC(*)
+MSTAR_HALVES_ARITHMETIC(/)
+MSTAR_HALVES_ARITHMETIC(&)
+MSTAR_HALVES_ARITHMETIC(|)
+MSTAR_HALVES_ARITHMETIC(<<)
+MSTAR_HALVES_ARITHMETIC(>>)
+MSTAR_HALVES_BINARY(<)
+MSTAR_HALVES_BINARY(>)
+MSTAR_HALVES_BINARY(!=)
+#undef MSTAR_HALVES_ARITHMETIC
+#undef MSTAR_HALVES_BINARY
 
 template <typename To, typename From>
 inline To convert(const Halves<From>& v) {
@@ -634,8 +629,8 @@ constexpr int64_t kRowBlock = 6, kTileGroup = 1;
 // Not inlined: inlined into its callers, GCC allocated the sums' registers worse (bfloat16 on
 // AVX2: 25 % slower).
 template <int M, int NT>
-__attribute__((noinline)) void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t tile_stride, int64_t K,
-                     const float* bias, float* y, int64_t y_stride) {
+__attribute__((noinline)) void linear_tile_f32(const float* x, int64_t x_stride, const float* w, int64_t tile_stride,
+                                                int64_t K, const float* bias, float* y, int64_t y_stride) {
   vf16 acc[M][NT];
   for (int n = 0; n < NT; ++n) {
     const vf16 b = bias ? load16(bias + 16 * n) : vf16{};
@@ -692,8 +687,9 @@ void linear_tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
 // Without AVX-512 BF16: each weight pair widened to float32 (`load_pairs`), two multiply-adds
 // per row; x arrives widened to float32 (once per product, not once per tile).
 template <int M, int NT>
-__attribute__((noinline)) void linear_tile_bf16(const float* x, int64_t x_stride, const uint16_t* w, int64_t tile_stride, int64_t K,
-                      const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+__attribute__((noinline)) void linear_tile_bf16(const float* x, int64_t x_stride, const uint16_t* w,
+                                                 int64_t tile_stride, int64_t K, const uint16_t* bias, uint16_t* y,
+                                                 int64_t y_stride) {
   vf16 acc[M][NT];
   for (int n = 0; n < NT; ++n) {
     const vf16 b = bias ? load16(bias + 16 * n) : vf16{};
@@ -1231,17 +1227,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
     return y;
   }
   using u16 = uint16_t;
-#if defined(MSTAR_AMX)
-  if (amx_takes(x.size(0), K)) {
-    linear_amx(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, reinterpret_cast<const u16*>(packed.data_ptr()),
-               N, K, b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr,
-               reinterpret_cast<u16*>(y.data_ptr()));
-    return y;
-  }
-#endif
   const u16* w = reinterpret_cast<const u16*>(packed.data_ptr());
   const u16* bias_bits = b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr;
   u16* out = reinterpret_cast<u16*>(y.data_ptr());
+#if defined(MSTAR_AMX)
+  if (amx_takes(x.size(0), K)) {
+    linear_amx(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, w, N, K, bias_bits, out);
+    return y;
+  }
+#endif
 #if defined(__AVX512BF16__)
   const u16* xp = reinterpret_cast<const u16*>(x.data_ptr());
   const int64_t x_stride = xs;
