@@ -223,11 +223,21 @@ inline void store(float v, uint16_t* dst) {  // round to nearest even, as torch 
   *dst = uint16_t(u >> 16);
 }
 
+// round_to<T> lane by lane.
+template <typename T>
+inline vf16 round16(vf16 v) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const vu32 u = bitcast<vu32>(v);
+    const vu32 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u;
+    return bitcast<vf16>(select((u & 0x7fffffffu) > 0x7f800000u, vu32{} + 0x7fc00000u, rounded));
+  } else {
+    return v;
+  }
+}
+
 // 16 values rounded as `store` rounds each.
 inline void store16(uint16_t* dst, vf16 v) {
-  const vu32 u = bitcast<vu32>(v);
-  const vu32 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
-  store_bits(dst, convert<vu16>(select((u & 0x7fffffffu) > 0x7f800000u, vu32{} + 0x7fc0u, rounded)));
+  store_bits(dst, convert<vu16>(bitcast<vu32>(round16<uint16_t>(v)) >> 16));
 }
 
 inline float load(float x) { return x; }
@@ -278,20 +288,34 @@ inline V exp_polynomial(V r) {
   return p;
 }
 
-// exp for x <= 0 (softmax arguments): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
-// polynomial (relative error below 1e-8 before rounding); x below -87 gives 0.
-inline vf16 exp_nonpositive(vf16 x) {
-  const vf16 zero = {};
-  const vi16 underflow = x < -87.0f;
-  x = select(underflow, splat(-87.0f), x);
-  vf16 n = x * 1.44269504088896341f;
-  n = convert<vf16>(convert<vi16>(n + select(n < zero, splat(-0.5f), splat(0.5f))));
+// exp for any float32: 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor polynomial (relative
+// error below 1e-8 before rounding); x below -87 gives about 1e-38, above 88 the largest
+// finite value's neighbourhood. n rounds half to even by adding and subtracting 1.5 x 2^23
+// (exact for |n| < 2^22); exp16 makes the same operations lane by lane.
+constexpr float kRoundEven = 12582912.0f;
+
+inline float exp_scalar(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (x * 1.44269504088896341f + kRoundEven) - kRoundEven;
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187045e-06f;
+  const float p = exp_polynomial(r);
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline vf16 exp16(vf16 x) {
+  x = select(x > 88.0f, splat(88.0f), select(x < -87.0f, splat(-87.0f), x));
+  const vf16 n = (x * 1.44269504088896341f + kRoundEven) - kRoundEven;
   vf16 r = x - n * 0.693145751953125f;
   r = r - n * 1.428606765330187045e-06f;
-  const vf16 p = exp_polynomial(r);
-  const vf16 scale = bitcast<vf16>((convert<vi16>(n) + 127) << 23);
-  return select(underflow, zero, p * scale);
+  return exp_polynomial(r) * bitcast<vf16>((convert<vi16>(n) + 127) << 23);
 }
+
+// exp for x <= 0 (softmax arguments); x below -87 gives 0.
+inline vf16 exp_nonpositive(vf16 x) { return select(x < -87.0f, vf16{}, exp16(x)); }
 
 // The 16 sums of 16 vectors, lane i holding the sum of a[i]: a tree of pairwise shuffles.
 #if defined(__AVX512F__)
@@ -500,44 +524,6 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
     case 128: return decode_attention_impl<8, T>(q, k_cache, v_cache, tables, lens, scale, out);
     case 256: return decode_attention_impl<16, T>(q, k_cache, v_cache, tables, lens, scale, out);
     default: TORCH_CHECK(false, "decode_attention: head_dim must be 16, 32, 64, 128 or 256, got ", q.size(2));
-  }
-}
-
-// exp for any float32 (a degree-7 polynomial after range reduction, as in exp_nonpositive):
-// x below -87 gives 0, above 88 gives the largest finite value's neighbourhood. n rounds half
-// to even by adding and subtracting 1.5 x 2^23 (exact for |n| < 2^22); exp16 makes the same
-// operations lane by lane.
-constexpr float kRoundEven = 12582912.0f;
-
-inline float exp_scalar(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = (x * 1.44269504088896341f + kRoundEven) - kRoundEven;
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  const float p = exp_polynomial(r);
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-inline vf16 exp16(vf16 x) {
-  x = select(x > 88.0f, splat(88.0f), select(x < -87.0f, splat(-87.0f), x));
-  const vf16 n = (x * 1.44269504088896341f + kRoundEven) - kRoundEven;
-  vf16 r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  return exp_polynomial(r) * bitcast<vf16>((convert<vi16>(n) + 127) << 23);
-}
-
-// round_to<T> lane by lane.
-template <typename T>
-inline vf16 round16(vf16 v) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    const vu32 u = bitcast<vu32>(v);
-    const vu32 rounded = (u + (0x7fffu + ((u >> 16) & 1u))) & 0xffff0000u;
-    return bitcast<vf16>(select((u & 0x7fffffffu) > 0x7f800000u, vu32{} + 0x7fc00000u, rounded));
-  } else {
-    return v;
   }
 }
 
