@@ -5,7 +5,8 @@ uvicorn closes a keep-alive connection that stays idle after a response
 request line and headers a byte at a time: either holds a socket and a task forever. Here
 each request's headers must be complete within ``header_timeout_s`` of the moment the server
 began waiting for them (the connection opened, or the previous response ended); otherwise
-the connection is closed.
+the connection is closed. A WebSocket upgrade ends the deadline for good: from then on the
+connection is a session (a robot's lasts hours), kept alive by WebSocket pings.
 
     uvicorn.Config(app, http=timed_h11(10.0), timeout_keep_alive=5)
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["HeaderTimeoutH11Protocol", "timed_h11"]
@@ -49,6 +51,13 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         if self.cycle is cycle and not self.transport.is_closing():
             self._await_headers()
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """Hand the connection to the WebSocket protocol: its headers are complete."""
+        # The transport now belongs to the WebSocket protocol, so this protocol's
+        # connection_lost never comes: a deadline left armed would cut the session off.
+        self._cancel_deadline()
+        super().handle_websocket_upgrade(event)
+
     def connection_lost(self, exc: Exception | None) -> None:
         """Forget the deadline."""
         self._cancel_deadline()
@@ -65,7 +74,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def _headers_timed_out(self) -> None:
         self._header_deadline = None
-        if not self.transport.is_closing():
+        # A connection handed to another protocol (an upgrade) is no longer ours to close.
+        if self.transport.get_protocol() is self and not self.transport.is_closing():
             self.logger.info("closing a connection whose request headers took over %s s", self.header_timeout_s)
             self.transport.close()
 

@@ -6,8 +6,9 @@ On a model that declares `SupportsActionPolicy` (pi0.5), the server answers:
 - a WebSocket at ``/``: first the policy's metadata (one binary msgpack frame), then for each
   binary msgpack observation frame one reply ``{"actions": ndarray, "policy_timing":
   {"infer_ms"}, "server_timing": {"infer_ms", "prev_total_ms"}}``. A request that fails
-  gets its error as a text frame and the connection closes with code 1011, as openpi's
-  server does; the other robots' connections go on. With an API key, the handshake needs
+  (a text frame, bytes that are not msgpack, msgpack that is not a map, an observation the
+  model rejects) gets its error as a text frame and the connection closes with code 1011, as
+  openpi's server does; the other robots' connections go on. With an API key, the handshake needs
   ``Authorization: Api-Key <key>`` (openpi-client's header) or ``Bearer <key>``.
 
 Unlike openpi's server (one robot at a time), every connection's requests go to the engine at
@@ -31,6 +32,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi import Request as HttpRequest
 from fastapi.responses import PlainTextResponse
+from starlette.types import Message
 
 from mstar.errors import MStarError
 from mstar.runtime.model import Request, supports_action_policy
@@ -122,15 +124,12 @@ async def policy(websocket: WebSocket) -> None:
     await websocket.send_bytes(pack(model.policy_metadata()))
     prev_total_ms: float | None = None
     while True:
-        try:
-            frame = await websocket.receive_bytes()
-        except (WebSocketDisconnect, RuntimeError, KeyError):
-            return  # the robot left (or sent a text frame, which ends the session too)
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return  # the robot left
         start = time.perf_counter()
         try:
-            obs = unpack(frame)
-            if not isinstance(obs, dict):
-                raise ValueError(f"an observation is a dict, got {type(obs).__name__}")
+            obs = _observation(message)
             infer_start = time.perf_counter()
             actions = await _act(state, obs, model.policy_task, model.policy_output)
             infer_ms = (time.perf_counter() - infer_start) * 1e3
@@ -145,22 +144,44 @@ async def policy(websocket: WebSocket) -> None:
         except WebSocketDisconnect:
             return
         except Exception as exc:  # the request's failure ends this robot's session only
-            log.warning("policy_request_failed", error=str(exc), error_type=type(exc).__name__)
-            detail = "".join(traceback.format_exception_only(type(exc), exc)) if isinstance(exc, ValueError | MStarError) else traceback.format_exc()
-            try:
-                await websocket.send_text(detail)
-                await websocket.close(code=INTERNAL_ERROR, reason="Internal server error. Traceback included in previous frame.")
-            except (WebSocketDisconnect, RuntimeError):
-                pass
+            await _fail(websocket, exc)
             return
         prev_total_ms = (time.perf_counter() - start) * 1e3
 
 
+def _observation(message: Message) -> dict[str, Any]:
+    """Parse one received frame into an observation with string keys.
+
+    Raises:
+        ValueError: A text frame, not msgpack, or not a map.
+    """
+    data = message.get("bytes")
+    if data is None:
+        raise ValueError("an observation is a binary msgpack frame, got a text frame")
+    obs = unpack(data)
+    if not isinstance(obs, dict):
+        raise ValueError(f"an observation is a msgpack map, got {type(obs).__name__}")
+    # openpi sends string keys; a client sending bytes keys gets them decoded.
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in obs.items()}
+
+
+async def _fail(websocket: WebSocket, exc: Exception) -> None:
+    """Answer a failed request as openpi's server does: the error as text, then close 1011."""
+    log.warning("policy_request_failed", error=str(exc), error_type=type(exc).__name__)
+    if isinstance(exc, ValueError | MStarError):  # the client's mistake: its message says it all
+        detail = "".join(traceback.format_exception_only(type(exc), exc))
+    else:
+        detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        await websocket.send_text(detail)
+        await websocket.close(code=INTERNAL_ERROR, reason="Internal server error. Traceback included in previous frame.")
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        pass  # the robot already left
+
+
 async def _act(state: ServerState, obs: dict[str, Any], task: str, output: str) -> np.ndarray:
     """Run one observation through the engine (admission control and metrics included)."""
-    # openpi sends string keys; a client sending bytes keys gets them decoded.
-    data = {k.decode() if isinstance(k, bytes) else k: v for k, v in obs.items()}
-    stream = RequestStream(state, Request(task, data))
+    stream = RequestStream(state, Request(task, obs))
     try:
         await stream.start()
         result: np.ndarray | None = None
