@@ -25,6 +25,7 @@ from mstar.client import (
     LatentOutput,
     TextOutput,
     error_from_body,
+    image_url,
 )
 from mstar.errors import APIRequestError, MStarError, OverloadedError, WalkExecutionError
 from mstar.runtime.model import ModelSpec
@@ -109,10 +110,28 @@ def test_audio_images_and_latents_arrive_as_arrays(toy_server: RunningServer) ->
         if line.get("modality") == "image"
     ]
     with Image.open(io.BytesIO(base64.b64decode(raw_image[0]["data"]))) as png:
-        np.testing.assert_array_equal(picture.image, np.array(png))
-    assert picture.image.dtype == np.uint8 and (picture.width, picture.height) == (8, 8)
+        assert png.mode == "L"  # the toy's images are grey: the client expands them to RGB
+        np.testing.assert_array_equal(picture.image, np.array(png.convert("RGB")))
+    assert picture.image.dtype == np.uint8 and picture.image.shape == (8, 8, 3)
     latents = [o for o in image if isinstance(o, LatentOutput)]
     assert latents and latents[0].array.dtype == np.float32 and latents[0].array.size > 0
+
+
+def test_images_go_in_as_data_urls(toy_server: RunningServer) -> None:
+    picture = np.random.default_rng(2).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    with Client(toy_server.url) as client:
+        as_url = client.run("image_edit", text="bluer", images=[image_url(picture)], seed=1)
+        as_pil = client.run("image_edit", text="bluer", images=[Image.fromarray(picture)], seed=1)
+        as_lists = client.run("image_edit", text="bluer", images=[picture], seed=1)  # nested lists
+        with pytest.raises(APIRequestError) as bad:
+            client.run("image_edit", text="x", images=["data:image/png;base64,AAAA"], seed=1)
+        assert client.run("image", text="data:image/png;base64,AAAA", seed=1)  # text stays text
+    edited = [next(o.image for o in run if isinstance(o, ImageOutput)) for run in (as_url, as_pil, as_lists)]
+    np.testing.assert_array_equal(edited[0], edited[2])
+    np.testing.assert_array_equal(edited[1], edited[2])
+    assert (bad.value.status, bad.value.param) == (400, "data.images.0")
+    with pytest.raises(ValueError, match="uint8"):
+        image_url(picture.astype(np.float32))
 
 
 def test_action_chunks_arrive_as_arrays() -> None:
@@ -151,8 +170,19 @@ def test_server_errors_are_raised_as_their_types(llama: RunningServer) -> None:
         with pytest.raises(APIRequestError) as wrong_model:
             client.run("generate", prompt="hi", max_tokens=1, model="gpt-4o")
         assert (wrong_model.value.status, wrong_model.value.code) == (404, "model_not_found")
-        with pytest.raises(APIRequestError, match="max_tokens"):
+        with pytest.raises(APIRequestError, match="max_tokens") as too_long:
             client.run("generate", prompt="hi", max_tokens=10**6)
+        assert (too_long.value.status, too_long.value.param, too_long.value.code) == (
+            400,
+            "data.max_tokens",
+            "context_length_exceeded",
+        )
+        with pytest.raises(APIRequestError) as long_prompt:
+            client.run("generate", prompt_token_ids=[5] * 5000, max_tokens=1)
+        assert (long_prompt.value.param, long_prompt.value.code) == (
+            "data.prompt_token_ids",
+            "context_length_exceeded",
+        )
     with Client(llama.url, api_key="nope") as client:
         assert client.health()["status"] == "ok"  # a server without a key takes any
 

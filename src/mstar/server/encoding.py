@@ -14,7 +14,7 @@ from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import MStarError
 from mstar.runtime.model import Output
 from mstar.server.audio import pcm16_bytes
-from mstar.server.images import png_bytes
+from mstar.server.images import encode_image
 
 __all__ = ["error_body", "ndjson", "output_line", "sse", "token_ids", "token_logprobs"]
 
@@ -87,9 +87,17 @@ def output_line(
       complete characters these tokens add); with log-probabilities asked for, ``logprobs``:
       ``{"token_id", "logprob", "top_token_ids", "top_logprobs"}`` of the token;
     - audio: ``num_samples``, ``sample_rate`` and base64 PCM16 ``data`` (mono);
-    - image: ``num_images`` 1, ``width``, ``height`` and base64 PNG ``data``;
+    - image: ``num_images`` 1, ``width``, ``height``, ``format`` "png" and base64 PNG ``data``,
+      whatever the model emitted (encoded bytes, a PIL image, a uint8 or float tensor; see
+      `encode_image`);
     - any other tensor (latents, actions, frames): ``shape``, ``dtype`` and base64 ``data``
-      of its little-endian bytes in row-major order.
+      of its little-endian bytes in row-major order;
+    - bytes: ``encoding`` "base64", ``num_bytes`` and ``data``;
+    - anything else: ``value``, as JSON (tuples as lists, numpy scalars as numbers, nested
+      arrays as nested lists).
+
+    Raises:
+        MStarError: An image output that is no image (the model's fault, not the request's).
     """
     line: dict[str, Any] = {"modality": out.modality, "name": out.name, "node": out.node, "walk": out.walk}
     data = out.data
@@ -107,14 +115,41 @@ def output_line(
         if with_audio:
             line["data"] = _b64(pcm)
         return line
-    if out.modality == "image" and isinstance(data, torch.Tensor | np.ndarray):
-        shape = list(data.shape)
-        line.update(num_images=1, width=shape[1], height=shape[0], format="png", data=_b64(png_bytes(data)))
+    if out.modality == "image":
+        try:
+            image = encode_image(data)
+        except ValueError as exc:
+            raise MStarError(f"node {out.node!r} emitted an image {out.name!r} that is no image: {exc}") from None
+        line.update(num_images=1, width=image.width, height=image.height, format="png", data=_b64(image.png))
         return line
     if isinstance(data, torch.Tensor | np.ndarray):
         array = _array(data) if isinstance(data, torch.Tensor) else np.ascontiguousarray(data)
         little = array.astype(array.dtype.newbyteorder("<"), copy=False)
         line.update(shape=list(array.shape), dtype=str(array.dtype), data=_b64(little.tobytes()))
         return line
-    line["value"] = data if isinstance(data, str | int | float | bool | list | dict) or data is None else repr(data)
+    if isinstance(data, bytes | bytearray | memoryview):
+        raw = bytes(data)
+        line.update(encoding="base64", num_bytes=len(raw), data=_b64(raw))
+        return line
+    line["value"] = _json_value(data)
     return line
+
+
+def _json_value(value: Any) -> Any:
+    """Return ``value`` as JSON data: tuples as lists, numpy and torch values as numbers or lists.
+
+    Bytes nested in a value become base64 text; what has no JSON form becomes its ``repr``.
+    """
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _array(value).tolist()
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _b64(bytes(value))
+    return repr(value)

@@ -3,7 +3,9 @@
 Request body: ``{"task": ..., "data": {...}, ...}``; top-level fields other than `model`,
 `task`, `data`, `stream` and `audio_data` are request data too (so ``{"task": "speech",
 "text": "hi"}`` works). A `prompt` becomes `text` for tasks other than "generate". Without
-`task`, a model with one task runs that one.
+`task`, a model with one task runs that one. JSON has no images: a ``data:image/png;base64,``
+(or JPEG) string anywhere in the data reaches the model as a uint8 RGB ``[H, W, 3]`` array
+(what `mstar.client.image_url` makes of an array or PIL image).
 
 Response (``application/x-ndjson``), one object per line (see `output_line`), in the order
 produced; then ``{"usage": {"completion_tokens": n}, "finished": true}``; or, if the request
@@ -13,12 +15,16 @@ arrive in one body when the request ends.
 A `text` or `prompt` longer than `ServerConfig.max_text_chars` (16,384 by default) is
 refused with 400 naming the field. So is a request that cannot fit the model's KV cache
 (prompt and ``max_tokens`` together; the cache may hold less than the model's own length),
-with code ``context_length_exceeded``, as on the OpenAI routes.
+with code ``context_length_exceeded`` and `param` ``max_tokens`` (``data.max_tokens`` when
+sent in `data`) or the prompt's field, as on the OpenAI routes: checked before the request
+runs, as far as the server can count the prompt, and again by the model and its KV cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,11 +34,11 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from mstar.errors import APIRequestError, KVCacheCapacityError, MStarError, WalkExecutionError
+from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Request
 from mstar.server.detokenize import IncrementalDetokenizer
 from mstar.server.encoding import error_body, ndjson, output_line
-from mstar.server.protocol import GenerateRequest
+from mstar.server.protocol import GenerateRequest, decode_image_url
 from mstar.server.session import (
     EngineStreamingResponse,
     RequestStream,
@@ -50,6 +56,9 @@ router = APIRouter()
 NDJSON = "application/x-ndjson"
 # Request data fields holding text for the model (capped by `ServerConfig.max_text_chars`).
 _TEXT_FIELDS = frozenset({"text", "prompt"})
+# Request data strings that are images (decoded to arrays before the model sees them); the
+# text fields are text, whatever they start with.
+_IMAGE_URL = re.compile(r"data:image/[a-z0-9.+-]+;base64,", re.IGNORECASE)
 # Request data fields holding a prompt, in the order a model reads them.
 _PROMPT_FIELDS = ("prompt_token_ids", "messages", "prompt", "text")
 
@@ -97,46 +106,67 @@ def _check_text(body: GenerateRequest, limit: int) -> None:
             )
 
 
-async def _does_not_fit(
-    state: ServerState, body: GenerateRequest, data: dict[str, Any], exc: WalkExecutionError
-) -> APIRequestError:
-    """Describe a request its KV cache cannot hold as a 400 naming the field to change.
+async def _check_length(state: ServerState, body: GenerateRequest, data: dict[str, Any]) -> str:
+    """Refuse a request that cannot fit the model's length before it runs; return the name of
+    its ``max_tokens`` field (``data.max_tokens`` when sent in `data`), for later refusals.
 
-    The prompt's field when the prompt alone is too long (as far as the server can count it),
-    else ``max_tokens`` (sent, or left to the model's default).
+    The prompt's field is named when the prompt alone is too long, as far as the server can
+    count it (token ids, or a text its tokenizer reads).
     """
-    limit = await state.max_seq_len()
     inner = set(body.data.given())
 
     def name(key: str) -> str:
         return f"data.{key}" if key in inner else key
 
-    num_prompt = _prompt_length(state, data)
     prompt_key = next((k for k in _PROMPT_FIELDS if k in data), None)
-    reason = exc.reason.removeprefix(f"node raised {KVCacheCapacityError.__name__}: ")
-    if prompt_key is not None and num_prompt is not None and limit is not None and num_prompt >= limit:
-        param, fix = name(prompt_key), "shorten the prompt"
-    else:
-        param = name("max_tokens")
-        room = f" to at most {limit - num_prompt}" if num_prompt is not None and limit is not None else ""
-        fix = f"send max_tokens{room}" if "max_tokens" not in data else f"lower max_tokens{room}"
-    holds = f"the KV cache holds {limit} tokens, prompt and completion together" if limit is not None else "the KV cache is full"
-    return APIRequestError(f"{reason} ({holds}): {fix}", param=param, code="context_length_exceeded")
+    await state.check_length(
+        data.get("max_tokens"),
+        param=name("max_tokens"),
+        num_prompt=_prompt_length(state, data),
+        prompt_param=None if prompt_key is None else name(prompt_key),
+    )
+    return name("max_tokens")
+
+
+def _has_image_url(value: Any) -> bool:
+    if isinstance(value, str):
+        return _IMAGE_URL.match(value) is not None
+    if isinstance(value, dict):
+        return any(_has_image_url(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_image_url(v) for v in value)
+    return False
+
+
+def _decode_images(data: dict[str, Any], inner: set[str]) -> dict[str, Any]:
+    """Return request data with its image data URLs decoded (``inner``: the keys sent in `data`)."""
+    return {
+        k: v if k in _TEXT_FIELDS else _decode_image_urls(v, f"data.{k}" if k in inner else k)
+        for k, v in data.items()
+    }
+
+
+def _decode_image_urls(value: Any, name: str) -> Any:
+    """Return ``value`` with every ``data:image/...;base64,`` string decoded to a uint8 RGB array."""
+    if isinstance(value, str) and _IMAGE_URL.match(value) is not None:
+        try:
+            return decode_image_url(value)
+        except ValueError as exc:
+            raise APIRequestError(f"{name}: {exc}", param=name) from None
+    if isinstance(value, dict):
+        return {k: _decode_image_urls(v, f"{name}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_image_urls(v, f"{name}.{i}") for i, v in enumerate(value)]
+    return value
 
 
 def _prompt_length(state: ServerState, data: dict[str, Any]) -> int | None:
-    """Count the prompt's tokens where the server can (token ids, or a text its tokenizer reads)."""
+    """Count the prompt's tokens where the server can (token ids, or at least the tokens of a text)."""
     ids = data.get("prompt_token_ids")
     if isinstance(ids, list):
         return len(ids)
-    tokenizer = state.tokenizer
     text = data.get("prompt", data.get("text"))
-    if tokenizer is None or not isinstance(text, str):
-        return None
-    try:
-        return len(tokenizer(text)["input_ids"])
-    except Exception:  # a tokenizer of another shape: the count is only a hint
-        return None
+    return state.count_prompt(text) if isinstance(text, str) else None
 
 
 @router.post("/generate")
@@ -147,15 +177,13 @@ async def generate(body: GenerateRequest, http: HttpRequest) -> Response:
     task = _task(state, body)
     _check_text(body, state.config.max_text_chars)
     data: dict[str, Any] = body.request_data()
+    length_param = await _check_length(state, body, data)
+    if any(_has_image_url(v) for k, v in data.items() if k not in _TEXT_FIELDS):
+        data = await asyncio.to_thread(_decode_images, data, set(body.data.given()))  # slow: off the loop
     if task != "generate" and "prompt" in data and "text" not in data:
         data["text"] = data.pop("prompt")
     request = Request(task, data, f"gen-{uuid.uuid4().hex}")
-    try:
-        stream = await open_stream(state, http, request, sample_rate=state.sample_rate)
-    except WalkExecutionError as exc:
-        if exc.cause != KVCacheCapacityError.__name__:
-            raise
-        raise await _does_not_fit(state, body, data, exc) from exc
+    stream = await open_stream(state, http, request, sample_rate=state.sample_rate, length_param=length_param)
     lines = _lines(stream, state, body.audio_data)
     if body.stream:
         return EngineStreamingResponse(lines, stream, media_type=NDJSON)

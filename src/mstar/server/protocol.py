@@ -40,6 +40,7 @@ __all__ = [
     "ImageGenerationRequest",
     "SpeechRequest",
     "StreamOptions",
+    "decode_image_url",
 ]
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -236,7 +237,7 @@ class ChatMessage(BaseModel):
                 if kind == "input_audio":
                     out.append({"type": "audio", "audio": _decode_audio(part.get("input_audio"))})
                 elif kind == "image_url":
-                    out.append({"type": "image", "image": _decode_image_url(part.get("image_url"))})
+                    out.append({"type": "image", "image": decode_image_url(part.get("image_url"))})
                 else:
                     out.append({"type": "text", "text": part.get("text", "")})
             except ValueError as exc:
@@ -529,8 +530,12 @@ def _decode_audio(value: Any) -> Any:
     return samples
 
 
-def _decode_image_url(value: Any) -> Any:
-    """Decode an ``image_url`` data URL to uint8 RGB ``[H, W, 3]``."""
+def decode_image_url(value: Any) -> Any:
+    """Decode an ``image_url`` data URL (or ``{"url": ...}``) to uint8 RGB ``[H, W, 3]``.
+
+    Raises:
+        ValueError: Not a ``data:image/...;base64,`` URL of a PNG or JPEG image.
+    """
     import base64
     import binascii
 

@@ -22,9 +22,12 @@ from mstar.server.admission import AdmissionQueue
 from mstar.server.config import ServerConfig
 from mstar.server.metrics import ServerMetrics
 
-__all__ = ["ServerState"]
+__all__ = ["MAX_COUNT", "ServerState"]
 
 log = structlog.get_logger(__name__)
+
+MAX_COUNT = 2**63 - 1
+"""The largest token count a request may name (a signed 64-bit integer, as tensors hold it)."""
 
 # How long streams get, once aborted at shutdown, to send their error event and close.
 _END_STREAMS_S = 5.0
@@ -104,6 +107,69 @@ class ServerState:
             limits = [int(v["max_seq_len"]) for nodes in stats.nodes.values() for v in nodes.values() if "max_seq_len" in v]
             self._max_seq_len = min(limits, default=0)
         return self._max_seq_len or None
+
+    async def check_length(
+        self,
+        max_tokens: int | None,
+        *,
+        param: str = "max_tokens",
+        num_prompt: int | None = None,
+        prompt_param: str | None = None,
+    ) -> None:
+        """Refuse, before it runs, a request that can never fit the model's length.
+
+        Every route calls this at its edge, so that an impossible ``max_tokens`` (1e9, 2**63 or
+        more) is the client's 400, never a node's failure mid-walk or an integer overflow
+        further in. The length is `max_seq_len`; a prompt counts ``num_prompt`` tokens where
+        the route can count them, else at least one (no KV-cache node takes an empty prompt).
+        A model without a KV cache has no length, but no count exceeds a signed 64-bit one.
+
+        Raises:
+            APIRequestError: 400 ``context_length_exceeded``, naming ``prompt_param`` when the
+                prompt alone is too long, else ``param``.
+        """
+        limit = await self.max_seq_len()
+        if limit is not None and num_prompt is not None and prompt_param is not None and num_prompt >= limit:
+            raise APIRequestError(
+                f"the prompt has {num_prompt} tokens but the model holds {limit} tokens, prompt and "
+                "completion together (its length, or a smaller KV cache): shorten it",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return
+        if limit is None:
+            if max_tokens > MAX_COUNT:
+                raise APIRequestError(
+                    f"{param} is {max_tokens}; at most {MAX_COUNT} tokens can be counted",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            return
+        counted = 1 if num_prompt is None else num_prompt
+        if counted + max_tokens > limit:
+            prompt = "at least 1 token" if num_prompt is None else f"{num_prompt} tokens"
+            fix = "less the prompt's tokens" if num_prompt is None else "or shorten the prompt"
+            raise APIRequestError(
+                f"{param} is {max_tokens} and the prompt has {prompt}, but the model holds {limit} tokens, "
+                f"prompt and completion together (its length, or a smaller KV cache): lower {param} to "
+                f"at most {limit - counted} {fix}",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def count_prompt(self, text: str) -> int | None:
+        """Return how many tokens ``text`` is at least, by the model's tokenizer (None without one).
+
+        Special tokens are left out, so the count is a floor of any prompt made of the text.
+        """
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        try:
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception:  # a tokenizer of another shape: the count is only a floor, leave it out
+            return None
 
     def add_running(self, request_id: str) -> None:
         """Count a request admitted into the engine."""
