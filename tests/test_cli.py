@@ -33,7 +33,7 @@ def test_the_main_demo_speaks_the_answer(tmp_path: Path, capsys: pytest.CaptureF
     answer = printed.split("answer:", 1)[1].splitlines()[0].strip()
     assert len(answer.split()) >= 5, printed  # a real answer, streamed as text
     with wave.open(str(out)) as f:
-        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 22050)
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24_000)  # as OpenAI's clients play it
         seconds = f.getnframes() / f.getframerate()
     # English speech runs about 12-16 characters a second: the WAV speaks the printed answer.
     assert 0.035 <= seconds / len(answer) <= 0.12, (answer, seconds)
@@ -65,3 +65,20 @@ def test_run_plans_an_action_with_the_world_model(tmp_path: Path, capsys: pytest
     assert main([*args, "--param", f"goal_image={tmp_path / 'goal.png'}", "--param", "seed=1", "--out", str(out)]) == 0
     (action,) = json.loads(out.read_text())["action:action"]
     assert len(action) == 7 and all(isinstance(x, float) for x in action)
+
+
+def test_run_help_documents_the_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "--observation FILE.json" in text and "examples/pi05_observation.json" in text
+    assert "default: the model's first task" in text
+    # The help shows the example file as it is, and the images it names are beside it.
+    import json
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "pi05_observation.json"
+    doc = json.loads(example.read_text())
+    shown = text[text.index("{", text.index("examples/pi05_observation.json")) :]
+    assert json.loads(shown[: shown.index("}") + 1]) == doc
+    assert all((example.parent / doc[key]).is_file() for key in doc if key.endswith("_left"))

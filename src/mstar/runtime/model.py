@@ -179,7 +179,11 @@ class Model(ABC):
         """Return the walk after ``finished``, or None when the partition is done."""
 
     def tasks(self) -> tuple[str, ...]:
-        """Return the task names this model accepts."""
+        """Return the task names this model accepts; the first is its default task.
+
+        The default is what runs when a request names none (`mstar run` without ``--task``),
+        so put the model's main task first.
+        """
         return ()
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:

@@ -1,16 +1,20 @@
 """`mstar run MODEL [--task ...]`: one request through `AsyncEngine`, written to a file.
 
-    mstar run toy-composite --task speech --text "Hello" --out hello.wav     # audio -> WAV
+    mstar run toy-composite --text "Hello" --out hello.wav                   # audio -> WAV
     mstar run toy-composite --task image --text "a lighthouse" --out lh.png  # image -> PNG
     mstar run smollm2-135m --text "Why is the sky blue?" --param max_tokens=64
+    mstar run pi05-tiny --observation examples/pi05_observation.json --out actions.json
 
-`--task` may be left out when the model has one task. For a text model whose tokenizer has
-a chat template (an instruct model), `--text` is sent as the user's message of a chat, as
-the chat API would; `--no-chat-template` sends it as a raw prompt instead. Text is decoded
-greedily (one answer, the same each run) unless ``--param temperature=...`` says otherwise,
-up to the model's default length unless ``--param max_tokens=...``. Text goes to
-standard output (or to --out). Extra request fields are ``--param KEY=VALUE`` (VALUE is
-read as JSON when it parses, else as a string).
+Without `--task` the model's first task runs (its default). The flags are checked before the
+model loads: the request is built from them and the model's own preprocessing validates it
+(a dry run, no weights needed), so an unknown task, a missing input, a flag the task does not
+read or an unreadable file fails at once, the message naming the flag.
+
+For a text model whose tokenizer has a chat template (an instruct model), `--text` is sent as
+the user's message of a chat, as the chat API would; `--no-chat-template` sends it as a raw
+prompt instead. Text is decoded greedily (one answer, the same each run) unless
+``--param temperature=...`` says otherwise. Text goes to standard output (or to --out); what
+was written and how long each phase took (load, run, write) go to standard error.
 """
 
 from __future__ import annotations
@@ -20,30 +24,69 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from mstar.errors import MStarError
+from mstar.errors import MStarError, RunArgumentError
 from mstar.progress import progress
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig
-from mstar.runtime.model import Model, Output, Request, supports_audio_output, supports_text_output
+from mstar.runtime.model import (
+    Model,
+    ModelSpec,
+    Output,
+    Request,
+    supports_audio_output,
+    supports_text_output,
+)
 from mstar.runtime.placement import Placement
 from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.encoding import token_ids
 from mstar.server.images import png_bytes
 from mstar.server.logging import configure_logging
+from mstar.server.run_request import (
+    ReadLog,
+    RunRequest,
+    build_request,
+    check_request,
+    explain,
+    read_inputs,
+)
 from mstar.server.serve_cli import loading_display
 
 __all__ = ["add_run_arguments", "run_command"]
 
 EXIT_USAGE = 2
 
+_EPILOG = """\
+--observation FILE.json: a robot policy's observation (pi05-*), a JSON object of the model's
+observation keys. A string value naming a .png/.jpg/.jpeg/.bmp/.webp image or a .npy array is
+read from that file (relative to the JSON file); numbers, strings and nested lists (pixels
+too) are sent as they are. pi0.5 takes DROID's keys (examples/pi05_observation.json):
+  {"observation/exterior_image_1_left": "pi05_exterior.png",
+   "observation/wrist_image_left": "pi05_wrist.png",
+   "observation/joint_position": [0.0, -0.6, 0.0, -2.2, 0.0, 1.6, 0.8],
+   "observation/gripper_position": [0.0],
+   "prompt": "pick up the red cup"}
+(--text gives the instruction of a file without "prompt").
+
+--param KEY=VALUE sets any other request field; VALUE is read as JSON when it parses, else as
+a string (--param max_tokens=64 --param seed=1).
+
+--out: .wav for audio, .png for an image, .json (or .safetensors) for actions and other
+arrays, anything else for text. Without --out, text and JSON go to standard output.
+
+The flags are checked before the model loads (errors name them); standard error says what was
+written and how long each phase took (load, run, write).
+"""
+
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `mstar run` to ``parser``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _EPILOG
     parser.add_argument(
         "model",
         metavar="MODEL",
@@ -52,7 +95,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task",
         default=None,
-        help="the task to run (e.g. speech, image, generate); default: the model's only task",
+        help="the task to run (e.g. speech, image, generate, act); default: the model's first task",
     )
     parser.add_argument(
         "--text",
@@ -72,6 +115,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="an input image file (sent as a uint8 [H, W, 3] tensor)",
     )
     parser.add_argument(
+        "--observation",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help="a robot policy's observation: a JSON object (see below)",
+    )
+    parser.add_argument(
         "--param",
         action="append",
         default=[],
@@ -82,7 +132,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="output file: .wav for audio, .png for an image, else text",
+        help="output file: .wav for audio, .png for an image, .json for actions, else text",
     )
     parser.add_argument("--config", default=None, metavar="PLACEMENT.yaml", help="placement file")
     parser.add_argument(
@@ -95,60 +145,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _params(pairs: list[str]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param {pair!r}: write KEY=VALUE, e.g. max_tokens=64")
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
-    return params
-
-
-def _is_chat_model(model: Model) -> bool:
-    """Whether the model's prompts go through a chat template (an instruct model's tokenizer has one)."""
-    return supports_text_output(model) and model.chat_prompts
-
-
-def _task(args: argparse.Namespace, model: Model) -> str:
-    tasks = tuple(model.tasks())
-    if args.task is None:
-        if len(tasks) != 1:
-            raise ValueError(
-                f"model {args.model!r} has several tasks: choose one with --task ({', '.join(tasks)})"
-            )
-        return tasks[0]
-    if args.task not in tasks:
-        raise ValueError(
-            f"model {args.model!r} has no task {args.task!r} (its tasks: {', '.join(tasks)})"
-        )
-    return str(args.task)
-
-
-def _request_data(args: argparse.Namespace, model: Model, task: str) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    if args.text is not None:
-        if task != "generate":
-            data["text"] = args.text
-        elif args.chat_template and _is_chat_model(model):
-            data["messages"] = [{"role": "user", "content": args.text}]
-        else:
-            data["prompt"] = args.text
-    if args.image is not None:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(args.image) as picture:
-                data["image"] = torch.from_numpy(np.array(picture.convert("RGB")))
-        except (OSError, UnidentifiedImageError) as exc:
-            raise ValueError(f"--image {str(args.image)!r}: {exc}") from None
-    if task == "generate":
-        data["temperature"] = 0.0
-    data.update(_params(args.param))
-    return data
+# --- running and writing ----------------------------------------------------------------------
 
 
 class _Collected:
@@ -160,9 +157,7 @@ class _Collected:
         self.audio: list[bytes] = []
         self.num_samples = 0
         self.images: list[Any] = []
-        self.others: dict[
-            str, list[torch.Tensor]
-        ] = {}  # "modality:name" -> outputs (actions, latents)
+        self.others: dict[str, list[torch.Tensor]] = {}  # "modality:name" -> outputs (actions, latents)
 
     def add(self, out: Output) -> None:
         if out.modality == "text":
@@ -174,9 +169,7 @@ class _Collected:
         elif out.modality == "image":
             self.images.append(out.data)
         else:
-            self.others.setdefault(f"{out.modality}:{out.name}", []).append(
-                torch.as_tensor(out.data)
-            )
+            self.others.setdefault(f"{out.modality}:{out.name}", []).append(torch.as_tensor(out.data))
 
     def summary(self, rate: int | None) -> str:
         parts = [f"{len(self.token_ids)} tokens"] if self.token_ids else []
@@ -187,6 +180,19 @@ class _Collected:
         parts += [f"{len(v)} {k}" for k, v in self.others.items()]
         return ", ".join(parts) or "waiting"
 
+    def arrays(self) -> str:
+        """Describe the non-media outputs, e.g. ``action:actions [10, 8]``."""
+        return ", ".join(
+            f"{key} {list(ts[0].shape)}" if len(ts) == 1 else f"{key} {len(ts)} x {list(ts[0].shape)}"
+            for key, ts in self.others.items()
+        )
+
+    @property
+    def has_text(self) -> bool:
+        """Whether the request produced text a tokenizer reads (a model without one sends ids)."""
+        model = self.model
+        return bool(self.token_ids) and supports_text_output(model) and model.tokenizer is not None
+
     def text(self) -> str:
         model = self.model
         if supports_text_output(model) and model.tokenizer is not None:
@@ -194,115 +200,149 @@ class _Collected:
         return " ".join(map(str, self.token_ids))  # no tokenizer: the ids themselves
 
 
+@dataclass
+class _Phases:
+    """Seconds each phase of the run took."""
+
+    load: float = 0.0
+    run: float = 0.0
+    write: float = 0.0
+
+    def __str__(self) -> str:
+        return " · ".join(f"{name} {_seconds(s)}" for name, s in vars(self).items())
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.2f} s" if s < 1 else f"{s:.1f} s"
+
+
 async def _run(
-    args: argparse.Namespace, spec: Any, placement: Placement | None
+    args: argparse.Namespace,
+    model: Model,
+    request: RunRequest,
+    placement: Placement | None,
+    phases: _Phases,
+    loading_started: float,
 ) -> tuple[_Collected, int | None]:
-    devices = (
-        {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
-    )
+    devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
     with loading_display(args.model):
         engine = await AsyncEngine.start(
-            spec, placement, EngineConfig(worker_processes=args.worker_processes, devices=devices)
+            model, placement, EngineConfig(worker_processes=args.worker_processes, devices=devices)
         )
+    started = time.perf_counter()
+    phases.load = started - loading_started
     try:
-        task = _task(args, engine.model)
-        rate = engine.model.audio_sample_rate if supports_audio_output(engine.model) else None
-        collected = _Collected(engine.model)
-        request = Request(task, _request_data(args, engine.model, task))
-        with progress(task) as update:
-            async for out in engine.generate(request):
-                collected.add(out)
-                update(collected.summary(rate))
+        rate = model.audio_sample_rate if supports_audio_output(model) else None
+        collected = _Collected(model)
+        log = ReadLog(request.data)
+        try:
+            with progress(request.task) as update:
+                async for out in engine.generate(Request(request.task, log)):
+                    collected.add(out)
+                    update(collected.summary(rate))
+        except ValueError as exc:  # rejected after loading (e.g. too long for the model's cache)
+            raise RunArgumentError(explain(str(exc), request, log, args.model)) from None
+        phases.run = time.perf_counter() - started
         return collected, rate
     finally:
         await engine.shutdown()
 
 
-def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
-    suffix = out.suffix.lower() if out is not None else ""
-    if suffix == ".wav":
+def _write_media(collected: _Collected, rate: int | None, out: Path) -> str:
+    """Write the audio (.wav) or the last image (.png) to ``out``; return what it holds."""
+    if out.suffix.lower() == ".wav":
         if not collected.audio or not rate:
-            raise ValueError("the request produced no audio: choose another --out (.png, .txt)")
+            raise RunArgumentError("--out: the request produced no audio: choose another --out (.png, .json, .txt)")
         pcm = b"".join(collected.audio)
-        assert out is not None
         out.write_bytes(wav_header(rate, num_data_bytes=len(pcm)) + pcm)
-        return f"wrote {out} ({collected.num_samples / rate:.2f} s of audio at {rate} Hz)"
-    if suffix == ".png":
-        if not collected.images:
-            raise ValueError("the request produced no image: choose another --out (.wav, .txt)")
-        assert out is not None
-        image = collected.images[-1]
-        if isinstance(image, bytes | bytearray):  # PNG bytes from the model itself
-            out.write_bytes(image)
-            from PIL import Image
+        return f"{collected.num_samples / rate:.2f} s of {rate / 1000:g} kHz audio"
+    if not collected.images:
+        raise RunArgumentError("--out: the request produced no image: choose another --out (.wav, .json, .txt)")
+    image = collected.images[-1]
+    # A model may send PNG bytes itself; else pixels.
+    out.write_bytes(bytes(image) if isinstance(image, bytes | bytearray) else png_bytes(image))
+    from PIL import Image
 
-            with Image.open(out) as written:
-                return f"wrote {out} (image {[written.height, written.width, len(written.getbands())]})"
-        out.write_bytes(png_bytes(image))
-        return f"wrote {out} (image {list(torch.as_tensor(image).shape)})"
-    if (
-        collected.others
-        and not collected.audio
-        and not collected.images
-        and not collected.token_ids
-    ):
+    with Image.open(out) as written:
+        return f"{written.width} x {written.height} {written.mode} image"
+
+
+def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
+    """Write the output; return where it went, e.g. ``wrote out.wav (1.20 s of 24 kHz audio)``.
+
+    Text goes to standard output unless ``out`` is a text file, also beside audio or an
+    image written to ``out``.
+    """
+    suffix = out.suffix.lower() if out is not None else ""
+    num_tokens = len(collected.token_ids)
+    if out is not None and suffix in (".wav", ".png"):
+        message = f"wrote {out} ({_write_media(collected, rate, out)})"
+        if collected.has_text:  # beside speech or a picture (an omni model's answer)
+            print(collected.text())
+            message += f"; {num_tokens} tokens of text to standard output"
+        return message
+    if collected.others and not collected.audio and not collected.images and not num_tokens:
         if suffix == ".safetensors":
             from safetensors.torch import save_file
 
             assert out is not None
-            tensors = {
-                f"{key}:{i}": t.contiguous()
-                for key, ts in collected.others.items()
-                for i, t in enumerate(ts)
-            }
+            tensors = {f"{key}:{i}": t.contiguous() for key, ts in collected.others.items() for i, t in enumerate(ts)}
             save_file(tensors, str(out))
-            return f"wrote {out} ({len(tensors)} tensors)"
+            return f"wrote {out} (safetensors: {collected.arrays()})"
         doc = {key: [t.tolist() for t in ts] for key, ts in collected.others.items()}
         if out is None:
             print(json.dumps(doc))
-            return ", ".join(f"{len(v)} {k}" for k, v in collected.others.items())
+            return f"wrote JSON to standard output ({collected.arrays()})"
         out.write_text(json.dumps(doc) + "\n", encoding="utf-8")
-        return (
-            f"wrote {out} (JSON: {', '.join(f'{len(v)} {k}' for k, v in collected.others.items())})"
-        )
-    if out is None and (collected.audio or collected.images):
-        kind = "audio" if collected.audio else "an image"
-        raise ValueError(
-            f"the request produced {kind}: pass --out FILE{'.wav' if collected.audio else '.png'}"
-        )
+        return f"wrote {out} (JSON: {collected.arrays()})"
+    media = "audio" if collected.audio else "an image" if collected.images else None
+    media_out = f"--out FILE{'.wav' if collected.audio else '.png'}"
+    if media is not None and not collected.has_text:
+        raise RunArgumentError(f"the request produced {media}: pass {media_out}")
+    keep = f" (and {media}: pass {media_out} to keep it)" if media else ""
     text = collected.text()
     if out is None:
         print(text)
-        return f"{len(collected.token_ids)} tokens"
+        return f"wrote {num_tokens} tokens of text to standard output{keep}"
     out.write_text(text + "\n", encoding="utf-8")
-    return f"wrote {out} ({len(collected.token_ids)} tokens)"
+    return f"wrote {out} ({num_tokens} tokens of text){keep}"
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Model, RunRequest, Placement | None]:
+    """Read the flags, build the model (no weights yet) and check the request against it."""
+    from mstar.zoo import resolve_model
+
+    inputs = read_inputs(args)
+    spec: ModelSpec = resolve_model(args.model)
+    placement = Placement.from_yaml(args.config) if args.config else None
+    # Building a model reads its config and tokenizer; its weights load with the engine.
+    model = spec.build()
+    request = build_request(args, model, inputs)
+    check_request(request, model, args.model)
+    return model, request, placement
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Run `mstar run`."""
-    from mstar.zoo import resolve_model
-
+    phases = _Phases()
+    started = time.perf_counter()
     try:
-        spec = resolve_model(args.model)
-        placement = Placement.from_yaml(args.config) if args.config else None
-        if args.image is not None and not args.image.is_file():
-            raise ValueError(f"--image {str(args.image)!r} does not exist")
-        _params(args.param)
-        if args.out is not None and not args.out.parent.is_dir():
-            raise ValueError(f"--out {str(args.out)!r}: the folder does not exist")
+        model, request, placement = _prepare(args)
     except (MStarError, ValueError) as exc:
         print(f"mstar run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging("warning")  # runtime logs go to stderr, so stdout holds only the answer
-    start = time.perf_counter()
     try:
-        collected, rate = asyncio.run(_run(args, spec, placement))
+        collected, rate = asyncio.run(_run(args, model, request, placement, phases, started))
+        written = time.perf_counter()
         message = _write(collected, rate, args.out)
+        phases.write = time.perf_counter() - written
     except ValueError as exc:  # the model or the output refused the request
         print(f"mstar run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except MStarError as exc:
         print(f"mstar run: error: {exc}", file=sys.stderr)
         return 1
-    print(f"mstar run: {message} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    print(f"mstar run: {message}", file=sys.stderr)
+    print(f"mstar run: {phases}", file=sys.stderr)
     return 0
