@@ -82,6 +82,8 @@ IN_PROCESS_FAULTS = frozenset({"node_raise"})  # a model of this script's own, i
 # Messages that move a walk on: losing one stalls its request (see `drop_message`).
 WALK_MESSAGES = (StartWalkMsg, WalkDoneMsg, NodeValuesMsg)
 RAISE_TEXT = "chaos: raise in lm"
+# How a stream that a lost worker ended is told (raw audio has no room for an error: it is cut).
+WORKER_LOSS_KINDS = frozenset({"WorkerLostError", "WorkerUnavailableError", "cut raw audio"})
 
 
 class RaisingToy(ToyModel):
@@ -110,6 +112,7 @@ class Progress:
 
     def __init__(self) -> None:
         self.start = self.last = time.monotonic()
+        self.ended: float | None = None  # when its answer was complete (before any Retry-After wait)
         self.headers_s: float | None = None
         self.num_bytes = 0
 
@@ -194,7 +197,18 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     affected: int = 0  # requests that overlapped a fault window or were faults themselves
-    recoveries: list[float] = field(default_factory=list)
+    recoveries: list[float] = field(default_factory=list)  # from a worker fault until /health is 200 again
+    kills: list[float] = field(default_factory=list)  # when a worker was killed (monotonic)
+    worker_losses: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of streams a lost worker ended
+
+    def stream_end_delays(self) -> list[float]:
+        """Per kill, how long until the last stream it ended had its error (the loss seen and told)."""
+        delays = []
+        for kill in self.kills:
+            ends = [end - kill for start, end in self.worker_losses if start <= kill <= end]
+            if ends:
+                delays.append(max(ends))
+        return delays
     examples: dict[str, str] = field(default_factory=dict)  # outcome -> one example
     error_kinds: Counter[str] = field(default_factory=Counter)  # typed errors by mstar_error (or HTTP status)
     slow: int = 0  # requests that took longer than --hang-s in all, making progress all along
@@ -288,6 +302,8 @@ class Chaos:
             kind = "cut raw audio"
         except httpx.HTTPError as exc:
             outcome, detail = "lost", f"{path}: {type(exc).__name__}: {exc}"
+        if outcome == "typed_error" and kind in WORKER_LOSS_KINDS:
+            self.tally.worker_losses.append((progress.start, progress.ended or time.monotonic()))
         if expect and (outcome, kind) != ("typed_error", expect):
             outcome, detail = "lost", f"{path}: ended {outcome} ({kind or 'no error'}), not with {expect}"
         self.tally.record(outcome, detail, affected=affected or time.monotonic() < self.fault_until, kind=kind)
@@ -320,6 +336,7 @@ class Chaos:
             progress.saw(0)
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
+                progress.ended = time.monotonic()
                 if not _is_error_body(text):
                     return "lost", f"{response.status_code}: {text[:100]}", ""
                 if response.status_code == 503:  # a client that honours Retry-After (1 s here) rather than spinning
@@ -368,11 +385,15 @@ class Chaos:
             start = time.monotonic()
             if fault == "kill_worker":
                 os.kill(pid, signal.SIGKILL)
+                self.tally.kills.append(start)
             else:
                 os.kill(pid, signal.SIGSTOP)
                 await asyncio.sleep(1.0)
                 os.kill(pid, signal.SIGCONT)
-            self.tally.recoveries.append(await self.until_healthy(http, start))
+            # A killed worker counts as recovered once its replacement serves (a probe may
+            # otherwise find /health still 200 before the engine saw the death).
+            replaced = (rank, pid) if fault == "kill_worker" else None
+            self.tally.recoveries.append(await self.until_healthy(http, start, replaced))
         elif fault == "disconnect":
             path, body = self.speech_body()
             await self.one_request(http, path, body, leave_after=2)
@@ -425,9 +446,12 @@ class Chaos:
 
         post()
 
-    async def until_healthy(self, http: httpx.AsyncClient, since: float) -> float:
+    async def until_healthy(self, http: httpx.AsyncClient, since: float, replaced: tuple[int, int] | None = None) -> float:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if replaced is not None and self.engine.processes[replaced[0]].pid == replaced[1]:
+                await asyncio.sleep(0.05)
+                continue
             with contextlib.suppress(httpx.HTTPError):
                 if (await http.get("/health")).status_code == 200 and all(self.engine.ranks_up().values()):
                     return time.monotonic() - since
@@ -597,12 +621,13 @@ def report(results: list[dict[str, Any]]) -> str:
         ("failed with a typed error", lambda r: r["tally"].outcomes["typed_error"]),
         ("  of them stalled (lost message)", lambda r: r["tally"].error_kinds["RequestStalledError"]),
         ("  of them a node's error", lambda r: r["tally"].error_kinds["WalkExecutionError"]),
-        ("  of them a lost worker", lambda r: r["tally"].error_kinds["WorkerLostError"]),
+        ("  of them a lost or restarting worker", lambda r: r["tally"].error_kinds["WorkerLostError"] + r["tally"].error_kinds["WorkerUnavailableError"]),
         ("messages dropped / delayed", lambda r: f"{r['messages_dropped']} / {r['messages_delayed']}"),
         ("lost (must be 0)", lambda r: r["tally"].outcomes["lost"]),
         ("hung (must be 0)", lambda r: r["tally"].outcomes["hung"]),
         ("slow (over --hang-s in all, never idle)", lambda r: r["tally"].slow),
-        ("time to recover, max s", lambda r: f"{max(r['tally'].recoveries, default=0.0):.2f}"),
+        ("worker killed to its streams ended, max s", lambda r: f"{max(r['tally'].stream_end_delays(), default=0.0):.2f}"),
+        ("time to recover (restart), max s", lambda r: f"{max(r['tally'].recoveries, default=0.0):.2f}"),
         ("healthy after the load, s", lambda r: f"{r['recovered_s']:.2f}"),
         ("requests still held", lambda r: r["held_after"]),
         ("leftover processes", lambda r: r["leftover_processes"]),
@@ -652,6 +677,7 @@ def to_json(cfg: ChaosSettings, results: list[dict[str, Any]]) -> dict[str, Any]
             "slow": tally.slow,
             "typed_errors_by_kind": dict(tally.error_kinds),
             "recover_max_s": max(tally.recoveries, default=0.0),
+            "worker_loss_streams_end_max_s": max(tally.stream_end_delays(), default=0.0),
             "examples": tally.examples,
             "is_clean": is_clean(r),
         })

@@ -33,6 +33,7 @@ from mstar.errors import (
     WalkDeadlockError,
     WalkExecutionError,
     WorkerLostError,
+    WorkerUnavailableError,
 )
 from mstar.graph import (
     EMIT,
@@ -91,6 +92,7 @@ __all__ = [
     "RequestAbortedError",
     "RequestStalledError",
     "WorkerLostError",
+    "WorkerUnavailableError",
     # what a model's submodules return: stateless (batched) and KV-cache nodes
     "BatchedNode",
     "FiringRows",

@@ -16,9 +16,13 @@ as `TextOutput`, `AudioOutput`, `ImageOutput`, `ActionOutput`, `LatentOutput`, `
 (any other tensor, e.g. video frames) or `ValueOutput`; the stream's `usage` is set once it
 ended. `run` collects a whole request. A request the server refuses, or that fails while it
 runs, raises the `mstar.errors` type the server raised (`APIRequestError` with its status,
-field and code for a bad request; `OverloadedError` with its retry delay; `WalkExecutionError`
+field and code for a bad request; `OverloadedError` with its retry delay;
+`WorkerUnavailableError` with the rank that is down and its retry delay; `WalkExecutionError`
 when a node failed, ...), `MStarError` when the server names no type. Leaving a stream early
 (closing it, or leaving its ``with`` block) aborts the request on the server.
+
+Request data goes as JSON: numpy arrays as nested lists, images (PIL images, or arrays wrapped
+in `image_url`) as PNG data URLs, which the model receives as uint8 RGB arrays.
 """
 
 from __future__ import annotations
@@ -36,7 +40,13 @@ import httpx
 import numpy as np
 
 from mstar import errors
-from mstar.errors import APIRequestError, MStarError, OverloadedError, WalkExecutionError
+from mstar.errors import (
+    APIRequestError,
+    MStarError,
+    OverloadedError,
+    WalkExecutionError,
+    WorkerUnavailableError,
+)
 
 __all__ = [
     "ActionOutput",
@@ -52,6 +62,7 @@ __all__ = [
     "TextOutput",
     "ValueOutput",
     "error_from_body",
+    "image_url",
     "parse_output",
 ]
 
@@ -92,7 +103,8 @@ class AudioOutput(GenerateOutput):
 
 @dataclass(frozen=True)
 class ImageOutput(GenerateOutput):
-    """An image as a uint8 ``[height, width, channels]`` array."""
+    """An image as a uint8 RGB ``[height, width, 3]`` array (``[height, width, 4]``, RGBA, when
+    the model's image has transparency); grey images are expanded to RGB."""
 
     image: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 3), np.uint8))
 
@@ -126,7 +138,7 @@ class LatentOutput(TensorOutput):
 
 @dataclass(frozen=True)
 class ValueOutput(GenerateOutput):
-    """An output that is no tensor: a number, string or JSON object."""
+    """An output that is no tensor: a number, string or JSON object, or bytes."""
 
     value: Any = None
 
@@ -164,17 +176,26 @@ def parse_output(line: Mapping[str, Any]) -> GenerateOutput:
             num_samples=int(line["num_samples"]),
         )
     if modality == "image" and line.get("format") == "png":
-        from PIL import Image
-
-        with Image.open(io.BytesIO(base64.b64decode(line["data"]))) as picture:
-            return ImageOutput(**meta, image=np.array(picture))
+        return ImageOutput(**meta, image=_decode_png(base64.b64decode(line["data"])))
     if "shape" in line and "dtype" in line:
         dtype = np.dtype(str(line["dtype"])).newbyteorder("<")
         array = np.frombuffer(base64.b64decode(line["data"]), dtype=dtype).reshape(line["shape"])
         return _TENSOR_TYPES.get(modality, TensorOutput)(
             **meta, array=array.astype(dtype.newbyteorder("="), copy=True)
         )
+    if line.get("encoding") == "base64":
+        return ValueOutput(**meta, value=base64.b64decode(line["data"]))
     return ValueOutput(**meta, value=line.get("value"))
+
+
+def _decode_png(png: bytes) -> np.ndarray:
+    """Decode an image line's PNG to uint8 RGB ``[H, W, 3]`` (RGBA ``[H, W, 4]`` if it has alpha)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png), formats=("PNG",)) as picture:
+        has_alpha = "A" in picture.getbands() or "transparency" in picture.info
+        mode = "RGBA" if has_alpha else "RGB"
+        return np.array(picture if picture.mode == mode else picture.convert(mode))
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -203,6 +224,15 @@ def error_from_body(
     kind = str(error.get("type") or "")
     code = error.get("code")
     name = error.get("mstar_error")
+    if name == "WorkerUnavailableError":  # a rank down: retryable, names the rank
+        rank, retry_s = error.get("rank"), error.get("retry_after_s")
+        if retry_after and retry_after.isdigit():
+            retry_s = int(retry_after)
+        return WorkerUnavailableError(
+            message,
+            rank=rank if isinstance(rank, int) else None,
+            retry_after_s=retry_s if isinstance(retry_s, int) else 1,
+        )
     if status == 503 or kind == "overloaded_error":
         return OverloadedError(
             message, retry_after_s=int(retry_after) if retry_after and retry_after.isdigit() else 1
@@ -247,9 +277,37 @@ def _raise_for(response: httpx.Response, body: bytes) -> None:
 # --- requests -------------------------------------------------------------------------------
 
 
+def image_url(image: Any) -> str:
+    """Return an image as a ``data:image/png;base64,`` URL, the form `/generate` takes images in.
+
+    The server hands it to the model as a uint8 RGB ``[H, W, 3]`` array (a nested list would
+    lose the dtype). PIL images in request data are sent this way without asking.
+
+    Args:
+        image: A PIL image, or a uint8 array ``[H, W]`` (grey), ``[H, W, 3]`` or ``[H, W, 4]``.
+
+    Raises:
+        ValueError: An array of another dtype or shape.
+    """
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        array = np.asarray(image)
+        if array.dtype != np.uint8 or not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+            raise ValueError(f"an image must be uint8 [H, W], [H, W, 3] or [H, W, 4], got {array.dtype} {list(array.shape)}")
+        image = Image.fromarray(np.ascontiguousarray(array))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray | np.generic):
         return value.tolist()
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return image_url(value)
     tolist = getattr(value, "tolist", None)  # a torch tensor, without importing torch here
     if callable(tolist):
         return tolist()

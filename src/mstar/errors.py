@@ -16,12 +16,14 @@ __all__ = [
     "InvalidAddressError",
     "MStarError",
     "WorkerLostError",
+    "WorkerUnavailableError",
     "MissingMainGuardError",
     "ModelLoadError",
     "EngineClosedError",
     "RequestAbortedError",
     "RequestStalledError",
     "PlacementError",
+    "RayClusterUnreachableError",
     "GraphValidationError",
     "WalkDeadlockError",
     "WalkExecutionError",
@@ -35,6 +37,7 @@ __all__ = [
     "UnsupportedModelError",
     "AudioTokenError",
     "ServerConfigError",
+    "RunArgumentError",
     "APIRequestError",
     "OverloadedError",
     "ClientDisconnectedError",
@@ -151,6 +154,10 @@ class PlacementError(MStarError, ValueError):
     """Raised when a placement file is missing, malformed, or does not fit the model's graph."""
 
 
+class RayClusterUnreachableError(MStarError, ConnectionError):
+    """Raised when the Ray cluster an engine is told to use cannot be reached or joined in time (names the address)."""
+
+
 class EngineClosedError(MStarError, RuntimeError):
     """Raised when work is submitted to, or still pending in, an engine that has closed."""
 
@@ -179,12 +186,25 @@ class WorkerLostError(MStarError, RuntimeError):
     """Raised when a worker process died while a request was using it (the worker is restarted)."""
 
 
+class WorkerUnavailableError(WorkerLostError):
+    """Raised when a request needs a rank whose worker is down (restarting) and no live replica can take it; retryable (503 with Retry-After)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.rank = rank  # None when not known (an error rebuilt from a stream's text)
+        self.retry_after_s = retry_after_s
+
+
 class MissingMainGuardError(MStarError, RuntimeError):
     """Raised when worker processes are started from a script without an ``if __name__ == "__main__":`` guard."""
 
 
 class ServerConfigError(MStarError, ValueError):
     """Raised when server settings are invalid, e.g. a non-loopback bind without an API key."""
+
+
+class RunArgumentError(MStarError, ValueError):
+    """Raised when `mstar run`'s flags do not make a request the model takes (the message names the flag)."""
 
 
 class APIRequestError(MStarError, ValueError):

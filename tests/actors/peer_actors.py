@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 from mstar.actors import Actor, ActorSystem
@@ -54,6 +55,14 @@ class Stall(Actor):
         await asyncio.Event().wait()
 
 
+class Hog(Actor):
+    """Ping(seq=n) -> Pong(n) after blocking the event loop for n milliseconds (a long step)."""
+
+    async def handle(self, message: Any) -> Any:
+        time.sleep(message.seq / 1000)  # holds the loop: no heartbeat goes out meanwhile
+        return Pong(message.seq)
+
+
 class BadReply(Actor):
     """Answer with something that is not a wire message."""
 
@@ -68,4 +77,5 @@ async def setup(system: ActorSystem) -> None:
     await system.spawn(Failing, name="failing")
     await system.spawn(Stall, name="stall")
     await system.spawn(BadReply, name="bad-reply")
+    await system.spawn(Hog, name="hog")
     await system.spawn(Counter, name="tiny", mailbox_size=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -133,3 +134,44 @@ def test_a_child_that_fails_to_set_up_reports_it() -> None:
     with pytest.raises(PeerLostError, match="no_such_setup"):
         process.start()
     assert not process.is_alive
+
+
+# Heartbeats that would give a silent peer up after 1 s, and one that would take 10 minutes.
+STRICT = replace(TEST_CONFIG, heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0)
+LAX = replace(TEST_CONFIG, heartbeat_interval_s=0.05, heartbeat_timeout_s=600.0)
+
+
+@pytest.mark.slow
+async def test_a_peer_whose_loop_is_blocked_past_the_heartbeat_timeout_is_not_lost() -> None:
+    process = SystemProcess(SETUP, serve=["ipc://"], config=STRICT)
+    (ipc,) = await asyncio.to_thread(process.start)
+    try:
+        async with ActorSystem(STRICT) as client:
+            await client.connect(ipc)
+            link = client._routes[ipc]
+            # The peer's loop is held for 3 heartbeat timeouts (no heartbeat leaves it): its
+            # process is alive, so it is busy, not lost.
+            assert await client.ref("hog", ipc).ask(Ping(3000), timeout=None) == Pong(3000)
+            assert not link.is_closed and client._routes[ipc] is link
+            assert await client.ref("echo", ipc).ask(Ping(1)) == Pong(1)
+    finally:
+        process.kill()
+
+
+async def test_a_killed_peer_on_this_host_is_lost_without_waiting_for_the_heartbeat_timeout() -> None:
+    process = SystemProcess(SETUP, serve=["ipc://"], config=LAX)
+    (ipc,) = await asyncio.to_thread(process.start)
+    try:
+        async with ActorSystem(LAX) as client:
+            await client.connect(ipc)
+            pending = asyncio.ensure_future(client.ref("stall", ipc).ask(Ping(), timeout=None))
+            await client.ref("echo", ipc).ask(Ping())
+            assert process.pid is not None
+            killed = time.monotonic()
+            os.kill(process.pid, signal.SIGKILL)  # not reaped: a zombie counts as dead
+            # Heartbeats alone would wait 600 s (ipc has no connection to see closing).
+            with pytest.raises(PeerLostError, match="exited"):
+                await asyncio.wait_for(pending, 60)
+            print(f"killed peer lost after {time.monotonic() - killed:.3f} s")
+    finally:
+        process.kill()

@@ -1,15 +1,22 @@
-"""A worker process that dies fails the requests using it, with a typed error, and comes back."""
+"""A worker process that dies fails the requests using it, with a typed error, and comes back;
+while it is down, requests that need it fail fast (503 with Retry-After over HTTP)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import threading
+import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
-from mstar.errors import WorkerLostError
+from mstar.client import Client
+from mstar.errors import WorkerUnavailableError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
+from tests.server.conftest import RunningServer, running_server
 
 TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
 
@@ -25,8 +32,11 @@ async def test_killed_worker_fails_its_requests_and_is_restarted() -> None:
         while (await engine.held_state())["rank1"]["runners"] == 0:  # the loop is running on rank 1
             await asyncio.sleep(0.01)
         os.kill(victim.pid, signal.SIGKILL)
-        with pytest.raises(WorkerLostError, match="rank 1 died"):
+        killed = time.monotonic()
+        with pytest.raises(WorkerUnavailableError, match="rank 1 died") as lost:
             await asyncio.wait_for(running, 30)
+        print(f"the stream using the killed worker ended {time.monotonic() - killed:.3f} s after the kill")
+        assert lost.value.rank == 1 and lost.value.retry_after_s >= 1
         # the worker comes back and runs walks again (the loop is endless here: cancel it)
         while engine.num_restarts == 0:
             await asyncio.sleep(0.05)
@@ -39,37 +49,48 @@ async def test_killed_worker_fails_its_requests_and_is_restarted() -> None:
         assert engine.processes[1].pid != victim.pid
 
 
+def hold_restarts(engine: AsyncEngine) -> threading.Event:
+    """Keep a lost rank down until the returned event is set (from any thread)."""
+    let_back = threading.Event()
+    restart = engine._restart
+
+    async def held_back(rank: int) -> None:
+        while not await asyncio.to_thread(let_back.wait, 0.5):  # short waits: a shutdown can cancel it
+            pass
+        await restart(rank)
+
+    engine._restart = held_back  # type: ignore[method-assign]
+    return let_back
+
+
 @pytest.mark.timeout(240)
-async def test_requests_sent_while_a_worker_restarts_wait_for_it_and_never_hang() -> None:
+async def test_requests_sent_while_a_worker_is_down_fail_fast_and_run_once_it_is_back() -> None:
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 20})
     config = EngineConfig(worker_processes=True, offload_steps=False)
     async with await AsyncEngine.start(spec, Placement.from_yaml(TWO_RANKS), config) as engine:
         assert [o.data for o in await engine.run(Request("loop", {}))] == [20]
+        let_back = hold_restarts(engine)
         victim = engine.processes[1]
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)
-
-        async def later(delay: float) -> str:
-            await asyncio.sleep(delay)
-            try:
-                outputs = await engine.run(Request("loop", {}))
-            except WorkerLostError:
-                return "lost"
-            assert [o.data for o in outputs] == [20]
-            return "ok"
-
-        before = asyncio.ensure_future(later(0.0))  # may reach the dead worker: fails, typed
         while engine.ranks_up()[1]:
             await asyncio.sleep(0.01)
-        after = [asyncio.ensure_future(later(d)) for d in (0.0, 0.3, 1.0)]
+        # Not held for restart_wait_s (60 s): refused now, naming the rank and when to retry.
+        for _ in range(3):
+            with pytest.raises(WorkerUnavailableError, match="rank 1 is down") as refused:
+                await asyncio.wait_for(engine.run(Request("loop", {})), 30)
+            assert refused.value.rank == 1 and refused.value.retry_after_s >= 1
+        print(f"retry after {refused.value.retry_after_s} s")
         # While the worker is away, stats answer at once without it.
         stats = await asyncio.wait_for(engine.engine_stats(), 5)
         assert stats.missing_ranks == [1] and 0 in stats.nodes
-        assert await asyncio.wait_for(before, 120) in ("ok", "lost")
-        # Sent once the loss was seen: they wait for the restart, then run (none hangs).
-        assert await asyncio.wait_for(asyncio.gather(*after), 120) == ["ok"] * 3
-        assert engine.num_restarts == 1 and engine.ranks_up() == {0: True, 1: True}
-        assert [o.data for o in await engine.run(Request("loop", {}))] == [20]
+        assert (await engine.held_state())["conductor"] == {"requests": 0, "client_queues": 0, "parked_walks": 0}
+        let_back.set()
+        while not engine.ranks_up()[1]:
+            await asyncio.sleep(0.01)
+        # The first request once it is back runs (no stale failure).
+        assert [o.data for o in await asyncio.wait_for(engine.run(Request("loop", {})), 60)] == [20]
+        assert engine.num_restarts == 1
 
 
 @pytest.mark.timeout(240)
@@ -106,3 +127,53 @@ async def test_requests_for_a_lost_replica_run_on_the_live_one_without_waiting()
         runs = [engine.run(Request("loop", {})) for _ in range(4)]
         assert [[o.data for o in out] for out in await asyncio.wait_for(asyncio.gather(*runs), 60)] == [[20]] * 4
         assert (await engine.stats())[1]["a"]["steps"] > 0
+
+
+@pytest.fixture
+def two_rank_server() -> Iterator[RunningServer]:
+    # Each request takes 200 steps of at least 20 ms on rank 1: long enough to be caught running.
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 200, "delay_s": 0.02})
+    engine = EngineConfig(worker_processes=True, offload_steps=False)
+    with running_server(spec, placement=Placement.from_yaml(TWO_RANKS), engine_config=engine, names=("noop",)) as server:
+        yield server
+
+
+def assert_retryable(answer: httpx.Response) -> None:
+    assert answer.status_code == 503, answer.text
+    retry_after = answer.headers["retry-after"]
+    error = answer.json()["error"]
+    assert (error["mstar_error"], error["rank"], error["retry_after_s"]) == ("WorkerUnavailableError", 1, int(retry_after))
+    assert int(retry_after) >= 1 and "rank 1" in error["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_over_http_a_lost_worker_is_a_503_with_retry_after_naming_the_rank(two_rank_server: RunningServer) -> None:
+    server = two_rank_server
+    engine = server.state.engine
+    let_back = hold_restarts(engine)
+    with httpx.Client(base_url=server.url, timeout=60) as http, Client(server.url, timeout=60) as client:
+        # In flight when its worker dies (no output yet): 503, not 500.
+        in_flight: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: in_flight.append(http.post("/generate", json={})))
+        sender.start()
+        while server.held_state()["rank1"]["runners"] == 0:
+            time.sleep(0.01)
+        victim = engine.processes[1].pid
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        sender.join(60)
+        assert_retryable(in_flight[0])
+        assert "died" in in_flight[0].json()["error"]["message"]
+        # Sent while it is down: refused at once, the same way; mstar.client raises the type.
+        assert_retryable(http.post("/generate", json={}))
+        with pytest.raises(WorkerUnavailableError) as refused:
+            client.run()
+        assert refused.value.rank == 1 and refused.value.retry_after_s >= 1
+        let_back.set()
+        deadline = time.monotonic() + 120
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the worker did not come back"
+            time.sleep(0.05)
+        # Back: the next request runs (no stale failure).
+        assert [out.value for out in client.run()] == [200]

@@ -44,7 +44,8 @@ class SystemConfig:
         mailbox_size: default mailbox capacity of spawned actors.
         heartbeat_interval_s: a link idle for this long sends a heartbeat.
         heartbeat_timeout_s: a link silent for this long is lost; bounds how long asks to a
-            dead process wait.
+            dead process wait. A peer on this host is not lost for silence but once its
+            process exited (seen within a heartbeat interval; see `mstar.actors.link`).
         max_message_bytes: largest message a link sends or accepts (frames together).
         shm_arena_bytes: size of this system's shared tensor arena; 0 disables shared memory.
         shm_min_tensor_bytes: smaller CPU tensors travel as frames.

@@ -4,7 +4,10 @@ The client side sends `Hello` first; the server answers with its own. Each side 
 the other's shared arena does so and says `ArenaAttached`; from then on the other side sends
 large CPU tensors through its arena. Both sides send a `Heartbeat` when they sent nothing else
 for a heartbeat interval; a link that hears nothing for the heartbeat timeout is lost, and
-its pending asks fail with `PeerLostError`.
+its pending asks fail with `PeerLostError`. A peer on this host is watched by its process
+instead (`watched_pid`): it is lost once its process exited, seen within a heartbeat
+interval, and never for silence alone, since a long step that starves its event loop (or
+holds the GIL from its heartbeat) leaves a healthy process quiet.
 
 A link to another process carries each message in its wire form (`WireMessage.to_wire`) and
 hands what arrives to actors converted back (`WireMessage.from_wire`); an in-process link
@@ -141,6 +144,9 @@ class PeerLink:
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_recv = self.last_send = time.monotonic()
         self.is_closed = False
+        # The peer's pid, where it runs on this host and this side can see it (see the
+        # module's docstring); None: silence for the heartbeat timeout is what loses it.
+        self.watched_pid: int | None = None
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._releases: collections.deque[int] = collections.deque()
@@ -177,6 +183,17 @@ class PeerLink:
     def incoming(self, message: WireMessage) -> WireMessage:
         """Return a message that arrived on this link as actors handle it."""
         return message if self.codec is None else message.from_wire()
+
+    def silence_error(self, now: float, interval: float, timeout: float) -> PeerLostError | None:
+        """Return why the link is lost, if it is: its peer's process exited, or it was silent too long."""
+        silent_s = now - self.last_recv
+        if self.watched_pid is not None:
+            if silent_s > interval and not is_pid_alive(self.watched_pid):
+                return PeerLostError(f"{self.label} is gone: its process {self.watched_pid} exited")
+            return None
+        if silent_s > timeout:
+            return PeerLostError(f"{self.label} sent nothing for {timeout} s")
+        return None
 
     def send_heartbeat(self) -> None:
         """Send a heartbeat, unless the channel is already closed."""
@@ -240,12 +257,14 @@ class PeerLink:
         if not self.is_client:
             self.send(self.system._hello())
         self.system._register_link(self, hello)
+        same_host = hello.host_id == self.system._host_id
+        if same_host and hello.pid != os.getpid() and is_pid_alive(hello.pid):
+            self.watched_pid = hello.pid
         codec = self.codec
         if codec is not None:
             codec.max_message_bytes = min(
                 codec.max_message_bytes, hello.max_message_bytes or codec.max_message_bytes
             )
-            same_host = hello.host_id == self.system._host_id
             codec.cuda_ipc = same_host and hello.pid != os.getpid() and torch.cuda.is_available()
             if same_host and hello.arena is not None and self.system.config.shm_arena_bytes > 0:
                 try:

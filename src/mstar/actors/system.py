@@ -525,8 +525,9 @@ class ActorSystem:
             for link in list(self._links):
                 if stalled:
                     link.last_recv = max(link.last_recv, now - interval)
-                if now - link.last_recv > timeout:
-                    link.lose(PeerLostError(f"{link.label} sent nothing for {timeout} s"))
+                error = link.silence_error(now, interval, timeout)
+                if error is not None:
+                    link.lose(error)
                 elif now - link.last_send >= interval:
                     link.send_heartbeat()
 

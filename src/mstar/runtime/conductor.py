@@ -1,11 +1,17 @@
 """The `Conductor` actor: runs `ConductorCore` and carries out its commands.
 
 It also keeps walks away from lost workers. Between a worker's death (`WorkerLost`) and
-its restart (`UpdatePeer`), a node replicated on other ranks runs on a live replica; a walk
-that needs the lost rank itself (no replica is up) is parked here, whole (every rank's share
-of it), and started once the rank is back; a rank that stays away for ``restart_wait_s``
-fails the walks parked for it, and later ones at once, with `WorkerLostError`, until it
-returns. Nothing is ever sent into a dead worker's socket, where it would wait forever.
+its restart (`UpdatePeer`), a node replicated on other ranks runs on a live replica. A request
+submitted while the rank is down never waits for it: the first of its walks that needs the
+rank itself (no replica is up) fails it at once with `WorkerUnavailableError`, naming the
+rank and when to retry (about when the restart should be done); refusing it costs the
+client one round trip, while holding it would keep it waiting for a restart of unknown
+length. A walk of a request that was already running when the rank was lost is parked here
+instead, whole (every rank's share of it), since that request holds work on other ranks; it
+starts once the rank is back, or fails after ``restart_wait_s``.
+The requests that were using the rank when it died fail with `WorkerUnavailableError` too.
+The moment the rank is back, requests run again. Nothing is ever sent into a dead worker's
+socket, where it would wait forever.
 
 And it fails stalled requests: one of which nothing (an output, a stream item, a walk share
 done) arrived for ``request_stall_timeout_s`` seconds, say because a message was lost, fails
@@ -16,6 +22,8 @@ with `RequestStalledError` and everything it held is released. A parked walk is 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +38,7 @@ from mstar.errors import (
     RequestAbortedError,
     RequestStalledError,
     WalkExecutionError,
-    WorkerLostError,
+    WorkerUnavailableError,
 )
 from mstar.graph import Emission, ModelGraph
 from mstar.runtime.conductor_core import (
@@ -92,9 +100,14 @@ class Abort:
 
 @dataclass(frozen=True)
 class WorkerLost:
-    """The worker of ``rank`` died (in-process only; sent by the engine's watchdog)."""
+    """The worker of ``rank`` died (in-process only; sent by the engine's watchdog).
+
+    ``restart_estimate_s`` is how long its restart should take (how long its last start
+    took; 0 when not known): what `WorkerUnavailableError.retry_after_s` counts down from.
+    """
 
     rank: int
+    restart_estimate_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ class Conductor(Actor):
         graph: Its graph.
         placement: (node, walk) to the ranks that host it.
         workers: Each rank's worker.
-        restart_wait_s: How long walks wait for a lost worker to come back.
+        restart_wait_s: How long a running request's walk waits for a lost worker to come back.
         request_stall_timeout_s: How long a request may go without progress before it fails
             (None: never).
     """
@@ -140,6 +153,10 @@ class Conductor(Actor):
         self.gone: set[int] = set()  # lost ranks that did not come back in time
         self.parked: dict[tuple[str, int], list[StartWalk]] = {}  # (request, walk seq) -> shares
         self._losses: dict[int, int] = {}  # rank -> how often it was lost (tags its timer)
+        self._back_at: dict[int, float] = {}  # lost rank -> when its restart should be done (monotonic)
+        self._num_losses = 0  # losses of any rank so far: orders submissions and losses
+        self._lost_as: dict[int, int] = {}  # lost rank -> the number of its loss among all
+        self._admitted_as: dict[str, int] = {}  # running request -> the losses there were at its submission
         self.stall_timeout_s = request_stall_timeout_s
         self._progressed: set[str] = set()  # requests something arrived for since the last sweep
         self._quiet: dict[str, int] = {}  # request -> sweeps in a row that found no progress
@@ -182,18 +199,20 @@ class Conductor(Actor):
                 message.queue.put_nowait(DuplicateRequestError(f"request id {request_id!r} is already running"))
                 return None
             self.queues[request_id] = message.queue
+            self._admitted_as[request_id] = self._num_losses
             if self.stall_timeout_s is not None:
                 self._progressed.add(request_id)
             try:
                 commands = core.submit(message.request, message.prepared)
             except Exception as exc:
                 del self.queues[request_id]
+                del self._admitted_as[request_id]
                 message.queue.put_nowait(exc)
                 return None
         elif isinstance(message, Abort):
             commands = core.abort(message.request_id, message.reason)
         elif isinstance(message, WorkerLost):
-            commands = self._worker_lost(message.rank)
+            commands = self._worker_lost(message.rank, message.restart_estimate_s)
         elif isinstance(message, UpdatePeer):
             self._worker_back(message.rank, self.system.ref(message.worker))
             return None
@@ -215,13 +234,20 @@ class Conductor(Actor):
         return None
 
     def _execute(self, commands: list[Command]) -> None:
+        failed: set[str] = set()  # requests failed here: the rest of their commands are moot
         for c in commands:
             if isinstance(c, StartWalk):
                 down = self._down_rank(c)
+                if c.request_id in failed:
+                    continue
                 if down is None:
                     self._send_walk(c)
                 elif down in self.gone:
                     self._execute(self.core.worker_lost(down, self._gone_error(down)))
+                elif self._admitted_as.get(c.request_id, 0) >= self._lost_as[down]:
+                    # Submitted while the rank was down: it fails fast (see the module's docstring).
+                    failed.add(c.request_id)
+                    self._execute(self.core.fail(c.request_id, self._unavailable_error(down)))
                 else:
                     self.parked.setdefault((c.request_id, c.walk_seq), []).append(c)
             elif isinstance(c, Deliver):
@@ -236,6 +262,7 @@ class Conductor(Actor):
                     if rank not in self.restarting and rank not in self.gone:
                         self.workers[rank].tell(ReleaseRequest(c.request_id, c.up_to_seq))
             elif isinstance(c, Finish | Fail):
+                self._admitted_as.pop(c.request_id, None)
                 queue = self.queues.pop(c.request_id, None)
                 if queue is not None:
                     queue.put_nowait(END if isinstance(c, Finish) else c.error)
@@ -252,14 +279,35 @@ class Conductor(Actor):
 
     # --- lost workers ----------------------------------------------------------------------
 
-    def _worker_lost(self, rank: int) -> list[Command]:
+    def _worker_lost(self, rank: int, restart_estimate_s: float) -> list[Command]:
         epoch = self._losses[rank] = self._losses.get(rank, 0) + 1
         self.gone.discard(rank)
         self.restarting.add(rank)
         self.core.ranks_down.add(rank)
+        self._back_at[rank] = time.monotonic() + restart_estimate_s
+        self._num_losses += 1
+        self._lost_as[rank] = self._num_losses
         asyncio.get_running_loop().call_later(self.restart_wait_s, self._expire, RankWaitExpired(rank, epoch))
-        error = WorkerLostError(f"the worker of rank {rank} died; it is being restarted")
+        retry = self._retry_after_s(rank)
+        error = WorkerUnavailableError(
+            f"the worker of rank {rank} died; it is being restarted (retry in {retry} s)", rank=rank, retry_after_s=retry
+        )
         return self.core.worker_lost(rank, error)
+
+    def _retry_after_s(self, rank: int) -> int:
+        """Return the whole seconds until the rank's restart should be done (at least 1)."""
+        return max(1, math.ceil(self._back_at.get(rank, 0.0) - time.monotonic()))
+
+    def _unavailable_error(self, rank: int) -> WorkerUnavailableError:
+        retry = self._retry_after_s(rank)
+        if rank in self.gone:
+            return self._gone_error(rank)
+        return WorkerUnavailableError(
+            f"rank {rank} is down (its worker died and is being restarted) and no live replica can take "
+            f"this request; retry in {retry} s",
+            rank=rank,
+            retry_after_s=retry,
+        )
 
     def _expire(self, message: RankWaitExpired | SweepStalls) -> None:
         if self.system.is_closed:
@@ -277,14 +325,20 @@ class Conductor(Actor):
         self.restarting.discard(rank)
         self.gone.discard(rank)
         self.core.ranks_down.discard(rank)
+        self._back_at.pop(rank, None)
         for key, shares in list(self.parked.items()):
             if self._down_rank(shares[0]) is None:
                 del self.parked[key]
                 for c in shares:
                     self._send_walk(c)
 
-    def _gone_error(self, rank: int) -> WorkerLostError:
-        return WorkerLostError(f"the worker of rank {rank} died and did not come back within {self.restart_wait_s} s")
+    def _gone_error(self, rank: int) -> WorkerUnavailableError:
+        retry = self._retry_after_s(rank)
+        return WorkerUnavailableError(
+            f"the worker of rank {rank} died and did not come back within {self.restart_wait_s} s; retry in {retry} s",
+            rank=rank,
+            retry_after_s=retry,
+        )
 
     # --- stalled requests -------------------------------------------------------------------
 

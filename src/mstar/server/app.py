@@ -21,7 +21,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from mstar.errors import APIRequestError, ClientDisconnectedError, MStarError, OverloadedError
+from mstar.errors import (
+    APIRequestError,
+    ClientDisconnectedError,
+    MStarError,
+    OverloadedError,
+    WorkerUnavailableError,
+)
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig
 from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
@@ -159,6 +165,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OverloadedError)
     async def overloaded(http: HttpRequest, exc: OverloadedError) -> Response:
         body = error_body(str(exc), "overloaded_error", code=503)
+        return JSONResponse(body, 503, headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(WorkerUnavailableError)
+    async def worker_unavailable(http: HttpRequest, exc: WorkerUnavailableError) -> Response:
+        # Retryable: the rank is being restarted (a client may also try another replica).
+        log.warning("request_failed", error=str(exc), error_type=type(exc).__name__, rank=exc.rank)
+        body = error_body(str(exc), "overloaded_error", code=503, exc=exc)
+        body["error"] |= {"rank": exc.rank, "retry_after_s": exc.retry_after_s}
         return JSONResponse(body, 503, headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(ClientDisconnectedError)

@@ -44,7 +44,7 @@ from mstar.runtime.model import (
 from mstar.runtime.placement import Placement
 from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.encoding import token_ids
-from mstar.server.images import png_bytes
+from mstar.server.images import encode_image
 from mstar.server.logging import configure_logging
 from mstar.server.run_request import (
     ReadLog,
@@ -258,9 +258,8 @@ def _write_media(collected: _Collected, rate: int | None, out: Path) -> str:
         return f"{collected.num_samples / rate:.2f} s of {rate / 1000:g} kHz audio"
     if not collected.images:
         raise RunArgumentError("--out: the request produced no image: choose another --out (.wav, .json, .txt)")
-    image = collected.images[-1]
-    # A model may send PNG bytes itself; else pixels.
-    out.write_bytes(bytes(image) if isinstance(image, bytes | bytearray) else png_bytes(image))
+    encoded = encode_image(collected.images[-1])  # PNG whatever the node emitted
+    out.write_bytes(encoded.png)
     from PIL import Image
 
     with Image.open(out) as written:

@@ -25,8 +25,10 @@ from starlette.types import Receive, Scope, Send
 from mstar.errors import (
     APIRequestError,
     ClientDisconnectedError,
+    KVCacheCapacityError,
     OverloadedError,
     RequestAbortedError,
+    WalkExecutionError,
 )
 from mstar.runtime.model import Output, Request
 
@@ -38,6 +40,7 @@ __all__ = [
     "RequestStream",
     "cancel_on_disconnect",
     "open_stream",
+    "request_error",
     "run_to_end",
     "status_of",
 ]
@@ -196,13 +199,39 @@ async def cancel_on_disconnect(request: HttpRequest, work: Awaitable[T]) -> T:
     return task.result()
 
 
+def request_error(exc: BaseException, *, length_param: str = "max_tokens") -> BaseException:
+    """Return the error to answer for a request that failed to start.
+
+    The model's rejection (a ValueError) is a 400; a request its KV cache cannot hold (the
+    model's own check, or a node's) is a 400 ``context_length_exceeded`` naming
+    ``length_param``, since the routes already refused what they could count.
+    """
+    if isinstance(exc, APIRequestError):
+        return exc
+    cannot_fit = isinstance(exc, KVCacheCapacityError) or (
+        isinstance(exc, WalkExecutionError) and exc.cause == KVCacheCapacityError.__name__
+    )
+    if cannot_fit:
+        reason = exc.reason if isinstance(exc, WalkExecutionError) else str(exc)
+        reason = reason.removeprefix(f"node raised {KVCacheCapacityError.__name__}: ")
+        return APIRequestError(reason, param=length_param, code="context_length_exceeded")
+    if isinstance(exc, ValueError):
+        return APIRequestError(str(exc))
+    return exc
+
+
 async def open_stream(
-    state: ServerState, http: HttpRequest, request: Request, *, sample_rate: int | None = None
+    state: ServerState,
+    http: HttpRequest,
+    request: Request,
+    *,
+    sample_rate: int | None = None,
+    length_param: str = "max_tokens",
 ) -> RequestStream:
     """Start ``request``; return its stream once the first output is there.
 
     Raises:
-        APIRequestError: The model rejected the request (400).
+        APIRequestError: The model rejected the request (400; see `request_error`).
         OverloadedError: The server is at capacity.
         ClientDisconnectedError: The client went away while the request waited.
         MStarError: The engine failed the request.
@@ -212,9 +241,10 @@ async def open_stream(
         await cancel_on_disconnect(http, stream.start())
     except BaseException as exc:
         await stream.aclose(status_of(exc))
-        if isinstance(exc, ValueError) and not isinstance(exc, APIRequestError):
-            raise APIRequestError(str(exc)) from exc
-        raise
+        error = request_error(exc, length_param=length_param)
+        if error is exc:
+            raise
+        raise error from exc
     return stream
 
 
@@ -226,7 +256,7 @@ async def run_to_end(
     A client that disconnects aborts them all.
 
     Raises:
-        APIRequestError: The model rejected a request (400).
+        APIRequestError: The model rejected a request (400; see `request_error`).
         OverloadedError: The server is at capacity.
         ClientDisconnectedError: The client went away.
         MStarError: The engine failed a request.
@@ -248,10 +278,11 @@ async def run_to_end(
 
     try:
         return await cancel_on_disconnect(http, run_all())
-    except ValueError as exc:
-        if isinstance(exc, APIRequestError):
+    except (ValueError, WalkExecutionError) as exc:
+        error = request_error(exc)
+        if error is exc:
             raise
-        raise APIRequestError(str(exc)) from exc
+        raise error from exc
     finally:
         for stream in streams:
             await stream.aclose()
