@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,3 +136,29 @@ def test_bad_inputs_get_a_400_naming_the_field(server: RunningServer, path: str,
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert field in (error.get("param") or "") + error["message"]
+
+
+def test_understanding_comes_with_log_probabilities(server: RunningServer) -> None:
+    url = "data:image/png;base64," + base64.b64encode(encoded(picture(2, (40, 56)))).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]}]
+    plain = client(server).chat.completions.create(model=MODEL, max_tokens=5, messages=messages)  # type: ignore[arg-type]
+    answer = client(server).chat.completions.create(
+        model=MODEL, max_tokens=5, messages=messages, logprobs=True, top_logprobs=3  # type: ignore[arg-type]
+    )
+    choice = answer.choices[0]
+    assert choice.message.content == plain.choices[0].message.content and choice.logprobs is not None
+    content = choice.logprobs.content or []
+    assert len(content) == answer.usage.completion_tokens > 0  # type: ignore[union-attr]
+    for entry in content:  # greedy: the chosen token is the likeliest one
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert entry.logprob <= 0 and len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+    native = httpx.post(
+        f"{server.url}/generate",
+        json={"task": "generate", "prompt": "what is it?", "max_tokens": 4, "logprobs": 2, "stream": False},
+        timeout=60,
+    )
+    assert native.status_code == 200, native.text
+    lines = [json.loads(line) for line in native.text.splitlines()]
+    tokens = [line["logprobs"] for line in lines if line.get("modality") == "text"]
+    assert tokens and all(t["logprob"] <= 0 and t["top_token_ids"][0] == t["token_id"] for t in tokens)

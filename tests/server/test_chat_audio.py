@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import openai
 import pytest
+import soxr
 
 from mstar.runtime.model import ModelSpec
 from tests.server.conftest import RunningServer, running_server
@@ -66,8 +69,8 @@ def test_a_stream_speaks_its_transcript_while_it_is_written(server: RunningServe
             rates.add(audio.sample_rate)  # type: ignore[attr-defined]
             order.append("audio")
     assert "".join(transcript) == text
-    assert rates == {22050}
-    seconds = len(pcm) / 2 / 22050
+    assert rates == {24_000}  # what OpenAI clients play pcm16 at, not the voice's 22,050 Hz
+    seconds = len(pcm) / 2 / 24_000
     assert 0.035 <= seconds / len(text) <= 0.12
     # Speech came before the text was finished: some transcript follows the first audio chunk.
     assert "text" in order[order.index("audio") :], order
@@ -85,8 +88,44 @@ def test_a_whole_answer_comes_as_a_wav(server: RunningServer) -> None:
     message = answer.choices[0].message
     assert message.content is None and message.audio is not None and message.audio.transcript
     with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as f:
-        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 22050)
-        assert f.getnframes() / 22050 > 1.0
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24_000)
+        assert f.getnframes() / 24_000 > 1.0
+
+
+def _native_speech(server: RunningServer) -> tuple[np.ndarray, int]:
+    """The same spoken answer from the native route, at the voice's own rate (int16 samples)."""
+    body = {"task": "generate", "messages": QUESTION, "modalities": ["text", "audio"], "stream": False, **GREEDY}
+    answer = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    lines = [json.loads(line) for line in answer.text.splitlines()]
+    audio = [line for line in lines if line.get("modality") == "audio"]
+    assert len(audio) > 1  # several sentences: the stream has chunk boundaries to get right
+    (rate,) = {line["sample_rate"] for line in audio}
+    pcm = b"".join(base64.b64decode(line["data"]) for line in audio)
+    return np.frombuffer(pcm, "<i2"), rate
+
+
+def test_the_24_khz_stream_is_the_whole_answer_resampled_at_once(server: RunningServer) -> None:
+    native, native_rate = _native_speech(server)
+    assert native_rate == 22_050
+    stream = _client(server).chat.completions.create(
+        model="assistant", messages=QUESTION, modalities=["text", "audio"],  # type: ignore[arg-type]
+        audio={"voice": "joe", "format": "pcm16"}, stream=True, **GREEDY,  # type: ignore[arg-type]
+    )  # fmt: skip
+    pcm = bytearray()
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.audio is not None and chunk.choices[0].delta.audio.data:
+            pcm += base64.b64decode(chunk.choices[0].delta.audio.data)
+    served = np.frombuffer(bytes(pcm), "<i2").astype(np.float64)
+    # The stream holds the answer's duration at 24 kHz, sample for sample.
+    assert len(served) == round(len(native) * 24_000 / native_rate)
+    whole = soxr.resample(native.astype(np.float32) / 32767.0, native_rate, 24_000, quality="HQ")
+    whole = np.clip(whole, -1.0, 1.0) * 32767.0  # PCM16 clips the filter's overshoot of a full-scale peak
+    # Resampled chunk by chunk, continuously: equal to resampling it whole (PCM16 rounding aside),
+    # with no click where one sentence's chunk meets the next.
+    error = np.abs(served - whole)
+    assert error.max() <= 8.0, (int(error.argmax()), float(error.max()))
+    assert np.abs(served).max() > 1000
 
 
 @pytest.mark.parametrize(
@@ -131,3 +170,38 @@ def test_log_probabilities_come_with_a_spoken_answer(server: RunningServer) -> N
     # Every sampled token, the end of turn included, carries its log-probability.
     assert "".join(t.token for t in content).removesuffix("<|im_end|>") == choice.message.audio.transcript
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+SPOKEN = "Sleep lets the brain rest. It also helps the body heal."
+
+
+def _native_read(server: RunningServer, **data: object) -> np.ndarray:
+    """The speech task from the native route, at the voice's own 22,050 Hz (int16 samples)."""
+    answer = httpx.post(f"{server.url}/generate", json={"task": "speech", "stream": False, **data}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    audio = [json.loads(line) for line in answer.text.splitlines() if '"audio"' in line]
+    assert {line["sample_rate"] for line in audio} == {22_050}
+    return np.frombuffer(b"".join(base64.b64decode(line["data"]) for line in audio), "<i2")
+
+
+def test_the_speech_route_reads_a_text_aloud_at_24_khz(server: RunningServer) -> None:
+    client = _client(server)
+    native = _native_read(server, text=SPOKEN)
+    whole = soxr.resample(native.astype(np.float32) / 32767.0, 22_050, 24_000, quality="HQ")
+    whole = np.clip(whole, -1.0, 1.0) * 32767.0
+    wav_bytes = client.audio.speech.create(model="assistant", voice="default", input=SPOKEN, response_format="wav").content
+    with wave.open(io.BytesIO(wav_bytes)) as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24_000)
+        samples = np.frombuffer(f.readframes(f.getnframes()), "<i2")
+    with client.audio.speech.with_streaming_response.create(
+        model="assistant", voice="joe", input=SPOKEN, response_format="pcm", stream_format="audio",  # type: ignore[arg-type]
+    ) as response:
+        streamed = np.frombuffer(b"".join(response.iter_bytes()), "<i2")
+    for served in (samples, streamed):
+        assert len(served) == round(len(native) * 24_000 / 22_050)
+        assert np.abs(served.astype(np.float64) - whole).max() <= 8.0
+    # The last user turn of a chat is read as the same text; no voice is the default voice.
+    chat = [{"role": "user", "content": "not this"}, {"role": "user", "content": SPOKEN}]
+    np.testing.assert_array_equal(_native_read(server, messages=chat), native)
+    bad = httpx.post(f"{server.url}/v1/audio/speech", json={"model": "assistant", "input": "x", "voice": "alloy"}, timeout=30)
+    assert bad.status_code == 400 and "unknown voice" in bad.text

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soxr
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,7 +28,8 @@ from mstar.server.metrics import ServerMetrics
 from tests.server.conftest import RunningServer, running_server
 
 MODEL = "toy-composite"
-RATE = 16_000  # the toy vocoder's sample rate
+RATE = 16_000  # the toy vocoder's sample rate (the native route's)
+SERVED_RATE = 24_000  # what the OpenAI routes serve every model at (resampled)
 
 
 def client(server: RunningServer) -> openai.OpenAI:
@@ -51,7 +53,7 @@ def test_models_lists_the_one_served_model(toy_server: RunningServer) -> None:
 
 def test_speech_as_a_whole_wav_file(toy_server: RunningServer) -> None:
     rate, pcm = whole_wav(toy_server, "Hello from mstar")
-    assert rate == RATE
+    assert rate == SERVED_RATE
     samples = np.frombuffer(pcm, "<i2")
     assert len(samples) > 0 and np.abs(samples).max() > 1000  # the toy speaks sines at 0.3
 
@@ -70,7 +72,7 @@ def test_speech_streamed_to_a_file_with_the_openai_client(toy_server: RunningSer
     reader = WavStreamReader()
     frames = reader.feed(data)
     reader.finish()
-    assert reader.format is not None and reader.format.sample_rate == RATE
+    assert reader.format is not None and reader.format.sample_rate == SERVED_RATE
     _, whole = whole_wav(toy_server, "Hello from mstar")
     assert data[44:] == whole and frames == len(whole) // 2
     assert toy_server.metric("mstar_time_to_first_audio_seconds_count") > finished_before
@@ -80,13 +82,13 @@ def test_speech_as_raw_pcm_and_as_server_sent_events(toy_server: RunningServer) 
     _, whole = whole_wav(toy_server, "pcm please")
     with httpx.Client(base_url=toy_server.url) as http:
         pcm = http.post("/v1/audio/speech", json={"input": "pcm please", "response_format": "pcm", "stream": True})
-        assert pcm.status_code == 200 and pcm.headers["x-sample-rate"] == str(RATE)
+        assert pcm.status_code == 200 and pcm.headers["x-sample-rate"] == str(SERVED_RATE)
         assert pcm.content == whole
         events = http.post("/v1/audio/speech", json={"input": "pcm please", "response_format": "pcm", "stream_format": "sse"})
     payloads = [json.loads(line[6:]) for line in events.text.splitlines() if line.startswith("data: ")]
     deltas = [p for p in payloads if p["type"] == "speech.audio.delta"]
     assert b"".join(base64.b64decode(p["audio"]) for p in deltas) == whole
-    assert payloads[-1] == {"type": "speech.audio.done", "usage": {"num_samples": len(whole) // 2, "sample_rate": RATE}}
+    assert payloads[-1] == {"type": "speech.audio.done", "usage": {"num_samples": len(whole) // 2, "sample_rate": SERVED_RATE}}
 
 
 def test_images_as_base64_png(toy_server: RunningServer) -> None:
@@ -109,8 +111,13 @@ def test_native_generate_streams_every_modality_as_ndjson(toy_server: RunningSer
     lines = [json.loads(line) for line in speech.text.splitlines()]
     audio = [ln for ln in lines if ln.get("modality") == "audio"]
     text = [ln for ln in lines if ln.get("modality") == "text"]
-    assert b"".join(base64.b64decode(a["data"]) for a in audio) == whole
-    assert sum(a["num_samples"] for a in audio) == len(whole) // 2 and {a["sample_rate"] for a in audio} == {RATE}
+    native = np.frombuffer(b"".join(base64.b64decode(a["data"]) for a in audio), "<i2")
+    assert sum(a["num_samples"] for a in audio) == len(native) and {a["sample_rate"] for a in audio} == {RATE}
+    # The OpenAI route's answer is the native one at 24 kHz: as long, and the same sound.
+    served = np.frombuffer(whole, "<i2")
+    assert len(served) == len(native) * SERVED_RATE // RATE
+    resampled = soxr.resample(native.astype(np.float32) / 32767.0, RATE, SERVED_RATE, quality="HQ") * 32767.0
+    assert np.abs(served - resampled).max() <= 8.0
     assert lines[-1] == {"usage": {"completion_tokens": sum(t["num_tokens"] for t in text)}, "finished": True}
     image_lines = [json.loads(line) for line in image.text.splitlines()]
     png = next(ln for ln in image_lines if ln.get("modality") == "image")
@@ -137,7 +144,7 @@ def test_the_benchmark_harness_reads_this_server(toy_server: RunningServer) -> N
     native, spoken, pictures = asyncio.run(run())
     native_samples = sum(e.num_samples for e in native if isinstance(e, OutputEvent) and e.modality == "audio")
     spoken_samples = sum(e.num_samples for e in spoken if isinstance(e, OutputEvent))
-    assert native_samples == spoken_samples == len(whole) // 2
+    assert spoken_samples == len(whole) // 2 == native_samples * SERVED_RATE // RATE
     tokens = sum(e.num_tokens for e in native if isinstance(e, OutputEvent) and e.modality == "text")
     assert [u.num_output_tokens for u in native if isinstance(u, Usage)] == [tokens]
     assert [e.modality for e in pictures] == ["image", "image"]  # type: ignore[attr-defined]
@@ -230,7 +237,7 @@ def test_metrics_count_tensor_bytes_of_every_process() -> None:
     config = EngineConfig(worker_processes=True)
     with running_server(ModelSpec("mstar.zoo.toy:ToyModel"), names=(MODEL,), engine_config=config) as server:
         rate, pcm = whole_wav(server, "bytes across processes")
-        assert rate == RATE and pcm
+        assert rate == SERVED_RATE and pcm
         with httpx.Client(base_url=server.url) as http:
             text = http.get("/metrics").text
     samples = {
@@ -241,5 +248,6 @@ def test_metrics_count_tensor_bytes_of_every_process() -> None:
     }
     # the conductor sends the prompt to the worker process, which sends tokens and audio back
     assert samples["conductor", "ipc", "sent"] == samples["rank0", "ipc", "received"] > 0
-    assert samples["rank0", "ipc", "sent"] == samples["conductor", "ipc", "received"] >= len(pcm) * 2
+    # (the audio crosses as float32 samples at the vocoder's rate: 4 bytes for each 1.5 served PCM16 samples)
+    assert samples["rank0", "ipc", "sent"] == samples["conductor", "ipc", "received"] >= len(pcm) * 2 * RATE // SERVED_RATE
     assert {k[1] for k in samples} == {"ipc", "tcp", "shm", "cuda_ipc"}

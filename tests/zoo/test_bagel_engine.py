@@ -194,7 +194,7 @@ async def test_answers_honour_the_sampling_settings(model32: BagelModel) -> None
 def test_bad_sampling_settings_and_edit_sizes_are_refused_before_generation(model32: BagelModel) -> None:
     with pytest.raises(ValueError, match="top_p"):
         model32.preprocess(Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), "top_p": 0.0}))
-    for name, value in (("logprobs", 2), ("ignore_eos", True)):
+    for name, value in (("logprobs", 21), ("ignore_eos", True)):  # logprobs: at most 20
         with pytest.raises(ValueError, match=name):
             model32.preprocess(Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), name: value}))
     with pytest.raises(ValueError, match="size: an edit keeps the input's size, 80x48"):

@@ -5,27 +5,24 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
-import torch
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from PIL import Image as PILImage
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Request
-from mstar.server.audio import pcm16_bytes, wav_header
+from mstar.server.audio import OPENAI_SAMPLE_RATE, PcmResampler, wav_header
 from mstar.server.encoding import error_body, sse
-from mstar.server.images import decode_image, png_bytes
+from mstar.server.images import decode_image, encode_image
 from mstar.server.protocol import ImageEditRequest, ImageGenerationRequest, SpeechRequest
 from mstar.server.session import (
     EngineStreamingResponse,
@@ -75,40 +72,51 @@ async def get_model(name: str, http: HttpRequest) -> dict[str, Any]:
 
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, http: HttpRequest) -> Response:
-    """Speak `input`: a whole WAV/PCM file, or (`stream`) audio sent as it is produced."""
+    """Speak `input`: a whole WAV/PCM file, or (`stream`) audio sent as it is produced.
+
+    The audio is served at `OPENAI_SAMPLE_RATE` whatever the model's own rate (resampled
+    continuously when they differ); the ``X-Sample-Rate`` header names it.
+    """
     state = _state(http)
     state.check_model(body.model)
     state.check_task("speech")
-    rate = state.sample_rate
-    if rate is None:
+    native = state.sample_rate
+    if native is None:
         raise MStarError(f"model {state.name!r} has a speech task but no audio_sample_rate")
+    rate = OPENAI_SAMPLE_RATE
+    await state.check_length(body.max_tokens, num_prompt=state.count_prompt(body.input), prompt_param="input")
     request = Request("speech", body.model_data(), f"speech-{uuid.uuid4().hex}")
     headers = {"X-Sample-Rate": str(rate)}
     if not body.is_streamed:
-        (outputs,) = await run_to_end(state, http, [request], sample_rate=rate)
-        pcm = b"".join(pcm16_bytes(o.data) for o in outputs if o.modality == "audio")
+        (outputs,) = await run_to_end(state, http, [request], sample_rate=native)
+        resampler = PcmResampler(native, rate)
+        pcm = b"".join(resampler.feed(o.data) for o in outputs if o.modality == "audio") + resampler.finish()
         if body.response_format == "wav":
             pcm = wav_header(rate, num_data_bytes=len(pcm)) + pcm
         return Response(pcm, media_type=_AUDIO_TYPES[body.response_format], headers=headers)
-    stream = await open_stream(state, http, request, sample_rate=rate)
+    stream = await open_stream(state, http, request, sample_rate=native)
+    chunks = _pcm_chunks(stream, PcmResampler(native, rate))
     if body.stream_format == "sse":
-        content = _speech_events(stream, body.response_format, rate)
+        content = _speech_events(chunks, body.response_format, rate)
         return EngineStreamingResponse(content, stream, media_type="text/event-stream", headers=headers)
-    content = _audio_bytes(stream, body.response_format, rate)
+    content = _audio_bytes(chunks, body.response_format, rate)
     return EngineStreamingResponse(content, stream, media_type=_AUDIO_TYPES[body.response_format], headers=headers)
 
 
-async def _pcm_chunks(stream: RequestStream) -> AsyncIterator[bytes]:
-    """Yield PCM16 of each audio output as it comes."""
+async def _pcm_chunks(stream: RequestStream, resampler: PcmResampler) -> AsyncIterator[bytes]:
+    """Yield PCM16 at the served rate of each audio output as it comes, then the resampler's tail."""
     async with contextlib.aclosing(stream.outputs()) as outputs:
         async for out in outputs:
             if out.modality == "audio":
-                pcm = pcm16_bytes(out.data)
+                pcm = resampler.feed(out.data)
                 if pcm:
                     yield pcm
+    tail = resampler.finish()
+    if tail:
+        yield tail
 
 
-async def _audio_bytes(stream: RequestStream, response_format: str, rate: int) -> AsyncIterator[bytes]:
+async def _audio_bytes(chunks: AsyncIterator[bytes], response_format: str, rate: int) -> AsyncIterator[bytes]:
     """Yield a streaming WAV header (for wav), then the audio as it is produced.
 
     A failure mid-stream propagates: the connection closes without the final chunk, so the
@@ -116,11 +124,11 @@ async def _audio_bytes(stream: RequestStream, response_format: str, rate: int) -
     """
     if response_format == "wav":
         yield wav_header(rate)
-    async for pcm in _pcm_chunks(stream):
+    async for pcm in chunks:
         yield pcm
 
 
-async def _speech_events(stream: RequestStream, response_format: str, rate: int) -> AsyncIterator[bytes]:
+async def _speech_events(chunks: AsyncIterator[bytes], response_format: str, rate: int) -> AsyncIterator[bytes]:
     """Yield `speech.audio.delta` events (base64 audio), then `speech.audio.done`."""
 
     def delta(data: bytes) -> bytes:
@@ -130,7 +138,7 @@ async def _speech_events(stream: RequestStream, response_format: str, rate: int)
     try:
         if response_format == "wav":
             yield delta(wav_header(rate))
-        async for pcm in _pcm_chunks(stream):
+        async for pcm in chunks:
             num_samples += len(pcm) // 2
             yield delta(pcm)
         yield sse({"type": "speech.audio.done", "usage": {"num_samples": num_samples, "sample_rate": rate}})
@@ -212,20 +220,15 @@ async def _run_images(
         pictures = [o.data for o in outputs if o.modality == "image"]
         if not pictures:
             raise MStarError(f"model {state.name!r} finished an image request without an image")
-        picture = pictures[-1]
-        shape: tuple[int, ...]
-        if isinstance(picture, bytes | bytearray):  # encoded by the model already
-            png = bytes(picture)
-            with PILImage.open(io.BytesIO(png)) as header:
-                shape = (header.height, header.width)
-        else:
-            png = png_bytes(picture)
-            shape = tuple(torch.as_tensor(picture).shape)
-        if size is not None and (shape[1], shape[0]) != size:
+        try:
+            picture = encode_image(pictures[-1])  # whatever the model emits: bytes, PIL, tensors
+        except ValueError as exc:
+            raise MStarError(f"model {state.name!r} emitted an image that is no image: {exc}") from None
+        if size is not None and (picture.width, picture.height) != size:
             raise APIRequestError(
-                f"model {state.name!r} makes {shape[1]}x{shape[0]} images, not {size[0]}x{size[1]}: "
+                f"model {state.name!r} makes {picture.width}x{picture.height} images, not {size[0]}x{size[1]}: "
                 "omit size or send 'auto'",
                 param="size",
             )
-        images.append({"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None})
+        images.append({"b64_json": base64.b64encode(picture.png).decode("ascii"), "revised_prompt": None})
     return JSONResponse({"created": int(time.time()), "data": images})

@@ -249,8 +249,8 @@ class ChatMessage(BaseModel):
 class ChatAudio(BaseModel):
     """`audio`: how a chat answer with ``modalities: ["text", "audio"]`` is spoken.
 
-    ``pcm16`` is little-endian 16-bit mono at the model's rate (which mstar adds to each
-    audio delta as ``sample_rate``; OpenAI's own is 24 kHz); streams send ``pcm16`` only, as
+    ``pcm16`` is little-endian 16-bit mono at 24 kHz, the rate OpenAI clients play (the
+    model's audio resampled; each audio delta names it as ``sample_rate``); streams send ``pcm16`` only, as
     OpenAI's API does. The voice is the model's own (the assistant has one).
     """
 

@@ -14,7 +14,7 @@ A chat with ``modalities: ["text", "audio"]`` to a model with audio outputs (the
 Qwen3-Omni) is answered as OpenAI's audio-output API answers: the text is the audio's
 ``transcript``, and the speech comes base64-encoded in ``audio.data`` (``pcm16`` chunks as
 they are spoken in a stream, each delta also naming its ``sample_rate``; a whole ``wav`` or
-``pcm16`` file otherwise). Models with audio outputs get ``modalities`` in the request data,
+``pcm16`` file otherwise), at 24 kHz whatever the model's own rate (`PcmResampler`). Models with audio outputs get ``modalities`` in the request data,
 so a text-only chat does not run their voice.
 """
 
@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import APIRequestError, MStarError
 from mstar.runtime.model import Output, Request, SupportsTextOutput
-from mstar.server.audio import pcm16_bytes, wav_header
+from mstar.server.audio import OPENAI_SAMPLE_RATE, PcmResampler, wav_header
 from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from mstar.server.encoding import SSE_DONE, error_body, sse, token_ids, token_logprobs
 from mstar.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -75,8 +75,10 @@ class TextGeneration:
         stops: list[str],
         max_tokens: int | None,
         index: int = 0,
+        audio: PcmResampler | None = None,
     ) -> None:
         self.index = index
+        self.audio = audio  # a spoken answer's speech, at the served rate
         self.detokenizer = IncrementalDetokenizer(model.detokenize)
         self.stopper = StopStringMatcher(stops)
         self.eos_ids = frozenset(model.eos_token_ids)
@@ -93,8 +95,8 @@ class TextGeneration:
 
     def feed(self, out: Output) -> Piece:
         """Take one output; return what it adds (nothing for other modalities)."""
-        if out.modality == "audio" and not self.is_stopped:
-            return Piece(pcm=pcm16_bytes(out.data))
+        if out.modality == "audio" and not self.is_stopped and self.audio is not None:
+            return Piece(pcm=self.audio.feed(out.data))
         if out.modality != "text" or self.is_stopped:
             return Piece()
         ids = token_ids(out.data)
@@ -108,11 +110,12 @@ class TextGeneration:
             return Piece(text)
         return Piece(text, [logprobs], [offset])
 
-    def finish(self) -> str:
-        """Return the text held back at the end."""
+    def finish(self) -> Piece:
+        """Return the text (and speech) held back at the end."""
+        pcm = b"" if self.audio is None else self.audio.finish()
         if self.is_stopped:
-            return ""
-        return self._emit(self.stopper.feed(self.detokenizer.flush()) + self.stopper.flush())
+            return Piece(pcm=pcm)
+        return Piece(self._emit(self.stopper.feed(self.detokenizer.flush()) + self.stopper.flush()), pcm=pcm)
 
     def _emit(self, text: str) -> str:
         self.text_len += len(text)
@@ -237,7 +240,7 @@ class _Choices:
                         break
             tail = gen.finish()
             if tail:
-                self.queue.put_nowait((index, Piece(tail)))
+                self.queue.put_nowait((index, tail))
             self.queue.put_nowait((index, _END))
         except Exception as exc:
             error = _request_error(exc)
@@ -399,11 +402,12 @@ async def _run(
         requests.append(
             Request("generate", data, request_id if body.n == 1 else f"{request_id}-{i}")
         )
-        gens.append(TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens, i))
+        audio = PcmResampler(state.sample_rate, OPENAI_SAMPLE_RATE) if spoken and state.sample_rate else None
+        gens.append(TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens, i, audio))
     texts = TokenTexts(text_model.tokenizer)
     meta = {"id": request_id, "created": int(time.time()), "model": state.name}
-    rate = state.sample_rate if spoken else None
-    choices = _Choices(state, requests, gens, sample_rate=rate)
+    rate = OPENAI_SAMPLE_RATE if spoken else None  # what the answer's speech is served at
+    choices = _Choices(state, requests, gens, sample_rate=state.sample_rate if spoken else None)
     with_logprobs = body.num_logprobs is not None
     if body.stream:
         await cancel_on_disconnect(http, choices.wait_started())

@@ -20,9 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.errors import CheckpointError
+from mstar.engines.sampling_params import SamplingParams
+from mstar.errors import CheckpointError, InvalidSamplingParamsError
 
 __all__ = [
+    "GENERATION_DEFAULT_KEYS",
+    "load_generation_defaults",
     "load_hf_config",
     "load_into_module",
     "load_state_dict",
@@ -53,6 +56,36 @@ def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{str(path)!r} must hold a JSON object")
     return config
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+"""The sampling settings a checkpoint's `generation_config.json` gives requests that leave them unset."""
+
+
+def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | int]:
+    """Return the sampling defaults of a checkpoint's `generation_config.json` (empty without one).
+
+    As vLLM reads them: the keys of `GENERATION_DEFAULT_KEYS` the file sets (other fields,
+    ``do_sample`` among them, are not sampling defaults here).
+
+    Raises:
+        CheckpointError: The file is not a JSON object, or a value is not a valid setting.
+    """
+    path = _directory(checkpoint_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{str(path)!r} must hold a JSON object")
+    defaults = {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}
+    try:
+        SamplingParams(**defaults)
+    except InvalidSamplingParamsError as exc:
+        raise CheckpointError(f"{str(path)!r}: {exc}") from exc
+    return defaults
 
 
 def safetensors_files(checkpoint_dir: str | Path) -> dict[str, Path]:

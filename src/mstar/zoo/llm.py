@@ -10,7 +10,9 @@ rebuilt there).
 Request: ``Request("generate", {"prompt": str} | {"messages": [...]} |
 {"prompt_token_ids": [...]}, plus sampling keys: max_tokens, temperature, top_p, top_k,
 repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs, ignore_eos})``.
-Without ``max_tokens`` the request generates up to `DEFAULT_MAX_TOKENS`, or less where the
+Sampling keys the request leaves unset take the checkpoint's ``generation_config.json``
+values (temperature, top_p, top_k, repetition_penalty), as in vLLM, else `SamplingParams`'
+defaults. Without ``max_tokens`` the request generates up to `DEFAULT_MAX_TOKENS`, or less where the
 model's length (`max_model_len`) ends first (the OpenAI routes send the rest of the length,
 as vLLM does). With ``logprobs`` (0-20 alternatives) each emitted token
 is a `TokenLogprobs` dict (``token_id``, ``logprob``, ``top_token_ids``, ``top_logprobs``)
@@ -34,7 +36,7 @@ from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import KVCacheCapacityError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsTextOutput
-from mstar.zoo.hf_checkpoint import load_hf_config
+from mstar.zoo.hf_checkpoint import load_generation_defaults, load_hf_config
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
 __all__ = ["DEFAULT_MAX_TOKENS", "LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
@@ -133,6 +135,9 @@ class TextLLM(Model, SupportsTextOutput):
         self.name = name
         self.checkpoint_dir = Path(checkpoint_dir)
         self.hf_config = load_hf_config(self.checkpoint_dir)
+        # Sampling settings a request leaves unset come from the checkpoint, as in vLLM (an
+        # instruct model answers gibberish at the API's temperature 1 that its authors never use).
+        self.generation_defaults = load_generation_defaults(self.checkpoint_dir)
         self.engine_config = KVCacheEngineConfig(**dict(engine_config or {}))
         self.dtype = getattr(torch, dtype) if dtype else None
         self._graph = make_llm_graph(name)
@@ -220,6 +225,8 @@ class TextLLM(Model, SupportsTextOutput):
                 f"the prompt has {len(tokens)} tokens but the model's length is {limit}: shorten it"
             )
         params = {k: data[k] for k in _REQUEST_KEYS if k in data and data[k] is not None}
+        for key, value in self.generation_defaults.items():
+            params.setdefault(key, value)
         max_tokens = params.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, limit - len(tokens)))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")

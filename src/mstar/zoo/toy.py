@@ -43,6 +43,7 @@ from mstar.graph import (
 )
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
+from mstar.zoo.requests import speech_text
 
 __all__ = [
     "ToyConfig",
@@ -316,9 +317,12 @@ class ToyModel(Model, SupportsAudioOutput):
         """Check the task and text; build inputs."""
         if request.task not in self.tasks():
             raise ValueError(f"task must be one of {list(self.tasks())}, got {request.task!r}")
-        text = request.data.get("text", "")
-        if not isinstance(text, str) or not text:
-            raise ValueError("data['text'] must be a non-empty string")
+        if request.task == "speech":  # it speaks text, or the last user turn of messages
+            text = speech_text(request.data)
+        else:
+            text = request.data.get("text", "")
+            if not isinstance(text, str) or not text:
+                raise ValueError("data['text'] must be a non-empty string")
         seed = int(request.data.get("seed", 0))
         images = None
         if request.task == "image_edit":

@@ -11,6 +11,10 @@ speaks one sentence while the LLM writes the next.
 Request: ``Request("generate", {"text": str} | {"messages": [...]} | {"prompt_token_ids":
 [...]}, plus sampling keys (max_tokens, temperature, top_p, top_k, repetition_penalty, seed)
 and ``modalities``: ["text", "audio"] (default) or ["text"] (the voice does not run)})``.
+
+``Request("speech", {"text": str} | {"messages": [...]}, "voice": "joe" | "default"})`` reads
+the text (or the last user turn) aloud without the LLM: partition ``Reader``'s walk ``read``
+speaks it whole with the same voice.
 """
 
 from __future__ import annotations
@@ -44,15 +48,20 @@ from mstar.zoo.assistant.sentences import SentenceChunkPolicy
 from mstar.zoo.assistant.voice import PiperSpeaker, VoiceSettings
 from mstar.zoo.llama import load_llama
 from mstar.zoo.llm import LlamaKVNode, TextLLM
+from mstar.zoo.requests import speech_text, speech_voice
 
-__all__ = ["AssistantLLMNode", "AssistantModel", "VoiceNode", "make_assistant_graph"]
+__all__ = ["VOICE", "AssistantLLMNode", "AssistantModel", "ReaderNode", "VoiceNode", "make_assistant_graph"]
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in a few short, clear sentences."
+VOICE = "joe"
+"""The name of the assistant's one voice (`en_US-joe-medium`)."""
 _MODALITIES = ("text", "audio")
+_READ, _SPOKEN, _WRITTEN = "read", "spoken", "written"  # what a request does: its walk plan
 
 
 def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
-    """Return the assistant's graph: the LLM's tokens emitted as text and streamed to the voice."""
+    """Return the assistant's graph: the LLM's tokens emitted as text and streamed to the voice;
+    beside them, the reader (speech requests: a given text read aloud)."""
     llm = GraphNode(
         "llm",
         {"history", "params"},
@@ -64,12 +73,13 @@ def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
         signals={"stop"},
     )
     voice = GraphNode("voice", {"say"}, [GraphEdge(EMIT, "audio", modality="audio")])
+    reader = GraphNode("reader", {"text"}, [GraphEdge(EMIT, "audio", modality="audio")])
     return ModelGraph(
         name="assistant",
-        walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "speak": voice},
-        partitions={"LLM": ["prefill", "decode"], "Voice": ["speak"]},
+        walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "speak": voice, "read": reader},
+        partitions={"LLM": ["prefill", "decode"], "Voice": ["speak"], "Reader": ["read"]},
         connections=[Connection("LLM", "Voice", "say", policy)],
-        inputs={"llm": {"history", "params"}},
+        inputs={"llm": {"history", "params"}, "reader": {"text"}},
     )
 
 
@@ -105,6 +115,17 @@ class VoiceNode:
         return [
             {"audio": torch.from_numpy(self.speaker.speak(self.text(x["say"])))} for x in batch
         ]
+
+
+class ReaderNode:
+    """The ``reader`` node: read each speech request's text aloud, whole."""
+
+    def __init__(self, speaker: PiperSpeaker) -> None:
+        self.speaker = speaker
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Return each request's samples."""
+        return [{"audio": torch.from_numpy(self.speaker.speak(str(x["text"])))} for x in batch]
 
 
 class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
@@ -164,17 +185,17 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
 
     def engine_types(self) -> dict[str, EngineType]:
         """Return KV_CACHE for the LLM, STATELESS for the voice."""
-        return {"llm": EngineType.KV_CACHE, "voice": EngineType.STATELESS}
+        return {"llm": EngineType.KV_CACHE, "voice": EngineType.STATELESS, "reader": EngineType.STATELESS}
 
     def tasks(self) -> tuple[str, ...]:
-        """Return the one task (text routes call it ``generate``)."""
-        return ("generate",)
+        """Return ``generate`` (an answer, written and spoken) and ``speech`` (a text read aloud)."""
+        return ("generate", "speech")
 
     def default_placement(self) -> Placement | None:
-        """Put the voice on rank 1 (its own step thread), unless ``colocated``."""
+        """Put the voice and the reader on rank 1 (their own step thread), unless ``colocated``."""
         if self.colocated:
             return None
-        return Placement((NodeGroup(["llm"], [0]), NodeGroup(["voice"], [1])), self._graph.name)
+        return Placement((NodeGroup(["llm"], [0]), NodeGroup(["voice", "reader"], [1])), self._graph.name)
 
     def submodule(self, node: str, device: torch.device) -> Any:
         """Load SmolLM2 or the voice."""
@@ -184,12 +205,19 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
             return AssistantLLMNode(weights, llm.engine_config, llm.eos_token_ids)
         if node == "voice":
             return VoiceNode(self.tokenizer, PiperSpeaker(settings=self.voice_settings))
+        if node == "reader":
+            return ReaderNode(PiperSpeaker(settings=self.voice_settings))
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:
         """Put the question in a conversation with the system prompt; tokenize it with the chat template."""
+        if request.task == "speech":
+            voice = speech_voice(request.data, VOICE)
+            if voice != VOICE:
+                raise ValueError(f"unknown voice {voice!r}: the assistant speaks with one voice, {VOICE!r} (or 'default')")
+            return PreparedRequest({"reader": {"text": speech_text(request.data)}}, state=_READ)
         if request.task != "generate":
-            raise ValueError(f"task must be 'generate', got {request.task!r}")
+            raise ValueError(f"task must be 'generate' or 'speech', got {request.task!r}")
         data = dict(request.data)
         modalities = data.pop("modalities", None) or list(_MODALITIES)
         if (
@@ -213,23 +241,24 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
             and not any(isinstance(m, Mapping) and m.get("role") == "system" for m in messages)
         ):
             data["messages"] = [{"role": "system", "content": self.system_prompt}, *messages]
-        # SmolLM2's recommended sampling, unless the request says otherwise.
-        for key, value in (("max_tokens", self.max_tokens), ("temperature", 0.2), ("top_p", 0.9)):
-            data.setdefault(key, value)
+        # Sampling the request leaves unset is SmolLM2's own (its checkpoint's generation_config.json).
+        data.setdefault("max_tokens", self.max_tokens)
         prepared = self.llm.preprocess(Request("generate", data, request.request_id))
-        return PreparedRequest(prepared.inputs, state="audio" in modalities)
+        return PreparedRequest(prepared.inputs, state=_SPOKEN if "audio" in modalities else _WRITTEN)
 
     def first_walk(self, partition: str, state: Any) -> str | None:
-        """LLM: prefill; Voice: speak, when audio was asked for."""
+        """LLM: prefill; Voice: speak, when audio was asked for; Reader: read, for a speech request."""
+        if state == _READ:
+            return "read" if partition == "Reader" else None
         if partition == "LLM":
             return "prefill"
-        return "speak" if state else None
+        return "speak" if partition == "Voice" and state == _SPOKEN else None
 
     def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
-        """LLM: decode after prefill, then done; Voice: one walk per chunk until the stream ends."""
+        """LLM: decode after prefill, then done; Voice: one walk per chunk until the stream ends; Reader: done."""
         if partition == "LLM":
             return "decode" if finished == "prefill" else None
-        return "speak"
+        return "speak" if partition == "Voice" else None
 
 
 def _voice_sample_rate() -> int:

@@ -32,6 +32,7 @@ from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import FiringRows, KVChunk, KVForward, KVTurn
 from mstar.engines.masks import AttentionMask
 from mstar.engines.paged_model import PagedKVContext
+from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.zoo.bagel.context import Context, ContextState, Part, Parts, TextItem
 from mstar.zoo.bagel.flow import BRANCHES
@@ -259,15 +260,17 @@ class LLMNode:
         params = SamplingParams(**sampling, max_tokens=max(1, segments.max_tokens), stop_token_ids=(tokens.eos,))
         return KVTurn([tokens.bos], params, is_done=segments.max_tokens < 1)
 
-    def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
-        """Emit each token but ``<|im_end|>``; the walk's last token stops the loop.
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None, *, logprobs: TokenLogprobs | None = None
+    ) -> Mapping[str, Any]:
+        """Emit each token but ``<|im_end|>`` (with its log-probabilities if asked); the walk's last token stops the loop.
 
         After a planning text the context state takes its tokens (they are prefilled next).
         """
         out: dict[str, Any] = {"stop": history is not None}
         eos = self.config.tokens.eos
         if token_id != eos:
-            out["token"] = token_id
+            out["token"] = token_id if logprobs is None else logprobs.to_dict()
         if history is not None and request_id in self._decoding:
             state = self._decoding.pop(request_id)
             generated = history[state.cond.num_tokens + 1 :]  # after the context and <|im_start|>

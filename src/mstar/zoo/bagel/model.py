@@ -28,7 +28,8 @@ multipart edit form sends one number, the text scale (the image scale keeps its 
 edit's ``width``/``height`` (the route's ``size``) must be the input's size after resizing, or absent.
 Answers (``understand``, ``generate``) are greedy unless ``temperature``, ``top_p``, ``top_k``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` or ``seed`` say otherwise;
-``logprobs`` and ``ignore_eos`` are refused.
+with ``logprobs`` (0-20 alternatives) each answer token is emitted as a `TokenLogprobs` dict, as
+the ``llama`` model emits it; ``ignore_eos`` is refused.
 
 Think mode (``think: true``) puts the planning instruction first, as a text item. Before an
 image the request then decodes a planning text (``decode``: its tokens stream as text) and
@@ -456,14 +457,15 @@ def _int_option(data: Mapping[str, Any], name: str, high: int, low: int) -> int:
     return value
 
 
-_SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+_SAMPLING = (
+    "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+)
 
 
 def _sampling(data: Mapping[str, Any]) -> tuple[tuple[str, float | int], ...]:
     """Return an answer's sampling settings, checked (none: greedy)."""
-    for name in ("logprobs", "ignore_eos"):
-        if data.get(name) not in (None, False):
-            raise ValueError(f"{name}: BAGEL's answers do not support it (omit {name})")
+    if data.get("ignore_eos") not in (None, False):
+        raise ValueError("ignore_eos: BAGEL's answers do not support it (omit ignore_eos)")
     sampling = tuple((name, data[name]) for name in _SAMPLING if data.get(name) is not None)
     try:
         SamplingParams(**{"temperature": 0.0, **dict(sampling)})

@@ -8,7 +8,8 @@ requests' windows in one codec call) and emits the new frames' 24 kHz samples. T
 per-request progress (`AudioStreamState`) persists from chunk to chunk, so the final chunk
 flushes the tail: every generated frame is emitted exactly once.
 
-Request: ``Request("speech", {"text": ..., "voice": "tara", "max_tokens": ..., "temperature":
+Request: ``Request("speech", {"text": ... (or "messages": the last user turn is spoken), "voice":
+"tara" ("default" or none: `DEFAULT_VOICE`), "max_tokens": ..., "temperature":
 ..., "top_p": ..., "repetition_penalty": ..., "seed": ...})``.
 """
 
@@ -48,7 +49,8 @@ from mstar.zoo.orpheus.codec import SnacCodec
 from mstar.zoo.orpheus.config import OrpheusConfig, TokenLayout, get_orpheus_config
 from mstar.zoo.orpheus.constrained import AudioLogitsProcessor
 from mstar.zoo.orpheus.stream import AudioStreamState, decode_chunks
-from mstar.zoo.orpheus.tokens import OrpheusTokenizer
+from mstar.zoo.orpheus.tokens import DEFAULT_VOICE, OrpheusTokenizer
+from mstar.zoo.requests import speech_text, speech_voice
 
 __all__ = ["OrpheusModel", "make_orpheus_graph"]
 
@@ -193,10 +195,7 @@ class OrpheusModel(Model, SupportsAudioOutput):
         if request.task != "speech":
             raise ValueError(f"task must be 'speech', got {request.task!r}")
         data = request.data
-        text = data.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("text must be a non-empty string")
-        prompt = self.tokenizer.format_prompt(text, data.get("voice") or "tara")
+        prompt = self.tokenizer.format_prompt(speech_text(data), speech_voice(data, DEFAULT_VOICE))
         cfg = self.config
         params: dict[str, Any] = {
             "temperature": cfg.temperature,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EMOTIVE_TAGS",
     "NUM_CUSTOM_TOKENS",
+    "DEFAULT_VOICE",
     "VOICES",
     "OrpheusTokenizer",
     "load_llama3_tokenizer",
@@ -36,6 +37,9 @@ __all__ = [
 
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 """The fine-tuned model's voices, in the order of its README."""
+
+DEFAULT_VOICE = VOICES[0]
+"""The voice of a request that names none (or "default"): the one Orpheus' README recommends."""
 
 EMOTIVE_TAGS = ("<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groan>", "<yawn>", "<gasp>")
 """Tags the fine-tuned model acts out; they are plain text to the tokenizer."""

@@ -28,7 +28,10 @@ from mstar.zoo.hf_checkpoint import load_hf_config, safetensors_files
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 
-__all__ = ["checkpoint_name", "load_qwen3_omni", "make_random_checkpoint", "our_name"]
+__all__ = ["RANDOM_INIT_VERSION", "checkpoint_name", "load_qwen3_omni", "make_random_checkpoint", "our_name"]
+
+RANDOM_INIT_VERSION = 2
+"""The version of `make_random_checkpoint`'s initialisation (cached random weights are keyed on it)."""
 
 # (checkpoint prefix, our prefix); the first match wins.
 _PREFIXES: tuple[tuple[str, str], ...] = (
@@ -215,5 +218,11 @@ def make_random_checkpoint(
                     layer.mlp.gate.weight,
                 ):
                     param.normal_(0.0, 0.02)
+            # transformers draws every convolution from N(0, 0.02): through Code2Wav's stack of
+            # narrow convolutions the signal shrinks by ~0.3 a layer and the waveform comes out
+            # at ~1e-7 (every PCM16 sample 0). torch's own fan-in scaled init keeps it audible.
+            for module in model.code2wav.modules():
+                if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+                    module.reset_parameters()
     model.save_pretrained(str(directory))
     return directory

@@ -19,10 +19,13 @@ the walk (no conductor hop per frame), so the talker partition ends with its str
 Requests: ``Request("generate", {"prompt_token_ids" | "messages" | "text", "max_tokens",
 "temperature", "top_p", "top_k", "repetition_penalty", "seed", "modalities": ["text"] |
 ["text", "audio"], "speaker" / "voice", "talker_temperature", "max_audio_frames",
-"return_codes" (each frame's 16 codes also emitted, as ``latent`` ``talker_codes``), "audio":
+"return_codes" (each frame's 16 codes also emitted, as ``latent`` ``talker_codes``), "logprobs"
+(0-20 alternatives: each answer token is emitted as a `TokenLogprobs` dict), "audio":
 [16 kHz waveforms], "images": [uint8 H x W x 3]})``; message content parts
 ``{"type": "audio", "audio": waveform}`` and ``{"type": "image", "image": array}`` place media
-in a turn. ``Request("speech", {"text", "voice"})`` speaks ``text`` as the answer.
+in a turn. ``Request("speech", {"text" | "messages", "voice"})`` speaks ``text`` (or the last
+user turn of ``messages``) as the answer. A ``voice`` / ``speaker`` of "default", or none, is
+the config's speaker.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import structlog
 import torch
 
+from mstar.engines.sampling_params import MAX_LOGPROBS
 from mstar.errors import CheckpointError
 from mstar.graph import (
     EMIT,
@@ -57,7 +61,11 @@ from mstar.runtime.model import (
 from mstar.runtime.placement import NodeGroup, Placement
 from mstar.streaming import FixedChunkPolicy, LeftContextChunkPolicy
 from mstar.zoo.cache import mstar_cache_dir, written_once
-from mstar.zoo.qwen3_omni.checkpoint import load_qwen3_omni, make_random_checkpoint
+from mstar.zoo.qwen3_omni.checkpoint import (
+    RANDOM_INIT_VERSION,
+    load_qwen3_omni,
+    make_random_checkpoint,
+)
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig, get_qwen3_omni_config
 from mstar.zoo.qwen3_omni.modules.encoders import audio_token_count
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
@@ -70,6 +78,7 @@ from mstar.zoo.qwen3_omni.nodes import (
 )
 from mstar.zoo.qwen3_omni.prompt import MediaInputs, audio_features, image_patches, make_segments
 from mstar.zoo.qwen3_omni.tokenizer import AUDIO_PART, IMAGE_PART, CharTokenizer, render_chat
+from mstar.zoo.requests import speech_text, speech_voice
 
 __all__ = ["Qwen3OmniModel", "make_qwen3_omni_graph"]
 
@@ -293,14 +302,17 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         if request.task not in ("generate", "speech"):
             raise ValueError(f"task must be 'generate' or 'speech', got {request.task!r}")
         data = dict(request.data)
-        for key in ("logprobs", "presence_penalty", "frequency_penalty"):
+        for key in ("presence_penalty", "frequency_penalty"):
             if data.get(key):
                 raise ValueError(f"{key} is not supported by {self.name}")
+        num_logprobs = data.get("logprobs")
+        if num_logprobs is not None and (
+            isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or not 0 <= num_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {num_logprobs!r}")
         forced: list[int] | None = None
         if request.task == "speech":
-            text = data.get("text")
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError("text must be a non-empty string")
+            text = speech_text(data)
             forced = [
                 int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ] + list(self.eos_token_ids)
@@ -309,7 +321,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
                 "messages": [{"role": "user", "content": text}],
                 "modalities": ["text", "audio"],
             }
-            data.pop("text")
+            data.pop("text", None)
         modalities = data.get("modalities") or list(_MODALITIES)
         if (
             not isinstance(modalities, list | tuple)
@@ -338,10 +350,11 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             "max_tokens": max_tokens, "stop_ids": stop_ids, "forced": forced,
             "temperature": _float(data, "temperature", 0.0), "top_p": _float(data, "top_p", 1.0),
             "top_k": int(data.get("top_k") or 0), "repetition_penalty": _float(data, "repetition_penalty", 1.0),
+            "logprobs": num_logprobs,
         }  # fmt: skip
-        speaker = data.get("speaker") or data.get("voice") or self.config.speaker
+        speaker = speech_voice(data, self.config.speaker)
         speakers = self.config.speaker_ids
-        if not isinstance(speaker, str) or speaker.lower() not in speakers:
+        if speaker.lower() not in speakers:
             raise ValueError(f"unknown speaker {speaker!r}; the model has {sorted(speakers)}")
         talker = {
             "seed": int(seed) % 2**63, "speaker": speakers[speaker.lower()],
@@ -476,7 +489,7 @@ def _load_tokenizer(cfg: Qwen3OmniConfig, path: Path) -> Any:
 def _cached_random_checkpoint(cfg: Qwen3OmniConfig) -> Path:
     """Return random weights for ``cfg`` under the cache, writing them once."""
     return written_once(
-        mstar_cache_dir() / "qwen3_omni" / cfg.name,
+        mstar_cache_dir() / "qwen3_omni" / f"{cfg.name}-{RANDOM_INIT_VERSION}",
         lambda folder: make_random_checkpoint(cfg, folder, seed=0),
         label=f"random {cfg.name} weights",
     )

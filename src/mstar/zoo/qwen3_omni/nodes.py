@@ -28,6 +28,7 @@ import torch
 
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
+from mstar.engines.sampler import TokenLogprobs
 from mstar.streaming import Chunk
 from mstar.zoo.qwen3_omni.frames import FrameInput, SpeechState, TalkerStepModel
 from mstar.zoo.qwen3_omni.modules.codec import conv_lookback, decode_chunk
@@ -61,6 +62,19 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+def _token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
+    """Return ``token``'s log-probability and the ``num_top`` likeliest tokens under the raw logits.
+
+    The model's own distribution (before penalties, temperature and filtering), as the text
+    LLMs' sampler reports it.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(min(num_top, logprobs.shape[-1])) if num_top else (logprobs[:0], logprobs[:0])
+    return TokenLogprobs(
+        token, float(logprobs[token]), tuple(int(i) for i in ids.tolist()), tuple(float(v) for v in values.tolist())
+    )
 
 
 def _segment(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -206,7 +220,9 @@ class ThinkerNode:
             last["count"] = count = int(last["count"]) + 1
             is_end = token in last["stop_ids"] or count >= int(last["max_tokens"])
             last.update(token=token, done=is_end)
-            out: dict[str, Any] = {"text": token, "last": last, "stop": is_end}
+            num_top = last.get("logprobs")
+            text: Any = token if num_top is None else _token_logprobs(logits[k], token, int(num_top)).to_dict()
+            out: dict[str, Any] = {"text": text, "last": last, "stop": is_end}
             cursor, segments = int(f.inputs["cursor"]), f.inputs["segments"]
             embed = (
                 None
