@@ -8,7 +8,9 @@ co-located engine (or the graph's reference interpreter), byte for byte.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from collections import defaultdict
 from typing import Any
@@ -161,6 +163,22 @@ async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(ray_cl
         again = await asyncio.gather(*(engine.run(Request("loop", {}, request_id=f"n{i}")) for i in range(2)))
         assert [[o.data for o in out] for out in again] == [[60], [60]]
     ray_cluster.add_b_node()  # for later tests
+
+
+async def test_the_first_request_after_ray_restarted_a_killed_rank_succeeds(ray_cluster: LocalCluster) -> None:
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 5})
+    # Ray's restart takes seconds, longer than the rank may be away before walks that need it
+    # fail: the conductor has given the rank up by the time it is back.
+    config = ray_config(restart_wait_s=0.5)
+    async with await AsyncEngine.start(spec, Placement.from_yaml(LOOP_ACROSS), config) as engine:
+        assert [o.data for o in await engine.run(Request("loop", {}))] == [5]
+        old = engine.rank_info[1]
+        os.kill(old.pid, signal.SIGKILL)  # the rank's Ray actor process (Ray restarts it)
+        while not (engine.rank_info[1].pid != old.pid and engine.ranks_up()[1]):
+            await asyncio.sleep(0.05)
+        assert engine.num_restarts == 1
+        assert engine.rank_info[1].system_id != old.system_id
+        assert [o.data for o in await engine.run(Request("loop", {}))] == [5]
 
 
 async def test_backend_ray_in_the_placement_file_places_ranks_through_a_placement_group(

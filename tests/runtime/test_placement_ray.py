@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mstar.errors import PlacementError
@@ -86,3 +88,20 @@ async def test_a_local_engine_refuses_a_ray_config_with_a_local_placement() -> N
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 2})
     with pytest.raises(PlacementError, match="backend: local"):
         await AsyncEngine.start(spec, Placement.from_yaml(LOCAL_FILE), EngineConfig(ray_address="auto"))
+
+
+def test_cluster_endpoints_of_ray_addresses(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from mstar.runtime.ray_launcher import cluster_endpoint
+
+    assert cluster_endpoint("127.0.0.1:6379") == ("127.0.0.1", 6379)
+    assert cluster_endpoint("ray://head:10001") == ("head", 10001)
+    assert cluster_endpoint("[::1]:6379") == ("::1", 6379)
+    assert cluster_endpoint("head") is None  # left to Ray
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster_endpoint("auto") is None  # no cluster started here
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:41234\n")  # what `ray start --head` leaves
+    assert cluster_endpoint("auto") == ("127.0.0.1", 41234)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert cluster_endpoint("auto") == ("10.0.0.2", 6379)

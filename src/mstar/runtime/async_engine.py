@@ -21,6 +21,7 @@ import contextlib
 import gc
 import importlib.util
 import os
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -86,9 +87,12 @@ class EngineConfig:
         watchdog_interval_s: How often worker processes are checked (besides at once when
             one exits); a dead one fails the requests that used it (`WorkerLostError`) and
             is restarted.
-        restart_wait_s: How long a walk that needs a lost worker waits for its restart;
-            then it fails with `WorkerLostError` (and so do later ones, at once, until the
-            worker is back).
+        restart_wait_s: How long a running request's next walk that needs a lost worker
+            (no live replica) waits for its restart; then it fails with
+            `WorkerUnavailableError`. New requests that need it do not wait: they fail at
+            once with `WorkerUnavailableError` (naming the rank, with ``retry_after_s``
+            counting down to when the restart should be done), and run again as soon as the
+            worker is back.
         request_stall_timeout_s: How long a request may go without progress (an output, a
             stream item, or a walk share done reaching the conductor) before it fails with
             `RequestStalledError` and everything it held is released: a message lost on the
@@ -121,6 +125,9 @@ class EngineConfig:
         ray_max_restarts: How often Ray restarts a rank's process (-1: without limit).
         ray_placement_timeout_s: How long the Ray cluster may take to reserve every rank's
             resources (one placement group) before the start fails with `PlacementError`.
+        ray_connect_timeout_s: How long joining the Ray cluster may take before the start
+            fails with `RayClusterUnreachableError` (an address where nothing listens fails
+            at once).
     """
 
     worker_processes: bool = False
@@ -130,7 +137,8 @@ class EngineConfig:
     max_wait_s: float = 0.0
     loop: str = field(default_factory=lambda: "uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
     # A loaded 2-core host can starve an event loop for seconds; a dead process is caught by
-    # the watchdog at once, so links may wait longer before giving a peer up.
+    # the watchdog at once (and a link to a peer on this host watches its process, not its
+    # silence), so links to other hosts may wait longer before giving a peer up.
     system: SystemConfig = field(default_factory=lambda: SystemConfig(heartbeat_timeout_s=20.0))
     watchdog_interval_s: float = 0.25
     restart_wait_s: float = 60.0
@@ -144,6 +152,7 @@ class EngineConfig:
     ray_num_cpus: float = 1.0
     ray_max_restarts: int = -1
     ray_placement_timeout_s: float = 60.0
+    ray_connect_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         stall = self.request_stall_timeout_s
@@ -232,6 +241,7 @@ class AsyncEngine:
         self._served = ""  # the ipc address worker processes reach the conductor at
         self.num_restarts = 0
         self._lost: set[int] = set()  # ranks whose worker process died and is not back yet
+        self._start_s: dict[int, float] = {}  # rank -> how long its worker's last start took
         self._exited = asyncio.Event()
         self._sentinels: set[int] = set()
         self._preprocessing = ThreadPoolExecutor(2, thread_name_prefix="mstar-preprocess")
@@ -261,6 +271,7 @@ class AsyncEngine:
 
         Raises:
             PlacementError: The placement does not fit the model.
+            RayClusterUnreachableError: The Ray cluster cannot be reached or joined in time.
             ModelLoadError: The model cannot be built.
             MissingMainGuardError: Worker processes were asked for by a script without an
                 ``if __name__ == "__main__":`` guard.
@@ -296,6 +307,8 @@ class AsyncEngine:
                 placement_timeout_s=config.ray_placement_timeout_s,
             )
         try:
+            if launcher is not None:
+                await launcher.connect(config.ray_connect_timeout_s)
             engine = cls(instance, placement, config, launcher)
         except BaseException:
             if launcher is not None:
@@ -322,6 +335,7 @@ class AsyncEngine:
 
     async def _start_actors(self, spec: ModelSpec | None) -> None:
         ranks = self.placement.ranks
+        started = time.monotonic()
         if self.launcher is not None:
             launcher = self.launcher
             host = launcher.node_ip()
@@ -345,6 +359,7 @@ class AsyncEngine:
                 await self.system.spawn(self._worker_factory(rank, self.conductor), name=worker_name(rank))
             return
         await asyncio.gather(*(self._init_worker(rank) for rank in ranks))
+        self._start_s = dict.fromkeys(ranks, time.monotonic() - started)
         if self.launcher is not None:
             loop = asyncio.get_running_loop()
             self._links_lost = {r: asyncio.Event() for r in ranks}
@@ -409,7 +424,7 @@ class AsyncEngine:
                 log.error("worker_lost", rank=rank, pid=proc.pid)
                 self._lost.add(rank)
                 assert self.conductor is not None
-                self.conductor.tell(WorkerLost(rank))
+                self.conductor.tell(WorkerLost(rank, self._start_s.get(rank, 0.0)))
                 # Asks waiting on the dead process fail now, not at the heartbeat timeout.
                 for address in proc.addresses:
                     self.system.drop_link(address, PeerLostError(f"the worker process of rank {rank} died"))
@@ -423,12 +438,14 @@ class AsyncEngine:
                     log.exception("worker_restart_failed", rank=rank)
 
     async def _restart(self, rank: int) -> None:
+        started = time.monotonic()
         proc = self.processes[rank] = self._make_process()
         await asyncio.to_thread(proc.start)  # a child that dies starting is reaped (and retried)
         self._watch_exit(rank)
         self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
         await self._worker_back(rank)
-        log.info("worker_restarted", rank=rank, pid=proc.pid)
+        self._start_s[rank] = time.monotonic() - started
+        log.info("worker_restarted", rank=rank, pid=proc.pid, restart_s=round(self._start_s[rank], 3))
 
     def _link_lost(self, addresses: list[str], error: Exception) -> None:
         """Wake the watcher of a Ray rank whose link broke (sooner than Ray tells of the death)."""
@@ -459,14 +476,16 @@ class AsyncEngine:
                 return
             old = self.rank_info[rank]
             log.error("worker_lost", rank=rank, pid=old.pid, ray_node=old.node_id)
+            lost_at = time.monotonic()
             self._lost.add(rank)
-            self.conductor.tell(WorkerLost(rank))
+            self.conductor.tell(WorkerLost(rank, self._start_s.get(rank, 0.0)))
             for address in old.addresses:
                 self.system.drop_link(address, PeerLostError(f"the worker of rank {rank} died"))
             try:
                 info = self.rank_info[rank] = await launcher.restarted(rank, old)
                 self.workers[rank] = self.system.ref(worker_name(rank), info.addresses[0])
                 await self._worker_back(rank)
+                self._start_s[rank] = time.monotonic() - lost_at  # Ray's restart and the worker's build
             except WorkerLostError:
                 log.error("worker_gone", rank=rank)  # Ray gave up on it: walks fail after restart_wait_s
                 return
@@ -548,7 +567,9 @@ class AsyncEngine:
             ValueError: The model rejected the request.
             WalkExecutionError: A node failed (names node, walk and request).
             RequestAbortedError: The request was aborted.
-            WorkerLostError: A worker the request used died.
+            WorkerUnavailableError: A worker the request used died, or one it needs is down
+                (being restarted, no live replica): retry after its ``retry_after_s`` (a
+                `WorkerLostError`).
         """
         pending = _Pending()
         if not self._is_closed:

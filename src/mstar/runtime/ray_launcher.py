@@ -21,6 +21,15 @@ restarts these processes (``max_restarts``); the data plane stays mstar's: ZeroM
 tensors out of band, never Ray's object store. The conductor and the HTTP server stay on
 the driver.
 
+Joining the cluster (`RayLauncher.connect`) is bounded: an address where nothing listens fails
+at once, and one that does not take this driver in within ``connect_timeout_s`` fails then,
+both with `RayClusterUnreachableError` naming the address; ``ray.init`` runs on a thread of
+its own meanwhile, so that the event loop (and a SIGTERM) is never held up by Ray's retries.
+A loopback address (``127.0.0.1:6379``) means a cluster on this machine: Ray is then kept on
+loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before it is imported), since otherwise it
+rewrites the address to the machine's network address, where a head bound to loopback
+refuses it.
+
 Ray is an optional dependency (``pip install 'mstar[ray]'``): it is imported only here, and
 only when a launcher is made.
 """
@@ -29,19 +38,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
-import signal
+import socket
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from mstar.actors.config import SystemConfig
-from mstar.errors import MStarError, PlacementError, WorkerLostError
+from mstar.errors import MStarError, PlacementError, RayClusterUnreachableError, WorkerLostError
 
-__all__ = ["RankHost", "RankInfo", "RayLauncher", "ray_host_id"]
+__all__ = ["LOOPBACK_ENV", "RankHost", "RankInfo", "RayLauncher", "cluster_endpoint", "ray_host_id"]
+
+log = structlog.get_logger(__name__)
+
+# Ray reads it once, when imported: "0" keeps this process's Ray on loopback (127.0.0.1) rather
+# than the machine's network address.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# "1" keeps Ray's crash handler out of this process: it takes SIGTERM too, and aborts the
+# process 3 s later (an alarm it arms), cutting a graceful drain short.
+NO_SIGNAL_HANDLER_ENV = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+# How long a tcp connection to the cluster's address may take before it counts as unreachable.
+_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,86 @@ def ray_host_id(node_id: str) -> str:
     from mstar.actors.system import default_host_id
 
     return f"{default_host_id()}/ray:{node_id}"
+
+
+def cluster_endpoint(address: str) -> tuple[str, int] | None:
+    """Return the host and port that ``address`` names, or None where Ray finds the cluster itself.
+
+    ``"auto"`` stands for ``$RAY_ADDRESS`` when set, else for the cluster ``ray start`` last
+    started on this machine (the file Ray reads for it); ``"ray://host:port"`` (Ray Client)
+    and ``"host:port"`` name their head; anything else is left to Ray.
+    """
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or _current_cluster() or "auto"
+    address = address.removeprefix("ray://")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _current_cluster() -> str | None:
+    """Return the address ``ray start --head`` recorded on this machine, if any (read as Ray does)."""
+    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    try:
+        return (Path(temp) / "ray" / "ray_current_cluster").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _keep_ray_on_loopback(address: str) -> None:
+    """Before Ray is imported: keep it on loopback where the cluster is on loopback.
+
+    Ray otherwise replaces a loopback address by the machine's network address (to be
+    reachable by other machines) and retries that for many minutes, while a head started on
+    loopback listens on 127.0.0.1 only. With the variable Ray stays on loopback; a head bound
+    to every address accepts loopback as well, so this is safe for any cluster named by a
+    loopback address.
+
+    Raises:
+        RayClusterUnreachableError: Ray was imported before, without the variable.
+    """
+    endpoint = cluster_endpoint(address)
+    if endpoint is None or not _is_loopback(endpoint[0]):
+        return
+    if "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
+    elif os.environ.get(LOOPBACK_ENV) != "0":
+        raise RayClusterUnreachableError(
+            f"the Ray cluster at {address} is on loopback, but Ray was imported already and would use this "
+            f"machine's network address instead: set {LOOPBACK_ENV}=0 before Ray is imported (or call ray.init "
+            f"yourself)"
+        )
+
+
+def _probe(address: str) -> None:
+    """Fail at once where nothing listens at the address of the cluster's head.
+
+    Raises:
+        RayClusterUnreachableError: The connection was refused or timed out.
+    """
+    endpoint = cluster_endpoint(address)
+    if endpoint is None:
+        return
+    host, port = endpoint
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise RayClusterUnreachableError(
+            f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}; check that its head runs there "
+            f"(ray start --head --port {port}{' --node-ip-address ' + host if _is_loopback(host) else ''}) "
+            f"and that this machine reaches {host}:{port}"
+        ) from None
 
 
 class RankHost:
@@ -179,6 +283,10 @@ class RayLauncher:
         num_cpus: CPUs each rank's actor reserves.
         max_restarts: How often Ray restarts a rank's process (-1: without limit).
         placement_timeout_s: How long the cluster may take to reserve every rank's resources.
+
+    Raises:
+        RayClusterUnreachableError: The address is on loopback and Ray was imported without
+            `LOOPBACK_ENV` (it would not stay there).
     """
 
     def __init__(
@@ -192,20 +300,18 @@ class RayLauncher:
         max_restarts: int = -1,
         placement_timeout_s: float = 60.0,
     ) -> None:
+        ray_module = sys.modules.get("ray")
+        if ray_module is None:
+            os.environ.setdefault(NO_SIGNAL_HANDLER_ENV, "1")  # Ray reads it when imported
+        if ray_module is None or not ray_module.is_initialized():
+            _keep_ray_on_loopback(address)
         try:
             import ray
         except ImportError as exc:
             raise MStarError("serving on a Ray cluster needs Ray: pip install 'mstar[ray]'") from exc
         self._ray = ray
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            # ray.init makes SIGTERM exit the process at once; the server's graceful drain
-            # (or the application's own handler) keeps it.
-            is_main = threading.current_thread() is threading.main_thread()
-            previous = signal.getsignal(signal.SIGTERM) if is_main else None
-            ray.init(address=address, log_to_driver=False)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        self.address = address
+        self._owns_ray = False  # set once connect joined the cluster
         self.system = system
         self._config_json = msgspec.json.encode(system).decode()
         self._setup_json = msgspec.json.encode(dict(setup_args)).decode()
@@ -216,6 +322,71 @@ class RayLauncher:
         self._actors: dict[int, Any] = {}
         self._group: Any = None  # the placement group reserving every rank's bundle
         self._remote = ray.remote(RankHost)
+
+    async def connect(self, timeout_s: float = 60.0) -> None:
+        """Join the cluster (unless the application initialised Ray); give up after ``timeout_s``.
+
+        ``ray.init`` runs on a daemon thread: it blocks for as long as Ray retries the head
+        (minutes), and neither the event loop nor a signal should wait for it. A thread left
+        behind by a timeout or a cancellation leaves the cluster again if it joins late.
+
+        Raises:
+            RayClusterUnreachableError: Nothing listens at the address, Ray refused it, or
+                joining took longer than ``timeout_s``.
+        """
+        ray = self._ray
+        if ray.is_initialized():
+            return
+        address = self.address
+        log.info("ray_connecting", address=address, timeout_s=timeout_s)
+        await asyncio.to_thread(_probe, address)
+        loop = asyncio.get_running_loop()
+        joined: asyncio.Future[BaseException | None] = loop.create_future()
+        abandoned = threading.Event()
+
+        def settle(outcome: BaseException | None) -> None:
+            if abandoned.is_set():  # this gave up just before: leave the cluster again
+                if outcome is None:
+                    ray.shutdown()
+            elif not joined.done():
+                joined.set_result(outcome)
+
+        def join() -> None:
+            outcome: BaseException | None = None
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except BaseException as exc:  # reported to the awaiting task, which raises its own error
+                outcome = exc
+            if abandoned.is_set():
+                if outcome is None:
+                    ray.shutdown()
+                return
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle, outcome)
+
+        threading.Thread(target=join, name="mstar-ray-connect", daemon=True).start()
+        try:
+            async with asyncio.timeout(timeout_s):
+                outcome = await asyncio.shield(joined)
+        except BaseException as exc:
+            abandoned.set()
+            if joined.done() and joined.result() is None:
+                ray.shutdown()  # it joined just as this gave up
+            if isinstance(exc, TimeoutError):
+                raise RayClusterUnreachableError(
+                    f"joining the Ray cluster at {address} took longer than {timeout_s:g} s: check that it is the "
+                    f"address of a Ray head (ray status --address {address}), that this machine can reach "
+                    f"every node of the cluster, and, if the cluster uses token authentication (ray start "
+                    f"says so), that RAY_AUTH_MODE=token is set here as well"
+                ) from None
+            raise
+        if outcome is not None:
+            raise RayClusterUnreachableError(
+                f"cannot join the Ray cluster at {address}: {type(outcome).__name__}: {outcome}; if the cluster "
+                f"uses token authentication (ray start says so), set RAY_AUTH_MODE=token here as well"
+            ) from outcome
+        self._owns_ray = True
+        log.info("ray_connected", address=address, node_ip=self.node_ip())
 
     @property
     def node_id(self) -> str:
@@ -256,6 +427,7 @@ class RayLauncher:
             await asyncio.wait_for(_ray_call(group.ready()), self._placement_timeout_s)
         except TimeoutError:
             raise PlacementError(self._unplaced(ranks, bundles)) from None
+        log.info("ray_placed", ranks=ranks)
         for index, rank in enumerate(ranks):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
             self._actors[rank] = self._remote.options(

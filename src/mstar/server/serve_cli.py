@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -44,6 +45,7 @@ from mstar.server.state import ServerState
 
 __all__ = [
     "DrainingServer",
+    "EngineStart",
     "add_serve_arguments",
     "loading_display",
     "resolve_api_key",
@@ -55,12 +57,25 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 API_KEY_ENV = "MSTAR_API_KEY"
+WS_PING_INTERVAL_S = 20.0
+WS_PING_TIMEOUT_S = 20.0
 EXIT_USAGE = 2
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `mstar serve` to ``parser``."""
-    parser.add_argument("model", metavar="MODEL", help="a zoo model name (see `mstar models`) or a checkpoint directory")
+    parser.add_argument(
+        "model", metavar="MODEL",
+        help="a zoo model name (see `mstar models`) or a checkpoint directory; an action policy "
+        "(pi05-*) also serves openpi's robot protocol (see below)",
+    )
+    parser.epilog = (
+        "Robot clients: an action policy (pi05-*) also serves openpi's WebSocket policy protocol "
+        "at ws://HOST:PORT/ on the same port (no extra option), so openpi_client's "
+        "WebsocketClientPolicy(HOST, PORT) connects unchanged (with --api-key, it passes "
+        "api_key=KEY); GET /healthz answers OK. A malformed observation gets its error as a text "
+        "frame, then close code 1011."
+    )
     parser.add_argument("--config", type=str, default=None, metavar="PLACEMENT.yaml", help="placement file (default: everything on one device)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
@@ -120,6 +135,27 @@ def loading_display(name: str) -> Iterator[None]:
     log.info("model_loaded", model=name, seconds=round(time.perf_counter() - start, 3))
 
 
+class EngineStart:
+    """The task starting the engine inside uvicorn's lifespan, while it runs: what a signal cancels.
+
+    Its `loading` wraps the engine's start (`make_app`'s ``loading``), around ``display``.
+    """
+
+    def __init__(self, display: Callable[[str], contextlib.AbstractContextManager[Any]] = loading_display) -> None:
+        self.display = display
+        self.task: asyncio.Task[Any] | None = None
+
+    @contextlib.contextmanager
+    def loading(self, name: str) -> Iterator[None]:
+        """Remember the current task while the engine starts in it."""
+        self.task = asyncio.current_task()
+        try:
+            with self.display(name):
+                yield
+        finally:
+            self.task = None
+
+
 def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
     """Return uvicorn's settings for ``app``: connection timeouts, quiet logs, lifespan on."""
     return uvicorn.Config(
@@ -131,6 +167,11 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
         server_header=False,
         http=timed_h11(config.header_timeout_s),
         timeout_keep_alive=max(1, round(config.keep_alive_timeout_s)),
+        # WebSocket sessions (robots) last hours and may idle between calls: ping every 20 s
+        # and drop a peer whose pong is 20 s late, as openpi's server (websockets' defaults)
+        # does. uvicorn's "auto" ws picks a websockets-based protocol, which honours both.
+        ws_ping_interval=WS_PING_INTERVAL_S,
+        ws_ping_timeout=WS_PING_TIMEOUT_S,
         # Draining ends every request within the grace (and a few seconds for their error
         # events); uvicorn then waits a little for their connections to close.
         timeout_graceful_shutdown=int(config.graceful_shutdown_s + 10),
@@ -143,15 +184,22 @@ class DrainingServer(uvicorn.Server):
 
     Draining keeps the listener open: new requests get 503 and `/health` says "stopping",
     running requests get ``config.graceful_shutdown_s`` to finish (`ServerState.drain`);
-    then uvicorn shuts down as usual (connections, then the lifespan and the engine).
+    then uvicorn shuts down as usual (connections, then the lifespan and the engine). A
+    signal while the engine still starts (joining a Ray cluster, waiting for its placement,
+    loading; ``start`` tells of it) has nothing to drain: it cancels the start, which stops
+    what it began, and `is_start_cancelled` turns true.
     """
 
-    def __init__(self, config: uvicorn.Config, server_config: ServerConfig, app: FastAPI) -> None:
+    def __init__(
+        self, config: uvicorn.Config, server_config: ServerConfig, app: FastAPI, start: EngineStart | None = None
+    ) -> None:
         super().__init__(config)
         self.server_config = server_config
         self.app = app
+        self.start = start
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
+        self.is_start_cancelled = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         """Serve (remembering the loop, which signal handlers hand the drain to)."""
@@ -159,8 +207,16 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """Begin draining; a second signal, or no running loop, exits at once."""
+        """Begin draining (or stop a start); a second signal, or no running loop, exits at once."""
         loop = self._loop
+        starting = self.start.task if self.start is not None else None
+        if not self.is_start_cancelled and starting is not None and loop is not None and not loop.is_closed():
+            # uvicorn would wait for the lifespan's start (minutes, on a cluster) before it
+            # looks at the signal. The start then fails by cancellation: no error to report.
+            self.is_start_cancelled = True
+            logging.getLogger("uvicorn.error").addFilter(_not_cancelled)
+            loop.call_soon_threadsafe(starting.cancel)
+            return
         if self._drain is not None or self.should_exit or loop is None or loop.is_closed():
             super().handle_exit(sig, frame)
             return
@@ -181,6 +237,12 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def _not_cancelled(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's report of the lifespan's start failing by a cancellation (and its traceback)."""
+    message = record.getMessage().rstrip()
+    return not (message.endswith("CancelledError") or message == "Application startup failed. Exiting.")
+
+
 def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.socket, str]:
     uv = uvicorn_config(app, config)
     sock = uv.bind_socket()
@@ -190,8 +252,11 @@ def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.so
     return uv, sock, f"http://{url_host}:{port}"
 
 
-def run_server(app: FastAPI, config: ServerConfig) -> None:
+def run_server(app: FastAPI, config: ServerConfig, start: EngineStart | None = None) -> None:
     """Bind, then serve ``app`` until SIGINT or SIGTERM (blocking); both stop it gracefully.
+
+    With ``start`` (whose `EngineStart.loading` wraps the app's engine start), a signal while
+    the engine starts stops the start and returns.
 
     Raises:
         MStarError: The engine failed to start (the original error).
@@ -201,11 +266,15 @@ def run_server(app: FastAPI, config: ServerConfig) -> None:
     # uvicorn handles the signal (graceful shutdown), then raises it again once done: turn
     # that into a normal return rather than death by signal.
     previous = _on_sigterm(_exit_quietly) if threading.current_thread() is threading.main_thread() else None
+    server = DrainingServer(uv, config, app, start)
     try:
-        DrainingServer(uv, config, app).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     except SystemExit as exc:
+        if server.is_start_cancelled:  # stopped by a signal while starting
+            log.info("server_stopped_while_starting", url=url)
+            return
         error = getattr(app.state, "startup_error", None)
         if error is not None:
             raise error from None
@@ -289,11 +358,12 @@ def serve_command(args: argparse.Namespace) -> int:
         ray_num_cpus=args.ray_num_cpus,
         request_stall_timeout_s=args.request_stall_timeout or None,
     )
+    start = EngineStart()
     app = make_app(
-        spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=loading_display
+        spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=start.loading
     )
     try:
-        run_server(app, config)
+        run_server(app, config, start)
     except (ServerConfigError, ValueError) as exc:  # e.g. a placement that does not fit the model
         print(f"mstar serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
