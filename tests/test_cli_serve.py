@@ -123,7 +123,7 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
             request_id = response.headers["x-request-id"]
             audio = response.read()
         with wave.open(io.BytesIO(audio)) as f:
-            assert f.getframerate() == 16_000 and f.getnframes() > 0
+            assert f.getframerate() == 24_000 and f.getnframes() > 0
         assert "mstar_time_to_first_audio_seconds_count" in httpx.get(f"{url}/metrics").text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
