@@ -13,6 +13,18 @@ import torch
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load) the native kernels before any test runs.
+
+    The first engine of a checkout compiles them (half a minute on an idle machine, minutes
+    on a busy one): done here, that time counts against no test's timeout or server start
+    deadline, and every later process loads the cached library.
+    """
+    from mstar.engines.native import cpu_kernels
+
+    cpu_kernels()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Run a module's tests with one torch intra-op thread, then restore the setting.

@@ -164,6 +164,8 @@ async def test_refs_travel_as_ids(linked: Linked) -> None:
 
 async def test_server_shutdown_fails_pending_asks_and_later_connects(transport: str) -> None:
     async with ActorSystem(TEST_CONFIG) as client:
+        lost = asyncio.Event()
+        client.on_link_lost(lambda addresses, error: lost.set())
         async with ActorSystem(replace(TEST_CONFIG, stop_timeout_s=0.05)) as server:
             address = await server.serve(bind_address(transport))
             gate = Gate()
@@ -174,6 +176,9 @@ async def test_server_shutdown_fails_pending_asks_and_later_connects(transport: 
         # The server cancelled the stuck handler and said so before it said goodbye.
         with pytest.raises(ActorDeadError):
             await asyncio.wait_for(pending, 5)
+        # Once the goodbye is in (a busy machine may take its time), a connect opens a new
+        # link, which nothing answers.
+        await asyncio.wait_for(lost.wait(), 60)
         with pytest.raises(PeerLostError):
             await client.connect(address, timeout=0.2)
 

@@ -151,7 +151,10 @@ async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(ray_cl
                 with pytest.raises(WorkerLostError):
                     await task
                 failed_at[i] = time.monotonic() - removed
-        assert max(failed_at.values()) < 2.0, failed_at
+        # They fail as the node's connections close, not after waiting restart_wait_s for the
+        # rank (the bound is half of it, so that a busy machine's slowness cannot fail this).
+        assert max(failed_at.values()) < config.restart_wait_s / 2, failed_at
+        print(f"requests of the lost node failed after {failed_at} s")
         for i in (0, 2):
             outputs = await tasks[i]
             assert [o.data for o in outputs] == [60]
