@@ -64,17 +64,9 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(model: ModelSpec | Model, config: ServerConfig | None = None, **kwargs: Any) -> Iterator[RunningServer]:
-    """Serve ``model`` on 127.0.0.1 (a free port) in a thread; stop it on exit."""
-    app = make_app(model, config or ServerConfig(port=0), **kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
+def serve_in_thread(server: uvicorn.Server, sock: socket.socket, app: FastAPI) -> Iterator[RunningServer]:
+    """Run ``server`` on ``sock`` in a thread once its engine started (bounded); stop it on exit."""
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", loop="asyncio", timeout_graceful_shutdown=5)
-    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
     thread.start()
@@ -87,9 +79,24 @@ def running_server(model: ModelSpec | Model, config: ServerConfig | None = None,
         yield RunningServer(f"http://127.0.0.1:{port}", app, loop)
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=60)
         loop.close()
         sock.close()
+
+
+@contextlib.contextmanager
+def running_server(model: ModelSpec | Model, config: ServerConfig | None = None, **kwargs: Any) -> Iterator[RunningServer]:
+    """Serve ``model`` on 127.0.0.1 (a free port) in a thread; stop it on exit."""
+    app = make_app(model, config or ServerConfig(port=0), **kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", loop="asyncio", timeout_graceful_shutdown=5)
+    )
+    with serve_in_thread(server, sock, app) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

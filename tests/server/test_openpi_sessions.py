@@ -7,7 +7,6 @@ code 1011)."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import select
@@ -32,7 +31,7 @@ from websockets.uri import parse_uri
 from mstar.server import AdmissionLimits, ServerConfig, make_app
 from mstar.server.openpi import pack, unpack
 from mstar.server.serve_cli import DrainingServer, uvicorn_config
-from tests.server.conftest import START_TIMEOUT_S, RunningServer
+from tests.server.conftest import START_TIMEOUT_S, RunningServer, serve_in_thread
 from tests.server.test_openpi_server import SPEC, observation
 
 pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
@@ -57,24 +56,8 @@ def serving_like_mstar(config: ServerConfig, *, ping_s: float | None = None) -> 
     uv = uvicorn_config(app, config)
     if ping_s is not None:
         uv.ws_ping_interval = uv.ws_ping_timeout = ping_s
-    sock = uv.bind_socket()
-    port = sock.getsockname()[1]
-    server = DrainingServer(uv, config, app)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:  # bounded wait for the engine to start in the lifespan
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start: {getattr(app.state, 'startup_error', None)!r}")
-        time.sleep(0.01)
-    try:
-        yield RunningServer(f"http://127.0.0.1:{port}", app, loop)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        loop.close()
-        sock.close()
+    with serve_in_thread(DrainingServer(uv, config, app), uv.bind_socket(), app) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

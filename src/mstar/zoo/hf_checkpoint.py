@@ -49,13 +49,17 @@ def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     path = _directory(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path.parent)!r} has no config.json")
+    return _json_object(path)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {str(path)!r}: {exc}") from exc
-    if not isinstance(config, dict):
+    if not isinstance(value, dict):
         raise CheckpointError(f"{str(path)!r} must hold a JSON object")
-    return config
+    return value
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -74,12 +78,7 @@ def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | in
     path = _directory(checkpoint_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {str(path)!r}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{str(path)!r} must hold a JSON object")
+    config = _json_object(path)
     defaults = {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}
     try:
         SamplingParams(**defaults)
