@@ -74,7 +74,18 @@ def _build() -> ModuleType:
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
     except ImportError:
         pass
-    return cpp_extension.load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS), verbose=False)
+    name = _build_name()
+    # Compile a copy kept in the build's own directory, not the checkout's file: torch's loader
+    # writes the source's path into its ninja file, so two checkouts (or a moved one) would
+    # rebuild on every switch between them, and one process of either trigger it for all.
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    source = build_dir / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not source.is_file() or source.read_bytes() != text:  # the name hashes the text: written once
+        partial = source.with_name(f"{source.name}.{os.getpid()}.tmp")
+        partial.write_bytes(text)
+        os.replace(partial, source)  # atomic: a concurrent build never reads half a file
+    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS), verbose=False)
 
 
 def cpu_kernels() -> ModuleType | None:
