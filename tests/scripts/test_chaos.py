@@ -56,7 +56,7 @@ def test_a_short_chaos_run_loses_hangs_and_leaks_nothing(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_worker_faults_on_replicated_orpheus(chaos: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
-    code = chaos.main(["--duration", "8", "--models", "orpheus-tiny", "--fault-every", "1", "--concurrency", "2", "--stall-s", "10"])
+    code = chaos.main(["--duration", "20", "--models", "orpheus-tiny", "--fault-every", "1", "--concurrency", "2", "--stall-s", "10"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "kill_worker" in out and "stop_worker" in out
