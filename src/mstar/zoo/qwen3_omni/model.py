@@ -38,8 +38,8 @@ from typing import Any
 import structlog
 import torch
 
-from mstar.engines.sampling_params import MAX_LOGPROBS
-from mstar.errors import CheckpointError
+from mstar.engines.sampling_params import SamplingParams
+from mstar.errors import CheckpointError, InvalidSamplingParamsError
 from mstar.graph import (
     EMIT,
     Connection,
@@ -306,10 +306,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             if data.get(key):
                 raise ValueError(f"{key} is not supported by {self.name}")
         num_logprobs = data.get("logprobs")
-        if num_logprobs is not None and (
-            isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or not 0 <= num_logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {num_logprobs!r}")
+        try:  # checked where every model's logprobs are (SamplingParams), not again here
+            SamplingParams(logprobs=num_logprobs)
+        except InvalidSamplingParamsError as exc:
+            raise ValueError(str(exc)) from None
         forced: list[int] | None = None
         if request.task == "speech":
             text = speech_text(data)
