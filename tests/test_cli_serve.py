@@ -64,7 +64,7 @@ def test_serve_refuses_a_public_address_without_a_key(
     ("args", "message"),
     [
         (["serve", "no-such-model"], "unknown model 'no-such-model'"),
-        (["serve", "/no/such/checkpoint"], "local checkpoint directory with a config.json"),
+        (["serve", "/no/such/checkpoint"], "no checkpoint at '/no/such/checkpoint'"),
         (["serve", "toy-composite", "--config", "/no/such/placement.yaml"], "does not exist"),
         (["serve", "os:system"], "not in the zoo and not allow-listed"),
         (["serve", "os:system", "--allow-model-factory", "mymodels"], "--allow-model-factory"),

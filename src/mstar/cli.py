@@ -19,10 +19,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from mstar.zoo import list_models
+    from mstar.zoo import list_models, model_options, resolve_model
 
     for name, summary in list_models().items():
         print(f"{name:24s} {summary}")
+        if args.verbose:
+            options = model_options(resolve_model(name).factory)
+            options.pop("config", None)  # the name chose it
+            shown = ", ".join(f"{key}={value!r}" for key, value in options.items()) or "none"
+            print(f"{'':24s}   options: {shown}")
+    if args.verbose:
+        print(
+            "\nA checkpoint's path serves as MODEL too: its family and sizes are read from its files "
+            "(mstar serve --help lists the flags; --model-option KEY=VALUE sets any option above)."
+        )
     return 0
 
 
@@ -68,6 +78,7 @@ def make_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=run_command)
 
     models = sub.add_parser("models", help="list the models mstar can serve")
+    models.add_argument("--verbose", "-v", action="store_true", help="also list each model's options (its keyword arguments)")
     models.set_defaults(func=_cmd_models)
     return parser
 

@@ -32,12 +32,12 @@ SPLIT = "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: [sn
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cfg = make_random_checkpoint(get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("orpheus"), seed=5)
     assert cfg.llm_dir is not None and cfg.snac_dir is not None
-    return {"llm_dir": str(cfg.llm_dir), "snac_dir": str(cfg.snac_dir)}
+    return {"checkpoint": str(cfg.llm_dir), "snac_dir": str(cfg.snac_dir)}
 
 
 def expected_audio(dirs: dict[str, str], text: str, max_tokens: int, seed: int) -> tuple[list[int], list[torch.Tensor]]:
     """Run the pieces by hand: the engine to completion, then the 28/7 chunks through the codec."""
-    cfg = get_orpheus_config("orpheus-tiny", **dirs)
+    cfg = get_orpheus_config("orpheus-tiny", llm_dir=dirs["checkpoint"], snac_dir=dirs["snac_dir"])
     model = OrpheusModel("orpheus-tiny", **dirs)
     prompt = model.tokenizer.format_prompt(text, "tara")
     engine = KVCacheEngine(load_orpheus_llm(cfg), KVCacheEngineConfig(num_blocks=64, max_model_len=512))
@@ -120,7 +120,7 @@ async def test_invalid_audio_tokens_fail_the_request_clearly(dirs: dict[str, str
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="does not exist"):
-        OrpheusModel("orpheus-3b", llm_dir=str(tmp_path / "nope"), snac_dir=str(tmp_path / "nope2"))
+        OrpheusModel("orpheus-3b", checkpoint=str(tmp_path / "nope"), snac_dir=str(tmp_path / "nope2"))
 
 
 PD_SPLIT = """

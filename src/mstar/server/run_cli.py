@@ -46,6 +46,7 @@ from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.encoding import token_ids
 from mstar.server.images import encode_image
 from mstar.server.logging import configure_logging
+from mstar.server.model_args import add_model_arguments, model_kwargs
 from mstar.server.run_request import (
     ReadLog,
     RunRequest,
@@ -90,7 +91,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="a zoo model name (see `mstar models`) or a checkpoint directory",
+        help="a zoo model name (see `mstar models`) or a checkpoint's path (see `mstar serve --help`)",
     )
     parser.add_argument(
         "--task",
@@ -143,6 +144,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)"
     )
+    add_model_arguments(parser)
 
 
 # --- running and writing ----------------------------------------------------------------------
@@ -312,7 +314,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Model, RunRequest, Placement | N
     from mstar.zoo import resolve_model
 
     inputs = read_inputs(args)
-    spec: ModelSpec = resolve_model(args.model)
+    spec: ModelSpec = resolve_model(args.model, **model_kwargs(args))
     placement = Placement.from_yaml(args.config) if args.config else None
     # Building a model reads its config and tokenizer; its weights load with the engine.
     model = spec.build()

@@ -22,6 +22,7 @@ import torch
 
 from mstar.errors import RunArgumentError
 from mstar.runtime.model import Model, Request, supports_action_policy, supports_text_output
+from mstar.server.model_args import key_value_pairs
 
 __all__ = ["ReadLog", "RunInputs", "RunRequest", "build_request", "check_request", "explain", "read_inputs"]
 
@@ -51,16 +52,7 @@ class RunRequest:
 
 
 def _params(pairs: list[str]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise RunArgumentError(f"--param {pair!r}: write KEY=VALUE, e.g. max_tokens=64")
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
-    return params
+    return key_value_pairs(pairs, "--param", "max_tokens=64", RunArgumentError)
 
 
 def _read_image(path: Path, flag: str) -> np.ndarray:

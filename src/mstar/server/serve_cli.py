@@ -3,6 +3,7 @@
     mstar serve toy-composite                       # http://127.0.0.1:8000
     mstar serve smollm2-135m --port 9000
     mstar serve ./my-llama --host 0.0.0.0 --api-key-file key.txt   # a key is required off loopback
+    mstar serve ./Qwen3-Omni-30B-A3B-Instruct --dtype bfloat16     # any zoo family's checkpoint
 
 The API key is best given as ``$MSTAR_API_KEY`` or ``--api-key-file``: ``--api-key KEY`` shows
 in the process list. On SIGTERM or SIGINT the server drains: new requests get 503, running
@@ -41,6 +42,7 @@ from mstar.server.app import make_app
 from mstar.server.config import ServerConfig
 from mstar.server.http_protocol import timed_h11
 from mstar.server.logging import configure_logging
+from mstar.server.model_args import add_model_arguments, model_kwargs
 from mstar.server.state import ServerState
 
 __all__ = [
@@ -66,8 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `mstar serve` to ``parser``."""
     parser.add_argument(
         "model", metavar="MODEL",
-        help="a zoo model name (see `mstar models`) or a checkpoint directory; an action policy "
-        "(pi05-*) also serves openpi's robot protocol (see below)",
+        help="a zoo model name (see `mstar models`) or a checkpoint's path (a directory, or V-JEPA 2's "
+        ".pt file), whose family and sizes are read from its files; an action policy (pi0.5) also "
+        "serves openpi's robot protocol (see below)",
     )
     parser.epilog = (
         "Robot clients: an action policy (pi05-*) also serves openpi's WebSocket policy protocol "
@@ -119,6 +122,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (default 16 MiB)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"), help="auto: JSON unless on a terminal")
+    add_model_arguments(parser)
 
 
 @contextlib.contextmanager
@@ -316,14 +320,14 @@ def resolve_api_key(given: str | None, path: str | None) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def _model_spec(model: str, allowed: list[str]) -> ModelSpec:
-    """Return the spec of MODEL: a zoo name, a checkpoint directory, or an allow-listed factory."""
+def _model_spec(model: str, allowed: list[str], kwargs: dict[str, Any]) -> ModelSpec:
+    """Return the spec of MODEL: a zoo name, a checkpoint's path, or an allow-listed factory."""
     from mstar.zoo import resolve_model
 
     if ":" in model and not Path(model).exists():
         check_model_factory(model, allowed)
-        return ModelSpec(model)
-    return resolve_model(model)
+        return ModelSpec(model, kwargs)
+    return resolve_model(model, **kwargs)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -339,7 +343,7 @@ def serve_command(args: argparse.Namespace) -> int:
             admission=AdmissionLimits(args.max_running, args.max_waiting),
             graceful_shutdown_s=args.shutdown_grace,
         )
-        spec = _model_spec(args.model, args.allow_model_factory)
+        spec = _model_spec(args.model, args.allow_model_factory, model_kwargs(args))
         placement = Placement.from_yaml(args.config) if args.config else None
         if args.request_stall_timeout < 0:
             raise ServerConfigError(f"--request-stall-timeout must be >= 0 seconds, got {args.request_stall_timeout}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mstar.zoo.registry import ZooEntry, list_models, make_model, resolve_model
+from mstar.zoo.registry import ZooEntry, list_models, make_model, model_options, resolve_model
 from mstar.zoo.toy import (
     ToyConfig,
     ToyModel,
@@ -19,6 +19,7 @@ __all__ = [
     "ZooEntry",
     "list_models",
     "make_model",
+    "model_options",
     "make_toy_graph",
     "make_toy_inputs",
     "make_toy_nodes",

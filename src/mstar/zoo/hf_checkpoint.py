@@ -24,11 +24,14 @@ from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import CheckpointError, InvalidSamplingParamsError
 
 __all__ = [
+    "DTYPES",
     "GENERATION_DEFAULT_KEYS",
+    "checkpoint_dtype",
     "load_generation_defaults",
     "load_hf_config",
     "load_into_module",
     "load_state_dict",
+    "read_json_object",
     "safetensors_files",
     "save_state_dict",
 ]
@@ -49,10 +52,15 @@ def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     path = _directory(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path.parent)!r} has no config.json")
-    return _json_object(path)
+    return read_json_object(path)
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """Read a JSON file holding an object.
+
+    Raises:
+        CheckpointError: The file cannot be read, is not JSON, or holds another value.
+    """
     try:
         value = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -60,6 +68,22 @@ def _json_object(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{str(path)!r} must hold a JSON object")
     return value
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The weight dtypes a model's ``dtype`` option names (besides "auto": the checkpoint's)."""
+
+
+def checkpoint_dtype(config: dict[str, Any]) -> str:
+    """Return the dtype a config dict names (``torch_dtype``, or transformers 5's ``dtype``), else float32.
+
+    Raises:
+        CheckpointError: The config names a dtype mstar does not run.
+    """
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    if name not in DTYPES:
+        raise CheckpointError(f"the checkpoint's torch_dtype is {name!r}; mstar runs {', '.join(DTYPES)}")
+    return str(name)
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -78,7 +102,7 @@ def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | in
     path = _directory(checkpoint_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    config = _json_object(path)
+    config = read_json_object(path)
     defaults = {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}
     try:
         SamplingParams(**defaults)

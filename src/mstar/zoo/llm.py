@@ -36,7 +36,12 @@ from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import KVCacheCapacityError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsTextOutput
-from mstar.zoo.hf_checkpoint import load_generation_defaults, load_hf_config
+from mstar.zoo.hf_checkpoint import (
+    DTYPES,
+    checkpoint_dtype,
+    load_generation_defaults,
+    load_hf_config,
+)
 from mstar.zoo.llama import LlamaCausalLM, load_llama
 
 __all__ = ["DEFAULT_MAX_TOKENS", "LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
@@ -122,23 +127,35 @@ def history_turn(
 
 
 class TextLLM(Model, SupportsTextOutput):
-    """A Llama-architecture checkpoint directory served as a text model."""
+    """A Llama-architecture checkpoint directory served as a text model.
+
+    Args:
+        checkpoint: The Hugging Face directory (``config.json``, safetensors, tokenizer).
+        name: The model's name.
+        engine_config: `KVCacheEngineConfig` fields.
+        dtype: "float32", "bfloat16" or "float16"; "auto": the checkpoint's ``torch_dtype``;
+            None: float32 on a CPU, the checkpoint's on CUDA.
+    """
 
     def __init__(
         self,
-        checkpoint_dir: str | Path,
+        checkpoint: str | Path,
         *,
         name: str = "llama",
         engine_config: Mapping[str, Any] | None = None,
         dtype: str | None = None,
     ) -> None:
+        if dtype not in (None, "auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
         self.name = name
-        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir = Path(checkpoint)
         self.hf_config = load_hf_config(self.checkpoint_dir)
         # Sampling settings a request leaves unset come from the checkpoint, as in vLLM (an
         # instruct model answers gibberish at the API's temperature 1 that its authors never use).
         self.generation_defaults = load_generation_defaults(self.checkpoint_dir)
         self.engine_config = KVCacheEngineConfig(**dict(engine_config or {}))
+        if dtype == "auto":
+            dtype = checkpoint_dtype(self.hf_config)
         self.dtype = getattr(torch, dtype) if dtype else None
         self._graph = make_llm_graph(name)
         self.tokenizer: Any = None

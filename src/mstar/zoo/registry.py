@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,8 +11,9 @@ from typing import Any
 
 from mstar.errors import ModelLoadError
 from mstar.runtime.model import Model, ModelSpec
+from mstar.zoo.checkpoints import checkpoint_spec
 
-__all__ = ["ZooEntry", "list_models", "make_model", "resolve_model", "zoo_factories"]
+__all__ = ["ZooEntry", "list_models", "make_model", "model_options", "resolve_model", "zoo_factories"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "orpheus-3b": ZooEntry(
         "mstar.zoo.orpheus.model:OrpheusModel",
-        "Orpheus 3B TTS: pass llm_dir (HF Llama checkpoint) and snac_dir (SNAC 24 kHz checkpoint)",
+        "Orpheus 3B TTS: pass --checkpoint (its HF Llama speech LM) and --snac-dir (SNAC 24 kHz)",
         {"config": "orpheus-3b"},
     ),
     "vjepa2-tiny": ZooEntry(
@@ -54,7 +57,7 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "vjepa2-ac-vitg": ZooEntry(
         "mstar.zoo.vjepa2.model:VJepa2Model",
-        "V-JEPA 2-AC ViT-g: pass checkpoint= the upstream .pt with encoder and predictor",
+        "V-JEPA 2-AC ViT-g: pass --checkpoint the upstream .pt with encoder and predictor",
         {"config": "vjepa2-ac-vitg"},
     ),
     "pi05-tiny": ZooEntry(
@@ -69,7 +72,7 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "pi05-droid": ZooEntry(
         "mstar.zoo.pi05.model:Pi05Model",
-        "pi0.5 DROID: pass checkpoint= (openpi PyTorch layout, e.g. lerobot/pi05_base) and tokenizer= (PaliGemma)",
+        "pi0.5 DROID: pass --checkpoint (openpi PyTorch layout, e.g. lerobot/pi05_base) and --tokenizer (PaliGemma)",
         {"config": "pi05-droid"},
     ),
     "bagel-tiny": ZooEntry(
@@ -84,7 +87,7 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "bagel-7b-mot": ZooEntry(
         "mstar.zoo.bagel.model:BagelModel",
-        "BAGEL-7B-MoT: pass checkpoint= the published directory (llm_config.json, vit_config.json, ema/ae.safetensors)",
+        "BAGEL-7B-MoT: pass --checkpoint the published directory (llm_config.json, vit_config.json, ema/ae.safetensors)",
         {"config": "bagel-7b-mot"},
     ),
     "qwen3-omni-tiny": ZooEntry(
@@ -99,7 +102,7 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "qwen3-omni-30b-a3b": ZooEntry(
         "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
-        "Qwen3-Omni-30B-A3B-Instruct: pass checkpoint= the Hugging Face directory (config.json, safetensors, tokenizer)",
+        "Qwen3-Omni-30B-A3B-Instruct: pass --checkpoint the Hugging Face directory (config.json, safetensors, tokenizer)",
         {"config": "qwen3-omni-30b-a3b"},
     ),
     "smollm2-135m": ZooEntry(
@@ -112,7 +115,7 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "llama": ZooEntry(
         "mstar.zoo.llm:TextLLM",
-        "any local Hugging Face Llama checkpoint directory (pass checkpoint_dir, or the path as MODEL)",
+        "any local Hugging Face Llama checkpoint directory (pass --checkpoint, or the path as MODEL)",
     ),
     "noop-loop": ZooEntry(
         "mstar.zoo.noop:NoopLoopModel",
@@ -132,21 +135,53 @@ def list_models() -> dict[str, str]:
 
 
 def resolve_model(name: str, **kwargs: Any) -> ModelSpec:
-    """Return the spec of a zoo model, or of a local Llama checkpoint directory.
+    """Return the spec of a zoo model, or of the checkpoint at a path (see `checkpoint_spec`).
+
+    ``kwargs`` are the model's options (``checkpoint``, ``dtype``, ...); each must be a keyword
+    the model takes.
 
     Raises:
-        ModelLoadError: Unknown name (the message lists the known ones).
+        ModelLoadError: Unknown name (the message lists the known ones), a path that is no
+            checkpoint mstar recognises, or an option the model does not take.
     """
     entry = _ZOO.get(name)
     if entry is not None:
-        return ModelSpec(entry.factory, {**entry.kwargs, **kwargs})
-    path = Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(path.resolve()), **kwargs})
-    raise ModelLoadError(
-        f"unknown model {name!r}: use one of {', '.join(sorted(_ZOO))}, or a local checkpoint directory "
-        "with a config.json"
-    )
+        spec = ModelSpec(entry.factory, {**entry.kwargs, **kwargs})
+    elif "/" in name or name.startswith(".") or _exists(name):
+        spec = checkpoint_spec(name, **kwargs)
+    else:
+        raise ModelLoadError(
+            f"unknown model {name!r}: use one of {', '.join(sorted(_ZOO))}, or a checkpoint's path"
+        )
+    options = model_options(spec.factory)
+    unknown = sorted(set(kwargs) - set(options))
+    if unknown:
+        takes = ", ".join(options) or "none"
+        raise ModelLoadError(f"{name} takes no option {', '.join(map(repr, unknown))} (its options: {takes})")
+    return spec
+
+
+def _exists(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
+def model_options(factory: str) -> dict[str, Any]:
+    """Return the options a model factory takes (its keyword arguments) and their defaults.
+
+    Raises:
+        ModelLoadError: The factory cannot be imported.
+    """
+    module_name, _, attr = factory.partition(":")
+    try:
+        target = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot import model factory {factory!r}: {exc}") from exc
+    parameters = inspect.signature(target).parameters.values()
+    return {
+        p.name: None if p.default is inspect.Parameter.empty else p.default
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
 
 
 def make_model(name: str, **kwargs: Any) -> Model:
@@ -154,9 +189,9 @@ def make_model(name: str, **kwargs: Any) -> Model:
     return resolve_model(name, **kwargs).build()
 
 
-def make_smollm2(**kwargs: Any) -> Model:
+def make_smollm2(*, engine_config: Mapping[str, Any] | None = None, dtype: str | None = None) -> Model:
     """Build SmolLM2-135M-Instruct: dequantised once from the packaged GGUF, then cached."""
     from mstar.zoo.llm import TextLLM
     from mstar.zoo.smollm2 import smollm2_checkpoint_dir
 
-    return TextLLM(smollm2_checkpoint_dir(), name="smollm2-135m", **kwargs)
+    return TextLLM(smollm2_checkpoint_dir(), name="smollm2-135m", engine_config=engine_config, dtype=dtype)

@@ -8,6 +8,7 @@ generation is a rectified-flow loop whose steps query up to three of those conte
 
 from __future__ import annotations
 
+from mstar.zoo.bagel.checkpoint import config_from_checkpoint
 from mstar.zoo.bagel.config import BAGEL_CONFIGS, BagelConfig, get_bagel_config
 from mstar.zoo.bagel.flow import FlowSpec, guidance
 from mstar.zoo.bagel.model import BagelModel, make_bagel_graph
@@ -22,6 +23,7 @@ __all__ = [
     "FlowSpec",
     "ImageInput",
     "TextInput",
+    "config_from_checkpoint",
     "get_bagel_config",
     "guidance",
     "make_bagel_graph",

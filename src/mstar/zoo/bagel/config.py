@@ -27,6 +27,7 @@ __all__ = [
     "VAEConfig",
     "ViTConfig",
     "get_bagel_config",
+    "toy_tokens",
 ]
 
 RenormType = Literal["global", "channel", "text_channel"]
@@ -45,6 +46,7 @@ class LLMConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     max_position: int = 32_768
+    torch_dtype: str | None = None  # the checkpoint's own dtype (``llm_config.json``), for dtype "auto"
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -200,7 +202,7 @@ class BagelConfig:
 _QWEN_TOKENS = SpecialTokens(bos=151_644, eos=151_645, start_of_image=151_652, end_of_image=151_653)
 
 
-def _toy_tokens(vocab: int) -> SpecialTokens:
+def toy_tokens(vocab: int) -> SpecialTokens:
     """The four specials at the top of a toy vocabulary (its first ``vocab - 4`` ids are bytes + text)."""
     return SpecialTokens(bos=vocab - 4, eos=vocab - 3, start_of_image=vocab - 2, end_of_image=vocab - 1)
 
@@ -222,7 +224,7 @@ BAGEL_CONFIGS: dict[str, BagelConfig] = {
                       max_position=4096),
         vit=ViTConfig(hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4, patch_size=14, max_patches_per_side=16),
         vae=VAEConfig(ch=32, ch_mult=(1, 2, 4, 4), num_res_blocks=1, norm_groups=32),
-        tokens=_toy_tokens(1024),
+        tokens=toy_tokens(1024),
         max_latent_size=32,
         image_size=(256, 256),
         vae_image=ImageSizing(512, 128, 16),
@@ -236,7 +238,7 @@ BAGEL_CONFIGS: dict[str, BagelConfig] = {
                       max_position=1024),
         vit=ViTConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, patch_size=8, max_patches_per_side=16),
         vae=VAEConfig(ch=8, ch_mult=(1, 2, 2, 2), num_res_blocks=1, z_channels=4, norm_groups=4),
-        tokens=_toy_tokens(520),
+        tokens=toy_tokens(520),
         max_latent_size=8,
         image_size=(64, 64),
         vae_image=ImageSizing(128, 32, 16),

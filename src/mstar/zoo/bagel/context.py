@@ -67,6 +67,8 @@ class ImageItem:
 
     vae: torch.Tensor | None  # [3, H, W] in [-1, 1], sides multiples of the latent downsample
     vit: torch.Tensor | None  # [3, h, w] in [-1, 1], sides multiples of the ViT patch
+    # [z, H/8, W/8]: the noise of the VAE posterior's sample (None: the posterior mean)
+    vae_noise: torch.Tensor | None = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -83,7 +85,7 @@ def item_form(item: Item) -> dict[str, Any]:
     """Return an item as plain data."""
     if isinstance(item, TextItem):
         return {"text": item.token_ids}
-    return {"vae": item.vae, "vit": item.vit}
+    return {"vae": item.vae, "vit": item.vit, "vae_noise": item.vae_noise}
 
 
 def item_of(value: Item | Mapping[str, Any]) -> Item:
@@ -92,7 +94,7 @@ def item_of(value: Item | Mapping[str, Any]) -> Item:
         return value
     if "text" in value:
         return TextItem(value["text"])
-    return ImageItem(value["vae"], value["vit"])
+    return ImageItem(value["vae"], value["vit"], value.get("vae_noise"))
 
 
 def part_form(part: Part) -> dict[str, Any]:

@@ -22,7 +22,11 @@ Tasks: ``image`` (``prompt``), ``edit`` (``image``, ``prompt``: the output has t
 ``seed`` or ``noise``, ``height``/``width`` (``image``), ``num_timesteps``, ``timestep_shift``,
 ``cfg_text_scale``, ``cfg_img_scale``, ``cfg_interval``, ``cfg_renorm_type``, ``cfg_renorm_min``,
 ``max_tokens`` (``understand``), ``think`` and ``max_think_tokens``, ``skip_branches`` (false: every
-CFG branch on every step, which benchmarks what skipping saves; the image is the same).
+CFG branch on every step, which benchmarks what skipping saves; the image is the same),
+``vae_posterior`` (an edit's input image latent: ``"sample"``, upstream's draw from the VAE
+posterior and the default, or ``"mean"``). A request draws its random values from one
+generator seeded by ``seed`` (fresh without one), in upstream's order: each input image's
+posterior sample, then the flow's initial noise (unless ``noise`` gives it).
 ``guidance_scale`` (the images routes' field) is the text scale, or ``[text, image]``; a
 multipart edit form sends one number, the text scale (the image scale keeps its default). An
 edit's ``width``/``height`` (the route's ``size``) must be the input's size after resizing, or absent.
@@ -72,7 +76,14 @@ from mstar.runtime.model import (
     SupportsSharedEngines,
     SupportsTextOutput,
 )
-from mstar.zoo.bagel.checkpoint import cached_random_checkpoint, load_bagel
+from mstar.zoo.bagel.checkpoint import (
+    LLM_CONFIG,
+    cached_random_checkpoint,
+    check_tokens,
+    config_from_checkpoint,
+    load_bagel,
+)
+from mstar.zoo.bagel.checkpoint_files import read_json
 from mstar.zoo.bagel.config import BagelConfig, get_bagel_config
 from mstar.zoo.bagel.context import ContextState, ImageItem, Item, Parts, TextItem
 from mstar.zoo.bagel.flow import BRANCHES, COND, FlowSpec
@@ -89,7 +100,12 @@ from mstar.zoo.bagel.nodes import (
     query_input,
     velocity_output,
 )
-from mstar.zoo.bagel.tokenizer import ByteTokenizer
+from mstar.zoo.bagel.tokenizer import (
+    ByteTokenizer,
+    has_tokenizer,
+    load_tokenizer,
+    special_tokens_of,
+)
 from mstar.zoo.bagel.vae import FluxVAE
 from mstar.zoo.bagel.vision import image_tensor, resize_for
 from mstar.zoo.bagel.weights import BagelWeights
@@ -110,7 +126,8 @@ VLM_THINK_PROMPT = (
 MAX_TIMESTEPS = 1000
 TASKS = ("image", "image_edit", "understand", "generate")
 # float64 runs the parity checks where one rounding step apart would flip a pixel.
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_POSTERIORS = ("sample", "mean")
 
 
 def denoise_node(branch: str) -> str:
@@ -186,34 +203,77 @@ class BagelPlan:
 
 
 class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
-    """BAGEL (``bagel-7b-mot``, ``bagel-small`` or ``bagel-tiny``): text-to-image, editing, understanding.
+    """BAGEL (``bagel-7b-mot``, ``bagel-small``, ``bagel-tiny``, or a checkpoint's own sizes).
 
     Args:
-        config: Config name.
-        checkpoint: A directory in the published layout; without one the small configs get
-            random weights, written once under the mstar cache (``bagel-7b-mot`` needs one).
-        dtype: "float32", "bfloat16" or "float64".
+        config: A config name, a `BagelConfig` (custom sizes), or None: the config of
+            ``checkpoint``'s own files (`config_from_checkpoint`), named after it.
+        checkpoint: A directory in the published layout; without one a config gets random
+            weights, written once under the mstar cache (``bagel-7b-mot`` needs one). Its
+            Qwen2 tokenizer files, where it has them, are the tokenizer; else the toy one.
+        dtype: "float32", "bfloat16", "float16", "float64", or "auto": the checkpoint's
+            ``torch_dtype`` (``llm_config.json``), else float32. None: float32.
         seed: Seed of the random weights.
+
+    Raises:
+        CheckpointError: ``config`` None without a checkpoint; a checkpoint that does not
+            fit its config, or whose tokenizer's special ids disagree with it.
     """
 
-    def __init__(self, config: str = "bagel-tiny", *, checkpoint: str | None = None, dtype: str = "float32", seed: int = 0) -> None:
-        cfg = get_bagel_config(config)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    def __init__(
+        self,
+        config: str | BagelConfig | None = "bagel-tiny",
+        *,
+        checkpoint: str | None = None,
+        dtype: str | None = "float32",
+        seed: int = 0,
+    ) -> None:
+        if dtype is not None and dtype != "auto" and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+        if config is None:
+            if checkpoint is None:
+                raise CheckpointError("BAGEL with config=None reads its config from checkpoint=, a directory in the published layout")
+            cfg = config_from_checkpoint(checkpoint)
+        else:
+            cfg = get_bagel_config(config) if isinstance(config, str) else config
         if checkpoint is None:
-            if config == "bagel-7b-mot":
+            if cfg.name == "bagel-7b-mot":
                 raise CheckpointError("bagel-7b-mot needs checkpoint= a directory in the published layout")
             checkpoint = str(cached_random_checkpoint(cfg, seed=seed))
-        self.name = config
+        self.name = cfg.name
         self.config = cfg
         self.checkpoint = str(Path(checkpoint))
-        self.dtype = _DTYPES[dtype]
-        self.tokenizer: Any = ByteTokenizer(cfg.tokens) if config != "bagel-7b-mot" else _hf_tokenizer(self.checkpoint)
-        # The byte tokenizer of the small configs takes raw prompts.
+        if dtype == "auto":  # the checkpoint's own dtype, where it names one mstar runs
+            raw = read_json(Path(checkpoint), LLM_CONFIG)
+            named = raw.get("torch_dtype") or raw.get("dtype") or cfg.llm.torch_dtype
+            dtype = named if named in _DTYPES else None
+        self.dtype = _DTYPES[dtype or "float32"]
+        self.tokenizer: Any = self._tokenizer()
+        # The byte tokenizer of random checkpoints takes raw prompts.
         self.chat_prompts = not isinstance(self.tokenizer, ByteTokenizer) and self.tokenizer.chat_template is not None
         self._graph = make_bagel_graph(cfg)
         self._loaded: dict[torch.device, tuple[BagelWeights, FluxVAE]] = {}
         self._loading = threading.Lock()
+
+    def _tokenizer(self) -> Any:
+        """Return the checkpoint's Qwen2 tokenizer (its special ids checked against the config), or the toy one."""
+        cfg = self.config
+        if not has_tokenizer(self.checkpoint):
+            if cfg.name == "bagel-7b-mot":
+                raise CheckpointError(
+                    f"BAGEL checkpoint {self.checkpoint!r} has no tokenizer: bagel-7b-mot needs Qwen2's "
+                    "vocab.json + merges.txt (+ tokenizer_config.json), or tokenizer.json"
+                )
+            return ByteTokenizer(cfg.tokens)
+        tokenizer = load_tokenizer(self.checkpoint)
+        tokens = special_tokens_of(tokenizer)
+        check_tokens(Path(self.checkpoint), tokens, cfg.llm.vocab_size)
+        if tokens != cfg.tokens:
+            raise CheckpointError(
+                f"BAGEL checkpoint {self.checkpoint!r}: its tokenizer's special ids {tokens} differ from config "
+                f"{cfg.name!r}'s {cfg.tokens} (serve it with config=None to read them from the tokenizer)"
+            )
+        return tokenizer
 
     # -- the contract ----------------------------------------------------------------------
 
@@ -357,6 +417,10 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             raise ValueError(f"task must be one of {list(TASKS)}, got {request.task!r}")
         cfg, data = self.config, request.data
         answers = request.task in ("understand", "generate")
+        posterior = data.get("vae_posterior", "sample")
+        if posterior not in _POSTERIORS:
+            raise ValueError(f"vae_posterior must be 'sample' or 'mean', got {posterior!r}")
+        generator = _generator(data)
         think = data.get("think", False)
         if not isinstance(think, bool):
             raise ValueError(f"think must be true or false, got {think!r}")
@@ -383,13 +447,23 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
                         f"not {asked[0]}x{asked[1]}: omit size or send 'auto'"
                     )
             vit = image_tensor(resize_for(image, cfg.vit_image))
-            items.append(ImageItem(image_tensor(image) if request.task == "image_edit" else None, vit))
+            if request.task == "image_edit":
+                vae = image_tensor(image)
+                noise = None
+                if posterior == "sample":  # upstream draws it as it encodes the image, before the flow's noise
+                    latent = (cfg.vae.z_channels, height // cfg.vae.downsample, width // cfg.vae.downsample)
+                    noise = torch.randn(latent, generator=generator)
+                items.append(ImageItem(vae, vit, noise))
+            else:
+                items.append(ImageItem(None, vit))
         items.append(text)
         down = cfg.latent_downsample
         spec = None if answers else _flow_spec(cfg, request.task, height // down, width // down, data)
-        return self._prepare(request, items, spec, answers=answers)
+        return self._prepare(request, items, spec, answers=answers, generator=generator)
 
-    def _prepare(self, request: Request, items: list[Item], spec: FlowSpec | None, *, answers: bool) -> PreparedRequest:
+    def _prepare(
+        self, request: Request, items: list[Item], spec: FlowSpec | None, *, answers: bool, generator: torch.Generator | None = None
+    ) -> PreparedRequest:
         """Make a request's walks and inputs from its items (and the flow of an image)."""
         cfg, data = self.config, request.data
         walks = [w for item in items for w in _prefill_walks(item)]
@@ -411,7 +485,11 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
                 inputs[dst][name] = Parts()
         for name in ("llm", "vit", "vae_encoder"):
             inputs[name]["segments"] = segments
-        flow = initial_flow(spec, initial_noise(data, (spec.num_tokens, cfg.patch_latent_dim))) if spec is not None else None
+        flow = None
+        if spec is not None:
+            shape = (spec.num_tokens, cfg.patch_latent_dim)
+            noise = initial_noise(data, shape) if "noise" in data or generator is None else torch.randn(shape, generator=generator)
+            flow = initial_flow(spec, noise)
         first = queries(flow) if flow is not None else dict.fromkeys(map(query_input, BRANCHES))
         for b in BRANCHES:
             inputs[denoise_node(b)][query_input(b)] = first[query_input(b)]
@@ -448,6 +526,19 @@ def _as_image(value: Any, name: str) -> Image.Image:
     if isinstance(value, np.ndarray) and value.dtype == np.uint8 and (value.ndim == 2 or (value.ndim == 3 and value.shape[2] in (1, 3, 4))):
         return Image.fromarray(value[:, :, 0] if value.ndim == 3 and value.shape[2] == 1 else value).convert("RGB")
     raise ValueError(f"{name} must be a PIL image, encoded image bytes or an H x W (x 3 or 4) uint8 array")
+
+
+def _generator(data: Mapping[str, Any]) -> torch.Generator:
+    """Return the request's generator: seeded by ``seed`` (as `initial_noise` reads it), else fresh."""
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def _int_option(data: Mapping[str, Any], name: str, high: int, low: int) -> int:
@@ -519,14 +610,3 @@ def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, data: Mappi
             raise ValueError(f"cfg_renorm_type must be 'global', 'channel' or 'text_channel', got {data['cfg_renorm_type']!r}")
         overrides["cfg_renorm_type"] = data["cfg_renorm_type"]
     return FlowSpec.of(height, width, cfg.t2i if task == "image" else cfg.edit, **overrides)
-
-
-
-def _hf_tokenizer(checkpoint: str) -> Any:
-    """Return the checkpoint's Qwen2 tokenizer."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(checkpoint)
-    except Exception as exc:
-        raise CheckpointError(f"BAGEL checkpoint {checkpoint!r} has no usable tokenizer: {exc}") from None

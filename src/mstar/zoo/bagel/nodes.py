@@ -184,7 +184,7 @@ class VaeEncoderNode:
             if item.vae is None:
                 raise ValueError("the current image has no VAE input")
             down = cfg.latent_downsample
-            tokens = vae_tokens(self.vae, item.vae, cfg.latent_patch_size)
+            tokens = vae_tokens(self.vae, item.vae, cfg.latent_patch_size, item.vae_noise)
             height, width = item.vae.shape[1] // down, item.vae.shape[2] // down
             out.append({"vae_latents": VaeLatents(tokens, height, width, item.vit is not None)})
         return out

@@ -75,9 +75,12 @@ class DenseContext:
         return self.weights.llm2vae(hidden[1:-1]).float()
 
 
-def vae_tokens(vae: FluxVAE, image: torch.Tensor, patch: int) -> torch.Tensor:
-    """Return an image's latent tokens ``[h*w, p*p*z]`` (``image`` ``[3, H, W]`` in [-1, 1])."""
-    return patchify(vae.encode(image[None])[0].float(), patch)
+def vae_tokens(vae: FluxVAE, image: torch.Tensor, patch: int, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Return an image's latent tokens ``[h*w, p*p*z]`` (``image`` ``[3, H, W]`` in [-1, 1]).
+
+    ``noise`` ``[z, H/8, W/8]``: the posterior sample's noise (None: the posterior mean).
+    """
+    return patchify(vae.encode(image[None], None if noise is None else noise[None])[0].float(), patch)
 
 
 def latent_grid(weights: BagelWeights, height: int, width: int) -> torch.Tensor:
@@ -99,7 +102,7 @@ def build_context(weights: BagelWeights, vae: FluxVAE | None, items: list[Item])
             assert vae is not None
             p, down = cfg.latent_patch_size, cfg.latent_downsample
             h, w = item.vae.shape[1] // down, item.vae.shape[2] // down
-            ctx.add(ImageInput("vae", vae_tokens(vae, item.vae, p), ctx.rope, latent_grid(weights, h, w), 0.0))
+            ctx.add(ImageInput("vae", vae_tokens(vae, item.vae, p, item.vae_noise), ctx.rope, latent_grid(weights, h, w), 0.0))
         if item.vit is not None:
             ctx.add(ImageInput("vit", weights.embed_vit(item.vit), ctx.rope))
     return ctx

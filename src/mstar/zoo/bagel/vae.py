@@ -4,9 +4,10 @@ FLUX's AE is diffusers' KL autoencoder without quant convs; ``ae.safetensors`` k
 Forest Labs' names (``encoder.down.0.block.0.norm1.weight``, ``decoder.up.3.upsample.conv``,
 ``encoder.mid.attn_1.q`` as 1x1 convs), which diffusers' single-file converter maps to its own.
 
-Latents are scaled as FLUX does: ``z = scale * (mean - shift)`` on the way in, and
-``z / scale + shift`` before decoding. Encoding takes the posterior's mean (upstream draws a
-sample; the mean keeps requests reproducible).
+Latents are scaled as FLUX does: ``z = scale * (x - shift)`` on the way in, and
+``z / scale + shift`` before decoding. ``x`` is a sample of the encoder's diagonal Gaussian,
+``mean + exp(logvar / 2) * noise``, as upstream's ``DiagonalGaussian(sample=True)`` draws it;
+the caller hands in the noise (seeded per request), or none for the posterior's mean.
 """
 
 from __future__ import annotations
@@ -82,12 +83,23 @@ class FluxVAE(torch.nn.Module):
             )
 
     @torch.inference_mode()
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Return scaled latents ``[B, z, H/8, W/8]`` of images ``[B, 3, H, W]`` in [-1, 1]."""
+    def encode(self, pixels: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Return scaled latents ``[B, z, H/8, W/8]`` of images ``[B, 3, H, W]`` in [-1, 1].
+
+        Args:
+            pixels: The images.
+            noise: Standard normal noise of the latents' shape: the posterior's sample
+                ``mean + std * noise``; None: its mean.
+        """
         weight = next(self.ae.parameters())
         posterior = self.ae.encode(pixels.to(weight.device, weight.dtype)).latent_dist
+        x = posterior.mean
+        if noise is not None:
+            if tuple(noise.shape) != tuple(x.shape):
+                raise ValueError(f"posterior noise has shape {list(noise.shape)}, the latents {list(x.shape)}")
+            x = x + posterior.std * noise.to(x.device, x.dtype)
         cfg = self.config
-        return cast(torch.Tensor, (posterior.mode() - cfg.shift_factor) * cfg.scale_factor)
+        return cast(torch.Tensor, (x - cfg.shift_factor) * cfg.scale_factor)
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

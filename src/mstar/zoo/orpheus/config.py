@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mstar.errors import CheckpointError, UnsupportedModelError
+from mstar.zoo.hf_checkpoint import load_hf_config, read_json_object
 from mstar.zoo.llama import LlamaConfig
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "OrpheusConfig",
     "SnacConfig",
     "TokenLayout",
+    "config_from_checkpoint",
     "get_orpheus_config",
 ]
 
@@ -403,3 +405,40 @@ def get_orpheus_config(
             raise CheckpointError("give both llm_dir and snac_dir, or neither")
         config = config.with_checkpoints(llm_dir, snac_dir)
     return config
+
+
+def config_from_checkpoint(llm_dir: str | Path, snac_dir: str | Path) -> OrpheusConfig:
+    """Return the config of a checkpoint: the speech LM's and SNAC's own ``config.json``.
+
+    The id layout follows from the two: SNAC's ``codebook_size`` is ``K``; the text ids are
+    Llama-3's 128,256 when the vocabulary holds them and the audio ids after them (the
+    published model, whose vocabulary is padded), else every id below the 10 special and
+    ``7 K`` audio ids. The name is the LM directory's; decoding is unconstrained, as upstream's.
+
+    Raises:
+        CheckpointError: A file or field is missing, or the two do not fit together.
+    """
+    llm_dir, snac_dir = Path(llm_dir), Path(snac_dir)
+    try:
+        llm = LlamaConfig.from_hf(load_hf_config(llm_dir))
+    except UnsupportedModelError as exc:
+        raise CheckpointError(f"{str(llm_dir / 'config.json')!r}: {exc}") from exc
+    snac_file = snac_dir / "config.json"
+    if not snac_file.is_file():
+        raise CheckpointError(f"the SNAC checkpoint {str(snac_dir)!r} has no config.json")
+    try:
+        snac = SnacConfig.from_json_dict(read_json_object(snac_file))
+    except UnsupportedModelError as exc:
+        raise CheckpointError(f"{str(snac_file)!r}: {exc}") from exc
+    audio_ids = _NUM_SPECIAL + FRAME_SIZE * snac.codebook_size
+    text_ids = LLAMA3_VOCAB_SIZE if llm.vocab_size >= LLAMA3_VOCAB_SIZE + audio_ids else llm.vocab_size - audio_ids
+    if text_ids < 16:
+        raise CheckpointError(
+            f"{str(llm_dir / 'config.json')!r}: vocab_size {llm.vocab_size} leaves no room for text ids beside "
+            f"Orpheus's {audio_ids} special and audio ids (SNAC codebook_size {snac.codebook_size})"
+        )
+    layout = TokenLayout(tokeniser_length=text_ids, codebook_size=snac.codebook_size)
+    try:
+        return OrpheusConfig(name=llm_dir.name, llm=llm, snac=snac, layout=layout, llm_dir=llm_dir, snac_dir=snac_dir)
+    except UnsupportedModelError as exc:
+        raise CheckpointError(f"the Orpheus checkpoint {str(llm_dir)!r} with SNAC {str(snac_dir)!r}: {exc}") from exc

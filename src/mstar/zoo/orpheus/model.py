@@ -16,6 +16,7 @@ Request: ``Request("speech", {"text": ... (or "messages": the last user turn is 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import KVTurn
 from mstar.engines.sampling_params import SamplingParams
+from mstar.errors import CheckpointError
 from mstar.graph import (
     EMIT,
     Connection,
@@ -37,6 +39,7 @@ from mstar.graph import (
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request, SupportsAudioOutput
 from mstar.streaming import Chunk, SlidingWindowChunkPolicy
 from mstar.zoo.cache import mstar_cache_dir, written_once
+from mstar.zoo.hf_checkpoint import DTYPES
 from mstar.zoo.llama import LlamaCausalLM
 from mstar.zoo.llm import history_turn
 from mstar.zoo.orpheus.audio import SAMPLE_RATE
@@ -46,7 +49,12 @@ from mstar.zoo.orpheus.checkpoint import (
     make_random_checkpoint,
 )
 from mstar.zoo.orpheus.codec import SnacCodec
-from mstar.zoo.orpheus.config import OrpheusConfig, TokenLayout, get_orpheus_config
+from mstar.zoo.orpheus.config import (
+    OrpheusConfig,
+    TokenLayout,
+    config_from_checkpoint,
+    get_orpheus_config,
+)
 from mstar.zoo.orpheus.constrained import AudioLogitsProcessor
 from mstar.zoo.orpheus.stream import AudioStreamState, decode_chunks
 from mstar.zoo.orpheus.tokens import DEFAULT_VOICE, OrpheusTokenizer
@@ -131,9 +139,12 @@ class OrpheusModel(Model, SupportsAudioOutput):
     """Orpheus TTS (``orpheus-3b``, ``orpheus-small`` or ``orpheus-tiny``).
 
     Args:
-        config: Config name.
-        llm_dir: HF Llama checkpoint directory of the speech LM.
+        config: A config name, an `OrpheusConfig`, or None: read from the checkpoints' own
+            ``config.json`` files (`config_from_checkpoint`).
+        checkpoint: HF Llama checkpoint directory of the speech LM.
         snac_dir: SNAC checkpoint directory.
+        dtype: The LM's weights: "float32", "bfloat16", "float16", "auto" (its ``torch_dtype``);
+            None: float32 on a CPU, the checkpoint's on CUDA. SNAC runs in float32.
         constrained: Mask logits to the audio ids valid per frame position (default: the
             config's; on for the random-weight configs).
         engine_config: `KVCacheEngineConfig` fields for the LLM.
@@ -147,22 +158,35 @@ class OrpheusModel(Model, SupportsAudioOutput):
 
     def __init__(
         self,
-        config: str = "orpheus-tiny",
+        config: str | OrpheusConfig | None = "orpheus-tiny",
         *,
-        llm_dir: str | None = None,
+        checkpoint: str | None = None,
         snac_dir: str | None = None,
+        dtype: str | None = None,
         constrained: bool | None = None,
         engine_config: Mapping[str, Any] | None = None,
         codec_batch_size: int | None = 4,
     ) -> None:
-        cfg = get_orpheus_config(config, llm_dir=llm_dir, snac_dir=snac_dir)
-        if cfg.llm_dir is None and config != "orpheus-3b":
+        if dtype not in (None, "auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        if config is None:
+            if checkpoint is None or snac_dir is None:
+                raise CheckpointError("Orpheus needs a config name, or checkpoint= (the speech LM) and snac_dir=")
+            cfg = config_from_checkpoint(checkpoint, snac_dir)
+        elif isinstance(config, str):
+            cfg = get_orpheus_config(config, llm_dir=checkpoint, snac_dir=snac_dir)
+        else:
+            cfg = config if checkpoint is None and snac_dir is None else config.with_checkpoints(str(checkpoint), str(snac_dir))
+        if cfg.llm_dir is None and cfg.name != "orpheus-3b":
             cfg = _cached_random_checkpoint(cfg)
         cfg.require_checkpoints()
         if constrained is not None:
             cfg = dataclasses.replace(cfg, constrained=constrained)
-        self.name = config
+        self.name = cfg.name
         self.config = cfg
+        if dtype == "auto":
+            dtype = cfg.llm.torch_dtype or "float32"
+        self.dtype = getattr(torch, dtype) if dtype else None
         # Prompt plus Orpheus' longest generation fit in 4096 positions; size the cache for that.
         self.engine_config = KVCacheEngineConfig(**{"max_model_len": 4096, **dict(engine_config or {})})
         self.codec_batch_size = codec_batch_size
@@ -184,7 +208,8 @@ class OrpheusModel(Model, SupportsAudioOutput):
     def submodule(self, node: str, device: torch.device) -> Any:
         """Load the LLM or the codec onto ``device``."""
         if node == "LLM":
-            return OrpheusLLMNode(load_orpheus_llm(self.config, device=device), self.engine_config, self.config)
+            llm = load_orpheus_llm(self.config, device=device, dtype=self.dtype)
+            return OrpheusLLMNode(llm, self.engine_config, self.config)
         if node == "snac_decoder":
             codec = load_orpheus_codec(self.config, device=device)
             return SnacNode(codec, self.config.layout, self.codec_batch_size)
@@ -228,9 +253,10 @@ class OrpheusModel(Model, SupportsAudioOutput):
 
 
 def _cached_random_checkpoint(cfg: OrpheusConfig) -> OrpheusConfig:
-    """Return ``cfg`` pointing at random weights under the cache, writing them once."""
+    """Return ``cfg`` pointing at random weights under the cache, writing them once (keyed by its values)."""
+    digest = hashlib.sha256(repr((cfg.llm, cfg.snac, cfg.layout, cfg.initializer_range)).encode()).hexdigest()[:12]
     root = written_once(
-        mstar_cache_dir() / "orpheus" / cfg.name,
+        mstar_cache_dir() / "orpheus" / f"{cfg.name}-{digest}",
         lambda folder: make_random_checkpoint(cfg, folder, seed=0),
         label=f"random {cfg.name} weights",
     )

@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from mstar.errors import UnsupportedModelError
+from mstar.errors import CheckpointError, UnsupportedModelError
+from mstar.zoo.hf_checkpoint import load_hf_config
 
 __all__ = [
     "QWEN3_OMNI_CONFIGS",
     "CodePredictorConfig",
     "MoETextConfig",
     "Qwen3OmniConfig",
+    "config_from_checkpoint",
     "get_qwen3_omni_config",
 ]
 
@@ -724,3 +727,33 @@ def get_qwen3_omni_config(name: str, **overrides: Any) -> Qwen3OmniConfig:
             f"unknown Qwen3-Omni config {name!r}; known: {', '.join(QWEN3_OMNI_CONFIGS)}"
         )
     return Qwen3OmniConfig(name=name, hf=factory(), **overrides)
+
+
+def config_from_checkpoint(path: str | Path) -> Qwen3OmniConfig:
+    """Return the config of a checkpoint directory: its own ``config.json``, named after the directory.
+
+    The default voice is ``ethan`` when the talker has it, else its first ``speaker_id``.
+
+    Raises:
+        CheckpointError: No ``config.json``, another ``model_type``, no talker (the Thinking
+            and Captioner variants, ``enable_audio_output`` false), or a part mstar cannot run.
+    """
+    path = Path(path)
+    hf = load_hf_config(path)
+    where = repr(str(path / "config.json"))
+    if hf.get("model_type") != "qwen3_omni_moe":
+        raise CheckpointError(f"{where} has model_type {hf.get('model_type')!r}, not 'qwen3_omni_moe'")
+    if not hf.get("enable_audio_output", True) or not isinstance(hf.get("talker_config"), dict):
+        raise CheckpointError(
+            f"{where} has no talker (enable_audio_output is false: a Thinking or Captioner "
+            "checkpoint); mstar serves Qwen3-Omni with its talker and Code2Wav only"
+        )
+    speakers = [str(k).lower() for k in hf["talker_config"].get("speaker_id") or ()]
+    if not speakers:
+        raise CheckpointError(f"{where}: talker_config has no speaker_id")
+    try:
+        config = Qwen3OmniConfig(name=path.name, hf=hf, speaker="ethan" if "ethan" in speakers else speakers[0])
+        _ = (config.thinker_text, config.talker_text, config.code_predictor)  # errors now, not at load
+    except (UnsupportedModelError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    return config

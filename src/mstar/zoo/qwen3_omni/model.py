@@ -30,6 +30,8 @@ the config's speaker.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,12 +63,17 @@ from mstar.runtime.model import (
 from mstar.runtime.placement import NodeGroup, Placement
 from mstar.streaming import FixedChunkPolicy, LeftContextChunkPolicy
 from mstar.zoo.cache import mstar_cache_dir, written_once
+from mstar.zoo.hf_checkpoint import checkpoint_dtype
 from mstar.zoo.qwen3_omni.checkpoint import (
     RANDOM_INIT_VERSION,
     load_qwen3_omni,
     make_random_checkpoint,
 )
-from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig, get_qwen3_omni_config
+from mstar.zoo.qwen3_omni.config import (
+    Qwen3OmniConfig,
+    config_from_checkpoint,
+    get_qwen3_omni_config,
+)
 from mstar.zoo.qwen3_omni.modules.encoders import audio_token_count
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 from mstar.zoo.qwen3_omni.nodes import (
@@ -162,11 +169,11 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
     """Qwen3-Omni (``qwen3-omni-30b-a3b``, ``qwen3-omni-small`` or ``qwen3-omni-tiny``).
 
     Args:
-        config: Config name.
+        config: A config name, a `Qwen3OmniConfig`, or None: the checkpoint's own ``config.json``.
         checkpoint: A directory in the Hugging Face layout (``config.json``, safetensors,
-            and for the real model its tokenizer). Without one the small configs get random
-            weights, written once under the mstar cache; ``qwen3-omni-30b-a3b`` needs it.
-        dtype: "float32" or "bfloat16".
+            and for the real model its tokenizer). Without one a config gets random weights,
+            written once under the mstar cache; ``qwen3-omni-30b-a3b`` needs it.
+        dtype: "float32", "bfloat16" or "auto" (the checkpoint's ``torch_dtype``).
         colocated: Put every node on rank 0 (default: Thinker, Talker and Code2Wav on
             ranks 0, 1 and 2, each stepping on a thread of its own).
         max_tokens: Default answer length (tokens).
@@ -185,7 +192,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
 
     def __init__(
         self,
-        config: str = "qwen3-omni-tiny",
+        config: str | Qwen3OmniConfig | None = "qwen3-omni-tiny",
         *,
         checkpoint: str | None = None,
         dtype: str = "float32",
@@ -196,36 +203,39 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         codec_batch_size: int | None = None,
         codec_skip_context: bool = True,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        cfg = get_qwen3_omni_config(config)
+        if dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        if config is None:
+            if checkpoint is None:
+                raise CheckpointError("Qwen3-Omni needs a config name or checkpoint= a directory in the Hugging Face layout")
+            cfg = config_from_checkpoint(checkpoint)
+        else:
+            cfg = get_qwen3_omni_config(config) if isinstance(config, str) else config
+        random = checkpoint is None
         if checkpoint is None:
-            if config == "qwen3-omni-30b-a3b":
-                raise CheckpointError(
-                    "qwen3-omni-30b-a3b needs checkpoint= a directory in the Hugging Face layout"
-                )
+            if cfg.name == "qwen3-omni-30b-a3b":
+                raise CheckpointError(f"{cfg.name} needs checkpoint= a directory in the Hugging Face layout")
             checkpoint = str(_cached_random_checkpoint(cfg))
         path = Path(checkpoint)
         if not (path / "config.json").is_file():
             raise CheckpointError(f"Qwen3-Omni checkpoint {checkpoint!r} has no config.json")
-        self.name = config
+        self.name = cfg.name
         self.config = cfg
         self.checkpoint = str(path)
+        if dtype == "auto":
+            dtype = checkpoint_dtype(cfg.hf)
         self.dtype = _DTYPES[dtype]
         self.colocated = colocated
-        self.max_tokens = max_tokens or (
-            cfg.thinker_max_tokens if config == "qwen3-omni-30b-a3b" else 64
-        )
-        self.max_audio_frames = max_audio_frames or (
-            cfg.talker_max_tokens if config == "qwen3-omni-30b-a3b" else 256
-        )
+        # Random weights answer briefly by default; a checkpoint at the config's length.
+        self.max_tokens = max_tokens or (64 if random else cfg.thinker_max_tokens)
+        self.max_audio_frames = max_audio_frames or (256 if random else cfg.talker_max_tokens)
         self.max_model_len = max_model_len
         self.codec_batch_size = codec_batch_size
         self.codec_skip_context = codec_skip_context
         self.tokenizer: Any = _load_tokenizer(cfg, path)
         # The character tokenizer of the random-weight configs takes raw prompts.
         self.chat_prompts = not isinstance(self.tokenizer, CharTokenizer) and self.tokenizer.chat_template is not None
-        self._graph = make_qwen3_omni_graph(config, cfg.chunk_frames)
+        self._graph = make_qwen3_omni_graph(cfg.name, cfg.chunk_frames)
         self._weights: dict[torch.device, Qwen3OmniWeights] = {}
 
     # --- capabilities ------------------------------------------------------------------------
@@ -487,9 +497,10 @@ def _load_tokenizer(cfg: Qwen3OmniConfig, path: Path) -> Any:
 
 
 def _cached_random_checkpoint(cfg: Qwen3OmniConfig) -> Path:
-    """Return random weights for ``cfg`` under the cache, writing them once."""
+    """Return random weights for ``cfg`` under the cache, writing them once (keyed by its values)."""
+    digest = hashlib.sha256(json.dumps(cfg.hf, sort_keys=True).encode()).hexdigest()[:12]
     return written_once(
-        mstar_cache_dir() / "qwen3_omni" / f"{cfg.name}-{RANDOM_INIT_VERSION}",
+        mstar_cache_dir() / "qwen3_omni" / f"{cfg.name}-{RANDOM_INIT_VERSION}-{digest}",
         lambda folder: make_random_checkpoint(cfg, folder, seed=0),
         label=f"random {cfg.name} weights",
     )

@@ -19,11 +19,19 @@ from mstar.zoo.vjepa2.cem import (
     sample_actions,
 )
 from mstar.zoo.vjepa2.checkpoint import (
+    ENCODER_NUM_HEADS,
+    PREDICTOR_NUM_HEADS,
+    checkpoint_dtype,
+    config_from_checkpoint,
+    config_from_parts,
+    is_vjepa2_checkpoint,
     load_encoder,
     load_predictor,
     make_random_checkpoint,
+    parts_dtype,
     random_state_dicts,
     read_part,
+    read_parts,
 )
 from mstar.zoo.vjepa2.config import (
     VJEPA2_CONFIGS,
@@ -43,12 +51,15 @@ from mstar.zoo.vjepa2.model import (
     make_vjepa2_graph,
 )
 from mstar.zoo.vjepa2.native import native_rollout, native_step
-from mstar.zoo.vjepa2.pose import integrate_pose
+from mstar.zoo.vjepa2.pose import POSE_DIM, integrate_pose
 from mstar.zoo.vjepa2.predictor import ACPredictor, FrameInput, PagedACPredictor, block_causal_mask
 
 __all__ = [
     "EMIT_MODES",
+    "ENCODER_NUM_HEADS",
     "MAX_CEM_STEPS",
+    "POSE_DIM",
+    "PREDICTOR_NUM_HEADS",
     "VJEPA2_CONFIGS",
     "ACPredictor",
     "CEMConfig",
@@ -65,9 +76,13 @@ __all__ = [
     "VJepa2Encoder",
     "VJepa2Model",
     "block_causal_mask",
+    "checkpoint_dtype",
+    "config_from_checkpoint",
+    "config_from_parts",
     "final_plan",
     "get_vjepa2_config",
     "integrate_pose",
+    "is_vjepa2_checkpoint",
     "l1_energy",
     "load_encoder",
     "load_predictor",
@@ -75,9 +90,11 @@ __all__ = [
     "make_vjepa2_graph",
     "native_rollout",
     "native_step",
+    "parts_dtype",
     "plan_with",
     "random_state_dicts",
     "read_part",
+    "read_parts",
     "refit",
     "sample_actions",
 ]

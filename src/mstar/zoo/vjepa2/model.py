@@ -29,6 +29,7 @@ Requests (``Request(task, data)``):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,11 +52,19 @@ from mstar.zoo.vjepa2.cem import (
     cem_sample_node,
     cem_update_node,
 )
-from mstar.zoo.vjepa2.checkpoint import load_encoder, load_predictor, make_random_checkpoint
+from mstar.zoo.vjepa2.checkpoint import (
+    checkpoint_dtype,
+    config_from_parts,
+    load_encoder,
+    load_predictor,
+    make_random_checkpoint,
+    parts_dtype,
+    read_parts,
+)
 from mstar.zoo.vjepa2.config import VJepa2Config, get_vjepa2_config
 from mstar.zoo.vjepa2.encoder import VJepa2Encoder
 from mstar.zoo.vjepa2.inputs import as_actions, as_latent, as_pose, prepare_image
-from mstar.zoo.vjepa2.pose import integrate_pose
+from mstar.zoo.vjepa2.pose import POSE_DIM, integrate_pose
 from mstar.zoo.vjepa2.predictor import ACPredictor, FrameInput, PagedACPredictor
 
 __all__ = ["EMIT_MODES", "PARTITION", "EncoderNode", "FrameKVConfig", "PredictorNode", "VJepa2Model", "make_vjepa2_graph"]
@@ -415,41 +424,65 @@ class PredictorNode:
 
 
 class VJepa2Model(Model):
-    """V-JEPA 2-AC (``vjepa2-ac-vitg``, ``vjepa2-small`` or ``vjepa2-tiny``).
+    """V-JEPA 2-AC (``vjepa2-ac-vitg``, ``vjepa2-small``, ``vjepa2-tiny``, or any checkpoint's sizes).
 
     Args:
-        config: Config name.
+        config: A config name, a `VJepa2Config` (custom sizes), or None: the sizes read from
+            ``checkpoint`` (`config_from_checkpoint`; the model is named after the file).
         checkpoint: The ``.pt`` checkpoint (``encoder`` and ``predictor`` state dicts). Without
-            one the small configs get random weights, written once in the published layout
-            under the mstar cache; ``vjepa2-ac-vitg`` needs the file.
-        dtype: "float32", "bfloat16" or "float16".
+            one a named or given config gets random weights, written once in the published
+            layout under the mstar cache; ``vjepa2-ac-vitg`` needs the file.
+        dtype: "float32", "bfloat16", "float16", or "auto": the dtype the checkpoint's weights
+            are stored in (upstream's ``.pt`` names none), float32 if they differ.
         kv: `FrameKVConfig` fields of the predictor's cache (``num_blocks``, ``kv_budget``,
             ``attention_backend``).
         seed: Seed of the random weights.
+
+    Rollout and planning integrate 7-D DROID poses (`integrate_pose`, upstream's
+    ``compute_new_pose``); a checkpoint whose actions have another width serves ``encode`` only.
+
+    Raises:
+        CheckpointError: No config and no checkpoint, a missing checkpoint file, or (with
+            ``config=None``) a file whose sizes cannot be read.
     """
 
     def __init__(
         self,
-        config: str = "vjepa2-tiny",
+        config: str | VJepa2Config | None = "vjepa2-tiny",
         *,
-        checkpoint: str | None = None,
+        checkpoint: str | Path | None = None,
         dtype: str = "float32",
         kv: Mapping[str, Any] | None = None,
         seed: int = 0,
     ) -> None:
-        cfg = get_vjepa2_config(config)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if checkpoint is None:
-            if config == "vjepa2-ac-vitg":
-                raise CheckpointError("vjepa2-ac-vitg needs checkpoint= the path of vjepa2-ac-vitg.pt")
-            checkpoint = str(_cached_random_checkpoint(cfg, seed))
-        elif not Path(checkpoint).is_file():
-            raise CheckpointError(f"V-JEPA 2 checkpoint {checkpoint!r} does not exist")
-        self.name = config
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}")
+        if config is None:
+            if checkpoint is None:
+                raise CheckpointError(
+                    "V-JEPA 2 needs config= (a name or a VJepa2Config) or checkpoint= the upstream .pt to read the sizes from"
+                )
+            parts = read_parts(checkpoint)  # one memory-mapped load for the sizes and the dtype
+            cfg = config_from_parts(parts, checkpoint)
+            torch_dtype = parts_dtype(parts) if dtype == "auto" else _DTYPES[dtype]
+        else:
+            if isinstance(config, str):
+                cfg = get_vjepa2_config(config)
+            elif isinstance(config, VJepa2Config):
+                cfg = config
+            else:
+                raise TypeError(f"config must be a name, a VJepa2Config or None, got {type(config).__name__}")
+            if checkpoint is None:
+                if cfg.name == "vjepa2-ac-vitg":
+                    raise CheckpointError("vjepa2-ac-vitg needs checkpoint= the path of vjepa2-ac-vitg.pt")
+                checkpoint = _cached_random_checkpoint(cfg, seed)
+            elif not Path(checkpoint).is_file():
+                raise CheckpointError(f"V-JEPA 2 checkpoint {str(checkpoint)!r} does not exist")
+            torch_dtype = checkpoint_dtype(checkpoint) if dtype == "auto" else _DTYPES[dtype]
+        self.name = cfg.name
         self.config = cfg
-        self.checkpoint = checkpoint
-        self.dtype = _DTYPES[dtype]
+        self.checkpoint = str(checkpoint)
+        self.dtype = torch_dtype
         self.kv_config = FrameKVConfig(**dict(kv or {}))
         self._graph = make_vjepa2_graph(cfg)
 
@@ -464,7 +497,9 @@ class VJepa2Model(Model):
         return types
 
     def tasks(self) -> tuple[str, ...]:
-        """Return the three tasks."""
+        """Return encode, rollout and plan (encode alone when actions are not 7-D poses)."""
+        if self.config.predictor.action_dim != POSE_DIM:
+            return ("encode",)
         return ("encode", "rollout", "plan")
 
     def submodule(self, node: str, device: torch.device) -> Any:
@@ -484,6 +519,11 @@ class VJepa2Model(Model):
         data = request.data
         if request.task not in _INPUT_KEYS:
             raise ValueError(f"task must be one of {list(self.tasks())}, got {request.task!r}")
+        if request.task not in self.tasks():
+            raise ValueError(
+                f"{request.task} integrates 7-D poses [x, y, z, roll, pitch, yaw, gripper] but {self.name}'s "
+                f"actions are {self.config.predictor.action_dim}-D: this model serves encode only"
+            )
         known = _INPUT_KEYS[request.task] | (frozenset(_PLAN_KEYS) if request.task == "plan" else frozenset())
         unknown = set(data) - known
         if unknown:
@@ -541,10 +581,14 @@ class VJepa2Model(Model):
 
 
 def _cached_random_checkpoint(cfg: VJepa2Config, seed: int) -> Path:
-    """Return the cached random checkpoint of ``cfg``, writing it once (atomically)."""
+    """Return the cached random checkpoint of ``cfg``, writing it once (atomically).
+
+    The file is keyed by the sizes too, so two configs of one name never share weights.
+    """
     from mstar.zoo.cache import mstar_cache_dir
 
-    path = mstar_cache_dir() / "vjepa2" / f"{cfg.name}-seed{seed}.pt"
+    digest = hashlib.sha256(repr((cfg.encoder, cfg.predictor)).encode()).hexdigest()[:12]
+    path = mstar_cache_dir() / "vjepa2" / f"{cfg.name}-{digest}-seed{seed}.pt"
     if not path.is_file():
         log.info("writing_random_checkpoint", config=cfg.name, path=str(path))
         make_random_checkpoint(cfg, path, seed=seed)  # written aside, renamed into place

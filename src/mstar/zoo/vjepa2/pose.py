@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["euler_to_matrix", "integrate_pose", "matrix_to_euler"]
+__all__ = ["POSE_DIM", "euler_to_matrix", "integrate_pose", "matrix_to_euler"]
+
+POSE_DIM = 7
+"""Entries of a pose and of an action: ``[x, y, z, roll, pitch, yaw, gripper]``."""
 
 
 def euler_to_matrix(angles: torch.Tensor) -> torch.Tensor:
