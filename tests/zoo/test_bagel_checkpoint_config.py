@@ -492,7 +492,7 @@ def test_missing_files_and_fields(checkpoint: Path, tmp_path: Path) -> None:
 def test_malformed_and_unsupported_fields(checkpoint: Path, tmp_path: Path) -> None:
     bad = _copy(checkpoint, tmp_path / "json")
     (bad / "vit_config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"vit_config.json is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"cannot read .*vit_config.json"):
         config_from_checkpoint(bad)
     bad = _copy(checkpoint, tmp_path / "type")
     _edit_json(bad, "llm_config.json", num_hidden_layers="3")

@@ -78,7 +78,7 @@ def test_a_vjepa2_file_is_recognised_by_its_state_dicts(tmp_path: Path) -> None:
         ({"config.json": {"model_type": "llama"}, "tokenizer.json": '{"added": "<custom_token_7>"}'}, "--snac-dir"),
         ({"config.json": {"model_type": "mistral"}}, "config.json with model_type 'mistral'"),
         ({"weights.bin": ""}, "found files weights.bin"),
-        ({"config.json": "[1, 2]"}, "is not a JSON object"),
+        ({"config.json": "[1, 2]"}, "must hold a JSON object"),
     ],
 )
 def test_what_matches_no_family_says_what_was_found(tmp_path: Path, files: dict[str, object], message: str) -> None:

@@ -22,12 +22,12 @@ V-JEPA 2       upstream's one ``.pt`` file (``encoder`` and ``predictor`` state 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from mstar.errors import ModelLoadError
+from mstar.errors import CheckpointError, ModelLoadError
 from mstar.runtime.model import ModelSpec
+from mstar.zoo.hf_checkpoint import read_json_object
 
 __all__ = ["FAMILY_FILES", "checkpoint_spec"]
 
@@ -112,12 +112,9 @@ def _kwargs(path: Path, options: dict[str, Any]) -> dict[str, Any]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {str(path)!r}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{str(path)!r} is not a JSON object")
-    return raw
+        return read_json_object(path)
+    except CheckpointError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _has_orpheus_tokens(path: Path) -> bool:

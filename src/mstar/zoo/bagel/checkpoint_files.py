@@ -17,6 +17,7 @@ from typing import Any
 from mstar.errors import CheckpointError, UnsupportedModelError
 from mstar.zoo.bagel.config import LLMConfig, VAEConfig, ViTConfig
 from mstar.zoo.bagel.vae import bfl_vae_shapes
+from mstar.zoo.hf_checkpoint import read_json_object
 
 __all__ = ["NORM_GROUPS_KEY", "llm_config_of", "read_header", "read_json", "shape_of", "side_of", "vae_config_of", "vit_config_of"]
 
@@ -128,13 +129,7 @@ def read_json(directory: Path, filename: str) -> dict[str, Any]:
     path = directory / filename
     if not path.is_file():
         raise CheckpointError(f"BAGEL checkpoint {str(directory)!r} has no {filename}")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return raw
+    return read_json_object(path)
 
 
 def _int(raw: Mapping[str, Any], key: str, path: Path, *, default: int | None = None) -> int:
