@@ -223,6 +223,19 @@ async def test_the_model_read_from_the_checkpoint_serves_as_the_explicit_config(
         assert latents.shape == (height // 8 * width // 8, 8) and pixels.shape == (height, width, 3)
 
 
+async def test_the_checkpoints_bfloat16_draws_within_bfloat16_tolerance_of_float32(checkpoint: Path) -> None:
+    """``dtype="auto"`` runs as upstream does, in ``llm_config.json``'s bfloat16 (here: through 3 flow steps)."""
+    requests = _requests()[:2]
+    low = BagelModel(None, checkpoint=str(checkpoint), dtype="auto")
+    assert low.dtype == torch.bfloat16
+    got = await serve(low, requests)
+    want = await serve(BagelModel(None, checkpoint=str(checkpoint), dtype="float32"), requests)
+    for mine, theirs in zip(got, want, strict=True):
+        (a,), (b,) = _by_name(mine, "latents"), _by_name(theirs, "latents")
+        error = float((a.float() - b).norm() / b.norm())
+        assert 0 < error < 0.05, error  # bfloat16 ran (not equal), within its precision (2**-8 a rounding)
+
+
 def test_dtype_auto_and_the_arguments(checkpoint: Path) -> None:
     assert BagelModel(None, checkpoint=str(checkpoint), dtype="auto").dtype == torch.bfloat16  # llm_config.json's
     assert BagelModel("bagel-tiny", dtype="auto").dtype == torch.float32  # a random checkpoint names none
