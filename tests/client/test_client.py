@@ -36,7 +36,7 @@ from tests.server.conftest import RunningServer, running_server
 @pytest.fixture(scope="module")
 def llama(tiny_llama_dir: Path) -> Iterator[RunningServer]:
     spec = ModelSpec(
-        "mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(tiny_llama_dir), "name": "tiny-chat"}
+        "mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "tiny-chat"}
     )
     with running_server(spec, names=("tiny-chat",)) as server:
         yield server

@@ -317,7 +317,7 @@ def test_the_stall_timeout_is_validated() -> None:
 
 
 async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: Path) -> None:
-    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(save_tiny_chat_llama(tmp_path))})
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(save_tiny_chat_llama(tmp_path))})
     async with await AsyncEngine.start(spec) as engine:
         for i in range(5):
             # Sampled (temperature 1): without ignore_eos, an end token could end one early.

@@ -125,6 +125,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_server(tiny_llama_dir: Path) -> Iterator[RunningServer]:
-    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(tiny_llama_dir), "name": "tiny-chat"})
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "tiny-chat"})
     with running_server(spec, names=("tiny-chat",)) as server:
         yield server

@@ -109,7 +109,7 @@ def test_health_and_metrics_report_a_lost_worker_at_once() -> None:
 def test_generate_past_a_kv_cache_smaller_than_the_models_length_is_a_400_naming_the_field(tmp_path: Path) -> None:
     # The checkpoint's length is 4,096 positions; the KV-cache budget holds 8 blocks of 16
     # tokens, which only the engine knows once it sized its cache.
-    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint_dir": str(save_tiny_chat_llama(tmp_path)), "name": "tiny-chat"})
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(save_tiny_chat_llama(tmp_path)), "name": "tiny-chat"})
     engine = EngineConfig(kv_cache_memory=8 * TINY_LLAMA_BLOCK_BYTES)
     with running_server(spec, names=("tiny-chat",), engine_config=engine) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         limit = server.call(server.state.max_seq_len())

@@ -28,7 +28,7 @@ IGNORE_EOS = {"ignore_eos": True}
 def server(tiny_llama_dir: Path) -> Iterator[RunningServer]:
     spec = ModelSpec(
         "mstar.zoo.llm:TextLLM",
-        {"checkpoint_dir": str(tiny_llama_dir), "name": MODEL, "engine_config": {"num_blocks": 8}},
+        {"checkpoint": str(tiny_llama_dir), "name": MODEL, "engine_config": {"num_blocks": 8}},
     )
     with running_server(spec, names=(MODEL,)) as running:
         yield running
