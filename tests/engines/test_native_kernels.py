@@ -5,6 +5,8 @@ included), their errors, and engines and layers that run through them."""
 from __future__ import annotations
 
 import shutil
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -450,3 +452,17 @@ def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(kernels, 
                 assert torch.equal(kernels.linear_argmax(x, tiles, b), expected), (rows, name)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_stops_the_next(kernels) -> None:  # type: ignore[no-untyped-def]
+    """torch's loader leaves its lock file behind when a build is killed; the next build waited on it forever."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(native._build_name(), verbose=False))
+    (build_dir / "lock").write_text("")  # what a build killed while compiling leaves
+    done: list[object] = []
+    thread = threading.Thread(target=lambda: done.append(native._build()), daemon=True)
+    thread.start()
+    thread.join(timeout=90)  # loading the cached build takes milliseconds; the bug waits forever
+    assert done and done[0].__name__ == kernels.__name__
+    assert not (build_dir / "lock").exists()

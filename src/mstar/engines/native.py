@@ -13,6 +13,7 @@ kernels off without trying.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import threading
@@ -85,7 +86,14 @@ def _build() -> ModuleType:
         partial = source.with_name(f"{source.name}.{os.getpid()}.tmp")
         partial.write_bytes(text)
         os.replace(partial, source)  # atomic: a concurrent build never reads half a file
-    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS), verbose=False)
+    # torch's loader serialises builds with a lock file that a killed build leaves behind, and
+    # every later process then waits on it forever. Builds here hold an flock the kernel drops
+    # when its holder dies: whoever holds it is the only builder, so a torch lock file it finds
+    # is stale and goes.
+    with open(build_dir / "mstar.flock", "a+b") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS), verbose=False)
 
 
 def cpu_kernels() -> ModuleType | None:
