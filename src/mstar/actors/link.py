@@ -9,6 +9,11 @@ instead (`watched_pid`): it is lost once its process exited, seen within a heart
 interval, and never for silence alone, since a long step that starves its event loop (or
 holds the GIL from its heartbeat) leaves a healthy process quiet.
 
+CUDA IPC is used on a link only where both sides can open handles and see a common CUDA
+device (each names the UUIDs of its devices in its `Hello`): the codec sends tensors on those
+devices as handles and everything else by bytes. When a same-host peer's process is gone, the
+handles sent to it are released (`LinkCodec.release_cuda_sent`).
+
 A link to another process carries each message in its wire form (`WireMessage.to_wire`) and
 hands what arrives to actors converted back (`WireMessage.from_wire`); an in-process link
 passes messages by reference, as they are.
@@ -25,7 +30,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
+import msgspec
 
 from mstar import errors
 from mstar.actors.wire import (
@@ -51,13 +56,14 @@ from mstar.errors import (
     TransportClosedError,
 )
 from mstar.transport.base import Channel
+from mstar.transport.cuda_ipc import local_cuda_device_uuids
 from mstar.transport.janitor import is_pid_alive, sweep_stale
 from mstar.transport.shm import ArenaMapping
 
 if TYPE_CHECKING:
     from mstar.actors.system import ActorSystem
 
-__all__ = ["PeerLink", "RemoteReply", "error_from_reply", "error_reply"]
+__all__ = ["PeerLink", "RemoteReply", "error_from_reply", "error_reply", "shared_cuda_devices"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,17 @@ _REBUILDABLE: dict[str, type[errors.MStarError]] = {
         errors.PeerLostError,
     )
 }
+
+
+def shared_cuda_devices(peer: Hello, *, same_host: bool) -> frozenset[str]:
+    """Return the UUIDs of the CUDA devices a link to `peer` may pass by IPC handle.
+
+    Empty unless the peer is another process on this host, both sides can open CUDA IPC
+    handles, and both see the device.
+    """
+    if not same_host or peer.pid == os.getpid() or not peer.cuda_ipc:
+        return frozenset()
+    return frozenset(peer.cuda_device_uuids).intersection(local_cuda_device_uuids())
 
 
 def error_reply(call_id: int, error: BaseException) -> ErrorReply:
@@ -202,7 +219,16 @@ class PeerLink:
 
     def start(self) -> None:
         """Open the handshake (client side)."""
-        self.send(self.system._hello())
+        self.send(self._hello())
+
+    def _hello(self) -> Hello:
+        """Return the system's hello, plus what this process offers for CUDA IPC."""
+        hello = self.system._hello()
+        # In-process links pass tensors by reference: no need to wake CUDA for them.
+        uuids = local_cuda_device_uuids() if self.codec is not None else ()
+        if not uuids:
+            return hello
+        return msgspec.structs.replace(hello, cuda_ipc=True, cuda_device_uuids=list(uuids))
 
     # ---------------------------------------------------------------------------- incoming
 
@@ -255,7 +281,7 @@ class PeerLink:
             )
         self.peer = hello
         if not self.is_client:
-            self.send(self.system._hello())
+            self.send(self._hello())
         self.system._register_link(self, hello)
         same_host = hello.host_id == self.system._host_id
         if same_host and hello.pid != os.getpid() and is_pid_alive(hello.pid):
@@ -265,7 +291,8 @@ class PeerLink:
             codec.max_message_bytes = min(
                 codec.max_message_bytes, hello.max_message_bytes or codec.max_message_bytes
             )
-            codec.cuda_ipc = same_host and hello.pid != os.getpid() and torch.cuda.is_available()
+            codec.cuda_ipc_device_uuids = shared_cuda_devices(hello, same_host=same_host)
+            codec.cuda_ipc = bool(codec.cuda_ipc_device_uuids)
             if same_host and hello.arena is not None and self.system.config.shm_arena_bytes > 0:
                 try:
                     codec.peer_arena = ArenaMapping(hello.arena.name, hello.arena.nbytes, self._queue_release)
@@ -340,6 +367,14 @@ class PeerLink:
             and not is_pid_alive(peer.pid)
         ):
             sweep_stale(peer.pid)
+        if (
+            self.codec is not None
+            and self.codec.cuda_ipc
+            and self.watched_pid is not None
+            and not is_pid_alive(self.watched_pid)
+        ):
+            # Only a process seen alive at the handshake (this pid namespace) is known dead.
+            self.codec.release_cuda_sent()
         if graceful or isinstance(error, TransportClosedError):
             log.info("closed link to %s: %s", self.label, error)
         else:

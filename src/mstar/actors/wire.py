@@ -99,7 +99,11 @@ class ShmLoc(WireStruct, tag=True):
 
 
 class CudaIpcLoc(WireStruct, tag=True):
-    """A CUDA tensor shared by IPC handle: the fields of `UntypedStorage._share_cuda_()`."""
+    """A CUDA tensor shared by IPC handle: the fields of `UntypedStorage._share_cuda_()`.
+
+    `device` is the sender's index; the receiver opens the handle on its own index of
+    `device_uuid` (empty from senders that predate it, whose handles are refused).
+    """
 
     device: NonNegative
     handle: bytes
@@ -111,6 +115,7 @@ class CudaIpcLoc(WireStruct, tag=True):
     event_sync_required: bool
     stride: tuple[int, ...]
     storage_offset: NonNegative
+    device_uuid: str = ""
 
 
 TensorLoc: TypeAlias = FrameLoc | ShmLoc | CudaIpcLoc
@@ -194,7 +199,11 @@ class _EnvelopeBase(WireStruct, tag=True):
 
 
 class Hello(_EnvelopeBase):
-    """Open a link: who the sender is and what it offers; both sides send one, client first."""
+    """Open a link: who the sender is and what it offers; both sides send one, client first.
+
+    `cuda_ipc` says the sender can open CUDA IPC handles, `cuda_device_uuids` names the CUDA
+    devices it sees; a peer that predates them decodes with neither (no CUDA IPC).
+    """
 
     system_id: str
     addresses: list[str]
@@ -203,6 +212,8 @@ class Hello(_EnvelopeBase):
     protocol: int = PROTOCOL_VERSION
     max_message_bytes: NonNegative = 0
     arena: ArenaInfo | None = None
+    cuda_ipc: bool = False
+    cuda_device_uuids: list[str] = []
 
 
 class ArenaAttached(_EnvelopeBase):

@@ -5,6 +5,20 @@ in a static buffer; a step of `n` sequences runs the smallest bucket `>= n`, and
 padded slots compute garbage that nobody reads: their tokens write K/V into the sink
 block and attend only to it.
 
+With FlashInfer (the CUDA default) the graphs replay FlashInfer's own decode kernel: one
+`BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)` per bucket, its page-table
+buffers fixed at construction, planned outside the graph before each replay (host arrays:
+the plan copies them into the fixed buffers) so each step reads just its sequences' keys:
+
+```
+ indptr        [0, 2, 3, 4, 5]     bucket 4, n = 2: rows 2 and 3 are padding
+ indices       [7, 2, 4, S, S]     S: the sink block
+ last_page_len [3, 1, 1, 1]
+```
+
+Without FlashInfer (the torch backend on CUDA) the graph's attention is a fixed-shape
+gather of every sequence's first `max_len` key slots:
+
 ```
  static input_ids  [ t0 t1 t2 | 0  0  0  0  0 ]     bucket 8, n = 3
  static slots      [ s0 s1 s2 | sink ...      ]
@@ -12,8 +26,8 @@ block and attend only to it.
  mask              row i: positions < seq_len[i]; padded rows see the sink only
 ```
 
-The graph's attention is a fixed-shape gather over `max_len` key positions (steps whose
-sequences are longer fall back to eager execution).
+It reads `max_len` keys per sequence whatever their lengths; steps whose sequences are
+longer than `max_len` run eagerly on either route.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engines.attention.base import AttentionMetadata, write_kv
+from mstar.engines.attention.flashinfer_plan import decode_uses_tensor_cores, padded_page_table
 from mstar.engines.paged_model import PagedKVContext, PagedModel
 
 __all__ = ["CudaGraphDecodeRunner", "batch_size_buckets"]
@@ -38,17 +53,32 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted(sizes)
 
 
-class _StaticDecodeAttention:
-    """Fixed-shape paged decode attention reading the graph's static buffers."""
+class _GatherDecodeAttention:
+    """Fixed-shape paged decode attention over gathered key slots (the torch route)."""
 
-    def __init__(self, slot_mapping: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor) -> None:
+    def __init__(self, slot_mapping: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor, sink_slot: int) -> None:
         self.slot_mapping = slot_mapping
         self.gather = gather
         self.mask = mask
+        self.sink_slot = sink_slot
         self.batch_size = 1
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Do nothing: the runner fills the static buffers before each replay."""
+        """Do nothing: `prepare` fills the static buffers before each replay."""
+
+    def prepare(self, metadata: AttentionMetadata, bs: int) -> None:
+        """Fill the gather table and mask of a step's sequences (padding rows see the sink)."""
+        size, max_len = metadata.block_size, self.gather.shape[1]
+        gather = np.full((bs, max_len), self.sink_slot, dtype=np.int64)
+        mask = np.zeros((bs, max_len), dtype=bool)
+        mask[:, 0] = True
+        pos = np.arange(max_len)
+        for row, (table, length) in enumerate(zip(metadata.block_tables, metadata.seq_lens, strict=True)):
+            blocks = np.asarray(table[: -(-int(length) // size)], dtype=np.int64)
+            gather[row, :length] = (blocks[:, None] * size + np.arange(size)).reshape(-1)[:length]
+            mask[row] = pos < length
+        self.gather[:bs].copy_(torch.from_numpy(gather), non_blocking=True)
+        self.mask[:bs, 0, 0].copy_(torch.from_numpy(mask), non_blocking=True)
 
     def forward(
         self,
@@ -77,6 +107,85 @@ class _StaticDecodeAttention:
         return o.squeeze(2)
 
 
+class _FlashInferDecodeAttention:
+    """FlashInfer's decode kernel in CUDA-graph mode: one wrapper per bucket, fixed buffers.
+
+    A bucket's wrapper is made and planned (on the padding rows alone) at its warm-up run,
+    outside the capture, where the head counts and scale are first seen; `prepare` plans it
+    on a step's page table before each replay.
+    """
+
+    def __init__(
+        self,
+        workspace: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        max_batch_size: int,
+        max_pages: int,
+        sink_block: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.workspace = workspace
+        self.slot_mapping = slot_mapping
+        self.sink_block = sink_block
+        self.block_size = block_size
+        self.indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
+        self.indices = torch.full((max_batch_size * max_pages,), sink_block, dtype=torch.int32, device=device)
+        self.last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=device)
+        self.wrappers: dict[int, Any] = {}
+        self.head_args: tuple[int, int, int] | None = None  # heads, KV heads, head size
+        self.types: dict[str, Any] = {}
+        self.batch_size = 1
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Do nothing: `prepare` plans the bucket's wrapper before each replay."""
+
+    def _wrapper(self, bs: int, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> Any:
+        import flashinfer
+
+        self.head_args = (q.shape[1], k_cache.shape[2], q.shape[2])
+        self.types = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scale}
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=decode_uses_tensor_cores(q.shape[1], k_cache.shape[2]),
+            paged_kv_indptr_buffer=self.indptr[: bs + 1],
+            paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last_page_len[:bs],
+        )  # fmt: skip
+        self.wrappers[bs] = wrapper
+        self._plan(wrapper, *padded_page_table(np.zeros(0, np.int64), [], self.block_size, bs, self.sink_block))
+        return wrapper
+
+    def _plan(self, wrapper: Any, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
+        assert self.head_args is not None
+        wrapper.plan(
+            torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+            *self.head_args, self.block_size, **self.types,
+        )  # fmt: skip
+
+    def prepare(self, metadata: AttentionMetadata, bs: int) -> None:
+        """Plan the bucket's wrapper on the step's page table (host arrays, outside the graph)."""
+        tables = padded_page_table(metadata.seq_lens, metadata.block_tables, self.block_size, bs, self.sink_block)
+        self._plan(self.wrappers[bs], *tables)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Write K/V of the bucket's tokens and run the bucket's planned decode."""
+        bs = self.batch_size
+        write_kv(kv_cache, self.slot_mapping[:bs], k, v)
+        wrapper = self.wrappers.get(bs)
+        if wrapper is None:  # the bucket's warm-up run, before its capture
+            wrapper = self._wrapper(bs, q, kv_cache[0], scale)
+        return wrapper.run(q.contiguous(), kv_cache)
+
+
 class CudaGraphDecodeRunner:
     """Capture and replay decode forwards of a `PagedModel` per batch-size bucket."""
 
@@ -90,8 +199,13 @@ class CudaGraphDecodeRunner:
         block_size: int,
         sink_slot: int,
         device: torch.device,
+        flashinfer_workspace: torch.Tensor | None = None,
     ) -> None:
-        """Allocate static buffers; call `capture()` next."""
+        """Allocate static buffers; call `capture()` next.
+
+        ``flashinfer_workspace``: replay FlashInfer's decode kernel, with this float
+        workspace (the eager backend's); None: the gather route.
+        """
         self.model = model
         self.block_size = block_size
         self.sink_slot = sink_slot
@@ -102,12 +216,18 @@ class CudaGraphDecodeRunner:
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         slot_mapping = torch.full((max_batch_size,), sink_slot, dtype=torch.long, device=device)
-        gather = torch.full(
-            (max_batch_size, self.max_len), sink_slot, dtype=torch.long, device=device
-        )
-        mask = torch.zeros(max_batch_size, 1, 1, self.max_len, dtype=torch.bool, device=device)
-        mask[..., 0] = True
-        self.attention = _StaticDecodeAttention(slot_mapping, gather, mask)
+        self.attention: _GatherDecodeAttention | _FlashInferDecodeAttention
+        if flashinfer_workspace is not None:
+            self.attention = _FlashInferDecodeAttention(
+                flashinfer_workspace, slot_mapping, max_batch_size=max_batch_size,
+                max_pages=self.max_len // block_size, sink_block=sink_slot // block_size,
+                block_size=block_size, device=device,
+            )  # fmt: skip
+        else:
+            gather = torch.full((max_batch_size, self.max_len), sink_slot, dtype=torch.long, device=device)
+            mask = torch.zeros(max_batch_size, 1, 1, self.max_len, dtype=torch.bool, device=device)
+            mask[..., 0] = True
+            self.attention = _GatherDecodeAttention(slot_mapping, gather, mask, sink_slot)
         self.ctx = PagedKVContext(self.attention, kv_caches)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -146,24 +266,14 @@ class CudaGraphDecodeRunner:
         """Replay the bucket for this step; return hidden states `[num_seqs, hidden]`."""
         n = metadata.num_seqs
         bs = next(b for b in self.buckets if b >= n)
-        size = self.block_size
-        gather = np.full((bs, self.max_len), self.sink_slot, dtype=np.int64)
-        mask = np.zeros((bs, self.max_len), dtype=bool)
-        mask[:, 0] = True
-        pos = np.arange(self.max_len)
-        for row, (table, length) in enumerate(zip(metadata.block_tables, metadata.seq_lens, strict=True)):
-            blocks = np.asarray(table[: -(-int(length) // size)], dtype=np.int64)
-            gather[row, :length] = (blocks[:, None] * size + np.arange(size)).reshape(-1)[:length]
-            mask[row] = pos < length
         att = self.attention
         att.batch_size = bs
+        att.prepare(metadata, bs)
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:bs].zero_()
         self.positions[:n].copy_(positions)
         self.positions[n:bs].zero_()
         att.slot_mapping[:n].copy_(metadata.slot_mapping)
         att.slot_mapping[n:bs].fill_(self.sink_slot)
-        att.gather[:bs].copy_(torch.from_numpy(gather), non_blocking=True)
-        att.mask[:bs, 0, 0].copy_(torch.from_numpy(mask), non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -3,12 +3,19 @@
     frame 0: msgpack envelope; each tensor in it is a TensorRef(dtype, shape, loc)
     frame 1..n: raw bytes of the tensors whose loc is FrameLoc(i)
 
-A tensor's bytes go, by preference: as CUDA IPC handles (CUDA tensor, peer on this machine in
-another process); into a slot of this system's shared arena (CPU tensor of at least
-`shm_min_bytes`, peer on this machine, arena not full); else as a separate frame, sent
-without a copy. A frame is read by the transport later, so a tensor must not be modified
+A tensor's bytes go, by preference: as CUDA IPC handles (CUDA tensor on a device the peer
+sees too, peer another process on this machine, both able to open handles); into a slot of
+this system's shared arena (CPU tensor of at least `shm_min_bytes`, peer on this machine,
+arena not full); else as a separate frame, sent without a copy. A frame is read by the transport later, so a tensor must not be modified
 after it was sent. Decoding accepts only what `messages` declares, checks every tensor
 against its frame or slot, and raises `ProtocolError` for anything else.
+
+A CUDA IPC handle holds a reference on the sender's block until the receiver's tensor dies
+(see `mstar.transport.cuda_ipc`). So that no block stays pinned by a message that went
+nowhere, the codec gives the reference back itself for every handle that is not opened: the
+sender for a message it failed to encode, the receiver for a handle it refuses and for the
+handles of a message it rejects, and the sender for everything it sent once the peer's
+process exited (`release_cuda_sent`).
 
 Each message that is sent or received whole adds its tensors' bytes to the link's
 `TransportTally`, under the link's scheme (frames), `shm` or `cuda_ipc`.
@@ -16,6 +23,7 @@ Each message that is sent or received whole adds its tensors' bytes to the link'
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +42,12 @@ from mstar.actors.wire import (
     registry_version,
 )
 from mstar.errors import MessageTooLargeError, ProtocolError
-from mstar.transport.cuda_ipc import export_cuda_tensor, import_cuda_tensor
+from mstar.transport.cuda_ipc import (
+    export_cuda_tensor,
+    import_cuda_tensor,
+    local_cuda_device_uuids,
+    release_cuda_handle,
+)
 from mstar.transport.shm import ArenaMapping, SharedArena
 from mstar.transport.tally import CUDA_IPC, SHM, TransportTally
 
@@ -51,6 +64,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+# How many CUDA IPC handles a link remembers having sent, to release them if its peer's
+# process exits; a receiver that dies holding an older one leaves that block pinned.
+MAX_TRACKED_CUDA_HANDLES = 1 << 16
+
 
 def frame_nbytes(frame: Any) -> int:
     """Return the size in bytes of one frame (bytes, buffer, numpy array or zmq.Frame)."""
@@ -127,7 +145,9 @@ class LinkCodec:
 
     The actor system fills in what the handshake tells it: `local_arena` once the peer has
     mapped this system's arena, `peer_arena` once this side mapped the peer's, `cuda_ipc`
-    when the peer is another process on this machine.
+    when the peer is another process on this machine and both sides can open CUDA IPC
+    handles, with `cuda_ipc_device_uuids` the CUDA devices both see (tensors on others go
+    by bytes).
     """
 
     def __init__(
@@ -146,6 +166,11 @@ class LinkCodec:
         self.local_arena: SharedArena | None = None
         self.peer_arena: ArenaMapping | None = None
         self.cuda_ipc = False
+        self.cuda_ipc_device_uuids: frozenset[str] = frozenset()
+        # (ref counter handle, offset) of the CUDA IPC handles sent, newest last.
+        self.sent_cuda_handles: collections.deque[tuple[bytes, int]] = collections.deque(
+            maxlen=MAX_TRACKED_CUDA_HANDLES
+        )
         # Slots of `local_arena` the peer holds; freed on its ArenaRelease or when the link dies.
         self.sent_slots: set[int] = set()
         self._encoder = make_encoder(self._enc_hook)
@@ -153,6 +178,9 @@ class LinkCodec:
         self._decoder_version = registry_version()
         self._out: list[Any] | None = None
         self._new_slots: list[int] = []
+        self._new_cuda_locs: list[CudaIpcLoc] = []
+        # The CUDA IPC handles of the message being decoded that were opened or refused.
+        self._cuda_handled: set[tuple[bytes, int]] = set()
         self._in: Sequence[Any] | None = None
         self._in_used: list[bool] = []
         # Whether the message being encoded or decoded holds tensors, and the bytes of those
@@ -178,7 +206,7 @@ class LinkCodec:
         try:
             frames[0] = self._encoder.encode(envelope)
         except (TypeError, ValueError, msgspec.EncodeError, RecursionError) as exc:
-            self._free_new_slots()
+            self._drop_new()
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError(f"cannot encode {type(envelope).__name__}: {exc}") from exc
@@ -186,12 +214,16 @@ class LinkCodec:
             self._out = None
         nbytes = len(frames[0]) if len(frames) == 1 else sum(frame_nbytes(f) for f in frames)
         if nbytes > self.max_message_bytes:
-            self._free_new_slots()
+            self._drop_new()
             raise MessageTooLargeError(
                 f"{type(envelope).__name__} is {nbytes} bytes, over the link's limit of "
                 f"{self.max_message_bytes} (raise max_message_bytes or send less)"
             )
         if self._has_tensors:
+            if self._new_cuda_locs:
+                self.sent_cuda_handles.extend(
+                    (loc.ref_counter_handle, loc.ref_counter_offset) for loc in self._new_cuda_locs
+                )
             self._count(self.tally.sent, frames, nbytes)
         return frames
 
@@ -204,12 +236,17 @@ class LinkCodec:
         if self._cuda_bytes:
             counts[CUDA_IPC] += self._cuda_bytes
 
-    def _free_new_slots(self) -> None:
+    def _drop_new(self) -> None:
+        """Undo what the message that failed to encode took: its arena slots and CUDA handles."""
         for offset in self._new_slots:
             self.sent_slots.discard(offset)
             if self.local_arena is not None:
                 self.local_arena.free(offset)
         self._new_slots = []
+        if self._has_tensors:
+            for loc in self._new_cuda_locs:
+                release_cuda_handle(loc.ref_counter_handle, loc.ref_counter_offset)
+            self._new_cuda_locs = []
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -220,6 +257,7 @@ class LinkCodec:
         if not self._has_tensors:
             self._has_tensors = True
             self._shm_bytes = self._cuda_bytes = 0
+            self._new_cuda_locs = []
         name = _DTYPE_NAMES.get(tensor.dtype)
         if name is None:
             raise ProtocolError(f"dtype {tensor.dtype} cannot travel on the wire")
@@ -228,8 +266,9 @@ class LinkCodec:
         tensor = tensor.detach()
         shape = tuple(tensor.shape)
         if tensor.device.type == "cuda":
-            if self.cuda_ipc and tensor.numel() > 0:
+            if self.cuda_ipc and tensor.numel() > 0 and self._peer_sees(tensor.device):
                 loc = export_cuda_tensor(tensor)
+                self._new_cuda_locs.append(loc)
                 self._cuda_bytes += tensor.numel() * tensor.element_size()
                 return TensorRef(name, shape, loc)
             tensor = tensor.cpu()
@@ -248,6 +287,22 @@ class LinkCodec:
         flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
         self._out.append(flat.view(torch.uint8).numpy())
         return TensorRef(name, shape, FrameLoc(len(self._out) - 1))
+
+    def _peer_sees(self, device: torch.device) -> bool:
+        uuids = local_cuda_device_uuids()
+        index = device.index
+        return index is not None and index < len(uuids) and uuids[index] in self.cuda_ipc_device_uuids
+
+    def release_cuda_sent(self) -> None:
+        """Release every CUDA IPC handle this link sent: its peer's process exited.
+
+        A dead peer holds none of them open any more, and torch never gave back the
+        references of those it held at its death, or never received: without this, each
+        pins its block in this process until it exits. (A handle the peer already released
+        is released twice, which torch treats as released.)
+        """
+        while self.sent_cuda_handles:
+            release_cuda_handle(*self.sent_cuda_handles.popleft())
 
     def release(self, offsets: Sequence[int]) -> None:
         """Free arena slots the peer gave back.
@@ -286,7 +341,9 @@ class LinkCodec:
             raise ProtocolError("empty message")
         head = _as_buffer(frames[0])
         nbytes = frame_nbytes(head) if len(frames) == 1 else sum(frame_nbytes(f) for f in frames)
+        self._has_tensors = False
         if nbytes > self.max_message_bytes:
+            self._release_refused(head)
             raise MessageTooLargeError(
                 f"received a {nbytes}-byte message, over the limit of {self.max_message_bytes}"
             )
@@ -296,19 +353,21 @@ class LinkCodec:
             self._decoder_version = registry_version()
         self._in = frames
         self._in_used = [False] * len(frames)
-        self._has_tensors = False
         try:
             envelope: Envelope = self._decoder.decode(head)
         except (msgspec.DecodeError, TypeError, ValueError) as exc:
+            self._release_refused(head)
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError(f"malformed message: {exc}") from exc
         except RecursionError:
             # Values nested deeper than the interpreter's stack: a peer's bug or an attack.
+            self._release_refused(head)
             raise ProtocolError("malformed message: values are nested too deeply") from None
         finally:
             self._in = None
         if not all(self._in_used[1:]):
+            # Its tensors are built: the handles among them are released as they die.
             raise ProtocolError("message carries frames that no tensor refers to")
         if self._has_tensors:
             self._count(self.tally.received, frames, nbytes)
@@ -327,12 +386,26 @@ class LinkCodec:
         if not self._has_tensors:
             self._has_tensors = True
             self._shm_bytes = self._cuda_bytes = 0
+            self._cuda_handled.clear()
+        loc = ref.loc
+        if isinstance(loc, CudaIpcLoc):
+            # Handled from here on: opened, or released by the refusal (a tensor that is
+            # opened gives its reference back when it dies). Every export has a slot of its
+            # own, so a slot named twice is a forgery that would release one reference twice.
+            key = (loc.ref_counter_handle, loc.ref_counter_offset)
+            if key in self._cuda_handled:
+                raise ProtocolError("message names one CUDA IPC reference twice")
+            self._cuda_handled.add(key)
         dtype = DTYPES.get(ref.dtype)
         if dtype is None:
+            if isinstance(loc, CudaIpcLoc):
+                release_cuda_handle(loc.ref_counter_handle, loc.ref_counter_offset)
             raise ProtocolError(f"unknown dtype {ref.dtype!r}")
-        loc = ref.loc
         nbytes = math.prod(ref.shape) * _ITEMSIZE[ref.dtype]
         if isinstance(loc, CudaIpcLoc):
+            if not self.cuda_ipc:
+                release_cuda_handle(loc.ref_counter_handle, loc.ref_counter_offset)
+                raise ProtocolError("received a CUDA IPC tensor on a link that did not agree to CUDA IPC")
             tensor = import_cuda_tensor(loc, dtype, ref.shape)
             self._cuda_bytes += nbytes
             return tensor
@@ -359,3 +432,32 @@ class LinkCodec:
             buffer = bytearray(buffer)
         return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(ref.shape)
 
+    def _release_refused(self, head: Any) -> None:
+        """Release the CUDA IPC handles of a refused message that were not opened or refused yet.
+
+        The message is read again without its schema to find them; one too malformed for
+        that leaves its handles pinned (only a broken or hostile peer sends such).
+        """
+        try:
+            if b"CudaIpcLoc" not in bytes(memoryview(head)):
+                return
+            values = [msgspec.msgpack.decode(head)]
+        except (msgspec.DecodeError, TypeError, ValueError, RecursionError):
+            return
+        handled = self._cuda_handled if self._has_tensors else set()
+        while values:
+            value = values.pop()
+            if isinstance(value, dict):
+                values.extend(value.values())
+            elif isinstance(value, list):
+                if value and value[0] == "CudaIpcLoc":
+                    try:
+                        loc = msgspec.convert(value, CudaIpcLoc)
+                    except msgspec.ValidationError:
+                        continue
+                    key = (loc.ref_counter_handle, loc.ref_counter_offset)
+                    if key not in handled:
+                        handled.add(key)
+                        release_cuda_handle(*key)
+                else:
+                    values.extend(value)

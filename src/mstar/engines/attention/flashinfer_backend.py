@@ -22,13 +22,7 @@ causal prefix; otherwise a custom mask built from the per-query key limits. Mask
 run on their own wrappers pinned to FA2: a wrapper fixes its backend at its first plan,
 and the one "auto" picks on Hopper (FA3) has no custom masks. The cache
 layout is FlashInfer's "NHD" `(k_cache, v_cache)` pair, so no copy is needed. The page
-table handed to FlashInfer is the usual CSR triple:
-
-```
- indptr        [0, 2, 3]           sequence i owns indices[indptr[i]:indptr[i+1]]
- indices       [7, 2, 4]           block ids
- last_page_len [3, 1]              filled slots of each sequence's last block (>= 1)
-```
+table handed to FlashInfer is the usual CSR triple (`flashinfer_plan.page_table`).
 """
 
 from __future__ import annotations
@@ -41,67 +35,17 @@ import numpy as np
 import torch
 
 from mstar.engines.attention.base import AttentionMetadata, write_kv
+from mstar.engines.attention.flashinfer_plan import (
+    decode_uses_tensor_cores,
+    mask_plan,
+    offsets,
+    page_table,
+    row_limits,
+)
 
 __all__ = ["FlashInferAttention"]
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
-
-
-def _offsets(lens: np.ndarray) -> np.ndarray:
-    """Return the int32 CSR offsets `[0, l0, l0 + l1, ...]` of `lens`."""
-    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
-    np.cumsum(lens, out=indptr[1:])
-    return indptr
-
-
-def _page_table(
-    kv_lens: np.ndarray, block_tables: list[list[int]], size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return `(indptr, indices, last_page_len)` (int32) covering keys `[0, kv_lens[i])`."""
-    num_pages = (kv_lens + size - 1) // size
-    indptr = _offsets(num_pages)
-    indices = np.fromiter(
-        (b for table, n in zip(block_tables, num_pages, strict=True) for b in table[:n]),
-        dtype=np.int32,
-        count=int(indptr[-1]),
-    )
-    last_page_len = (kv_lens - (num_pages - 1) * size).astype(np.int32)
-    return indptr, indices, last_page_len
-
-
-def _row_limits(metadata: AttentionMetadata) -> np.ndarray:
-    """Return each query's key limit within its sequence (plain causal when none is given)."""
-    seq_lens, q_lens = metadata.seq_lens, metadata.query_lens
-    if metadata.kv_limits is not None:
-        return np.minimum(metadata.kv_limits, np.repeat(seq_lens, q_lens))
-    seq_of_row = np.repeat(np.arange(metadata.num_seqs), q_lens)
-    offset = np.arange(metadata.num_tokens) - metadata.query_start_loc[seq_of_row]
-    return seq_lens[seq_of_row] - q_lens[seq_of_row] + offset + 1
-
-
-def _mask_plan(
-    q_lens: np.ndarray, kv_lens: np.ndarray, visible: np.ndarray
-) -> tuple[np.ndarray | None, bool]:
-    """Return `(custom_mask, causal)` for one kernel whose query row t sees keys `[0, visible[t])`.
-
-    No mask when every query sees all its keys, or exactly FlashInfer's causal prefix (the
-    queries aligned to the end of the keys); otherwise the flattened boolean mask, one
-    row-major `[q_len, kv_len]` block per sequence (FlashInfer's mask layout).
-    """
-    kv_of_row = np.repeat(kv_lens, q_lens)
-    if (visible == kv_of_row).all():
-        return None, False
-    q_of_row = np.repeat(q_lens, q_lens)
-    offset = np.arange(len(visible)) - np.repeat(_offsets(q_lens)[:-1], q_lens)
-    if (visible == kv_of_row - q_of_row + offset + 1).all():
-        return None, True
-    parts = []
-    lo = 0
-    for q_len, kv_len in zip(q_lens.tolist(), kv_lens.tolist(), strict=True):
-        rows = visible[lo : lo + q_len]
-        lo += q_len
-        parts.append((np.arange(kv_len)[None, :] < rows[:, None]).reshape(-1))
-    return np.concatenate(parts), False
 
 
 class _Rows:
@@ -166,9 +110,10 @@ class FlashInferAttention:
         """Create the wrappers with one shared workspace on `device`."""
         self.device = torch.device(device)
         # Each wrapper holds one plan; their runs are sequential on one stream, so they
-        # can share the float workspace (only a run's split-KV partials live there).
-        self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # can share the float workspace (only a run's split-KV partials live there). Zeroed:
+        # FlashInfer documents that some backends need it zero on first use.
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._decodes: dict[bool, Any] = {}  # by use_tensor_cores, made on first use
         self._prefills: dict[tuple[str, bool], Any] = {}  # made on first use, see _prefill
         self._metadata: AttentionMetadata | None = None
         self._slot_mapping: torch.Tensor | None = None
@@ -182,8 +127,26 @@ class FlashInferAttention:
         self._slot_mapping = metadata.slot_mapping
         self._is_planned = False
 
-    def _to_dev(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+    def _index(self, a: np.ndarray, masked: bool = False) -> torch.Tensor:
+        """A plan's index array. On the host: `plan()` copies it to the device itself, and
+        given device arrays it would copy them back, a blocking round trip each. A masked
+        plan's stay on the device: FlashInfer packs the custom mask there, indexed by them."""
+        tensor = torch.from_numpy(a)
+        return tensor.to(self.device, non_blocking=True) if masked else tensor
+
+    def _mask(self, mask: np.ndarray | None) -> torch.Tensor | None:
+        return None if mask is None else torch.from_numpy(mask).to(self.device, non_blocking=True)
+
+    def _decode(self, num_heads: int, num_kv_heads: int) -> Any:
+        """Return the decode wrapper for this GQA group size (see `decode_uses_tensor_cores`)."""
+        tensor_cores = decode_uses_tensor_cores(num_heads, num_kv_heads)
+        wrapper = self._decodes.get(tensor_cores)
+        if wrapper is None:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=tensor_cores
+            )
+            self._decodes[tensor_cores] = wrapper
+        return wrapper
 
     def _prefill(self, role: str, is_masked: bool) -> Any:
         """Return the prefill wrapper of `role` ("written", "context" or "own": ragged).
@@ -198,7 +161,7 @@ class FlashInferAttention:
                 if role == "own"
                 else flashinfer.BatchPrefillWithPagedKVCacheWrapper
             )
-            wrapper = make(self._workspace, "NHD", backend="fa2" if is_masked else "auto")
+            wrapper = make(self.workspace, "NHD", backend="fa2" if is_masked else "auto")
             self._prefills[role, is_masked] = wrapper
         return wrapper
 
@@ -207,7 +170,7 @@ class FlashInferAttention:
         assert metadata is not None, "plan() must run before forward()"
         dims = (q.shape[1], k_cache.shape[2], q.shape[2])  # heads, kv heads, head dim
         common = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scale}
-        limits = _row_limits(metadata)
+        limits = row_limits(metadata)
         is_read_only = (
             np.zeros(metadata.num_seqs, dtype=bool) if metadata.read_only is None else metadata.read_only
         )
@@ -236,15 +199,17 @@ class FlashInferAttention:
     ) -> _WrittenPlan:
         q_lens, kv_lens = metadata.query_lens[seq_ids], metadata.seq_lens[seq_ids]
         tables = [metadata.block_tables[i] for i in seq_ids]
-        pages = [self._to_dev(a) for a in _page_table(kv_lens, tables, metadata.block_size)]
+        pages = page_table(kv_lens, tables, metadata.block_size)
         if (q_lens == 1).all() and (visible == kv_lens).all():
-            self._decode.plan(*pages, *dims, metadata.block_size, **common)
-            return _WrittenPlan(self._decode, _Rows(rows, self.device))
-        mask, causal = _mask_plan(q_lens, kv_lens, visible)
-        wrapper = self._prefill("written", mask is not None)
+            decode = self._decode(dims[0], dims[1])
+            decode.plan(*map(self._index, pages), *dims, metadata.block_size, **common)
+            return _WrittenPlan(decode, _Rows(rows, self.device))
+        mask, causal = mask_plan(q_lens, kv_lens, visible)
+        masked = mask is not None
+        wrapper = self._prefill("written", masked)
         wrapper.plan(
-            self._to_dev(_offsets(q_lens)), *pages, *dims, metadata.block_size,
-            custom_mask=None if mask is None else self._to_dev(mask), causal=causal, **common,
+            self._index(offsets(q_lens), masked), *(self._index(a, masked) for a in pages), *dims,
+            metadata.block_size, custom_mask=self._mask(mask), causal=causal, **common,
         )
         return _WrittenPlan(wrapper, _Rows(rows, self.device))
 
@@ -262,13 +227,10 @@ class FlashInferAttention:
         cached_of_row = np.repeat(num_cached, q_lens)
         # A query sees a prefix of its keys: the cache part first, then its own rows.
         own_visible = np.maximum(visible - cached_of_row, 0)
-        q_indptr = self._to_dev(_offsets(q_lens))
-        mask, causal = _mask_plan(q_lens, q_lens, own_visible)
+        mask, causal = mask_plan(q_lens, q_lens, own_visible)
+        q_indptr = self._index(offsets(q_lens), mask is not None)
         own = self._prefill("own", mask is not None)
-        own.plan(
-            q_indptr, q_indptr, *dims,
-            custom_mask=None if mask is None else self._to_dev(mask), causal=causal, **common,
-        )
+        own.plan(q_indptr, q_indptr, *dims, custom_mask=self._mask(mask), causal=causal, **common)
         has_cache = num_cached > 0
         plan = _ReadOnlyPlan(_Rows(rows, self.device), own)
         if not has_cache.any():
@@ -277,15 +239,15 @@ class FlashInferAttention:
         row_has_cache = np.repeat(has_cache, q_lens)
         cached_ids = seq_ids[has_cache]
         tables = [metadata.block_tables[i] for i in cached_ids]
-        pages = _page_table(num_cached[has_cache], tables, metadata.block_size)
-        mask, causal = _mask_plan(
+        pages = page_table(num_cached[has_cache], tables, metadata.block_size)
+        mask, causal = mask_plan(
             q_lens[has_cache], num_cached[has_cache], np.minimum(visible, cached_of_row)[row_has_cache]
         )
-        plan.context = self._prefill("context", mask is not None)
+        masked = mask is not None
+        plan.context = self._prefill("context", masked)
         plan.context.plan(
-            self._to_dev(_offsets(q_lens[has_cache])), *(self._to_dev(a) for a in pages),
-            *dims, metadata.block_size,
-            custom_mask=None if mask is None else self._to_dev(mask), causal=causal, **common,
+            self._index(offsets(q_lens[has_cache]), masked), *(self._index(a, masked) for a in pages),
+            *dims, metadata.block_size, custom_mask=self._mask(mask), causal=causal, **common,
         )
         within_cached = np.cumsum(row_has_cache) - 1
         sees_own = own_visible > 0
