@@ -8,12 +8,20 @@ checkpoint/
   model.safetensors.index.json            {"weight_map": {"tensor name": "shard file"}}
   model-00001-of-00002.safetensors ...
 ```
+
+Big checkpoints are loaded lazily: build the module with `parameters_on_meta`, read only the
+tensors a part needs through a `ShardReader` (each shard opened when first read, its mapping
+released every ``window_bytes``), and put each one in place with `replace_parameter`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +34,18 @@ from mstar.errors import CheckpointError, InvalidSamplingParamsError
 __all__ = [
     "DTYPES",
     "GENERATION_DEFAULT_KEYS",
+    "SafetensorsEntry",
+    "ShardReader",
     "checkpoint_dtype",
+    "checkpoint_nbytes",
     "load_generation_defaults",
     "load_hf_config",
     "load_into_module",
     "load_state_dict",
+    "parameters_on_meta",
     "read_json_object",
+    "read_safetensors_header",
+    "replace_parameter",
     "safetensors_files",
     "save_state_dict",
 ]
@@ -250,3 +264,194 @@ def save_state_dict(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor as a safetensors header describes it."""
+
+    dtype: str  # the format's code: "F32", "BF16", "I64", ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, SafetensorsEntry]:
+    """Return every tensor a safetensors file holds, reading only its header (no tensor data).
+
+    The format: an 8-byte little-endian header length, then a JSON object mapping each tensor
+    name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (and ``__metadata__``).
+
+    Raises:
+        CheckpointError: The file cannot be read or its header is not a safetensors header.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        entries = {
+            name: SafetensorsEntry(
+                str(info["dtype"]),
+                tuple(int(d) for d in info["shape"]),
+                int(info["data_offsets"][1]) - int(info["data_offsets"][0]),
+            )
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"cannot read the safetensors header of {str(path)!r}: {exc}") from exc
+    return entries
+
+
+def checkpoint_nbytes(checkpoint_dir: str | Path) -> int:
+    """Return the bytes of tensor data in a checkpoint's safetensors files (headers excluded)."""
+    paths = set(safetensors_files(checkpoint_dir).values())
+    return sum(e.nbytes for path in paths for e in read_safetensors_header(path).values())
+
+
+class ShardReader:
+    """Read chosen tensors of safetensors shards, opening each shard only when one is read.
+
+    safetensors maps a file into memory and hands out views of the mapping; pages are read
+    as a view is touched, and every page touched stays resident while the shard is open. So
+    the reader closes and reopens a shard after each ``window_bytes`` read, and `copy_into`
+    copies a tensor larger than that in blocks of rows, reopening between blocks: copy each
+    tensor where it goes and drop any view before the next read, and at most about
+    ``max(window_bytes, one row)`` of file is mapped and resident at once (a view still held
+    keeps its pages).
+
+    Attributes:
+        num_bytes_read: Bytes of tensor data handed out so far.
+        paths_opened: The shards opened so far.
+    """
+
+    def __init__(self, *, window_bytes: int = 64 << 20) -> None:
+        self.window_bytes = window_bytes
+        self.num_bytes_read = 0
+        self.paths_opened: set[Path] = set()
+        self._handles: dict[Path, Any] = {}
+        self._mapped: dict[Path, int] = {}  # bytes read through the open handle
+        self._headers: dict[Path, dict[str, SafetensorsEntry]] = {}
+
+    def _open(self, path: Path, nbytes: int) -> Any:
+        """Return the shard's handle, reopened first if reading ``nbytes`` more would pass the window."""
+        from safetensors import safe_open
+
+        mapped = self._mapped.get(path, 0)
+        if mapped and mapped + nbytes > self.window_bytes:
+            self.close(path)
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+            self._mapped[path] = 0
+            self.paths_opened.add(path)
+        return handle
+
+    def _count(self, path: Path, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.num_bytes_read += nbytes
+        self._mapped[path] += nbytes
+
+    def get_tensor(self, path: Path, name: str) -> torch.Tensor:
+        """Return tensor ``name`` of shard ``path`` (a view of its mapping; CPU, the file's dtype)."""
+        tensor: torch.Tensor = self._open(path, self._entry(path, name).nbytes).get_tensor(name)
+        self._count(path, tensor)
+        return tensor
+
+    def _entry(self, path: Path, name: str) -> SafetensorsEntry:
+        header = self._headers.get(path)
+        if header is None:
+            header = self._headers[path] = read_safetensors_header(path)
+        entry = header.get(name)
+        if entry is None:
+            raise CheckpointError(f"{str(path)!r} has no tensor {name!r}")
+        return entry
+
+    def copy_into(self, path: Path, name: str, out: torch.Tensor) -> None:
+        """Copy tensor ``name`` of shard ``path`` into ``out`` (its shape; any dtype and device).
+
+        Raises:
+            CheckpointError: The shard has no such tensor, or it has another shape.
+        """
+        entry = self._entry(path, name)
+        if entry.shape != tuple(out.shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {str(path)!r} has shape {list(entry.shape)}, expected {list(out.shape)}"
+            )
+        if entry.nbytes <= self.window_bytes or len(entry.shape) == 0 or entry.shape[0] < 2:
+            out.copy_(self.get_tensor(path, name))
+            return
+        num_rows = entry.shape[0]
+        row_bytes = entry.nbytes // num_rows
+        step = max(1, self.window_bytes // max(1, row_bytes))
+        for lo in range(0, num_rows, step):
+            rows = min(step, num_rows - lo)
+            block: torch.Tensor = self._open(path, rows * row_bytes).get_slice(name)[lo : lo + rows]
+            out[lo : lo + step].copy_(block)
+            self._count(path, block)
+            del block
+
+    def close(self, path: Path | None = None) -> None:
+        """Release one shard's mapping (default: every shard's)."""
+        for p in [path] if path is not None else list(self._handles):
+            handle = self._handles.pop(p, None)
+            self._mapped.pop(p, None)
+            if handle is not None:
+                handle.__exit__(None, None, None)
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _MetaDepth(threading.local):
+    depth = 0  # parameters_on_meta blocks open on this thread
+
+
+_meta = _MetaDepth()
+_meta_lock = threading.Lock()
+_meta_users = 0
+_register_parameter = nn.Module.register_parameter
+
+
+def _register_parameter_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if param is not None and _meta.depth and not param.is_meta:
+        param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    _register_parameter(self, name, param)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Register the parameters of modules built in this block, on this thread, on the meta device.
+
+    Buffers and plain tensor attributes (rotary tables, offsets) are made as usual, where the
+    block's default device puts them: they are derived data, not in the checkpoint. A
+    parameter is first made where its module makes it and moved at once (on a CPU an
+    untouched allocation costs no memory); other threads build modules as usual meanwhile.
+    Put the weights in place with `replace_parameter`.
+    """
+    global _meta_users
+    with _meta_lock:
+        if _meta_users == 0:
+            nn.Module.register_parameter = _register_parameter_on_meta  # type: ignore[method-assign]
+        _meta_users += 1
+    _meta.depth += 1
+    try:
+        yield
+    finally:
+        _meta.depth -= 1
+        with _meta_lock:
+            _meta_users -= 1
+            if _meta_users == 0:
+                nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
+
+
+def replace_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Make ``value`` the parameter at dotted ``name`` of ``module`` (frozen: no gradient)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if leaf not in owner._parameters:
+        raise KeyError(f"{type(module).__name__} has no parameter {name!r}")
+    owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)

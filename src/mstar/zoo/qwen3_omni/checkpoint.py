@@ -12,23 +12,51 @@ weights (one file, or shards with ``model.safetensors.index.json``), named as
 per expert and projection (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, the published
 files) or fused (``...mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``...mlp.experts.down_proj``
 ``[E, H, I]``); per-expert tensors are stacked on loading, gate rows before up rows.
+
+Loading reads only what the chosen nodes need (`NODE_WEIGHTS`), straight into parameters
+allocated in the target dtype::
+
+    make_empty_weights       every parameter on meta; rotary tables and buffers on the device
+      for each shard holding a needed tensor (opened once; its mapping released as it goes):
+        get_tensor(name)     a view of the memory-mapped file
+        target[slice].copy_  into the parameter (in dtype, on device); the expert's slice if stacked
+      replace_parameter      once all of a parameter's tensors are in
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
-from safetensors import safe_open
 
 from mstar.errors import CheckpointError
-from mstar.zoo.hf_checkpoint import load_hf_config, safetensors_files
+from mstar.progress import progress
+from mstar.zoo.hf_checkpoint import (
+    ShardReader,
+    load_hf_config,
+    parameters_on_meta,
+    read_safetensors_header,
+    replace_parameter,
+    safetensors_files,
+)
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig
-from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
+from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights, node_weight_names
 
-__all__ = ["RANDOM_INIT_VERSION", "checkpoint_name", "load_qwen3_omni", "make_random_checkpoint", "our_name"]
+__all__ = [
+    "RANDOM_INIT_VERSION",
+    "checkpoint_name",
+    "load_qwen3_omni",
+    "make_empty_weights",
+    "make_random_checkpoint",
+    "our_name",
+]
+
+log = structlog.get_logger(__name__)
 
 RANDOM_INIT_VERSION = 2
 """The version of `make_random_checkpoint`'s initialisation (cached random weights are keyed on it)."""
@@ -121,84 +149,180 @@ def _plan(
     return sources, stacked, unknown, missing
 
 
+def make_empty_weights(
+    config: Qwen3OmniConfig,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Qwen3OmniWeights:
+    """Build `Qwen3OmniWeights` with every parameter on the meta device (nothing allocated).
+
+    The derived state (rotary tables, the encoders' and Code2Wav's buffers) is made on
+    ``device``, floating buffers in ``dtype``; `load_qwen3_omni` puts parameters in place.
+    """
+    from transformers.initialization import no_init_weights
+
+    device = torch.device(device)
+    # Built where the old full load built it, so the derived tables are computed on the same
+    # device, bit for bit; only the parameters move to meta (see `parameters_on_meta`).
+    with no_init_weights(), parameters_on_meta(), torch.device(device):
+        weights = Qwen3OmniWeights(config)
+    for module in weights.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype=dtype)
+    return weights.requires_grad_(False).eval()
+
+
+@dataclass
+class _Target:
+    """One of our parameters being filled: where each of its checkpoint tensors goes."""
+
+    name: str
+    shape: torch.Size
+    sources: list[str]
+    is_stacked: bool
+    value: torch.Tensor | None = None
+    num_left: int = 0
+
+    def part_shape(self) -> tuple[int, ...]:
+        """Return the shape of each checkpoint tensor: one expert's projection when stacked."""
+        if not self.is_stacked:
+            return tuple(self.shape)
+        rows = self.shape[1] // 2 if self.name.endswith("gate_up_proj") else self.shape[1]
+        return (rows, self.shape[2])
+
+    def part(self, index: int) -> torch.Tensor:
+        """Return the slice of ``value`` checkpoint tensor ``index`` fills (gate rows before up rows)."""
+        assert self.value is not None
+        if not self.is_stacked:
+            return self.value
+        if self.name.endswith("gate_up_proj"):
+            half = self.shape[1] // 2
+            expert, is_up = divmod(index, 2)
+            return self.value[expert, is_up * half : (is_up + 1) * half]
+        return self.value[index]
+
+
 def load_qwen3_omni(
     checkpoint_dir: str | Path,
     config: Qwen3OmniConfig | None = None,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    nodes: Iterable[str] | None = None,
+    into: Qwen3OmniWeights | None = None,
 ) -> Qwen3OmniWeights:
-    """Load a checkpoint directory into `Qwen3OmniWeights` on ``device``, floats cast to ``dtype``.
+    """Load the weights of ``nodes`` from a checkpoint directory onto ``device``, floats in ``dtype``.
+
+    Only the tensors those nodes read (`NODE_WEIGHTS`) are read, from the shards that hold
+    them; the other parameters stay on the meta device. Each parameter is allocated once, in
+    ``dtype`` on ``device``, and filled straight from the file's memory map (per-expert tensors
+    into their slice of the fused one), so the load holds little more than the weights it
+    keeps. A progress bar per shard is drawn when stderr is a terminal.
 
     Args:
         checkpoint_dir: The directory.
         config: The model (default: read from the directory's ``config.json``).
         device: Where the weights go.
         dtype: Their dtype.
+        nodes: The graph nodes whose weights to load (default: every node's).
+        into: Weights loaded before onto the same device in the same dtype (for other
+            nodes): add these nodes' parameters to them, reading only those not loaded yet.
 
     Raises:
         CheckpointError: The directory lacks its weights or config, or holds missing,
             unexpected or misshapen tensors.
+        KeyError: An unknown node.
     """
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise CheckpointError(f"Qwen3-Omni checkpoint directory {str(directory)!r} does not exist")
+    nodes = None if nodes is None else list(nodes)
     if config is None:
-        config = Qwen3OmniConfig(name=directory.name, hf=load_hf_config(directory))
-    files = safetensors_files(directory)
-    from transformers.initialization import no_init_weights
-
+        config = into.config if into is not None else Qwen3OmniConfig(name=directory.name, hf=load_hf_config(directory))
     device = torch.device(device)
-    with no_init_weights(), torch.device(device):
-        weights = Qwen3OmniWeights(config)
-    state = weights.state_dict()
-    expected = {name: tensor.shape for name, tensor in state.items()}
-    sources, stacked, unknown, missing = _plan(files, expected)
+    weights = into if into is not None else make_empty_weights(config, device=device, dtype=dtype)
+    params = dict(weights.named_parameters())
+    wanted = [n for n in node_weight_names(weights, nodes) if params[n].is_meta]
+    if not wanted:
+        return weights
+    files = safetensors_files(directory)
+    # The whole checkpoint must match the config, whichever part of it this rank reads.
+    sources, stacked, unknown, missing = _plan(files, {n: p.shape for n, p in params.items()})
     if missing or unknown:
         raise CheckpointError(
             f"Qwen3-Omni checkpoint {str(directory)!r} does not match config {config.name!r}: "
             f"missing {len(missing)} tensors {_some(checkpoint_name(n) for n in missing)}, "
             f"unexpected {len(unknown)} tensors {_some(unknown)} (wrong config, or not a Qwen3-Omni checkpoint?)"
         )
-    handles: dict[Path, object] = {}
-    try:
-        for mine, names in sources.items():
-            parts = []
-            for name in names:
-                path = files[name]
-                handle = handles.get(path)
-                if handle is None:
-                    handle = handles[path] = safe_open(str(path), framework="pt")
-                parts.append(handle.get_tensor(name))  # type: ignore[attr-defined]
-            tensor = _stack(mine, parts) if mine in stacked else parts[0]
-            target = state[mine]
-            if tuple(tensor.shape) != tuple(target.shape):
+    targets = [_Target(n, params[n].shape, sources[n], n in stacked) for n in wanted]
+    by_shard: dict[Path, list[tuple[_Target, int, str]]] = {}
+    for target in targets:
+        for index, name in enumerate(target.sources):
+            by_shard.setdefault(files[name], []).append((target, index, name))
+    # Check every shape from the headers before allocating or reading anything.
+    num_bytes = 0
+    for path, parts in by_shard.items():
+        header = read_safetensors_header(path)
+        for target, _, name in parts:
+            entry = header.get(name)
+            if entry is None:
+                raise CheckpointError(f"tensor {name!r} is not in {str(path)!r}, though the index places it there")
+            if entry.shape != target.part_shape():
                 raise CheckpointError(
-                    f"tensor {names[0]!r} of checkpoint {str(directory)!r} has shape {list(tensor.shape)} "
-                    f"but config {config.name!r} needs {list(target.shape)} for {checkpoint_name(mine)!r}"
+                    f"tensor {name!r} in {str(path)!r} has shape {list(entry.shape)} but config "
+                    f"{config.name!r} needs {list(target.part_shape())} for {checkpoint_name(target.name)!r}"
                 )
-            with torch.no_grad():
-                target.copy_(tensor.to(target.dtype) if tensor.is_floating_point() else tensor)
-    finally:
-        handles.clear()
-    weights = weights.to(dtype=dtype).requires_grad_(False)
-    return weights.to_device_tables().eval()
-
-
-def _stack(mine: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Stack per-expert tensors: ``gate_up_proj`` from (gate, up) pairs, ``down_proj`` one per expert."""
-    if mine.endswith("gate_up_proj"):
-        return torch.stack([torch.cat(parts[i : i + 2], dim=0) for i in range(0, len(parts), 2)])
-    return torch.stack(parts)
+            num_bytes += entry.nbytes
+    started = time.perf_counter()
+    # Keep at most ~1/32 of the load (4-128 MiB) of file mapped at once (see `ShardReader`).
+    window = min(128 << 20, max(4 << 20, num_bytes // 32))
+    with torch.no_grad(), ShardReader(window_bytes=window) as reader:
+        for i, (path, parts) in enumerate(by_shard.items(), start=1):
+            label = f"loading {config.name} weights {i}/{len(by_shard)} ({path.name})"
+            with progress(label, total=len(parts)) as update:
+                for target, index, name in parts:
+                    if target.value is None:
+                        is_float = params[target.name].is_floating_point()
+                        target.value = torch.empty(
+                            target.shape, dtype=dtype if is_float else params[target.name].dtype, device=device
+                        )
+                        target.num_left = len(target.sources)
+                    reader.copy_into(path, name, target.part(index))
+                    target.num_left -= 1
+                    if target.num_left == 0:
+                        replace_parameter(weights, target.name, target.value)
+                        target.value = None
+                    update(advance=1)
+            reader.close(path)
+    log.info(
+        "loaded Qwen3-Omni weights", checkpoint=str(directory), nodes=None if nodes is None else sorted(nodes),
+        num_tensors=len(wanted), num_bytes=reader.num_bytes_read, seconds=round(time.perf_counter() - started, 3),
+    )  # fmt: skip
+    return weights.to_device_tables()
 
 
 def make_random_checkpoint(
-    config: Qwen3OmniConfig, directory: str | Path, *, seed: int = 0
+    config: Qwen3OmniConfig,
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Write a checkpoint of random weights for ``config`` with transformers' ``save_pretrained``.
 
     The reference model (`Qwen3OmniMoeForConditionalGeneration`) is built with its own
     initialisation under ``torch.manual_seed(seed)`` and saved in the published layout.
+
+    Args:
+        config: The model.
+        directory: Where to write it.
+        seed: The initialisation's seed.
+        dtype: Cast the weights to this dtype before saving (default: float32, as drawn).
+        max_shard_size: Split the files past this size (bytes, or "5MB" as transformers
+            reads it), with a ``model.safetensors.index.json`` (default: transformers' own).
     """
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeForConditionalGeneration,
@@ -224,5 +348,10 @@ def make_random_checkpoint(
             for module in model.code2wav.modules():
                 if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
                     module.reset_parameters()
-    model.save_pretrained(str(directory))
+    if dtype is not None:
+        torch.nn.Module.to(model, dtype)  # in place (transformers' typed `to` confuses mypy)
+    if max_shard_size is None:
+        model.save_pretrained(str(directory))
+    else:
+        model.save_pretrained(str(directory), max_shard_size=max_shard_size)
     return directory

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ from mstar.zoo.qwen3_omni.config import (
     get_qwen3_omni_config,
 )
 from mstar.zoo.qwen3_omni.modules.encoders import audio_token_count
-from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
+from mstar.zoo.qwen3_omni.modules.weights import NODE_WEIGHTS, Qwen3OmniWeights
 from mstar.zoo.qwen3_omni.nodes import (
     AudioEncoderNode,
     Code2WavNode,
@@ -237,6 +238,8 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         self.chat_prompts = not isinstance(self.tokenizer, CharTokenizer) and self.tokenizer.chat_template is not None
         self._graph = make_qwen3_omni_graph(cfg.name, cfg.chunk_frames)
         self._weights: dict[torch.device, Qwen3OmniWeights] = {}
+        self._loading: dict[torch.device, threading.Lock] = {}  # ranks load on worker threads
+        self._loading_lock = threading.Lock()
 
     # --- capabilities ------------------------------------------------------------------------
 
@@ -282,17 +285,28 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             self._graph.name,
         )
 
-    def load_weights(self, device: torch.device) -> Qwen3OmniWeights:
-        """Load the weights onto ``device`` (once per device; every node there shares them)."""
-        weights = self._weights.get(device)
-        if weights is None:
-            weights = load_qwen3_omni(self.checkpoint, self.config, device=device, dtype=self.dtype)
+    def load_weights(self, device: torch.device, nodes: Iterable[str] | None = None) -> Qwen3OmniWeights:
+        """Load the weights ``nodes`` read onto ``device`` (default: every node's).
+
+        One `Qwen3OmniWeights` per device, shared by every node there: each call reads only
+        the tensors not loaded there yet (`NODE_WEIGHTS`), so a rank holds the union of its
+        nodes' parts, once, and what no node there reads stays on the meta device.
+        """
+        with self._loading_lock:
+            lock = self._loading.setdefault(device, threading.Lock())
+        with lock:
+            weights = load_qwen3_omni(
+                self.checkpoint, self.config, device=device, dtype=self.dtype, nodes=nodes,
+                into=self._weights.get(device),
+            )  # fmt: skip
             self._weights[device] = weights
         return weights
 
     def submodule(self, node: str, device: torch.device) -> Any:
-        """Return the node's computation on ``device``."""
-        weights = self.load_weights(device)
+        """Return the node's computation on ``device`` (loading only the weights it reads)."""
+        if node not in NODE_WEIGHTS:
+            raise KeyError(node)
+        weights = self.load_weights(device, [node])
         if node == "thinker":
             return ThinkerNode(weights, self.max_model_len)
         if node == "talker":

@@ -17,10 +17,24 @@ code2wav.*                 code2wav.*                    transformers' Qwen3Omni
 The encoders and Code2Wav are stateless; transformers' modules run them unchanged (parity by
 construction, checked by the tests). MoE experts are fused in memory (``experts.gate_up_proj``,
 ``experts.down_proj``); `mstar.zoo.qwen3_omni.checkpoint` stacks per-expert checkpoints.
+
+Each graph node reads a known part of the tree (`NODE_WEIGHTS`), so a rank loads only its
+nodes' parts; the rest stays on the meta device and is never touched. The talker reads one
+tensor of the thinker's: its token embedding, for the ``tts_bos`` / ``tts_eos`` / ``tts_pad``
+rows it projects (the thinker streams every other embedding it needs)::
+
+    node             reads
+    thinker          thinker_text.*
+    audio_encoder    audio_tower.*
+    vision_encoder   visual.*
+    talker           talker_text.*  text_projection.*  hidden_projection.*  code_predictor.*
+                     thinker_text.model.embed_tokens.weight
+    code2wav         code2wav.*
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
@@ -30,7 +44,43 @@ from mstar.zoo.qwen3_omni.modules.code_predictor import CodePredictor
 from mstar.zoo.qwen3_omni.modules.talker import ResizeMLP
 from mstar.zoo.qwen3_omni.modules.text import MoEDecoder
 
-__all__ = ["Qwen3OmniWeights", "make_audio_encoder", "make_code2wav", "make_vision_encoder"]
+__all__ = [
+    "NODE_WEIGHTS",
+    "Qwen3OmniWeights",
+    "make_audio_encoder",
+    "make_code2wav",
+    "make_vision_encoder",
+    "node_weight_names",
+]
+
+NODE_WEIGHTS: Mapping[str, tuple[str, ...]] = {
+    "thinker": ("thinker_text.",),
+    "audio_encoder": ("audio_tower.",),
+    "vision_encoder": ("visual.",),
+    "talker": (
+        "talker_text.",
+        "text_projection.",
+        "hidden_projection.",
+        "code_predictor.",
+        "thinker_text.model.embed_tokens.weight",
+    ),
+    "code2wav": ("code2wav.",),
+}
+"""The parameters each graph node reads: names of `Qwen3OmniWeights`, by prefix or in full."""
+
+
+def node_weight_names(weights: nn.Module, nodes: Iterable[str] | None = None) -> list[str]:
+    """Return the parameter names of ``weights`` that ``nodes`` read (None: every node's).
+
+    Raises:
+        KeyError: An unknown node.
+    """
+    chosen = list(NODE_WEIGHTS) if nodes is None else list(nodes)
+    unknown = [n for n in chosen if n not in NODE_WEIGHTS]
+    if unknown:
+        raise KeyError(f"Qwen3-Omni has no node {unknown[0]!r}; its nodes: {', '.join(NODE_WEIGHTS)}")
+    prefixes = tuple(p for n in chosen for p in NODE_WEIGHTS[n])
+    return [name for name, _ in weights.named_parameters() if name.startswith(prefixes)]
 
 
 def _hf_modules() -> Any:
@@ -77,7 +127,11 @@ class Qwen3OmniWeights(nn.Module):
         self.code2wav = make_code2wav(config)
 
     def to_device_tables(self) -> Qwen3OmniWeights:
-        """Move the derived rotary tables next to the weights (after ``.to(device)``)."""
-        self.thinker_text.to_device_tables()
-        self.talker_text.to_device_tables()
+        """Move the derived rotary tables next to the weights (after ``.to(device)``).
+
+        A decoder whose head is not loaded here (on the meta device) keeps its tables.
+        """
+        for decoder in (self.thinker_text, self.talker_text):
+            if not decoder.head.weight.is_meta:
+                decoder.to_device_tables()
         return self
