@@ -64,7 +64,7 @@ def expected(seed: int) -> np.ndarray:
 def test_openpi_client_gets_unnormalized_action_chunks(pi05_server: RunningServer) -> None:
     host, port = pi05_server.url.removeprefix("http://").split(":")
     client = WebsocketClientPolicy(host, int(port))
-    assert client.get_server_metadata() == {"model": "pi05-tiny", "action_horizon": 10, "action_dim": 8}
+    assert client.get_server_metadata() == {"model": "pi05-tiny", "robot": "droid", "action_horizon": 10, "action_dim": 8}
     reply = client.infer(observation(0))
     assert reply["actions"].shape == (10, 8) and reply["actions"].dtype == np.float32
     assert reply["policy_timing"]["infer_ms"] > 0 and "infer_ms" in reply["server_timing"]

@@ -7,6 +7,7 @@ model built in Python from the same files with an explicit config answers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -59,12 +60,11 @@ def _read_lines(stream: io.TextIOBase, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
-@pytest.fixture
-def served(omni_dir: Path) -> Iterator[str]:
-    """``mstar serve DIR`` in a process of its own; yields its URL once the model is ready."""
+@contextlib.contextmanager
+def serve_cli(*args: str) -> Iterator[str]:
+    """``mstar serve ARGS`` in a process of its own; yields its URL once the model is ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mstar.cli", "serve", str(omni_dir), "--port", "0", "--dtype", "auto",
-         "--model-option", "max_audio_frames=40"],
+        [sys.executable, "-m", "mstar.cli", "serve", *args, "--port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ},
     )  # fmt: skip
     assert proc.stderr is not None
@@ -93,6 +93,12 @@ def served(omni_dir: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def served(omni_dir: Path) -> Iterator[str]:
+    with serve_cli(str(omni_dir), "--dtype", "auto", "--model-option", "max_audio_frames=40") as url:
+        yield url
 
 
 def _answer(url: str, model: str) -> tuple[str, int]:
@@ -169,3 +175,26 @@ def test_a_vjepa2_file_of_its_own_sizes_encodes_as_its_explicit_config(tmp_path:
     got = _same_outputs(by_path, explicit, "encode", {"image": image_url(picture)})
     latents = got["latents"]
     assert isinstance(latents, TensorOutput) and latents.array.shape == (1, 256, 192)
+
+
+# --- pi0.5 through the openpi robot client: a LIBERO fine-tune of its own sizes, by path ---
+
+
+@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+def test_a_pi05_libero_checkpoint_serves_the_openpi_client_from_its_path(tmp_path: Path) -> None:
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from mstar.zoo.pi05.checkpoint import make_random_checkpoint as make_pi05
+    from mstar.zoo.pi05.model import Pi05Model
+    from tests.zoo.test_pi05_robots import custom, robot_observation, run_model
+
+    directory = make_pi05(custom("libero"), tmp_path / "pi05-libero-ft", config_format="lerobot")
+    observation = robot_observation("libero", 7)
+    with serve_cli(str(directory)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        policy = WebsocketClientPolicy(host, int(port))
+        metadata = policy.get_server_metadata()
+        actions = policy.infer(observation)["actions"]
+    assert metadata == {"model": directory.name, "robot": "libero", "action_horizon": 6, "action_dim": 7}
+    expected = run_model(Pi05Model(None, checkpoint=str(directory)), observation)
+    np.testing.assert_allclose(actions, expected, rtol=1e-5, atol=1e-5)

@@ -46,13 +46,15 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings
 
-from mstar.errors import CheckpointError
+from mstar.errors import CheckpointError, UnsupportedModelError
 from mstar.zoo.cache import mstar_cache_dir, written_once
 from mstar.zoo.hf_checkpoint import load_hf_config, safetensors_files
-from mstar.zoo.pi05.config import GEMMA_VARIANTS, GemmaConfig, Pi05Config
+from mstar.zoo.pi05.config import GEMMA_VARIANTS, GemmaConfig, Pi05Config, known_vision_heads
 from mstar.zoo.pi05.modules import Pi05Weights
+from mstar.zoo.pi05.robots import OPENPI_CAMERAS, get_robot_layout
 
 __all__ = [
+    "CONFIG_FORMATS",
     "cached_random_checkpoint",
     "from_checkpoint_names",
     "load_pi05",
@@ -95,7 +97,11 @@ _INT_KEYS = {
 }
 
 # Bump when `make_random_checkpoint` writes something different: cached copies are keyed on it.
-_RANDOM_FORMAT = 1
+_RANDOM_FORMAT = 2
+
+CONFIG_FORMATS = ("lerobot", "openpi")
+"""The ``config.json`` layouts `make_random_checkpoint` writes: LeRobot's ``PI05Config``, or
+openpi's conversion script's (``examples/convert_jax_model_to_pytorch.py``)."""
 
 
 def _rename(name: str, table: Iterable[tuple[str, str]]) -> str | None:
@@ -285,28 +291,38 @@ def make_random_checkpoint(
     *,
     seed: int = 0,
     norm_stats: Mapping[str, Mapping[str, Any]] | None = None,
-    asset_id: str = DROID_ASSET_ID,
+    asset_id: str | None = None,
+    config_format: str = "lerobot",
 ) -> Path:
     """Write seeded random weights in the published layout; return the directory.
 
     Writes ``model.safetensors`` (fp32, the expert's unused ``lm_head`` included),
-    a LeRobot-style ``config.json`` and ``assets/<asset_id>/norm_stats.json``. Each file is
-    written aside and renamed into place, the weights last.
+    ``config.json`` and ``assets/<asset_id>/norm_stats.json``. Each file is written aside and
+    renamed into place, the weights last. ``config.json`` holds what `config_from_checkpoint`
+    needs to read ``config`` back: upstream's keys, and ours (``paligemma_config``,
+    ``vision_config``, ...) only for sizes no known variant has.
 
     Args:
         config: The model's sizes.
         directory: Where to write (created if needed).
         seed: Seeds the weights and the generated stats.
         norm_stats: ``{"state": {"mean", "std", "q01", "q99"}, "actions": {...}}``; by default
-            random ``robot_dof``-wide stats with ``q01 < q99``.
-        asset_id: The folder under ``assets/``.
+            random stats with ``q01 < q99``, as wide as the robot's state and actions.
+        asset_id: The folder under ``assets/``; by default the robot's openpi asset id.
+        config_format: One of `CONFIG_FORMATS`. LeRobot's implies that the prompt's state is
+            padded to ``max_state_dim``; openpi's cannot name cameras other than its three.
+
+    Raises:
+        UnsupportedModelError: ``config_format`` is unknown or cannot describe ``config``.
     """
     directory = Path(directory)
+    layout = get_robot_layout(config.robot)
+    config_json = json.dumps(_config_json(config, config_format), indent=2)
     generator = torch.Generator().manual_seed(seed)
     tensors = to_checkpoint_names(_random_weights(config, generator))
     tensors[_EXPERT_LM_HEAD] = _normal((config.vocab_size, config.expert.width), config.expert.width**-0.5, generator)
-    stats = _random_norm_stats(config.robot_dof, seed) if norm_stats is None else norm_stats
-    config_json = json.dumps(_config_json(config), indent=2)
+    stats = _random_norm_stats(layout.state_dim, config.robot_dof, seed) if norm_stats is None else norm_stats
+    asset_id = layout.asset_id if asset_id is None else asset_id
     _write_atomically(directory / "config.json", lambda path: path.write_text(config_json))
     payload = {"norm_stats": {key: {f: _floats(v) for f, v in value.items()} for key, value in stats.items()}}
     stats_json = json.dumps(payload, indent=2)
@@ -362,10 +378,10 @@ def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> t
     return torch.randn(shape, generator=generator) * std
 
 
-def _random_norm_stats(width: int, seed: int) -> dict[str, dict[str, list[float]]]:
+def _random_norm_stats(state_width: int, action_width: int, seed: int) -> dict[str, dict[str, list[float]]]:
     generator = torch.Generator().manual_seed(seed + 1)
     stats = {}
-    for key in ("state", "actions"):
+    for key, width in (("state", state_width), ("actions", action_width)):
         mean = torch.randn(width, generator=generator, dtype=torch.float64) * 0.5
         std = 0.1 + torch.rand(width, generator=generator, dtype=torch.float64)
         stats[key] = {
@@ -381,10 +397,57 @@ def _floats(value: Any) -> list[float]:
     return [float(x) for x in torch.as_tensor(value, dtype=torch.float64).flatten().tolist()]
 
 
-def _config_json(config: Pi05Config) -> dict[str, Any]:
+def _config_json(config: Pi05Config, config_format: str) -> dict[str, Any]:
+    """Return the ``config.json`` of ``config`` in one of `CONFIG_FORMATS`, plus our keys where needed."""
+    if config_format == "lerobot":
+        found = _lerobot_config_json(config)
+    elif config_format == "openpi":
+        found = _openpi_config_json(config)
+    else:
+        raise UnsupportedModelError(f"config_format must be one of {', '.join(CONFIG_FORMATS)}, got {config_format!r}")
+    return found | _size_blocks(config)
+
+
+def _openpi_config_json(config: Pi05Config) -> dict[str, Any]:
+    """openpi's conversion script's keys, and the Pi0Config fields mstar reads when present."""
+    if config.cameras != OPENPI_CAMERAS or config.prompt_state_dim is not None:
+        raise UnsupportedModelError("openpi's config.json names neither cameras nor a padded prompt state")
+    found: dict[str, Any] = {
+        "action_dim": config.action_dim,
+        "action_horizon": config.action_horizon,
+        "paligemma_variant": _variant_name(config, "paligemma_variant", config.vlm),
+        "action_expert_variant": _variant_name(config, "action_expert_variant", config.expert),
+        "precision": "float32",
+        "pi05": True,
+        "max_token_len": config.max_token_len,
+        "discrete_state_input": config.discrete_state_input,
+    }
+    if config.num_steps != 10:
+        found["num_steps"] = config.num_steps
+    if (config.min_period, config.max_period) != (4e-3, 4.0):
+        found |= {"min_period": config.min_period, "max_period": config.max_period}
+    return found
+
+
+def _size_blocks(config: Pi05Config) -> dict[str, Any]:
+    """Our keys for the head counts no tensor shape gives, where no known variant or tower has them."""
+    blocks: dict[str, Any] = {}
+    for key, block, gemma in (
+        ("paligemma_variant", "paligemma_config", config.vlm),
+        ("action_expert_variant", "action_expert_config", config.expert),
+    ):
+        if GEMMA_VARIANTS.get(_variant_name(config, key, gemma).removesuffix("_lora")) != gemma:
+            blocks[block] = {"num_heads": gemma.num_heads, "num_kv_heads": gemma.num_kv_heads, "head_dim": gemma.head_dim}
+    vision = config.vision
+    if known_vision_heads(vision.width, vision.depth, vision.mlp_dim) != vision.num_heads or vision.layer_norm_eps != 1e-6:
+        blocks["vision_config"] = {"num_heads": vision.num_heads, "layer_norm_eps": vision.layer_norm_eps}
+    return blocks
+
+
+def _lerobot_config_json(config: Pi05Config) -> dict[str, Any]:
     """LeRobot's ``PI05Config`` fields, plus openpi's spellings of the same sizes."""
     size = config.vision.image_size
-    return {
+    found: dict[str, Any] = {
         "type": "pi05",
         "paligemma_variant": _variant_name(config, "paligemma_variant", config.vlm),
         "action_expert_variant": _variant_name(config, "action_expert_variant", config.expert),
@@ -393,7 +456,7 @@ def _config_json(config: Pi05Config) -> dict[str, Any]:
         "n_action_steps": config.action_horizon,
         "action_horizon": config.action_horizon,
         "action_dim": config.action_dim,
-        "max_state_dim": config.action_dim,
+        "max_state_dim": config.prompt_state_dim or config.action_dim,
         "max_action_dim": config.action_dim,
         "num_inference_steps": config.num_steps,
         "min_period": config.min_period,
@@ -401,6 +464,15 @@ def _config_json(config: Pi05Config) -> dict[str, Any]:
         "tokenizer_max_length": config.max_token_len,
         "image_resolution": [size, size],
     }
+    if not config.discrete_state_input:  # not LeRobot's: it always bins the state
+        found["discrete_state_input"] = False
+    layout = get_robot_layout(config.robot)
+    if config.cameras != OPENPI_CAMERAS or config.robot != "droid":
+        # LeRobot's features: the cameras (in slot order), the robot's state and action widths.
+        cameras = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, size, size]} for c in config.cameras}
+        found["input_features"] = cameras | {"observation.state": {"type": "STATE", "shape": [layout.state_dim]}}
+        found["output_features"] = {"action": {"type": "ACTION", "shape": [config.robot_dof]}}
+    return found
 
 
 def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:

@@ -18,7 +18,19 @@ from dataclasses import dataclass, field
 
 from mstar.errors import UnsupportedModelError
 
-__all__ = ["PI05_CONFIGS", "GemmaConfig", "Pi05Config", "VisionConfig", "get_pi05_config"]
+__all__ = [
+    "GEMMA_VARIANTS",
+    "PI05_CONFIGS",
+    "ROBOTS",
+    "GemmaConfig",
+    "Pi05Config",
+    "VisionConfig",
+    "get_pi05_config",
+    "known_vision_heads",
+]
+
+ROBOTS = ("droid", "libero", "aloha")
+"""The robots whose observations pi0.5 parses (openpi's ``*_policy.py``; see `mstar.zoo.pi05.robots`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +94,12 @@ class Pi05Config:
         max_token_len: Longest prompt, BOS and padding included.
         cameras: The model's camera slots, in prefix order.
         robot_dof: Action dimensions a robot receives (DROID: 7 joints + gripper).
+        robot: Whose observations requests carry (one of `ROBOTS`; its keys:
+            `mstar.zoo.pi05.robots`).
+        discrete_state_input: Whether the state is binned into the prompt (openpi's flag;
+            ``pi05_libero`` turns it off: the prompt is then the task alone).
+        prompt_state_dim: Width the normalized state is zero-padded to before it is binned;
+            None bins the robot's own dims (openpi), LeRobot pads to its ``max_state_dim``.
         max_position: Longest prefix + suffix the rotary tables cover.
     """
 
@@ -96,6 +114,9 @@ class Pi05Config:
     max_token_len: int = 200
     cameras: tuple[str, ...] = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
     robot_dof: int = 8
+    robot: str = "droid"
+    discrete_state_input: bool = True
+    prompt_state_dim: int | None = None
     rms_norm_eps: float = 1e-6
     min_period: float = 4e-3
     max_period: float = 4.0
@@ -116,6 +137,12 @@ class Pi05Config:
             )
         if not 0 < self.robot_dof <= self.action_dim:
             raise UnsupportedModelError(f"robot_dof must be in 1..{self.action_dim}, got {self.robot_dof}")
+        if self.robot not in ROBOTS:
+            raise UnsupportedModelError(f"unknown robot {self.robot!r}: pi0.5 serves {', '.join(ROBOTS)}")
+        if not self.cameras:
+            raise UnsupportedModelError("a pi0.5 model needs at least one camera slot")
+        if self.prompt_state_dim is not None and self.prompt_state_dim < 1:
+            raise UnsupportedModelError(f"prompt_state_dim must be positive, got {self.prompt_state_dim}")
 
     @property
     def prefix_len(self) -> int:
@@ -162,3 +189,14 @@ def get_pi05_config(name: str) -> Pi05Config:
         return PI05_CONFIGS[name]
     except KeyError:
         raise UnsupportedModelError(f"unknown pi0.5 config {name!r} (known: {', '.join(PI05_CONFIGS)})") from None
+
+
+def known_vision_heads(width: int, depth: int, mlp_dim: int) -> int | None:
+    """Return the head count of a known SigLIP tower of these sizes (So400m/14, the presets'), else None.
+
+    No tensor's shape holds it, so a checkpoint of another tower must name it.
+    """
+    for vision in (VisionConfig(), *(c.vision for c in PI05_CONFIGS.values())):
+        if (vision.width, vision.depth, vision.mlp_dim) == (width, depth, mlp_dim):
+            return vision.num_heads
+    return None

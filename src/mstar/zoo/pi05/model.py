@@ -7,17 +7,20 @@ experts on one paged cache, fired by forward passes). Walks::
     action_gen  Loop(llm, num_steps)          each step: action tokens query the prefix read-only,
                                               x <- x + dt * v; after the last one -> actions EMIT
 
-Requests (``Request("act", observation)``) take DROID's observation dict, as openpi's DROID
-policy does: ``observation/exterior_image_1_left`` and ``observation/wrist_image_left`` (uint8
-H x W x 3), ``observation/joint_position`` (7), ``observation/gripper_position`` (1) and
-``prompt``; optionally ``noise`` ``[horizon, action_dim]`` or ``seed``. Preprocessing
+Requests (``Request("act", observation)``) take the observation dict of the model's robot, as
+openpi's policy for that robot reads it (`mstar.zoo.pi05.robots`: DROID, LIBERO or ALOHA; DROID's
+is ``observation/exterior_image_1_left`` and ``observation/wrist_image_left`` (uint8 H x W x 3),
+``observation/joint_position`` (7), ``observation/gripper_position`` (1) and ``prompt``),
+optionally with ``noise`` ``[horizon, action_dim]`` or ``seed``. Preprocessing
 quantile-normalizes the state with the checkpoint's norm stats, bins it into the prompt
-``Task: ..., State: ...;\\nAction: `` and prepares the images; postprocessing un-normalizes
-the actions and cuts them to the robot's ``robot_dof`` dimensions: ``actions`` ``[horizon, 8]``.
+``Task: ..., State: ...;\nAction: `` (where the robot's config does) and prepares the images;
+postprocessing un-normalizes the actions, cuts them to the robot's dimensions and maps them to
+its convention: ``actions`` ``[horizon, 8]`` for DROID.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +38,14 @@ from mstar.runtime.model import (
     SupportsActionPolicy,
 )
 from mstar.zoo.pi05.checkpoint import cached_random_checkpoint, load_pi05
+from mstar.zoo.pi05.checkpoint_config import checkpoint_dtype_name, config_from_checkpoint
 from mstar.zoo.pi05.config import Pi05Config, get_pi05_config
 from mstar.zoo.pi05.modules import Pi05Weights
 from mstar.zoo.pi05.nodes import LLMNode, VisionNode
-from mstar.zoo.pi05.policy import DroidObservation, NormStats, droid_actions
+from mstar.zoo.pi05.norm_stats import find_norm_stats
+from mstar.zoo.pi05.policy import prompt_state, quantile_shift, robot_actions
 from mstar.zoo.pi05.prompt import PromptTokenizer
+from mstar.zoo.pi05.robots import get_robot_layout
 from mstar.zoo.requests import initial_noise
 
 __all__ = ["PARTITION", "Pi05Model", "make_pi05_graph"]
@@ -69,33 +75,51 @@ def make_pi05_graph(config: Pi05Config) -> ModelGraph:
 
 
 class Pi05Model(Model, SupportsActionPolicy):
-    """pi0.5 (``pi05-droid``, ``pi05-small`` or ``pi05-tiny``), an action policy for DROID robots.
+    """pi0.5, an action policy for DROID, LIBERO or ALOHA robots.
 
     Args:
-        config: Config name.
-        checkpoint: A directory in openpi's PyTorch layout (``model.safetensors``,
-            ``assets/<asset_id>/norm_stats.json``). Without one the small configs get random
+        config: A preset (``pi05-droid``, ``pi05-small`` or ``pi05-tiny``), or None: the sizes,
+            the robot and the action dim and horizon are read from ``checkpoint``
+            (`mstar.zoo.pi05.checkpoint_config`).
+        checkpoint: A directory in openpi's PyTorch layout (``model.safetensors``, ``config.json``,
+            ``assets/<asset_id>/norm_stats.json``) or LeRobot's (``config.json`` with ``"type":
+            "pi05"``, its normalizer ``.safetensors``). Without one the small presets get random
             weights and norm stats, written once under the mstar cache; ``pi05-droid`` needs it.
-        tokenizer: PaliGemma's SentencePiece ``tokenizer.model`` (``pi05-droid``); the small
-            configs train a tiny one once, locally.
-        asset_id: Which ``assets/`` entry holds the norm stats.
-        dtype: "float32" or "bfloat16".
+        tokenizer: PaliGemma's SentencePiece ``tokenizer.model``; by default the checkpoint's own
+            (``tokenizer.model`` or ``paligemma_tokenizer.model`` beside the weights); the small
+            presets train a tiny one once, locally.
+        robot: Whose observations requests carry (``droid``, ``libero``, ``aloha``); by default
+            the checkpoint's (its ``assets/`` folder, its config), else DROID.
+        asset_id: Which ``assets/`` entry holds the norm stats (default: the robot's openpi id);
+            naming one means only that one is used.
+        norm_stats: A stats file to use instead: openpi's ``norm_stats.json`` or a LeRobot
+            normalizer ``.safetensors``.
+        dtype: "float32", "bfloat16" or "auto" (the checkpoint's).
         seed: Seed of the random weights.
     """
 
     def __init__(
         self,
-        config: str = "pi05-tiny",
+        config: str | None = "pi05-tiny",
         *,
         checkpoint: str | None = None,
         tokenizer: str | None = None,
-        asset_id: str = "droid",
+        robot: str | None = None,
+        asset_id: str | None = None,
+        norm_stats: str | None = None,
         dtype: str = "float32",
         seed: int = 0,
     ) -> None:
-        cfg = get_pi05_config(config)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}, got {dtype!r}")
+        if config is None:
+            if checkpoint is None:
+                raise CheckpointError("pi0.5 needs config= a preset or checkpoint= a directory to read it from")
+            cfg = config_from_checkpoint(checkpoint, robot=robot)
+        else:
+            cfg = get_pi05_config(config)
+            if robot is not None and robot != cfg.robot:
+                cfg = dataclasses.replace(cfg, robot=robot, robot_dof=get_robot_layout(robot).action_dim)
         if checkpoint is None:
             if config == "pi05-droid":
                 raise CheckpointError("pi05-droid needs checkpoint= a directory in openpi's PyTorch layout")
@@ -103,12 +127,23 @@ class Pi05Model(Model, SupportsActionPolicy):
         path = Path(checkpoint)
         if not (path / "model.safetensors").is_file():
             raise CheckpointError(f"pi0.5 checkpoint {checkpoint!r} has no model.safetensors")
-        self.name = config
+        self.layout = get_robot_layout(cfg.robot)
+        self.name = cfg.name
         self.config = cfg
         self.checkpoint = str(path)
-        self.dtype = _DTYPES[dtype]
-        self.norm_stats = NormStats.load(path / "assets" / asset_id / "norm_stats.json")
-        self.tokenizer = PromptTokenizer.from_config(cfg, tokenizer)
+        self.dtype = _DTYPES[checkpoint_dtype_name(path) if dtype == "auto" else dtype]
+        self.norm_stats, self.norm_stats_source = find_norm_stats(
+            path,
+            self.layout.asset_id if asset_id is None else asset_id,
+            path=norm_stats,
+            is_asset_id_given=asset_id is not None,
+        )
+        if self.norm_stats.state.num_dims < self.layout.state_dim:
+            raise CheckpointError(
+                f"norm stats {self.norm_stats_source} cover {self.norm_stats.state.num_dims} state dims, "
+                f"but a {self.layout.label} robot sends {self.layout.state_dim}"
+            )
+        self.tokenizer = PromptTokenizer.from_config(cfg, tokenizer if tokenizer is not None else _shipped_tokenizer(path))
         self._graph = make_pi05_graph(cfg)
         self._weights: dict[torch.device, Pi05Weights] = {}
 
@@ -118,7 +153,7 @@ class Pi05Model(Model, SupportsActionPolicy):
     def policy_metadata(self) -> dict[str, Any]:
         """Return what a robot client gets on connecting: the model and its chunk's shape."""
         cfg = self.config
-        return {"model": self.name, "action_horizon": cfg.action_horizon, "action_dim": cfg.robot_dof}
+        return {"model": self.name, "robot": cfg.robot, "action_horizon": cfg.action_horizon, "action_dim": cfg.robot_dof}
 
     def graph(self) -> ModelGraph:
         """Return the policy graph."""
@@ -156,22 +191,26 @@ class Pi05Model(Model, SupportsActionPolicy):
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:
-        """Parse a DROID observation; normalize and bin the state into the prompt; draw the noise."""
+        """Parse the robot's observation; normalize and bin the state into the prompt; draw the noise."""
         if request.task != "act":
             raise ValueError(f"task must be 'act', got {request.task!r}")
         data = request.data
         if "prompt" not in data and "text" in data:  # the native route's name for a prompt
             data = {**data, "prompt": data["text"]}
-        obs = DroidObservation.parse(data)
+        obs = self.layout.parse(data)
         cfg = self.config
-        state = obs.normalized_state(self.norm_stats)
+        state = prompt_state(obs, self.norm_stats, cfg.prompt_state_dim) if cfg.discrete_state_input else None
         images, mask = obs.camera_images(cfg.cameras, cfg.vision.image_size)
         token_ids = torch.tensor(self.tokenizer.token_ids(obs.prompt, state), dtype=torch.long)
         noise = initial_noise(data, (cfg.action_horizon, cfg.action_dim))
+        flow: dict[str, Any] = {"x": noise, "step": 0}
+        offset = self.layout.delta_offset(obs.state, cfg.action_dim)
+        if offset is not None:  # the model's delta actions made absolute, in its normalized units
+            flow["offset"] = torch.from_numpy(quantile_shift(offset, self.norm_stats.actions)).to(torch.float32)
         return PreparedRequest(
             {
                 "vision": {"images": images, "image_mask": mask, "token_ids": token_ids},
-                "llm": {"flow": {"x": noise, "step": 0}},
+                "llm": {"flow": flow},
             },
             None,
         )
@@ -185,9 +224,17 @@ class Pi05Model(Model, SupportsActionPolicy):
         return "action_gen" if finished == "prefill" else None
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:
-        """Un-normalize the actions and cut them to the robot's dimensions (float32 numpy)."""
+        """Un-normalize the actions, cut them to the robot's dimensions, in its convention (float32 numpy)."""
         value = emission.value
         if emission.name == "actions":
-            value = droid_actions(torch.as_tensor(value), self.norm_stats, self.config.robot_dof).astype(np.float32)
+            value = robot_actions(torch.as_tensor(value), self.norm_stats, self.layout).astype(np.float32)
         return Output(request_id, emission.modality, emission.name, value, emission.node, emission.walk)
 
+
+
+def _shipped_tokenizer(checkpoint: Path) -> str | None:
+    """Return the SentencePiece model a checkpoint directory ships beside its weights, if any."""
+    for name in ("tokenizer.model", "paligemma_tokenizer.model"):
+        if (checkpoint / name).is_file():
+            return str(checkpoint / name)
+    return None

@@ -61,8 +61,11 @@ class LLMNode:
     """The ``llm`` node (`ForwardKVNode`): prefix prefill, then one Euler step per firing.
 
     Inputs: ``prefix`` (``{"image_embeds", "token_ids"}`` on the prefill firing, `CACHED` after)
-    and ``flow`` ``{"x": [H, action_dim], "step": k}``. Outputs: ``prefix`` (`CACHED`), ``flow``
-    (the next step's) and, after the last step, ``actions`` ``[H, action_dim]`` (normalized).
+    and ``flow`` ``{"x": [H, action_dim], "step": k}``, optionally with ``"offset"``
+    ``[action_dim]``. Outputs: ``prefix`` (`CACHED`), ``flow`` (the next step's) and, after the
+    last step, ``actions`` ``[H, action_dim]`` (normalized; ``x + offset`` with an offset: a
+    robot whose model predicts actions relative to its state gets them made absolute here, in
+    normalized units, see `mstar.zoo.pi05.policy.quantile_shift`).
     """
 
     forward_walks = True
@@ -113,6 +116,8 @@ class LLMNode:
         step = int(flow["step"])
         if not 0 <= step < cfg.num_steps:
             raise ValueError(f"flow 'step' must be in [0, {cfg.num_steps}), got {step}")
+        if "offset" in flow and tuple(torch.as_tensor(flow["offset"]).shape) != (cfg.action_dim,):
+            raise ValueError(f"flow 'offset' must have shape [{cfg.action_dim}], got {list(torch.as_tensor(flow['offset']).shape)}")
         return x, step
 
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
@@ -132,9 +137,14 @@ class LLMNode:
                 results.append({"prefix": CACHED, "flow": f.inputs["flow"]})
                 continue
             x, step = updated[id(f)]
-            out: dict[str, Any] = {"prefix": CACHED, "flow": {"x": x, "step": step}}
+            flow = {"x": x, "step": step}
+            offset = f.inputs["flow"].get("offset")
+            if offset is not None:
+                flow["offset"] = offset
+            out: dict[str, Any] = {"prefix": CACHED, "flow": flow}
             if step == self.config.num_steps:
-                out["actions"] = x.cpu()
+                actions = x.cpu()
+                out["actions"] = actions if offset is None else actions + torch.as_tensor(offset, dtype=actions.dtype)
             results.append(out)
         return results
 

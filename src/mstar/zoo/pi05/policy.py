@@ -1,12 +1,13 @@
-"""openpi's DROID policy transforms for pi0.5: parse, normalize, prepare images, unnormalize.
+"""openpi's policy transforms for pi0.5: normalize the state, unnormalize and cut the actions.
 
-A request runs, as in openpi's server::
+A request runs, as in openpi's server (the robot's keys: `mstar.zoo.pi05.robots`)::
 
-    obs dict --parse--> DroidObservation --quantile_normalize(state)--> bins in the prompt
-                                         --prepare_image(each camera)--> [cams, 3, S, S] in [-1, 1]
-    model actions [H, 32] --quantile_unnormalize--> [:, :robot_dof] --> {"actions": [H, 8]}
+    obs dict --RobotLayout.parse--> RobotObservation --quantile_normalize(state)--> bins in the prompt
+                                                     --prepare_image(each camera)--> [cams, 3, S, S] in [-1, 1]
+    model actions [H, 32] --quantile_unnormalize--> [:, :robot dims] --> {"actions": [H, 8]} (DROID)
 
-Everything here is plain numpy/torch on the CPU: no model, no IO besides the stats file.
+`DroidObservation` is DROID's request with named fields. Everything here is plain numpy/torch on
+the CPU: no model, no IO besides the stats file.
 """
 
 from __future__ import annotations
@@ -21,9 +22,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from mstar.errors import CheckpointError
+from mstar.zoo.pi05.images import absent_image, prepare_image, resize_with_pad
+from mstar.zoo.pi05.robots import (
+    DROID,
+    DROID_CAMERA_KEYS,
+    EXTERIOR_IMAGE_KEY,
+    GRIPPER_POSITION_KEY,
+    JOINT_POSITION_KEY,
+    NUM_JOINTS,
+    PROMPT_KEY,
+    WRIST_IMAGE_KEY,
+    RobotLayout,
+    RobotObservation,
+)
 
 __all__ = [
     "DROID_CAMERA_KEYS",
@@ -40,25 +53,18 @@ __all__ = [
     "absent_image",
     "droid_actions",
     "prepare_image",
+    "prompt_state",
     "quantile_normalize",
+    "quantile_shift",
     "quantile_unnormalize",
     "resize_with_pad",
+    "robot_actions",
     "write_norm_stats",
 ]
 
 NORM_STATS_FILE = "norm_stats.json"
 # openpi adds it to the quantile range, so a constant dimension (q01 == q99) does not divide by 0.
 _EPS = 1e-6
-
-EXTERIOR_IMAGE_KEY = "observation/exterior_image_1_left"
-WRIST_IMAGE_KEY = "observation/wrist_image_left"
-JOINT_POSITION_KEY = "observation/joint_position"
-GRIPPER_POSITION_KEY = "observation/gripper_position"
-PROMPT_KEY = "prompt"
-NUM_JOINTS = 7
-
-# The model's camera slots DROID fills; every other slot (right_wrist_0_rgb) is absent.
-DROID_CAMERA_KEYS: dict[str, str] = {"base_0_rgb": EXTERIOR_IMAGE_KEY, "left_wrist_0_rgb": WRIST_IMAGE_KEY}
 
 
 # -- normalization ---------------------------------------------------------------------------
@@ -84,7 +90,9 @@ class QuantileStats:
                 continue
             array = np.asarray(value, dtype=np.float64)
             if array.ndim != 1 or array.shape != np.shape(self.q01):
-                raise ValueError(f"{name} must be 1-D like q01 {np.shape(self.q01)}, got shape {array.shape}")
+                raise ValueError(
+                    f"{name} must be 1-D like q01 {np.shape(self.q01)}, got shape {array.shape}"
+                )
             if not np.isfinite(array).all():
                 raise ValueError(f"{name} holds non-finite values")
             # Frozen: bypass __setattr__ to store the validated float64 copy.
@@ -124,15 +132,21 @@ class NormStats:
         try:
             document = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"norm stats {str(file)!r} are not readable JSON: {exc}") from None
+            raise CheckpointError(
+                f"norm stats {str(file)!r} are not readable JSON: {exc}"
+            ) from None
         stats = document.get("norm_stats") if isinstance(document, dict) else None
         if not isinstance(stats, dict):
             raise CheckpointError(f"norm stats {str(file)!r} have no top-level 'norm_stats' object")
-        return cls(state=_key_stats(stats, "state", file), actions=_key_stats(stats, "actions", file))
+        return cls(
+            state=_key_stats(stats, "state", file), actions=_key_stats(stats, "actions", file)
+        )
 
     def to_json(self) -> dict[str, Any]:
         """Return the stats in openpi's ``norm_stats.json`` layout."""
-        return {"norm_stats": {"state": _stats_json(self.state), "actions": _stats_json(self.actions)}}
+        return {
+            "norm_stats": {"state": _stats_json(self.state), "actions": _stats_json(self.actions)}
+        }
 
 
 def _key_stats(stats: dict[str, Any], key: str, file: Path) -> QuantileStats:
@@ -153,7 +167,9 @@ def _key_stats(stats: dict[str, Any], key: str, file: Path) -> QuantileStats:
         try:
             return np.asarray(entry[name], dtype=np.float64)
         except (TypeError, ValueError):
-            raise CheckpointError(f"norm stats {str(file)!r}: 'norm_stats.{key}.{name}' is not a list of numbers") from None
+            raise CheckpointError(
+                f"norm stats {str(file)!r}: 'norm_stats.{key}.{name}' is not a list of numbers"
+            ) from None
 
     try:
         q01, q99 = vector("q01"), vector("q99")
@@ -215,14 +231,30 @@ def quantile_unnormalize(x: np.ndarray | Sequence[float], stats: QuantileStats) 
     Returns:
         float64, the shape of ``x``.
     """
-    values = np.array(x, dtype=np.float64)  # a copy: the tail passes through, the head is overwritten
+    values = np.array(
+        x, dtype=np.float64
+    )  # a copy: the tail passes through, the head is overwritten
     num_dims = min(values.shape[-1], stats.num_dims)
     q01, q99 = stats.q01[:num_dims], stats.q99[:num_dims]
     values[..., :num_dims] = (values[..., :num_dims] + 1.0) / 2.0 * (q99 - q01 + _EPS) + q01
     return values
 
 
-def droid_actions(actions: np.ndarray | torch.Tensor, stats: NormStats, robot_dof: int = 8) -> np.ndarray:
+def quantile_shift(delta: np.ndarray | Sequence[float], stats: QuantileStats) -> np.ndarray:
+    """Return the shift in normalized units that moves `quantile_unnormalize`'s result by ``delta``.
+
+    Unnormalizing is affine per dim, so ``quantile_unnormalize(x + quantile_shift(d)) ==
+    quantile_unnormalize(x) + d`` (up to rounding); dims past the stats pass through as they are.
+    """
+    values = np.array(delta, dtype=np.float64)
+    num_dims = min(values.shape[-1], stats.num_dims)
+    values[..., :num_dims] *= 2.0 / (stats.q99[:num_dims] - stats.q01[:num_dims] + _EPS)
+    return values
+
+
+def droid_actions(
+    actions: np.ndarray | torch.Tensor, stats: NormStats, robot_dof: int = 8
+) -> np.ndarray:
     """Turn the model's actions ``[H, action_dim]`` into DROID's ``[H, robot_dof]`` (float64).
 
     openpi unnormalizes all of them, then keeps the robot's dims (7 joint velocities, gripper).
@@ -232,12 +264,41 @@ def droid_actions(actions: np.ndarray | torch.Tensor, stats: NormStats, robot_do
     return quantile_unnormalize(actions, stats.actions)[..., :robot_dof]
 
 
-# -- observations ----------------------------------------------------------------------------
+def robot_actions(
+    actions: np.ndarray | torch.Tensor, stats: NormStats, layout: RobotLayout
+) -> np.ndarray:
+    """Turn the model's (absolute) actions ``[H, action_dim]`` into the robot's ``[H, layout.action_dim]`` (float64).
+
+    openpi's output transforms: unnormalize, keep the robot's dims, map them to its convention.
+    """
+    return layout.encode_actions(droid_actions(actions, stats, layout.action_dim))
+
+
+def prompt_state(
+    observation: RobotObservation, stats: NormStats, width: int | None = None
+) -> np.ndarray:
+    """Return the state the prompt bins: quantile-normalized, zero-padded to ``width`` if given.
+
+    openpi bins the robot's own dims (``width`` None); LeRobot pads to its ``max_state_dim``
+    first.
+
+    Raises:
+        ValueError: The stats cover fewer dims than the state, or ``width`` is smaller than it.
+    """
+    state = quantile_normalize(observation.state, stats.state)
+    if width is None:
+        return state
+    if width < state.shape[0]:
+        raise ValueError(f"cannot pad a state of {state.shape[0]} dims to {width}")
+    return np.concatenate([state, np.zeros(width - state.shape[0])])
+
+
+# -- DROID's observation ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class DroidObservation:
-    """One validated DROID request, as openpi's ``DroidInputs`` reads it.
+    """One validated DROID request, as openpi's ``DroidInputs`` reads it (`DROID`'s layout, named).
 
     Attributes:
         exterior_image: The exterior camera, uint8 ``[H, W, 3]``.
@@ -264,16 +325,18 @@ class DroidObservation:
             ValueError: A key is missing or its value is malformed; the message names the key
                 and what was expected.
         """
-        if not isinstance(obs, Mapping):
-            raise ValueError(f"a DROID observation is a mapping of keys to values, got {type(obs).__name__}")
-        joints = _parse_vector(obs, JOINT_POSITION_KEY, NUM_JOINTS)
-        gripper = _parse_vector(obs, GRIPPER_POSITION_KEY, 1, allow_scalar=True)
+        parsed = DROID.parse(obs)
         return cls(
-            exterior_image=_parse_image(obs, EXTERIOR_IMAGE_KEY),
-            wrist_image=_parse_image(obs, WRIST_IMAGE_KEY),
-            state=np.concatenate([joints, gripper]),
-            prompt=_parse_prompt(obs),
+            exterior_image=parsed.images["base_0_rgb"],
+            wrist_image=parsed.images["left_wrist_0_rgb"],
+            state=parsed.state,
+            prompt=parsed.prompt,
         )
+
+    def robot_observation(self) -> RobotObservation:
+        """Return the same request as any robot's."""
+        images = {"base_0_rgb": self.exterior_image, "left_wrist_0_rgb": self.wrist_image}
+        return RobotObservation(images=images, state=self.state, prompt=self.prompt)
 
     def normalized_state(self, stats: NormStats) -> np.ndarray:
         """Return the state quantile-normalized, the values the prompt bins."""
@@ -291,132 +354,4 @@ class DroidObservation:
             ``(images, mask)``: float32 ``[len(cameras), 3, size, size]`` in [-1, 1] and bool
             ``[len(cameras)]``, False for absent cameras.
         """
-        by_key = {EXTERIOR_IMAGE_KEY: self.exterior_image, WRIST_IMAGE_KEY: self.wrist_image}
-        images, present = [], []
-        for camera in cameras:
-            key = DROID_CAMERA_KEYS.get(camera)
-            images.append(absent_image(size) if key is None else prepare_image(by_key[key], size))
-            present.append(key is not None)
-        return torch.stack(images), torch.tensor(present, dtype=torch.bool)
-
-
-def _missing(key: str, expected: str) -> ValueError:
-    return ValueError(f"DROID observation has no {key!r} ({expected})")
-
-
-def _parse_image(obs: Mapping[str, Any], key: str) -> np.ndarray:
-    expected = "a uint8 HxWx3 image"
-    if key not in obs:
-        raise _missing(key, expected)
-    try:
-        image = np.asarray(obs[key])
-    except (TypeError, ValueError):
-        raise ValueError(f"{key!r} must be {expected}, got a {type(obs[key]).__name__}") from None
-    if image.ndim == 3 and image.shape[0] == 3 and image.shape[-1] != 3:
-        image = image.transpose(1, 2, 0)  # channels first -> HWC, as openpi accepts both
-    if image.ndim != 3 or image.shape[-1] != 3 or 0 in image.shape:
-        raise ValueError(f"{key!r} must be {expected} (or 3xHxW), got shape {image.shape}")
-    if image.dtype == np.uint8:
-        return np.ascontiguousarray(image)
-    if np.issubdtype(image.dtype, np.integer) and image.min() >= 0 and image.max() <= 255:
-        # Integer pixels (a JSON body's nested lists) are uint8 values.
-        return np.ascontiguousarray(image.astype(np.uint8))
-    if np.issubdtype(image.dtype, np.floating):
-        if not np.isfinite(image).all() or image.min() < 0.0 or image.max() > 1.0:
-            raise ValueError(f"{key!r} is a float image, so its values must be finite and in [0, 1]")
-        # openpi's conversion: scale and truncate (no rounding).
-        return np.ascontiguousarray((image * 255).astype(np.uint8))
-    raise ValueError(f"{key!r} must be uint8 (or float in [0, 1]), got dtype {image.dtype}")
-
-
-def _parse_vector(obs: Mapping[str, Any], key: str, size: int, *, allow_scalar: bool = False) -> np.ndarray:
-    expected = f"{size} numbers" + (" or a number" if allow_scalar else "")
-    if key not in obs:
-        raise _missing(key, expected)
-    try:
-        vector = np.asarray(obs[key])
-    except (TypeError, ValueError):
-        raise ValueError(f"{key!r} must be {expected}, got a {type(obs[key]).__name__}") from None
-    # Booleans are numbers to numpy; a boolean joint angle is a client bug.
-    if vector.dtype.kind not in "iuf":
-        raise ValueError(f"{key!r} must be {expected}, got dtype {vector.dtype}")
-    if allow_scalar and vector.ndim == 0:
-        vector = vector.reshape(1)
-    if vector.shape != (size,):
-        raise ValueError(f"{key!r} must be {expected}, got shape {vector.shape}")
-    vector = vector.astype(np.float64)
-    if not np.isfinite(vector).all():
-        raise ValueError(f"{key!r} must be finite, got {vector.tolist()}")
-    return vector
-
-
-def _parse_prompt(obs: Mapping[str, Any]) -> str:
-    if PROMPT_KEY not in obs:
-        raise _missing(PROMPT_KEY, "the task instruction, a string")
-    prompt = obs[PROMPT_KEY]
-    if isinstance(prompt, bytes):
-        try:
-            prompt = prompt.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"{PROMPT_KEY!r} bytes must be UTF-8 text") from None
-    if not isinstance(prompt, str):
-        raise ValueError(f"{PROMPT_KEY!r} must be a string, got a {type(prompt).__name__}")
-    if not prompt.strip():
-        raise ValueError(f"{PROMPT_KEY!r} must be a non-empty instruction")
-    return str(prompt)
-
-
-# -- images ----------------------------------------------------------------------------------
-
-
-def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
-    """Fit a uint8 HWC image into ``size x size``, keeping its aspect ratio, padding with black.
-
-    openpi's geometry: ``ratio = max(w, h) / size``, resized to ``int(h / ratio) x int(w / ratio)``
-    (which can be ``size - 1`` on the long side), centred with ``floor(diff / 2)`` pixels before.
-    The resize is PIL's BILINEAR, the one openpi's DROID client runs before sending 224x224
-    images (the server's own resize is then the identity); openpi's server-side JAX bilinear
-    resize differs from it by rounding only for images of another size.
-
-    ::
-
-        100x200 -> 224:  ratio 200/224, resized 112x224
-        +--------------------+
-        |  56 rows of 0      |
-        |  image 112 x 224   |
-        |  56 rows of 0      |
-        +--------------------+
-    """
-    height, width = image.shape[:2]
-    if (height, width) == (size, size):
-        return image
-    ratio = max(width / size, height / size)
-    # At least one pixel: openpi would fail on a 1000:1 strip; nothing else changes.
-    new_height, new_width = max(1, int(height / ratio)), max(1, int(width / ratio))
-    resized = Image.fromarray(image).resize((new_width, new_height), resample=Image.Resampling.BILINEAR)
-    padded = np.zeros((size, size, 3), dtype=np.uint8)
-    top, left = (size - new_height) // 2, (size - new_width) // 2
-    padded[top : top + new_height, left : left + new_width] = np.asarray(resized)
-    return padded
-
-
-def prepare_image(image: np.ndarray, size: int) -> torch.Tensor:
-    """Resize-with-pad a uint8 HWC image and map it to float32 ``[3, size, size]`` in [-1, 1].
-
-    Padding is 0 in uint8, so -1 (black) after ``x / 255 * 2 - 1``.
-
-    Raises:
-        ValueError: The image is not uint8 ``[H, W, 3]``.
-    """
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3 or 0 in image.shape:
-        raise ValueError(f"expected a uint8 HxWx3 image, got {image.dtype} {image.shape}")
-    if size < 1:
-        raise ValueError(f"image size must be positive, got {size}")
-    fitted = np.ascontiguousarray(resize_with_pad(image, size))
-    pixels = torch.from_numpy(fitted).permute(2, 0, 1).to(torch.float32)
-    return pixels / 255.0 * 2.0 - 1.0
-
-
-def absent_image(size: int) -> torch.Tensor:
-    """Return the image of a camera the robot lacks: black, -1 everywhere (its mask is False)."""
-    return torch.full((3, size, size), -1.0, dtype=torch.float32)
+        return self.robot_observation().camera_images(cameras, size)

@@ -149,24 +149,30 @@ class PromptTokenizer:
         path = cached_tokenizer(config, tokenizer_path)
         return cls(path, config.max_token_len, vocab_size=config.vocab_size)
 
-    def token_ids(self, task: str, state: np.ndarray | Sequence[float]) -> list[int]:
+    def token_ids(self, task: str, state: np.ndarray | Sequence[float] | None) -> list[int]:
         """Return the prompt's valid ids: BOS and the text, truncated to ``max_token_len``.
 
         mstar writes only these into the prefix; padding exists only in `encode`'s arrays.
+        Without a state (openpi's ``discrete_state_input=False``, as ``pi05_libero``) the text is
+        the cleaned task, then ``"\\n"`` encoded on its own, as openpi's tokenizer writes it.
         """
-        ids: list[int] = [self.bos_id, *self._processor.encode(pi05_prompt(task, state))]
+        if state is None:
+            text = self._processor.encode(clean_task(task)) + self._processor.encode("\n")
+        else:
+            text = self._processor.encode(pi05_prompt(task, state))
+        ids: list[int] = [self.bos_id, *text]
         if len(ids) > self.max_token_len:
             # openpi truncates too (and warns): the tail, "Action: " included, is lost.
             log.warning("pi0.5 prompt of %d tokens truncated to %d", len(ids), self.max_token_len)
             del ids[self.max_token_len :]
         return ids
 
-    def encode(self, task: str, state: np.ndarray | Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, task: str, state: np.ndarray | Sequence[float] | None) -> tuple[np.ndarray, np.ndarray]:
         """Tokenize a prompt into fixed-length arrays, as openpi's tokenizer returns them.
 
         Args:
             task: The instruction.
-            state: The quantile-normalized state, 1-D.
+            state: The quantile-normalized state, 1-D; None leaves it out of the prompt.
 
         Returns:
             ``(token_ids, mask)``: int64 ``[max_token_len]`` padded with id 0, and bool
