@@ -55,12 +55,14 @@ from mstar.bench import (
     BenchResult,
     ClosedLoop,
     OutputEvent,
+    add_device_argument,
     plot_png,
     print_table,
+    rank_devices,
     run_benchmark,
     write_json,
 )
-from mstar.runtime import AsyncEngine, Request
+from mstar.runtime import AsyncEngine, EngineConfig, Request
 from mstar.zoo.bagel.context import branch_items
 from mstar.zoo.bagel.flow import CFG_IMG, CFG_TEXT, COND, FlowSpec, guidance
 from mstar.zoo.bagel.model import BagelModel
@@ -85,6 +87,7 @@ class Settings:
     threads: int = 1
     seed: int = 0
     out: str = "results/bagel"
+    device: str = "cpu"
 
 
 def request_data(task: str, seed: int, settings: Settings, size: tuple[int, int]) -> dict[str, Any]:
@@ -215,7 +218,7 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     agreement: dict[str, dict[str, int]] = {}
     console.print(f"bench_bagel: {json.dumps(asdict(settings))}", highlight=False, markup=False)
-    async with await AsyncEngine.start(model) as engine:
+    async with await AsyncEngine.start(model, None, EngineConfig(devices=rank_devices(settings.device))) as engine:
         for task in settings.tasks:
             runner = Run(settings, model, engine, dense, task)
             templates = [BenchRequest(f"{task}{i}", "", params={"seed": settings.seed * 100_000 + i}) for i in range(64)]
@@ -280,10 +283,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bagel")
+    add_device_argument(parser)
     a = parser.parse_args(argv)
     return Settings(
         a.config, tuple(int(c) for c in a.concurrency.split(",")), tuple(a.tasks.split(",")), a.timesteps,
-        a.num_requests, a.threads, a.seed, a.out,
+        a.num_requests, a.threads, a.seed, a.out, a.device,
     )
 
 

@@ -54,10 +54,12 @@ from mstar.bench import (
     BenchResult,
     ClosedLoop,
     OutputEvent,
+    add_device_argument,
     draw_requests,
     make_requests,
     plot_png,
     print_table,
+    rank_devices,
     result_to_dict,
     run_benchmark,
 )
@@ -122,6 +124,7 @@ class Settings:
     codec_batch_size: int = 4
     placement: str = "one-rank"
     threads: int = 0
+    device: str = "cpu"
     seed: int = 0
     out: str = "results/bench_orpheus"
     skip_baseline: bool = False
@@ -756,9 +759,8 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     if floor is not None:
         floor.warm_up()
     placement = PLACEMENTS[settings.placement]
-    engine = await AsyncEngine.start(
-        model, Placement.from_yaml(placement) if placement else None, EngineConfig()
-    )
+    layout = Placement.from_yaml(placement) if placement else None
+    engine = await AsyncEngine.start(model, layout, EngineConfig(devices=rank_devices(settings.device, layout)))
     templates = make_requests(
         list(PROMPTS),
         max_tokens=settings.max_tokens,
@@ -1011,6 +1013,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     )
     p.add_argument("--placement", choices=sorted(PLACEMENTS), default="one-rank")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    add_device_argument(p)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.8)
     p.add_argument("--repetition-penalty", type=float, default=1.3)
@@ -1048,6 +1051,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         codec_batch_size=args.codec_batch_size,
         placement=args.placement,
         threads=args.threads,
+        device=args.device,
         seed=args.seed,
         out=args.out,
         skip_baseline=args.skip_baseline,

@@ -63,13 +63,15 @@ from mstar.bench import (
     BenchResult,
     ClosedLoop,
     OutputEvent,
+    add_device_argument,
     print_table,
+    rank_devices,
     result_to_dict,
     run_benchmark,
 )
 from mstar.engines.layers import apply_rotary
 from mstar.graph import Emission
-from mstar.runtime import AsyncEngine, Request
+from mstar.runtime import AsyncEngine, EngineConfig, Request
 from mstar.zoo.pi05.model import PARTITION, Pi05Model
 from mstar.zoo.pi05.modules import (
     AdaRMSNorm,
@@ -109,6 +111,7 @@ class Settings:
     concurrency: tuple[int, ...] = (1, 4, 16)
     num_requests: int | None = None
     threads: int = 1
+    device: str = "cpu"
     num_templates: int = 64
     seed: int = 0
     out: str = "results/pi05"
@@ -548,7 +551,7 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         cfg.vision.image_size,
     )
     peak = gemm_peak_flops()
-    engine = await AsyncEngine.start(model)
+    engine = await AsyncEngine.start(model, None, EngineConfig(devices=rank_devices(settings.device)))
     bench = Run(settings, model, engine, openpi, FigureWindow(engine))
     templates = [
         BenchRequest(f"obs{i}", "", params={"seed": settings.seed * 100_000 + i})
@@ -885,6 +888,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         help="measured requests per point (at least 5 x c)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    add_device_argument(p)
     p.add_argument(
         "--num-templates", type=int, default=64, help="distinct observations (seeds) to draw from"
     )
@@ -908,6 +912,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         concurrency=levels,
         num_requests=args.num_requests,
         threads=args.threads,
+        device=args.device,
         num_templates=args.num_templates,
         seed=args.seed,
         out=args.out,

@@ -62,9 +62,11 @@ from mstar.bench import (
     BenchResult,
     ClosedLoop,
     OutputEvent,
+    add_device_argument,
     make_requests,
     plot_png,
     print_table,
+    rank_devices,
     result_to_dict,
     run_benchmark,
 )
@@ -107,6 +109,7 @@ class Settings:
     num_requests: int | None = None
     warmup: int = 1
     threads: int = 1
+    device: str = "cpu"
     transformers: bool = False
     seed: int = 0
     out: str = "results/qwen3_omni"
@@ -510,7 +513,7 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
     console.print("[bold]bench_qwen3_omni[/bold]: configuration")
     for key, value in config.items():
         console.print(f"  {key}: {value}", highlight=False, markup=False)
-    engine = await AsyncEngine.start(model, None, EngineConfig(cpu_threads=settings.threads))
+    engine = await AsyncEngine.start(model, None, EngineConfig(cpu_threads=settings.threads, devices=rank_devices(settings.device)))
     stage.start()
     account = CpuAccount()
     shapes: dict[str, Any] = {}
@@ -771,6 +774,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads (every step thread)")
+    add_device_argument(p)
     p.add_argument("--transformers", action="store_true", help="add transformers' generate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/qwen3_omni")
@@ -812,7 +816,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         p.error("--warmup must be >= 0")
     return Settings(
         config=args.config, concurrency=levels, shapes=shapes, max_tokens=shapes[0][1], max_frames=shapes[0][2],
-        num_requests=args.num_requests, warmup=args.warmup, threads=args.threads, transformers=args.transformers,
+        num_requests=args.num_requests, warmup=args.warmup, threads=args.threads, device=args.device, transformers=args.transformers,
         seed=args.seed, out=args.out,
     )  # fmt: skip
 

@@ -6,6 +6,7 @@ Every speed claim in mstar comes from here, measured as the field measures (DESI
 from __future__ import annotations
 
 from mstar.bench.audio import AudioFormat, PcmFrameCounter, WavStreamReader
+from mstar.bench.device import add_device_argument, rank_devices
 from mstar.bench.http_targets import (
     ChatTarget,
     GenerateTarget,
@@ -39,6 +40,8 @@ from mstar.bench.runner import BenchResult, PointResult, Ratio, run_benchmark
 from mstar.bench.targets import CallableTarget, Target
 
 __all__ = [
+    "add_device_argument",
+    "rank_devices",
     "METRIC_DEFINITIONS",
     "AudioFormat",
     "BenchRequest",
