@@ -19,5 +19,5 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 
 def rank_devices(device: str, placement: Placement | None = None) -> dict[int, str]:
     """Return `EngineConfig.devices` putting every rank of ``placement`` (default: rank 0) on ``device``."""
-    ranks = {0} if placement is None else {rank for group in placement.node_groups for rank in group.ranks}
+    ranks = {0} if placement is None else {rank for group in placement.groups for rank in group.ranks}
     return dict.fromkeys(sorted(ranks), device)
