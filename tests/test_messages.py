@@ -109,7 +109,10 @@ class SampleBuilder:
     def build(self, t: mi.Type, depth: int = 0) -> Any:
         self.turn += 1
         if isinstance(t, mi.StructType | mi.DataclassType):
-            return t.cls(**{f.name: self.build(f.type, depth + 1) for f in t.fields})
+            try:
+                return t.cls(**{f.name: self.build(f.type, depth + 1) for f in t.fields})
+            except ValueError:  # a struct that checks what its values mean (SamplingParams): its defaults
+                return t.cls()
         if isinstance(t, mi.AnyType):
             return ["any", 1]
         if isinstance(t, mi.UnionType):

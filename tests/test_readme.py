@@ -12,7 +12,7 @@ def test_python_blocks_in_the_readme_run() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks
     for block in blocks:
-        exec(compile(block, str(README), "exec"), {})
+        exec(compile(block, str(README), "exec", dont_inherit=True), {})  # as in a file of its own
 
 
 def test_quick_start_has_exactly_two_commands_and_ci_runs_the_test_one() -> None:

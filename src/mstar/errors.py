@@ -30,6 +30,7 @@ __all__ = [
     "BenchConfigError",
     "BenchTargetError",
     "InvalidSamplingParamsError",
+    "InvalidRequestError",
     "RequestNotFoundError",
     "DuplicateRequestError",
     "KVCacheCapacityError",
@@ -80,6 +81,14 @@ class WalkDeadlockError(MStarError, RuntimeError):
 
 class InvalidSamplingParamsError(MStarError, ValueError):
     """Raised when a request's `SamplingParams` or `AttentionMask` hold an out-of-range value."""
+
+
+class InvalidRequestError(MStarError, ValueError):
+    """Raised when a request's field has the wrong type or is out of range; ``param`` names it."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestNotFoundError(MStarError, KeyError):

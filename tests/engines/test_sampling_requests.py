@@ -4,7 +4,6 @@ penalties, log-probabilities, and parallel samples of one prompt forking its KV 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -287,7 +286,7 @@ async def test_seeded_walks_draw_anew_and_the_same_on_any_rank(model: LlamaCausa
         history = [*prompt, first[0]["token"]]
         await decode.run(
             "r",
-            {"prompt": history, "params": dataclasses.replace(params, max_tokens=7)},
+            {"prompt": history, "params": params.replace(max_tokens=7)},
             7,
             rest.append,
         )

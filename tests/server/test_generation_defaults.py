@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from mstar.engines import SamplingParams
 from mstar.errors import CheckpointError
 from mstar.runtime.model import Request
 from mstar.zoo import resolve_model
@@ -37,26 +38,26 @@ def server(checkpoint: Path) -> Iterator[RunningServer]:
         yield running
 
 
-def _params(model: TextLLM, **data: object) -> dict[str, object]:
+def _params(model: TextLLM, **data: object) -> SamplingParams:
     prepared = model.preprocess(Request("generate", {"prompt": "hello", **data}))
-    params: dict[str, object] = prepared.inputs["llm"]["params"]
+    params: SamplingParams = prepared.inputs["llm"]["params"]
     return params
 
 
 def test_unset_fields_take_the_file_and_set_ones_the_request(checkpoint: Path) -> None:
     model = TextLLM(checkpoint)
     params = _params(model)
-    assert {k: params[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")} == {
-        "temperature": 0.0, "top_p": 0.5, "top_k": 7, "repetition_penalty": 1.3,
-    }  # fmt: skip
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.0, 0.5, 7, 1.3)
     params = _params(model, temperature=0.8, top_k=3)
-    assert (params["temperature"], params["top_k"], params["top_p"], params["repetition_penalty"]) == (0.8, 3, 0.5, 1.3)
-    assert "do_sample" not in params
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (0.8, 3, 0.5, 1.3)
 
 
 def test_a_checkpoint_without_the_file_keeps_the_engine_defaults(tmp_path: Path) -> None:
     params = _params(TextLLM(save_tiny_chat_llama(tmp_path)))
-    assert not {"temperature", "top_p", "top_k", "repetition_penalty"} & set(params)
+    defaults = SamplingParams()
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
+        defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty,
+    )  # fmt: skip
 
 
 def test_an_invalid_file_names_the_setting(tmp_path: Path) -> None:

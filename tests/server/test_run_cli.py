@@ -130,7 +130,7 @@ def _png(path: Path, seed: int = 0) -> Path:
         (["orpheus-tiny", "--text", "hi", "--image", "{tmp}/none.png"], "--image {tmp}/none.png: '{tmp}/none.png' does not exist"),
         (["orpheus-tiny", "--text", "hi", "--image", "{tmp}/obs.json"], "--image {tmp}/obs.json: cannot read '{tmp}/obs.json' as an image"),
         (["orpheus-tiny", "--text", "hi", "--image", "{tmp}/a.png"], "--image: task 'speech' of orpheus-tiny does not take it"),
-        (["orpheus-tiny", "--text", "hi", "--param", "max_tokens=0"], "--param max_tokens must be a positive integer, got 0"),
+        (["orpheus-tiny", "--text", "hi", "--param", "max_tokens=0"], "--param max_tokens: must be an integer >= 1, got 0"),
         (["orpheus-tiny", "--text", "hi", "--param", "speed=2"], "--param speed: task 'speech' of orpheus-tiny does not take it"),
         (["orpheus-tiny", "--text", "hi", "--observation", "{tmp}/good.json"], "task 'speech' of orpheus-tiny does not take --observation"),
         (["orpheus-tiny", "--text", "hi", "--no-chat-template"], "task 'speech' of orpheus-tiny does not take --no-chat-template"),

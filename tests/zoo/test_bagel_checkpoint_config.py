@@ -306,7 +306,7 @@ def test_the_posterior_mean_is_an_option(read_model: BagelModel) -> None:
     # without a posterior draw, the flow's noise is the generator's first draw, as text-to-image's
     flow = read_model.preprocess(Request("image_edit", data)).inputs["cfg_combine"]["flow"].x
     assert torch.equal(flow, torch.randn(flow.shape, generator=torch.Generator().manual_seed(21)))
-    with pytest.raises(ValueError, match=r"vae_posterior must be 'sample' or 'mean', got 'mode'"):
+    with pytest.raises(ValueError, match=r"vae_posterior: must be one of 'mean', 'sample', got 'mode'"):
         read_model.preprocess(Request("image_edit", {**data, "vae_posterior": "mode"}))
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 import transformers
 
+from mstar.engines import SamplingParams
+from mstar.errors import InvalidRequestError
 from mstar.runtime.model import Request
 from mstar.zoo.llm import TextLLM
 from tests.helpers import Direct, wait_until_idle
@@ -80,8 +82,9 @@ async def test_bad_requests_fail_with_clear_errors(tiny_llama_dir: Path) -> None
             d.core.submit(Request("generate", {"prompt": "hello"}))
         with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 96\)"):
             d.core.submit(Request("generate", {"prompt_token_ids": [1, 500]}))
-        with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        with pytest.raises(InvalidRequestError, match="max_tokens: must be an integer >= 1, got 0") as refused:
             d.core.submit(Request("generate", {"prompt_token_ids": [1], "max_tokens": 0}))
+        assert refused.value.param == "max_tokens"  # refused as the request is made, naming the field
         with pytest.raises(Exception, match="needs up to"):
             await d.run(Request("generate", {"prompt_token_ids": [1, 2], "max_tokens": 100_000}))
         d.assert_empty()
@@ -165,8 +168,8 @@ async def test_mid_walk_tokens_reach_the_loop_during_the_next_step(tiny_llama_di
 
         engine.engine.step = counted_step  # type: ignore[method-assign]
         seen: list[tuple[int, int]] = []  # (token, steps begun when it reached the walk)
-        params = {"prompt_len": 3, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-        inputs = {"history": torch.tensor([1, 5, 9]), "params": params}
+        params = SamplingParams(prompt_len=3, max_tokens=12, temperature=0.0)  # no stop tokens
+        inputs = {"history": torch.tensor([1, 5, 9]), "params": params, "prefix_group": None}
         engine.start()
         try:
             await engine.run("r", inputs, None, lambda out: seen.append((int(out["tokens"]), started)))

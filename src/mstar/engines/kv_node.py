@@ -470,7 +470,7 @@ class KVNodeEngine(StepLoop):
         if is_first:  # the whole request must fit, not only this walk's steps
             self.engine.check_length(request_id, len(turn.new_token_ids), params.max_tokens)
         if max_steps is not None:
-            params = replace(params, max_tokens=min(params.max_tokens, max_steps))
+            params = params.replace(max_tokens=min(params.max_tokens, max_steps))
         running = _Walk(sink, asyncio.get_running_loop().create_future(), walk)
         self._walks[request_id] = running
         self._keys.setdefault(request_id, set()).add(request_id)

@@ -1,11 +1,13 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction (and on decoding: they cross
+links between processes as themselves, a tagged msgspec Struct)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
+
+import msgspec
 
 from mstar.errors import InvalidSamplingParamsError
 
@@ -28,8 +30,7 @@ def _check_int(name: str, value: Any) -> None:
         raise InvalidSamplingParamsError(f"{name} must be an integer, got {value!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True, tag=True):
     """How to pick each next token of one request.
 
     Processing order matches transformers' `generate`: repetition penalty (then presence
@@ -116,12 +117,16 @@ class SamplingParams:
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
             )
         # Accept any iterable of ids from callers but store a tuple (hashable, immutable).
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         """Make parameters for greedy decoding."""
         return cls(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """Return a copy with ``changes`` (validated again)."""
+        return msgspec.structs.replace(self, **changes)
 
     @property
     def is_greedy(self) -> bool:

@@ -19,6 +19,7 @@ from mstar.runtime.model import (
     supports_audio_output,
     supports_text_output,
 )
+from mstar.runtime.params import GenerationParams, TaskOptions, parse_options
 from mstar.runtime.placement import NodeGroup, Placement
 from mstar.runtime.walk_runner import WalkRunner
 from mstar.runtime.worker import Worker
@@ -31,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "EngineType",
+    "GenerationParams",
     "Model",
     "ModelSpec",
     "NodeGroup",
@@ -41,10 +43,12 @@ __all__ = [
     "SupportsActionPolicy",
     "SupportsAudioOutput",
     "SupportsTextOutput",
+    "TaskOptions",
     "WalkRunner",
     "Worker",
     "WorkerConfig",
     "WorkerCore",
+    "parse_options",
     "supports_action_policy",
     "supports_audio_output",
     "supports_text_output",

@@ -55,6 +55,7 @@ from mstar.runtime.messages import (
     WorkerReady,
 )
 from mstar.runtime.model import Model, ModelSpec, Output, Request
+from mstar.runtime.params import parse_options
 from mstar.runtime.placement import Placement
 from mstar.runtime.ray_launcher import RankInfo, RayLauncher, ray_host_id
 from mstar.runtime.trust import check_model_factory
@@ -564,6 +565,7 @@ class AsyncEngine:
         iteration aborts it too.
 
         Raises:
+            InvalidRequestError: An option the task declares is malformed (names it).
             ValueError: The model rejected the request.
             WalkExecutionError: A node failed (names node, walk and request).
             RequestAbortedError: The request was aborted.
@@ -583,6 +585,8 @@ class AsyncEngine:
                 raise EngineClosedError("the engine is shut down")
             if pending.is_aborted:
                 raise RequestAbortedError(f"request {request.request_id!r} was aborted")
+            if request.options is None:  # the task's declared options, typed once, here
+                request.options = parse_options(self.model.task_options(request.task), request.data)
             # Preprocessing (tokenizing a long text, decoding images) can take seconds: off
             # the event loop, which serves every other request meanwhile.
             loop = asyncio.get_running_loop()

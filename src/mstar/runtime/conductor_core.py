@@ -16,6 +16,7 @@ from typing import Any
 from mstar.errors import MStarError, RequestAbortedError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.model import Model, Output, PreparedRequest, Request
+from mstar.runtime.params import parse_options
 from mstar.streaming import Chunk, StreamBuffer
 
 __all__ = [
@@ -142,6 +143,8 @@ class ConductorCore:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if prepared is None:
+            if request.options is None:
+                request.options = parse_options(self.model.task_options(request.task), request.data)
             prepared = self.model.preprocess(request)
         req = _Request(
             request.request_id,

@@ -32,7 +32,16 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    TypeGuard,
+    TypeVar,
+    runtime_checkable,
+)
 
 import torch
 
@@ -50,6 +59,7 @@ from mstar.engines.paged_model import (
 )
 from mstar.errors import ModelLoadError
 from mstar.graph import Emission, ModelGraph
+from mstar.runtime.params import GenerationParams, TaskOptions, parse_struct
 
 if TYPE_CHECKING:
     from mstar.runtime.placement import Placement
@@ -87,13 +97,34 @@ class EngineType(enum.StrEnum):
     STATELESS = "stateless"
 
 
+_O = TypeVar("_O", bound=TaskOptions)
+
+
 @dataclass
 class Request:
-    """One client request: a task name and its data (text, images, parameters)."""
+    """One client request: a task name and its data (text, images, parameters).
+
+    ``params``, the generation settings among the data, are parsed as the request is made (a
+    bad one raises `InvalidRequestError` naming it); ``options``, the task's declared options
+    (`Model.task_options`), where the engine takes the request (`parse_options`). A model's
+    ``preprocess`` reads both typed, and the rest of ``data`` (prompts, images) itself.
+    """
 
     task: str
     data: dict[str, Any] = field(default_factory=dict)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    params: GenerationParams = None  # type: ignore[assignment]  # parsed from data when not given
+    options: Any = None
+
+    def __post_init__(self) -> None:
+        if self.params is None:
+            self.params = GenerationParams.from_data(self.data)
+
+    def options_as(self, cls: type[_O]) -> _O:
+        """Return the task's options as ``cls`` (parsed from ``data`` once, if the engine did not)."""
+        if not isinstance(self.options, cls):
+            self.options = parse_struct(cls, self.data)
+        return self.options
 
 
 @dataclass
@@ -185,6 +216,12 @@ class Model(ABC):
         so put the model's main task first.
         """
         return ()
+
+    def task_options(self, task: str) -> type[TaskOptions] | None:
+        """Return the options ``task`` takes beyond `GenerationParams`, as a `TaskOptions`
+        Struct (names, types, ranges, defaults), or None. The engine parses them where the
+        request enters; ``preprocess`` reads them with ``request.options_as(...)``."""
+        return None
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:
         """Turn an emitted value into a client output (default: as is)."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mstar.actors.wire import WireStruct
+from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import ProtocolError
 from mstar.streaming import Chunk
 
@@ -76,8 +77,11 @@ class ChunkValue(_Value):
     is_last: bool
 
 
-# Scalars, strings and None travel as themselves (msgpack tells them apart).
-Value: TypeAlias = TensorValue | BytesValue | ListValue | DictValue | ChunkValue | bool | int | float | str | None
+# Scalars, strings and None travel as themselves (msgpack tells them apart); a request's
+# `SamplingParams` too (a tagged Struct of the engines', validated again as it is decoded).
+Value: TypeAlias = (
+    TensorValue | BytesValue | ListValue | DictValue | ChunkValue | SamplingParams | bool | int | float | str | None
+)
 
 
 class SlotValue(WireStruct):
@@ -118,7 +122,7 @@ def to_wire(value: Any) -> Value:
     Raises:
         ProtocolError: The value has a type that cannot cross processes.
     """
-    if type(value) in _SCALARS:
+    if type(value) in _SCALARS or type(value) is SamplingParams:
         return value
     if isinstance(value, torch.Tensor):
         return TensorValue(value)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from mstar.errors import (
     APIRequestError,
     ClientDisconnectedError,
+    InvalidRequestError,
     MStarError,
     OverloadedError,
     WorkerUnavailableError,
@@ -161,6 +162,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(http: HttpRequest, exc: APIRequestError) -> Response:
         body = error_body(str(exc), exc.error_type, param=exc.param, code=exc.code or exc.status)
         return JSONResponse(body, exc.status)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_field(http: HttpRequest, exc: InvalidRequestError) -> Response:
+        return JSONResponse(error_body(str(exc), "invalid_request_error", param=exc.param, code=400, exc=exc), 400)
 
     @app.exception_handler(OverloadedError)
     async def overloaded(http: HttpRequest, exc: OverloadedError) -> Response:

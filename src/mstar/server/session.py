@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from mstar.errors import (
     APIRequestError,
     ClientDisconnectedError,
+    InvalidRequestError,
     KVCacheCapacityError,
     OverloadedError,
     RequestAbortedError,
@@ -208,6 +209,8 @@ def request_error(exc: BaseException, *, length_param: str = "max_tokens") -> Ba
     """
     if isinstance(exc, APIRequestError):
         return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIRequestError(str(exc), param=exc.param)
     cannot_fit = isinstance(exc, KVCacheCapacityError) or (
         isinstance(exc, WalkExecutionError) and exc.cause == KVCacheCapacityError.__name__
     )

@@ -46,21 +46,20 @@ from mstar.zoo.llama import LlamaCausalLM, load_llama
 
 __all__ = ["DEFAULT_MAX_TOKENS", "LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
 
-_SAMPLING_KEYS = (
-    "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "seed", "logprobs",
-)
-_REQUEST_KEYS = (*_SAMPLING_KEYS, "ignore_eos", "prefix_group", "prefix_group_size")
-
 DEFAULT_MAX_TOKENS = 256
 """Tokens a request without ``max_tokens`` may generate (at most: the model's length may end first)."""
 
 
 def make_llm_graph(name: str = "llama") -> ModelGraph:
-    """Return the prefill/decode graph of a text LLM."""
+    """Return the prefill/decode graph of a text LLM.
+
+    The ``llm`` node's inputs: ``history`` (the prompt, then every token so far), ``params``
+    (the request's `SamplingParams`: ``max_tokens`` its whole budget, ``prompt_len`` set) and
+    ``prefix_group`` (``[name, size]`` of a shared prefix, or None).
+    """
     llm = GraphNode(
         "llm",
-        {"history", "params"},
+        {"history", "params", "prefix_group"},
         [GraphEdge("llm", "history", persist=True), GraphEdge(EMIT, "tokens", modality="text")],
         signals={"stop"},
     )
@@ -68,30 +67,21 @@ def make_llm_graph(name: str = "llama") -> ModelGraph:
         name=name,
         walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop")},
         partitions={"LLM": ["prefill", "decode"]},
-        inputs={"llm": {"history", "params"}},
+        inputs={"llm": {"history", "params", "prefix_group"}},
     )
 
 
 class LlamaKVNode:
     """The ``llm`` node: a Llama on the paged KV cache, sampling per request."""
 
-    def __init__(
-        self,
-        model: LlamaCausalLM,
-        engine_config: KVCacheEngineConfig,
-        eos_token_ids: tuple[int, ...],
-    ) -> None:
+    def __init__(self, model: LlamaCausalLM, engine_config: KVCacheEngineConfig) -> None:
         self.model = model
         self.engine_config = engine_config
-        self.eos_token_ids = eos_token_ids
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         """Generate what is left of ``max_tokens``; feed the history where the cache is empty."""
-        params = inputs["params"]
-        stops = () if params.get("ignore_eos") else self.eos_token_ids
-        return history_turn(
-            inputs, is_first, stops, prefix_group=params.get("prefix_group"), prefix_group_size=int(params.get("prefix_group_size", 0))
-        )
+        group, size = inputs["prefix_group"] or (None, 0)
+        return history_turn(inputs, is_first, prefix_group=group, prefix_group_size=int(size))
 
     def outputs(
         self, request_id: str, token_id: int, history: list[int] | None, *, logprobs: TokenLogprobs | None = None
@@ -103,27 +93,20 @@ class LlamaKVNode:
         return {"tokens": token, "stop": True, "history": torch.tensor(history)}
 
 
-def history_turn(
-    inputs: Mapping[str, Any], is_first: bool, stop_token_ids: tuple[int, ...], **extra: Any
-) -> KVTurn:
+def history_turn(inputs: Mapping[str, Any], is_first: bool, **extra: Any) -> KVTurn:
     """Return the turn of a token LLM node whose inputs are ``history`` and ``params``.
 
-    ``params`` holds the sampling settings, ``max_tokens`` and ``prompt_len``; the history is
-    the prompt plus every token generated so far, so the tokens left to generate and whether
-    the last one was a stop token follow from it, on any rank.
+    ``params`` is the request's `SamplingParams` (``max_tokens`` its whole budget, ``prompt_len``
+    set, its stop tokens); the history is the prompt plus every token generated so far, so the
+    tokens left to generate and whether the last one was a stop token follow from it, on any rank.
     """
-    params: dict[str, Any] = inputs["params"]
+    params: SamplingParams = inputs["params"]
     history = [int(t) for t in inputs["history"]]
-    generated = len(history) - int(params["prompt_len"])
-    left = int(params["max_tokens"]) - generated
-    sampling = SamplingParams(
-        **{k: params[k] for k in _SAMPLING_KEYS if k in params and k != "max_tokens"},
-        max_tokens=max(1, left),
-        stop_token_ids=stop_token_ids,
-        prompt_len=int(params["prompt_len"]),
-    )
-    is_done = left <= 0 or (generated > 0 and history[-1] in stop_token_ids)
-    return KVTurn(history if is_first else [], sampling, is_done=is_done, **extra)
+    prompt_len = params.prompt_len if params.prompt_len is not None else len(history)
+    generated = len(history) - prompt_len
+    left = params.max_tokens - generated
+    is_done = left <= 0 or (generated > 0 and history[-1] in params.stop_token_ids)
+    return KVTurn(history if is_first else [], params.replace(max_tokens=max(1, left)), is_done=is_done, **extra)
 
 
 class TextLLM(Model, SupportsTextOutput):
@@ -209,11 +192,7 @@ class TextLLM(Model, SupportsTextOutput):
 
     def submodule(self, node: str, device: torch.device) -> LlamaKVNode:
         """Load the checkpoint onto ``device``."""
-        return LlamaKVNode(
-            load_llama(self.checkpoint_dir, device=device, dtype=self.dtype),
-            self.engine_config,
-            self.eos_token_ids,
-        )
+        return LlamaKVNode(load_llama(self.checkpoint_dir, device=device, dtype=self.dtype), self.engine_config)
 
     def preprocess(self, request: Request) -> PreparedRequest:
         """Tokenize the prompt (or apply the chat template) and collect sampling settings."""
@@ -241,26 +220,17 @@ class TextLLM(Model, SupportsTextOutput):
             raise KVCacheCapacityError(
                 f"the prompt has {len(tokens)} tokens but the model's length is {limit}: shorten it"
             )
-        params = {k: data[k] for k in _REQUEST_KEYS if k in data and data[k] is not None}
-        for key, value in self.generation_defaults.items():
-            params.setdefault(key, value)
-        max_tokens = params.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, limit - len(tokens)))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        params = request.params.with_defaults(self.generation_defaults)
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - len(tokens))
         if len(tokens) + max_tokens > limit:
             raise KVCacheCapacityError(
                 f"the request needs up to {len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt + "
                 f"max_tokens {max_tokens}) but the model's length is {limit}: lower max_tokens to at most "
                 f"{limit - len(tokens)}"
             )
-        if not isinstance(params.get("prefix_group", ""), str):
-            raise ValueError("prefix_group must be a string")
-        size = params.get("prefix_group_size", 0)
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 1024:
-            raise ValueError("prefix_group_size must be an integer in [0, 1024]")
-        SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
-        params["prompt_len"] = len(tokens)
-        return PreparedRequest({"llm": {"history": torch.tensor(tokens), "params": params}})
+        sampling = params.sampling(max_tokens=max_tokens, stop_token_ids=self.eos_token_ids, prompt_len=len(tokens))
+        group = None if params.prefix_group is None else [params.prefix_group, params.prefix_group_size]
+        return PreparedRequest({"llm": {"history": torch.tensor(tokens), "params": sampling, "prefix_group": group}})
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """Start with prefill."""

@@ -323,7 +323,7 @@ class ToyModel(Model, SupportsAudioOutput):
             text = request.data.get("text", "")
             if not isinstance(text, str) or not text:
                 raise ValueError("data['text'] must be a non-empty string")
-        seed = int(request.data.get("seed", 0))
+        seed = request.params.seed or 0
         images = None
         if request.task == "image_edit":
             data = request.data

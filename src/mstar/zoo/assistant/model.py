@@ -64,7 +64,7 @@ def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
     beside them, the reader (speech requests: a given text read aloud)."""
     llm = GraphNode(
         "llm",
-        {"history", "params"},
+        {"history", "params", "prefix_group"},
         [
             GraphEdge("llm", "history", persist=True),
             GraphEdge(EMIT, "tokens", modality="text"),
@@ -79,7 +79,7 @@ def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
         walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "speak": voice, "read": reader},
         partitions={"LLM": ["prefill", "decode"], "Voice": ["speak"], "Reader": ["read"]},
         connections=[Connection("LLM", "Voice", "say", policy)],
-        inputs={"llm": {"history", "params"}, "reader": {"text"}},
+        inputs={"llm": {"history", "params", "prefix_group"}, "reader": {"text"}},
     )
 
 
@@ -202,7 +202,7 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
         if node == "llm":
             llm = self.llm
             weights = load_llama(llm.checkpoint_dir, device=device, dtype=llm.dtype)
-            return AssistantLLMNode(weights, llm.engine_config, llm.eos_token_ids)
+            return AssistantLLMNode(weights, llm.engine_config)
         if node == "voice":
             return VoiceNode(self.tokenizer, PiperSpeaker(settings=self.voice_settings))
         if node == "reader":
@@ -242,8 +242,8 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
         ):
             data["messages"] = [{"role": "system", "content": self.system_prompt}, *messages]
         # Sampling the request leaves unset is SmolLM2's own (its checkpoint's generation_config.json).
-        data.setdefault("max_tokens", self.max_tokens)
-        prepared = self.llm.preprocess(Request("generate", data, request.request_id))
+        params = request.params.with_defaults({"max_tokens": self.max_tokens})
+        prepared = self.llm.preprocess(Request("generate", data, request.request_id, params=params))
         return PreparedRequest(prepared.inputs, state=_SPOKEN if "audio" in modalities else _WRITTEN)
 
     def first_walk(self, partition: str, state: Any) -> str | None:

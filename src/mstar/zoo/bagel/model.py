@@ -43,19 +43,20 @@ back), as upstream's ``interleave_inference`` does; understanding just answers a
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from msgspec import Meta
 from PIL import Image
 
-from mstar.engines.sampling_params import SamplingParams
-from mstar.errors import CheckpointError, InvalidSamplingParamsError
+from mstar.errors import CheckpointError, InvalidRequestError
 from mstar.graph import (
     EMIT,
     DynamicLoop,
@@ -76,6 +77,7 @@ from mstar.runtime.model import (
     SupportsSharedEngines,
     SupportsTextOutput,
 )
+from mstar.runtime.params import GenerationParams, TaskOptions
 from mstar.zoo.bagel.checkpoint import (
     LLM_CONFIG,
     cached_random_checkpoint,
@@ -127,7 +129,6 @@ MAX_TIMESTEPS = 1000
 TASKS = ("image", "image_edit", "understand", "generate")
 # float64 runs the parity checks where one rounding step apart would flip a pixel.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-_POSTERIORS = ("sample", "mean")
 
 
 def denoise_node(branch: str) -> str:
@@ -295,6 +296,10 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         """Return the tasks."""
         return TASKS
 
+    def task_options(self, task: str) -> type[BagelOptions]:
+        """Every task takes `BagelOptions` (the flow's only where an image is drawn)."""
+        return BagelOptions
+
     def load(self, device: torch.device) -> tuple[BagelWeights, FluxVAE]:
         """Load the weights onto ``device`` once (every node of a rank shares them)."""
         with self._loading:  # ranks in one process build their engines on threads of their own
@@ -415,32 +420,27 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         """
         if request.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {request.task!r}")
-        cfg, data = self.config, request.data
+        cfg, data, options = self.config, request.data, request.options_as(BagelOptions)
         answers = request.task in ("understand", "generate")
-        posterior = data.get("vae_posterior", "sample")
-        if posterior not in _POSTERIORS:
-            raise ValueError(f"vae_posterior must be 'sample' or 'mean', got {posterior!r}")
-        generator = _generator(data)
-        think = data.get("think", False)
-        if not isinstance(think, bool):
-            raise ValueError(f"think must be true or false, got {think!r}")
+        generator = _generator(request.params.seed)
         items: list[Item] = []
-        if think:  # the planning instruction comes first, as a text item of every context that takes text
+        if options.think:  # the planning instruction comes first, as a text item of every context that takes text
             items.append(self._wrap(self.tokenize(VLM_THINK_PROMPT if answers else GEN_THINK_PROMPT)))
         if request.task == "generate":
             items.extend(self._chat_items(data))
             return self._prepare(request, items, None, answers=True)
         text = self._text_item(data)
         if request.task == "image":
-            height, width = int(data.get("height", cfg.image_size[0])), int(data.get("width", cfg.image_size[1]))
+            height = cfg.image_size[0] if options.height is None else options.height
+            width = cfg.image_size[1] if options.width is None else options.width
             for name, side in (("height", height), ("width", width)):
                 if side % cfg.latent_downsample or not 0 < side <= cfg.max_image_side:
                     raise ValueError(f"{name} must be a multiple of {cfg.latent_downsample} in (0, {cfg.max_image_side}], got {side}")
         else:
             image = resize_for(self._image(data), cfg.vae_image)
             width, height = image.size
-            if request.task == "image_edit" and ("width" in data or "height" in data):
-                asked = data.get("width", width), data.get("height", height)
+            if request.task == "image_edit" and (options.width is not None or options.height is not None):
+                asked = options.width or width, options.height or height
                 if asked != (width, height):
                     raise ValueError(
                         f"size: an edit keeps the input's size, {width}x{height} here (after resizing), "
@@ -450,7 +450,7 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             if request.task == "image_edit":
                 vae = image_tensor(image)
                 noise = None
-                if posterior == "sample":  # upstream draws it as it encodes the image, before the flow's noise
+                if options.vae_posterior == "sample":  # upstream draws it as it encodes the image, before the flow's noise
                     latent = (cfg.vae.z_channels, height // cfg.vae.downsample, width // cfg.vae.downsample)
                     noise = torch.randn(latent, generator=generator)
                 items.append(ImageItem(vae, vit, noise))
@@ -458,26 +458,27 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
                 items.append(ImageItem(None, vit))
         items.append(text)
         down = cfg.latent_downsample
-        spec = None if answers else _flow_spec(cfg, request.task, height // down, width // down, data)
+        spec = None if answers else _flow_spec(cfg, request.task, height // down, width // down, options)
         return self._prepare(request, items, spec, answers=answers, generator=generator)
 
     def _prepare(
         self, request: Request, items: list[Item], spec: FlowSpec | None, *, answers: bool, generator: torch.Generator | None = None
     ) -> PreparedRequest:
         """Make a request's walks and inputs from its items (and the flow of an image)."""
-        cfg, data = self.config, request.data
+        cfg, data, params = self.config, request.data, request.params
+        options = request.options_as(BagelOptions)
         walks = [w for item in items for w in _prefill_walks(item)]
         walks.append("decode" if answers else "image_gen")
         max_tokens = 0
         if request.task == "generate":  # a chat: as long as the route allows, up to the model's limit
-            max_tokens = min(_int_option(data, "max_tokens", 2**31, 0), cfg.max_text_tokens)
+            max_tokens = min(params.max_tokens or cfg.max_text_tokens, cfg.max_text_tokens)
         elif answers:
-            max_tokens = _int_option(data, "max_tokens", cfg.max_text_tokens, 0)
-        is_think = data.get("think", False) is True and not answers
+            max_tokens = _at_most(params.max_tokens, cfg.max_text_tokens, "max_tokens")
+        is_think = options.think and not answers
         if is_think:  # the planning text is decoded before the image
-            max_tokens = _int_option(data, "max_think_tokens", cfg.max_text_tokens, 1)
+            max_tokens = _at_most(options.max_think_tokens, cfg.max_text_tokens, "max_think_tokens")
             walks[-1:] = ["decode", "prefill_text", "image_gen"]
-        sampling = _sampling(data) if answers else ()
+        sampling = _sampling(params) if answers else ()
         segments = Segments(tuple(items), max_tokens, is_think, sampling)
         inputs: dict[str, dict[str, Any]] = {n: {"context": ContextState()} for n in _CONTEXT_READERS}
         for name, dsts in _PARTS_READERS.items():
@@ -528,11 +529,8 @@ def _as_image(value: Any, name: str) -> Image.Image:
     raise ValueError(f"{name} must be a PIL image, encoded image bytes or an H x W (x 3 or 4) uint8 array")
 
 
-def _generator(data: Mapping[str, Any]) -> torch.Generator:
+def _generator(seed: int | None) -> torch.Generator:
     """Return the request's generator: seeded by ``seed`` (as `initial_noise` reads it), else fresh."""
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     generator = torch.Generator()
     if seed is None:
         generator.seed()
@@ -541,10 +539,12 @@ def _generator(data: Mapping[str, Any]) -> torch.Generator:
     return generator
 
 
-def _int_option(data: Mapping[str, Any], name: str, high: int, low: int) -> int:
-    value = data.get(name, high)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+def _at_most(value: int | None, high: int, name: str) -> int:
+    """Return ``value`` (``high`` when not given), refusing one above ``high`` (the model's text limit)."""
+    if value is None:
+        return high
+    if value > high:
+        raise InvalidRequestError(f"{name}: at most {high} with this model, got {value}", param=name)
     return value
 
 
@@ -553,16 +553,11 @@ _SAMPLING = (
 )
 
 
-def _sampling(data: Mapping[str, Any]) -> tuple[tuple[str, float | int], ...]:
-    """Return an answer's sampling settings, checked (none: greedy)."""
-    if data.get("ignore_eos") not in (None, False):
-        raise ValueError("ignore_eos: BAGEL's answers do not support it (omit ignore_eos)")
-    sampling = tuple((name, data[name]) for name in _SAMPLING if data.get(name) is not None)
-    try:
-        SamplingParams(**{"temperature": 0.0, **dict(sampling)})
-    except (InvalidSamplingParamsError, TypeError) as exc:
-        raise ValueError(str(exc)) from None
-    return sampling
+def _sampling(params: GenerationParams) -> tuple[tuple[str, float | int], ...]:
+    """Return an answer's sampling settings (none given: greedy)."""
+    if params.ignore_eos:
+        raise InvalidRequestError("ignore_eos: BAGEL's answers do not support it (omit ignore_eos)", param="ignore_eos")
+    return tuple((name, value) for name in _SAMPLING if (value := getattr(params, name)) is not None)
 
 
 def _prefill_walks(item: Item) -> list[str]:
@@ -571,42 +566,63 @@ def _prefill_walks(item: Item) -> list[str]:
     return (["prefill_vae"] if item.vae is not None else []) + (["prefill_vit"] if item.vit is not None else [])
 
 
-_FLOAT_OPTIONS = ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min")
+Scale = Annotated[float, Meta(ge=0.0)]
 
 
-def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, data: Mapping[str, Any]) -> FlowSpec:
-    overrides: dict[str, Any] = {}
-    for name in _FLOAT_OPTIONS:
-        if name in data:
-            value = data[name]
-            if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-            overrides[name] = float(value)
-    if "guidance_scale" in data:  # the images routes' field: the text scale, or [text, image]
-        scales = data["guidance_scale"]
-        scales = list(scales) if isinstance(scales, list | tuple) else [scales]
-        if not 1 <= len(scales) <= 2:
-            raise ValueError(f"guidance_scale: BAGEL takes one or two scales (text, then image), got {len(scales)}")
-        for name, value in zip(("cfg_text_scale", "cfg_img_scale"), scales, strict=False):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value) or value < 0:
-                raise ValueError(f"guidance_scale must hold finite numbers >= 0, got {value!r}")
-            overrides[name] = float(value)
-    if "num_timesteps" in data:
-        steps = data["num_timesteps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= MAX_TIMESTEPS:
-            raise ValueError(f"num_timesteps must be an integer in [2, {MAX_TIMESTEPS}], got {steps!r}")
-        overrides["num_timesteps"] = steps
-    if "cfg_interval" in data:
-        interval = data["cfg_interval"]
-        if not isinstance(interval, list | tuple) or len(interval) != 2 or not all(isinstance(v, int | float) for v in interval):
-            raise ValueError(f"cfg_interval must be two numbers [low, high], got {interval!r}")
-        overrides["cfg_interval"] = (float(interval[0]), float(interval[1]))
-    if "skip_branches" in data:  # False: every branch on every step (benchmarks what skipping saves)
-        if not isinstance(data["skip_branches"], bool):
-            raise ValueError(f"skip_branches must be true or false, got {data['skip_branches']!r}")
-        overrides["run_all_branches"] = not data["skip_branches"]
-    if "cfg_renorm_type" in data:
-        if data["cfg_renorm_type"] not in ("global", "channel", "text_channel"):
-            raise ValueError(f"cfg_renorm_type must be 'global', 'channel' or 'text_channel', got {data['cfg_renorm_type']!r}")
-        overrides["cfg_renorm_type"] = data["cfg_renorm_type"]
+class BagelOptions(TaskOptions, frozen=True, kw_only=True):
+    """What a BAGEL request takes beyond `GenerationParams` (the flow's options where it draws).
+
+    Attributes:
+        think: Plan in text first (decoded before the image, or before the answer).
+        max_think_tokens: The plan's length at most (default: the model's text limit).
+        height: A drawn image's height (a multiple of the latent downsampling).
+        width: Its width.
+        vae_posterior: An edit's input latent: upstream's draw from the VAE posterior
+            (``"sample"``, seeded by the request), or its ``"mean"``.
+        timestep_shift: The flow schedule's shift.
+        cfg_text_scale: Text guidance.
+        cfg_img_scale: Image guidance.
+        cfg_renorm_min: The guidance renormalization's floor.
+        guidance_scale: The images routes' name for the scales: the text's, or [text, image].
+        num_timesteps: Flow steps.
+        cfg_interval: The part [low, high] of the schedule that guidance applies to.
+        skip_branches: False runs every CFG branch on every step (what skipping saves).
+        cfg_renorm_type: How guidance is renormalized.
+    """
+
+    think: bool = False
+    max_think_tokens: Annotated[int, Meta(ge=1)] | None = None
+    height: Annotated[int, Meta(gt=0)] | None = None
+    width: Annotated[int, Meta(gt=0)] | None = None
+    vae_posterior: Literal["sample", "mean"] = "sample"
+    timestep_shift: Scale | None = None
+    cfg_text_scale: Scale | None = None
+    cfg_img_scale: Scale | None = None
+    cfg_renorm_min: Scale | None = None
+    guidance_scale: Scale | Annotated[list[Scale], Meta(min_length=1, max_length=2)] | None = None
+    num_timesteps: Annotated[int, Meta(ge=2, le=MAX_TIMESTEPS)] | None = None
+    cfg_interval: tuple[float, float] | None = None
+    skip_branches: bool | None = None
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
+
+    def __post_init__(self) -> None:
+        scales = self.guidance_scale if isinstance(self.guidance_scale, list) else [self.guidance_scale]
+        for name in ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min"):
+            scales.append(getattr(self, name))
+        if any(v is not None and not math.isfinite(v) for v in [*scales, *(self.cfg_interval or ())]):
+            raise ValueError("scales, shifts and intervals must be finite numbers")
+
+
+_FLOW_FIELDS = ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min", "num_timesteps", "cfg_renorm_type")
+
+
+def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, options: BagelOptions) -> FlowSpec:
+    overrides: dict[str, Any] = {name: value for name in _FLOW_FIELDS if (value := getattr(options, name)) is not None}
+    if options.guidance_scale is not None:  # the images routes' field: the text scale, or [text, image]
+        scales = options.guidance_scale if isinstance(options.guidance_scale, list) else [options.guidance_scale]
+        overrides |= dict(zip(("cfg_text_scale", "cfg_img_scale"), scales, strict=False))
+    if options.cfg_interval is not None:
+        overrides["cfg_interval"] = options.cfg_interval
+    if options.skip_branches is not None:  # False: every branch on every step (benchmarks what skipping saves)
+        overrides["run_all_branches"] = not options.skip_branches
     return FlowSpec.of(height, width, cfg.t2i if task == "image" else cfg.edit, **overrides)

@@ -25,7 +25,6 @@ import torch
 
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import KVTurn
-from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import CheckpointError
 from mstar.graph import (
     EMIT,
@@ -64,7 +63,6 @@ __all__ = ["OrpheusModel", "make_orpheus_graph"]
 
 log = structlog.get_logger(__name__)
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
 
 
 def make_orpheus_graph() -> ModelGraph:
@@ -100,9 +98,9 @@ class OrpheusLLMNode:
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         """Generate what is left of ``max_tokens`` (the history rebuilds an empty cache)."""
-        prompt_len = int(inputs["params"]["prompt_len"])
+        prompt_len = inputs["params"].prompt_len
         processor = AudioLogitsProcessor(self.layout, prompt_len) if self.constrained and is_first else None
-        return history_turn(inputs, is_first, (self.layout.end_of_speech,), logits_processor=processor)
+        return history_turn(inputs, is_first, logits_processor=processor)
 
     def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
         """Stream the token to the codec; on the walk's last one raise ``stop``, persist the history."""
@@ -222,21 +220,17 @@ class OrpheusModel(Model, SupportsAudioOutput):
         data = request.data
         prompt = self.tokenizer.format_prompt(speech_text(data), speech_voice(data, DEFAULT_VOICE))
         cfg = self.config
-        params: dict[str, Any] = {
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "repetition_penalty": cfg.repetition_penalty,
-            "max_tokens": cfg.max_tokens,
-        }
-        params.update({k: data[k] for k in (*_SAMPLING_KEYS, "max_tokens") if data.get(k) is not None})
-        if not isinstance(params["max_tokens"], int) or params["max_tokens"] < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {params['max_tokens']!r}")
-        SamplingParams(**{k: params[k] for k in _SAMPLING_KEYS if k in params})  # validates
-        seed = int(params.get("seed", 0) or 0)
-        params["prompt_len"] = len(prompt)
+        params = request.params.with_defaults(
+            {"temperature": cfg.temperature, "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty}
+        )
+        max_tokens = params.max_tokens if params.max_tokens is not None else cfg.max_tokens
+        sampling = params.sampling(
+            max_tokens=max_tokens, stop_token_ids=(self.config.layout.end_of_speech,), prompt_len=len(prompt)
+        )
+        seed = params.seed or 0
         state = dataclasses.asdict(AudioStreamState(noise_seed=cfg.noise_seed + seed))
         inputs: dict[str, dict[str, Any]] = {
-            "LLM": {"history": torch.tensor(prompt), "params": params},
+            "LLM": {"history": torch.tensor(prompt), "params": sampling},
             "snac_decoder": {"state": state},
         }
         return PreparedRequest(inputs)

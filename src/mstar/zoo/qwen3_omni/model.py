@@ -36,13 +36,13 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import structlog
 import torch
+from msgspec import Meta
 
-from mstar.engines.sampling_params import SamplingParams
-from mstar.errors import CheckpointError, InvalidSamplingParamsError
+from mstar.errors import CheckpointError, InvalidRequestError
 from mstar.graph import (
     EMIT,
     Connection,
@@ -61,6 +61,7 @@ from mstar.runtime.model import (
     SupportsAudioOutput,
     SupportsTextOutput,
 )
+from mstar.runtime.params import TaskOptions
 from mstar.runtime.placement import NodeGroup, Placement
 from mstar.streaming import FixedChunkPolicy, LeftContextChunkPolicy
 from mstar.zoo.cache import mstar_cache_dir, written_once
@@ -272,6 +273,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         """Return ``generate`` (chat, text and speech out) and ``speech`` (speak the given text)."""
         return ("generate", "speech")
 
+    def task_options(self, task: str) -> type[Qwen3OmniOptions]:
+        """Both tasks take `Qwen3OmniOptions`."""
+        return Qwen3OmniOptions
+
     def default_placement(self) -> Placement | None:
         """Put the three partitions on ranks 0, 1 and 2, unless ``colocated``."""
         if self.colocated:
@@ -325,15 +330,11 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         """Build the prompt (chat template, media placeholders), its segments and the sampling settings."""
         if request.task not in ("generate", "speech"):
             raise ValueError(f"task must be 'generate' or 'speech', got {request.task!r}")
-        data = dict(request.data)
+        data, params = dict(request.data), request.params
+        options = request.options_as(Qwen3OmniOptions)
         for key in ("presence_penalty", "frequency_penalty"):
-            if data.get(key):
-                raise ValueError(f"{key} is not supported by {self.name}")
-        num_logprobs = data.get("logprobs")
-        try:  # checked where every model's logprobs are (SamplingParams), not again here
-            SamplingParams(logprobs=num_logprobs)
-        except InvalidSamplingParamsError as exc:
-            raise ValueError(str(exc)) from None
+            if getattr(params, key):
+                raise InvalidRequestError(f"{key} is not supported by {self.name}", param=key)
         forced: list[int] | None = None
         if request.task == "speech":
             text = speech_text(data)
@@ -346,35 +347,25 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
                 "modalities": ["text", "audio"],
             }
             data.pop("text", None)
-        modalities = data.get("modalities") or list(_MODALITIES)
-        if (
-            not isinstance(modalities, list | tuple)
-            or "text" not in modalities
-            or any(m not in _MODALITIES for m in modalities)
-        ):
-            raise ValueError(
-                f"modalities must be ['text'] or ['text', 'audio'], got {modalities!r}"
-            )
+        modalities = data.get("modalities") or options.modalities or list(_MODALITIES)
+        if "text" not in modalities or any(m not in _MODALITIES for m in modalities):
+            raise InvalidRequestError(f"modalities must be ['text'] or ['text', 'audio'], got {modalities!r}", param="modalities")
         speaks = "audio" in modalities
         ids, media = self._prompt(data)
         segments = make_segments(self.config, ids, media)
-        max_tokens = len(forced) if forced else _positive_int(data, "max_tokens", self.max_tokens)
+        max_tokens = len(forced) if forced else (params.max_tokens or self.max_tokens)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the model's length is {self.max_model_len}"
             )
-        seed = data.get("seed")
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        elif isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        stop_ids = [] if data.get("ignore_eos") else list(self.eos_token_ids)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        stop_ids = [] if params.ignore_eos else list(self.eos_token_ids)
         last: dict[str, Any] = {
             "token": None, "count": 0, "done": False, "speak": speaks, "seed": int(seed) % 2**63,
             "max_tokens": max_tokens, "stop_ids": stop_ids, "forced": forced,
-            "temperature": _float(data, "temperature", 0.0), "top_p": _float(data, "top_p", 1.0),
-            "top_k": int(data.get("top_k") or 0), "repetition_penalty": _float(data, "repetition_penalty", 1.0),
-            "logprobs": num_logprobs,
+            "temperature": _or(params.temperature, 0.0), "top_p": _or(params.top_p, 1.0),
+            "top_k": params.top_k or 0, "repetition_penalty": _or(params.repetition_penalty, 1.0),
+            "logprobs": params.logprobs,
         }  # fmt: skip
         speaker = speech_voice(data, self.config.speaker)
         speakers = self.config.speaker_ids
@@ -382,11 +373,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             raise ValueError(f"unknown speaker {speaker!r}; the model has {sorted(speakers)}")
         talker = {
             "seed": int(seed) % 2**63, "speaker": speakers[speaker.lower()],
-            "max_frames": _positive_int(data, "max_audio_frames", self.max_audio_frames),
-            "talker_temperature": _float(data, "talker_temperature", 0.9), "talker_top_k": int(data.get("talker_top_k", 50)),
-            "talker_top_p": _float(data, "talker_top_p", 1.0),
-            "talker_repetition_penalty": _float(data, "talker_repetition_penalty", 1.05),
-            "return_codes": bool(data.get("return_codes", False)),
+            "max_frames": options.max_audio_frames or self.max_audio_frames,
+            "talker_temperature": options.talker_temperature, "talker_top_k": options.talker_top_k,
+            "talker_top_p": options.talker_top_p, "talker_repetition_penalty": options.talker_repetition_penalty,
+            "return_codes": options.return_codes,
         }  # fmt: skip
         inputs: dict[str, dict[str, Any]] = {
             "thinker": {"segments": segments, "cursor": 0, "media": None, "last": last},
@@ -483,22 +473,30 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         return "code2wav_chunk"
 
 
-def _positive_int(data: Mapping[str, Any], key: str, default: int) -> int:
-    value = data.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    return value
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
-def _float(data: Mapping[str, Any], key: str, default: float) -> float:
-    value = data.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0:
-        raise ValueError(f"{key} must be a non-negative number, got {value!r}")
-    return float(value)
+class Qwen3OmniOptions(TaskOptions, frozen=True, kw_only=True):
+    """What a Qwen3-Omni request takes beyond `GenerationParams`: the talker's own sampling.
+
+    Attributes:
+        modalities: ``["text"]`` or ``["text", "audio"]`` (the default: it speaks).
+        max_audio_frames: Codec frames the talker makes at most (default: the model's).
+        talker_temperature: The talker's sampling temperature.
+        talker_top_k: Its top-k.
+        talker_top_p: Its top-p.
+        talker_repetition_penalty: Its repetition penalty.
+        return_codes: Also emit the talker's codec codes.
+    """
+
+    modalities: list[Literal["text", "audio"]] | None = None
+    max_audio_frames: Annotated[int, Meta(ge=1)] | None = None
+    talker_temperature: Annotated[float, Meta(ge=0.0)] = 0.9
+    talker_top_k: Annotated[int, Meta(ge=0)] = 50
+    talker_top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    talker_repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.05
+    return_codes: bool = False
 
 
 def _load_tokenizer(cfg: Qwen3OmniConfig, path: Path) -> Any:
