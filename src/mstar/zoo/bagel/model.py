@@ -489,7 +489,7 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         flow = None
         if spec is not None:
             shape = (spec.num_tokens, cfg.patch_latent_dim)
-            noise = initial_noise(data, shape) if "noise" in data or generator is None else torch.randn(shape, generator=generator)
+            noise = initial_noise(data, shape, params.seed) if "noise" in data or generator is None else torch.randn(shape, generator=generator)
             flow = initial_flow(spec, noise)
         first = queries(flow) if flow is not None else dict.fromkeys(map(query_input, BRANCHES))
         for b in BRANCHES:

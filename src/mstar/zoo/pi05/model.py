@@ -202,7 +202,7 @@ class Pi05Model(Model, SupportsActionPolicy):
         state = prompt_state(obs, self.norm_stats, cfg.prompt_state_dim) if cfg.discrete_state_input else None
         images, mask = obs.camera_images(cfg.cameras, cfg.vision.image_size)
         token_ids = torch.tensor(self.tokenizer.token_ids(obs.prompt, state), dtype=torch.long)
-        noise = initial_noise(data, (cfg.action_horizon, cfg.action_dim))
+        noise = initial_noise(data, (cfg.action_horizon, cfg.action_dim), request.params.seed)
         flow: dict[str, Any] = {"x": noise, "step": 0}
         offset = self.layout.delta_offset(obs.state, cfg.action_dim)
         if offset is not None:  # the model's delta actions made absolute, in its normalized units

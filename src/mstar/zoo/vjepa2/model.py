@@ -33,11 +33,12 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
 import torch
 import torch.nn.functional as F
+from msgspec import Meta
 
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
@@ -45,6 +46,7 @@ from mstar.engines.masks import AttentionMask
 from mstar.errors import CheckpointError, KVCacheCapacityError, RolloutStateError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph, Section, Sequential
 from mstar.runtime.model import EngineType, Model, PreparedRequest, Request
+from mstar.runtime.params import TaskOptions
 from mstar.zoo.vjepa2.cem import (
     MAX_CEM_STEPS,
     CEMParams,
@@ -78,11 +80,38 @@ PARTITION = "world_model"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INPUT_KEYS = {
     "encode": frozenset({"image", "images"}),
-    "rollout": frozenset({"image", "latent", "actions", "pose", "stream"}),
-    "plan": frozenset({"image", "goal_image", "latent", "goal_latent", "pose"}),
+    "rollout": frozenset({"image", "latent", "actions", "pose"}),
+    "plan": frozenset({"image", "goal_image", "latent", "goal_latent", "pose", "seed"}),
 }
-_PLAN_KEYS = ("rollout", "samples", "topk", "cem_steps", "momentum_mean", "momentum_std",
-              "momentum_mean_gripper", "momentum_std_gripper", "maxnorm", "gripper_clip", "seed")
+
+
+class RolloutOptions(TaskOptions, frozen=True, kw_only=True):
+    """A rollout's option: ``stream`` each predicted frame's latents as it comes (else the last)."""
+
+    stream: bool = False
+
+
+Positive = Annotated[int, Meta(ge=1)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class PlanOptions(TaskOptions, frozen=True, kw_only=True):
+    """A plan's CEM settings; those not given are the model's (`CEMConfig`). The seed is the
+    request's (`GenerationParams.seed`, 0 when not given)."""
+
+    rollout: Positive | None = None
+    samples: Annotated[int, Meta(ge=2)] | None = None
+    topk: Annotated[int, Meta(ge=2)] | None = None
+    cem_steps: Positive | None = None
+    momentum_mean: Fraction | None = None
+    momentum_std: Fraction | None = None
+    momentum_mean_gripper: Fraction | None = None
+    momentum_std_gripper: Fraction | None = None
+    maxnorm: Annotated[float, Meta(gt=0.0)] | None = None
+    gripper_clip: Annotated[float, Meta(gt=0.0)] | None = None
+
+
+_OPTIONS: dict[str, type[TaskOptions]] = {"rollout": RolloutOptions, "plan": PlanOptions}
 
 
 def make_vjepa2_graph(config: VJepa2Config) -> ModelGraph:
@@ -502,6 +531,10 @@ class VJepa2Model(Model):
             return ("encode",)
         return ("encode", "rollout", "plan")
 
+    def task_options(self, task: str) -> type[TaskOptions] | None:
+        """A rollout's `RolloutOptions`, a plan's `PlanOptions`."""
+        return _OPTIONS.get(task)
+
     def submodule(self, node: str, device: torch.device) -> Any:
         """Load the encoder or predictor onto ``device``, or return a planning node."""
         if node == "encoder":
@@ -524,7 +557,8 @@ class VJepa2Model(Model):
                 f"{request.task} integrates 7-D poses [x, y, z, roll, pitch, yaw, gripper] but {self.name}'s "
                 f"actions are {self.config.predictor.action_dim}-D: this model serves encode only"
             )
-        known = _INPUT_KEYS[request.task] | (frozenset(_PLAN_KEYS) if request.task == "plan" else frozenset())
+        options = _OPTIONS.get(request.task)
+        known = _INPUT_KEYS[request.task] | frozenset(options.__struct_fields__ if options else ())
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown {request.task} fields {sorted(unknown)}; known: {sorted(known)}")
@@ -535,14 +569,11 @@ class VJepa2Model(Model):
             frames = torch.stack([prepare_image(im, self.config, "images") for im in images])
             return PreparedRequest({"encoder": {"frames": frames, "purpose": "encode"}}, "encode")
         if request.task == "rollout":
-            return self._rollout(data)
-        return self._plan(data)
+            return self._rollout(data, request.options_as(RolloutOptions).stream)
+        return self._plan(data, request.options_as(PlanOptions), request.params.seed or 0)
 
-    def _rollout(self, data: Mapping[str, Any]) -> PreparedRequest:
+    def _rollout(self, data: Mapping[str, Any], stream: bool) -> PreparedRequest:
         actions = as_actions(data.get("actions"), self.config)
-        stream = data.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ValueError(f"stream must be true or false, got {stream!r}")
         predictor = {
             "pose": as_pose(data.get("pose"), self.config),
             "step": 0,
@@ -556,9 +587,9 @@ class VJepa2Model(Model):
         frames = prepare_image(data["image"], self.config)[None]
         return PreparedRequest({"encoder": {"frames": frames, "purpose": "rollout"}, "predictor": predictor}, "rollout")
 
-    def _plan(self, data: Mapping[str, Any]) -> PreparedRequest:
-        overrides = {k: data[k] for k in _PLAN_KEYS if k in data}
-        params = CEMParams.make(self.config.cem, overrides)
+    def _plan(self, data: Mapping[str, Any], options: PlanOptions, seed: int) -> PreparedRequest:
+        given = {k: v for k in options.__struct_fields__ if (v := getattr(options, k)) is not None}
+        params = CEMParams.make(self.config.cem, {**given, "seed": seed})
         if params.rollout > self.config.predictor.max_horizon:
             raise ValueError(f"rollout must be at most {self.config.predictor.max_horizon}, got {params.rollout}")
         sample: dict[str, Any] = {"pose0": as_pose(data.get("pose"), self.config), "cem": CEMState.initial(params).to_value()}
