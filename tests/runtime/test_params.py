@@ -110,3 +110,17 @@ def test_http_names_the_field_of_a_bad_setting_or_option() -> None:
             assert error["param"] in (param, f"data.{param}") and param in error["message"], error
         ok = httpx.post(f"{server.url}/generate", json={"task": "speech", "data": {"text": "hi", "speed": 3}}, timeout=60)
         assert ok.status_code == 200 and b'"finished": true' in ok.content.replace(b'":true', b'": true')
+
+
+async def test_engines_publish_their_limits_once_at_start(tmp_path: Any) -> None:
+    """The server reads the model's length from `AsyncEngine.limits`, typed, not from counters."""
+    from mstar.engines.limits import NodeLimits
+    from mstar.zoo.llm import TextLLM
+    from tests.server.models import save_tiny_chat_llama
+
+    model = TextLLM(save_tiny_chat_llama(tmp_path), engine_config={"num_blocks": 8, "block_size": 16})
+    async with await AsyncEngine.start(model) as engine:
+        assert engine.limits.nodes == {0: {"llm": NodeLimits(max_seq_len=128, num_blocks=8, block_size=16)}}
+        assert engine.limits.max_seq_len == 128
+    async with await AsyncEngine.start(ToyModel()) as toy:  # a model whose nodes hold no KV cache
+        assert toy.limits.nodes == {0: {}} and toy.limits.max_seq_len is None

@@ -77,7 +77,7 @@ def _refused_natively(server: RunningServer, task: str, **data: Any) -> APIReque
 
 
 def _limit(server: RunningServer) -> int:
-    limit = server.call(server.state.max_seq_len())
+    limit = server.state.max_seq_len
     assert limit is not None
     return limit
 
@@ -138,7 +138,7 @@ def test_just_past_the_length_is_the_same_400(orpheus: RunningServer) -> None:
 
 
 def test_a_model_without_a_kv_cache_still_refuses_what_no_count_holds(toy: RunningServer) -> None:
-    assert toy.call(toy.state.max_seq_len()) is None
+    assert toy.state.max_seq_len is None
     refused = _refused_natively(toy, "speech", text="hi", max_tokens=MAX_COUNT + 1)
     assert refused.param == "data.max_tokens" and str(MAX_COUNT) in str(refused)
     _refused(

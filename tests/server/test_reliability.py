@@ -112,7 +112,7 @@ def test_generate_past_a_kv_cache_smaller_than_the_models_length_is_a_400_naming
     spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(save_tiny_chat_llama(tmp_path)), "name": "tiny-chat"})
     engine = EngineConfig(kv_cache_memory=8 * TINY_LLAMA_BLOCK_BYTES)
     with running_server(spec, names=("tiny-chat",), engine_config=engine) as server, httpx.Client(base_url=server.url, timeout=30) as http:
-        limit = server.call(server.state.max_seq_len())
+        limit = server.state.max_seq_len
         assert limit is not None and limit <= 128
         for stream in (True, False):
             for body, field in (

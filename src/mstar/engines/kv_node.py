@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeGuard
 import torch
 
 from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
+from mstar.engines.limits import NodeLimits
 from mstar.engines.masks import AttentionMask
 from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampler import TokenLogprobs
@@ -321,6 +322,11 @@ class KVNodeEngine(StepLoop):
         for firing in self._firings.values():
             _fail(firing, error)
         self._firings.clear()
+
+    def limits(self) -> NodeLimits:
+        """Return the cache's limits, fixed when the engine was built."""
+        engine = self.engine
+        return NodeLimits(engine.max_seq_len, engine.num_blocks, engine.config.block_size)
 
     def stats(self) -> dict[str, float]:
         """Return cumulative step counters, per-phase seconds and KV-cache occupancy (for metrics)."""

@@ -273,6 +273,10 @@ class StatelessEngine(StepLoop):
         if len(outputs) != len(inputs):
             raise RuntimeError(f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}")
 
+    def limits(self) -> None:
+        """Return None: a stateless node holds nothing across steps, so it has no length limit."""
+        return None
+
     def stats(self) -> dict[str, float]:
         """Return cumulative step counters (for metrics)."""
         return {"steps": self.num_steps, "batched": self.num_batched, "step_seconds": self.step_seconds}

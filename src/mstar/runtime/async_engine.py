@@ -35,6 +35,7 @@ from mstar.actors import ActorRef, ActorSystem, SystemConfig
 from mstar.actors.config import CurveKeys
 from mstar.actors.process import SystemProcess, check_main_guard
 from mstar.actors.wire import ActorId
+from mstar.engines.limits import NodeLimits
 from mstar.engines.stateless import StatelessEngineConfig
 from mstar.errors import (
     EngineClosedError,
@@ -46,6 +47,8 @@ from mstar.errors import (
 from mstar.runtime.conductor import END, Abort, Conductor, Submit, WorkerLost
 from mstar.runtime.messages import (
     InitWorker,
+    LimitsQuery,
+    LimitsReport,
     StateQuery,
     StateReport,
     StatsQuery,
@@ -208,6 +211,22 @@ class EngineStats:
     missing_ranks: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine accepts, as its KV-cache nodes published it when they started.
+
+    Attributes:
+        nodes: Per rank, per KV-cache node: its `NodeLimits`.
+    """
+
+    nodes: dict[int, dict[str, NodeLimits]] = field(default_factory=dict)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest sequence every KV-cache node can hold (None: the model has none)."""
+        return min((n.max_seq_len for ranks in self.nodes.values() for n in ranks.values()), default=None)
+
+
 class _Pending:
     """A request whose `generate` was called and not yet iterated (see `AsyncEngine.abort`)."""
 
@@ -239,6 +258,7 @@ class AsyncEngine:
         self.workers: dict[int, ActorRef] = {}
         self.processes: dict[int, SystemProcess] = {}
         self.spec: ModelSpec | None = None
+        self.limits = EngineLimits()  # published by the engines at start (`start`)
         self._served = ""  # the ipc address worker processes reach the conductor at
         self.num_restarts = 0
         self._lost: set[int] = set()  # ranks whose worker process died and is not back yet
@@ -319,6 +339,7 @@ class AsyncEngine:
         await engine.system.__aenter__()
         try:
             await engine._start_actors(spec)
+            engine.limits = await engine._gather_limits()
         except BaseException:
             await engine.shutdown()
             raise
@@ -642,6 +663,12 @@ class AsyncEngine:
             assert isinstance(report, StateReport)
             out[name] = dict(report.counts)
         return out
+
+    async def _gather_limits(self) -> EngineLimits:
+        """Ask every worker, once, what its engines accept."""
+        reports = {rank: await ref.ask(LimitsQuery(), timeout=60.0) for rank, ref in self.workers.items()}
+        assert all(isinstance(r, LimitsReport) for r in reports.values())
+        return EngineLimits({rank: dict(report.limits) for rank, report in reports.items()})
 
     async def stats(self) -> dict[int, dict[str, dict[str, float]]]:
         """Return each rank's per-node engine counters (steps, batched, step_seconds, KV blocks)."""

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import msgspec
 
 from mstar.actors.wire import ActorId, WireMessage, WireStruct, register_messages
+from mstar.engines.limits import NodeLimits
 from mstar.runtime.placement import NodeGroup
 from mstar.runtime.values import (
     SlotValue,
@@ -35,6 +36,8 @@ __all__ = [
     "StateReport",
     "StatsQuery",
     "StatsReport",
+    "LimitsQuery",
+    "LimitsReport",
     "StreamItemMsg",
     "UpdatePeer",
     "WalkDoneMsg",
@@ -219,6 +222,16 @@ class StatsReport(WireMessage):
     transport: dict[str, dict[str, NonNegative]] = msgspec.field(default_factory=dict)
 
 
+class LimitsQuery(WireMessage):
+    """Ask a worker what its engines accept (answered by `LimitsReport`), once, at start."""
+
+
+class LimitsReport(WireMessage):
+    """A worker's KV-cache nodes and their limits (stateless nodes have none)."""
+
+    limits: dict[str, NodeLimits]
+
+
 class StateQuery(WireMessage):
     """Ask a conductor or worker how much request state it holds (answered by `StateReport`)."""
 
@@ -242,6 +255,8 @@ RUNTIME_MESSAGES: tuple[type[WireMessage], ...] = (
     UpdatePeer,
     StatsQuery,
     StatsReport,
+    LimitsQuery,
+    LimitsReport,
     StateQuery,
     StateReport,
 )

@@ -14,6 +14,8 @@ from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.messages import (
     EmittedMsg,
     InitWorker,
+    LimitsQuery,
+    LimitsReport,
     NodeValuesMsg,
     ReleaseRequest,
     StartWalkMsg,
@@ -98,6 +100,9 @@ class Worker(Actor):
             return StateReport(self.core.held_state())
         elif isinstance(message, StatsQuery):
             return stats_report(self.core.owned_engines, self.system)
+        elif isinstance(message, LimitsQuery):
+            engines = self.core.owned_engines.items()
+            return LimitsReport({node: limits for node, engine in engines if (limits := engine.limits()) is not None})
         else:
             raise TypeError(f"worker {self.rank} does not handle {type(message).__name__}")
         return None

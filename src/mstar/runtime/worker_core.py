@@ -22,6 +22,7 @@ import torch
 
 from mstar.engines.kv_cache import budget_bytes
 from mstar.engines.kv_node import KVNodeEngine
+from mstar.engines.limits import NodeLimits
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import KVCacheCapacityError, MStarError
@@ -65,6 +66,10 @@ class NodeEngine(Protocol):
 
     def stats(self) -> Mapping[str, float]:
         """Return cumulative counters: steps, batched inputs, seconds in steps, ..."""
+        ...
+
+    def limits(self) -> NodeLimits | None:
+        """Return what the engine accepts (None: no length limit), fixed at start."""
         ...
 
     @property

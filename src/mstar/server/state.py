@@ -55,7 +55,6 @@ class ServerState:
     admission: AdmissionQueue
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
-    _max_seq_len: int | None = field(default=None, init=False, repr=False)
     is_draining: bool = False
     running: set[str] = field(default_factory=set)  # engine ids of the admitted requests
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
@@ -96,17 +95,12 @@ class ServerState:
         text_model = self.text_model
         return None if text_model is None else text_model.tokenizer
 
-    async def max_seq_len(self) -> int | None:
-        """Return the longest sequence (prompt and generated tokens) every KV cache of the model takes.
-
-        Asked of the engines once (their `max_model_len`, or a smaller cache); None when the
-        model has no KV-cache node.
-        """
-        if self._max_seq_len is None:
-            stats = await self.engine.engine_stats()
-            limits = [int(v["max_seq_len"]) for nodes in stats.nodes.values() for v in nodes.values() if "max_seq_len" in v]
-            self._max_seq_len = min(limits, default=0)
-        return self._max_seq_len or None
+    @property
+    def max_seq_len(self) -> int | None:
+        """Return the longest sequence (prompt and generated tokens) every KV cache of the model
+        takes, as the engines published it at start (`AsyncEngine.limits`); None when the model
+        has no KV-cache node."""
+        return self.engine.limits.max_seq_len
 
     async def check_length(
         self,
@@ -128,7 +122,7 @@ class ServerState:
             APIRequestError: 400 ``context_length_exceeded``, naming ``prompt_param`` when the
                 prompt alone is too long, else ``param``.
         """
-        limit = await self.max_seq_len()
+        limit = self.max_seq_len
         if limit is not None and num_prompt is not None and prompt_param is not None and num_prompt >= limit:
             raise APIRequestError(
                 f"the prompt has {num_prompt} tokens but the model holds {limit} tokens, prompt and "

@@ -356,7 +356,7 @@ async def _max_tokens(
     Raises:
         APIRequestError: The prompt, or the prompt and the requested tokens, exceed the model's length.
     """
-    limit = await state.max_seq_len()
+    limit = state.max_seq_len
     if limit is None:
         return requested
     if num_prompt >= limit:
