@@ -64,7 +64,7 @@ from mstar.bench import (
     run_benchmark,
 )
 from mstar.engines import KVCacheEngine, SamplingParams
-from mstar.engines.kv_node import KVTurn
+from mstar.engines.interfaces import KVTurn
 from mstar.runtime import AsyncEngine, EngineConfig, Placement, Request
 from mstar.streaming import Chunk
 from mstar.zoo.orpheus import (

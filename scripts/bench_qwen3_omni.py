@@ -70,8 +70,8 @@ from mstar.bench import (
     result_to_dict,
     run_benchmark,
 )
+from mstar.engines.interfaces import FiringRows
 from mstar.engines.kv_engine import KVCacheEngine
-from mstar.engines.kv_node import FiringRows
 from mstar.runtime import AsyncEngine, EngineConfig, Request
 from mstar.streaming import Chunk
 from mstar.zoo.qwen3_omni.model import Qwen3OmniModel

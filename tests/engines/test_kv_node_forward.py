@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from mstar.engines import AttentionMask, KVCacheEngineConfig
-from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.kv_node import (
+from mstar.engines.interfaces import (
     FiringRows,
     KVChunk,
     KVForward,
-    KVNodeEngine,
     supports_forward_walks,
     supports_token_walks,
 )
+from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.kv_node import KVNodeEngine
 from mstar.errors import KVCacheCapacityError
 from mstar.runtime.worker_core import WorkerConfig, kv_cache_budgets
 from mstar.zoo.llama import LlamaCausalLM

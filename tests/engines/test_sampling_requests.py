@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, Sampler, SamplingParams, Sequence
-from mstar.engines.kv_node import KVNodeEngine, KVTurn
+from mstar.engines.interfaces import KVTurn
+from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import InvalidSamplingParamsError, KVCacheCapacityError
 from mstar.zoo.llama import LlamaCausalLM

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from mstar.engines.interfaces import FiringRows
 from mstar.engines.kv_engine import KVCacheEngine
-from mstar.engines.kv_node import FiringRows
 from mstar.graph import run_reference
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Output, Request
 from mstar.zoo.qwen3_omni import pipeline

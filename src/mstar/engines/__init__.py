@@ -4,29 +4,27 @@ from __future__ import annotations
 
 from mstar.engines.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from mstar.engines.block_manager import BlockManager
-from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig, StepOutput
-from mstar.engines.kv_node import (
+from mstar.engines.interfaces import (
     FiringRows,
     ForwardKVNode,
     KVChunk,
     KVForward,
     KVNode,
-    KVNodeEngine,
     KVTurn,
-    supports_forward_walks,
-    supports_token_walks,
-)
-from mstar.engines.masks import AttentionMask
-from mstar.engines.model_runner import ModelRunner
-from mstar.engines.paged_model import (
     PagedKVContext,
     PagedModel,
     StepChunk,
     StepInputs,
     SupportsNarrowLogits,
+    supports_forward_walks,
     supports_narrow_logits,
+    supports_token_walks,
 )
+from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig, StepOutput
+from mstar.engines.kv_node import KVNodeEngine
+from mstar.engines.masks import AttentionMask
+from mstar.engines.model_runner import ModelRunner
 from mstar.engines.sampler import Sampler
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import BatchScheduler, RequestOutput, SchedulerOutput

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from mstar.engines.attention.base import AttentionMetadata, write_kv
 from mstar.engines.attention.flashinfer_plan import decode_uses_tensor_cores, padded_page_table
-from mstar.engines.paged_model import PagedKVContext, PagedModel
+from mstar.engines.interfaces import PagedKVContext, PagedModel
 
 __all__ = ["CudaGraphDecodeRunner", "batch_size_buckets"]
 

@@ -38,10 +38,10 @@ import torch
 from mstar.engines.attention.base import AttentionBackend
 from mstar.engines.attention.torch_paged import TorchPagedAttention
 from mstar.engines.block_manager import BlockManager
+from mstar.engines.interfaces import PagedModel
 from mstar.engines.kv_cache import allocate_kv_cache, budget_bytes, num_blocks_for_budget
 from mstar.engines.masks import AttentionMask
 from mstar.engines.model_runner import ModelRunner, StepResult
-from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import (
     BatchScheduler,

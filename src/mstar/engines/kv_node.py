@@ -1,5 +1,8 @@
 """`KVNodeEngine`: a `KVCacheEngine` serving one graph node, inside a worker's event loop.
 
+The node's side of the contract (`KVNode`, `ForwardKVNode`, `KVTurn`, `KVForward`, ...) is in
+`mstar.engines.interfaces`.
+
 A KV-cache node keeps each request's cache across walks. Two kinds of work share its steps:
 
 - **token walks** (`KVNode`: an LLM backbone, a talker): a ``prefill`` walk fires the node
@@ -28,17 +31,24 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal, Protocol, TypeGuard
+from typing import Any
 
 import torch
 
-from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
+from mstar.engines.interfaces import (
+    FiringRows,
+    ForwardKVNode,
+    KVChunk,
+    KVNode,
+    KVTurn,
+    supports_forward_walks,
+    supports_token_walks,
+)
+from mstar.engines.kv_engine import KVCacheEngine
 from mstar.engines.limits import NodeLimits
-from mstar.engines.masks import AttentionMask
-from mstar.engines.paged_model import PagedModel
 from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
-from mstar.engines.sequence import FinishReason, LogitsProcessor, SequenceStatus
+from mstar.engines.sequence import FinishReason, SequenceStatus
 from mstar.engines.step_loop import StepLoop
 from mstar.engines.step_overlap import OverlappedSteps, overlap_pays
 from mstar.engines.step_times import WalkStepTimes
@@ -49,178 +59,7 @@ from mstar.errors import (
     RequestNotFoundError,
 )
 
-__all__ = [
-    "FiringRows",
-    "ForwardKVNode",
-    "KVChunk",
-    "KVForward",
-    "KVNode",
-    "KVNodeEngine",
-    "KVTurn",
-    "supports_forward_walks",
-    "supports_token_walks",
-]
-
-
-@dataclass(frozen=True)
-class KVTurn:
-    """What one walk asks of a KV-cache node for one request.
-
-    Attributes:
-        new_token_ids: Tokens to append before sampling (the prompt on the first walk, or
-            the whole history on a rank that holds no cache for the request; none to continue
-            from the last sampled token).
-        sampling_params: How to sample; ``max_tokens`` is capped by the walk's step count.
-        mask: Attention among the new tokens (default causal).
-        logits_processor: Per-step hook on this request's logits (constrained decoding).
-        is_done: Nothing more to generate (the history already ends with a stop token, or
-            ``max_tokens`` were generated): the walk ends at once, sampling nothing.
-        prefix_group: Requests of one group with the same prompt (parallel samples of one
-            prompt, OpenAI's ``n``) share its cache: the prompt but its last token is
-            computed once, and each request forks those blocks copy-on-write and samples
-            on its own. A request arriving after the shared prompt was computed and handed
-            out computes its own.
-        prefix_group_size: How many requests the group has: an idle engine waits for them
-            all (20 ms at most) before computing the prompt.
-    """
-
-    new_token_ids: list[int]
-    sampling_params: SamplingParams
-    mask: AttentionMask | None = None
-    logits_processor: LogitsProcessor | None = None
-    is_done: bool = False
-    prefix_group: str | None = None
-    prefix_group_size: int = 0
-
-
-class KVNode(Protocol):
-    """The model side of a KV-cache node with token walks (what `Model.submodule` returns)."""
-
-    model: PagedModel
-    engine_config: KVCacheEngineConfig
-
-    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Turn the node's inputs for one walk into tokens to append and sampling settings.
-
-        ``is_first`` is True when this engine holds no cache for the request: its first
-        walk, or a later walk placed on another rank (the cache is then rebuilt from the
-        history the node persists, e.g. decode after prefill on another rank).
-        """
-        ...
-
-    def outputs(
-        self, request_id: str, token_id: int, history: list[int] | None
-    ) -> Mapping[str, Any]:
-        """Return the node's outputs (and signals) for one sampled token.
-
-        ``history`` (every token of the sequence, prompt first) is given on the walk's last
-        token only, and None before; a node looped by a `DynamicLoop` must raise the loop's
-        stop signal exactly then, and persists the history for the request's next walk.
-
-        When the turn's sampling params ask for ``logprobs``, the call also gets
-        ``logprobs=`` the token's `TokenLogprobs` (and only then).
-        """
-        ...
-
-
-@dataclass(frozen=True)
-class KVChunk:
-    """One sequence's share of a forward firing.
-
-    Attributes:
-        seq: Which of the request's sequences ("" is the request's own; any other name is a
-            branch, a fork or a rollout row of it).
-        token_ids: Input tokens (or use `payload`).
-        payload: Model input of `num_tokens` positions (embedded by the model).
-        num_tokens: Positions of the payload.
-        mask: Attention among the new inputs (default causal).
-        expert: The model's weight set for these inputs.
-        read_only: Query `seq`'s cache with these inputs and write nothing.
-        output: "hidden": the firing gets the inputs' rows; "none": nothing (a prefill).
-        reset: Drop what `seq` holds first (a new rollout, a per-frame cache).
-        fork_from: Create `seq` first as a fork of this sequence of the request...
-        fork_tokens: ...sharing its first this many tokens (default: all).
-        reserve_tokens: Admit a new `seq` only once blocks for this many tokens are held
-            for it (a rollout that must never stall half way).
-        release: Drop `seq` once this chunk ran (its last use).
-        truncate: Roll `seq` back to its first this many tokens first (a mark taken
-            earlier: tokens decoded past it are dropped, to be computed again as inputs).
-    """
-
-    seq: str = ""
-    token_ids: list[int] | None = None
-    payload: Any = None
-    num_tokens: int | None = None
-    mask: AttentionMask | None = None
-    expert: int = 0
-    read_only: bool = False
-    output: Literal["hidden", "none"] = "hidden"
-    reset: bool = False
-    fork_from: str | None = None
-    fork_tokens: int | None = None
-    reserve_tokens: int = 0
-    release: bool = False
-    truncate: int | None = None
-
-
-@dataclass(frozen=True)
-class FiringRows:
-    """A completed forward firing: its request, inputs, and each chunk's rows (None: "none")."""
-
-    request_id: str
-    inputs: Mapping[str, Any]
-    rows: list[torch.Tensor | None]
-
-
-@dataclass(frozen=True)
-class KVForward:
-    """A forward firing: a chunk per sequence it touches, run in one step.
-
-    Several chunks of one sequence (none but the first resetting, forking or truncating it)
-    append their inputs in order, in as many steps as their masks and payloads need; the
-    sequence's rows (its last chunk's inputs) come under its last chunk.
-    """
-
-    chunks: list[KVChunk] = field(default_factory=list)
-
-
-class ForwardKVNode(Protocol):
-    """The model side of a KV-cache node fired by forward passes (`KVForward`).
-
-    Declares ``forward_walks = True``; a node that also offers token walks (the `KVNode`
-    methods) declares ``token_walks = True`` too.
-    """
-
-    forward_walks: ClassVar[Literal[True]]
-    model: PagedModel
-    engine_config: KVCacheEngineConfig
-
-    def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
-        """Turn one firing's inputs into chunks (raise ValueError for bad inputs)."""
-        ...
-
-    def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
-        """Return each firing's outputs (or its own error) from its chunks' rows.
-
-        Called once per step with every firing the step completed, so post-processing is
-        batched across requests (as a stateless node batches its inputs). An exception
-        raised instead fails all of them.
-        """
-        ...
-
-    def release(self, request_id: str) -> None:
-        """Forget what the node keeps for a request (its partition is done, or it was aborted)."""
-        ...
-
-
-def supports_forward_walks(node: object) -> TypeGuard[ForwardKVNode]:
-    """Whether a KV-cache node declares forward firings (`ForwardKVNode`)."""
-    return getattr(node, "forward_walks", False) is True
-
-
-def supports_token_walks(node: object) -> bool:
-    """Whether a KV-cache node runs token walks: every `KVNode`, and forward nodes that say so."""
-    return not supports_forward_walks(node) or getattr(node, "token_walks", False) is True
+__all__ = ["KVNodeEngine", "seq_key"]
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
 from mstar.engines.cuda_graphs import CudaGraphDecodeRunner
-from mstar.engines.paged_model import (
+from mstar.engines.interfaces import (
     PagedKVContext,
     PagedModel,
     StepChunk,

@@ -45,17 +45,15 @@ from typing import (
 
 import torch
 
-from mstar.engines.kv_node import (
+from mstar.engines.interfaces import (
     ForwardKVNode,
     KVNode,
-    supports_forward_walks,
-    supports_token_walks,
-)
-from mstar.engines.paged_model import (
     SupportsNarrowLogits,
     SupportsStepChunks,
+    supports_forward_walks,
     supports_narrow_logits,
     supports_step_chunks,
+    supports_token_walks,
 )
 from mstar.errors import ModelLoadError
 from mstar.graph import Emission, ModelGraph

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
+from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
 from mstar.engines.native import cpu_kernels
-from mstar.engines.paged_model import PagedKVContext
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
 

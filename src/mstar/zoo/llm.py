@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from mstar.engines.interfaces import KVTurn
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import KVTurn
 from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import KVCacheCapacityError

@@ -27,11 +27,10 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from mstar.engines.interfaces import FiringRows, KVChunk, KVForward, KVTurn, PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import FiringRows, KVChunk, KVForward, KVTurn
 from mstar.engines.masks import AttentionMask
-from mstar.engines.paged_model import PagedKVContext
 from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.zoo.bagel.context import Context, ContextState, Part, Parts, TextItem

@@ -24,9 +24,9 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
+from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import can_pack
-from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.bagel.config import BagelConfig
 from mstar.zoo.bagel.llm import (
     Attend,

@@ -23,8 +23,8 @@ from typing import Any
 import structlog
 import torch
 
+from mstar.engines.interfaces import KVTurn
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import KVTurn
 from mstar.errors import CheckpointError
 from mstar.graph import (
     EMIT,

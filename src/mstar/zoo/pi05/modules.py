@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
+from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import FusedLinear, GatedMLP, apply_rotary
-from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
 
 __all__ = [

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from mstar.engines.interfaces import FiringRows, KVChunk, KVForward
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
 from mstar.engines.masks import AttentionMask
 from mstar.zoo.pi05.modules import ACTION_EXPERT, ActionInput, Pi05Weights, PrefixInput, flow_times
 

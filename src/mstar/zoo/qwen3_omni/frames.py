@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights

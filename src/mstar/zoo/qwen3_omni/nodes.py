@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from mstar.engines.interfaces import FiringRows, KVChunk, KVForward
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
 from mstar.engines.sampler import TokenLogprobs
 from mstar.streaming import Chunk
 from mstar.zoo.qwen3_omni.frames import FrameInput, SpeechState, TalkerStepModel

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from msgspec import Meta
 
+from mstar.engines.interfaces import FiringRows, KVChunk, KVForward
 from mstar.engines.kv_engine import KVCacheEngineConfig
-from mstar.engines.kv_node import FiringRows, KVChunk, KVForward
 from mstar.engines.masks import AttentionMask
 from mstar.errors import CheckpointError, KVCacheCapacityError, RolloutStateError
 from mstar.graph import EMIT, DynamicLoop, GraphEdge, GraphNode, ModelGraph, Section, Sequential

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.vjepa2.config import PredictorConfig
 from mstar.zoo.vjepa2.encoder import MLP, Attention, fuse_blocks
 from mstar.zoo.vjepa2.rope import token_tables

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
-from mstar.engines.paged_model import PagedKVContext
 from mstar.zoo.qwen3_omni.config import MoETextConfig
 from mstar.zoo.qwen3_omni.modules.moe import SparseMoE
 from mstar.zoo.qwen3_omni.modules.rope import MRoPE
