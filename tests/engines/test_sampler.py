@@ -78,6 +78,8 @@ def test_draws_follow_the_distribution_and_the_seed() -> None:
 class _Window:
     """A processor that allows ids [start, end) only and says so (`vocab_ranges`)."""
 
+    narrows_vocab = True
+
     def __init__(self, start: int, end: int) -> None:
         self.start, self.end = start, end
 
@@ -91,9 +93,9 @@ class _Window:
 
 
 class _Silent(_Window):
-    """The same mask, without naming its ranges: the sampler must use the whole vocabulary."""
+    """The same mask, without declaring its ranges: the sampler must use the whole vocabulary."""
 
-    vocab_ranges = None  # type: ignore[assignment]
+    narrows_vocab = False  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize(("top_k", "top_p", "penalty"), [(0, 1.0, 1.0), (0, 0.8, 1.3), (7, 0.9, 1.0)])

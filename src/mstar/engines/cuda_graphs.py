@@ -62,6 +62,11 @@ class _GatherDecodeAttention:
         self.mask = mask
         self.sink_slot = sink_slot
         self.batch_size = 1
+        self.workspace: torch.Tensor | None = None
+
+    def native_decode(self, k_cache: torch.Tensor) -> None:
+        """Return None: the graph replays its own decode."""
+        return None
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Do nothing: `prepare` fills the static buffers before each replay."""
@@ -137,6 +142,10 @@ class _FlashInferDecodeAttention:
         self.head_args: tuple[int, int, int] | None = None  # heads, KV heads, head size
         self.types: dict[str, Any] = {}
         self.batch_size = 1
+
+    def native_decode(self, k_cache: torch.Tensor) -> None:
+        """Return None: the graph replays FlashInfer's decode."""
+        return None
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Do nothing: `prepare` plans the bucket's wrapper before each replay."""

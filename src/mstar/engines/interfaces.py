@@ -44,7 +44,6 @@ from typing import (
     Literal,
     Protocol,
     TypeGuard,
-    cast,
     runtime_checkable,
 )
 
@@ -157,10 +156,9 @@ class PagedKVContext:
     def native_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Return `(slots, block tables, lengths)` for native decoder layers, or None (see
         `TorchPagedAttention.native_decode`): only a CPU backend with the native kernels offers them."""
-        offer = getattr(self.backend, "native_decode", None)
-        if offer is None or not self.kv_caches or torch.compiler.is_compiling():
+        if not self.kv_caches or torch.compiler.is_compiling():
             return None
-        return cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None", offer(self.kv_caches[0][0]))
+        return self.backend.native_decode(self.kv_caches[0][0])
 
 
 class PagedModel(Protocol):

@@ -142,13 +142,11 @@ class KVCacheEngine:
         model: PagedModel,
         config: KVCacheEngineConfig | None = None,
         *,
-        device: torch.device | str | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """Size and allocate the cache, pick the attention backend, and get ready."""
+        """Size and allocate the cache on ``device`` (where the model's weights are), pick the
+        attention backend, and get ready."""
         self.config = config = config or KVCacheEngineConfig()
-        if device is None:
-            param = next(iter(getattr(model, "parameters", lambda: iter([]))()), None)
-            device = param.device if param is not None else torch.device("cpu")
         self.device = torch.device(device)
         spec = model.kv_cache_spec
         self.max_model_len = min(config.max_model_len or model.max_position, model.max_position)

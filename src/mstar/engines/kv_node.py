@@ -49,7 +49,7 @@ from mstar.engines.limits import NodeLimits
 from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.sequence import FinishReason, SequenceStatus
-from mstar.engines.step_loop import StepLoop
+from mstar.engines.step_loop import StepExecutor, StepLoop
 from mstar.engines.step_overlap import OverlappedSteps, overlap_pays
 from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import (
@@ -120,7 +120,7 @@ class KVNodeEngine(StepLoop):
         node: str,
         kv_node: KVNode | ForwardKVNode,
         executor: Executor | None,
-        device: str | None = None,
+        device: str = "cpu",
         *,
         kv_cache_memory: int | float | None = None,
     ) -> None:
@@ -562,9 +562,10 @@ class KVNodeEngine(StepLoop):
         return not self._closed and not self._thread_wanted() and has_work and not self._answered
 
     def _thread_wanted(self) -> bool:
-        """Whether other work waits for the step thread (always assumed when it can't be told)."""
-        queue = getattr(self.executor, "_work_queue", None)
-        return queue is None or not queue.empty()
+        """Whether other work waits for the step thread (always assumed when it can't be told:
+        an executor other than a `StepExecutor`)."""
+        executor = self.executor
+        return not isinstance(executor, StepExecutor) or executor.has_waiting_work()
 
     def _fail_step(self, error: Exception) -> None:
         """The model itself failed: every walk and firing in the step fails."""

@@ -108,7 +108,7 @@ class ModelRunner:
             block_size=self.block_size,
             sink_slot=self.sink_slot,
             device=self.device,
-            flashinfer_workspace=getattr(self.backend, "workspace", None),
+            flashinfer_workspace=self.backend.workspace,
         )
         graphs.capture()
         self.cuda_graphs = graphs

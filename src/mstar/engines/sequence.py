@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard
 
 import numpy as np
 
@@ -62,16 +62,31 @@ LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 the tokens forbidden at this position (constrained decoding)."""
 
 
-def vocab_ranges(processor: LogitsProcessor | None, token_ids: list[int]) -> list[tuple[int, int]] | None:
-    """Return the id ranges outside which `processor` sets every logit to `-inf`, if it says.
+class NarrowingLogitsProcessor(Protocol):
+    """A logits processor that names, per position, the only ids it can leave finite.
 
-    A processor may define `vocab_ranges(token_ids) -> [(start, end), ...]` (sorted,
-    disjoint, half-open) naming, for the next position, the only ids it can leave finite
-    (constrained decoding allows a few thousand of a large vocabulary). The model then
-    computes logits for those ids only, and the sampler draws among them. None: no promise.
+    Declares ``narrows_vocab = True``; `vocab_ranges` returns ``[(start, end), ...]`` (sorted,
+    disjoint, half-open) for the next position (constrained decoding allows a few thousand of
+    a large vocabulary). The model then computes logits for those ids only, and the sampler
+    draws among them.
     """
-    method = getattr(processor, "vocab_ranges", None)
-    return None if method is None else list(method(token_ids))
+
+    narrows_vocab: ClassVar[Literal[True]]
+
+    def __call__(self, token_ids: list[int], logits: Any) -> Any: ...
+
+    def vocab_ranges(self, token_ids: list[int]) -> list[tuple[int, int]]: ...
+
+
+def supports_vocab_ranges(processor: object) -> TypeGuard[NarrowingLogitsProcessor]:
+    """Whether a logits processor declares `NarrowingLogitsProcessor`."""
+    return getattr(processor, "narrows_vocab", False) is True
+
+
+def vocab_ranges(processor: LogitsProcessor | None, token_ids: list[int]) -> list[tuple[int, int]] | None:
+    """Return the id ranges outside which `processor` sets every logit to `-inf`, where it
+    declares them (`NarrowingLogitsProcessor`); None: no promise."""
+    return list(processor.vocab_ranges(token_ids)) if supports_vocab_ranges(processor) else None
 
 
 StopCheck = Callable[["Sequence"], bool]

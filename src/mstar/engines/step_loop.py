@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from mstar.errors import EngineClosedError
 
-__all__ = ["StepLoop"]
+__all__ = ["StepExecutor", "StepLoop"]
+
+_T = TypeVar("_T")
 
 
 class StepLoop:
@@ -45,3 +51,37 @@ class StepLoop:
 
     def _fail_pending(self, error: EngineClosedError) -> None:
         raise NotImplementedError
+
+
+class StepExecutor(ThreadPoolExecutor):
+    """A rank's step thread: one worker thread, which can tell whether work waits for it.
+
+    An engine that could step again at once yields the thread instead when another engine's
+    work is queued (`has_waiting_work`), so engines sharing a rank take turns.
+    """
+
+    def __init__(self, thread_name_prefix: str = "", initializer: Callable[[], object] | None = None) -> None:
+        super().__init__(1, thread_name_prefix=thread_name_prefix, initializer=initializer)
+        self._lock = threading.Lock()
+        self._num_waiting = 0
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        """Queue ``fn(*args, **kwargs)`` for the step thread."""
+        with self._lock:
+            self._num_waiting += 1
+
+        def run() -> _T:
+            with self._lock:
+                self._num_waiting -= 1
+            return fn(*args, **kwargs)
+
+        try:
+            return super().submit(run)
+        except BaseException:
+            with self._lock:
+                self._num_waiting -= 1
+            raise
+
+    def has_waiting_work(self) -> bool:
+        """Whether work was queued that the thread has not started."""
+        return self._num_waiting > 0

@@ -24,6 +24,7 @@ from mstar.engines.kv_cache import budget_bytes
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.limits import NodeLimits
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
+from mstar.engines.step_loop import StepExecutor
 from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import KVCacheCapacityError, MStarError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
@@ -265,8 +266,7 @@ class WorkerCore:
             # A new thread's OpenMP pool starts at every core, whatever this thread's torch
             # setting says: the step thread takes the setting explicitly (this thread's, when
             # the config names none), or it would oversubscribe the cores next to the loop.
-            self._executor = ThreadPoolExecutor(
-                1,
+            self._executor = StepExecutor(
                 thread_name_prefix=f"mstar-rank{self.rank}",
                 initializer=functools.partial(torch.set_num_threads, threads or torch.get_num_threads()),
             )

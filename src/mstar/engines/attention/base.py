@@ -83,6 +83,18 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Paged attention for one step; `plan` once, then `forward` once per layer."""
 
+    @property
+    def workspace(self) -> torch.Tensor | None:
+        """The kernels' scratch memory, which CUDA graph buckets share (FlashInfer's float
+        workspace; None for backends without one)."""
+        ...
+
+    def native_decode(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Return ``(slots, block tables, lengths)`` of a decode-only step for native decoder
+        layers that read the cache themselves, or None where the backend offers none (only
+        the CPU backend with the native kernels does; see `TorchPagedAttention`)."""
+        ...
+
     def plan(self, metadata: AttentionMetadata) -> None:
         """Prepare the step (index tensors, kernel plans) from `metadata`."""
         ...

@@ -121,6 +121,10 @@ class FlashInferAttention:
         self._written: _WrittenPlan | None = None
         self._read_only: _ReadOnlyPlan | None = None
 
+    def native_decode(self, k_cache: torch.Tensor) -> None:
+        """Return None: FlashInfer's kernels serve every decode step here."""
+        return None
+
     def plan(self, metadata: AttentionMetadata) -> None:
         """Remember the step; the kernels are planned at the first layer (head counts known)."""
         self._metadata = metadata

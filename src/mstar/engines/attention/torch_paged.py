@@ -303,6 +303,7 @@ class TorchPagedAttention:
         through the native kernel where it is built and fits (see the module notes).
         """
         self.device = torch.device(device)
+        self.workspace: torch.Tensor | None = None  # no kernel scratch to share
         self._kernels = cpu_kernels() if native and self.device.type == "cpu" else None
         self._native_tables: torch.Tensor | None = None  # [decode rows, blocks] of the step
         self._native_lens: torch.Tensor | None = None

@@ -13,7 +13,7 @@ after the prompt) sits at frame position ``p = i % 7`` and must be one of the ``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from mstar.errors import AudioTokenError
 from mstar.zoo.orpheus.config import FRAME_SIZE, TokenLayout
@@ -38,6 +38,7 @@ class AudioLogitsProcessor:
     """
 
     __slots__ = ("_audio_ranges", "_eos", "layout", "prompt_len")
+    narrows_vocab: ClassVar[Literal[True]] = True  # `NarrowingLogitsProcessor`
 
     def __init__(self, layout: TokenLayout, prompt_len: int) -> None:
         if prompt_len < 1:
