@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from mstar.engines.step_loop import StepExecutor
 
 
@@ -25,8 +27,6 @@ def test_it_counts_work_queued_and_not_started() -> None:
 def test_a_refused_submission_is_not_counted() -> None:
     executor = StepExecutor()
     executor.shutdown()
-    try:
+    with pytest.raises(RuntimeError):
         executor.submit(print)
-    except RuntimeError:
-        pass
     assert not executor.has_waiting_work()
