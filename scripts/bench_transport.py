@@ -50,7 +50,6 @@ import zmq.asyncio
 
 from mstar.actors import Actor, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess
-from mstar.actors.wire import Ack, Ping, Pong, TensorBundle
 from mstar.bench import (
     BenchRequest,
     BenchResult,
@@ -61,6 +60,7 @@ from mstar.bench import (
     run_benchmark,
     write_json,
 )
+from mstar.wire import Ack, Ping, Pong, TensorBundle
 
 TENSOR_BYTES = 16 << 20
 # Handoffs in flight at once in the pipelined throughput runs.

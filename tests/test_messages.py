@@ -13,7 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mstar.actors.wire import (
+from mstar.errors import MessageTooLargeError, ProtocolError
+from mstar.runtime.messages import RUNTIME_MESSAGES, StatsReport, WalkStepStats
+from mstar.transport.codec import LinkCodec, salvage_call_id
+from mstar.wire import (
     Ack,
     ArenaAttached,
     ArenaInfo,
@@ -36,9 +39,6 @@ from mstar.actors.wire import (
     message_types,
     register_messages,
 )
-from mstar.errors import MessageTooLargeError, ProtocolError
-from mstar.runtime.messages import RUNTIME_MESSAGES, StatsReport, WalkStepStats
-from mstar.transport.codec import LinkCodec, salvage_call_id
 
 # Hand-picked samples; every type in the unions is also covered by generated samples below.
 MESSAGES = [

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from mstar.actors import Actor, ActorSystem
-from mstar.actors.wire import Ack, Ping, Pong, TensorBundle
+from mstar.wire import Ack, Ping, Pong, TensorBundle
 
 
 class Echo(Actor):

@@ -10,8 +10,8 @@ import pytest
 
 from mstar.actors import ActorSystem
 from mstar.actors.process import SystemProcess
-from mstar.actors.wire import Ping, Pong
 from mstar.errors import PeerLostError
+from mstar.wire import Ping, Pong
 from tests.actors.conftest import TEST_CONFIG
 
 # Heartbeats alone would take 30 s to give the peer up.

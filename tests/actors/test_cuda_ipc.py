@@ -24,7 +24,6 @@ import torch.multiprocessing.reductions
 from mstar.actors import Actor, ActorSystem
 from mstar.actors.link import PeerLink, shared_cuda_devices
 from mstar.actors.process import SystemProcess
-from mstar.actors.wire import CudaIpcLoc, Hello, Tell, TensorBundle, decode_envelope
 from mstar.errors import MessageTooLargeError, PeerLostError, ProtocolError
 from mstar.transport.codec import LinkCodec
 from mstar.transport.cuda_ipc import (
@@ -33,6 +32,7 @@ from mstar.transport.cuda_ipc import (
     local_cuda_device_uuids,
     release_cuda_handle,
 )
+from mstar.wire import CudaIpcLoc, Hello, Tell, TensorBundle, decode_envelope
 from tests.actors.conftest import TEST_CONFIG
 from tests.actors.peer_actors import Echo
 

@@ -11,9 +11,9 @@ import zmq
 import zmq.asyncio
 
 from mstar.actors import ActorSystem
-from mstar.actors.config import CurveKeys
-from mstar.actors.wire import Ping, Pong, Tell
 from mstar.errors import PeerLostError
+from mstar.transport.curve import CurveKeys
+from mstar.wire import Ping, Pong, Tell
 from tests.actors.conftest import TEST_CONFIG
 from tests.actors.peer_actors import setup
 

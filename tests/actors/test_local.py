@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 import pytest
 
 from mstar.actors import Actor, ActorSystem, RestartPolicy, SystemConfig
-from mstar.actors.wire import Ping, Pong
 from mstar.errors import (
     ActorDeadError,
     ActorHandlerError,
@@ -20,6 +19,7 @@ from mstar.errors import (
     MailboxFullError,
     TransportClosedError,
 )
+from mstar.wire import Ping, Pong
 from tests.actors.conftest import TEST_CONFIG
 from tests.actors.peer_actors import Counter, Echo, Failing
 

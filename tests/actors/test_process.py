@@ -16,10 +16,10 @@ import torch
 
 from mstar.actors import ActorSystem
 from mstar.actors.process import SystemProcess
-from mstar.actors.wire import Ping, Pong, TensorBundle
 from mstar.errors import ActorDeadError, ActorHandlerError, PeerLostError
 from mstar.transport.base import parse_address
 from mstar.transport.janitor import SHM_DIR
+from mstar.wire import Ping, Pong, TensorBundle
 from tests.actors.conftest import TEST_CONFIG
 
 SETUP = "tests.actors.peer_actors:setup"

@@ -16,7 +16,6 @@ import zmq
 import zmq.asyncio
 
 from mstar.actors import Actor, ActorSystem
-from mstar.actors.wire import Ack, ArenaRelease, Ping, Pong, Reply, TensorBundle
 from mstar.errors import (
     ActorDeadError,
     ActorHandlerError,
@@ -29,6 +28,7 @@ from mstar.errors import (
     TransportClosedError,
 )
 from mstar.transport.base import parse_address
+from mstar.wire import Ack, ArenaRelease, Ping, Pong, Reply, TensorBundle
 from tests.actors.conftest import TEST_CONFIG, Linked, bind_address
 from tests.actors.peer_actors import setup
 

@@ -27,7 +27,6 @@ from mstar import (
     RequestStalledError,
     batched,
 )
-from mstar.actors.wire import ActorId
 from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerUnavailableError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
@@ -35,6 +34,7 @@ from mstar.runtime.conductor_core import ConductorCore, StartWalk
 from mstar.runtime.messages import NodeValuesMsg, StartWalkMsg, UpdatePeer, WalkDoneMsg
 from mstar.runtime.model import Output, PreparedRequest
 from mstar.transport.janitor import SHM_DIR, runtime_dir
+from mstar.wire import ActorId
 from mstar.zoo.noop import NoopLoopModel
 from mstar.zoo.toy import ToyModel
 from tests.helpers import wait_until_idle

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from mstar.actors import ActorSystem
 from mstar.actors.process import SystemProcess
-from mstar.actors.wire import ActorId
 from mstar.errors import ActorHandlerError, UntrustedModelError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.messages import InitWorker
 from mstar.runtime.trust import check_model_factory, is_trusted_factory
 from mstar.runtime.worker import HOST_NAME
 from mstar.runtime.worker_core import WorkerConfig
+from mstar.wire import ActorId
 from mstar.zoo.noop import NoopLoopModel
 
 
@@ -85,3 +86,13 @@ async def test_a_worker_host_refuses_an_init_naming_any_other_code() -> None:
 
 def test_a_placement_is_unchanged_by_the_check() -> None:
     assert Placement.colocated(make_noop().graph()).ranks == (0,)
+
+
+def test_the_zoo_declares_every_model_it_registers_as_an_entry_point() -> None:
+    """Workers trust what installed packages declare (`mstar.models`); the runtime never imports the zoo for it."""
+    from mstar.runtime.trust import declared_factories
+    from mstar.zoo.registry import zoo_factories
+
+    assert declared_factories() == zoo_factories()
+    source = (Path(__file__).parents[2] / "src" / "mstar" / "runtime" / "trust.py").read_text()
+    assert "mstar.zoo" not in source

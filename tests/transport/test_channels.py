@@ -16,10 +16,10 @@ import zmq
 import zmq.asyncio
 
 import mstar.transport  # noqa: F401  (registers the transports)
-from mstar.actors.wire import Ask, ErrorReply, Hello, Ping, Reply, Tell, TensorBundle
 from mstar.errors import InvalidAddressError, PeerLostError, TransportClosedError
 from mstar.transport.base import Channel, Listener, connect, listen, parse_address
 from mstar.transport.codec import LinkCodec
+from mstar.wire import Ask, ErrorReply, Hello, Ping, Reply, Tell, TensorBundle
 from tests.test_messages import nested_ask
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mstar.actors.wire import Tell, TensorBundle
 from mstar.errors import ProtocolError
 from mstar.transport.codec import LinkCodec
 from mstar.transport.janitor import SHM_DIR, is_pid_alive, runtime_dir, sweep_stale
 from mstar.transport.shm import ArenaMapping, SharedArena, is_shm_available
+from mstar.wire import Tell, TensorBundle
 
 pytestmark = pytest.mark.skipif(not is_shm_available(), reason="needs /dev/shm")
 

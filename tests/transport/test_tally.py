@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mstar.actors.wire import Ping, Tell, TensorBundle
 from mstar.errors import MessageTooLargeError, ProtocolError
 from mstar.transport.codec import LinkCodec
 from mstar.transport.shm import ArenaMapping, SharedArena, is_shm_available
 from mstar.transport.tally import TRANSPORT_KINDS, TransportTally
+from mstar.wire import Ping, Tell, TensorBundle
 
 
 def nbytes(t: torch.Tensor) -> int:

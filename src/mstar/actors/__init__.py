@@ -1,6 +1,6 @@
 """Actors: bounded mailboxes, refs with tell/ask, supervision, links between systems.
 
-`mstar.actors.wire` (the link protocol) sits below the transports, which import it; the
+`mstar.wire` (the link protocol) sits below the transports, which import it; the
 system and the process launcher sit above them, so they load on first use.
 """
 

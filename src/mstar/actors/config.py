@@ -4,36 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import zmq
+from mstar.transport.curve import CurveKeys
 
-__all__ = ["CurveKeys", "SystemConfig"]
-
-
-@dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """The ZeroMQ CURVE keys of one deployment (Z85 text), shared by all its actor systems.
-
-    Every system serves tcp with the server key pair and connects with the client key pair;
-    a server accepts only clients that present ``client_public`` (checked by a ZAP handler),
-    and a client talks only to a server that proves it holds ``server_secret``. A peer without
-    the keys cannot open a link, and what crosses a link is encrypted. Generated at start
-    (`generate`) and handed to workers with their launch, never sent in a message.
-    """
-
-    server_public: str
-    server_secret: str
-    client_public: str
-    client_secret: str
-
-    @classmethod
-    def generate(cls) -> CurveKeys:
-        """Return fresh random key pairs."""
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
-        return cls(server_public.decode(), server_secret.decode(), client_public.decode(), client_secret.decode())
-
-    def __repr__(self) -> str:
-        return f"CurveKeys(server_public={self.server_public!r}, client_public={self.client_public!r}, secrets hidden)"
+__all__ = ["SystemConfig"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mstar import errors
-from mstar.actors.wire import (
+from mstar.errors import (
+    ActorHandlerError,
+    MessageTooLargeError,
+    PeerLostError,
+    ProtocolError,
+    TransportClosedError,
+)
+from mstar.transport.base import Channel
+from mstar.transport.cuda_ipc import local_cuda_device_uuids
+from mstar.transport.janitor import is_pid_alive, sweep_stale
+from mstar.transport.shm import ArenaMapping
+from mstar.wire import (
     PROTOCOL_VERSION,
     ArenaAttached,
     ArenaRelease,
@@ -48,17 +59,6 @@ from mstar.actors.wire import (
     WireMessage,
     is_wire_message,
 )
-from mstar.errors import (
-    ActorHandlerError,
-    MessageTooLargeError,
-    PeerLostError,
-    ProtocolError,
-    TransportClosedError,
-)
-from mstar.transport.base import Channel
-from mstar.transport.cuda_ipc import local_cuda_device_uuids
-from mstar.transport.janitor import is_pid_alive, sweep_stale
-from mstar.transport.shm import ArenaMapping
 
 if TYPE_CHECKING:
     from mstar.actors.system import ActorSystem
@@ -126,7 +126,7 @@ class RemoteReply:
         if value is not None and not is_wire_message(value):
             self.fail(ProtocolError(
                 f"reply of type {type(value).__name__} is not a wire message "
-                "(register it with mstar.actors.wire.register_messages)"
+                "(register it with mstar.wire.register_messages)"
             ))
             return
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from mstar.actors.wire import ActorId
+from mstar.wire import ActorId
 
 if TYPE_CHECKING:
     from mstar.actors.system import ActorSystem
@@ -54,7 +54,7 @@ class ActorRef:
         """Send `message` and return the actor's reply.
 
         Args:
-            message: any object for a local actor; a registered `mstar.actors.wire.WireMessage` for a remote one.
+            message: any object for a local actor; a registered `mstar.wire.WireMessage` for a remote one.
             timeout: seconds to wait for the reply; None waits as long as the link lives.
 
         Raises:

@@ -37,19 +37,6 @@ from mstar.actors.config import SystemConfig
 from mstar.actors.link import PeerLink, RemoteReply
 from mstar.actors.ref import DEFAULT_ASK_TIMEOUT_S, ActorRef
 from mstar.actors.timeouts import AskTimeouts
-from mstar.actors.wire import (
-    SYSTEM_TARGET,
-    Ack,
-    ActorId,
-    ArenaInfo,
-    Ask,
-    Hello,
-    Lookup,
-    Ping,
-    Pong,
-    Tell,
-    is_wire_message,
-)
 from mstar.errors import (
     ActorDeadError,
     ActorNameTakenError,
@@ -63,6 +50,19 @@ from mstar.transport.base import Channel, Listener, connect, listen, parse_addre
 from mstar.transport.codec import LinkCodec
 from mstar.transport.shm import SharedArena, is_shm_available
 from mstar.transport.tally import TransportTally
+from mstar.wire import (
+    SYSTEM_TARGET,
+    Ack,
+    ActorId,
+    ArenaInfo,
+    Ask,
+    Hello,
+    Lookup,
+    Ping,
+    Pong,
+    Tell,
+    is_wire_message,
+)
 
 __all__ = ["ActorSystem", "FaultHook", "SystemConfig", "default_host_id"]
 
@@ -536,5 +536,5 @@ def _check_wire(message: Any) -> None:
     if not is_wire_message(message):
         raise ProtocolError(
             f"{type(message).__name__} is not a wire message: only registered "
-            "mstar.actors.wire.WireMessage types can be sent to another actor system"
+            "mstar.wire.WireMessage types can be sent to another actor system"
         )

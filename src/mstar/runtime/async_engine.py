@@ -32,9 +32,7 @@ from typing import Any, Self
 import structlog
 
 from mstar.actors import ActorRef, ActorSystem, SystemConfig
-from mstar.actors.config import CurveKeys
 from mstar.actors.process import SystemProcess, check_main_guard
-from mstar.actors.wire import ActorId
 from mstar.engines.limits import NodeLimits
 from mstar.engines.stateless import StatelessEngineConfig
 from mstar.errors import (
@@ -64,7 +62,9 @@ from mstar.runtime.ray_launcher import RankInfo, RayLauncher, ray_host_id
 from mstar.runtime.trust import check_model_factory
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
 from mstar.runtime.worker_core import WorkerConfig
+from mstar.transport.curve import CurveKeys
 from mstar.transport.janitor import sweep_stale
+from mstar.wire import ActorId
 
 __all__ = ["CONDUCTOR_PROCESS", "AsyncEngine", "EngineConfig", "EngineStats"]
 

@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-from mstar.actors.wire import ActorId, WireMessage, WireStruct, register_messages
 from mstar.engines.limits import NodeLimits
 from mstar.runtime.placement import NodeGroup
 from mstar.runtime.values import (
@@ -24,6 +23,7 @@ from mstar.runtime.values import (
     to_wire,
 )
 from mstar.runtime.worker_core import WorkerConfig
+from mstar.wire import ActorId, WireMessage, WireStruct, register_messages
 
 __all__ = [
     "EmittedMsg",

@@ -4,7 +4,8 @@ A worker process rebuilds its model from a ``"package.module:callable"`` named i
 message that initialises it. Importing and calling whatever a message names would let anyone
 who can reach the worker run code there, so a worker builds only:
 
-- the factories of the zoo registry (`mstar.zoo.registry`), and
+- the factories installed packages declare in the ``mstar.models`` entry-point group (the
+  zoo's own, in mstar's ``pyproject.toml``; a model package's, in its own), and
 - factories matching an allow-list entry (`EngineConfig.allowed_model_factories`,
   ``mstar serve --allow-model-factory``): an exact ``module:callable``, a module (``pkg.models``
   allows ``pkg.models:Any`` and ``pkg.models.sub:Any``), or a prefix ending in ``.`` or ``:``.
@@ -15,18 +16,26 @@ constructor), never in a message.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from importlib.metadata import entry_points
 
 from mstar.errors import UntrustedModelError
 
-__all__ = ["check_model_factory", "is_trusted_factory"]
+__all__ = ["ENTRY_POINT_GROUP", "check_model_factory", "declared_factories", "is_trusted_factory"]
+
+ENTRY_POINT_GROUP = "mstar.models"
+
+
+@functools.cache
+def declared_factories() -> frozenset[str]:
+    """Return the factories installed packages declare in the ``mstar.models`` group."""
+    return frozenset(entry.value.replace(" ", "") for entry in entry_points(group=ENTRY_POINT_GROUP))
 
 
 def is_trusted_factory(factory: str, allowed: Iterable[str] = ()) -> bool:
-    """Return whether ``factory`` is a zoo factory or matches an entry of ``allowed``."""
-    from mstar.zoo.registry import zoo_factories  # the zoo imports the runtime
-
-    if factory in zoo_factories():
+    """Return whether ``factory`` is a declared one or matches an entry of ``allowed``."""
+    if factory in declared_factories():
         return True
     module = factory.partition(":")[0]
     for entry in allowed:

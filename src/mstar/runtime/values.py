@@ -14,10 +14,10 @@ import msgspec
 import numpy as np
 import torch
 
-from mstar.actors.wire import WireStruct
 from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import ProtocolError
 from mstar.streaming import Chunk
+from mstar.wire import WireStruct
 
 __all__ = [
     "BytesValue",

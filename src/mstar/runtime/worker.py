@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mstar.actors import Actor, ActorRef, ActorSystem
-from mstar.actors.wire import ActorId
 from mstar.errors import MStarError, WalkExecutionError
 from mstar.graph import Emission, ModelGraph
 from mstar.runtime.conductor_core import StartWalk
@@ -36,6 +35,7 @@ from mstar.runtime.trust import check_model_factory
 from mstar.runtime.values import from_slots, to_slots
 from mstar.runtime.walk_runner import ValueKey
 from mstar.runtime.worker_core import NodeEngine, WorkerConfig, WorkerCore
+from mstar.wire import ActorId
 
 __all__ = ["HOST_NAME", "Worker", "WorkerHost", "setup_worker_host", "stats_report", "worker_name"]
 

@@ -24,11 +24,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, Self
 from urllib.parse import urlsplit
 
-from mstar.actors.wire import Envelope
 from mstar.errors import InvalidAddressError, TransportClosedError
+from mstar.wire import Envelope
 
 if TYPE_CHECKING:
-    from mstar.actors.config import CurveKeys
+    from mstar.transport.curve import CurveKeys
 from mstar.transport.codec import LinkCodec
 
 __all__ = [

@@ -31,16 +31,6 @@ from typing import Any
 import msgspec
 import torch
 
-from mstar.actors.wire import (
-    CudaIpcLoc,
-    Envelope,
-    FrameLoc,
-    ShmLoc,
-    TensorRef,
-    make_decoder,
-    make_encoder,
-    registry_version,
-)
 from mstar.errors import MessageTooLargeError, ProtocolError
 from mstar.transport.cuda_ipc import (
     export_cuda_tensor,
@@ -50,6 +40,16 @@ from mstar.transport.cuda_ipc import (
 )
 from mstar.transport.shm import ArenaMapping, SharedArena
 from mstar.transport.tally import CUDA_IPC, SHM, TransportTally
+from mstar.wire import (
+    CudaIpcLoc,
+    Envelope,
+    FrameLoc,
+    ShmLoc,
+    TensorRef,
+    make_decoder,
+    make_encoder,
+    registry_version,
+)
 
 __all__ = ["DTYPES", "LinkCodec", "frame_nbytes", "salvage_call_id"]
 

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.actors.wire import CudaIpcLoc
 from mstar.errors import ProtocolError
+from mstar.wire import CudaIpcLoc
 
 __all__ = [
     "cuda_device_index",

@@ -12,13 +12,13 @@ import collections
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mstar.actors.wire import Envelope
 from mstar.errors import InvalidAddressError, PeerLostError, TransportClosedError
 from mstar.transport.base import Address, ChannelBase, register_transport
 from mstar.transport.codec import LinkCodec
+from mstar.wire import Envelope
 
 if TYPE_CHECKING:
-    from mstar.actors.config import CurveKeys
+    from mstar.transport.curve import CurveKeys
 
 __all__ = ["InprocChannel", "InprocListener", "InprocTransport"]
 

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from mstar.actors.wire import Envelope, ErrorReply
 from mstar.errors import (
     InvalidAddressError,
     MessageTooLargeError,
@@ -59,9 +58,10 @@ from mstar.transport.base import (
 from mstar.transport.codec import LinkCodec, salvage_call_id
 from mstar.transport.curve import secure_client, secure_server
 from mstar.transport.janitor import make_owned_name, runtime_dir
+from mstar.wire import Envelope, ErrorReply
 
 if TYPE_CHECKING:
-    from mstar.actors.config import CurveKeys
+    from mstar.transport.curve import CurveKeys
 
 __all__ = ["ZmqChannel", "ZmqListener", "ZmqServerChannel", "ZmqTransport"]
 
