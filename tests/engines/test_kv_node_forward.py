@@ -224,9 +224,9 @@ async def test_kv_nodes_of_different_geometries_share_a_budget() -> None:
 async def test_firings_answered_together_fire_together_again(model: LlamaCausalLM) -> None:
     """Requests a step answered share the next step, whether their walk fires again at once or
     a few loop turns later (a new walk started through the conductor): one step per round."""
-    from concurrent.futures import ThreadPoolExecutor
+    from mstar.engines.step_loop import StepExecutor
 
-    executor = ThreadPoolExecutor(1)
+    executor = StepExecutor()  # the step thread workers run
     engine = KVNodeEngine("n", ChunkNode(model), executor, "cpu")
     engine.start()
     rounds = 8

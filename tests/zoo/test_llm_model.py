@@ -150,13 +150,12 @@ async def test_steps_on_the_event_loop_let_walks_emit(tiny_llama_dir: Path) -> N
 @pytest.mark.usefixtures("one_torch_thread")  # a core to spare for the loop: steps overlap it
 async def test_mid_walk_tokens_reach_the_loop_during_the_next_step(tiny_llama_dir: Path) -> None:
     """A step's tokens are handed over while the next step runs; the first and last at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from mstar.engines.kv_node import KVNodeEngine
+    from mstar.engines.step_loop import StepExecutor
 
     model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 64, "block_size": 8})
     node = model.submodule("llm", torch.device("cpu"))
-    with ThreadPoolExecutor(1) as executor:
+    with StepExecutor() as executor:  # the step thread workers run
         engine = KVNodeEngine("llm", node, executor)
         started = 0  # engine steps begun so far (written on the step thread)
         step = engine.engine.step
