@@ -67,7 +67,7 @@ from mstar.engines.stateless import BatchedNode
 from mstar.runtime import EngineConfig, Placement
 from mstar.runtime.messages import NodeValuesMsg, StartWalkMsg, WalkDoneMsg
 from mstar.server import AdmissionLimits, ServerConfig, configure_logging, make_app
-from mstar.server.serve_cli import DrainingServer, uvicorn_config
+from mstar.server.runner import DrainingServer, uvicorn_config
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 from mstar.zoo import resolve_model
 from mstar.zoo.toy import ToyModel, make_toy_inputs, make_toy_nodes

@@ -17,6 +17,8 @@ LAYERS = [
 def _imports() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = defaultdict(set)
     for path in SRC.rglob("*.py"):
+        if path.name == "__main__.py":  # an entry point (`python -m mstar.bench`) may run the CLI
+            continue
         package = path.relative_to(SRC).parts[0].removesuffix(".py")
         for match in re.finditer(r"^\s*(?:from|import) mstar\.(\w+)", path.read_text(), re.M):
             if match[1] != package:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mstar.bench.cli import add_bench_arguments, bench_command, main
+from mstar.cli.bench import add_bench_arguments, bench_command, main
 
 Server = tuple[str, list[tuple[str, Any]]]
 

@@ -30,7 +30,7 @@ from websockets.uri import parse_uri
 
 from mstar.server import AdmissionLimits, ServerConfig, make_app
 from mstar.server.openpi import pack, unpack
-from mstar.server.serve_cli import DrainingServer, uvicorn_config
+from mstar.server.runner import DrainingServer, uvicorn_config
 from tests.server.conftest import START_TIMEOUT_S, RunningServer, serve_in_thread
 from tests.server.test_openpi_server import SPEC, observation
 

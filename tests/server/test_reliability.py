@@ -13,9 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mstar.cli.serve import EXIT_USAGE, add_serve_arguments, serve_command
 from mstar.runtime import EngineConfig, ModelSpec, Placement
 from mstar.server import ServerConfig
-from mstar.server.serve_cli import EXIT_USAGE, add_serve_arguments, serve_command
 from tests.server.conftest import RunningServer, running_server
 from tests.server.models import save_tiny_chat_llama
 

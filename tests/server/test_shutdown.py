@@ -19,11 +19,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from mstar.cli.serve import resolve_api_key
 from mstar.errors import ServerConfigError
 from mstar.runtime.model import ModelSpec
 from mstar.server import ServerConfig, make_app
 from mstar.server.http_protocol import HeaderTimeoutH11Protocol, timed_h11
-from mstar.server.serve_cli import DrainingServer, resolve_api_key, uvicorn_config
+from mstar.server.runner import DrainingServer, uvicorn_config
 from mstar.transport.janitor import SHM_DIR, runtime_dir
 
 

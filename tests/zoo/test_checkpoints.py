@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar.cli.model_args import add_model_arguments, model_kwargs
 from mstar.errors import CheckpointError, ModelLoadError
 from mstar.runtime.async_engine import AsyncEngine
 from mstar.runtime.model import Request
-from mstar.server.model_args import add_model_arguments, model_kwargs
 from mstar.zoo import model_options, resolve_model
 from mstar.zoo.checkpoints import FAMILY_FILES, checkpoint_spec
 from mstar.zoo.orpheus.checkpoint import make_random_checkpoint as make_orpheus

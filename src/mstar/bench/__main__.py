@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from mstar.bench.cli import main
+from mstar.cli.bench import main
 
 raise SystemExit(main())

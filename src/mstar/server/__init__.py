@@ -14,7 +14,7 @@ from mstar.server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from mstar.server.images import png_bytes
 from mstar.server.logging import SecretRedactor, configure_logging
 from mstar.server.metrics import RequestTracker, ServerMetrics
-from mstar.server.serve_cli import run_server
+from mstar.server.runner import run_server
 
 __all__ = [
     "AdmissionLimits",

@@ -30,6 +30,15 @@ from typing import Any
 
 import torch
 
+from mstar.cli.model_args import add_model_arguments, model_kwargs
+from mstar.cli.run_request import (
+    ReadLog,
+    RunRequest,
+    build_request,
+    check_request,
+    explain,
+    read_inputs,
+)
 from mstar.errors import MStarError, RunArgumentError
 from mstar.progress import progress
 from mstar.runtime.async_engine import AsyncEngine, EngineConfig
@@ -46,16 +55,7 @@ from mstar.server.audio import pcm16_bytes, wav_header
 from mstar.server.encoding import token_ids
 from mstar.server.images import encode_image
 from mstar.server.logging import configure_logging
-from mstar.server.model_args import add_model_arguments, model_kwargs
-from mstar.server.run_request import (
-    ReadLog,
-    RunRequest,
-    build_request,
-    check_request,
-    explain,
-    read_inputs,
-)
-from mstar.server.serve_cli import loading_display
+from mstar.server.runner import loading_display
 
 __all__ = ["add_run_arguments", "run_command"]
 

@@ -58,14 +58,14 @@ def make_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the toy's random weights")
     demo.set_defaults(func=_cmd_demo)
 
-    from mstar.bench.cli import add_bench_arguments, bench_command
+    from mstar.cli.bench import add_bench_arguments, bench_command
 
     bench = sub.add_parser("bench", help="benchmark a target (an HTTP server or async callables) against baselines")
     add_bench_arguments(bench)
     bench.set_defaults(func=bench_command)
 
-    from mstar.server.run_cli import add_run_arguments, run_command
-    from mstar.server.serve_cli import add_serve_arguments, serve_command
+    from mstar.cli.run import add_run_arguments, run_command
+    from mstar.cli.serve import add_serve_arguments, serve_command
 
     serve = sub.add_parser(
         "serve", help="serve one model over HTTP (OpenAI-compatible API, /generate, /metrics)"

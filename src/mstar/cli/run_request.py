@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar.cli.model_args import key_value_pairs
 from mstar.errors import RunArgumentError
 from mstar.runtime.model import Model, Request, supports_action_policy, supports_text_output
-from mstar.server.model_args import key_value_pairs
 
 __all__ = ["ReadLog", "RunInputs", "RunRequest", "build_request", "check_request", "explain", "read_inputs"]
 
