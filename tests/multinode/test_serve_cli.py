@@ -6,11 +6,14 @@ The server runs as a user would start it: without Ray's loopback variable in its
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,22 +105,36 @@ def test_sigterm_while_the_workers_start_stops_the_server_and_frees_its_placemen
         "--ray-num-cpus", "0.5", "--port", "0", "--log-format", "json",
     )
     server = subprocess.Popen(command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    assert server.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    seen: list[str] = []
+
+    def drain() -> None:  # read to the end, so the server never blocks on a full pipe
         assert server.stdout is not None
-        seen = []
-        for line in server.stdout:  # until the ranks' resources are reserved: their actors start now
+        for line in server.stdout:
+            lines.put(f"{time.monotonic():.2f} {line}")
+        lines.put(None)
+
+    threading.Thread(target=drain, daemon=True).start()
+    code = None
+    try:
+        while (line := lines.get(timeout=300)) is not None:  # until the ranks' resources are reserved
             seen.append(line)
             if '"ray_placed"' in line:
                 break
         else:
             pytest.fail("the server exited before placing its ranks: " + "".join(seen[-20:]))
+        signalled = time.monotonic()
         server.send_signal(signal.SIGTERM)
-        code = server.wait(60)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = server.wait(60)
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
-    assert code == 0, server.stdout.read()[-2000:]
+        while (line := lines.get(timeout=30)) is not None:
+            seen.append(line)
+    assert code == 0, f"SIGTERM at {signalled:.2f}; " + "".join(seen[-30:])[-4000:]
     assert {g["placement_group_id"] for g in placement_groups("CREATED")} <= before  # its reservation is gone
 
 

@@ -499,9 +499,10 @@ class RayLauncher:
         for actor in self._actors.values():
             with contextlib.suppress(ray.exceptions.RayError):
                 stops.append(actor.stop.remote())
-        for ref in stops:
-            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                await asyncio.wait_for(_ray_call(ref), 30)
+        # Together and bounded: an actor still starting (importing, loading on a busy machine)
+        # answers only once it has started, and a stop must not wait for that, rank by rank.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*map(_ray_call, stops), return_exceptions=True), STOP_GRACE_S)
         for actor in self._actors.values():
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(actor, no_restart=True)
@@ -514,6 +515,10 @@ class RayLauncher:
             self._group = None
         if self._owns_ray:
             ray.shutdown()
+
+
+STOP_GRACE_S = 10.0
+"""How long `RayLauncher.stop` lets the ranks' actors stop by themselves before killing them."""
 
 
 def _fmt(resources: Mapping[str, float]) -> str:
