@@ -61,7 +61,9 @@ from mstar.bench import (
     BenchResult,
     ClosedLoop,
     OutputEvent,
+    json_safe,
     make_requests,
+    merge_results,
     plot_png,
     print_table,
     result_to_dict,
@@ -337,13 +339,13 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
     finally:
         await engine.shutdown()
         pipeline.close()
-    merged = _merge(bench.results, config)
+    merged = merge_results(bench.results, config)
     print_table(merged, console)
     rows = _summary(merged, pipeline.timings, console)
     agreement = _agreement(bench.answers, bench.sample_rate, console)
     verdicts = _verdicts(rows, console)
     data = result_to_dict(merged)
-    data["assistant"] = _json_safe(
+    data["assistant"] = json_safe(
         {
             "settings": dataclasses.asdict(settings),
             "summary": rows,
@@ -398,17 +400,6 @@ def _describe(
     }
 
 
-def _merge(results: Sequence[BenchResult], config: dict[str, Any]) -> BenchResult:
-    first = results[0]
-    return dataclasses.replace(
-        first,
-        config={
-            **first.config,
-            **config,
-            "load": {"pattern": "closed_loop", "points": [r.load_points[0] for r in results]},
-        },
-        points=tuple(p for r in results for p in r.points),
-    )
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -558,14 +549,6 @@ def _verdicts(rows: Mapping[str, Mapping[str, Any]], console: Console) -> dict[s
     return {"ttfa_p50_c1": {"value": value, "target": TTFA_RATIO_TARGET, "met": met}}
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

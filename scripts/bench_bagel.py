@@ -56,6 +56,7 @@ from mstar.bench import (
     ClosedLoop,
     OutputEvent,
     add_device_argument,
+    merge_results,
     plot_png,
     print_table,
     rank_devices,
@@ -243,7 +244,7 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
             print_table(results[-1], console)
             if len(results) > 0:
                 try:
-                    plot_png(_merge(results), out / f"{task}.png")
+                    plot_png(merge_results(results), out / f"{task}.png")
                 except Exception as exc:  # the plot is a convenience: the JSON holds the figures
                     console.print(f"no plot for {task}: {exc}", highlight=False, markup=False)
     table = Console(width=160)
@@ -267,10 +268,6 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     return summary
 
 
-def _merge(results: Sequence[BenchResult]) -> BenchResult:
-    """Return one result holding every point of ``results`` (one per concurrency)."""
-    first = results[0]
-    return BenchResult(**{**vars(first), "points": tuple(p for r in results for p in r.points)})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

@@ -56,7 +56,9 @@ from mstar.bench import (
     OutputEvent,
     add_device_argument,
     draw_requests,
+    json_safe,
     make_requests,
+    merge_results,
     plot_png,
     print_table,
     rank_devices,
@@ -783,12 +785,12 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
             await bench.point(c, console)
     finally:
         await engine.shutdown()
-    merged = _merge(bench.results, config)
+    merged = merge_results(bench.results, config)
     print_table(merged, console)
     console.print(_breakdown_table(bench.breakdowns))
     checks = _summary(merged, bench.floors, console)
     data = result_to_dict(merged)
-    data["orpheus"] = _json_safe(
+    data["orpheus"] = json_safe(
         {
             "floor": [
                 dataclasses.asdict(f) | {"seconds": f.seconds, "audio_s_per_s": f.audio_s_per_s}
@@ -807,14 +809,6 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     return data
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _kv_config(settings: Settings) -> dict[str, Any]:
@@ -861,17 +855,6 @@ def _describe(settings: Settings, model: OrpheusModel) -> dict[str, Any]:
     }
 
 
-def _merge(results: Sequence[BenchResult], config: dict[str, Any]) -> BenchResult:
-    first = results[0]
-    return dataclasses.replace(
-        first,
-        config={
-            **first.config,
-            **config,
-            "load": {"pattern": "closed_loop", "points": [r.load_points[0] for r in results]},
-        },
-        points=tuple(p for r in results for p in r.points),
-    )
 
 
 def _breakdown_table(rows: Sequence[PointBreakdown]) -> Table:

@@ -64,6 +64,8 @@ from mstar.bench import (
     ClosedLoop,
     OutputEvent,
     add_device_argument,
+    json_safe,
+    merge_results,
     print_table,
     rank_devices,
     result_to_dict,
@@ -572,14 +574,14 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         await engine.shutdown()
         openpi.close()
     config["openpi_thread_torch_threads"] = openpi.thread_torch_threads
-    merged = _merge(bench.results, config)
+    merged = merge_results(bench.results, config)
     print_table(merged, console)
     agreement = _agreement(bench.actions)
     rows = _summary(merged, cfg.action_horizon, flops, peak, console)
     console.print(_breakdown_table(bench.breakdowns))
     verdicts = _verdicts(rows, agreement, console)
     data = result_to_dict(merged)
-    data["pi05"] = _json_safe(
+    data["pi05"] = json_safe(
         {
             "horizon": cfg.action_horizon,
             "flops_per_chunk": flops,
@@ -624,17 +626,6 @@ def _describe(settings: Settings, model: Pi05Model) -> dict[str, Any]:
     }
 
 
-def _merge(results: Sequence[BenchResult], config: dict[str, Any]) -> BenchResult:
-    first = results[0]
-    return dataclasses.replace(
-        first,
-        config={
-            **first.config,
-            **config,
-            "load": {"pattern": "closed_loop", "points": [r.load_points[0] for r in results]},
-        },
-        points=tuple(p for r in results for p in r.points),
-    )
 
 
 def _agreement(actions: Mapping[tuple[str, str], np.ndarray]) -> dict[str, Any]:
@@ -864,14 +855,6 @@ def _plot(rows: Mapping[str, Mapping[str, Any]], path: Path, settings: Settings)
     figure.savefig(path, dpi=100)
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

@@ -63,6 +63,7 @@ from mstar.bench import (
     ClosedLoop,
     OutputEvent,
     add_device_argument,
+    json_safe,
     make_requests,
     plot_png,
     print_table,
@@ -536,7 +537,7 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
         if reference is not None:
             reference.close()
     return {
-        "settings": _json_safe(dataclasses.asdict(settings)),
+        "settings": json_safe(dataclasses.asdict(settings)),
         "config": config,
         "shapes": shapes,
     }
@@ -618,7 +619,7 @@ async def _run_shape(
     verdicts = _verdicts(rows, console)
     stage_time = [{"stage": st, "batch": b, "wall_s": w} for st, b, w in stage.timings]
     data = result_to_dict(merged)
-    data["qwen3_omni"] = _json_safe(
+    data["qwen3_omni"] = json_safe(
         {
             "settings": dataclasses.asdict(settings),
             "summary": rows,
@@ -736,14 +737,6 @@ def _verdicts(rows: Mapping[str, Mapping[str, Any]], console: Console) -> dict[s
     return verdicts
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

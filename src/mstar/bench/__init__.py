@@ -35,8 +35,8 @@ from mstar.bench.metrics import (
     summarize,
 )
 from mstar.bench.records import BenchRequest, OutputEvent, RequestRecord, Usage
-from mstar.bench.report import plot_png, print_table, result_to_dict, write_json
-from mstar.bench.runner import BenchResult, PointResult, Ratio, run_benchmark
+from mstar.bench.report import json_safe, plot_png, print_table, result_to_dict, write_json
+from mstar.bench.runner import BenchResult, PointResult, Ratio, merge_results, run_benchmark
 from mstar.bench.targets import CallableTarget, Target
 
 __all__ = [
@@ -72,7 +72,9 @@ __all__ = [
     "compute_stats",
     "draw_requests",
     "is_streaming_viable",
+    "json_safe",
     "make_requests",
+    "merge_results",
     "plot_png",
     "print_table",
     "request_metrics",

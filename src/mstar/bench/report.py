@@ -22,6 +22,7 @@ from mstar.bench.runner import BenchResult, metric_value
 
 __all__ = [
     "JSON_SCHEMA",
+    "json_safe",
     "make_distribution_table",
     "make_ratio_table",
     "make_table",
@@ -190,15 +191,17 @@ def print_table(result: BenchResult, console: Console | None = None) -> None:
         console.print(f"  {definition}", highlight=False, markup=False)
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """Return ``value`` as strict-JSON-ready data: NaN as null, infinities as "inf" / "-inf",
+    tuples as lists, keys as strings."""
     if isinstance(value, float):
         if math.isnan(value):
             return None
         return ("inf" if value > 0 else "-inf") if math.isinf(value) else value
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -224,7 +227,7 @@ def result_to_dict(result: BenchResult) -> dict[str, Any]:
         ],
         "ratios": [asdict(r) for r in result.ratios()],
     }
-    safe: dict[str, Any] = _json_safe(data)
+    safe: dict[str, Any] = json_safe(data)
     return safe
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "PointResult",
     "Ratio",
     "collect_environment",
+    "merge_results",
     "metric_value",
     "run_benchmark",
     "time_request",
@@ -82,6 +83,15 @@ class Ratio:
     baseline: str
     metric: str
     value: float
+
+
+def merge_results(results: Sequence[BenchResult], config: Mapping[str, Any] | None = None) -> BenchResult:
+    """Return one result holding every point of ``results`` (one run per load point, closed
+    loop), its config the first's with ``config`` on top and the load listing every point."""
+    first = results[0]
+    merged = {**first.config, **(config or {})}
+    merged["load"] = {"pattern": "closed_loop", "points": [r.load_points[0] for r in results]}
+    return replace(first, config=merged, points=tuple(p for r in results for p in r.points))
 
 
 def metric_value(summary: Summary, key: str) -> float | None:
