@@ -266,6 +266,10 @@ class RankHost:
         await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait, 30.0)
 
 
+STOP_GRACE_S = 10.0
+"""How long `RayLauncher.stop` lets the ranks' actors stop by themselves before killing them."""
+
+
 async def _ray_call(ref: Any) -> Any:
     """Await a Ray object ref on any event loop (asyncio or uvloop)."""
     return await asyncio.wrap_future(ref.future())
@@ -515,10 +519,6 @@ class RayLauncher:
             self._group = None
         if self._owns_ray:
             ray.shutdown()
-
-
-STOP_GRACE_S = 10.0
-"""How long `RayLauncher.stop` lets the ranks' actors stop by themselves before killing them."""
 
 
 def _fmt(resources: Mapping[str, float]) -> str:

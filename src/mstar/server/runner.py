@@ -23,7 +23,15 @@ from mstar.server.config import ServerConfig
 from mstar.server.http_protocol import timed_h11
 from mstar.server.state import ServerState
 
-__all__ = ["WS_PING_INTERVAL_S", "WS_PING_TIMEOUT_S", "DrainingServer", "EngineStart", "loading_display", "run_server", "uvicorn_config"]
+__all__ = [
+    "WS_PING_INTERVAL_S",
+    "WS_PING_TIMEOUT_S",
+    "DrainingServer",
+    "EngineStart",
+    "loading_display",
+    "run_server",
+    "uvicorn_config",
+]
 
 log = structlog.get_logger(__name__)
 

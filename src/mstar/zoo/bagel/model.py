@@ -606,10 +606,9 @@ class BagelOptions(TaskOptions, frozen=True, kw_only=True):
     cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
 
     def __post_init__(self) -> None:
-        scales = self.guidance_scale if isinstance(self.guidance_scale, list) else [self.guidance_scale]
-        for name in ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min"):
-            scales.append(getattr(self, name))
-        if any(v is not None and not math.isfinite(v) for v in [*scales, *(self.cfg_interval or ())]):
+        given = self.guidance_scale if isinstance(self.guidance_scale, list) else [self.guidance_scale]
+        others = [getattr(self, name) for name in ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min")]
+        if any(v is not None and not math.isfinite(v) for v in [*given, *others, *(self.cfg_interval or ())]):
             raise ValueError("scales, shifts and intervals must be finite numbers")
 
 

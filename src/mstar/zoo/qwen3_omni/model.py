@@ -341,14 +341,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             forced = [
                 int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ] + list(self.eos_token_ids)
-            data = {
-                **data,
-                "messages": [{"role": "user", "content": text}],
-                "modalities": ["text", "audio"],
-            }
+            data = {**data, "messages": [{"role": "user", "content": text}]}
             data.pop("text", None)
-        modalities = data.get("modalities") or options.modalities or list(_MODALITIES)
-        if "text" not in modalities or any(m not in _MODALITIES for m in modalities):
+        modalities: list[str] = list(_MODALITIES) if request.task == "speech" else list(options.modalities or _MODALITIES)
+        if "text" not in modalities:  # the options' type holds the rest: "text" and "audio" only
             raise InvalidRequestError(f"modalities must be ['text'] or ['text', 'audio'], got {modalities!r}", param="modalities")
         speaks = "audio" in modalities
         ids, media = self._prompt(data)
