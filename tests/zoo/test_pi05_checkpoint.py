@@ -117,7 +117,13 @@ def test_round_trip(written: Path, config: Pi05Config) -> None:
 
 def test_load_casts_and_is_deterministic(written: Path, config: Pi05Config, tmp_path: Path) -> None:
     model = load_pi05(written, config, dtype=torch.bfloat16)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["language_model.layers.0.mlp.up_proj.weight"] == torch.bfloat16
+    assert dtypes["language_model.layers.0.input_layernorm.weight"] == torch.float32  # openpi's mixed policy
+    assert dtypes["time_mlp_in.weight"] == dtypes["vision_tower.embeddings.patch_embedding.weight"] == torch.float32
+    stored = load_file(str(written / "model.safetensors"))
+    for name, tensor in to_checkpoint_names(model.state_dict()).items():
+        assert torch.equal(tensor, stored[name].to(tensor.dtype)), name
     assert model.vision_tower.embeddings.position_ids.dtype == torch.int64
     again = make_random_checkpoint(config, tmp_path / "again", seed=3)
     assert (again / "model.safetensors").read_bytes() == (written / "model.safetensors").read_bytes()

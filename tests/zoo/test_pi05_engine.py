@@ -128,3 +128,42 @@ def test_bad_flow_inputs_fail_clearly(weights: Pi05Weights) -> None:
         node.forward("r", {"prefix": CACHED, "flow": {"x": torch.zeros(3, 3), "step": 0}})
     with pytest.raises(ValueError, match="flow 'step' must be in"):
         node.forward("r", {"prefix": CACHED, "flow": {"x": torch.zeros(CFG.action_horizon, CFG.action_dim), "step": 10}})
+
+
+def test_bfloat16_runs_openpi_mixed_precision(weights: Pi05Weights) -> None:
+    """In bfloat16 the blocks run in bfloat16 with openpi's float32 islands (SigLIP's embeddings,
+    every norm, the time MLP, the action projections); the engine's actions equal the naive
+    recompute at that precision and the float32 actions within bfloat16's tolerance."""
+    mixed = copy.deepcopy(weights).to_precision(torch.bfloat16)
+    islands = {n for n, p in mixed.named_parameters() if p.dtype == torch.float32}
+    assert islands == {
+        n for n, _ in weights.named_parameters()
+        if n.startswith(("vision_tower.embeddings.", "action_", "time_mlp_", "language_model.norm.", "gemma_expert.norm."))
+        or (".input_layernorm." in n or ".post_attention_layernorm." in n)
+    }
+    assert "gemma_expert.layers.0.input_layernorm.dense.weight" in islands
+    assert {p.dtype for n, p in mixed.named_parameters() if n not in islands} == {torch.bfloat16}
+    assert mixed.kv_cache_spec.dtype == torch.bfloat16
+    requests = [request_inputs(weights, seed) for seed in range(3)]
+
+    async def main() -> list[torch.Tensor]:
+        engine = KVNodeEngine("llm", LLMNode(mixed), None, "cpu")
+        engine.start()
+        try:
+            prefixes = [p["prefix"] for p in VisionNode(mixed)([r for r, _ in requests])]
+            assert {p["image_embeds"].dtype for p in prefixes} == {torch.bfloat16}
+            return await asyncio.gather(*(serve(engine, f"r{i}", prefixes[i], requests[i][1]) for i in range(3)))
+        finally:
+            await engine.aclose()
+
+    outs = asyncio.run(main())
+    for (inputs, noise), got in zip(requests, outs, strict=True):
+        assert got.dtype == torch.float32
+        prefix32 = VisionNode(weights)([inputs])[0]["prefix"]
+        prefix16 = VisionNode(mixed)([inputs])[0]["prefix"]
+        same = naive_sample_actions(mixed, PrefixInput(prefix16["image_embeds"], prefix16["token_ids"]), noise)
+        scale = float(same.abs().max())
+        torch.testing.assert_close(got, same, rtol=0, atol=5e-3 * scale)  # bfloat16 products, other batching
+        full = naive_sample_actions(weights, PrefixInput(prefix32["image_embeds"], prefix32["token_ids"]), noise)
+        assert float((got - full).abs().max()) < 1e-2 * float(full.abs().max())  # measured: 1.1e-3 to 1.5e-3
+        assert not torch.equal(got, full)

@@ -172,7 +172,7 @@ def load_pi05(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Pi05Weights:
-    """Load a checkpoint directory into `Pi05Weights` on ``device``, floats cast to ``dtype``.
+    """Load a checkpoint directory into `Pi05Weights` on ``device`` in ``dtype`` (see `Pi05Weights.to_precision`).
 
     Names, shapes and the ``config.json`` (when present) are checked before any weight is
     allocated; tensors are then read one at a time.
@@ -205,7 +205,7 @@ def load_pi05(
         by_file.setdefault(files[ckpt], []).append((mine, ckpt))
     _check_shapes(by_file, expected, directory, config)
 
-    model = model.to(dtype=dtype)  # on meta: only the dtypes change
+    model = model.to_precision(dtype)  # on meta: only the dtypes change
     model.to_empty(device=device)
     _reset_position_ids(model)
     targets = model.state_dict(keep_vars=True)

@@ -28,6 +28,12 @@ q/k/v, gate/up, output and down projections as `FusedLinear`s in the layout that
 fastest for the rows they see, and every adaptive norm's conditioning map as one product over
 a step's flow times (one row per chunk, not per action row). The checkpoint-named modules keep
 working unfused until then; in the dense layouts they stay views of the fused weights.
+
+In bfloat16 the weights follow openpi's mixed policy (`Pi05Weights.to_precision`): the blocks,
+SigLIP's encoder, the projector and the token embedding in bfloat16; SigLIP's patch and position
+embeddings, every RMSNorm (the adaptive norms' conditioning maps with them), the time MLP and the
+action projections in float32. Activations enter the blocks in bfloat16, the conditioning and
+the velocities stay float32.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from mstar.engines.layers import FusedLinear, GatedMLP, apply_rotary
 from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
 
 __all__ = [
+    "FLOAT32_IN_BFLOAT16",
     "ActionInput",
     "AdaRMSNorm",
     "GemmaLayer",
@@ -61,6 +68,20 @@ __all__ = [
 
 PREFIX_EXPERT = 0
 ACTION_EXPERT = 1
+
+
+FLOAT32_IN_BFLOAT16 = (
+    "vision_tower.embeddings.",
+    "language_model.norm.",
+    "gemma_expert.norm.",
+    "action_in_proj.",
+    "action_out_proj.",
+    "time_mlp_in.",
+    "time_mlp_out.",
+)
+"""Prefixes of the parameters openpi keeps in float32 when the model runs in bfloat16 (with
+every block's ``input_layernorm`` and ``post_attention_layernorm``)."""
+_FLOAT32_NORMS = (".input_layernorm.", ".post_attention_layernorm.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +134,7 @@ class AdaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``rms(x) * (1 + scale) + shift`` and the gate, for rows ``x`` and their ``cond``."""
-        return self.modulate(x, self.dense(cond))
+        return self.modulate(x, self.dense(cond.to(self.dense.weight.dtype)))
 
     def modulate(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the normalised rows and the gate, given ``dense(cond)`` (``[rows, 3 * width]``)."""
@@ -255,6 +276,20 @@ class Pi05Weights(nn.Module):
         self.time_mlp_out = nn.Linear(width, width)
         self.modulation: FusedLinear | None = None  # every adaptive norm's dense, fused
 
+    def to_precision(self, dtype: torch.dtype) -> Pi05Weights:
+        """Cast the weights to ``dtype``; in bfloat16, openpi's float32 islands stay float32.
+
+        openpi's ``PaliGemmaWithExpertModel.to_bfloat16_for_selected_params`` keeps SigLIP's
+        embeddings and every norm in float32; the action and time projections belong to
+        ``PI0Pytorch`` itself, which is never cast.
+        """
+        self.to(dtype=dtype)
+        if dtype == torch.bfloat16:
+            for name, param in self.named_parameters():
+                if name.startswith(FLOAT32_IN_BFLOAT16) or any(s in name for s in _FLOAT32_NORMS):
+                    param.data = param.data.float()
+        return self
+
     def fuse_for_inference(self, prefix_rows: tuple[int, ...], action_rows: tuple[int, ...]) -> None:
         """Fuse the blocks' products for the rows their experts see (see the module doc).
 
@@ -300,8 +335,14 @@ class Pi05Weights(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         """Return the joint attention's cache geometry (the experts share it)."""
         cfg = self.config.vlm
-        dtype = self.action_in_proj.weight.dtype
-        return KVCacheSpec(cfg.depth, cfg.num_kv_heads, cfg.head_dim, dtype)
+        return KVCacheSpec(cfg.depth, cfg.num_kv_heads, cfg.head_dim, self.compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Return the dtype the transformer blocks run in (their weights', the cache's)."""
+        embed = self.language_model.embed_tokens
+        assert embed is not None
+        return embed.weight.dtype
 
     @property
     def max_position(self) -> int:
@@ -317,9 +358,10 @@ class Pi05Weights(nn.Module):
     @torch.inference_mode()
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """Return projected image tokens ``[images, patches, vlm width]`` for ``[images, 3, S, S]`` in [-1, 1]."""
-        dtype = self.multi_modal_projector.linear.weight.dtype
-        out = self.vision_tower(pixel_values=pixels.to(dtype)).last_hidden_state
-        return cast(torch.Tensor, self.multi_modal_projector.linear(out))
+        tower = self.vision_tower
+        patches = tower.embeddings(pixels.to(tower.embeddings.patch_embedding.weight.dtype))
+        out = tower.encoder(inputs_embeds=patches.to(self.compute_dtype)).last_hidden_state
+        return cast(torch.Tensor, self.multi_modal_projector.linear(tower.post_layernorm(out)))
 
     def embed_prefix(self, prefix: PrefixInput) -> torch.Tensor:
         """Return a prefix's rows: image tokens as they are, prompt embeddings times sqrt(width)."""
@@ -368,7 +410,7 @@ class Pi05Weights(nn.Module):
         index0 = torch.tensor(rows0, dtype=torch.long, device=device)
         index1 = torch.tensor(rows1, dtype=torch.long, device=device)
         x0 = torch.cat(x0_parts) if x0_parts else None
-        x1 = self.action_in_proj(torch.cat(x1_parts)) if x1_parts else None
+        x1 = self.action_in_proj(torch.cat(x1_parts)).to(self.compute_dtype) if x1_parts else None
         mods: list[torch.Tensor] = []
         if x1 is not None:
             mods = self.modulations(
@@ -407,7 +449,7 @@ class Pi05Weights(nn.Module):
         velocity = torch.zeros(total, cfg.action_dim, dtype=torch.float32, device=device)
         if x1 is not None:
             final, _gate = cast(AdaRMSNorm, self.gemma_expert.norm).modulate(x1, mods[-1])
-            v1 = self.action_out_proj(final).float()
+            v1 = self.action_out_proj(final.to(self.action_out_proj.weight.dtype)).float()
             if only:
                 return v1
             velocity.index_copy_(0, index1, v1)

@@ -52,7 +52,7 @@ class VisionNode:
             start += n
             if embeds is None:
                 width = self.weights.config.vlm.width
-                embeds = torch.zeros(0, width, dtype=self.weights.action_in_proj.weight.dtype, device=device)
+                embeds = torch.zeros(0, width, dtype=self.weights.compute_dtype, device=device)
             out.append({"prefix": {"image_embeds": embeds, "token_ids": torch.as_tensor(x["token_ids"], dtype=torch.long)}})
         return out
 

@@ -32,7 +32,7 @@ def naive_velocity(weights: Pi05Weights, prefix: PrefixInput, actions: torch.Ten
     cfg = weights.config
     x0 = weights.embed_prefix(prefix)
     n0 = x0.shape[0]
-    x1 = weights.action_in_proj(actions.to(weights.action_in_proj.weight.dtype))
+    x1 = weights.action_in_proj(actions.to(weights.action_in_proj.weight.dtype)).to(weights.compute_dtype)
     h_len = x1.shape[0]
     cond = weights.condition(torch.tensor([time], dtype=torch.float32)).expand(h_len, -1)
     total = n0 + h_len
@@ -60,7 +60,7 @@ def naive_velocity(weights: Pi05Weights, prefix: PrefixInput, actions: torch.Ten
         h, gate2 = cast(AdaRMSNorm, layer1.post_attention_layernorm)(x1, cond)
         x1 = x1 + layer1.mlp(h) * gate2
     final, _gate = cast(AdaRMSNorm, weights.gemma_expert.norm)(x1, cond)
-    return cast(torch.Tensor, weights.action_out_proj(final)).float()
+    return cast(torch.Tensor, weights.action_out_proj(final.to(weights.action_out_proj.weight.dtype))).float()
 
 
 @torch.inference_mode()
