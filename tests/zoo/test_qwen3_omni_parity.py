@@ -342,3 +342,39 @@ def test_talker_codes_match_with_an_image_in_the_user_turn(
     assert talker_prompt.positions3 is not None
     assert torch.equal(talker_prompt.positions3, expected[:, 0].long())
     assert talker_prompt.rope_delta == int(delta) < 0
+
+
+def test_bfloat16_computes_what_transformers_computes_in_bfloat16(
+    checkpoint: Path, ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
+) -> None:
+    """In the checkpoint's bfloat16 (as transformers runs it): the thinker's logits equal
+    transformers' bfloat16 logits, and every product is within bfloat16 tolerance of float32."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeForConditionalGeneration,
+    )
+
+    bf16 = load_qwen3_omni(checkpoint, config, dtype=torch.bfloat16)
+    reference16 = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.bfloat16
+    ).eval()
+    prompt = _chat(config, [50, 51, 52, 53, 54])
+    full = pipeline.run_thinker(ours, prompt, max_tokens=1).logits[0]
+    got = pipeline.run_thinker(bf16, prompt, max_tokens=1).logits[0]
+    assert got.dtype == torch.bfloat16
+    with torch.no_grad():
+        theirs = reference16.thinker(input_ids=torch.tensor([prompt])).logits[0, -1]
+    scale = float(full.abs().max())
+    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=2e-3 * scale)  # measured: equal
+    assert 1e-4 * scale < float((got.float() - full).abs().max()) < 3e-2 * scale  # measured: 0.9 %
+    # The audio encoder and Code2Wav, against float32 (transformers' bfloat16 Code2Wav: 3.8 %).
+    _, _, tokens = _audio_prompt(ours, config, frames=130)
+    _, _, tokens16 = _audio_prompt(bf16, config, frames=130)
+    assert float((tokens16.float() - tokens).abs().max()) < 2e-2 * float(tokens.abs().max())  # 0.5 %
+    codes = torch.randint(
+        0, config.codebook_size, (config.num_code_groups, 60), generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        wave = ours.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[0, 0]
+        wave16 = bf16.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[0, 0]
+    assert wave16.dtype == torch.bfloat16
+    assert float((wave16.float() - wave).abs().max()) < 0.1 * float(wave.abs().max())  # 3.3 %
