@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from mstar.errors import CheckpointError
 from mstar.zoo.bagel.checkpoint import (
+    LLM_PARTS,
     from_checkpoint_name,
     load_bagel,
     make_random_checkpoint,
@@ -151,3 +152,63 @@ def test_clear_errors(written: Path, config: BagelConfig, tmp_path: Path) -> Non
         load_bagel(tmp_path / "nojson", config)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_bagel(tmp_path / "nowhere", config)
+
+
+def test_each_rank_loads_only_its_nodes_weights(
+    written: Path, config: BagelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank holding only the VAE nodes reads no ``ema.safetensors`` tensor; one adding the ViT
+    reads the ViT's; the LLM's nodes read the rest; the result equals a whole load."""
+    from mstar.zoo.bagel import checkpoint as module
+    from mstar.zoo.bagel.model import NODE_PARTS, BagelModel
+
+    read: list[str] = []
+    real = module.safe_open
+
+    class Counted:
+        def __init__(self, path: str, **kwargs: object) -> None:
+            self.path, self.handle = Path(path).name, real(path, **kwargs)
+
+        def __enter__(self) -> Counted:
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.handle.keys())
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(f"{self.path}:{name}")
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(module, "safe_open", Counted)
+    model = BagelModel("bagel-tiny", checkpoint=str(written))
+    assert set(NODE_PARTS) == set(model.graph().nodes)
+    cpu = torch.device("cpu")
+    model.submodule("vae_decoder", cpu)
+    weights, vae = model.load(cpu, ["vae_encoder"])  # nothing new
+    assert read and all(r.startswith("ae.safetensors:") for r in read)
+    assert all(p.is_meta for p in weights.parameters()) and not any(p.is_meta for p in vae.parameters())
+    read.clear()
+    model.submodule("vit", cpu)
+    assert {r.split(":")[1].split(".")[0] for r in read} == {"vit_model", "connector", "vit_pos_embed"}
+    assert weights.language_model.model.embed_tokens.weight.is_meta
+    image = torch.rand(3, 2 * config.vit.patch_size, 3 * config.vit.patch_size) * 2 - 1
+    vit_tokens = weights.embed_vit(image)
+    read.clear()
+    model.submodule("denoise_cfg_text", cpu)
+    assert model.load(cpu)[0] is weights
+    assert not any(p.is_meta for p in weights.parameters())
+    assert {r.split(":")[1].split(".")[0] for r in read} == set(LLM_PARTS) and len(read) == len(set(read))
+    whole, whole_vae = load_bagel(written, config)
+    whole.fuse_for_inference()  # as the model does once the LLM's weights are in
+    assert weights.state_dict().keys() == whole.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(weights.state_dict()[name], tensor), name
+    for name, tensor in whole_vae.state_dict().items():
+        assert torch.equal(vae.state_dict()[name], tensor), name
+    assert torch.equal(vit_tokens, whole.embed_vit(image))
+    with pytest.raises(ValueError, match="no weights"):
+        load_bagel(written, config, parts=["vit", "talker"])

@@ -37,7 +37,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,9 @@ __all__ = [
     "check_tokens",
     "config_from_checkpoint",
     "from_checkpoint_name",
+    "LLM_PARTS",
+    "PARTS",
+    "VIT_PARTS",
     "load_bagel",
     "make_random_checkpoint",
     "to_checkpoint_name",
@@ -304,38 +307,63 @@ def _check_files(directory: Path, config: BagelConfig) -> tuple[dict[str, tuple[
     return found, expected
 
 
+LLM_PARTS = ("language_model", "time_embedder", "vae2llm", "llm2vae", "latent_pos_embed")
+"""The modules of `BagelWeights` the LLM's nodes read."""
+VIT_PARTS = ("vit_model", "connector", "vit_pos_embed")
+"""The modules of `BagelWeights` the ViT node reads."""
+PARTS = (*LLM_PARTS, *VIT_PARTS, "vae")
+"""What `load_bagel` can load apart: the modules of ``ema.safetensors``, and the VAE."""
+
+
 def load_bagel(
     checkpoint_dir: str | Path,
     config: BagelConfig,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    parts: Iterable[str] | None = None,
+    into: tuple[BagelWeights, FluxVAE] | None = None,
 ) -> tuple[BagelWeights, FluxVAE]:
     """Load a checkpoint directory: `BagelWeights` from ``ema.safetensors``, the VAE from ``ae.safetensors``.
 
     Both JSON configs, every name and every shape are checked before weights are allocated.
+    Only ``parts`` (default: all of `PARTS`) are read; the others stay on the meta device.
+    ``into`` is a pair an earlier call returned: the parts it lacks are added to it.
 
     Raises:
         CheckpointError: A file is missing or disagrees with ``config``; tensors are missing,
             unexpected or misshapen.
     """
     directory = Path(checkpoint_dir)
+    wanted = set(PARTS if parts is None else parts)
+    if unknown := sorted(wanted - set(PARTS)):
+        raise ValueError(f"BAGEL has no weights {unknown}; its parts are {', '.join(PARTS)}")
     found, expected = _check_files(directory, config)
-    with torch.device("meta"):
-        weights = BagelWeights(config)
-    weights = weights.to(dtype=dtype)
-    weights.to_empty(device=device)
-    _reset_buffers(weights)
+    if into is None:
+        with torch.device("meta"):
+            weights, vae = BagelWeights(config).to(dtype=dtype), FluxVAE(config.vae).to(dtype=dtype)
+    else:
+        weights, vae = into
+    todo = [p for p in PARTS if p in wanted and _on_meta(vae if p == "vae" else getattr(weights, p))]
+    from_ema = [p for p in todo if p != "vae"]
+    for part in from_ema:
+        getattr(weights, part).to_empty(device=device)
+    if "vit_model" in from_ema:
+        _reset_buffers(weights)
     targets = weights.state_dict(keep_vars=True)
     with torch.no_grad(), safe_open(str(directory / EMA_FILE), framework="pt") as f:
         for mine, (ckpt, _) in found.items():
-            targets[mine].copy_(_from_checkpoint_tensor(mine, f.get_tensor(ckpt), expected[mine]))
-    vae = FluxVAE(config.vae)
-    with safe_open(str(directory / AE_FILE), framework="pt") as f:
-        ae = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    vae.load_bfl(ae)
-    vae = vae.to(device=device, dtype=dtype)
+            if mine.split(".", 1)[0] in from_ema:
+                targets[mine].copy_(_from_checkpoint_tensor(mine, f.get_tensor(ckpt), expected[mine]))
+    if "vae" in todo:
+        vae.to_empty(device=device)
+        with safe_open(str(directory / AE_FILE), framework="pt") as f:
+            vae.load_bfl({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
     return weights.eval().requires_grad_(False), vae.eval().requires_grad_(False)
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 def _reset_buffers(weights: BagelWeights) -> None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
@@ -80,6 +80,9 @@ from mstar.runtime.model import (
 from mstar.runtime.params import GenerationParams, TaskOptions
 from mstar.zoo.bagel.checkpoint import (
     LLM_CONFIG,
+    LLM_PARTS,
+    PARTS,
+    VIT_PARTS,
     cached_random_checkpoint,
     check_tokens,
     config_from_checkpoint,
@@ -139,6 +142,14 @@ def denoise_node(branch: str) -> str:
 _PREFILLS = ("llm", "llm_vit", "llm_vae")
 LLM_NODES = (*_PREFILLS, *(denoise_node(b) for b in BRANCHES))
 _CONTEXT_READERS = (*LLM_NODES, "vit", "vae_encoder")
+NODE_PARTS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(LLM_NODES, LLM_PARTS),
+    "vit": VIT_PARTS,
+    "vae_encoder": ("vae",),
+    "vae_decoder": ("vae",),
+    "cfg_combine": (),
+}
+"""The weights (`mstar.zoo.bagel.checkpoint.PARTS`) each node reads."""
 # Who gets which context inputs (the large values: ViT embeddings, latents): the prefills
 # the full ones, to append to; each branch its own context's, to rebuild it on a rank of its own.
 _PARTS_READERS = {parts_input(b): [denoise_node(b)] for b in BRANCHES}
@@ -300,14 +311,21 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         """Every task takes `BagelOptions` (the flow's only where an image is drawn)."""
         return BagelOptions
 
-    def load(self, device: torch.device) -> tuple[BagelWeights, FluxVAE]:
-        """Load the weights onto ``device`` once (every node of a rank shares them)."""
+    def load(self, device: torch.device, nodes: Iterable[str] | None = None) -> tuple[BagelWeights, FluxVAE]:
+        """Load the weights ``nodes`` read onto ``device`` (default: every node's).
+
+        Every node of a rank shares one copy; each call reads only the parts not loaded there
+        yet (`NODE_PARTS`), and what no node there reads stays on the meta device.
+        """
+        parts = PARTS if nodes is None else tuple(dict.fromkeys(p for n in nodes for p in NODE_PARTS[n]))
         with self._loading:  # ranks in one process build their engines on threads of their own
-            if device not in self._loaded:
-                weights, vae = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype)
+            loaded = self._loaded.get(device)
+            needs_llm = loaded is None or loaded[0].vae2llm.weight.is_meta
+            weights, vae = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype, parts=parts, into=loaded)
+            if needs_llm and "language_model" in parts:
                 weights.fuse_for_inference()
-                self._loaded[device] = weights, vae
-            return self._loaded[device]
+            self._loaded[device] = weights, vae
+            return weights, vae
 
     def submodule(self, node: str, device: torch.device) -> Any:
         """Return a node's computation on ``device``.
@@ -315,7 +333,9 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         A CFG branch node asked for here runs on an engine of its own (it is placed away
         from ``llm``): that engine builds the branch's context itself.
         """
-        weights, vae = self.load(device)
+        if node not in NODE_PARTS:
+            raise KeyError(node)
+        weights, vae = self.load(device, [node])
         if node in LLM_NODES:
             branch = next((b for b in BRANCHES if denoise_node(b) == node), None)
             return LLMNode(weights, branch=branch)

@@ -159,7 +159,7 @@ class BagelWeights(nn.Module):
         cfg = self.config.vit
         p = cfg.patch_size
         h, w = image.shape[1] // p, image.shape[2] // p
-        positions = flattened_positions(h, w, cfg.max_patches_per_side).to(self.vae2llm.weight.device)
+        positions = flattened_positions(h, w, cfg.max_patches_per_side).to(self.connector.fc1.weight.device)
         states = self.vit_model.encode(patchify(image.to(positions.device, self._dtype), p), positions)
         return connector_output(self.connector, self.vit_pos_embed, states, positions)
 
