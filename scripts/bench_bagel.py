@@ -50,6 +50,7 @@ import torch
 from PIL import Image
 from rich.console import Console
 
+from mstar.baselines.bagel import build_context
 from mstar.bench import (
     BenchRequest,
     BenchResult,
@@ -66,9 +67,9 @@ from mstar.bench import (
 from mstar.runtime import AsyncEngine, EngineConfig, Request
 from mstar.zoo.bagel.context import branch_items
 from mstar.zoo.bagel.flow import CFG_IMG, CFG_TEXT, COND, FlowSpec, guidance
+from mstar.zoo.bagel.latents import decode_image, latent_grid
 from mstar.zoo.bagel.model import BagelModel
 from mstar.zoo.bagel.nodes import png_bytes
-from mstar.zoo.bagel.reference import build_context, decode_image, latent_grid
 
 PROMPTS = ("a red cube on a table", "a lighthouse at dusk", "two cats in the snow", "a bowl of ramen", "a city at night")
 EDITS = ("make it blue", "add a hat", "turn it into a painting", "make it night", "remove the background")

@@ -149,7 +149,7 @@ class DenseKVSampler:
     The prefix runs once through the VLM layers, keeping each layer's (rotated) keys and values;
     every Euler step runs the action tokens through the action expert, attending to
     [prefix K/V ; their own K/V] (the prefix never sees the actions). The per-layer math is
-    `mstar.zoo.pi05.reference.naive_velocity`'s, split at the cache.
+    `mstar.baselines.pi05.naive_velocity`'s, split at the cache.
     """
 
     def __init__(self, weights: Pi05Weights) -> None:

@@ -41,6 +41,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mstar.baselines.vjepa2 import native_rollout
 from mstar.bench import (
     BenchRequest,
     CallableTarget,
@@ -51,7 +52,7 @@ from mstar.bench import (
     run_benchmark,
 )
 from mstar.runtime import AsyncEngine, EngineConfig, Output, Request
-from mstar.zoo.vjepa2 import VJepa2Model, load_encoder, load_predictor, native_rollout
+from mstar.zoo.vjepa2 import VJepa2Model, load_encoder, load_predictor
 from mstar.zoo.vjepa2.inputs import prepare_image
 
 TARGET_RATIO = 12.5  # the paper's speed-up at H = 30

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "mstar"
 # Lowest first; a package may import only packages before it (and itself).
 LAYERS = [
     "errors", "wire", "transport", "actors", "streaming", "graph", "engines", "progress", "runtime",
-    "bench", "zoo", "client", "server", "demo", "cli", "__init__",
+    "bench", "zoo", "baselines", "client", "server", "demo", "cli", "__init__",
 ]  # fmt: skip
 
 

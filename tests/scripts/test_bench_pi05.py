@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from mstar.baselines.pi05 import naive_sample_actions
 from mstar.runtime import Request
 from mstar.zoo.pi05.model import Pi05Model
 from mstar.zoo.pi05.modules import PrefixInput
-from mstar.zoo.pi05.reference import naive_sample_actions
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pi05.py"
 

@@ -16,10 +16,10 @@ import openai
 import pytest
 from PIL import Image
 
+from mstar.baselines.bagel import reference_generate, reference_understand
 from mstar.runtime import Request
 from mstar.zoo.bagel.model import BagelModel
 from mstar.zoo.bagel.nodes import png_bytes
-from mstar.zoo.bagel.reference import reference_generate, reference_understand
 from tests.server.conftest import RunningServer, running_server
 
 MODEL = "bagel-tiny"

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+from mstar.baselines.bagel import reference_generate, reference_understand
 from mstar.errors import CheckpointError
 from mstar.runtime import AsyncEngine, Output, Request
 from mstar.zoo.bagel.checkpoint import (
@@ -46,7 +47,6 @@ from mstar.zoo.bagel.config import (
 )
 from mstar.zoo.bagel.model import BagelModel
 from mstar.zoo.bagel.nodes import VaeEncoderNode, VaeLatents
-from mstar.zoo.bagel.reference import reference_generate, reference_understand
 from mstar.zoo.bagel.vae import bfl_vae_shapes
 from mstar.zoo.bagel.vision import patchify
 from mstar.zoo.bagel.weights import BagelWeights

@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
+from mstar.baselines.bagel import reference_generate, reference_understand
+from mstar.baselines.bagel_walks import dense_nodes
 from mstar.graph import run_reference
 from mstar.runtime import AsyncEngine, Output, Request
-from mstar.zoo.bagel.dense_walks import dense_nodes
 from mstar.zoo.bagel.model import BagelModel
-from mstar.zoo.bagel.reference import reference_generate, reference_understand
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

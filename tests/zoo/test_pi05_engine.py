@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from mstar.baselines.pi05 import naive_sample_actions
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.zoo.pi05.config import get_pi05_config
 from mstar.zoo.pi05.modules import Pi05Weights, PrefixInput
 from mstar.zoo.pi05.nodes import CACHED, LLMNode, VisionNode
-from mstar.zoo.pi05.reference import naive_sample_actions
 
 CFG = get_pi05_config("pi05-tiny")
 

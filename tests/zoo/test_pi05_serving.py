@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mstar.baselines.pi05 import naive_sample_actions
 from mstar.errors import MStarError
 from mstar.runtime import AsyncEngine, EngineConfig, Placement, Request
 from mstar.zoo import resolve_model
@@ -17,7 +18,6 @@ from mstar.zoo.pi05.model import Pi05Model
 from mstar.zoo.pi05.modules import Pi05Weights, PrefixInput
 from mstar.zoo.pi05.nodes import VisionNode
 from mstar.zoo.pi05.policy import droid_actions
-from mstar.zoo.pi05.reference import naive_sample_actions
 
 from ..helpers import wait_until_idle
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mstar.baselines.vjepa2 import native_rollout
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.errors import (
     EngineClosedError,
@@ -30,7 +31,6 @@ from mstar.zoo.vjepa2 import (
     get_vjepa2_config,
     load_predictor,
     make_random_checkpoint,
-    native_rollout,
 )
 
 CFG = get_vjepa2_config("vjepa2-tiny")

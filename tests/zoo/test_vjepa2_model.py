@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mstar.baselines.vjepa2 import native_rollout
 from mstar.engines import layers
 from mstar.errors import CheckpointError, UnsupportedModelError
 from mstar.zoo.vjepa2 import (
@@ -21,7 +22,6 @@ from mstar.zoo.vjepa2 import (
     load_encoder,
     load_predictor,
     make_random_checkpoint,
-    native_rollout,
     random_state_dicts,
     read_part,
 )

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mstar.baselines.vjepa2 import native_rollout
 from mstar.errors import WalkExecutionError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Output, Placement, Request
 from mstar.runtime.conductor_core import Command, Deliver
@@ -21,7 +22,6 @@ from mstar.zoo.vjepa2 import (
     load_encoder,
     load_predictor,
     make_random_checkpoint,
-    native_rollout,
     plan_with,
 )
 from mstar.zoo.vjepa2.inputs import prepare_image

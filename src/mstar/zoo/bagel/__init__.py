@@ -3,7 +3,7 @@
 One paged cache holds each request's contexts (text, ViT and VAE image tokens); image
 generation is a rectified-flow loop whose steps query up to three of those contexts read-only
 (classifier-free guidance), running only the branches a step needs. The dense reference
-(`reference_generate`) recomputes every context with its own cache.
+(`mstar.baselines.bagel.reference_generate`) recomputes every context with its own cache.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from mstar.zoo.bagel.checkpoint import config_from_checkpoint
 from mstar.zoo.bagel.config import BAGEL_CONFIGS, BagelConfig, get_bagel_config
 from mstar.zoo.bagel.flow import FlowSpec, guidance
 from mstar.zoo.bagel.model import BagelModel, make_bagel_graph
-from mstar.zoo.bagel.reference import reference_generate, reference_understand
 from mstar.zoo.bagel.weights import BagelWeights, ImageInput, TextInput
 
 __all__ = [
@@ -27,6 +26,4 @@ __all__ = [
     "get_bagel_config",
     "guidance",
     "make_bagel_graph",
-    "reference_generate",
-    "reference_understand",
 ]

@@ -35,6 +35,7 @@ from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.zoo.bagel.context import Context, ContextState, Part, Parts, TextItem
 from mstar.zoo.bagel.flow import BRANCHES
+from mstar.zoo.bagel.latents import latent_grid
 from mstar.zoo.bagel.llm import GEN
 from mstar.zoo.bagel.nodes import (
     FlowState,
@@ -45,7 +46,6 @@ from mstar.zoo.bagel.nodes import (
     query_input,
     velocity_output,
 )
-from mstar.zoo.bagel.reference import latent_grid
 from mstar.zoo.bagel.weights import BagelWeights, ImageInput, TextInput
 
 __all__ = ["LLMNode"]

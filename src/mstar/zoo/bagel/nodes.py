@@ -28,7 +28,7 @@ from mstar.zoo.bagel.context import (
     item_of,
 )
 from mstar.zoo.bagel.flow import BRANCHES, CFG_IMG, CFG_TEXT, COND, FlowSpec, guidance
-from mstar.zoo.bagel.reference import decode_image, vae_tokens
+from mstar.zoo.bagel.latents import decode_image, vae_tokens
 from mstar.zoo.bagel.vae import FluxVAE
 from mstar.zoo.bagel.weights import BagelWeights
 

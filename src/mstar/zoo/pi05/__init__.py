@@ -3,8 +3,8 @@
 The prefix (camera images through SigLIP, then the prompt with the binned state) is written once
 per request with full bidirectional attention; each of the ten Euler steps runs the action
 tokens through the action expert, reading the prefix read-only, every robot's step in one batch.
-The naive loop that recomputes prefix and suffix at every step is kept as the reference
-(`naive_sample_actions`).
+The naive loop that recomputes prefix and suffix at every step is the reference
+(`mstar.baselines.pi05.naive_sample_actions`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from mstar.zoo.pi05.config import (
 )
 from mstar.zoo.pi05.modules import ActionInput, Pi05Weights, PrefixInput
 from mstar.zoo.pi05.nodes import LLMNode, VisionNode
-from mstar.zoo.pi05.reference import naive_sample_actions, naive_velocity
 
 __all__ = [
     "PI05_CONFIGS",
@@ -31,6 +30,4 @@ __all__ = [
     "VisionConfig",
     "VisionNode",
     "get_pi05_config",
-    "naive_sample_actions",
-    "naive_velocity",
 ]

@@ -3,7 +3,8 @@
 The rollout is a `DynamicLoop` over the predictor, a KV-cache node whose engine keeps each
 request's frames in the paged KV cache (block-causal: each frame block a full-mask chunk)
 and computes only the newest frame block per step; the
-upstream loop that recomputes every frame is kept as the baseline (`native_rollout`).
+upstream loop that recomputes every frame is the baseline
+(`mstar.baselines.vjepa2.native_rollout`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from mstar.zoo.vjepa2.model import (
     VJepa2Model,
     make_vjepa2_graph,
 )
-from mstar.zoo.vjepa2.native import native_rollout, native_step
 from mstar.zoo.vjepa2.pose import POSE_DIM, integrate_pose
 from mstar.zoo.vjepa2.predictor import ACPredictor, FrameInput, PagedACPredictor, block_causal_mask
 
@@ -88,8 +88,6 @@ __all__ = [
     "load_predictor",
     "make_random_checkpoint",
     "make_vjepa2_graph",
-    "native_rollout",
-    "native_step",
     "parts_dtype",
     "plan_with",
     "random_state_dicts",

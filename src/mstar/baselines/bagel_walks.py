@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from mstar.baselines.bagel import DenseContext
 from mstar.graph import NodeFn
 from mstar.zoo.bagel.context import ContextState, TextItem
 from mstar.zoo.bagel.flow import BRANCHES, CFG_IMG, CFG_TEXT, COND
+from mstar.zoo.bagel.latents import latent_grid
 from mstar.zoo.bagel.model import BagelModel, denoise_node
 from mstar.zoo.bagel.nodes import (
     CombineNode,
@@ -29,7 +31,6 @@ from mstar.zoo.bagel.nodes import (
     query_input,
     velocity_output,
 )
-from mstar.zoo.bagel.reference import DenseContext, latent_grid
 from mstar.zoo.bagel.weights import ImageInput, TextInput
 
 __all__ = ["dense_nodes"]

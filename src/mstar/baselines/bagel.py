@@ -1,4 +1,4 @@
-"""The dense BAGEL reference: each CFG context recomputed with its own dense cache, in fp32.
+"""BAGEL's dense reference: each CFG context recomputed with its own dense cache, in fp32.
 
 Nothing is paged, forked or shared: every context is built from its own items
 (`branch_items`) into plain per-layer key/value tensors, and every step of the flow queries
@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from mstar.zoo.bagel.context import ImageItem, Item, TextItem, branch_items
 from mstar.zoo.bagel.flow import CFG_IMG, CFG_TEXT, COND, FlowSpec, guidance
+from mstar.zoo.bagel.latents import decode_image, latent_grid, vae_tokens
 from mstar.zoo.bagel.vae import FluxVAE
-from mstar.zoo.bagel.vision import flattened_positions, patchify, unpatchify
 from mstar.zoo.bagel.weights import BagelWeights, ImageInput, TextInput
 
-__all__ = ["DenseContext", "decode_image", "reference_generate", "reference_understand", "vae_tokens"]
+__all__ = ["DenseContext", "build_context", "reference_generate", "reference_understand"]
 
 
 @dataclass
@@ -75,19 +75,6 @@ class DenseContext:
         return self.weights.llm2vae(hidden[1:-1]).float()
 
 
-def vae_tokens(vae: FluxVAE, image: torch.Tensor, patch: int, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Return an image's latent tokens ``[h*w, p*p*z]`` (``image`` ``[3, H, W]`` in [-1, 1]).
-
-    ``noise`` ``[z, H/8, W/8]``: the posterior sample's noise (None: the posterior mean).
-    """
-    return patchify(vae.encode(image[None], None if noise is None else noise[None])[0].float(), patch)
-
-
-def latent_grid(weights: BagelWeights, height: int, width: int) -> torch.Tensor:
-    """Return the latent table positions of an ``height x width`` token grid."""
-    return flattened_positions(height, width, weights.config.max_latent_size)
-
-
 @torch.inference_mode()
 def build_context(weights: BagelWeights, vae: FluxVAE | None, items: list[Item]) -> DenseContext:
     """Prefill one context from its items: text, then each image's VAE and ViT tokens."""
@@ -134,15 +121,6 @@ def reference_generate(
         x = x - guidance(spec, v[COND], v.get(CFG_TEXT), v.get(CFG_IMG)) * dt
     passes = sum(c.num_passes for c in contexts.values())
     return x, decode_image(weights, vae, x, spec.height, spec.width), passes
-
-
-def decode_image(weights: BagelWeights, vae: FluxVAE, tokens: torch.Tensor, height: int, width: int) -> np.ndarray:
-    """Decode latent tokens of an ``height x width`` grid to ``[H, W, 3]`` uint8 pixels (upstream's rounding)."""
-    cfg = weights.config
-    latent = unpatchify(tokens.float(), height, width, cfg.latent_patch_size, cfg.vae.z_channels)
-    image = vae.decode(latent[None])[0].float()
-    pixels = ((image * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 0) * 255).to(torch.uint8)
-    return pixels.cpu().numpy()
 
 
 @torch.inference_mode()
