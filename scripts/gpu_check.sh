@@ -45,7 +45,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 # The gpu-marked tests (CUDA graphs, FlashInfer at real head layouts, CUDA IPC lifetimes).
 step gpu-tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeout 200 \
     --junitxml "$out/gpu_tests.xml" tests/engines/test_gpu.py tests/actors/test_cuda_ipc.py \
-    tests/zoo/test_vjepa2_engine.py
+    tests/zoo/vjepa2/test_engine.py
 # Decode steps: torch vs FlashInfer, eager vs CUDA graphs; CUDA IPC vs host shared memory.
 step bench-gpu 150 "$py" scripts/bench_gpu.py --json "$out/bench_gpu.json" --markdown "$out/bench_gpu.md"
 # The zoo's benchmarks on the device, c = 1 and 16, each against its own baseline.

@@ -6,6 +6,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
+from mstar.engines import SamplingParams, Sequence
 from mstar.graph import Emission
 from mstar.runtime import Placement
 from mstar.runtime.conductor_core import (
@@ -22,6 +23,22 @@ from mstar.runtime.walk_runner import ValueKey
 from mstar.runtime.worker_core import WorkerConfig, WorkerCore
 
 Slot = tuple[str, str]
+
+
+def make_sequence(
+    tokens: list[int],
+    params: SamplingParams | None = None,
+    *,
+    arrival: int = 0,
+    walk_start: int | None = None,
+    **kwargs: Any,
+) -> Sequence:
+    """Return an engine `Sequence` ``s{arrival}`` of ``tokens`` (default sampling params);
+    ``walk_start``: where its current walk's tokens begin (what penalties count)."""
+    seq = Sequence(f"s{arrival}", tokens, params if params is not None else SamplingParams(), arrival=arrival, **kwargs)
+    if walk_start is not None:
+        seq.walk_start = walk_start
+    return seq
 
 
 class Direct:

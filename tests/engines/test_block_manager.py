@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from mstar.engines import BlockManager, SamplingParams, Sequence
-
-
-def _seq(tokens: list[int], arrival: int = 0) -> Sequence:
-    return Sequence(f"s{arrival}", tokens, SamplingParams(), arrival=arrival)
+from tests.helpers import make_sequence
 
 
 def test_append_allocates_whole_blocks_and_reports_when_full() -> None:
     bm = BlockManager(num_blocks=3, block_size=4)
-    seq = _seq(list(range(10)))
+    seq = make_sequence(list(range(10)))
     assert bm.blocks_needed(seq, 10) == 3
     assert bm.can_append(seq, 10) and bm.append(seq, 10) == []
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 0
     seq.num_computed_tokens = 10
     assert bm.can_append(seq, 2)  # slots 10, 11 are in the last block
     assert not bm.can_append(seq, 3)  # a fourth block does not exist: a value, no raise
-    other = _seq([1])
+    other = make_sequence([1])
     assert not bm.can_append(other, 1)
     bm.free(seq)
     assert bm.num_free_blocks == 3 and seq.block_table == [] and seq.num_computed_tokens == 0
@@ -27,10 +24,10 @@ def test_append_allocates_whole_blocks_and_reports_when_full() -> None:
 
 def test_fork_shares_and_copies_the_partial_block_on_write() -> None:
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    parent = _seq(list(range(6)))
+    parent = make_sequence(list(range(6)))
     bm.append(parent, 6)
     parent.num_computed_tokens = 6
-    child = _seq(list(range(6)), arrival=1)
+    child = make_sequence(list(range(6)), arrival=1)
     bm.fork(parent, child)
     assert child.block_table == parent.block_table
     assert bm.ref_counts[parent.block_table[0]] == 2
@@ -48,25 +45,25 @@ def test_fork_shares_and_copies_the_partial_block_on_write() -> None:
 
 def test_prefix_blocks_are_found_again_until_reused() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
-    first = _seq([1, 2, 3, 4, 5])
+    first = make_sequence([1, 2, 3, 4, 5])
     bm.append(first, 5)
     first_blocks = list(first.block_table)
     bm.free(first)
-    second = _seq([1, 2, 3, 4, 9], arrival=1)
+    second = make_sequence([1, 2, 3, 4, 9], arrival=1)
     assert bm.allocate_cached_prefix(second) == 4  # two full blocks found
     assert second.block_table == first_blocks[:2]
     bm.append(second, 1)
     # The whole prompt cached: one token is still left to compute.
-    third = _seq([1, 2, 3, 4], arrival=2)
+    third = make_sequence([1, 2, 3, 4], arrival=2)
     assert bm.allocate_cached_prefix(third) == 2
     bm.check_invariants([second, third])
     bm.free(second)
     bm.free(third)
     # Fill the cache with other tokens: the old prefix is evicted (least recently freed first).
-    filler = _seq(list(range(100, 108)), arrival=3)
+    filler = make_sequence(list(range(100, 108)), arrival=3)
     bm.append(filler, 8)
     bm.free(filler)
-    fourth = _seq([1, 2, 3, 4, 5], arrival=4)
+    fourth = make_sequence([1, 2, 3, 4, 5], arrival=4)
     assert bm.allocate_cached_prefix(fourth) == 0
     bm.check_invariants([fourth])
 
@@ -85,16 +82,16 @@ def test_a_cached_prefix_is_not_revived_out_of_another_sequences_reservation() -
     """A free block that still holds a cached prefix counts as free: taking it back for a new
     sequence must not eat into blocks held back for a reservation."""
     bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
-    done = _seq([1, 2, 3])
+    done = make_sequence([1, 2, 3])
     bm.append(done, 3)
     done.num_computed_tokens = 3
     bm.free(done)  # its first block stays cached, free
-    reserving = _seq([9], arrival=1)
+    reserving = make_sequence([9], arrival=1)
     bm.append(reserving, 1)
     reserving.num_computed_tokens = 1
     assert bm.can_reserve(reserving, 5)
     bm.reserve(reserving, 5)  # the two free blocks are held back
-    newcomer = _seq([1, 2, 7], arrival=2)
+    newcomer = make_sequence([1, 2, 7], arrival=2)
     assert bm.allocate_cached_prefix(newcomer) == 0  # the cached block is not taken
     assert bm.can_append(reserving, 4)
     bm.free(newcomer)
@@ -106,15 +103,15 @@ def test_a_reservation_counts_the_copy_of_a_partial_block_the_cache_still_names(
     before the child writes into it, and the write then copies it. The child's reservation
     holds that block back from the start."""
     bm = BlockManager(num_blocks=5, block_size=2, enable_prefix_caching=True)
-    parent = _seq([1, 2, 3])
+    parent = make_sequence([1, 2, 3])
     bm.append(parent, 3)
     parent.num_computed_tokens = 3
-    child = _seq([1], arrival=1)
+    child = make_sequence([1], arrival=1)
     bm.fork(parent, child, 1)
     bm.free(parent)  # the child alone holds the first block, still cached as (1, 2)
     assert bm.can_reserve(child, 3)
     bm.reserve(child, 3)  # one block for token 3, one for the copy
-    newcomer = _seq([1, 2, 5, 6, 7, 8, 9], arrival=2)
+    newcomer = make_sequence([1, 2, 5, 6, 7, 8, 9], arrival=2)
     assert bm.allocate_cached_prefix(newcomer) == 2  # shares the child's block
     assert not bm.can_append(newcomer, 5)  # three more blocks would leave the child short
     assert bm.can_append(child, 2)

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mstar.engines import BlockManager, SamplingParams, Sequence
+from mstar.engines import BlockManager, Sequence
+from tests.helpers import make_sequence
 
 ALPHABET = 3  # few token values: identical prefixes (hash hits) are common
 MAX_LEN = 24
@@ -50,8 +51,7 @@ class BlockTableMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------
 
     def _new(self, tokens: list[int]) -> Sequence:
-        arrival = next(self.ids)
-        return Sequence(f"s{arrival}", tokens, SamplingParams(), arrival=arrival)
+        return make_sequence(tokens, arrival=next(self.ids))
 
     def _write(self, seq: Sequence, num_new: int) -> None:
         """Append `num_new` tokens of `seq` (already in `token_ids`) like the runner would."""

@@ -17,6 +17,7 @@ from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import InvalidSamplingParamsError, KVCacheCapacityError
 from mstar.zoo.llama import LlamaCausalLM
+from tests.helpers import make_sequence
 
 from .conftest import make_tiny_llama
 
@@ -60,24 +61,18 @@ def test_seeds_take_the_whole_64_bit_range() -> None:
 # --- penalties and log-probabilities ---------------------------------------------------------
 
 
-def _seq(params: SamplingParams, tokens: list[int], walk_start: int) -> Sequence:
-    seq = Sequence("r", tokens, params, arrival=0)
-    seq.walk_start = walk_start
-    return seq
-
-
 def test_presence_and_frequency_penalties_follow_openai() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
     params = SamplingParams(
         temperature=0.0, presence_penalty=0.5, frequency_penalty=1.5, prompt_len=2
     )
     # Prompt [4, 4] does not count; generated 4, 3, 3 do.
-    seq = _seq(params, [4, 4, 4, 3, 3], walk_start=5)
+    seq = make_sequence([4, 4, 4, 3, 3], params, walk_start=5)
     got = Sampler._apply_presence_frequency(logits.clone(), [seq])
     expected = torch.tensor([[1.0, 2.0, 3.0, 4.0 - 0.5 - 2 * 1.5, 5.0 - 0.5 - 1.5]])
     torch.testing.assert_close(got, expected)
     # Without prompt_len, the tokens of the current walk count.
-    seq = _seq(SamplingParams(temperature=0.0, presence_penalty=1.0), [0, 1, 2], walk_start=2)
+    seq = make_sequence([0, 1, 2], SamplingParams(temperature=0.0, presence_penalty=1.0), walk_start=2)
     torch.testing.assert_close(
         Sampler._apply_presence_frequency(logits.clone(), [seq]),
         logits - torch.tensor([0, 0, 1.0, 0, 0]),
@@ -86,10 +81,10 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
 
 def test_a_penalty_changes_the_greedy_pick_and_zero_changes_nothing() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.9]])
-    plain = _seq(SamplingParams(temperature=0.0), [1, 1], walk_start=1)
+    plain = make_sequence([1, 1], SamplingParams(temperature=0.0), walk_start=1)
     assert Sampler()(logits.clone(), [plain]).tolist() == [1]
-    penalised = _seq(
-        SamplingParams(temperature=0.0, frequency_penalty=0.2, prompt_len=1), [1, 1], walk_start=1
+    penalised = make_sequence(
+        [1, 1], SamplingParams(temperature=0.0, frequency_penalty=0.2, prompt_len=1), walk_start=1
     )
     assert Sampler()(logits.clone(), [penalised]).tolist() == [2]
 

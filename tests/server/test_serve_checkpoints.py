@@ -33,10 +33,10 @@ from mstar.zoo.bagel.checkpoint import make_random_checkpoint as make_bagel
 from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig, get_qwen3_omni_config
 from tests.server.conftest import running_server
-from tests.zoo.test_bagel_checkpoint_config import CUSTOM as BAGEL_CUSTOM
-from tests.zoo.test_bagel_checkpoint_config import write_published_jsons
-from tests.zoo.test_vjepa2_checkpoint_config import CUSTOM as VJEPA_CUSTOM
-from tests.zoo.test_vjepa2_checkpoint_config import write_upstream
+from tests.zoo.bagel.test_checkpoint_config import CUSTOM as BAGEL_CUSTOM
+from tests.zoo.bagel.test_checkpoint_config import write_published_jsons
+from tests.zoo.vjepa2.test_checkpoint_config import CUSTOM as VJEPA_CUSTOM
+from tests.zoo.vjepa2.test_checkpoint_config import write_upstream
 
 SETTINGS = {"temperature": 0.0, "max_tokens": 8, "seed": 1}
 MESSAGES = [{"role": "user", "content": "Say something about checkpoints."}]
@@ -186,7 +186,7 @@ def test_a_pi05_libero_checkpoint_serves_the_openpi_client_from_its_path(tmp_pat
 
     from mstar.zoo.pi05.checkpoint import make_random_checkpoint as make_pi05
     from mstar.zoo.pi05.model import Pi05Model
-    from tests.zoo.test_pi05_robots import custom, robot_observation, run_model
+    from tests.zoo.pi05.test_robots import custom, robot_observation, run_model
 
     directory = make_pi05(custom("libero"), tmp_path / "pi05-libero-ft", config_format="lerobot")
     observation = robot_observation("libero", 7)

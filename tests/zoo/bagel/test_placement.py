@@ -19,11 +19,11 @@ import torch
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Output, Request
 from mstar.runtime.placement import Placement
 from mstar.zoo.bagel.model import BagelModel
-from tests.zoo.test_bagel_engine import by_name, edit, t2i
+from tests.zoo.bagel.test_engine import by_name, edit, t2i
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CFG_PARALLEL = Path(__file__).parents[2] / "examples" / "bagel_cfg_parallel.yaml"
+CFG_PARALLEL = Path(__file__).parents[3] / "examples" / "bagel_cfg_parallel.yaml"
 # Both branches on one rank of their own (fewer processes to start).
 TWO_RANKS = """
 node_groups:

@@ -22,7 +22,7 @@ from mstar.zoo.orpheus import (
     make_random_checkpoint,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,8 +18,7 @@ from mstar.zoo.pi05.model import Pi05Model
 from mstar.zoo.pi05.modules import Pi05Weights, PrefixInput
 from mstar.zoo.pi05.nodes import VisionNode
 from mstar.zoo.pi05.policy import droid_actions
-
-from ..helpers import wait_until_idle
+from tests.helpers import wait_until_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
