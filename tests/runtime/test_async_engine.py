@@ -24,7 +24,8 @@ import torch
 from mstar.errors import PlacementError, RequestAbortedError, WalkExecutionError
 from mstar.graph import Emission, run_reference
 from mstar.runtime import Placement
-from mstar.runtime.async_engine import CONDUCTOR_PROCESS, AsyncEngine, EngineConfig, EngineStats
+from mstar.runtime.async_engine import CONDUCTOR_PROCESS, AsyncEngine
+from mstar.runtime.engine_config import EngineConfig, EngineStats
 from mstar.runtime.messages import WalkStepStats
 from mstar.runtime.model import ModelSpec, Output, Request
 from mstar.transport.janitor import SHM_DIR, runtime_dir

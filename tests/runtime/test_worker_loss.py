@@ -52,14 +52,14 @@ async def test_killed_worker_fails_its_requests_and_is_restarted() -> None:
 def hold_restarts(engine: AsyncEngine) -> threading.Event:
     """Keep a lost rank down until the returned event is set (from any thread)."""
     let_back = threading.Event()
-    restart = engine._restart
+    restart = engine.ranks._restart
 
     async def held_back(rank: int) -> None:
         while not await asyncio.to_thread(let_back.wait, 0.5):  # short waits: a shutdown can cancel it
             pass
         await restart(rank)
 
-    engine._restart = held_back  # type: ignore[method-assign]
+    engine.ranks._restart = held_back  # type: ignore[method-assign]
     return let_back
 
 
@@ -100,13 +100,13 @@ async def test_requests_for_a_lost_replica_run_on_the_live_one_without_waiting()
     config = EngineConfig(worker_processes=True, offload_steps=False)
     async with await AsyncEngine.start(spec, Placement.from_yaml(replicated), config) as engine:
         let_back = asyncio.Event()
-        restart = engine._restart
+        restart = engine.ranks._restart
 
         async def held_back(rank: int) -> None:  # the lost rank stays away until the test is done
             await let_back.wait()
             await restart(rank)
 
-        engine._restart = held_back  # type: ignore[method-assign]
+        engine.ranks._restart = held_back  # type: ignore[method-assign]
         runs = [engine.run(Request("loop", {})) for _ in range(4)]
         assert [[o.data for o in out] for out in await asyncio.wait_for(asyncio.gather(*runs), 60)] == [[20]] * 4
         assert {rank: stats["a"]["steps"] > 0 for rank, stats in (await engine.stats()).items()} == {0: True, 1: True}

@@ -23,7 +23,7 @@ from mstar.bench.audio import WavStreamReader
 from mstar.bench.http_targets import GenerateTarget, ImagesTarget, SpeechTarget
 from mstar.bench.records import BenchRequest, OutputEvent, Usage
 from mstar.runtime import EngineConfig, ModelSpec
-from mstar.runtime.async_engine import EngineStats
+from mstar.runtime.engine_config import EngineStats
 from mstar.server.metrics import ServerMetrics
 from tests.server.conftest import RunningServer, running_server
 

@@ -10,3 +10,16 @@ equal them, and the benchmarks in ``scripts/`` time them side by side. Nothing h
 - `mstar.baselines.pi05`: pi0.5 recomputing prefix and suffix at every flow step.
 - `mstar.baselines.vjepa2`: V-JEPA 2-AC's upstream rollout, every frame re-run at every step.
 """
+
+from mstar.baselines.bagel import reference_generate, reference_understand
+from mstar.baselines.pi05 import naive_sample_actions, naive_velocity
+from mstar.baselines.vjepa2 import native_rollout, native_step
+
+__all__ = [
+    "naive_sample_actions",
+    "naive_velocity",
+    "native_rollout",
+    "native_step",
+    "reference_generate",
+    "reference_understand",
+]

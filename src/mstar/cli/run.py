@@ -41,7 +41,8 @@ from mstar.cli.run_request import (
 )
 from mstar.errors import MStarError, RunArgumentError
 from mstar.progress import progress
-from mstar.runtime.async_engine import AsyncEngine, EngineConfig
+from mstar.runtime.async_engine import AsyncEngine
+from mstar.runtime.engine_config import EngineConfig
 from mstar.runtime.model import (
     Model,
     ModelSpec,

@@ -20,7 +20,7 @@ from typing import Any
 
 from mstar.cli.model_args import add_model_arguments, model_kwargs
 from mstar.errors import MStarError, ServerConfigError
-from mstar.runtime.async_engine import EngineConfig
+from mstar.runtime.engine_config import EngineConfig
 from mstar.runtime.model import ModelSpec
 from mstar.runtime.placement import Placement
 from mstar.runtime.trust import check_model_factory

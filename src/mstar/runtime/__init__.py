@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from mstar.runtime.async_engine import AsyncEngine, EngineConfig, EngineStats
+from mstar.runtime.async_engine import AsyncEngine
 from mstar.runtime.conductor import Conductor
 from mstar.runtime.conductor_core import ConductorCore
+from mstar.runtime.engine_config import EngineConfig, EngineStats
 from mstar.runtime.model import (
     EngineType,
     Model,

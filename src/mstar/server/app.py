@@ -29,7 +29,8 @@ from mstar.errors import (
     OverloadedError,
     WorkerUnavailableError,
 )
-from mstar.runtime.async_engine import AsyncEngine, EngineConfig
+from mstar.runtime.async_engine import AsyncEngine
+from mstar.runtime.engine_config import EngineConfig
 from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
 from mstar.server import native, openai_routes, openpi, text_routes

@@ -42,7 +42,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.utils import floatToGoString
 
 from mstar.engines.step_times import STEP_TIME_BUCKETS
-from mstar.runtime.async_engine import EngineStats
+from mstar.runtime.engine_config import EngineStats
 from mstar.runtime.model import Output
 
 __all__ = ["RequestTracker", "ServerMetrics"]
