@@ -30,6 +30,30 @@ def kernels():  # type: ignore[no-untyped-def]
     return built
 
 
+def _cpu_has(*flags: str) -> bool:
+    words = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
+    return set(flags) <= set(words)
+
+
+# Each vector path the kernels have, built for a CPU that takes it (and run where this one can):
+# this machine's own; AVX-512 without BF16 (bfloat16 widened on load); AVX2 only (two halves).
+ISAS = [
+    pytest.param(None, id="native"),
+    pytest.param("skylake-avx512", id="avx512", marks=[pytest.mark.slow, pytest.mark.skipif(not _cpu_has("avx512f", "avx512bw", "avx512vl"), reason="no AVX-512 here")]),
+    pytest.param("haswell", id="avx2", marks=[pytest.mark.slow, pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="no AVX2 here")]),
+]
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def isa_kernels(request: pytest.FixtureRequest, kernels):  # type: ignore[no-untyped-def]
+    """The kernels built for each vector path (`ISAS`)."""
+    if request.param is None:
+        return kernels
+    built = native.build_for(request.param)
+    assert built.__name__ != kernels.__name__
+    return built
+
+
 def _paged(lens: list[int], kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
     """Random keys and values of each row scattered over shuffled blocks; return the caches,
     tables, lengths and each row's keys and values in order `[kv_heads, len, dim]`."""
@@ -64,7 +88,7 @@ def _reference(q: torch.Tensor, rows, kv_heads: int, scale: float) -> torch.Tens
     ("heads", "kv_heads", "dim", "block_size"),
     [(8, 4, 32, 16), (9, 3, 64, 16), (4, 4, 16, 8), (8, 1, 128, 32), (2, 2, 256, 16), (16, 2, 64, 4)],
 )
-def test_kernel_equals_attention_over_the_gathered_keys(kernels, dtype, heads, kv_heads, dim, block_size) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_equals_attention_over_the_gathered_keys(isa_kernels, dtype, heads, kv_heads, dim, block_size) -> None:  # type: ignore[no-untyped-def]
     """Rows of many lengths (one key, partial blocks and tiles, several chunks), strided query rows."""
     lens = [1, 5, 16, 17, 64, 100, 257]
     k_cache, v_cache, tables, lengths, rows = _paged(lens, kv_heads, dim, block_size, dtype, seed=dim + heads)
@@ -72,7 +96,7 @@ def test_kernel_equals_attention_over_the_gathered_keys(kernels, dtype, heads, k
     qk = torch.randn(len(lens), heads + kv_heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     q = qk[:, :heads]
     scale = dim**-0.5
-    out = kernels.decode_attention(q, k_cache, v_cache, tables, lengths, scale)
+    out = isa_kernels.decode_attention(q, k_cache, v_cache, tables, lengths, scale)
     assert out.dtype == dtype and out.shape == (len(lens), heads, dim) and out.is_contiguous()
     expected = _reference(q, rows, kv_heads, scale)
     if dtype == torch.float32:
@@ -80,40 +104,40 @@ def test_kernel_equals_attention_over_the_gathered_keys(kernels, dtype, heads, k
     else:  # float32 arithmetic, rounded once to bfloat16
         torch.testing.assert_close(out, expected.to(dtype), rtol=1.6e-2, atol=1e-2)
     # Each row alone gives what it gives in the batch: no state leaks between work items.
-    alone = kernels.decode_attention(q[3:4].contiguous(), k_cache, v_cache, tables[3:4].contiguous(), lengths[3:4], scale)
+    alone = isa_kernels.decode_attention(q[3:4].contiguous(), k_cache, v_cache, tables[3:4].contiguous(), lengths[3:4], scale)
     torch.testing.assert_close(alone, out[3:4], rtol=0, atol=0)
 
 
-def test_a_dominant_key_takes_all_the_weight(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_a_dominant_key_takes_all_the_weight(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     """Large score gaps (exp underflow) give exactly the one value, and NaN-free output."""
     k_cache = torch.zeros(2, 16, 1, 16)
     v_cache = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 16, 1, 16)
     k_cache[1, 3, 0] = 1.0
     q = torch.full((1, 1, 16), 400.0)
-    out = kernels.decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([32]), 1.0)
+    out = isa_kernels.decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([32]), 1.0)
     torch.testing.assert_close(out[0, 0], v_cache[1, 3, 0])
 
 
-def test_kernel_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     k_cache = torch.zeros(4, 16, 2, 32)
     q = torch.zeros(2, 4, 32)
     tables = torch.tensor([[0, 1], [2, 3]])
     lens = torch.tensor([20, 3])
-    kernels.decode_attention(q, k_cache, k_cache, tables, lens, 1.0)  # valid
+    isa_kernels.decode_attention(q, k_cache, k_cache, tables, lens, 1.0)  # valid
     with pytest.raises(RuntimeError, match="outside its table"):
-        kernels.decode_attention(q, k_cache, k_cache, tables, torch.tensor([33, 3]), 1.0)
+        isa_kernels.decode_attention(q, k_cache, k_cache, tables, torch.tensor([33, 3]), 1.0)
     with pytest.raises(RuntimeError, match="outside its table"):
-        kernels.decode_attention(q, k_cache, k_cache, tables, torch.tensor([0, 3]), 1.0)
+        isa_kernels.decode_attention(q, k_cache, k_cache, tables, torch.tensor([0, 3]), 1.0)
     with pytest.raises(RuntimeError, match="names block 9"):
-        kernels.decode_attention(q, k_cache, k_cache, torch.tensor([[0, 9], [2, 3]]), lens, 1.0)
+        isa_kernels.decode_attention(q, k_cache, k_cache, torch.tensor([[0, 9], [2, 3]]), lens, 1.0)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        kernels.decode_attention(q.bfloat16(), k_cache, k_cache, tables, lens, 1.0)
+        isa_kernels.decode_attention(q.bfloat16(), k_cache, k_cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="head_dim must be"):
-        kernels.decode_attention(torch.zeros(2, 4, 8), torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), tables, lens, 1.0)
+        isa_kernels.decode_attention(torch.zeros(2, 4, 8), torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        kernels.decode_attention(q.double(), k_cache.double(), k_cache.double(), tables, lens, 1.0)
+        isa_kernels.decode_attention(q.double(), k_cache.double(), k_cache.double(), tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
-        kernels.decode_attention(q.transpose(0, 1), k_cache, k_cache, tables, lens, 1.0)
+        isa_kernels.decode_attention(q.transpose(0, 1), k_cache, k_cache, tables, lens, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -210,20 +234,43 @@ def test_rotary_and_silu_mul_equal_the_torch_ops(kernels, dtype: torch.dtype, mo
     torch.testing.assert_close(tails.float(), torch.tensor([[-0.0, 1e4, 100.0, 2 * 0.8807970779778823]]), rtol=8e-3, atol=1e-30)
 
 
-def test_small_ops_refuse_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_ops_give_the_same_on_every_path(isa_kernels, kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """rms_norm, add_rms_norm, rotary and silu_mul (checked against torch above, on this
+    machine's path) give the same values built for every vector path."""
+    gen = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(16, 512, generator=gen)).to(dtype)[:, :256]
+    w, delta = (1 + 0.1 * torch.randn(256, generator=gen)).to(dtype), torch.randn(16, 256, generator=gen).to(dtype)
+    qk = torch.randn(16, 12, 32, generator=gen).to(dtype)
+    angles = 40 * torch.rand(16, 32, generator=gen)
+    cos, sin = angles.cos().to(dtype), signed_sin(angles.sin()).to(dtype)
+    gated = (8 * torch.randn(16, 256, generator=gen)).to(dtype)
+    for got, want in [
+        (isa_kernels.rms_norm(x, w, 1e-5), kernels.rms_norm(x, w, 1e-5)),
+        (isa_kernels.add_rms_norm(x, delta, w, 1e-5)[1], kernels.add_rms_norm(x, delta, w, 1e-5)[1]),
+        (isa_kernels.rotary(qk, cos, sin), kernels.rotary(qk, cos, sin)),
+        (isa_kernels.silu_mul(gated), kernels.silu_mul(gated)),
+    ]:
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_small_ops_refuse_bad_input(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight"):
-        kernels.rms_norm(x, torch.ones(7), 1e-5)
+        isa_kernels.rms_norm(x, torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        kernels.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-5)
+        isa_kernels.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-5)
     with pytest.raises(RuntimeError, match="share shape"):
-        kernels.add_rms_norm(x, torch.randn(4, 4), torch.ones(8), 1e-5)
+        isa_kernels.add_rms_norm(x, torch.randn(4, 4), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="contiguous rows"):
-        kernels.silu_mul(x.t())
+        isa_kernels.silu_mul(x.t())
     with pytest.raises(RuntimeError, match="even width"):
-        kernels.silu_mul(torch.randn(4, 7))
+        isa_kernels.silu_mul(torch.randn(4, 7))
     with pytest.raises(RuntimeError, match="cos and sin"):
-        kernels.rotary(torch.randn(4, 2, 8), torch.randn(4, 6), torch.randn(4, 6))
+        isa_kernels.rotary(torch.randn(4, 2, 8), torch.randn(4, 6), torch.randn(4, 6))
 
 
 def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) -> None:  # type: ignore[no-untyped-def]
@@ -267,7 +314,7 @@ def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("features", [64, 96, 18])
-def test_tiled_linear_is_the_product_rounded_once(kernels, dtype: torch.dtype, bias: bool, features: int) -> None:  # type: ignore[no-untyped-def]
+def test_tiled_linear_is_the_product_rounded_once(isa_kernels, dtype: torch.dtype, bias: bool, features: int) -> None:  # type: ignore[no-untyped-def]
     """Every row count a step can have (one to past two blocks of 16), strided input rows.
 
     On a CPU with AMX, bfloat16 products of 4 rows or more with features in blocks of 32 run
@@ -276,10 +323,10 @@ def test_tiled_linear_is_the_product_rounded_once(kernels, dtype: torch.dtype, b
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(80, features, generator=gen).to(dtype)
     b = torch.randn(80, generator=gen).to(dtype) if bias else None
-    tiles = kernels.pack_linear(weight)
+    tiles = isa_kernels.pack_linear(weight)
     for rows in (1, 2, 4, 7, 16, 17, 40):
         x = torch.randn(rows, features + 32, generator=gen).to(dtype)[:, 16 : 16 + features]
-        got = kernels.linear(x, tiles, b)
+        got = isa_kernels.linear(x, tiles, b)
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
         assert got.dtype == dtype and got.shape == (rows, 80)
         if dtype == torch.float32:
@@ -288,20 +335,20 @@ def test_tiled_linear_is_the_product_rounded_once(kernels, dtype: torch.dtype, b
             torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-4)
 
 
-def test_tiled_linear_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_tiled_linear_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernels.pack_linear(torch.randn(20, 8))
-    tiles = kernels.pack_linear(torch.randn(32, 8))
+        isa_kernels.pack_linear(torch.randn(20, 8))
+    tiles = isa_kernels.pack_linear(torch.randn(32, 8))
     with pytest.raises(RuntimeError, match="has 9 features, the weights 8"):
-        kernels.linear(torch.randn(2, 9), tiles)
+        isa_kernels.linear(torch.randn(2, 9), tiles)
     with pytest.raises(RuntimeError, match="bias"):
-        kernels.linear(torch.randn(2, 8), tiles, torch.randn(31))
+        isa_kernels.linear(torch.randn(2, 8), tiles, torch.randn(31))
     with pytest.raises(RuntimeError, match="dtype"):
-        kernels.linear(torch.randn(2, 8).double(), tiles)
+        isa_kernels.linear(torch.randn(2, 8).double(), tiles)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_rows_picks_the_first_maximum(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_argmax_rows_picks_the_first_maximum(isa_kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """As torch.argmax: the first of tied maxima, NaN above everything (the first NaN), rows
     of any width (whole vectors and a tail), strided rows; bfloat16 read without a copy."""
     gen = torch.Generator().manual_seed(11)
@@ -318,17 +365,17 @@ def test_argmax_rows_picks_the_first_maximum(kernels, dtype: torch.dtype) -> Non
                 x[4, 1] = x[4, width - 1] = float("inf")
             x = x.to(dtype)
             expected = x.float().argmax(dim=-1)
-            assert torch.equal(kernels.argmax_rows(x), expected), (width, trial)
+            assert torch.equal(isa_kernels.argmax_rows(x), expected), (width, trial)
             assert torch.equal(argmax_rows(x), expected)
 
 
-def test_argmax_rows_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_argmax_rows_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="contiguous rows"):
-        kernels.argmax_rows(torch.randn(4, 8).t())
+        isa_kernels.argmax_rows(torch.randn(4, 8).t())
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        kernels.argmax_rows(torch.randn(2, 8).double())
+        isa_kernels.argmax_rows(torch.randn(2, 8).double())
     with pytest.raises(RuntimeError, match="rows of 1 to"):
-        kernels.argmax_rows(torch.randn(2, 0))
+        isa_kernels.argmax_rows(torch.randn(2, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -384,7 +431,7 @@ class _Counting:
         return self._fn if name == self._name else getattr(self._module, name)
 
 
-def test_decode_layer_refuses_bad_input(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_decode_layer_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     model = make_tiny_llama(hidden_size=64, num_heads=4, num_kv_heads=2)
     model.fuse_for_inference()
     layer = model.decoder_layers[0]
@@ -398,7 +445,7 @@ def test_decode_layer_refuses_bad_input(kernels) -> None:  # type: ignore[no-unt
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, 1e-5)
 
     def call(slots: torch.Tensor, k: torch.Tensor = k_cache):  # type: ignore[no-untyped-def]
-        return kernels.decode_layer(x, None, *norms, weights, biases, transposed, cos, sin, k, v_cache,
+        return isa_kernels.decode_layer(x, None, *norms, weights, biases, transposed, cos, sin, k, v_cache,
                                     slots, tables, lens, 0.25, 4)
 
     residual, mlp = call(torch.tensor([0, 4]))
@@ -413,20 +460,20 @@ def test_decode_layer_refuses_bad_input(kernels) -> None:  # type: ignore[no-unt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_argmax_is_the_argmax_of_the_tiled_product(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_linear_argmax_is_the_argmax_of_the_tiled_product(isa_kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(13)
     weight = torch.randn(4000, 64, generator=gen).to(dtype)
     bias = torch.randn(4000, generator=gen).to(dtype)
-    tiles = kernels.pack_linear(weight)
+    tiles = isa_kernels.pack_linear(weight)
     for rows in (1, 5, 16):
         x = torch.randn(rows, 64, generator=gen).to(dtype)
         for b in (None, bias):
-            expected = kernels.argmax_rows(kernels.linear(x, tiles, b))
-            assert torch.equal(kernels.linear_argmax(x, tiles, b), expected)
+            expected = isa_kernels.argmax_rows(isa_kernels.linear(x, tiles, b))
+            assert torch.equal(isa_kernels.linear_argmax(x, tiles, b), expected)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(kernels, threads: int) -> None:  # type: ignore[no-untyped-def]
+def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(isa_kernels, threads: int) -> None:  # type: ignore[no-untyped-def]
     """On AMX the bfloat16 product's outputs are never written (each row's maximum is kept as
     they come out, per thread, then merged): still the first maximum, the first NaN, and 0 for
     a row of -inf, as `torch.argmax` of the written outputs gives."""
@@ -434,7 +481,7 @@ def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(kernels, 
     weight = torch.randn(4000, 64, generator=gen).to(torch.bfloat16)
     weight[3001] = weight[17]  # equal outputs in different tiles and threads' halves
     weight[40:48] = weight[33]  # and within one tile
-    tiles = kernels.pack_linear(weight)
+    tiles = isa_kernels.pack_linear(weight)
     inf, nan = float("inf"), float("nan")
     biases = {"none": None, "tie": torch.zeros(4000), "nan": torch.zeros(4000), "ninf": torch.full((4000,), -inf)}
     biases["tie"][[17, 3001, 33, 40]] = 100.0
@@ -447,9 +494,9 @@ def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(kernels, 
             x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
             for name, bias in biases.items():
                 b = None if bias is None else bias.to(torch.bfloat16)
-                outputs = kernels.linear(x, tiles, b)
+                outputs = isa_kernels.linear(x, tiles, b)
                 expected = torch.argmax(outputs.float(), dim=1)
-                assert torch.equal(kernels.linear_argmax(x, tiles, b), expected), (rows, name)
+                assert torch.equal(isa_kernels.linear_argmax(x, tiles, b), expected), (rows, name)
     finally:
         torch.set_num_threads(previous)
 

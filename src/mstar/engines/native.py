@@ -24,11 +24,13 @@ from types import ModuleType
 import structlog
 import torch
 
-__all__ = ["cpu_kernels", "native_kernels_enabled"]
+__all__ = ["build_for", "cpu_kernels", "native_kernels_enabled"]
 
 _log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "cpu_kernels.cpp"
+"""The one translation unit; it includes the headers beside it (`sources`)."""
 CFLAGS = ("-O3", "-march=native")
 
 _lock = threading.Lock()
@@ -57,14 +59,21 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build_name() -> str:
+def sources() -> dict[str, bytes]:
+    """Return every file of the kernels' source (the unit and its headers), by name."""
+    return {path.name: path.read_bytes() for path in sorted(CSRC.iterdir()) if path.suffix in (".cpp", ".h")}
+
+
+def _build_name(cflags: tuple[str, ...] = CFLAGS) -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    for name, text in sources().items():
+        digest.update(name.encode() + b"\0" + text)
+    for part in (_cpu_flags().encode(), torch.__version__.encode(), " ".join(cflags).encode()):
         digest.update(part)
     return f"mstar_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
-def _build() -> ModuleType:
+def _build(cflags: tuple[str, ...] = CFLAGS) -> ModuleType:
     from torch.utils import cpp_extension
 
     try:  # torch's loader runs `ninja` from PATH: the ninja package's own binary serves
@@ -75,17 +84,18 @@ def _build() -> ModuleType:
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
     except ImportError:
         pass
-    name = _build_name()
+    name = _build_name(cflags)
     # Compile a copy kept in the build's own directory, not the checkout's file: torch's loader
     # writes the source's path into its ninja file, so two checkouts (or a moved one) would
     # rebuild on every switch between them, and one process of either trigger it for all.
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    for filename, text in sources().items():
+        copy = build_dir / filename
+        if not copy.is_file() or copy.read_bytes() != text:  # the name hashes the texts: written once
+            partial = copy.with_name(f"{filename}.{os.getpid()}.tmp")
+            partial.write_bytes(text)
+            os.replace(partial, copy)  # atomic: a concurrent build never reads half a file
     source = build_dir / SOURCE.name
-    text = SOURCE.read_bytes()
-    if not source.is_file() or source.read_bytes() != text:  # the name hashes the text: written once
-        partial = source.with_name(f"{source.name}.{os.getpid()}.tmp")
-        partial.write_bytes(text)
-        os.replace(partial, source)  # atomic: a concurrent build never reads half a file
     # torch's loader serialises builds with a lock file that a killed build leaves behind, and
     # every later process then waits on it forever. Builds here hold an flock the kernel drops
     # when its holder dies: whoever holds it is the only builder, so a torch lock file it finds
@@ -93,7 +103,16 @@ def _build() -> ModuleType:
     with open(build_dir / "mstar.flock", "a+b") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS), verbose=False)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), verbose=False)
+
+
+def build_for(march: str) -> ModuleType:
+    """Build the kernels for another CPU (``-march=``, e.g. ``haswell``: AVX2 without AVX-512).
+
+    The vector paths a machine without this one's instruction sets takes, so they can be run
+    and checked here (on a CPU that has what ``march`` assumes). Raises what the build raises.
+    """
+    return _build(("-O3", f"-march={march}"))
 
 
 def cpu_kernels() -> ModuleType | None:

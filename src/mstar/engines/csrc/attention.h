@@ -1,0 +1,229 @@
+// decode_attention: one query token per sequence against its keys and values read in place
+// from the paged cache [blocks, block_size, kv_heads, head_dim] through its block table.
+// Each (sequence, KV head) is one work item: for every query head of the KV head's group,
+// scores over 16-key tiles (one horizontal-add tree per tile), an exact softmax, then the
+// weighted sum of values, all accumulated in float32. float32 and bfloat16 caches are read
+// as they are stored (bfloat16 widened on load), so a bfloat16 cache moves half the bytes.
+
+#pragma once
+
+#include "simd.h"
+
+namespace {
+
+// A head_dim row as J vectors: in order for float32; for bfloat16 with head_dim a multiple
+// of 32, as (even, odd) pairs of each 32 values (see `load_pairs`); queries, the output and
+// the accumulators use the same arrangement, undone by `store_row`.
+template <int J, typename T>
+inline void load_row(const T* p, vf16* out) {
+  if constexpr (std::is_same_v<T, uint16_t> && J % 2 == 0) {
+    for (int j = 0; j < J; j += 2) load_pairs(p + 16 * j, out[j], out[j + 1]);
+  } else {
+    for (int j = 0; j < J; ++j) out[j] = load16(p + 16 * j);
+  }
+}
+
+template <int J, typename T>
+inline void store_row(const vf16* row, float scale, T* out) {
+  float values[16 * J];
+  if constexpr (std::is_same_v<T, uint16_t> && J % 2 == 0) {
+    for (int j = 0; j < J; j += 2)
+      for (int i = 0; i < 16; ++i) {
+        values[16 * j + 2 * i] = row[j][i];
+        values[16 * j + 2 * i + 1] = row[j + 1][i];
+      }
+  } else {
+    for (int j = 0; j < J; ++j)
+      for (int i = 0; i < 16; ++i) values[16 * j + i] = row[j][i];
+  }
+  for (int d = 0; d < 16 * J; ++d) store(values[d] * scale, out + d);
+}
+
+template <int J, typename T>
+inline vf16 dot(const vf16* qv, const T* k) {
+  vf16 kv[J];
+  load_row<J>(k, kv);
+  vf16 acc = qv[0] * kv[0];
+  for (int j = 1; j < J; ++j) acc += qv[j] * kv[j];
+  return acc;
+}
+
+struct Geometry {
+  int64_t block_size, token_stride, len;
+};
+
+// Blocks of keys scored (or summed) for every query head of an item before moving on: their
+// keys or values stay in L1 across the item's heads.
+constexpr int64_t kChunkKeys = 64;
+
+// `group` query heads (rows of q, contiguous; `per_kv` of them to each KV head, the first
+// reading `keys` and `values`, the next KV head's D further) against one sequence's keys and
+// values; J = head_dim / 16. A row's KV heads go together, block by block: a block's tokens
+// are read whole (all heads side by side) instead of a slice per head, far apart. `s` holds
+// group x padded scores, `work` 3 x group x J vectors, `inv` group floats.
+template <int J, typename T>
+void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, const T* values, const int64_t* table,
+                  const Geometry& g, float scale, T* out, float* s, vf16* work, float* inv) {
+  constexpr int D = 16 * J;
+  const int64_t len = g.len, bs = g.block_size, stride = g.token_stride;
+  const int64_t padded = (len + 15) / 16 * 16, num_blocks = (len + bs - 1) / bs;
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / bs);
+  const float lowest = -std::numeric_limits<float>::infinity();
+  vf16* qv = work;                      // [group][J] scaled queries
+  vf16* acc = work + group * J;         // [group][J] weighted values
+  vf16* maxima = work + 2 * group * J;  // [group] per-lane maxima of the scores
+  for (int64_t h = 0; h < group; ++h) {
+    load_row<J>(q + h * D, qv + h * J);
+    for (int j = 0; j < J; ++j) {
+      qv[h * J + j] *= scale;
+      acc[h * J + j] = vf16{};
+    }
+    maxima[h] = splat(lowest);
+    for (int64_t t = len; t < padded; ++t) s[h * padded + t] = lowest;
+  }
+  for (int64_t c = 0; c < num_blocks; c += chunk) {
+    const int64_t c_end = std::min(num_blocks, c + chunk);
+    for (int64_t h = 0; h < group; ++h) {
+      const vf16* qh = qv + h * J;
+      float* sh = s + h * padded;
+      vf16 tiles_max = maxima[h];
+      for (int64_t b = c; b < c_end; ++b) {
+        const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+        const T* kb = keys + table[b] * bs * stride + (h / per_kv) * D;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+          vf16 a[16];
+          for (int r = 0; r < 16; ++r) a[r] = dot<J>(qh, kb + (i + r) * stride);
+          const vf16 tile = sum16(a);
+          store16(sh + t0 + i, tile);
+          tiles_max = select(tiles_max > tile, tiles_max, tile);
+        }
+        for (; i < n; ++i) {
+          const float x = hsum(dot<J>(qh, kb + i * stride));
+          sh[t0 + i] = x;
+          tiles_max = select(tiles_max > x, tiles_max, splat(x));  // hmax reads every lane
+        }
+      }
+      maxima[h] = tiles_max;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* sh = s + h * padded;
+    const float m = hmax(maxima[h]);
+    vf16 total = {};
+    for (int64_t t = 0; t < padded; t += 16) {
+      const vf16 p = exp_nonpositive(load16(sh + t) - m);
+      store16(sh + t, p);
+      total += p;
+    }
+    inv[h] = 1.f / hsum(total);
+  }
+  for (int64_t c = 0; c < num_blocks; c += chunk) {
+    const int64_t c_end = std::min(num_blocks, c + chunk);
+    for (int64_t h = 0; h < group; ++h) {
+      const float* sh = s + h * padded;
+      vf16 a[J];
+      for (int j = 0; j < J; ++j) a[j] = acc[h * J + j];
+      for (int64_t b = c; b < c_end; ++b) {
+        const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+        const T* vb = values + table[b] * bs * stride + (h / per_kv) * D;
+        for (int64_t i = 0; i < n; ++i) {
+          const vf16 p = splat(sh[t0 + i]);
+          vf16 vv[J];
+          load_row<J>(vb + i * stride, vv);
+          for (int j = 0; j < J; ++j) a[j] += p * vv[j];
+        }
+      }
+      for (int j = 0; j < J; ++j) acc[h * J + j] = a[j];
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) store_row<J>(acc + h * J, inv[h], out + h * D);
+}
+
+template <int J, typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+  constexpr int D = 16 * J;
+  const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, q_stride = q.stride(0), max_blocks = tables.size(1);
+  const int64_t block_size = k_cache.size(1), token_stride = kv_heads * D;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t longest = rows ? *std::max_element(lp, lp + rows) : 0;
+  // A work item is a row's KV heads together; with fewer rows than threads, one KV head each.
+  const int64_t split = rows < at::get_num_threads() ? kv_heads : 1, per_item = kv_heads / split;
+  const int64_t item_heads = per_item * group;
+  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(item_heads * ((longest + 15) / 16 * 16));
+    std::vector<vf16> work(3 * item_heads * J);
+    std::vector<float> inv(item_heads);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / split, h = (item % split) * per_item;
+      const Geometry geometry{block_size, token_stride, lp[row]};
+      attend_group<J>(qp + row * q_stride + h * group * D, item_heads, group, kp + h * D, vp + h * D,
+                      tp + row * max_blocks, geometry, float(scale), op + (row * heads + h * group) * D,
+                      scores.data(), work.data(), inv.data());
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 16: return decode_attention_impl<1, T>(q, k_cache, v_cache, tables, lens, scale, out);
+    case 32: return decode_attention_impl<2, T>(q, k_cache, v_cache, tables, lens, scale, out);
+    case 64: return decode_attention_impl<4, T>(q, k_cache, v_cache, tables, lens, scale, out);
+    case 128: return decode_attention_impl<8, T>(q, k_cache, v_cache, tables, lens, scale, out);
+    case 256: return decode_attention_impl<16, T>(q, k_cache, v_cache, tables, lens, scale, out);
+    default: TORCH_CHECK(false, "decode_attention: head_dim must be 16, 32, 64, 128 or 256, got ", q.size(2));
+  }
+}
+
+}  // namespace
+
+// q [rows, heads, head_dim] (rows may be strided; heads and head_dim contiguous);
+// k_cache, v_cache [blocks, block_size, kv_heads, head_dim] contiguous, q's dtype;
+// tables [rows, max_blocks] int64 (each row's blocks in order); lens [rows] int64 (keys per
+// row, the current token's included). Returns [rows, heads, head_dim] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: q [rows, heads, dim] and caches [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "decode_attention: q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "decode_attention: head_dim mismatch or heads not a multiple of kv_heads");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: q's heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.is_contiguous() &&
+                  lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "decode_attention: tables [rows, max_blocks] and lens [rows], int64, contiguous");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  for (int64_t r = 0; r < lens.numel(); ++r) {
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= tables.size(1) * block_size, "decode_attention: row ", r, "'s length ",
+                lp[r], " is outside its table");
+    for (int64_t b = 0; b < (lp[r] + block_size - 1) / block_size; ++b) {
+      const int64_t block = tp[r * tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: row ", r, " names block ", block, " of ",
+                  num_blocks);
+    }
+  }
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float>(q, k_cache, v_cache, tables, lens, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch_head_dim<uint16_t>(q, k_cache, v_cache, tables, lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+  return out;
+}
