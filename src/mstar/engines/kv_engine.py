@@ -576,18 +576,24 @@ class KVCacheEngine:
         """Return the longest sequence that fits, alone: `max_model_len`, or the whole cache if smaller."""
         return min(self.max_model_len, self.num_blocks * self.config.block_size)
 
-    def check_length(self, request_id: str, num_input_tokens: int, max_tokens: int) -> None:
+    def check_length(self, request_id: str, num_input_tokens: int, max_tokens: int, reserve_tokens: int = 0) -> None:
         """Reject a request of ``num_input_tokens`` inputs sampling up to ``max_tokens`` that could never fit.
+
+        The engine's one length check: a node asks it for a whole request before its first
+        walk, and every sequence added is checked by it (``reserve_tokens``: how many tokens'
+        blocks the sequence must hold at once).
 
         Raises:
             KVCacheCapacityError: Inputs and tokens to generate exceed `max_seq_len`.
         """
-        longest = num_input_tokens + max_tokens
+        longest = max(num_input_tokens + max_tokens, reserve_tokens)
         if longest > self.max_seq_len:
-            what = "max_model_len" if self.max_seq_len == self.max_model_len else "the KV cache's capacity"
+            needs = f"request {request_id!r} needs up to {longest} tokens ({num_input_tokens} input + max_tokens {max_tokens})"
+            if longest > self.max_model_len:
+                raise KVCacheCapacityError(f"{needs} but max_model_len is {self.max_model_len} tokens; shorten it or lower max_tokens")
             raise KVCacheCapacityError(
-                f"request {request_id!r} needs up to {longest} tokens ({num_input_tokens} input + max_tokens "
-                f"{max_tokens}) but {what} is {self.max_seq_len} tokens; shorten it or lower max_tokens"
+                f"{needs} but the KV cache's capacity is {self.max_seq_len} tokens ({self.num_blocks} blocks); "
+                "raise the KV-cache budget, shorten it or lower max_tokens"
             )
 
     @property
@@ -616,17 +622,5 @@ class KVCacheEngine:
 
     def _check_fits(self, seq: Sequence) -> None:
         """Reject a walk that could never run, even alone in the cache."""
-        longest = seq.num_tokens + (seq.params.max_tokens if seq.output_mode == "sample" else 0)
-        longest = max(longest, seq.reserve_tokens)
-        if longest > self.max_model_len:
-            raise KVCacheCapacityError(
-                f"request {seq.request_id!r} needs up to {longest} tokens "
-                f"({seq.num_tokens} input + max_tokens {seq.params.max_tokens} if it samples) but "
-                f"max_model_len is {self.max_model_len}; shorten it or lower max_tokens"
-            )
-        blocks = -(-longest // self.config.block_size)
-        if blocks > self.num_blocks:
-            raise KVCacheCapacityError(
-                f"request {seq.request_id!r} needs up to {blocks} blocks but the cache has "
-                f"{self.num_blocks}; raise the KV-cache budget or shorten the request"
-            )
+        sampled = seq.params.max_tokens if seq.output_mode == "sample" else 0
+        self.check_length(seq.request_id, seq.num_tokens, sampled, seq.reserve_tokens)
