@@ -2,9 +2,11 @@
 
 Input flags are decoded here, once: ``--image`` and the files an ``--observation`` JSON names
 are read, ``--param`` values parsed. The request is then dry-run through the model's own
-preprocessing (its validation; no weights are needed), which tells whether the task takes
-each flag. The model's errors speak of request fields (``prompt``, ``messages``); they are
-worded again in the flags that gave those fields (`explain`).
+preprocessing (its validation; no weights are needed) after its typed parameters are parsed
+(`GenerationParams` and the task's declared options): a ``--param`` the task takes is one of
+those fields or one the preprocessing reads. The model's errors speak of request fields
+(``prompt``, ``messages``); they are worded again in the flags that gave those fields
+(`explain`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from mstar.cli.model_args import key_value_pairs
 from mstar.errors import RunArgumentError
 from mstar.runtime.model import Model, Request, supports_action_policy, supports_text_output
+from mstar.runtime.params import GenerationParams, parse_options
 
 __all__ = ["ReadLog", "RunInputs", "RunRequest", "build_request", "check_request", "explain", "read_inputs"]
 
@@ -290,10 +293,18 @@ def check_request(request: RunRequest, model: Model, name: str) -> None:
     """
     log = ReadLog(request.data)
     try:
-        model.preprocess(Request(request.task, log, request_id="mstar-run-check"))
+        # The typed parameters first, as the engine parses them: the generation settings and
+        # the task's declared options (their errors name the field); then the inputs, which
+        # only the model's preprocessing reads.
+        declared = model.task_options(request.task)
+        params = GenerationParams.from_data(request.data)
+        options = parse_options(declared, request.data)
+        model.preprocess(Request(request.task, log, request_id="mstar-run-check", params=params, options=options))
     except (ValueError, TypeError) as exc:  # a model's preprocessing raises these for bad input
         raise RunArgumentError(explain(str(exc), request, log, name)) from None
-    read = set(log.looked_up)
+    read = set(log.looked_up) | set(GenerationParams.__struct_fields__)
+    if declared is not None:
+        read |= set(declared.__struct_fields__)
     for key, flag in request.flags.items():
         if key not in read:
             what = f"its key {key!r}" if flag.startswith("--observation") else "it"
