@@ -227,7 +227,7 @@ def test_errors_for_bad_requests(tiny_llama: LlamaCausalLM) -> None:
     engine.add_request("a", [1, 2], SamplingParams.greedy(2))
     with pytest.raises(DuplicateRequestError):
         engine.add_request("a", [1], SamplingParams.greedy(2))
-    with pytest.raises(KVCacheCapacityError, match="KV cache.s capacity is 32 tokens .8 blocks.; raise the KV-cache budget"):
+    with pytest.raises(KVCacheCapacityError, match=r"KV cache's capacity is 32 tokens \(8 blocks\); raise the KV-cache budget"):
         engine.add_request("long", [1] * 30, SamplingParams.greedy(10))
     with pytest.raises(KVCacheCapacityError, match="max_model_len"):
         engine.add_request("huge", [1] * 250, SamplingParams.greedy(10))

@@ -43,6 +43,13 @@ def whole_wav(server: RunningServer, text: str) -> tuple[int, bytes]:
         return f.getframerate(), f.readframes(f.getnframes())
 
 
+def test_speed_is_refused_by_a_model_that_declares_no_speed(toy_server: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client(toy_server).audio.speech.create(model=MODEL, voice="alloy", input="hi", speed=1.5)
+    assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "speed"
+    assert "speaks at speed 1.0 only" in bad.value.body["message"]
+
+
 def test_models_lists_the_one_served_model(toy_server: RunningServer) -> None:
     models = client(toy_server).models.list()
     assert [m.id for m in models.data] == [MODEL]

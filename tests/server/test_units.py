@@ -220,5 +220,7 @@ def test_validation_names_the_field() -> None:
     assert bad.value.errors()[0]["loc"] == ("messages", 0, "role")
     with pytest.raises(ValidationError, match="less than or equal to 16"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 17})
-    with pytest.raises(ValidationError, match="speed"):
-        SpeechRequest.model_validate({"input": "x", "speed": 2.0})
+    with pytest.raises(ValidationError, match=r"speed must be in \[0.25, 4.0\]"):
+        SpeechRequest.model_validate({"input": "x", "speed": 4.5})
+    assert SpeechRequest.model_validate({"input": "x", "speed": 2.0}).model_data() == {"text": "x", "speed": 2.0}
+    assert "speed" not in SpeechRequest.model_validate({"input": "x"}).model_data()

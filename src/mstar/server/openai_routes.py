@@ -84,6 +84,8 @@ async def speech(body: SpeechRequest, http: HttpRequest) -> Response:
     if native is None:
         raise MStarError(f"model {state.name!r} has a speech task but no audio_sample_rate")
     rate = OPENAI_SAMPLE_RATE
+    if body.speed != 1.0 and "speed" not in state.option_names("speech"):
+        raise APIRequestError(f"model {state.name!r} speaks at speed 1.0 only", param="speed")
     await state.check_length(body.max_tokens, num_prompt=state.count_prompt(body.input), prompt_param="input")
     request = Request("speech", body.model_data(), f"speech-{uuid.uuid4().hex}")
     headers = {"X-Sample-Rate": str(rate)}

@@ -388,13 +388,15 @@ class SpeechRequest(_Body):
             value = getattr(self, key)
             if value is not None:
                 data[key] = value
+        if self.speed != 1.0:  # the model's option where its speech task declares one (the route checks)
+            data["speed"] = self.speed
         return data
 
     @field_validator("speed")
     @classmethod
     def _check_speed(cls, speed: float) -> float:
-        if speed != 1.0:
-            raise ValueError("only speed 1.0 is supported")
+        if not 0.25 <= speed <= 4.0:
+            raise ValueError(f"speed must be in [0.25, 4.0] (OpenAI's range), got {speed}")
         return speed
 
     @property

@@ -197,6 +197,11 @@ class ServerState:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), _END_STREAMS_S)
 
+    def option_names(self, task: str) -> tuple[str, ...]:
+        """Return the options the model declares for ``task`` (`Model.task_options`)."""
+        options = self.model.task_options(task)
+        return () if options is None else tuple(options.__struct_fields__)
+
     def check_model(self, name: str | None) -> None:
         """Check the `model` field of a request.
 
