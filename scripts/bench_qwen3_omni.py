@@ -370,19 +370,35 @@ class StagePipeline:
             talker_params[rid] = prepared.inputs["talker"]["talker_params"]
         texts: dict[str, list[int]] = {rid: [] for rid in inputs}
         items: dict[str, list[Any]] = {rid: [] for rid in inputs}
-        active = dict(inputs)
+        # The prompt's segments but the last, as forward firings batched across requests.
+        active = {rid: x for rid, x in inputs.items() if len(x["segments"]) > 1}
         while active:
             outs = self._fire(self.thinker, self.thinker_engine, active)
             for rid, out in outs.items():
-                if "text" in out:
-                    texts[rid].append(int(out["text"]))
                 if "thinker_states" in out:
                     items[rid].append(out["thinker_states"])
-                for key in ("cursor", "last"):
-                    if key in out:
-                        inputs[rid][key] = out[key]
-                if out.get("stop") and int(inputs[rid]["cursor"]) >= len(inputs[rid]["segments"]):
+                inputs[rid]["cursor"] = out["cursor"]
+                if int(out["cursor"]) == len(inputs[rid]["segments"]) - 1:
                     active.pop(rid)
+        # Then every answer as a token walk, in shared engine steps.
+        engine = self.thinker_engine
+        for rid, x in inputs.items():
+            turn = self.thinker.turn(rid, x, is_first=not engine.has_request(rid))
+            args = {"logits_processor": turn.logits_processor, "return_rows": turn.return_rows}
+            if engine.has_request(rid):
+                engine.resume(rid, turn.new_token_ids, turn.sampling_params, **args)
+            else:
+                engine.add_request(rid, turn.new_token_ids, turn.sampling_params, keep_alive=True, **args)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.error is not None:
+                    raise o.error
+                history = list(engine.get_sequence(o.request_id).token_ids) if o.finished else None
+                rows = {} if o.hidden is None else {"rows": o.hidden}
+                out = self.thinker.outputs(o.request_id, o.new_token_ids[0], history, **rows)
+                texts[o.request_id].append(int(out["text"]))
+                if "thinker_states" in out:
+                    items[o.request_id].append(out["thinker_states"])
         for rid in inputs:
             self.thinker.release(rid)
             self.thinker_engine.abort(rid)

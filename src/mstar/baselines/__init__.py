@@ -8,6 +8,8 @@ equal them, and the benchmarks in ``scripts/`` time them side by side. Nothing h
   `reference_understand`); `mstar.baselines.bagel_walks`: BAGEL's graph nodes on those dense
   caches, for the reference interpreter (`mstar.graph.run_reference`).
 - `mstar.baselines.pi05`: pi0.5 recomputing prefix and suffix at every flow step.
+- `mstar.baselines.qwen3_omni`: Qwen3-Omni one component after another (the thinker to its
+  end, then the talker, then Code2Wav), sampling as transformers' ``generate`` does.
 - `mstar.baselines.vjepa2`: V-JEPA 2-AC's upstream rollout, every frame re-run at every step.
 """
 

@@ -272,6 +272,9 @@ class KVTurn:
             out computes its own.
         prefix_group_size: How many requests the group has: an idle engine waits for them
             all (20 ms at most) before computing the prompt.
+        return_rows: Also hand the model's rows of ``new_token_ids`` to `KVNode.outputs`,
+            with the walk's first token (what a downstream node reads of the prompt: the
+            thinker's hidden states a talker speaks from). They are computed in one chunk.
     """
 
     new_token_ids: list[int]
@@ -281,6 +284,7 @@ class KVTurn:
     is_done: bool = False
     prefix_group: str | None = None
     prefix_group_size: int = 0
+    return_rows: bool = False
 
 
 class KVNode(Protocol):
@@ -308,7 +312,8 @@ class KVNode(Protocol):
         stop signal exactly then, and persists the history for the request's next walk.
 
         When the turn's sampling params ask for ``logprobs``, the call also gets
-        ``logprobs=`` the token's `TokenLogprobs` (and only then).
+        ``logprobs=`` the token's `TokenLogprobs` (and only then); when the turn asked for
+        its rows (`KVTurn.return_rows`), the walk's first call gets ``rows=`` them.
         """
         ...
 

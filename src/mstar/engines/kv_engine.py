@@ -215,6 +215,7 @@ class KVCacheEngine:
         expert: int = 0,
         output_mode: OutputMode = "sample",
         reserve_tokens: int = 0,
+        return_rows: bool = False,
     ) -> None:
         """Queue a new request.
 
@@ -234,6 +235,8 @@ class KVCacheEngine:
             output_mode: what the walk returns (`OutputMode`).
             reserve_tokens: admit the request only once blocks for this many tokens can
                 be held back for it (a walk that must never stall half way).
+            return_rows: a sampling walk also returns its inputs' rows, with its first
+                token (`RequestOutput.hidden`).
         """
         if request_id in self._seqs:
             raise DuplicateRequestError(f"request {request_id!r} is already in the engine")
@@ -248,6 +251,7 @@ class KVCacheEngine:
             stop_check=stop_check,
         )
         self._extend(seq, prompt_token_ids, mask, payload, num_tokens, expert, output_mode)
+        seq.rows_wanted = return_rows and output_mode == "sample"
         seq.generator = self._make_generator(params, seq.num_tokens)
         seq.walk_start = seq.num_tokens
         seq.reserve_tokens = reserve_tokens
@@ -295,12 +299,14 @@ class KVCacheEngine:
         num_tokens: int | None = None,
         expert: int = 0,
         output_mode: OutputMode = "sample",
+        logits_processor: LogitsProcessor | None = None,
+        return_rows: bool = False,
     ) -> None:
         """Start the next walk of a paused request, optionally with new inputs.
 
         Without new tokens the sequence continues from its last sampled token (a decode
-        walk after a prefill walk). `sampling_params` replace the old ones (and reseed).
-        The other arguments are `add_request`'s.
+        walk after a prefill walk). `sampling_params` replace the old ones (and reseed), a
+        `logits_processor` the old one. The other arguments are `add_request`'s.
         """
         seq = self._get(request_id)
         if seq.status is not SequenceStatus.PAUSED:
@@ -308,6 +314,9 @@ class KVCacheEngine:
                 f"request {request_id!r} is {seq.status.value}, only a paused one can resume"
             )
         self._extend(seq, new_token_ids, mask, payload, num_tokens, expert, output_mode)
+        seq.rows_wanted = return_rows and output_mode == "sample"
+        if logits_processor is not None:
+            seq.logits_processor = logits_processor
         if sampling_params is not None:
             seq.params = sampling_params
             seq.generator = self._make_generator(sampling_params, seq.num_tokens)

@@ -335,6 +335,7 @@ class KVNodeEngine(StepLoop):
                         mask=turn.mask,
                         keep_alive=True,
                         logits_processor=turn.logits_processor,
+                        return_rows=turn.return_rows,
                     ),
                 )
             )
@@ -343,7 +344,12 @@ class KVNodeEngine(StepLoop):
                 (
                     request_id,
                     lambda: self.engine.resume(
-                        request_id, turn.new_token_ids, params, mask=turn.mask
+                        request_id,
+                        turn.new_token_ids,
+                        params,
+                        mask=turn.mask,
+                        logits_processor=turn.logits_processor,
+                        return_rows=turn.return_rows,
                     ),
                 )
             )
@@ -504,7 +510,7 @@ class KVNodeEngine(StepLoop):
             logprobs = None
             if seq.params.logprobs is not None:
                 logprobs, seq.logprobs = seq.logprobs[-len(new) :] if new else [], []
-            results.append((o.request_id, new, history, None, logprobs))
+            results.append((o.request_id, new, history, o.hidden, logprobs))
         return failed, results, urgent
 
     async def _run(self) -> None:
@@ -608,10 +614,12 @@ class KVNodeEngine(StepLoop):
             last = len(tokens) - 1
             try:
                 for i, token in enumerate(tokens):
-                    if logprobs is None:
-                        walk.sink(outputs(key, token, history if i == last else None))
-                    else:
-                        walk.sink(outputs(key, token, history if i == last else None, logprobs=logprobs[i]))
+                    extra: dict[str, Any] = {}
+                    if logprobs is not None:
+                        extra["logprobs"] = logprobs[i]
+                    if rows is not None and i == 0:
+                        extra["rows"] = rows
+                    walk.sink(outputs(key, token, history if i == last else None, **extra))
             except Exception as exc:  # the walk's own failure: it ends alone
                 del walks[key]
                 _end(walk, exc)

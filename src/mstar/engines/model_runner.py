@@ -181,7 +181,7 @@ class ModelRunner:
             if item.samples:
                 logits_rows.append(total - 1)
                 sample_seqs.append(seq)
-            elif item.returns_hidden:
+            if item.returns_hidden:
                 hidden_rows.append((total - n, total))
         positions = np.concatenate(positions_parts)
         metadata = AttentionMetadata(

@@ -50,8 +50,9 @@ class ScheduledSequence:
 
     @property
     def returns_hidden(self) -> bool:
-        """Whether this chunk's rows are returned (a walk in "hidden" mode, never split)."""
-        return self.completes and self.seq.output_mode == "hidden"
+        """Whether this chunk's rows are returned: a walk in "hidden" mode, or a sampling walk
+        that wants its inputs' rows (`Sequence.rows_wanted`); either is never split."""
+        return self.completes and (self.seq.output_mode == "hidden" or self.seq.rows_wanted)
 
 
 @dataclass(slots=True)
@@ -244,13 +245,15 @@ class BatchScheduler:
             if not item.completes:
                 continue
             if seq.output_mode == "sample":
+                row = next(rows) if item.returns_hidden else None  # before the token lengthens it
+                seq.rows_wanted = False
                 token = next(samples)
                 seq.token_ids.append(token)
                 reason = self._finish_reason(seq, token)
                 if reason is None:
-                    outputs.append(RequestOutput(seq.request_id, [token], False))
+                    outputs.append(RequestOutput(seq.request_id, [token], False, hidden=row))
                     continue
-                outputs.append(RequestOutput(seq.request_id, [token], True, reason))
+                outputs.append(RequestOutput(seq.request_id, [token], True, reason, hidden=row))
             else:
                 row = next(rows) if seq.output_mode == "hidden" else None
                 outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.COMPUTED, hidden=row))

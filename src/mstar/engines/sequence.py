@@ -144,6 +144,7 @@ class Sequence:
         "request_id",
         "reserve_tokens",
         "reserved_blocks",
+        "rows_wanted",
         "segments_end",
         "status",
         "stop_check",
@@ -181,6 +182,9 @@ class Sequence:
         self.walk_start = len(self.token_ids)
         self.inputs_start = 0  # first position of the current walk's new inputs
         self.output_mode: OutputMode = "sample"
+        # A sampling walk that also returns its inputs' rows, with its first token (computed
+        # in one chunk, as a "hidden" walk's): the current walk has not returned them yet.
+        self.rows_wanted = False
         # Pinned: its cache cannot be rebuilt from token ids (payload inputs) or is read by
         # queries, so it is never preempted or evicted.
         self.is_pinned = False
@@ -295,10 +299,11 @@ class Sequence:
         result exceeds `budget` only when the inputs cannot be cut smaller.
         """
         start = self.num_computed_tokens
-        if self.output_mode == "hidden" and start >= self.inputs_start:
+        whole = self.output_mode == "hidden" or self.rows_wanted
+        if whole and start >= self.inputs_start:
             return len(self.token_ids) - start
         end = min(len(self.token_ids), start + budget)
-        if self.output_mode == "hidden":
+        if whole:
             end = min(end, self.inputs_start)
         if start < self.segments_end:
             for segment in self.mask_segments:

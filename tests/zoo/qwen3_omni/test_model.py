@@ -16,15 +16,16 @@ from typing import Any
 import pytest
 import torch
 
+from mstar.baselines import qwen3_omni as pipeline
 from mstar.engines.interfaces import FiringRows
 from mstar.engines.kv_engine import KVCacheEngine
 from mstar.graph import run_reference
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Output, Request
-from mstar.zoo.qwen3_omni import pipeline
 from mstar.zoo.qwen3_omni.checkpoint import load_qwen3_omni, make_random_checkpoint
 from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
 from mstar.zoo.qwen3_omni.model import Qwen3OmniModel
 from mstar.zoo.qwen3_omni.modules.encoders import embed_prompt, encode_audio
+from mstar.zoo.qwen3_omni.modules.sampling import TALKER_GREEDY, TALKER_SAMPLING
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 from mstar.zoo.qwen3_omni.prompt import audio_features
 
@@ -87,7 +88,7 @@ def expected(
     greedy = data.get("talker_temperature") == 0.0
     speech = pipeline.speak(
         weights, thinker, max_frames=int(data.get("max_audio_frames", model.max_audio_frames)),
-        sampling=pipeline.TALKER_GREEDY if greedy else pipeline.TALKER_SAMPLING,
+        sampling=TALKER_GREEDY if greedy else TALKER_SAMPLING,
         generator=torch.Generator().manual_seed(int(data["seed"])),
     )  # fmt: skip
     return thinker.generated, speech.codes, pipeline.decode_chunks(weights, speech.codes)
@@ -181,7 +182,11 @@ async def test_one_request_matches_transformers_generate(
 
 
 def reference_nodes(model: Qwen3OmniModel, request_id: str) -> dict[str, Any]:
-    """Each node as a plain callable for `run_reference` (a KV node on an engine of its own)."""
+    """Each node as a plain callable for `run_reference` (a KV node on an engine of its own).
+
+    A forward firing runs its chunks; the thinker's answer (its token walk) runs whole at its
+    first call, and each call hands out one token's outputs, as the loop fires it.
+    """
     device = torch.device("cpu")
     fns: dict[str, Any] = {}
     for name in model.graph().nodes:
@@ -190,10 +195,28 @@ def reference_nodes(model: Qwen3OmniModel, request_id: str) -> dict[str, Any]:
             fns[name] = lambda inputs, node=node: node([inputs])[0]
             continue
         engine = KVCacheEngine(node.model, node.engine_config)
+        answer: list[Mapping[str, Any]] = []
+
+        def walk(inputs: Mapping[str, Any], node: Any, engine: KVCacheEngine, answer: list[Any]) -> Mapping[str, Any]:
+            if not answer:
+                turn = node.turn(request_id, inputs, is_first=not engine.has_request(request_id))
+                args = {"logits_processor": turn.logits_processor, "return_rows": turn.return_rows}
+                if engine.has_request(request_id):
+                    engine.resume(request_id, turn.new_token_ids, turn.sampling_params, **args)
+                else:
+                    engine.add_request(request_id, turn.new_token_ids, turn.sampling_params, keep_alive=True, **args)
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        history = list(engine.get_sequence(request_id).token_ids) if out.finished else None
+                        rows = {} if out.hidden is None else {"rows": out.hidden}
+                        answer.append(node.outputs(request_id, out.new_token_ids[0], history, **rows))
+            return answer.pop(0)
 
         def fire(
-            inputs: Mapping[str, Any], node: Any = node, engine: KVCacheEngine = engine
+            inputs: Mapping[str, Any], node: Any = node, engine: KVCacheEngine = engine, answer: list[Any] = answer
         ) -> Mapping[str, Any]:
+            if getattr(node, "token_walks", False) and int(inputs["cursor"]) == len(inputs["segments"]) - 1:
+                return walk(inputs, node, engine, answer)
             chunks = node.forward(request_id, inputs).chunks
             rows: list[torch.Tensor | None] = []
             for chunk in chunks:
@@ -270,4 +293,5 @@ def test_audio_features_and_prompt_segments(model: Qwen3OmniModel) -> None:
     feats = audio_features(model.config, _wave(1.0, 5))
     assert feats.shape == (20, 100)
     prepared = model.preprocess(Request("generate", REQUESTS[2]))
-    assert prepared.state.prefills == ["prefill_text", "prefill_audio", "prefill_text"]
+    # The last segment (the assistant opening) starts the answer's token walk: no prefill walk of its own.
+    assert prepared.state.prefills == ["prefill_text", "prefill_audio"] and prepared.state.num_segments == 3

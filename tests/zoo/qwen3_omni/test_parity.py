@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from mstar.baselines import qwen3_omni as pipeline
 from mstar.streaming import LeftContextChunkPolicy, StreamBuffer
-from mstar.zoo.qwen3_omni import pipeline
 from mstar.zoo.qwen3_omni.checkpoint import load_qwen3_omni, make_random_checkpoint
 from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig, get_qwen3_omni_config
 from mstar.zoo.qwen3_omni.modules.codec import conv_lookback, decode_chunk
@@ -25,6 +25,7 @@ from mstar.zoo.qwen3_omni.modules.encoders import (
     encode_audio,
     encode_image,
 )
+from mstar.zoo.qwen3_omni.modules.sampling import TALKER_GREEDY, TALKER_SAMPLING
 from mstar.zoo.qwen3_omni.modules.talker import make_talker_prompt, user_positions
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights, make_code2wav
 from mstar.zoo.qwen3_omni.nodes import Code2WavNode
@@ -206,7 +207,7 @@ def test_talker_codes_match_transformers(
     thinker = pipeline.run_thinker(
         ours, embedded, prompt_ids=prompt, max_tokens=6, stop_token_ids=(eos,)
     )
-    sampling = pipeline.TALKER_SAMPLING if sample else pipeline.TALKER_GREEDY
+    sampling = TALKER_SAMPLING if sample else TALKER_GREEDY
     speech = pipeline.speak(
         ours, thinker, max_frames=30, sampling=sampling, generator=torch.Generator().manual_seed(11)
     )
@@ -321,7 +322,7 @@ def test_talker_codes_match_with_an_image_in_the_user_turn(
         ours, embedded, prompt_ids=prompt, max_tokens=5, stop_token_ids=(eos,)
     )
     speech = pipeline.speak(
-        ours, thinker, max_frames=12, sampling=pipeline.TALKER_GREEDY, image_grids=[grid]
+        ours, thinker, max_frames=12, sampling=TALKER_GREEDY, image_grids=[grid]
     )
     assert speech.codes.shape[1] > 0
     assert torch.equal(speech.codes, seen["codes"][0])

@@ -24,10 +24,9 @@ import torch
 
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
+from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw, talker_suppress_mask
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
-from mstar.zoo.qwen3_omni.pipeline import talker_suppress_mask
 
 __all__ = ["FrameInput", "SpeechState", "TalkerStepModel", "draw_frames"]
 

@@ -3,8 +3,9 @@
 Three partitions run side by side for a request::
 
     Thinker   prefill_text | prefill_audio = Sequential[audio_encoder, thinker]
-              | prefill_vision = Sequential[vision_encoder, thinker]      one walk per prompt segment
-              thinker_decode = DynamicLoop(thinker)                        text tokens -> EMIT
+              | prefill_vision = Sequential[vision_encoder, thinker]      a walk per prompt segment
+              thinker_decode = DynamicLoop(thinker)    the last segment, then the answer: a token
+                                                       walk on the engine's loop -> text EMIT
                  └─ thinker_states ~> Talker      FixedChunkPolicy(1): one item per segment / token
     Talker    talker_prefill (one per segment)   the user turns' rows, then the 9 assistant rows
               talker_decode = DynamicLoop(talker) one frame per text item; after the thinker's
@@ -104,12 +105,11 @@ def make_qwen3_omni_graph(name: str = "qwen3-omni", chunk_frames: int = 25) -> M
     vision = GraphNode("vision_encoder", {"segments", "cursor"}, [GraphEdge("thinker", "media")])
     thinker = GraphNode(
         "thinker",
-        {"segments", "cursor", "media", "last"},
+        {"segments", "cursor", "media", "sampling"},
         [
             GraphEdge("thinker", "cursor", persist=True),
             GraphEdge("audio_encoder", "cursor", persist=True),
             GraphEdge("vision_encoder", "cursor", persist=True),
-            GraphEdge("thinker", "last", persist=True),
             GraphEdge(EMIT, "text", modality="text"),
             StreamingGraphEdge("talker", "thinker_states"),
         ],
@@ -148,7 +148,7 @@ def make_qwen3_omni_graph(name: str = "qwen3-omni", chunk_frames: int = 25) -> M
             ),
         ],
         inputs={
-            "thinker": {"segments", "cursor", "media", "last"},
+            "thinker": {"segments", "cursor", "media", "sampling"},
             "audio_encoder": {"segments", "cursor"},
             "vision_encoder": {"segments", "cursor"},
             "talker": {"talker_params"},
@@ -161,6 +161,7 @@ class _Plan:
     """A request's walk plan: its prefill walks, whether it speaks, and how far each partition got."""
 
     prefills: list[str]
+    num_segments: int
     speaks: bool
     num_thinker_prefills: int = 0
     num_talker_prefills: int = 0
@@ -332,9 +333,6 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             raise ValueError(f"task must be 'generate' or 'speech', got {request.task!r}")
         data, params = dict(request.data), request.params
         options = request.options_as(Qwen3OmniOptions)
-        for key in ("presence_penalty", "frequency_penalty"):
-            if getattr(params, key):
-                raise InvalidRequestError(f"{key} is not supported by {self.name}", param=key)
         forced: list[int] | None = None
         if request.task == "speech":
             text = speech_text(data)
@@ -349,20 +347,13 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         speaks = "audio" in modalities
         ids, media = self._prompt(data)
         segments = make_segments(self.config, ids, media)
-        max_tokens = len(forced) if forced else (params.max_tokens or self.max_tokens)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the model's length is {self.max_model_len}"
-            )
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        stop_ids = [] if params.ignore_eos else list(self.eos_token_ids)
-        last: dict[str, Any] = {
-            "token": None, "count": 0, "done": False, "speak": speaks, "seed": int(seed) % 2**63,
-            "max_tokens": max_tokens, "stop_ids": stop_ids, "forced": forced,
-            "temperature": _or(params.temperature, 0.0), "top_p": _or(params.top_p, 1.0),
-            "top_k": params.top_k or 0, "repetition_penalty": _or(params.repetition_penalty, 1.0),
-            "logprobs": params.logprobs,
-        }  # fmt: skip
+        thinker_params = params.with_defaults({"temperature": 0.0, "seed": seed})
+        sampling = thinker_params.sampling(
+            max_tokens=len(forced) if forced else (params.max_tokens or self.max_tokens),
+            stop_token_ids=self.eos_token_ids,
+            prompt_len=len(ids),
+        )
         speaker = speech_voice(data, self.config.speaker)
         speakers = self.config.speaker_ids
         if speaker.lower() not in speakers:
@@ -375,13 +366,19 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             "return_codes": options.return_codes,
         }  # fmt: skip
         inputs: dict[str, dict[str, Any]] = {
-            "thinker": {"segments": segments, "cursor": 0, "media": None, "last": last},
+            "thinker": {
+                "segments": segments,
+                "cursor": 0,
+                "media": None,
+                "sampling": {"params": sampling, "speak": speaks, "forced": forced},
+            },
             "audio_encoder": {"segments": segments, "cursor": 0},
             "vision_encoder": {"segments": segments, "cursor": 0},
             "talker": {"talker_params": talker},
         }
+        # Every segment but the last is a prefill walk; the last starts the answer's token walk.
         plan = _Plan(
-            [_PREFILL[s["kind"]] for s in segments], speaks, extra={"prompt_len": len(ids)}
+            [_PREFILL[s["kind"]] for s in segments[:-1]], len(segments), speaks, extra={"prompt_len": len(ids)}
         )
         return PreparedRequest(inputs, plan)
 
@@ -446,7 +443,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         """Thinker: its first prefill; Talker and Code2Wav: theirs, when the answer is spoken."""
         plan: _Plan = state
         if partition == "Thinker":
-            return plan.prefills[0]
+            return plan.prefills[0] if plan.prefills else "thinker_decode"
         if not plan.speaks:
             return None
         return "talker_prefill" if partition == "Talker" else "code2wav_chunk"
@@ -463,14 +460,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         if partition == "Talker":
             if finished == "talker_prefill":
                 plan.num_talker_prefills += 1
-                if plan.num_talker_prefills < len(plan.prefills):
+                if plan.num_talker_prefills < plan.num_segments:
                     return "talker_prefill"
             return "talker_decode"  # one walk per stream chunk; the stream's end ends the partition
         return "code2wav_chunk"
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
 
 
 class Qwen3OmniOptions(TaskOptions, frozen=True, kw_only=True):

@@ -1,11 +1,11 @@
 """Qwen3-Omni's graph nodes: the encoders, the thinker, the talker (with its code predictor), Code2Wav.
 
-The thinker and the talker are forward-fired KV-cache nodes (`ForwardKVNode`): each firing
-appends one segment of the prompt or one decode position to the request's paged cache. The
-thinker's ``forward_outputs`` samples every request the step completed at once (one logits
-matmul); the talker draws its frames inside the step itself, on the step thread, all the
-step's requests in one code-predictor batch (`TalkerStepModel`). What crosses from the
-thinker to the talker, one stream item per firing::
+The thinker appends the prompt's segments by forward firings (`ForwardKVNode`), then answers
+on the engine's token loop (`KVNode`): the engine samples, stops and reports log-probabilities
+as for every text model, and hands back the last segment's rows with the first token. The
+talker is forward-fired: it draws its frames inside the step itself, on the step thread, all
+the step's requests in one code-predictor batch (`TalkerStepModel`). What crosses from the
+thinker to the talker, one stream item per segment and per answer token::
 
     prefill item   {"kind": "prefill", rows of the segment's user positions (input embeddings,
                     or captured states at audio / image positions), the talker's coordinates,
@@ -26,22 +26,22 @@ from typing import Any
 
 import torch
 
-from mstar.engines.interfaces import FiringRows, KVChunk, KVForward
+from mstar.engines.interfaces import FiringRows, KVChunk, KVForward, KVTurn
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.sampler import TokenLogprobs
 from mstar.streaming import Chunk
 from mstar.zoo.qwen3_omni.frames import FrameInput, SpeechState, TalkerStepModel
 from mstar.zoo.qwen3_omni.modules.codec import conv_lookback, decode_chunk
 from mstar.zoo.qwen3_omni.modules.encoders import ImageInput, encode_audio, encode_image
-from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
+from mstar.zoo.qwen3_omni.modules.sampling import CODE_PREDICTOR_SAMPLING, DrawParams
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
-from mstar.zoo.qwen3_omni.pipeline import CODE_PREDICTOR_SAMPLING
 
 __all__ = [
     "AudioEncoderNode",
     "Code2WavNode",
     "TalkerNode",
+    "ForcedTokens",
     "ThinkerNode",
     "VisionEncoderNode",
     "draw_params",
@@ -62,19 +62,6 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
-
-
-def _token_logprobs(logits: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
-    """Return ``token``'s log-probability and the ``num_top`` likeliest tokens under the raw logits.
-
-    The model's own distribution (before penalties, temperature and filtering), as the text
-    LLMs' sampler reports it.
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(min(num_top, logprobs.shape[-1])) if num_top else (logprobs[:0], logprobs[:0])
-    return TokenLogprobs(
-        token, float(logprobs[token]), tuple(int(i) for i in ids.tolist()), tuple(float(v) for v in values.tolist())
-    )
 
 
 def _segment(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -131,112 +118,99 @@ def _engine_config(max_model_len: int) -> KVCacheEngineConfig:
 
 
 class ThinkerNode:
-    """``thinker`` (`ForwardKVNode`): prompt segments, then one answer token per firing.
+    """``thinker``: prompt segments as forward firings, then the answer as a token walk.
 
-    Inputs: ``segments`` and ``cursor`` (which segment is next), ``media`` (the encoder's output
-    in audio / vision walks), ``last`` (the answer so far: ``token``, ``count``, ``done`` and the
-    request's sampling settings). Outputs: ``text`` (each sampled token, EOS included),
-    ``thinker_states`` (the talker's stream), ``cursor``, ``last`` and the ``stop`` signal.
+    Every segment but the last is a forward firing (`ForwardKVNode`): inputs ``segments``,
+    ``cursor`` (which is next) and ``media`` (the encoder's output in audio / vision walks);
+    outputs ``cursor`` and, when the answer is spoken, the talker's share of the segment. The
+    last segment (always text: the assistant's opening) starts the answer, a token walk on the
+    engine's loop (`KVNode`): its sampling is the request's ``sampling`` input (`SamplingParams`,
+    the stop tokens, the tokens a speech request forces), and its rows come back with the first
+    token for the talker. Outputs: ``text`` (each token, EOS included), ``thinker_states`` (the
+    talker's stream) and ``stop`` on the last.
     """
 
     forward_walks = True
+    token_walks = True
 
     def __init__(self, weights: Qwen3OmniWeights, max_model_len: int = 4096) -> None:
         self.weights = weights
         self.model = weights.thinker_text
         self.hidden = self.model.hidden_size
         self.engine_config = _engine_config(max_model_len)
-        self._generators: dict[str, torch.Generator] = {}
-        self._history: dict[str, list[int]] = {}  # prompt + answer, for a repetition penalty
+        self._answers: dict[str, tuple[bool, Mapping[str, Any]]] = {}  # request -> (speaks, last segment)
+
+    # -- the prompt's segments: forward firings --------------------------------------------
 
     def forward(self, request_id: str, inputs: Mapping[str, Any]) -> KVForward:
-        """Append the next segment, or the last sampled token (nothing once the answer ended)."""
-        cursor, segments = int(inputs["cursor"]), inputs["segments"]
-        if cursor < len(segments):
-            seg = segments[cursor]
-            ids = [int(i) for i in torch.as_tensor(seg["ids"]).tolist()]
-            self._history.setdefault(request_id, []).extend(ids)
-            if seg["kind"] == "text":
-                return KVForward([KVChunk(token_ids=ids)])
-            media = inputs["media"]
-            if not isinstance(media, Mapping):
-                raise ValueError(f"a {seg['kind']} segment needs its encoder's output")
-            payload = EmbedsInput(
-                torch.as_tensor(media["embeds"]), positions3=seg["positions3"], rope_delta=seg["rope_delta"],
-                deepstack=media.get("deepstack"),
-            )  # fmt: skip
-            if payload.num_rows != len(ids):
-                raise ValueError(
-                    f"the encoder made {payload.num_rows} tokens for {len(ids)} placeholders"
-                )
-            return KVForward([KVChunk(payload=payload, num_tokens=payload.num_rows)])
-        last = inputs["last"]
-        if last["done"]:
-            return KVForward([])
-        token = int(last["token"])
-        self._history.setdefault(request_id, []).append(token)
-        return KVForward([KVChunk(token_ids=[token])])
+        """Append the next segment of the prompt (text ids, or its encoder's embeddings)."""
+        seg = inputs["segments"][int(inputs["cursor"])]
+        ids = [int(i) for i in torch.as_tensor(seg["ids"]).tolist()]
+        if seg["kind"] == "text":
+            return KVForward([KVChunk(token_ids=ids)])
+        media = inputs["media"]
+        if not isinstance(media, Mapping):
+            raise ValueError(f"a {seg['kind']} segment needs its encoder's output")
+        payload = EmbedsInput(
+            torch.as_tensor(media["embeds"]), positions3=seg["positions3"], rope_delta=seg["rope_delta"],
+            deepstack=media.get("deepstack"),
+        )  # fmt: skip
+        if payload.num_rows != len(ids):
+            raise ValueError(f"the encoder made {payload.num_rows} tokens for {len(ids)} placeholders")
+        return KVForward([KVChunk(payload=payload, num_tokens=payload.num_rows)])
 
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
-        """Sample the next token of every request whose firing ends a prompt or a decode step."""
-        results: list[Mapping[str, Any] | BaseException] = [{} for _ in firings]
-        to_sample: list[int] = []
-        for i, f in enumerate(firings):
-            cursor, segments = int(f.inputs["cursor"]), f.inputs["segments"]
-            if not f.rows:  # the answer already ended
-                results[i] = {"stop": True}
-            elif cursor < len(segments) and not segments[cursor]["is_last"]:
-                out: dict[str, Any] = {"cursor": cursor + 1, "stop": False}
-                if f.inputs["last"]["speak"]:
-                    out["thinker_states"] = self._prefill_item(segments[cursor], f.rows[0], None)
-                results[i] = out
-            else:
-                to_sample.append(i)
-        if to_sample:
-            for i, sampled in zip(
-                to_sample, self._sample([firings[i] for i in to_sample]), strict=True
-            ):
-                results[i] = sampled
+        """Move each request's cursor on; hand the talker its share of the segment."""
+        results: list[Mapping[str, Any] | BaseException] = []
+        for f in firings:
+            cursor = int(f.inputs["cursor"])
+            out: dict[str, Any] = {"cursor": cursor + 1}
+            if f.inputs["sampling"]["speak"]:
+                out["thinker_states"] = self._prefill_item(f.inputs["segments"][cursor], f.rows[0], None)
+            results.append(out)
         return results
 
-    def _sample(self, firings: list[FiringRows]) -> list[Mapping[str, Any]]:
-        outs: list[Mapping[str, Any]] = []
-        groups: dict[DrawParams, list[int]] = {}
-        for k, f in enumerate(firings):
-            groups.setdefault(draw_params(f.inputs["last"]), []).append(k)
-        rows = torch.cat([f.rows[0][-1:] for f in firings if f.rows[0] is not None])
-        logits = self.model.compute_logits(rows)
-        tokens: list[int] = [0] * len(firings)
-        for params, members in groups.items():
-            gens: list[torch.Generator | None] = [self._gen(firings[k]) for k in members]
-            history = [self._history.get(firings[k].request_id, []) for k in members]
-            drawn = draw(logits[members], params, gens, history=history)
-            for k, token in zip(members, drawn.tolist(), strict=True):
-                tokens[k] = int(token)
-        for k, f in enumerate(firings):
-            last = dict(f.inputs["last"])
-            forced = last.get("forced")
-            token = int(forced[last["count"]]) if forced else tokens[k]
-            last["count"] = count = int(last["count"]) + 1
-            is_end = token in last["stop_ids"] or count >= int(last["max_tokens"])
-            last.update(token=token, done=is_end)
-            num_top = last.get("logprobs")
-            text: Any = token if num_top is None else _token_logprobs(logits[k], token, int(num_top)).to_dict()
-            out: dict[str, Any] = {"text": text, "last": last, "stop": is_end}
-            cursor, segments = int(f.inputs["cursor"]), f.inputs["segments"]
-            embed = (
-                None
-                if is_end
-                else self.model.embedding(torch.tensor([token], device=rows.device))[0]
-            )
-            if cursor < len(segments):
-                out["cursor"] = cursor + 1
-                if last["speak"]:
-                    out["thinker_states"] = self._prefill_item(segments[cursor], f.rows[0], embed)
-            elif last["speak"] and embed is not None:
+    # -- the answer: a token walk ----------------------------------------------------------
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        """Append the last segment and generate the answer (its rows too, when it is spoken)."""
+        segments, sampling = inputs["segments"], inputs["sampling"]
+        last = segments[-1]
+        if int(inputs["cursor"]) != len(segments) - 1 or last["kind"] != "text":
+            raise ValueError("the answer starts after every segment but the last (text) is in the cache")
+        speaks = bool(sampling["speak"])
+        self._answers[request_id] = (speaks, last)
+        forced = sampling["forced"]
+        processor = ForcedTokens(forced) if forced else None
+        ids = [int(i) for i in torch.as_tensor(last["ids"]).tolist()]
+        return KVTurn(ids, sampling["params"], logits_processor=processor, return_rows=speaks)
+
+    def outputs(
+        self,
+        request_id: str,
+        token_id: int,
+        history: list[int] | None,
+        *,
+        logprobs: TokenLogprobs | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> Mapping[str, Any]:
+        """Emit the token; feed the talker (the opening's rows first); ``stop`` on the last token."""
+        is_end = history is not None
+        text: Any = token_id if logprobs is None else logprobs.to_dict()
+        out: dict[str, Any] = {"text": text, "stop": is_end}
+        speaks, last = self._answers[request_id]
+        if speaks:
+            embed = None
+            if not is_end:
+                with torch.inference_mode():
+                    embed = self.model.embedding(torch.tensor([token_id], device=self.model.embedding.weight.device))[0]
+            if rows is not None:
+                out["thinker_states"] = self._prefill_item(last, rows, embed)
+            elif embed is not None:
                 out["thinker_states"] = {"kind": "text", "embed": embed}
-            outs.append(out)
-        return outs
+        if is_end:
+            self._answers.pop(request_id, None)
+        return out
 
     def _prefill_item(
         self, seg: Mapping[str, Any], rows: torch.Tensor | None, first: torch.Tensor | None
@@ -256,20 +230,30 @@ class ThinkerNode:
             item["first_text"] = first
         return item
 
-    def _gen(self, firing: FiringRows) -> torch.Generator:
-        gen = self._generators.get(firing.request_id)
-        if gen is None:
-            device = self.model.embedding.weight.device
-            gen = self._generators[firing.request_id] = _generator(
-                int(firing.inputs["last"]["seed"]), device
-            )
-        return gen
-
     def release(self, request_id: str) -> None:
-        """Forget the request's generator, history and MRoPE offset."""
-        self._generators.pop(request_id, None)
-        self._history.pop(request_id, None)
+        """Forget the request's answer state and MRoPE offset."""
+        self._answers.pop(request_id, None)
         self.model.forget(request_id)
+
+
+class ForcedTokens:
+    """A `mstar.engines.LogitsProcessor` that makes the answer exactly ``tokens``: at each step
+    every id but the next forced one is -inf (a speech request speaks its given text)."""
+
+    __slots__ = ("_start", "tokens")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self._start: int | None = None
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self._start is None:  # the first call comes before the answer's first token
+            self._start = len(token_ids)
+        k = len(token_ids) - self._start
+        forced = self.tokens[min(k, len(self.tokens) - 1)]
+        out = torch.full_like(logits, float("-inf"))
+        out[..., forced] = 0.0
+        return out
 
 
 class TalkerNode:

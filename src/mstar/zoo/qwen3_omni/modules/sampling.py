@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DrawParams", "draw"]
+from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig
+
+__all__ = [
+    "CODE_PREDICTOR_SAMPLING",
+    "TALKER_GREEDY",
+    "TALKER_SAMPLING",
+    "DrawParams",
+    "draw",
+    "talker_suppress_mask",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +48,15 @@ class DrawParams:
         """Whether the next token is the argmax."""
         return self.temperature == 0.0
 
+
+TALKER_SAMPLING = DrawParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+"""transformers' ``generate`` defaults for the talker."""
+
+TALKER_GREEDY = DrawParams(temperature=0.0, repetition_penalty=1.05)
+"""transformers' talker with ``talker_do_sample=False`` (the repetition penalty still applies)."""
+
+CODE_PREDICTOR_SAMPLING = DrawParams(temperature=1.0, top_k=50, top_p=0.8)
+"""The code predictor's draws when the talker samples."""
 
 def _penalise(logits: torch.Tensor, history: list[list[int]], penalty: float) -> torch.Tensor:
     logits = logits.clone()
@@ -121,3 +139,14 @@ def draw(
     if params.top_p < 1.0:
         scores = _top_p(scores, params.top_p, top)
     return _multinomial(scores.softmax(dim=-1), generators)
+
+
+def talker_suppress_mask(
+    config: Qwen3OmniConfig, device: torch.device | None = None
+) -> torch.Tensor:
+    """Return the codec ids the talker never draws: the top 1,024 but EOS (transformers' ``generate``)."""
+    vocab = config.talker_text.vocab_size
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[max(0, vocab - 1024) :] = True
+    mask[config.codec_id("codec_eos_token_id")] = False
+    return mask

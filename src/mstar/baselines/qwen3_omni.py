@@ -1,10 +1,10 @@
-"""One request through Qwen3-Omni on mstar's engines, component after component.
+"""Qwen3-Omni's baseline: one request through its components one after another.
 
 The thinker and the talker run on `KVCacheEngine`s (paged caches) in the forward style the
 graph's nodes use: each step appends inputs in ``"hidden"`` mode and the caller samples from
 the returned rows, so every position's captured thinker states are at hand for the talker.
-Code2Wav decodes the codes in left-context chunks. This is the path the parity tests compare
-with transformers, and the building block of the nodes (`mstar.zoo.qwen3_omni.nodes`).
+Code2Wav decodes the codes in left-context chunks, after the talker is done. The parity tests
+compare it with transformers, and the served graph (`mstar.zoo.qwen3_omni`) with it.
 
 ```
 thinker  prompt ──prefill──▶ rows ─▶ token 1 ─▶ rows ─▶ token 2 ... EOS     (final | embed | layer-k)
@@ -21,34 +21,26 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.engines.kv_engine import KVCacheEngine, KVCacheEngineConfig
-from mstar.zoo.qwen3_omni.config import Qwen3OmniConfig
 from mstar.zoo.qwen3_omni.modules.codec import conv_lookback, decode_chunk
-from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw
+from mstar.zoo.qwen3_omni.modules.sampling import (
+    CODE_PREDICTOR_SAMPLING,
+    TALKER_SAMPLING,
+    DrawParams,
+    draw,
+    talker_suppress_mask,
+)
 from mstar.zoo.qwen3_omni.modules.talker import TalkerPrompt, make_talker_prompt
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
 
 __all__ = [
-    "CODE_PREDICTOR_SAMPLING",
-    "TALKER_GREEDY",
-    "TALKER_SAMPLING",
     "SpeechResult",
     "ThinkerResult",
     "decode_chunks",
     "run_talker",
     "run_thinker",
     "speak",
-    "talker_suppress_mask",
 ]
-
-TALKER_SAMPLING = DrawParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
-"""transformers' ``generate`` defaults for the talker."""
-
-TALKER_GREEDY = DrawParams(temperature=0.0, repetition_penalty=1.05)
-"""transformers' talker with ``talker_do_sample=False`` (the repetition penalty still applies)."""
-
-CODE_PREDICTOR_SAMPLING = DrawParams(temperature=1.0, top_k=50, top_p=0.8)
-"""The code predictor's draws when the talker samples."""
 
 _ids = itertools.count()
 
@@ -159,17 +151,6 @@ class SpeechResult:
 
     codes: torch.Tensor
     code0: list[int]
-
-
-def talker_suppress_mask(
-    config: Qwen3OmniConfig, device: torch.device | None = None
-) -> torch.Tensor:
-    """Return the codec ids the talker never draws: the top 1,024 but EOS (transformers' ``generate``)."""
-    vocab = config.talker_text.vocab_size
-    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-    mask[max(0, vocab - 1024) :] = True
-    mask[config.codec_id("codec_eos_token_id")] = False
-    return mask
 
 
 @torch.no_grad()
