@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from mstar.engines import AttentionMask, KVCacheEngineConfig
+from mstar.engines import AttentionMask, KVCacheEngineConfig, SamplingParams
 from mstar.engines.interfaces import (
     FiringRows,
     KVChunk,
     KVForward,
+    KVTurn,
     supports_forward_walks,
     supports_token_walks,
 )
@@ -245,3 +246,51 @@ async def test_firings_answered_together_fire_together_again(model: LlamaCausalL
     finally:
         await engine.aclose()
         executor.shutdown()
+
+
+class PromptThenAnswer(ChunkNode):
+    """Forward firings append a prompt; a token walk then answers, asking for its inputs' rows."""
+
+    token_walks = True
+
+    def __init__(self, model: LlamaCausalLM) -> None:
+        super().__init__(model)
+        self.engine_config = KVCacheEngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=3)
+        self.calls: list[tuple[int, bool, Any]] = []
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        return KVTurn(list(inputs["tail"]), SamplingParams.greedy(4), return_rows=inputs["rows"])
+
+    def outputs(self, request_id: str, token_id: int, history: list[int] | None, **extra: Any) -> Mapping[str, Any]:
+        self.calls.append((token_id, history is not None, extra.get("rows")))
+        return {"token": token_id, "stop": history is not None}
+
+
+async def test_a_token_walk_hands_its_inputs_rows_to_its_first_token(model: LlamaCausalLM) -> None:
+    """After a forward-fired prefix, a token walk's new tokens (more than a step's token
+    budget, yet computed in one chunk) come back as rows with the first sampled token only;
+    the answer equals a plain walk's."""
+    head, tail = [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]
+    node = PromptThenAnswer(model)
+    engine = KVNodeEngine("llm", node, None, "cpu")
+    engine.start()
+    try:
+        await engine.submit("r", {"chunks": [KVChunk(token_ids=head, output="none")]})
+        tokens: list[int] = []
+        await engine.run("r", {"tail": tail, "rows": True}, None, lambda out: tokens.append(out["token"]))
+        plain = PromptThenAnswer(model)
+        other = KVNodeEngine("plain", plain, None, "cpu")
+        other.start()
+        try:
+            want: list[int] = []
+            await other.run("p", {"tail": head + tail, "rows": False}, None, lambda out: want.append(out["token"]))
+        finally:
+            await other.aclose()
+    finally:
+        await engine.aclose()
+    assert tokens == want and len(tokens) == 4
+    rows = [r for _, _, r in node.calls]
+    assert rows[0] is not None and all(r is None for r in rows[1:])
+    torch.testing.assert_close(rows[0], dense_rows(model, head + tail, len(tail)), rtol=1e-5, atol=1e-5)
+    assert [last for _, last, _ in node.calls] == [False, False, False, True]
+    assert all(r is None for _, _, r in plain.calls)
