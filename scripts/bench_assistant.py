@@ -292,7 +292,8 @@ class Run:
             if errors:
                 console.print(f"  {p.target} errors: {errors[:3]}", highlight=False, markup=False)
         text = ", ".join(
-            f"{p.target} {p.summary.num_requests - p.summary.num_failed}/{p.summary.num_requests} ok "
+            f"{p.target} "
+            f"{p.summary.num_requests - p.summary.num_failed}/{p.summary.num_requests} ok "
             f"in {p.summary.duration_s:.1f} s"
             for p in result.points
         )
@@ -385,10 +386,13 @@ def _describe(
         "model": f"SmolLM2-135M-Instruct (real weights, Q4_1 dequantised to float32): hidden "
         f"{hf['hidden_size']}, {hf['num_hidden_layers']} layers; Piper en_US-joe-medium voice, "
         f"{model.audio_sample_rate} Hz, noise 0 / 0 (deterministic)",
-        "requests": f"{settings.num_questions} questions, greedy, max_tokens {settings.max_tokens}, "
+        "requests": f"{settings.num_questions} questions, greedy, max_tokens "
+        f"{settings.max_tokens}, "
         f"stop at end of turn {model.eos_token_ids}; system prompt {SYSTEM_PROMPT!r}",
-        "load": f"closed loop, concurrency {list(settings.concurrency)}, measured requests per point "
-        f"max({settings.num_requests or 0}, 5 x c), warm-up {settings.warmup} per target (not measured)",
+        "load": f"closed loop, concurrency {list(settings.concurrency)}, measured requests "
+        "per point "
+        f"max({settings.num_requests or 0}, 5 x c), warm-up {settings.warmup} per target "
+        "(not measured)",
         "mstar": f"AsyncEngine in process, default placement (LLM rank 0, voice rank 1); "
         f"{model.policy}; KV {dict(engine_config)}; cpu_threads {settings.threads}",
         "pipeline": "one request at a time (asyncio lock + one-thread executor); "
@@ -398,8 +402,6 @@ def _describe(
         "(onnxruntime, both targets)",
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
     }
-
-
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -522,7 +524,8 @@ def _agreement(
         f"same text: {len(pairs) - len(mismatched)}/{len(pairs)} requests "
         f"({len(mismatched)} mismatches); audio mstar {agreement['mstar_audio_s']:.1f} s vs "
         f"pipeline {agreement['pipeline_audio_s']:.1f} s (per request mstar / pipeline in "
-        f"[{agreement['audio_duration_ratio_min']:.3f}, {agreement['audio_duration_ratio_max']:.3f}])",
+        f"[{agreement['audio_duration_ratio_min']:.3f}, "
+        f"{agreement['audio_duration_ratio_max']:.3f}])",
         highlight=False,
         markup=False,
     )
@@ -547,8 +550,6 @@ def _verdicts(rows: Mapping[str, Mapping[str, Any]], console: Console) -> dict[s
         markup=False,
     )
     return {"ttfa_p50_c1": {"value": value, "target": TTFA_RATIO_TARGET, "met": met}}
-
-
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

@@ -71,8 +71,20 @@ from mstar.zoo.bagel.latents import decode_image, latent_grid
 from mstar.zoo.bagel.model import BagelModel
 from mstar.zoo.bagel.nodes import png_bytes
 
-PROMPTS = ("a red cube on a table", "a lighthouse at dusk", "two cats in the snow", "a bowl of ramen", "a city at night")
-EDITS = ("make it blue", "add a hat", "turn it into a painting", "make it night", "remove the background")
+PROMPTS = (
+    "a red cube on a table",
+    "a lighthouse at dusk",
+    "two cats in the snow",
+    "a bowl of ramen",
+    "a city at night",
+)
+EDITS = (
+    "make it blue",
+    "add a hat",
+    "turn it into a painting",
+    "make it night",
+    "remove the background",
+)
 T2I_P50_TARGET, EDIT_P50_TARGET, THROUGHPUT_TARGET = 1.5, 1.2, 1.3
 TARGET_NAMES = ("mstar", "dense_cfg", "mstar_all_branches")
 
@@ -104,7 +116,8 @@ def request_data(task: str, seed: int, settings: Settings, size: tuple[int, int]
 
 
 class DenseCFG:
-    """A stage pipeline's CFG: requests in turn, dense per-context caches, all branches every step."""
+    """A stage pipeline's CFG: requests in turn, dense per-context caches, all branches every
+    step."""
 
     def __init__(self, model: BagelModel) -> None:
         self.model = model
@@ -115,37 +128,62 @@ class DenseCFG:
 
     async def generate(self, task: str, data: dict[str, Any]) -> bytes:
         async with self.lock:  # one request at a time, as a stage serves them
-            return await asyncio.get_running_loop().run_in_executor(self.executor, self._generate, task, data)
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._generate, task, data
+            )
 
     @torch.inference_mode()
     def _generate(self, task: str, data: dict[str, Any]) -> bytes:
         prepared = self.model.preprocess(Request(task, data))
         plan, spec = prepared.state, prepared.state.spec
         assert isinstance(spec, FlowSpec)
-        contexts = {b: build_context(self.weights, self.vae, its) for b, its in branch_items(plan.items).items()}
+        contexts = {
+            b: build_context(self.weights, self.vae, its)
+            for b, its in branch_items(plan.items).items()
+        }
         positions = latent_grid(self.weights, spec.height, spec.width)
         x = prepared.inputs["cfg_combine"]["flow"].x
         for k in range(spec.num_steps):
             t, dt = spec.step(k)
-            v = {b: c.velocity(x, positions, t) for b, c in contexts.items()}  # all three, every step
+            # all three, every step
+            v = {b: c.velocity(x, positions, t) for b, c in contexts.items()}
             self.num_passes += 3
             needed = spec.branches(k)
-            x = x - guidance(spec, v[COND], v[CFG_TEXT] if CFG_TEXT in needed else None, v[CFG_IMG] if CFG_IMG in needed else None) * dt
+            x = (
+                x
+                - guidance(
+                    spec,
+                    v[COND],
+                    v[CFG_TEXT] if CFG_TEXT in needed else None,
+                    v[CFG_IMG] if CFG_IMG in needed else None,
+                )
+                * dt
+            )
         return png_bytes(decode_image(self.weights, self.vae, x, spec.height, spec.width))
 
 
 class Run:
     """The targets and the images they returned."""
 
-    def __init__(self, settings: Settings, model: BagelModel, engine: AsyncEngine, dense: DenseCFG, task: str) -> None:
-        self.settings, self.model, self.engine, self.dense, self.task = settings, model, engine, dense, task
+    def __init__(
+        self, settings: Settings, model: BagelModel, engine: AsyncEngine, dense: DenseCFG, task: str
+    ) -> None:
+        self.settings, self.model, self.engine, self.dense, self.task = (
+            settings,
+            model,
+            engine,
+            dense,
+            task,
+        )
         self.images: dict[tuple[str, str], bytes] = {}
 
     def data(self, request: BenchRequest) -> dict[str, Any]:
         side = self.model.config.image_size
         return request_data(self.task, int(request.params["seed"]), self.settings, side)
 
-    async def _mstar(self, name: str, request: BenchRequest, extra: dict[str, Any]) -> AsyncIterator[OutputEvent]:
+    async def _mstar(
+        self, name: str, request: BenchRequest, extra: dict[str, Any]
+    ) -> AsyncIterator[OutputEvent]:
         async for out in self.engine.generate(Request(self.task, {**self.data(request), **extra})):
             if out.name == "image":
                 self.images[(name, request.request_id)] = out.data
@@ -168,7 +206,8 @@ def _pixels(png: bytes) -> np.ndarray:
 
 
 def _agreement(images: dict[tuple[str, str], bytes]) -> dict[str, int]:
-    """Return the largest pixel difference of each baseline's images from mstar's (same requests)."""
+    """Return the largest pixel difference of each baseline's images from mstar's (same
+    requests)."""
     out: dict[str, int] = {}
     for (target, rid), png in images.items():
         if target != "mstar" and ("mstar", rid) in images:
@@ -192,7 +231,9 @@ def _row(result: BenchResult, task: str, c: int) -> dict[str, Any]:
         m, b = row["mstar"], row[base]
         if m["p50_s"] and b["p50_s"]:
             row[f"p50_speedup_vs_{base}"] = b["p50_s"] / m["p50_s"]
-            row[f"throughput_vs_{base}"] = m["images_per_s"] / b["images_per_s"] if b["images_per_s"] else None
+            row[f"throughput_vs_{base}"] = (
+                m["images_per_s"] / b["images_per_s"] if b["images_per_s"] else None
+            )
     return row
 
 
@@ -203,12 +244,20 @@ def _verdicts(rows: Sequence[dict[str, Any]], settings: Settings) -> list[str]:
         for row in rows:
             if row["task"] == task and row["c"] == 1 and "p50_speedup_vs_dense_cfg" in row:
                 ok = row["p50_speedup_vs_dense_cfg"] >= target
-                note = "" if default else " (not the default schedule: the target is for 50 timesteps)"
-                lines.append(f"{task} p50 at c=1: {row['p50_speedup_vs_dense_cfg']:.2f}x lower than dense_cfg (target {target}x): {'met' if ok else 'MISSED'}{note}")
+                note = (
+                    "" if default else " (not the default schedule: the target is for 50 timesteps)"
+                )
+                lines.append(
+                    f"{task} p50 at c=1: {row['p50_speedup_vs_dense_cfg']:.2f}x lower than "
+                    f"dense_cfg (target {target}x): {'met' if ok else 'MISSED'}{note}"
+                )
     for row in rows:
         if row["c"] == 8 and row.get("throughput_vs_dense_cfg"):
             ok = row["throughput_vs_dense_cfg"] >= THROUGHPUT_TARGET
-            lines.append(f"{row['task']} images/s at c=8: {row['throughput_vs_dense_cfg']:.2f}x dense_cfg (target {THROUGHPUT_TARGET}x): {'met' if ok else 'MISSED'}")
+            lines.append(
+                f"{row['task']} images/s at c=8: {row['throughput_vs_dense_cfg']:.2f}x "
+                f"dense_cfg (target {THROUGHPUT_TARGET}x): {'met' if ok else 'MISSED'}"
+            )
     return lines
 
 
@@ -220,26 +269,43 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     agreement: dict[str, dict[str, int]] = {}
     console.print(f"bench_bagel: {json.dumps(asdict(settings))}", highlight=False, markup=False)
-    async with await AsyncEngine.start(model, None, EngineConfig(devices=rank_devices(settings.device))) as engine:
+    async with await AsyncEngine.start(
+        model, None, EngineConfig(devices=rank_devices(settings.device))
+    ) as engine:
         for task in settings.tasks:
             runner = Run(settings, model, engine, dense, task)
-            templates = [BenchRequest(f"{task}{i}", "", params={"seed": settings.seed * 100_000 + i}) for i in range(64)]
+            templates = [
+                BenchRequest(f"{task}{i}", "", params={"seed": settings.seed * 100_000 + i})
+                for i in range(64)
+            ]
             results = []
             for c in settings.concurrency:
                 started = time.perf_counter()
                 result = await run_benchmark(
-                    {"mstar": runner.mstar, "dense_cfg": runner.dense_cfg, "mstar_all_branches": runner.mstar_all_branches},
+                    {
+                        "mstar": runner.mstar,
+                        "dense_cfg": runner.dense_cfg,
+                        "mstar_all_branches": runner.mstar_all_branches,
+                    },
                     templates,
                     ClosedLoop((c,), num_requests=settings.num_requests),
                     name=f"bench_bagel_{task}",
                     seed=settings.seed * 1000 + c,
                     progress=False,
                     console=Console(quiet=True),
-                    config={"model": settings.config, "task": task, "timesteps": settings.timesteps or 50},
+                    config={
+                        "model": settings.config,
+                        "task": task,
+                        "timesteps": settings.timesteps or 50,
+                    },
                 )
                 results.append(result)
                 rows.append(_row(result, task, c))
-                console.print(f"{task} c={c}: point took {time.perf_counter() - started:.0f} s", highlight=False, markup=False)
+                console.print(
+                    f"{task} c={c}: point took {time.perf_counter() - started:.0f} s",
+                    highlight=False,
+                    markup=False,
+                )
                 write_json(result, out / f"{task}_c{c}.json")
             agreement[task] = _agreement(runner.images)
             print_table(results[-1], console)
@@ -253,22 +319,33 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     for row in rows:
         for name in TARGET_NAMES:
             r = row[name]
-            table.print(f"{row['task']:<11} {row['c']:<3} {name:<20} {r['p50_s'] or 0:8.3f} {r['p95_s'] or 0:8.3f} {r['images_per_s']:9.3f}", highlight=False)
+            table.print(
+                f"{row['task']:<11} {row['c']:<3} {name:<20} {r['p50_s'] or 0:8.3f} "
+                f"{r['p95_s'] or 0:8.3f} {r['images_per_s']:9.3f}",
+                highlight=False,
+            )
         table.print(
-            f"{'':<15} mstar vs dense_cfg: p50 {row.get('p50_speedup_vs_dense_cfg', 0):.2f}x, images/s {row.get('throughput_vs_dense_cfg') or 0:.2f}x;"
+            f"{'':<15} mstar vs dense_cfg: p50 "
+            f"{row.get('p50_speedup_vs_dense_cfg', 0):.2f}x, images/s "
+            f"{row.get('throughput_vs_dense_cfg') or 0:.2f}x;"
             f" vs all branches: p50 {row.get('p50_speedup_vs_mstar_all_branches', 0):.2f}x",
             highlight=False,
         )
     verdicts = _verdicts(rows, settings)
     for line in verdicts:
         console.print(line, highlight=False, markup=False)
-    console.print(f"largest pixel difference from mstar's images: {agreement}", highlight=False, markup=False)
-    summary = {"settings": asdict(settings), "rows": rows, "verdicts": verdicts, "agreement": agreement}
+    console.print(
+        f"largest pixel difference from mstar's images: {agreement}", highlight=False, markup=False
+    )
+    summary = {
+        "settings": asdict(settings),
+        "rows": rows,
+        "verdicts": verdicts,
+        "agreement": agreement,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
-
-
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
@@ -276,16 +353,27 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--config", default="bagel-small")
     parser.add_argument("--concurrency", default="1,2,4,8", help="comma-separated, e.g. 1,2,4,8")
     parser.add_argument("--tasks", default="image,image_edit")
-    parser.add_argument("--timesteps", type=int, default=None, help="flow timesteps (default: the model's 50)")
-    parser.add_argument("--num-requests", type=int, default=None, help="measured requests per point (default 5 x c)")
+    parser.add_argument(
+        "--timesteps", type=int, default=None, help="flow timesteps (default: the model's 50)"
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="measured requests per point (default 5 x c)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bagel")
     add_device_argument(parser)
     a = parser.parse_args(argv)
     return Settings(
-        a.config, tuple(int(c) for c in a.concurrency.split(",")), tuple(a.tasks.split(",")), a.timesteps,
-        a.num_requests, a.threads, a.seed, a.out, a.device,
+        a.config,
+        tuple(int(c) for c in a.concurrency.split(",")),
+        tuple(a.tasks.split(",")),
+        a.timesteps,
+        a.num_requests,
+        a.threads,
+        a.seed,
+        a.out,
+        a.device,
     )
 
 

@@ -16,7 +16,8 @@ node (or of ``--nodes``) onto the CPU, the way a worker does. Columns:
 - ``kept +RSS``: resident memory after the load above before.
 
 The files are read once first, so every loader finds them in the page cache: the table
-measures the loaders, not the disk. With ``--baseline`` (Qwen3-Omni only) the old path runs too, in its own process: the whole
+measures the loaders, not the disk. With ``--baseline`` (Qwen3-Omni only) the old path runs too, in
+its own process: the whole
 model built in float32, every tensor copied in through safetensors handles held open to the
 end, then cast to the dtype. It always loads every node. Ratios against it come last.
 
@@ -109,7 +110,9 @@ def _lazy(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
     if args.nodes:
         unknown = sorted(set(args.nodes) - set(nodes))
         if unknown:
-            raise SystemExit(f"{model.name} has no node {', '.join(unknown)}; its nodes: {', '.join(nodes)}")
+            raise SystemExit(
+                f"{model.name} has no node {', '.join(unknown)}; its nodes: {', '.join(nodes)}"
+            )
         nodes = [n for n in nodes if n in args.nodes]
     if supports_shared_engines(model):  # a hosted node runs in its host's engine
         hosts = model.engine_hosts()
@@ -151,7 +154,9 @@ def _baseline(args: argparse.Namespace) -> tuple[list[Any], list[str]]:
                 if mine not in stacked:
                     tensor = parts[0]
                 elif mine.endswith("gate_up_proj"):
-                    tensor = torch.stack([torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)])
+                    tensor = torch.stack(
+                        [torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)]
+                    )
                 else:
                     tensor = torch.stack(parts)
                 state[mine].copy_(tensor.to(state[mine].dtype))
@@ -254,7 +259,8 @@ def _wide_config() -> Any:
 
 
 def _make_qwen3_omni(args: argparse.Namespace) -> None:
-    """Write a random Qwen3-Omni checkpoint of a named config (or `WIDE`) to PATH, in ``--dtype``."""
+    """Write a random Qwen3-Omni checkpoint of a named config (or `WIDE`) to PATH, in
+    ``--dtype``."""
     from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
     from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
 
@@ -265,7 +271,10 @@ def _make_qwen3_omni(args: argparse.Namespace) -> None:
     make_random_checkpoint(
         config, args.path, seed=0, dtype=dtype, max_shard_size=args.max_shard_size
     )
-    print(f"wrote {args.make_qwen3_omni} ({args.dtype or 'float32'}) to {args.path} in {time.perf_counter() - started:.1f} s")
+    print(
+        f"wrote {args.make_qwen3_omni} ({args.dtype or 'float32'}) to {args.path} in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
 
 
 def _cpu_name() -> str:
@@ -278,29 +287,50 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def print_configuration(args: argparse.Namespace, spec: Any, config: dict[str, Any], checkpoint: int) -> None:
+def print_configuration(
+    args: argparse.Namespace, spec: Any, config: dict[str, Any], checkpoint: int
+) -> None:
     """Print what is measured, and where."""
     files_dtype = config.get("torch_dtype") or config.get("dtype") or "?"
     print(f"checkpoint  {args.path}")
     print(f"model       {spec.factory}  {dict(spec.kwargs)}")
     print(f"dtype       files {files_dtype}; load {args.dtype or 'the model default'}")
     print(f"nodes       {','.join(args.nodes) if args.nodes else 'all'}")
-    print(f"machine     {_cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, {args.threads} threads")
+    print(
+        f"machine     {_cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, "
+        f"{args.threads} threads"
+    )
     print(f"weights     {_mib(checkpoint)} of tensors in the safetensors files")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("path", help="a checkpoint directory")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
-                        help="the weights' dtype (default: the model's default)")
-    parser.add_argument("--nodes", type=lambda s: [n for n in s.split(",") if n], default=None,
-                        help="comma-separated nodes to load (default: every node)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=None,
+        help="the weights' dtype (default: the model's default)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=lambda s: [n for n in s.split(",") if n],
+        default=None,
+        help="comma-separated nodes to load (default: every node)",
+    )
     parser.add_argument("--baseline", action="store_true", help="also the old Qwen3-Omni loader")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch threads"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--make-qwen3-omni", metavar="CONFIG", default=None,
-                        help=f"first write random weights of this Qwen3-Omni config (or {WIDE}) to PATH")
+    parser.add_argument(
+        "--make-qwen3-omni",
+        metavar="CONFIG",
+        default=None,
+        help=f"first write random weights of this Qwen3-Omni config (or {WIDE}) to PATH",
+    )
     parser.add_argument("--max-shard-size", default="2GB", help="with --make-qwen3-omni")
     parser.add_argument("--child", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()  # fmt: skip
@@ -319,15 +349,21 @@ def main() -> None:
     rows = {"lazy": _run_child(args, "lazy")}
     if args.baseline:
         rows["baseline"] = _run_child(args, "baseline")
-    head = f"{'loader':<9} {'nodes':<32} {'checkpoint':>13} {'loaded':>13} {'seconds':>8} {'peak +RSS':>13} {'peak/loaded':>11} {'kept +RSS':>13}"
+    head = (
+        f"{'loader':<9} {'nodes':<32} {'checkpoint':>13} {'loaded':>13} {'seconds':>8} "
+        f"{'peak +RSS':>13} {'peak/loaded':>11} {'kept +RSS':>13}"
+    )
     print()
     print(head)
     print("-" * len(head))
     for mode, r in rows.items():
         nodes = ",".join(r["nodes"])
         print(
-            f"{mode:<9} {nodes[:32]:<32} {_mib(checkpoint):>13} {_mib(r['loaded']):>13} {r['seconds']:>8.2f} "
-            f"{_mib(r['peak_increase']):>13} {r['peak_increase'] / max(1, r['loaded']):>11.2f} {_mib(r['kept_increase']):>13}"
+            f"{mode:<9} {nodes[:32]:<32} {_mib(checkpoint):>13} {_mib(r['loaded']):>13} "
+            f"{r['seconds']:>8.2f} "
+            f"{_mib(r['peak_increase']):>13} "
+            f"{r['peak_increase'] / max(1, r['loaded']):>11.2f} "
+            f"{_mib(r['kept_increase']):>13}"
         )
     if not rows["lazy"]["peak_is_reset"]:
         print("(peak from ru_maxrss: it includes the model build's peak)")
@@ -339,7 +375,17 @@ def main() -> None:
             + ("" if not args.nodes else " (old loads every node)")
         )
     if args.json:
-        args.json.write_text(json.dumps({"path": args.path, "dtype": args.dtype, "checkpoint_bytes": checkpoint, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "path": args.path,
+                    "dtype": args.dtype,
+                    "checkpoint_bytes": checkpoint,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Decode step time on CUDA: the torch backend, FlashInfer, and FlashInfer replayed from CUDA graphs.
+"""Decode step time on CUDA: the torch backend, FlashInfer, and FlashInfer replayed from CUDA
+graphs.
 
-    python scripts/bench_gpu.py                     # Llama-3-8B-shaped layers, bfloat16, c = 1 and 16
+    python scripts/bench_gpu.py                     # Llama-3-8B-shaped layers, bfloat16, c = 1 and
+    16
     python scripts/bench_gpu.py --layers 4 --context 2048 --json out.json --markdown out.md
 
 A random Llama of the given shape (default: Llama-3 8B's layer, 32 query / 8 KV heads of 128,
@@ -33,10 +35,15 @@ ROUTES = {  # name -> (attention backend, CUDA graphs)
 
 def _model(args: argparse.Namespace) -> LlamaCausalLM:
     config = LlamaConfig(
-        vocab_size=32_000, hidden_size=args.heads * 128, intermediate_size=args.heads * 448,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=128, max_position_embeddings=args.context + args.steps + 16,
-    )  # fmt: skip
+        vocab_size=32_000,
+        hidden_size=args.heads * 128,
+        intermediate_size=args.heads * 448,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=128,
+        max_position_embeddings=args.context + args.steps + 16,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaCausalLM(config)
@@ -46,15 +53,20 @@ def _model(args: argparse.Namespace) -> LlamaCausalLM:
 def _decode_steps_ms(model: LlamaCausalLM, route: str, c: int, args: argparse.Namespace) -> float:
     backend, graphs = ROUTES[route]
     config = KVCacheEngineConfig(
-        max_num_seqs=max(c, 16), max_model_len=args.context + args.steps + 16, attention_backend=backend,  # type: ignore[arg-type]
-        cuda_graphs=graphs, cuda_graph_max_len=args.context + args.steps + 16,
+        max_num_seqs=max(c, 16),
+        max_model_len=args.context + args.steps + 16,
+        attention_backend=backend,  # type: ignore[arg-type]
+        cuda_graphs=graphs,
+        cuda_graph_max_len=args.context + args.steps + 16,
         num_blocks=c * (-(-(args.context + args.steps + 16) // 16)) + 8,
-    )  # fmt: skip
+    )
     engine = KVCacheEngine(model, config, device="cuda")
     gen = torch.Generator().manual_seed(c)
     for i in range(c):
         prompt = torch.randint(0, 32_000, (args.context,), generator=gen).tolist()
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+        )
     times = []
     while engine.has_unfinished():
         torch.cuda.synchronize()
@@ -101,7 +113,9 @@ def _echo(conn: object, how: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -112,7 +126,8 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
-    print(f"device {device}; torch {torch.__version__}; layers {args.layers}, heads {args.heads}/{args.kv_heads} x 128, "
+    print(f"device {device}; torch {torch.__version__}; layers {args.layers}, heads "
+          f"{args.heads}/{args.kv_heads} x 128, "
           f"bf16, context {args.context}, {args.steps} decode steps")  # fmt: skip
     model = _model(args)
     rows: list[dict[str, object]] = []
@@ -125,19 +140,39 @@ def main() -> None:
                 print(f"c={c} {route}: {type(exc).__name__}: {exc}")
         base = figures.get("torch")
         for route, ms in figures.items():
-            rows.append({"c": c, "route": route, "step_ms": round(ms, 3), "vs_torch": round(base / ms, 2) if base else None})
+            rows.append(
+                {
+                    "c": c,
+                    "route": route,
+                    "step_ms": round(ms, 3),
+                    "vs_torch": round(base / ms, 2) if base else None,
+                }
+            )
     ipc = _ipc_ms(64 << 20)
     lines = ["| c | route | decode step ms | speed-up vs torch |", "|---|---|---|---|"]
     lines += [f"| {r['c']} | {r['route']} | {r['step_ms']} | {r['vs_torch']}x |" for r in rows]
     lines += ["", "| 64 MiB CUDA tensor to another process and back | ms |", "|---|---|"]
-    lines += [f"| CUDA IPC handles | {ipc['ipc']:.2f} |", f"| through host memory | {ipc['host']:.2f} |"]
+    lines += [
+        f"| CUDA IPC handles | {ipc['ipc']:.2f} |",
+        f"| through host memory | {ipc['host']:.2f} |",
+    ]
     table = "\n".join(lines)
     print(table)
     if args.markdown:
         args.markdown.write_text(f"{device}, torch {torch.__version__}\n\n{table}\n")
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "args": vars(args) | {"json": None, "markdown": None},
-                                         "decode": rows, "ipc_ms": ipc}, indent=2, default=str))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "args": vars(args) | {"json": None, "markdown": None},
+                    "decode": rows,
+                    "ipc_ms": ipc,
+                },
+                indent=2,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

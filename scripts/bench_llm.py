@@ -1,4 +1,5 @@
-"""Benchmark LLM decode through mstar against transformers' `generate` (and vLLM), on the bench harness.
+"""Benchmark LLM decode through mstar against transformers' `generate` (and vLLM), on the bench
+harness.
 
 For each model, dtype and concurrency c, waves of c requests with random token prompts
 decode `--new-tokens` greedy tokens each (end-of-sequence ignored, so every side does equal
@@ -181,7 +182,9 @@ class PeakMemory:
 class _Streamer:
     """A transformers streamer that hands each step's tokens of a batch to its requests."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queues: list[asyncio.Queue[int | None]]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queues: list[asyncio.Queue[int | None]]
+    ) -> None:
         self.loop = loop
         self.queues = queues
         self.prompt_seen = False
@@ -213,7 +216,9 @@ class TransformersBatches:
         self.device = device
         # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
         self.executor = ThreadPoolExecutor(
-            1, thread_name_prefix="hf-generate", initializer=functools.partial(torch.set_num_threads, torch.get_num_threads())
+            1,
+            thread_name_prefix="hf-generate",
+            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
         )
         self.waiting: list[_Waiting] = []
         self.draining = False
@@ -248,8 +253,15 @@ class TransformersBatches:
         ids = torch.tensor([w.prompt for w in batch], device=self.device)
         n = batch[0].new_tokens
         with torch.inference_mode():
-            self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=streamer)
+            self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=streamer,
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         streamer.end()
@@ -273,20 +285,34 @@ class VllmPeer:
     async def start(self) -> None:
         """Start the peer and wait until its engine is loaded."""
         if not self.python.exists():
-            raise SystemExit(f"--peer vllm needs {self.python}: run scripts/setup_vllm_peer.sh first")
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   OMP_NUM_THREADS=str(self.threads))
+            raise SystemExit(
+                f"--peer vllm needs {self.python}: run scripts/setup_vllm_peer.sh first"
+            )
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            OMP_NUM_THREADS=str(self.threads),
+        )
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                str(self.python), str(PEER_SCRIPT), json.dumps(self.config),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
+                str(self.python),
+                str(PEER_SCRIPT),
+                json.dumps(self.config),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                env=env,
             )
         assert self.proc.stdout is not None
         line = await self.proc.stdout.readline()
         if not line:
             await self.proc.wait()
-            raise SystemExit(f"the vLLM peer exited while loading (status {self.proc.returncode}); see {self.log}")
+            raise SystemExit(
+                f"the vLLM peer exited while loading (status {self.proc.returncode}); see "
+                f"{self.log}"
+            )
         self.info = json.loads(line)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -319,7 +345,10 @@ class VllmPeer:
                 count += 1
                 yield token
             if count < new_tokens:
-                raise RuntimeError(f"the vLLM peer ended a request after {count} of {new_tokens} tokens; see {self.log}")
+                raise RuntimeError(
+                    f"the vLLM peer ended a request after {count} of {new_tokens} tokens; "
+                    f"see {self.log}"
+                )
         finally:
             del self.queues[request_id]
 
@@ -352,7 +381,8 @@ def _best_seconds(fn: Any, repeats: int = 5) -> float:
 
 
 def measure_bandwidth(num_bytes: int = 256 << 20) -> float:
-    """Return memory read bandwidth (bytes/s) of this thread's torch threads: a large tensor summed, best of 5."""
+    """Return memory read bandwidth (bytes/s) of this thread's torch threads: a large tensor summed,
+    best of 5."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
     return x.numel() * 4 / _best_seconds(lambda: x.sum())
 
@@ -371,13 +401,20 @@ def measure_machine(dtypes: list[str]) -> dict[str, float]:
     arithmetic (where torch's bfloat16 product crawls) still multiplies bfloat16 weights at
     float32's rate once they are widened, as mstar's tiled products do.
     """
-    machine = {"bandwidth_bytes_per_s": measure_bandwidth(), "float32_flop_per_s": measure_flops(torch.float32)}
+    machine = {
+        "bandwidth_bytes_per_s": measure_bandwidth(),
+        "float32_flop_per_s": measure_flops(torch.float32),
+    }
     if "bfloat16" in dtypes:
-        machine["bfloat16_flop_per_s"] = max(measure_flops(torch.bfloat16), machine["float32_flop_per_s"])
+        machine["bfloat16_flop_per_s"] = max(
+            measure_flops(torch.bfloat16), machine["float32_flop_per_s"]
+        )
     return machine
 
 
-def decode_step_cost(config: dict[str, Any], element_size: int, concurrency: int, context: float) -> tuple[float, float]:
+def decode_step_cost(
+    config: dict[str, Any], element_size: int, concurrency: int, context: float
+) -> tuple[float, float]:
     """Return the bytes a decode step of `concurrency` sequences must read and its FLOPs.
 
     Bytes: every weight the step multiplies (layers, norms, head) once, the embedding rows
@@ -391,7 +428,10 @@ def decode_step_cost(config: dict[str, Any], element_size: int, concurrency: int
     products = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner  # per layer
     weights = layers * (products + 2 * hidden) + hidden + vocab * hidden + concurrency * hidden
     kv = concurrency * context * layers * 2 * kv_heads * head_dim
-    flops = 2 * concurrency * (layers * products + vocab * hidden) + 4 * concurrency * context * heads * head_dim * layers
+    flops = (
+        2 * concurrency * (layers * products + vocab * hidden)
+        + 4 * concurrency * context * heads * head_dim * layers
+    )
     return (weights + kv) * element_size, flops
 
 
@@ -418,7 +458,12 @@ def _token_event(out: Any) -> Iterable[OutputEvent]:
 
 
 async def bench_model(
-    name: str, dtype_name: str, args: argparse.Namespace, scratch: Path, console: Console, machine: dict[str, float]
+    name: str,
+    dtype_name: str,
+    args: argparse.Namespace,
+    scratch: Path,
+    console: Console,
+    machine: dict[str, float],
 ) -> list[dict[str, Any]]:
     """Run the sweep of one model in one dtype; return its rows for the summary table."""
     device = torch.device(args.device)
@@ -430,8 +475,11 @@ async def bench_model(
     block = 16
     per_seq_blocks = -(-(args.prompt_len + new_tokens) // block)
     kv = {
-        "block_size": block, "num_blocks": max(levels) * per_seq_blocks + 8, "max_num_seqs": max(levels),
-        "max_num_batched_tokens": max(2048, args.prompt_len), "attention_backend": args.backend,
+        "block_size": block,
+        "num_blocks": max(levels) * per_seq_blocks + 8,
+        "max_num_seqs": max(levels),
+        "max_num_batched_tokens": max(2048, args.prompt_len),
+        "attention_backend": args.backend,
         "cuda_graphs": not args.no_cuda_graphs,
     }
     model = TextLLM(checkpoint, name=name, engine_config=kv, dtype=dtype_name)
@@ -445,18 +493,29 @@ async def bench_model(
     peer: VllmPeer | None = None
     if args.peer == "vllm":
         peer_config = {
-            "model": str(checkpoint), "dtype": dtype_name, "load_format": "dummy" if name == "tiny" else "auto",
-            "max_model_len": per_seq_blocks * block + block, "max_num_seqs": max(levels),
+            "model": str(checkpoint),
+            "dtype": dtype_name,
+            "load_format": "dummy" if name == "tiny" else "auto",
+            "max_model_len": per_seq_blocks * block + block,
+            "max_num_seqs": max(levels),
         }
-        peer = VllmPeer(args.peer_python, peer_config, threads=torch.get_num_threads(),
-                        log=args.out / f"vllm_peer_{name}_{dtype_name}.log")
+        peer = VllmPeer(
+            args.peer_python,
+            peer_config,
+            threads=torch.get_num_threads(),
+            log=args.out / f"vllm_peer_{name}_{dtype_name}.log",
+        )
         await peer.start()
 
     async def mstar_fn(request: BenchRequest) -> AsyncIterator[Output]:
         memory.start("mstar")
         try:
-            data = {"prompt_token_ids": request.params["prompt_token_ids"],
-                    "max_tokens": request.max_tokens, "ignore_eos": True, "temperature": 0.0}
+            data = {
+                "prompt_token_ids": request.params["prompt_token_ids"],
+                "max_tokens": request.max_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
             async for out in engine.generate(Request("generate", data)):
                 yield out
         finally:
@@ -466,7 +525,9 @@ async def bench_model(
         memory.start("transformers")
         try:
             assert request.max_tokens is not None
-            async for token in baseline.generate(request.params["prompt_token_ids"], request.max_tokens):
+            async for token in baseline.generate(
+                request.params["prompt_token_ids"], request.max_tokens
+            ):
                 yield token
         finally:
             memory.stop("transformers", request.request_id)
@@ -476,21 +537,42 @@ async def bench_model(
         async for token in peer.generate(request.params["prompt_token_ids"], request.max_tokens):
             yield token
 
-    targets = {"mstar": CallableTarget(mstar_fn, name="mstar", to_events=_token_event),
-               "transformers": CallableTarget(hf_fn, name="transformers", to_events=_token_event)}
+    targets = {
+        "mstar": CallableTarget(mstar_fn, name="mstar", to_events=_token_event),
+        "transformers": CallableTarget(hf_fn, name="transformers", to_events=_token_event),
+    }
     if peer is not None:
         targets["vllm"] = CallableTarget(vllm_fn, name="vllm", to_events=_token_event)
     gen = torch.Generator().manual_seed(1)
     requests = [
-        BenchRequest(f"p{i}", "", new_tokens, True,
-                     {"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()})
+        BenchRequest(
+            f"p{i}",
+            "",
+            new_tokens,
+            True,
+            {
+                "prompt_token_ids": torch.randint(
+                    0, vocab, (args.prompt_len,), generator=gen
+                ).tolist()
+            },
+        )
         # A large pool, so that waves rarely repeat a prompt (repeats would share KV blocks).
         for i in range(2048)
     ]
-    config = {"model": name, "checkpoint": checkpoint.name, "device": str(device), "dtype": dtype_name,
-              "new_tokens": new_tokens, "prompt_len": args.prompt_len, "kv_cache": kv,
-              "torch_threads": torch.get_num_threads(), "waves": args.waves, "rounds": args.rounds, "peer": peer.info if peer else None,
-              **machine}
+    config = {
+        "model": name,
+        "checkpoint": checkpoint.name,
+        "device": str(device),
+        "dtype": dtype_name,
+        "new_tokens": new_tokens,
+        "prompt_len": args.prompt_len,
+        "kv_cache": kv,
+        "torch_threads": torch.get_num_threads(),
+        "waves": args.waves,
+        "rounds": args.rounds,
+        "peer": peer.info if peer else None,
+        **machine,
+    }
     element_size = torch.empty(0, dtype=dtype).element_size()
     context = args.prompt_len + new_tokens / 2  # a request's mean context while it decodes
     rounds: list[list[dict[str, Any]]] = []
@@ -504,7 +586,10 @@ async def bench_model(
         step_bytes, step_flops = decode_step_cost(model.hf_config, element_size, conc, context)
         tpot_ms = ours.tpot_s.mean * 1e3 if ours.tpot_s else float("nan")
         row = {
-            "model": name, "dtype": dtype_name, "concurrency": conc, "new_tokens": new_tokens,
+            "model": name,
+            "dtype": dtype_name,
+            "concurrency": conc,
+            "new_tokens": new_tokens,
             "mstar_tokens_per_s": ours.output_tokens_per_s,
             "mstar_tpot_ms": tpot_ms,
             "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
@@ -520,12 +605,18 @@ async def bench_model(
         }
         if peer is not None:
             peer_summary = result.result("vllm", float(conc)).summary
-            row.update({
-                "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
-                "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3 if peer_summary.tpot_s else float("nan"),
-                "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3 if peer_summary.ttft_s else float("nan"),
-                "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
-            })
+            row.update(
+                {
+                    "vllm_tokens_per_s": peer_summary.output_tokens_per_s,
+                    "vllm_tpot_ms": peer_summary.tpot_s.mean * 1e3
+                    if peer_summary.tpot_s
+                    else float("nan"),
+                    "vllm_ttft_ms": peer_summary.ttft_s.p50 * 1e3
+                    if peer_summary.ttft_s
+                    else float("nan"),
+                    "vllm_ratio": ours.output_tokens_per_s / peer_summary.output_tokens_per_s,
+                }
+            )
             row["failed"] += peer_summary.num_failed
         return row
 
@@ -536,9 +627,19 @@ async def bench_model(
             # point), so a machine whose speed drifts shows up as spread across rounds
             # instead of as a ratio between sides measured minutes apart.
             suffix = f"_round{index + 1}" if args.rounds > 1 else ""
-            machine["bandwidth_bytes_per_s"] = max(machine["bandwidth_bytes_per_s"], measure_bandwidth())
-            result = await run_benchmark(targets, requests, load, name=f"bench_llm {label}{suffix}",
-                                         seed=index, progress=True, console=console, config=config)
+            machine["bandwidth_bytes_per_s"] = max(
+                machine["bandwidth_bytes_per_s"], measure_bandwidth()
+            )
+            result = await run_benchmark(
+                targets,
+                requests,
+                load,
+                name=f"bench_llm {label}{suffix}",
+                seed=index,
+                progress=True,
+                console=console,
+                config=config,
+            )
             print_table(result, console)
             write_json(result, args.out / f"bench_llm_{label}{suffix}.json")
             plot_png(result, args.out / f"bench_llm_{label}{suffix}.png")
@@ -554,8 +655,17 @@ async def bench_model(
 # Figures of a point that combine as a median over rounds (ratios: the median of each round's
 # ratio, both sides measured back to back); the rest is the same every round or summed.
 _MEDIAN_FIELDS = (
-    "mstar_tokens_per_s", "mstar_tpot_ms", "mstar_ttft_ms", "hf_tokens_per_s", "hf_tpot_ms", "hf_ttft_ms",
-    "ratio", "vllm_tokens_per_s", "vllm_tpot_ms", "vllm_ttft_ms", "vllm_ratio",
+    "mstar_tokens_per_s",
+    "mstar_tpot_ms",
+    "mstar_ttft_ms",
+    "hf_tokens_per_s",
+    "hf_tpot_ms",
+    "hf_ttft_ms",
+    "ratio",
+    "vllm_tokens_per_s",
+    "vllm_tpot_ms",
+    "vllm_ttft_ms",
+    "vllm_ratio",
 )
 
 
@@ -579,23 +689,55 @@ def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def report(rows: list[dict[str, Any]], console: Console) -> bool:
     """Print the summary table and the target checks; return whether every target is met."""
     has_peer = any("vllm_tokens_per_s" in r for r in rows)
-    title = "LLM decode: mstar vs transformers generate" + (" and vLLM" if has_peer else "") + " (waves of c requests)"
+    title = (
+        "LLM decode: mstar vs transformers generate"
+        + (" and vLLM" if has_peer else "")
+        + " (waves of c requests)"
+    )
     table = Table(title=title)
-    columns = ["model", "dtype", "c", "new", "mstar tok/s", "TPOT ms", "TTFT ms", "+MiB", "hf tok/s"]
+    columns = [
+        "model",
+        "dtype",
+        "c",
+        "new",
+        "mstar tok/s",
+        "TPOT ms",
+        "TTFT ms",
+        "+MiB",
+        "hf tok/s",
+    ]
     columns += ["vllm tok/s", "TPOT ms"] if has_peer else []
-    columns += ["÷hf"] + (["÷vllm"] if has_peer else []) + ["floor ms", "% floor", "flop ms", "% roofline"]
+    columns += (
+        ["÷hf"] + (["÷vllm"] if has_peer else []) + ["floor ms", "% floor", "flop ms", "% roofline"]
+    )
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
-        cells = [r["model"], r["dtype"].replace("float", "fp").replace("bfloat", "bf"), str(r["concurrency"]),
-                 str(r["new_tokens"]), f"{r['mstar_tokens_per_s']:.1f}", f"{r['mstar_tpot_ms']:.2f}",
-                 f"{r['mstar_ttft_ms']:.1f}", f"{r['mstar_peak_mib']:.0f}", f"{r['hf_tokens_per_s']:.1f}"]
+        cells = [
+            r["model"],
+            r["dtype"].replace("float", "fp").replace("bfloat", "bf"),
+            str(r["concurrency"]),
+            str(r["new_tokens"]),
+            f"{r['mstar_tokens_per_s']:.1f}",
+            f"{r['mstar_tpot_ms']:.2f}",
+            f"{r['mstar_ttft_ms']:.1f}",
+            f"{r['mstar_peak_mib']:.0f}",
+            f"{r['hf_tokens_per_s']:.1f}",
+        ]
         if has_peer:
-            cells += [f"{r.get('vllm_tokens_per_s', float('nan')):.1f}", f"{r.get('vllm_tpot_ms', float('nan')):.2f}"]
+            cells += [
+                f"{r.get('vllm_tokens_per_s', float('nan')):.1f}",
+                f"{r.get('vllm_tpot_ms', float('nan')):.2f}",
+            ]
         cells.append(_ratio_cell(r, "ratio"))
         if has_peer:
             cells.append(_ratio_cell(r, "vllm_ratio"))
-        cells += [f"{r['floor_ms']:.2f}", f"{r['floor_pct']:.0f}%", f"{r['flop_ms']:.2f}", f"{r['roofline_pct']:.0f}%"]
+        cells += [
+            f"{r['floor_ms']:.2f}",
+            f"{r['floor_pct']:.0f}%",
+            f"{r['flop_ms']:.2f}",
+            f"{r['roofline_pct']:.0f}%",
+        ]
         table.add_row(*cells)
     console.print(table)
     met = True
@@ -608,15 +750,22 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
     for r in rows:
         where = f"{r['model']} {r['dtype']} c={r['concurrency']}"
         if r["concurrency"] == TARGET_CONCURRENCY:
-            check(r["ratio"] >= TARGET_RATIO and r["failed"] == 0,
-                  f"{where}: >= {TARGET_RATIO}x transformers' throughput -> {r['ratio']:.2f}x")
+            check(
+                r["ratio"] >= TARGET_RATIO and r["failed"] == 0,
+                f"{where}: >= {TARGET_RATIO}x transformers' throughput -> {r['ratio']:.2f}x",
+            )
         if "vllm_ratio" in r:
-            check(r["vllm_ratio"] >= PEER_TARGET_RATIO and r["failed"] == 0,
-                  f"{where}: >= {PEER_TARGET_RATIO}x vLLM's throughput -> {r['vllm_ratio']:.2f}x")
+            check(
+                r["vllm_ratio"] >= PEER_TARGET_RATIO and r["failed"] == 0,
+                f"{where}: >= {PEER_TARGET_RATIO}x vLLM's throughput -> {r['vllm_ratio']:.2f}x",
+            )
             if r["concurrency"] == TARGET_CONCURRENCY:
-                check(r["roofline_pct"] >= FLOOR_TARGET_PCT,
-                      f"{where}: >= {FLOOR_TARGET_PCT:.0f}% of the roofline floor -> {r['roofline_pct']:.0f}%"
-                      f" (bandwidth floor {r['floor_pct']:.0f}%)")
+                check(
+                    r["roofline_pct"] >= FLOOR_TARGET_PCT,
+                    f"{where}: >= {FLOOR_TARGET_PCT:.0f}% of the roofline floor -> "
+                    f"{r['roofline_pct']:.0f}%"
+                    f" (bandwidth floor {r['floor_pct']:.0f}%)",
+                )
     return met
 
 
@@ -636,7 +785,9 @@ def _levels(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, run the sweep, print and write the results."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--dtypes", default="float32", help="comma-separated: float32, bfloat16")
     parser.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 64])
@@ -645,21 +796,35 @@ def main(argv: list[str] | None = None) -> int:
     # whole default run takes minutes; --full runs the complete sweep for both.
     parser.add_argument("--smollm2-concurrency", type=_levels, default=[1, 4, 16])
     parser.add_argument("--smollm2-new-tokens", type=int, default=64)
-    parser.add_argument("--full", action="store_true", help="smollm2 uses --concurrency/--new-tokens")
+    parser.add_argument(
+        "--full", action="store_true", help="smollm2 uses --concurrency/--new-tokens"
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--waves", type=int, default=2, help="measured waves per point")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every side at every point this many times; report medians")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every side at every point this many times; report medians",
+    )
     # One thread by default on CPU: on shared cores, multi-threaded GEMMs spin-wait on busy
     # siblings and slow down by an order of magnitude, which says nothing about the engines.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
     parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument("--peer", default="none", choices=["none", "vllm"],
-                        help="also run vLLM's CPU build (see scripts/setup_vllm_peer.sh)")
-    parser.add_argument("--peer-python", type=Path, default=DEFAULT_PEER_PYTHON,
-                        help="the interpreter of the vLLM environment")
+    parser.add_argument(
+        "--peer",
+        default="none",
+        choices=["none", "vllm"],
+        help="also run vLLM's CPU build (see scripts/setup_vllm_peer.sh)",
+    )
+    parser.add_argument(
+        "--peer-python",
+        type=Path,
+        default=DEFAULT_PEER_PYTHON,
+        help="the interpreter of the vLLM environment",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/llm"))
     args = parser.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -668,21 +833,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.peer == "vllm" and not args.peer_python.exists():
-        raise SystemExit(f"--peer vllm needs {args.peer_python}: run scripts/setup_vllm_peer.sh first")
+        raise SystemExit(
+            f"--peer vllm needs {args.peer_python}: run scripts/setup_vllm_peer.sh first"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print("bench_llm", json.dumps({k: str(v) for k, v in vars(args).items()}))
     start = time.perf_counter()
     machine = measure_machine(dtypes)
-    console.print(f"memory bandwidth {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matrix product "
-                  + ", ".join(f"{d} {machine[f'{d}_flop_per_s'] / 1e9:.0f} GFLOP/s" for d in dtypes)
-                  + f" ({torch.get_num_threads()} torch threads)")
+    console.print(
+        f"memory bandwidth {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, matrix product "
+        + ", ".join(f"{d} {machine[f'{d}_flop_per_s'] / 1e9:.0f} GFLOP/s" for d in dtypes)
+        + f" ({torch.get_num_threads()} torch threads)"
+    )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):
             for dtype_name in dtypes:
-                rows += asyncio.run(bench_model(name, dtype_name, args, Path(scratch), console, machine))
+                rows += asyncio.run(
+                    bench_model(name, dtype_name, args, Path(scratch), console, machine)
+                )
     bandwidth = machine["bandwidth_bytes_per_s"]
     console.print(f"floors at the best memory bandwidth of the run: {bandwidth / 1e9:.1f} GB/s")
     for row in rows:
@@ -690,8 +861,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_llm_summary.json").write_text(json.dumps(rows, indent=1))
     met = report(rows, console)
-    console.print(f"wrote {args.out}/ (harness JSON and PNG per model and dtype, bench_llm_summary.json); "
-                  f"total {time.perf_counter() - start:.0f} s")
+    console.print(
+        f"wrote {args.out}/ (harness JSON and PNG per model and dtype, bench_llm_summary.json); "
+        f"total {time.perf_counter() - start:.0f} s"
+    )
     return 0 if met else 1
 
 

@@ -80,7 +80,9 @@ def _echo_child(address: str, count: int, curve: tuple[bytes, bytes, bytes] | No
     ctx.term()
 
 
-async def tcp_floor(num_small: int, payload: bytes, num_payload: int, curve: bool = False) -> tuple[float, float]:
+async def tcp_floor(
+    num_small: int, payload: bytes, num_payload: int, curve: bool = False
+) -> tuple[float, float]:
     """Return the median tcp round trip of 64 B (s) and the payload's echo rate (bytes/s)."""
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -132,7 +134,10 @@ async def measure(args: argparse.Namespace, ray: Any) -> dict[str, Any]:
     payload_numel = int(args.payload_mib * (1 << 20)) // 4
     payload_bytes = payload_numel * 4
     loop_spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": args.steps})
-    tensor_spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": args.payload_steps, "payload_numel": payload_numel})
+    tensor_spec = ModelSpec(
+        "mstar.zoo.noop:NoopLoopModel",
+        {"steps": args.payload_steps, "payload_numel": payload_numel},
+    )
     ray_config = EngineConfig(ray_address="auto", ray_num_cpus=0.5, offload_steps=False)
     proc_config = EngineConfig(worker_processes=True, offload_steps=False)
 
@@ -148,26 +153,47 @@ async def measure(args: argparse.Namespace, ray: Any) -> dict[str, Any]:
     rounds: list[dict[str, float]] = []
     engines: dict[str, AsyncEngine] = {}
     try:
-        engines["ray nodes"] = await AsyncEngine.start(loop_spec, Placement.from_yaml(ACROSS_NODES), ray_config)
-        engines["processes"] = await AsyncEngine.start(loop_spec, Placement.from_yaml(TWO_PROCESSES), proc_config)
-        engines["ray nodes/tensor"] = await AsyncEngine.start(tensor_spec, Placement.from_yaml(ACROSS_NODES), ray_config)
-        engines["processes/tensor"] = await AsyncEngine.start(tensor_spec, Placement.from_yaml(TWO_PROCESSES), proc_config)
+        engines["ray nodes"] = await AsyncEngine.start(
+            loop_spec, Placement.from_yaml(ACROSS_NODES), ray_config
+        )
+        engines["processes"] = await AsyncEngine.start(
+            loop_spec, Placement.from_yaml(TWO_PROCESSES), proc_config
+        )
+        engines["ray nodes/tensor"] = await AsyncEngine.start(
+            tensor_spec, Placement.from_yaml(ACROSS_NODES), ray_config
+        )
+        engines["processes/tensor"] = await AsyncEngine.start(
+            tensor_spec, Placement.from_yaml(TWO_PROCESSES), proc_config
+        )
         for e in engines.values():  # warm up
             await e.run(Request("loop", {}, request_id="warm-up"))
         for i in range(args.rounds):
             raw = tensor.numpy().tobytes()
             rtt, tcp_rate = await tcp_floor(args.rtt_samples, raw, args.payload_steps)
-            curve_rtt, curve_rate = await tcp_floor(args.rtt_samples, raw, args.payload_steps, curve=True)
-            row = {"tcp_rtt_s": rtt, "tcp_bytes_per_s": tcp_rate, "curve_rtt_s": curve_rtt, "curve_bytes_per_s": curve_rate}
+            curve_rtt, curve_rate = await tcp_floor(
+                args.rtt_samples, raw, args.payload_steps, curve=True
+            )
+            row = {
+                "tcp_rtt_s": rtt,
+                "tcp_bytes_per_s": tcp_rate,
+                "curve_rtt_s": curve_rtt,
+                "curve_bytes_per_s": curve_rate,
+            }
             for name in ("ray nodes", "processes"):
-                row[f"{name}_step_s"] = await walk_seconds(engines[name], args.steps, f"r{i}-{name}")
+                row[f"{name}_step_s"] = await walk_seconds(
+                    engines[name], args.steps, f"r{i}-{name}"
+                )
             for name in ("ray nodes", "processes"):
-                per_step = await walk_seconds(engines[f"{name}/tensor"], args.payload_steps, f"t{i}-{name}")
+                per_step = await walk_seconds(
+                    engines[f"{name}/tensor"], args.payload_steps, f"t{i}-{name}"
+                )
                 row[f"{name}_bytes_per_s"] = 2 * payload_bytes / per_step
             start = time.perf_counter()
             for _ in range(args.payload_steps):
                 await asyncio.wrap_future(echo.echo.remote(tensor).future())
-            row["ray_object_store_bytes_per_s"] = 2 * payload_bytes * args.payload_steps / (time.perf_counter() - start)
+            row["ray_object_store_bytes_per_s"] = (
+                2 * payload_bytes * args.payload_steps / (time.perf_counter() - start)
+            )
             start = time.perf_counter()
             for _ in range(args.rtt_samples // 10 or 1):
                 await asyncio.wrap_future(echo.echo.remote(0).future())
@@ -188,15 +214,23 @@ def report(result: dict[str, Any], out: Path, config: dict[str, Any]) -> None:
     print()
     print(f"{'per walk step':<34} {'us':>9} {'x tcp RTT':>10}")
     print(f"{'raw tcp round trip (64 B)':<34} {rtt * 1e6:>9.1f} {1.0:>10.2f}")
-    print(f"{'raw tcp + CURVE round trip (64 B)':<34} {m['curve_rtt_s'] * 1e6:>9.1f} {m['curve_rtt_s'] / rtt:>10.2f}")
+    print(
+        f"{'raw tcp + CURVE round trip (64 B)':<34} {m['curve_rtt_s'] * 1e6:>9.1f} "
+        f"{m['curve_rtt_s'] / rtt:>10.2f}"
+    )
     for name in ("ray nodes", "processes"):
         step = m[f"{name}_step_s"]
         print(f"{'mstar walk step, ' + name:<34} {step * 1e6:>9.1f} {step / rtt:>10.2f}")
-    print(f"{'Ray actor call (small)':<34} {m['ray_call_rtt_s'] * 1e6:>9.1f} {m['ray_call_rtt_s'] / rtt:>10.2f}")
+    print(
+        f"{'Ray actor call (small)':<34} {m['ray_call_rtt_s'] * 1e6:>9.1f} "
+        f"{m['ray_call_rtt_s'] / rtt:>10.2f}"
+    )
     print()
     mib = result["payload_bytes"] / (1 << 20)
     tcp = m["tcp_bytes_per_s"]
-    print(f"{'tensor throughput (' + f'{mib:g}' + ' MiB each way)':<34} {'GB/s':>9} {'x raw tcp':>10}")
+    print(
+        f"{'tensor throughput (' + f'{mib:g}' + ' MiB each way)':<34} {'GB/s':>9} {'x raw tcp':>10}"
+    )
     rows = [
         ("raw tcp (ZeroMQ frames)", tcp),
         ("raw tcp + CURVE", m["curve_bytes_per_s"]),
@@ -223,17 +257,40 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
     m = data["median"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = ["raw tcp\nRTT", "tcp+CURVE\nRTT", "walk step\nray nodes", "walk step\nprocesses", "Ray actor\ncall"]
-    values = [m["tcp_rtt_s"], m["curve_rtt_s"], m["ray nodes_step_s"], m["processes_step_s"], m["ray_call_rtt_s"]]
-    left.bar(labels, [v * 1e6 for v in values], color=["grey", "darkgrey", "tab:blue", "tab:orange", "tab:red"])
+    labels = [
+        "raw tcp\nRTT",
+        "tcp+CURVE\nRTT",
+        "walk step\nray nodes",
+        "walk step\nprocesses",
+        "Ray actor\ncall",
+    ]
+    values = [
+        m["tcp_rtt_s"],
+        m["curve_rtt_s"],
+        m["ray nodes_step_s"],
+        m["processes_step_s"],
+        m["ray_call_rtt_s"],
+    ]
+    left.bar(
+        labels,
+        [v * 1e6 for v in values],
+        color=["grey", "darkgrey", "tab:blue", "tab:orange", "tab:red"],
+    )
     left.set_ylabel("microseconds")
     left.set_title("per walk step (median of rounds)")
     labels = ["raw tcp", "tcp+CURVE", "mstar\nray nodes", "mstar\nprocesses", "Ray object\nstore"]
     values = [
-        m["tcp_bytes_per_s"], m["curve_bytes_per_s"], m["ray nodes_bytes_per_s"], m["processes_bytes_per_s"],
+        m["tcp_bytes_per_s"],
+        m["curve_bytes_per_s"],
+        m["ray nodes_bytes_per_s"],
+        m["processes_bytes_per_s"],
         m["ray_object_store_bytes_per_s"],
     ]
-    right.bar(labels, [v / 1e9 for v in values], color=["grey", "darkgrey", "tab:blue", "tab:orange", "tab:red"])
+    right.bar(
+        labels,
+        [v / 1e9 for v in values],
+        color=["grey", "darkgrey", "tab:blue", "tab:orange", "tab:red"],
+    )
     right.set_ylabel("GB/s")
     right.set_title(f"tensor round trips, {data['payload_bytes'] / (1 << 20):g} MiB each way")
     fig.suptitle("mstar across Ray nodes vs worker processes vs raw tcp (one machine, loopback)")
@@ -243,17 +300,27 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=1000, help="walk steps per request (overhead)")
     parser.add_argument("--payload-mib", type=float, default=4.0, help="tensor each way per step")
     parser.add_argument("--payload-steps", type=int, default=20, help="steps per tensor request")
     parser.add_argument("--rtt-samples", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="small sizes, one round (a smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, one round (a smoke test)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/multinode"))
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.payload_mib, args.payload_steps, args.rtt_samples, args.rounds = 50, 0.25, 4, 100, 1
+        args.steps, args.payload_mib, args.payload_steps, args.rtt_samples, args.rounds = (
+            50,
+            0.25,
+            4,
+            100,
+            1,
+        )
     import ray
     from ray.cluster_utils import Cluster
 
@@ -269,7 +336,12 @@ def main() -> None:
     print("config: " + json.dumps(config))
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"node_a": 4}, "node_ip_address": LOOPBACK, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"node_a": 4},
+            "node_ip_address": LOOPBACK,
+            "include_dashboard": False,
+        },
     )
     try:
         cluster.add_node(num_cpus=2, resources={"node_b": 4}, node_ip_address=LOOPBACK)

@@ -106,7 +106,8 @@ PLACEMENTS = {
     "one-rank": None,
     # LLM on rank 0, codec on rank 1, both in this process: two step threads, each with its
     # share of the cores, so decode steps and codec windows overlap.
-    "two-ranks": "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: [snac_decoder], ranks: [1]}\n",
+    "two-ranks": "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: "
+    "[snac_decoder], ranks: [1]}\n",
 }
 
 
@@ -591,7 +592,8 @@ class Floor:
         num_samples = sum(int(a.numel()) for a in audio)
         if num_samples != len(requests) * s.samples_per_request:
             raise RuntimeError(
-                f"the floor produced {num_samples} samples, expected {len(requests) * s.samples_per_request}"
+                f"the floor produced {num_samples} samples, expected "
+                f"{len(requests) * s.samples_per_request}"
             )
         return FloorResult(
             concurrency,
@@ -762,7 +764,9 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         floor.warm_up()
     placement = PLACEMENTS[settings.placement]
     layout = Placement.from_yaml(placement) if placement else None
-    engine = await AsyncEngine.start(model, layout, EngineConfig(devices=rank_devices(settings.device, layout)))
+    engine = await AsyncEngine.start(
+        model, layout, EngineConfig(devices=rank_devices(settings.device, layout))
+    )
     templates = make_requests(
         list(PROMPTS),
         max_tokens=settings.max_tokens,
@@ -809,8 +813,6 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     return data
 
 
-
-
 def _kv_config(settings: Settings) -> dict[str, Any]:
     # Cache for the largest concurrency at the longest prompt plus the generation, not the
     # 1 GiB default: the benchmark shares its machine.
@@ -832,14 +834,18 @@ def _describe(settings: Settings, model: OrpheusModel) -> dict[str, Any]:
         f"vocab {llm.vocab_size}; SNAC decoder_dim {cfg.snac.decoder_dim}, "
         f"{cfg.snac.sampling_rate} Hz; random weights (constrained decoding)",
         "load": f"closed loop, concurrency {list(settings.concurrency)}, "
-        f"measured requests per point max({settings.num_requests or 0}, 5 x c), warm-up {settings.warmup}",
+        f"measured requests per point max({settings.num_requests or 0}, 5 x c), warm-up "
+        f"{settings.warmup}",
         "request": f"{settings.max_tokens} audio tokens = {settings.num_frames} frames = "
-        f"{settings.samples_per_request / SAMPLE_RATE:.3f} s of audio (end of speech masked: equal work)",
+        f"{settings.samples_per_request / SAMPLE_RATE:.3f} s of audio (end of speech masked: "
+        "equal work)",
         "sampling": f"temperature {settings.temperature}, top_p {settings.top_p}, "
         f"repetition_penalty {settings.repetition_penalty}, seed per request id",
-        "mstar": f"AsyncEngine co-located ({settings.placement}), codec batch <= {settings.codec_batch_size} "
+        "mstar": f"AsyncEngine co-located ({settings.placement}), codec batch <= "
+        f"{settings.codec_batch_size} "
         f"windows per call, KV {model.engine_config}",
-        "transformers": "one request at a time; LlamaForCausalLM.generate (fp32) in a thread with a "
+        "transformers": "one request at a time; LlamaForCausalLM.generate (fp32) in a thread "
+        "with a "
         "streamer; 28/7 windows decoded with SNAC as they arrive",
         "floor": "the same requests as KVCacheEngine.step batches (c at a time) + codec calls, "
         "no serving; efficiency = floor time / mstar time for the same audio",
@@ -853,8 +859,6 @@ def _describe(settings: Settings, model: OrpheusModel) -> dict[str, Any]:
             if skip
         ],
     }
-
-
 
 
 def _breakdown_table(rows: Sequence[PointBreakdown]) -> Table:
@@ -880,9 +884,11 @@ def _breakdown_table(rows: Sequence[PointBreakdown]) -> Table:
             f"{b.other_s:.1f}",
         )
     table.caption = (
-        "mstar/floor: LLM = KVCacheEngine steps (schedule + forward + sampling), forward = model + LM head "
+        "mstar/floor: LLM = KVCacheEngine steps (schedule + forward + sampling), forward = "
+        "model + LM head "
         "and sampling; mstar: from the engines' own timers, codec = snac_decoder node steps; "
-        "transformers: LLM = generate() per request (runs alongside the codec); steps = tokens there"
+        "transformers: LLM = generate() per request (runs alongside the codec); steps = "
+        "tokens there"
     )
     return table
 
@@ -891,7 +897,10 @@ def _summary(
     result: BenchResult, floors: Sequence[FloorResult], console: Console
 ) -> dict[str, Any]:
     table = Table(title="summary: mstar against the baseline and the floor")
-    headers = "c|RTF p50|RTF p95|viable %|audio s/s|vs baseline|TTFA p50 ms|/ baseline|floor audio s/s|efficiency"
+    headers = (
+        "c|RTF p50|RTF p95|viable %|audio s/s|vs baseline|TTFA p50 ms|/ baseline|floor "
+        "audio s/s|efficiency"
+    )
     for header in headers.split("|"):
         table.add_column(header, justify="right")
     checks: dict[str, Any] = {}
@@ -1018,7 +1027,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         p.error("--concurrency values must be >= 1")
     if max_tokens < FRAME_SIZE or max_tokens % FRAME_SIZE:
         p.error(
-            f"--max-tokens must be a positive multiple of {FRAME_SIZE} (whole frames), got {max_tokens}"
+            f"--max-tokens must be a positive multiple of {FRAME_SIZE} (whole frames), got "
+            f"{max_tokens}"
         )
     if args.codec_batch_size < 1:
         p.error("--codec-batch-size must be >= 1")

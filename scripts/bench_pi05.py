@@ -244,7 +244,8 @@ class DenseKVSampler:
 
 
 class Meter:
-    """Seconds and counts per named phase (written by the executor's thread, read between points)."""
+    """Seconds and counts per named phase (written by the executor's thread, read between
+    points)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -274,7 +275,9 @@ class OpenpiServer:
         self.lock = asyncio.Lock()
         # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
         self.executor = ThreadPoolExecutor(
-            1, thread_name_prefix="openpi", initializer=functools.partial(torch.set_num_threads, torch.get_num_threads())
+            1,
+            thread_name_prefix="openpi",
+            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
         )
         self.thread_torch_threads = 0
 
@@ -471,7 +474,8 @@ class Run:
             if errors:
                 console.print(f"  {p.target} errors: {errors[:3]}", highlight=False, markup=False)
         text = ", ".join(
-            f"{p.target} {p.summary.num_requests - p.summary.num_failed}/{p.summary.num_requests} ok "
+            f"{p.target} "
+            f"{p.summary.num_requests - p.summary.num_failed}/{p.summary.num_requests} ok "
             f"in {p.summary.duration_s:.1f} s"
             for p in result.points
         )
@@ -545,7 +549,9 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     model = Pi05Model(settings.config)
     cfg = model.config
     # A copy of the same weights in the checkpoint's layout (the engine fuses its own products).
-    weights = copy.deepcopy(cast(Pi05Weights, model.submodule("vision", torch.device("cpu")).weights))
+    weights = copy.deepcopy(
+        cast(Pi05Weights, model.submodule("vision", torch.device("cpu")).weights)
+    )
     openpi = OpenpiServer(model, weights)
     flops = chunk_flops(
         openpi,
@@ -553,7 +559,9 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         cfg.vision.image_size,
     )
     peak = gemm_peak_flops()
-    engine = await AsyncEngine.start(model, None, EngineConfig(devices=rank_devices(settings.device)))
+    engine = await AsyncEngine.start(
+        model, None, EngineConfig(devices=rank_devices(settings.device))
+    )
     bench = Run(settings, model, engine, openpi, FigureWindow(engine))
     templates = [
         BenchRequest(f"obs{i}", "", params={"seed": settings.seed * 100_000 + i})
@@ -606,17 +614,24 @@ def _describe(settings: Settings, model: Pi05Model) -> dict[str, Any]:
     cfg = model.config
     v, vlm, ex = cfg.vision, cfg.vlm, cfg.expert
     return {
-        "model": f"{cfg.name}: SigLIP {v.image_size}px/{v.patch_size} width {v.width} depth {v.depth}; "
-        f"VLM width {vlm.width} depth {vlm.depth} MLP {vlm.mlp_dim}; action expert width {ex.width} MLP {ex.mlp_dim}; "
-        f"{vlm.num_heads}/{vlm.num_kv_heads} heads of {vlm.head_dim}; horizon {cfg.action_horizon} x "
-        f"{cfg.action_dim} ({cfg.robot_dof} to the robot), {cfg.num_steps} Euler steps; random weights, float32",
-        "observations": f"DROID observations from {settings.num_templates} seeds: two uint8 {v.image_size}x{v.image_size} "
+        "model": f"{cfg.name}: SigLIP {v.image_size}px/{v.patch_size} width {v.width} depth "
+        f"{v.depth}; "
+        f"VLM width {vlm.width} depth {vlm.depth} MLP {vlm.mlp_dim}; action expert width "
+        f"{ex.width} MLP {ex.mlp_dim}; "
+        f"{vlm.num_heads}/{vlm.num_kv_heads} heads of {vlm.head_dim}; horizon "
+        f"{cfg.action_horizon} x "
+        f"{cfg.action_dim} ({cfg.robot_dof} to the robot), {cfg.num_steps} Euler steps; "
+        "random weights, float32",
+        "observations": f"DROID observations from {settings.num_templates} seeds: two uint8 "
+        f"{v.image_size}x{v.image_size} "
         f"cameras, 7 joints, gripper, prompts from {len(TASKS)} tasks, noise seeded",
-        "load": f"closed loop, concurrency {list(settings.concurrency)}, measured requests per point "
+        "load": f"closed loop, concurrency {list(settings.concurrency)}, measured requests "
+        "per point "
         f"max({settings.num_requests or 0}, 5 x c), warm-up c per target (not measured)",
         "mstar": "AsyncEngine in process (vision + llm on rank 0): prefixes in the paged KV cache, "
         "every robot's Euler step in one batch",
-        "openpi": "one request at a time (asyncio lock + one-thread executor); preprocess, dense-KV "
+        "openpi": "one request at a time (asyncio lock + one-thread executor); preprocess, "
+        "dense-KV "
         "sampler with batch 1 (prefix K/V cached once, 10 Euler steps), postprocess",
         "actions/s": f"action chunks/s x horizon ({cfg.action_horizon})",
         "budget": f"JCT within {1e3 * BUDGET_S:.0f} ms (DROID control budget)",
@@ -624,8 +639,6 @@ def _describe(settings: Settings, model: Pi05Model) -> dict[str, Any]:
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
         "seed": settings.seed,
     }
-
-
 
 
 def _agreement(actions: Mapping[tuple[str, str], np.ndarray]) -> dict[str, Any]:
@@ -730,7 +743,10 @@ def _summary(
 
 def _breakdown_table(rows: Sequence[Mapping[str, Any]]) -> Table:
     table = Table(title="where the time goes (seconds over each point's measured requests)")
-    headers = "c|target|wall|vision (steps)|prefix (steps)|flow (steps)|llm (steps)|firings/step|llm forward|llm rest|pre+post|busy|other"
+    headers = (
+        "c|target|wall|vision (steps)|prefix (steps)|flow (steps)|llm "
+        "(steps)|firings/step|llm forward|llm rest|pre+post|busy|other"
+    )
     for header in headers.split("|"):
         table.add_column(header, justify="left" if header == "target" else "right")
 
@@ -754,11 +770,16 @@ def _breakdown_table(rows: Sequence[Mapping[str, Any]]) -> Table:
             num(b["other_s"]),
         )
     table.caption = (
-        "mstar: the engines' step timers; vision and llm steps share rank 0's step thread, and the vision "
-        "(stateless) engine times a step from handing it to that thread, so its seconds include waiting behind "
-        "an llm step (busy can then exceed wall); prefix / flow = llm steps serving the prefill / action_gen "
-        "walk (a mixed step counts under both); llm rest = schedule, prepare, logits, update; other = wall - "
-        "busy (runtime, pre/postprocessing on the event loop, idle). openpi: its own timers around each part "
+        "mstar: the engines' step timers; vision and llm steps share rank 0's step thread, "
+        "and the vision "
+        "(stateless) engine times a step from handing it to that thread, so its seconds "
+        "include waiting behind "
+        "an llm step (busy can then exceed wall); prefix / flow = llm steps serving the "
+        "prefill / action_gen "
+        "walk (a mixed step counts under both); llm rest = schedule, prepare, logits, "
+        "update; other = wall - "
+        "busy (runtime, pre/postprocessing on the event loop, idle). openpi: its own timers "
+        "around each part "
         "of infer; other = lock and executor hand-offs."
     )
     return table
@@ -769,7 +790,8 @@ def _verdicts(
 ) -> dict[str, Any]:
     console.print(
         f"actions agree: max |mstar - openpi| = {agreement['max_abs_diff']:.2e} over "
-        f"{agreement['num_compared']} requests (< {AGREE_ATOL:g}: {'yes' if agreement['agree'] else 'NO'})",
+        f"{agreement['num_compared']} requests (< {AGREE_ATOL:g}: "
+        f"{'yes' if agreement['agree'] else 'NO'})",
         highlight=False,
         markup=False,
     )
@@ -853,8 +875,6 @@ def _plot(rows: Mapping[str, Mapping[str, Any]], path: Path, settings: Settings)
         f"pi0.5 ({settings.config}, CPU, {settings.threads} threads): mstar vs openpi-style server"
     )
     figure.savefig(path, dpi=100)
-
-
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

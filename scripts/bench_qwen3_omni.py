@@ -1,6 +1,8 @@
-"""Benchmark Qwen3-Omni's spoken answers: mstar's streaming graph against a stage pipeline and transformers.
+"""Benchmark Qwen3-Omni's spoken answers: mstar's streaming graph against a stage pipeline and
+transformers.
 
-    python scripts/bench_qwen3_omni.py                  # qwen3-omni-small, c = 1, 4, 16, both shapes
+    python scripts/bench_qwen3_omni.py                  # qwen3-omni-small, c = 1, 4, 16, both
+    shapes
     python scripts/bench_qwen3_omni.py --shapes short   # the short shape only
     python scripts/bench_qwen3_omni.py --quick          # c = 1, 4; the short shape
     python scripts/bench_qwen3_omni.py --concurrency 1 --max-tokens 8 --max-frames 12 --transformers
@@ -99,7 +101,8 @@ VARIED = frozenset({"mixed"})
 
 @dataclass(frozen=True)
 class Settings:
-    """One run's configuration (printed first, recorded in the JSON); ``max_tokens`` and ``max_frames`` are the shape being run."""
+    """One run's configuration (printed first, recorded in the JSON); ``max_tokens`` and
+    ``max_frames`` are the shape being run."""
 
     config: str = "qwen3-omni-small"
     concurrency: tuple[int, ...] = (1, 4, 16)
@@ -116,7 +119,8 @@ class Settings:
     out: str = "results/qwen3_omni"
 
     def requests_at(self, c: int) -> int:
-        """Measured requests at concurrency ``c``: ``--num-requests``, else 5 x c, or 2 x c (at least 3) for answers over 300 frames."""
+        """Measured requests at concurrency ``c``: ``--num-requests``, else 5 x c, or 2 x c (at
+        least 3) for answers over 300 frames."""
         if self.num_requests is not None:
             return self.num_requests
         return max(3, 2 * c) if self.max_frames > 300 else 5 * c
@@ -124,7 +128,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Loop(ClosedLoop):
-    """`ClosedLoop` with exactly ``num_requests`` measured requests (long answers take fewer per point)."""
+    """`ClosedLoop` with exactly ``num_requests`` measured requests (long answers take fewer per
+    point)."""
 
     def requests_at(self, point: float) -> int:
         return self.num_requests or super().requests_at(point)
@@ -217,7 +222,8 @@ class CpuAccount:
                 cpu[component] = cpu.get(component, 0.0) + used
 
     def take(self) -> dict[str, dict[str, float]]:
-        """Return per target: ms of CPU per audio second per component, the total, and cores busy; reset."""
+        """Return per target: ms of CPU per audio second per component, the total, and cores busy;
+        reset."""
         out: dict[str, dict[str, float]] = {}
         for target, cpu in self.cpu.items():
             audio_s = self.samples.get(target, 0) / 24_000
@@ -239,7 +245,8 @@ def _audio(num_samples: int) -> OutputEvent:
 
 
 def request_data(settings: Settings, request: BenchRequest) -> dict[str, Any]:
-    """Return the request every target answers (a per-request talker seed; a varied shape's length by request)."""
+    """Return the request every target answers (a per-request talker seed; a varied shape's length
+    by request)."""
     seed = int(request.request_id.rsplit("-", 1)[-1]) if request.request_id[-1].isdigit() else 0
     quarters = 1 + seed % 4 if settings.varied else 4
     return {
@@ -255,7 +262,8 @@ def request_data(settings: Settings, request: BenchRequest) -> dict[str, Any]:
 
 
 class StagePipeline:
-    """Thinker, then talker, then Code2Wav, each stage over its whole batch, nothing streamed between them.
+    """Thinker, then talker, then Code2Wav, each stage over its whole batch, nothing streamed
+    between them.
 
     Each stage works on a thread of its own (the same three step threads and torch threads
     as mstar's ranks), so stages overlap across batches as a stage DAG's do: while the talker
@@ -331,7 +339,8 @@ class StagePipeline:
     def _fire(
         self, node: Any, engine: KVCacheEngine, work: dict[str, Mapping[str, Any]]
     ) -> dict[str, Mapping[str, Any]]:
-        """Fire ``node`` once for every request of ``work`` in shared engine steps; return each one's outputs."""
+        """Fire ``node`` once for every request of ``work`` in shared engine steps; return each
+        one's outputs."""
         firings: dict[str, list[torch.Tensor | None]] = {}
         for rid, inputs in work.items():
             rows: list[torch.Tensor | None] = []
@@ -361,7 +370,8 @@ class StagePipeline:
 
     @torch.inference_mode()
     def _think(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
-        """The thinker to the end of every answer of the batch; then the batch waits for the talker."""
+        """The thinker to the end of every answer of the batch; then the batch waits for the
+        talker."""
         inputs: dict[str, dict[str, Any]] = {}
         talker_params: dict[str, Any] = {}
         for rid, data, _, _ in batch:
@@ -388,7 +398,9 @@ class StagePipeline:
             if engine.has_request(rid):
                 engine.resume(rid, turn.new_token_ids, turn.sampling_params, **args)
             else:
-                engine.add_request(rid, turn.new_token_ids, turn.sampling_params, keep_alive=True, **args)
+                engine.add_request(
+                    rid, turn.new_token_ids, turn.sampling_params, keep_alive=True, **args
+                )
         while engine.has_unfinished():
             for o in engine.step():
                 if o.error is not None:
@@ -429,7 +441,8 @@ class StagePipeline:
 
     @torch.inference_mode()
     def _decode(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
-        """transformers' ``chunked_decode`` (300-frame chunks, 25 of context) of each request's codes."""
+        """transformers' ``chunked_decode`` (300-frame chunks, 25 of context) of each request's
+        codes."""
         code2wav = self.weights.code2wav
         for _, frames, _, audio in batch:
             samples = 0
@@ -473,10 +486,13 @@ class TransformersTarget:
         torch.manual_seed(int(data["seed"]))
         with torch.inference_mode():
             sequences, wav = self.reference.generate(
-                input_ids=torch.tensor([ids]), thinker_max_new_tokens=data["max_tokens"], thinker_do_sample=False,
-                thinker_eos_token_id=self.model.eos_token_ids[0], talker_max_new_tokens=data["max_audio_frames"],
+                input_ids=torch.tensor([ids]),
+                thinker_max_new_tokens=data["max_tokens"],
+                thinker_do_sample=False,
+                thinker_eos_token_id=self.model.eos_token_ids[0],
+                talker_max_new_tokens=data["max_audio_frames"],
                 talker_do_sample=True,
-            )  # fmt: skip
+            )
         return int(sequences.shape[-1]) - len(ids), 0 if wav is None else int(wav.numel())
 
     async def stream(self, settings: Settings, request: BenchRequest) -> AsyncIterator[OutputEvent]:
@@ -515,22 +531,33 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
     reference = TransformersTarget(model, settings) if settings.transformers else None
     config = {
         "settings": dataclasses.asdict(settings),
-        "model": f"{settings.config} (random weights): thinker {model.config.thinker_text}, talker {model.config.talker_text}",
-        "mstar": "AsyncEngine in process, default placement (Thinker rank 0, Talker rank 1, Code2Wav rank 2, "
-        "each stepping on a thread of its own); streams FixedChunkPolicy(1) and LeftContextChunkPolicy(25, 25)",
-        "stage": "thinker, talker and Code2Wav stages on a thread each, overlapping across batches; each takes "
-        "the requests waiting for it: the thinker to the end, then the talker, then chunked_decode (300/25)",
+        "model": f"{settings.config} (random weights): thinker {model.config.thinker_text}, "
+        f"talker {model.config.talker_text}",
+        "mstar": "AsyncEngine in process, default placement (Thinker rank 0, Talker rank 1, "
+        "Code2Wav rank 2, "
+        "each stepping on a thread of its own); streams FixedChunkPolicy(1) and "
+        "LeftContextChunkPolicy(25, 25)",
+        "stage": "thinker, talker and Code2Wav stages on a thread each, overlapping across "
+        "batches; each takes "
+        "the requests waiting for it: the thinker to the end, then the talker, then "
+        "chunked_decode (300/25)",
         "transformers": "Qwen3OmniMoeForConditionalGeneration.generate one at a time"
         if reference
         else "skipped (--transformers)",
         "rtf": "client E2E latency / audio duration",
-        "cpu": "thread CPU time per component while a target has requests in flight, per audio second made",
-        "torch": f"{torch.__version__}, {settings.threads} threads per step thread; {_cores()} cores",
+        "cpu": "thread CPU time per component while a target has requests in flight, per "
+        "audio second made",
+        "torch": f"{torch.__version__}, {settings.threads} threads per step thread; "
+        f"{_cores()} cores",
     }
     console.print("[bold]bench_qwen3_omni[/bold]: configuration")
     for key, value in config.items():
         console.print(f"  {key}: {value}", highlight=False, markup=False)
-    engine = await AsyncEngine.start(model, None, EngineConfig(cpu_threads=settings.threads, devices=rank_devices(settings.device)))
+    engine = await AsyncEngine.start(
+        model,
+        None,
+        EngineConfig(cpu_threads=settings.threads, devices=rank_devices(settings.device)),
+    )
     stage.start()
     account = CpuAccount()
     shapes: dict[str, Any] = {}
@@ -599,9 +626,14 @@ async def _run_shape(
         started = time.perf_counter()
         load = Loop((c,), num_requests=settings.requests_at(c), warmup=settings.warmup)
         result = await run_benchmark(
-            targets, templates, load, name=f"bench_qwen3_omni ({name})", seed=settings.seed * 1000 + c,
-            progress=False, console=Console(quiet=True),
-        )  # fmt: skip
+            targets,
+            templates,
+            load,
+            name=f"bench_qwen3_omni ({name})",
+            seed=settings.seed * 1000 + c,
+            progress=False,
+            console=Console(quiet=True),
+        )
         results.append(result)
         cpu[str(c)] = account.take()
         for p in result.points:
@@ -665,9 +697,15 @@ def _cpu_table(
     for c, per in cpu.items():
         for target, row in per.items():
             table.add_row(
-                c, target, *(f"{row[k]:.1f}" if k in row and not math.isnan(row[k]) else "-" for k in components),
-                f"{row['total']:.1f}", f"{row['cores_busy']:.2f}",
-            )  # fmt: skip
+                c,
+                target,
+                *(
+                    f"{row[k]:.1f}" if k in row and not math.isnan(row[k]) else "-"
+                    for k in components
+                ),
+                f"{row['total']:.1f}",
+                f"{row['cores_busy']:.2f}",
+            )
         table.add_section()
     console.print(table)
 
@@ -704,17 +742,28 @@ def _summary(result: BenchResult, name: str, console: Console) -> dict[str, dict
         for target in result.targets:
             s = result.result(target, point).summary
             r = row[target] = {
-                "num_requests": s.num_requests, "num_failed": s.num_failed,
-                "ttft_p50_s": _stat(s.ttft_s, "p50"), "ttfa_p50_s": _stat(s.ttfa_s, "p50"), "ttfa_p95_s": _stat(s.ttfa_s, "p95"),
-                "rtf_p50": _stat(s.rtf, "p50"), "rtf_p95": _stat(s.rtf, "p95"), "audio_s_per_s": s.audio_s_per_s,
+                "num_requests": s.num_requests,
+                "num_failed": s.num_failed,
+                "ttft_p50_s": _stat(s.ttft_s, "p50"),
+                "ttfa_p50_s": _stat(s.ttfa_s, "p50"),
+                "ttfa_p95_s": _stat(s.ttfa_s, "p95"),
+                "rtf_p50": _stat(s.rtf, "p50"),
+                "rtf_p95": _stat(s.rtf, "p95"),
+                "audio_s_per_s": s.audio_s_per_s,
                 "viable": math.nan if s.viable_fraction is None else s.viable_fraction,
-            }  # fmt: skip
+            }
             table.add_row(
-                str(c), target, f"{s.num_requests - s.num_failed}/{s.num_requests}",
-                *(f"{1e3 * r[k]:.0f}" if not math.isnan(r[k]) else "-" for k in ("ttft_p50_s", "ttfa_p50_s", "ttfa_p95_s")),
+                str(c),
+                target,
+                f"{s.num_requests - s.num_failed}/{s.num_requests}",
+                *(
+                    f"{1e3 * r[k]:.0f}" if not math.isnan(r[k]) else "-"
+                    for k in ("ttft_p50_s", "ttfa_p50_s", "ttfa_p95_s")
+                ),
                 *(f"{r[k]:.3f}" if not math.isnan(r[k]) else "-" for k in ("rtf_p50", "rtf_p95")),
-                f"{r['audio_s_per_s']:.2f}", "-" if math.isnan(r["viable"]) else f"{100 * r['viable']:.0f}",
-            )  # fmt: skip
+                f"{r['audio_s_per_s']:.2f}",
+                "-" if math.isnan(r["viable"]) else f"{100 * r['viable']:.0f}",
+            )
         table.add_section()
         m, st = row["mstar"], row["stage"]
         row["ttfa_p50_ratio"] = _ratio(st["ttfa_p50_s"], m["ttfa_p50_s"])
@@ -724,7 +773,8 @@ def _summary(result: BenchResult, name: str, console: Console) -> dict[str, dict
     console.print(table)
     for c, row in rows.items():
         console.print(
-            f"  c={c} stage / mstar: TTFA p50 {row['ttfa_p50_ratio']:.2f}x, RTF p50 {row['rtf_p50_ratio']:.2f}x; "
+            f"  c={c} stage / mstar: TTFA p50 {row['ttfa_p50_ratio']:.2f}x, RTF p50 "
+            f"{row['rtf_p50_ratio']:.2f}x; "
             f"mstar / stage audio s/s {row['audio_s_per_s_ratio']:.2f}x",
             highlight=False, markup=False,
         )  # fmt: skip
@@ -753,8 +803,6 @@ def _verdicts(rows: Mapping[str, Mapping[str, Any]], console: Console) -> dict[s
     return verdicts
 
 
-
-
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
     """Parse the command line into `Settings` (explicit flags win over ``--quick``)."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
@@ -767,7 +815,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument(
         "--shapes",
         default=None,
-        help=f"comma-separated answer shapes of {sorted(SHAPES)} (default reference,short; --quick short)",
+        help=f"comma-separated answer shapes of {sorted(SHAPES)} (default reference,short; "
+        "--quick short)",
     )
     p.add_argument(
         "--max-tokens", type=int, default=None, help="answer tokens: one custom shape instead"
@@ -824,10 +873,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     return Settings(
-        config=args.config, concurrency=levels, shapes=shapes, max_tokens=shapes[0][1], max_frames=shapes[0][2],
-        num_requests=args.num_requests, warmup=args.warmup, threads=args.threads, device=args.device, transformers=args.transformers,
-        seed=args.seed, out=args.out,
-    )  # fmt: skip
+        config=args.config,
+        concurrency=levels,
+        shapes=shapes,
+        max_tokens=shapes[0][1],
+        max_frames=shapes[0][2],
+        num_requests=args.num_requests,
+        warmup=args.warmup,
+        threads=args.threads,
+        device=args.device,
+        transformers=args.transformers,
+        seed=args.seed,
+        out=args.out,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -46,7 +46,9 @@ from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Reque
 
 LOOP = "asyncio"
 SAME_RANK = "node_groups:\n  - {node_names: [a, b, done], ranks: [0]}\n"
-TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
+TWO_RANKS = (
+    "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
+)
 
 
 async def queue_round_trip(n: int = 20_000) -> float:
@@ -134,7 +136,8 @@ def engine_target(engine: AsyncEngine) -> Any:
 async def measure(
     name: str, placement: str, processes: bool, steps: int, concurrency: list[int], rounds: int = 0
 ) -> tuple[dict[int, float], list[tuple[float, float, float]]]:
-    """Return p50 seconds per step at each concurrency, and ``rounds`` interleaved (step, floor median, mean)."""
+    """Return p50 seconds per step at each concurrency, and ``rounds`` interleaved (step, floor
+    median, mean)."""
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": steps})
     config = EngineConfig(worker_processes=processes, offload_steps=False, loop=LOOP)
     pairs: list[tuple[float, float, float]] = []
@@ -150,7 +153,11 @@ async def measure(
             ClosedLoop(tuple(concurrency)),
             name=f"runtime overhead: {name}",
             progress=False,
-            config={"steps": steps, "placement": placement.replace("\n", " "), "worker_processes": processes},
+            config={
+                "steps": steps,
+                "placement": placement.replace("\n", " "),
+                "worker_processes": processes,
+            },
         )
     print_table(result)
     out = {}
@@ -162,15 +169,24 @@ async def measure(
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop", help="event loop everywhere")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved floor/walk rounds (two processes)")
+    parser.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="uvloop", help="event loop everywhere"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved floor/walk rounds (two processes)"
+    )
     args = parser.parse_args()
     global LOOP
     LOOP = args.loop
-    print(f"config: steps={args.steps} concurrency={args.concurrency} loop={args.loop} rounds={args.rounds}")
+    print(
+        f"config: steps={args.steps} concurrency={args.concurrency} loop={args.loop} "
+        f"rounds={args.rounds}"
+    )
     # Each floor is measured right before the runs it is compared with: on a shared machine
     # the load drifts within a run.
     q = await queue_round_trip()
@@ -178,33 +194,43 @@ async def main() -> None:
     colocated, _ = await measure("co-located", SAME_RANK, False, args.steps, args.concurrency)
     z = await zmq_round_trip()
     print(f"floor: ZeroMQ ipc round trip between two processes {z * 1e6:.1f} us")
-    across, pairs = await measure("two processes", TWO_RANKS, True, args.steps, args.concurrency, args.rounds)
+    across, pairs = await measure(
+        "two processes", TWO_RANKS, True, args.steps, args.concurrency, args.rounds
+    )
     print()
-    print(f"{'setup':>14} {'conc':>5} {'us/step (p50 E2E/steps)':>24} {'us/step/request':>16} {'floor us':>9} {'ratio':>6}")
+    print(
+        f"{'setup':>14} {'conc':>5} {'us/step (p50 E2E/steps)':>24} {'us/step/request':>16} "
+        f"{'floor us':>9} {'ratio':>6}"
+    )
     for name, res, floor in (("co-located", colocated, q), ("two processes", across, z)):
         for c, per_step in res.items():
             per_request = per_step / c
             print(
-                f"{name:>14} {c:>5} {per_step * 1e6:>24.1f} {per_request * 1e6:>16.2f} {floor * 1e6:>9.1f} "
+                f"{name:>14} {c:>5} {per_step * 1e6:>24.1f} {per_request * 1e6:>16.2f} "
+                f"{floor * 1e6:>9.1f} "
                 f"{per_step / floor:>6.2f}"
             )
     if pairs:
         print()
         print(
-            f"interleaved rounds (two processes, concurrency 1): {'us/step':>8} {'floor us':>9} {'ratio':>6}"
+            f"interleaved rounds (two processes, concurrency 1): {'us/step':>8} "
+            f"{'floor us':>9} {'ratio':>6}"
             f" {'mean floor us':>14} {'ratio':>6}"
         )
         for i, (step, floor, mean) in enumerate(pairs):
             print(
-                f"{'round ' + str(i):>50} {step * 1e6:>8.1f} {floor * 1e6:>9.1f} {step / floor:>6.2f}"
+                f"{'round ' + str(i):>50} {step * 1e6:>8.1f} {floor * 1e6:>9.1f} "
+                f"{step / floor:>6.2f}"
                 f" {mean * 1e6:>14.1f} {step / mean:>6.2f}"
             )
         median = statistics.median(step / floor for step, floor, _ in pairs)
         median_mean = statistics.median(step / mean for step, _, mean in pairs)
         print(f"{'median ratio':>50} {'':>8} {'':>9} {median:>6.2f} {'':>14} {median_mean:>6.2f}")
     print(
-        "targets: co-located <= 50 us per step per request at concurrency 1; two processes <= 1.25x "
-        "the ZeroMQ round trip (median of the interleaved rounds, over the floor's median round trip)"
+        "targets: co-located <= 50 us per step per request at concurrency 1; two processes "
+        "<= 1.25x "
+        "the ZeroMQ round trip (median of the interleaved rounds, over the floor's median "
+        "round trip)"
     )
 
 
@@ -221,4 +247,9 @@ def run_loop(coro: Coroutine[Any, Any, None], loop: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    run_loop(main(), "asyncio" if "--loop" in sys.argv and sys.argv[sys.argv.index("--loop") + 1] == "asyncio" else "uvloop")
+    run_loop(
+        main(),
+        "asyncio"
+        if "--loop" in sys.argv and sys.argv[sys.argv.index("--loop") + 1] == "asyncio"
+        else "uvloop",
+    )

@@ -119,7 +119,9 @@ def _raw_zmq_peer(endpoints: list[str], mode: str, ready: Any) -> None:
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.bind(endpoint)
             socks.append(sock)
-        ready.send_bytes(json.dumps([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks]).encode())
+        ready.send_bytes(
+            json.dumps([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks]).encode()
+        )
         return socks
 
     counts: dict[int, int] = {}
@@ -381,7 +383,9 @@ async def mstar_runs(
     return {"rtt": samples, "rate": rate, "tensor": tensor_samples, "window": window_samples}
 
 
-def burst(call: Callable[[], Awaitable[Any]], k: int) -> Callable[[BenchRequest], AsyncIterator[Any]]:
+def burst(
+    call: Callable[[], Awaitable[Any]], k: int
+) -> Callable[[BenchRequest], AsyncIterator[Any]]:
     """Return a harness target whose every request is `k` calls of `call` in a row.
 
     A burst streams nothing back: its E2E is the time of the `k` round trips.
@@ -493,14 +497,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raw = context.Process(target=_raw_zmq_peer, args=(endpoints, mode, theirs), daemon=True)
         raw.start()
         raws.append(raw)
-        raw_endpoints[mode] = dict(zip(("ipc", "tcp"), json.loads(ours_end.recv_bytes()), strict=True))
+        raw_endpoints[mode] = dict(
+            zip(("ipc", "tcp"), json.loads(ours_end.recv_bytes()), strict=True)
+        )
     serve = ["ipc://", "tcp://127.0.0.1:0"]
     setup = f"{Path(__file__).stem}:setup_peer"
     shm_peer = SystemProcess(setup, serve=serve, config=config, loop=args.loop)
     frames_peer = SystemProcess(setup, serve=serve, config=frames_config, loop=args.loop)
     try:
         shm_eps = dict(zip(("ipc", "tcp"), await asyncio.to_thread(shm_peer.start), strict=True))
-        frames_eps = dict(zip(("ipc", "tcp"), await asyncio.to_thread(frames_peer.start), strict=True))
+        frames_eps = dict(
+            zip(("ipc", "tcp"), await asyncio.to_thread(frames_peer.start), strict=True)
+        )
         shm_floors = shm_copy_floors(n_tensors)
         for scheme in ("ipc", "tcp"):
             floor = await zmq_floor(raw_endpoints[args.loop][scheme], n, warmup, n_tensors)
@@ -508,14 +516,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with ActorSystem(config) as client:
                 await client.connect(shm_eps[scheme])
                 ours = await mstar_runs(client, shm_eps[scheme], n, warmup, n_tensors)
-                ask = functools.partial(client.ref("echo", shm_eps[scheme]).ask, Ping(1, SMALL_PAYLOAD))
+                ask = functools.partial(
+                    client.ref("echo", shm_eps[scheme]).ask, Ping(1, SMALL_PAYLOAD)
+                )
                 with zmq_dealer(raw_endpoints[args.loop][scheme]) as sock:
                     bursts = await burst_run(
                         scheme, ask, zmq_ping(sock), f"pyzmq {args.loop} ping-pong", args
                     )
             async with ActorSystem(frames_config) as client:
                 await client.connect(frames_eps[scheme])
-                framed = await mstar_runs(client, frames_eps[scheme], max(n // 5, 100), warmup, n_tensors)
+                framed = await mstar_runs(
+                    client, frames_eps[scheme], max(n // 5, 100), warmup, n_tensors
+                )
             results[scheme] = {
                 "bursts": bursts,
                 "floor": {**percentiles(floor["rtt"]), "msgs_per_s": floor["rate"]},
@@ -566,7 +578,10 @@ def report(results: dict[str, Any], loop: str) -> list[str]:
             print(f"  {name:<10}{label:<22}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}{rate}")
         if "blocking_floor" in r:
             row = r["blocking_floor"]
-            print(f"  {name:<10}{'pyzmq blocking (info)':<22}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}")
+            print(
+                "  "
+                f"{name:<10}{'pyzmq blocking (info)':<22}{row['p50_us']:>9.1f}{row['p99_us']:>9.1f}"
+            )
         p50 = r["mstar"]["p50_us"] / r["floor"]["p50_us"]
         p99 = r["mstar"]["p99_us"] / r["floor"]["p99_us"]
         rate = r["mstar"]["msgs_per_s"] / r["floor"]["msgs_per_s"]
@@ -580,17 +595,25 @@ def report(results: dict[str, Any], loop: str) -> list[str]:
         if not ok:
             failures.append(f"{name} ask p50 ratio {p50:.2f}x > {target}x")
     print()
-    print("mean round trip inside a burst, from the harness runs above: E2E / round trips per burst,")
+    print(
+        "mean round trip inside a burst, from the harness runs above: E2E / round trips per burst,"
+    )
     print("p50 and p99 over the bursts (the harness ratio above is its inverse):")
     print(f"  {'transport':<10}{'':<22}{'p50 us':>9}{'p99 us':>9}")
     for name, r in results.items():
         b = r["bursts"]
         for label in ("floor", "mstar"):
             print(f"  {name:<10}{label:<22}{b[label]['p50_us']:>9.1f}{b[label]['p99_us']:>9.1f}")
-        print(f"  {name:<10}{'ratio mstar/floor':<22}{b['ratio_p50']:>8.2f}x   (bursts of {b['round_trips_per_burst']})")
+        print(
+            f"  {name:<10}{'ratio mstar/floor':<22}{b['ratio_p50']:>8.2f}x   (bursts of "
+            f"{b['round_trips_per_burst']})"
+        )
     print()
     print("16 MiB tensor handoff, GB/s (median). One at a time: an ask carrying the tensor,")
-    print(f"acknowledged by the receiver. Pipelined: {PIPELINE_DEPTH} such asks in flight (the target's figure).")
+    print(
+        f"acknowledged by the receiver. Pipelined: {PIPELINE_DEPTH} such asks in flight (the "
+        "target's figure)."
+    )
     for name, r in results.items():
         cells = ", ".join(f"{k} {v:.1f}" for k, v in r["handoff_gbps"].items())
         print(f"  {name:<8} one at a time: {cells}")
@@ -599,15 +622,19 @@ def report(results: dict[str, Any], loop: str) -> list[str]:
         if "shm arena" in r["pipelined_gbps"]:
             shm = r["pipelined_gbps"]["shm arena"]
             ok = shm >= 10.0
-            raw = max(r["handoff_gbps"]["raw shm torch copy_"], r["handoff_gbps"]["raw shm memmove"])
+            raw = max(
+                r["handoff_gbps"]["raw shm torch copy_"], r["handoff_gbps"]["raw shm memmove"]
+            )
             best = r["handoff_best_gbps"]
             print(
                 f"  {'':<8} pipelined shm arena / faster raw copy {shm / raw:.2f}x; "
                 f"target >= 10 GB/s: {'PASS' if ok else 'FAIL'}"
             )
             print(
-                f"  {'':<8} fastest single handoff {best['shm arena']:.1f} GB/s; fastest raw copies: "
-                f"torch copy_ {best['raw shm torch copy_']:.1f}, memmove {best['raw shm memmove']:.1f} GB/s"
+                f"  {'':<8} fastest single handoff {best['shm arena']:.1f} GB/s; fastest raw "
+                "copies: "
+                f"torch copy_ {best['raw shm torch copy_']:.1f}, memmove "
+                f"{best['raw shm memmove']:.1f} GB/s"
             )
             if not ok:
                 failures.append(f"{name} pipelined shm handoff {shm:.1f} GB/s < 10")
@@ -623,8 +650,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     names = list(results)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     xs = range(len(names))
-    ax1.bar([x - 0.2 for x in xs], [results[n]["floor"]["p50_us"] for n in names], 0.4, label="raw floor")
-    ax1.bar([x + 0.2 for x in xs], [results[n]["mstar"]["p50_us"] for n in names], 0.4, label="mstar ask")
+    ax1.bar(
+        [x - 0.2 for x in xs],
+        [results[n]["floor"]["p50_us"] for n in names],
+        0.4,
+        label="raw floor",
+    )
+    ax1.bar(
+        [x + 0.2 for x in xs],
+        [results[n]["mstar"]["p50_us"] for n in names],
+        0.4,
+        label="mstar ask",
+    )
     ax1.set_xticks(list(xs), names)
     ax1.set_ylabel("round trip p50 (us)")
     ax1.set_yscale("log")
@@ -645,27 +682,44 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--n", type=int, default=5000, help="round trips per measurement")
     parser.add_argument("--tensors", type=int, default=30, help="16 MiB handoffs per measurement")
     parser.add_argument("--burst", type=int, default=500, help="round trips per harness request")
-    parser.add_argument("--bursts", type=int, default=10, help="measured harness requests per target")
+    parser.add_argument(
+        "--bursts", type=int, default=10, help="measured harness requests per target"
+    )
     parser.add_argument("--arena-mib", type=int, default=128, help="shared arena size")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/transport"), help="output folder")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results/transport"), help="output folder"
+    )
     args = parser.parse_args()
     if args.quick:
         args.n, args.tensors, args.burst, args.bursts = 500, 8, 100, 5
     print("bench_transport configuration:")
-    print(f"  python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
-          f"libzmq {zmq.zmq_version()}, loop {args.loop}")
+    print(
+        f"  python {platform.python_version()}, torch {torch.__version__}, pyzmq "
+        f"{zmq.__version__}, "
+        f"libzmq {zmq.zmq_version()}, loop {args.loop}"
+    )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"  cpus {os.cpu_count()}, torch threads {torch.get_num_threads()}, load average {load}")
-    print(f"  small message: Ping with a {len(SMALL_PAYLOAD)}-byte payload; {args.n} round trips "
-          f"(+{args.n // 10} warm-up), {args.n * 4} one-way messages")
-    print(f"  tensor: {TENSOR_BYTES >> 20} MiB float32, {args.tensors} handoffs; arena {args.arena_mib} MiB")
-    print(f"  harness: {args.bursts} bursts (+1 warm-up) of {args.burst} round trips per target and transport")
+    print(
+        f"  small message: Ping with a {len(SMALL_PAYLOAD)}-byte payload; {args.n} round trips "
+        f"(+{args.n // 10} warm-up), {args.n * 4} one-way messages"
+    )
+    print(
+        f"  tensor: {TENSOR_BYTES >> 20} MiB float32, {args.tensors} handoffs; arena "
+        f"{args.arena_mib} MiB"
+    )
+    print(
+        f"  harness: {args.bursts} bursts (+1 warm-up) of {args.burst} round trips per "
+        "target and transport"
+    )
     if args.n < 1 or args.tensors < 1 or args.burst < 1 or args.bursts < 1:
         parser.error("--n, --tensors, --burst and --bursts must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -676,10 +730,14 @@ def main() -> int:
     else:
         results = asyncio.run(run(args))
     failures = report(results, args.loop)
-    (args.out / "transport.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
+    (args.out / "transport.json").write_text(
+        json.dumps({"config": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+    )
     plot(results, args.out / "transport.png")
-    print(f"\nwrote {args.out / 'transport.json'}, {args.out / 'transport.png'} and the harness's "
-          f"transport_{{inproc,ipc,tcp}}.json/.png")
+    print(
+        f"\nwrote {args.out / 'transport.json'}, {args.out / 'transport.png'} and the harness's "
+        f"transport_{{inproc,ipc,tcp}}.json/.png"
+    )
     if failures:
         print("targets missed: " + "; ".join(failures))
     return 0

@@ -80,10 +80,13 @@ class NativeRollouts:
 
     model: VJepa2Model
     device: str
-    # The same torch threads as the creating thread (a new thread's OpenMP pool starts at every core).
+    # The same torch threads as the creating thread (a new thread's OpenMP pool starts at every
+    # core).
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
-            1, thread_name_prefix="native", initializer=functools.partial(torch.set_num_threads, torch.get_num_threads())
+            1,
+            thread_name_prefix="native",
+            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
         )
     )
 
@@ -95,7 +98,9 @@ class NativeRollouts:
         self.draining = False
 
     async def rollout(self, data: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        future: asyncio.Future[tuple[torch.Tensor, torch.Tensor]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[torch.Tensor, torch.Tensor]] = (
+            asyncio.get_running_loop().create_future()
+        )
         self.pending.append(_Pending(data, future))
         if not self.draining:
             self.draining = True
@@ -111,7 +116,9 @@ class NativeRollouts:
                 for h in horizons:
                     group = [p for p in batch if p.data["actions"].shape[0] == h]
                     try:
-                        results = await loop.run_in_executor(self.executor, self._run, [p.data for p in group])
+                        results = await loop.run_in_executor(
+                            self.executor, self._run, [p.data for p in group]
+                        )
                     except Exception as exc:
                         for p in group:
                             p.future.set_exception(exc)
@@ -202,8 +209,14 @@ async def run(args: argparse.Namespace) -> int:
             outputs.clear()
             load = OfflineWaves((args.concurrency,), num_waves=args.waves, warmup=0)
             result = await run_benchmark(
-                targets, requests, load, name=f"vjepa2 rollout H={horizon}", seed=horizon,
-                progress=False, console=console, config={**config, "horizon": horizon},
+                targets,
+                requests,
+                load,
+                name=f"vjepa2 rollout H={horizon}",
+                seed=horizon,
+                progress=False,
+                console=console,
+                config={**config, "horizon": horizon},
             )
             if args.tables:
                 print_table(result, console)
@@ -213,30 +226,42 @@ async def run(args: argparse.Namespace) -> int:
             n = result.result("native", point).summary
             assert m.jct_s is not None and n.jct_s is not None
             diffs = [
-                (outputs[("mstar", rid)].float() - outputs[("native", rid)].float()).abs().max().item()
-                for (who, rid) in list(outputs) if who == "mstar" and ("native", rid) in outputs
+                (outputs[("mstar", rid)].float() - outputs[("native", rid)].float())
+                .abs()
+                .max()
+                .item()
+                for (who, rid) in list(outputs)
+                if who == "mstar" and ("native", rid) in outputs
             ]
-            summary.append({
-                "horizon": horizon,
-                "mstar_jct_p50_s": m.jct_s.p50,
-                "native_jct_p50_s": n.jct_s.p50,
-                "mstar_jct_mean_s": m.jct_s.mean,
-                "native_jct_mean_s": n.jct_s.mean,
-                "speedup": n.jct_s.p50 / m.jct_s.p50,
-                "tokens_ratio": (horizon + 1) / 2,
-                "flop_ratio": flop_ratio(model, horizon),
-                "max_abs_diff": max(diffs) if diffs else None,
-                "num_compared": len(diffs),
-            })
-            console.print(f"H={horizon}: mstar {m.jct_s.p50:.3f} s, native {n.jct_s.p50:.3f} s, "
-                          f"speed-up {summary[-1]['speedup']:.2f}x (max |diff| {summary[-1]['max_abs_diff']:.2e})")
+            summary.append(
+                {
+                    "horizon": horizon,
+                    "mstar_jct_p50_s": m.jct_s.p50,
+                    "native_jct_p50_s": n.jct_s.p50,
+                    "mstar_jct_mean_s": m.jct_s.mean,
+                    "native_jct_mean_s": n.jct_s.mean,
+                    "speedup": n.jct_s.p50 / m.jct_s.p50,
+                    "tokens_ratio": (horizon + 1) / 2,
+                    "flop_ratio": flop_ratio(model, horizon),
+                    "max_abs_diff": max(diffs) if diffs else None,
+                    "num_compared": len(diffs),
+                }
+            )
+            console.print(
+                f"H={horizon}: mstar {m.jct_s.p50:.3f} s, native {n.jct_s.p50:.3f} s, "
+                f"speed-up {summary[-1]['speedup']:.2f}x (max |diff| "
+                f"{summary[-1]['max_abs_diff']:.2e})"
+            )
     finally:
         await engine.shutdown()
         native.executor.shutdown()
     _report(console, summary, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"config": {**config, **{k: str(v) for k, v in vars(args).items()}}, "summary": summary,
-               "results": [result_to_dict(r) for r in results]}
+    payload = {
+        "config": {**config, **{k: str(v) for k, v in vars(args).items()}},
+        "summary": summary,
+        "results": [result_to_dict(r) for r in results],
+    }
     (args.out / "bench_vjepa2.json").write_text(json.dumps(payload, indent=2, default=str))
     _plot(summary, args.out / "bench_vjepa2.png", args)
     console.print(f"wrote {args.out / 'bench_vjepa2.json'} and {args.out / 'bench_vjepa2.png'}")
@@ -249,13 +274,29 @@ async def _drain(outputs: AsyncIterator[Any]) -> None:
 
 
 def _report(console: Console, summary: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    table = Table(title=f"V-JEPA 2-AC rollout JCT, {args.concurrency} concurrent ({args.config}, {args.device})")
-    for col in ("H", "mstar p50 (s)", "native p50 (s)", "speed-up", "tokens (H+1)/2", "FLOPs", "max |diff|"):
+    table = Table(
+        title=f"V-JEPA 2-AC rollout JCT, {args.concurrency} concurrent ({args.config}, "
+        f"{args.device})"
+    )
+    for col in (
+        "H",
+        "mstar p50 (s)",
+        "native p50 (s)",
+        "speed-up",
+        "tokens (H+1)/2",
+        "FLOPs",
+        "max |diff|",
+    ):
         table.add_column(col, justify="right")
     for s in summary:
         table.add_row(
-            str(s["horizon"]), f"{s['mstar_jct_p50_s']:.3f}", f"{s['native_jct_p50_s']:.3f}",
-            f"{s['speedup']:.2f}x", f"{s['tokens_ratio']:.1f}x", f"{s['flop_ratio']:.1f}x", f"{s['max_abs_diff']:.1e}",
+            str(s["horizon"]),
+            f"{s['mstar_jct_p50_s']:.3f}",
+            f"{s['native_jct_p50_s']:.3f}",
+            f"{s['speedup']:.2f}x",
+            f"{s['tokens_ratio']:.1f}x",
+            f"{s['flop_ratio']:.1f}x",
+            f"{s['max_abs_diff']:.1e}",
         )
     console.print(table)
     ratios = [s["speedup"] for s in summary]
@@ -263,8 +304,10 @@ def _report(console: Console, summary: list[dict[str, Any]], args: argparse.Name
     at_30 = next((s["speedup"] for s in summary if s["horizon"] == 30), None)
     if at_30 is not None:
         met = at_30 >= TARGET_RATIO and growing
-        console.print(f"target: >= {TARGET_RATIO}x at H=30 and growing with H -> {at_30:.2f}x, "
-                      f"{'growing' if growing else 'not growing'}: {'MET' if met else 'NOT MET'}")
+        console.print(
+            f"target: >= {TARGET_RATIO}x at H=30 and growing with H -> {at_30:.2f}x, "
+            f"{'growing' if growing else 'not growing'}: {'MET' if met else 'NOT MET'}"
+        )
 
 
 def _plot(summary: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
@@ -275,8 +318,12 @@ def _plot(summary: list[dict[str, Any]], path: Path, args: argparse.Namespace) -
 
     hs = [s["horizon"] for s in summary]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(hs, [s["mstar_jct_p50_s"] for s in summary], "o-", label="mstar (KV-cached DynamicLoop)")
-    left.plot(hs, [s["native_jct_p50_s"] for s in summary], "s-", label="native (recompute all frames)")
+    left.plot(
+        hs, [s["mstar_jct_p50_s"] for s in summary], "o-", label="mstar (KV-cached DynamicLoop)"
+    )
+    left.plot(
+        hs, [s["native_jct_p50_s"] for s in summary], "s-", label="native (recompute all frames)"
+    )
     left.set_xlabel("horizon H (frames)")
     left.set_ylabel("JCT p50 (s)")
     left.set_yscale("log")
@@ -288,7 +335,9 @@ def _plot(summary: list[dict[str, Any]], path: Path, args: argparse.Namespace) -
     right.set_xlabel("horizon H (frames)")
     right.set_ylabel("speed-up (native / mstar)")
     right.legend()
-    fig.suptitle(f"V-JEPA 2-AC rollouts, {args.concurrency} concurrent, {args.config} on {args.device}")
+    fig.suptitle(
+        f"V-JEPA 2-AC rollouts, {args.concurrency} concurrent, {args.config} on {args.device}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -296,18 +345,32 @@ def _plot(summary: list[dict[str, Any]], path: Path, args: argparse.Namespace) -
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the benchmark."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="vjepa2-small", choices=["vjepa2-tiny", "vjepa2-small", "vjepa2-ac-vitg"])
-    parser.add_argument("--checkpoint", default=None, help="the .pt checkpoint (default: cached random weights)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config",
+        default="vjepa2-small",
+        choices=["vjepa2-tiny", "vjepa2-small", "vjepa2-ac-vitg"],
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, help="the .pt checkpoint (default: cached random weights)"
+    )
     parser.add_argument("--horizons", type=int, nargs="+", default=[1, 5, 10, 20, 30])
     parser.add_argument("--concurrency", type=int, default=8, help="rollouts sent at once")
     parser.add_argument("--waves", type=int, default=1, help="measured waves per horizon")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"]
+    )
     parser.add_argument("--num-blocks", type=int, default=None, help="frame blocks in the KV pool")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--tables", action="store_true", help="print the harness table of every horizon")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--tables", action="store_true", help="print the harness table of every horizon"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/vjepa2"))
     args = parser.parse_args(argv)
     if any(not 1 <= h <= 31 for h in args.horizons):

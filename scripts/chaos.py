@@ -74,8 +74,17 @@ from mstar.zoo.toy import ToyModel, make_toy_inputs, make_toy_nodes
 
 REPLICATED_ORPHEUS = "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [0, 1]}\n"
 FAULTS = (
-    "kill_worker", "stop_worker", "drop_message", "disconnect", "oversized", "delay_message", "malformed",
-    "node_raise", "long_text", "kv_burst", "fuzz",
+    "kill_worker",
+    "stop_worker",
+    "drop_message",
+    "disconnect",
+    "oversized",
+    "delay_message",
+    "malformed",
+    "node_raise",
+    "long_text",
+    "kv_burst",
+    "fuzz",
 )
 WORKER_FAULTS = frozenset({"kill_worker", "stop_worker"})  # worker processes only
 IN_PROCESS_FAULTS = frozenset({"node_raise"})  # a model of this script's own, in this process
@@ -95,7 +104,9 @@ class RaisingToy(ToyModel):
         if node != "lm":
             return inner
         nodes = make_toy_nodes(self.config, self.seed)
-        marker = nodes["encoder"]({"text": make_toy_inputs(RAISE_TEXT, self.config)["encoder"]["text"]})["hidden"]
+        marker = nodes["encoder"](
+            {"text": make_toy_inputs(RAISE_TEXT, self.config)["encoder"]["text"]}
+        )["hidden"]
         bos = self.config.bos_id
 
         def lm(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -112,7 +123,8 @@ class Progress:
 
     def __init__(self) -> None:
         self.start = self.last = time.monotonic()
-        self.ended: float | None = None  # when its answer was complete (before any Retry-After wait)
+        # when its answer was complete (before any Retry-After wait)
+        self.ended: float | None = None
         self.headers_s: float | None = None
         self.num_bytes = 0
 
@@ -130,7 +142,10 @@ class Progress:
         if self.headers_s is None:
             return f"no answer in {self.elapsed():.0f} s"
         idle = time.monotonic() - self.last
-        return f"headers after {self.headers_s:.1f} s, {self.num_bytes} bytes, then nothing for {idle:.0f} s"
+        return (
+            f"headers after {self.headers_s:.1f} s, {self.num_bytes} bytes, then nothing "
+            f"for {idle:.0f} s"
+        )
 
 
 class MessageFaults:
@@ -166,7 +181,8 @@ class MessageFaults:
             if self.system.fault_hook is hook:
                 self.system.fault_hook = None
             while held:
-                with contextlib.suppress(Exception):  # an actor or link gone meanwhile: lost, as on a wire
+                # an actor or link gone meanwhile: lost, as on a wire
+                with contextlib.suppress(Exception):
                     held.popleft()()
 
         def install() -> None:
@@ -197,23 +213,30 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     affected: int = 0  # requests that overlapped a fault window or were faults themselves
-    recoveries: list[float] = field(default_factory=list)  # from a worker fault until /health is 200 again
+    # from a worker fault until /health is 200 again
+    recoveries: list[float] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)  # when a worker was killed (monotonic)
-    worker_losses: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of streams a lost worker ended
+    # (start, end) of streams a lost worker ended
+    worker_losses: list[tuple[float, float]] = field(default_factory=list)
 
     def stream_end_delays(self) -> list[float]:
-        """Per kill, how long until the last stream it ended had its error (the loss seen and told)."""
+        """Per kill, how long until the last stream it ended had its error (the loss seen and
+        told)."""
         delays = []
         for kill in self.kills:
             ends = [end - kill for start, end in self.worker_losses if start <= kill <= end]
             if ends:
                 delays.append(max(ends))
         return delays
+
     examples: dict[str, str] = field(default_factory=dict)  # outcome -> one example
-    error_kinds: Counter[str] = field(default_factory=Counter)  # typed errors by mstar_error (or HTTP status)
+    # typed errors by mstar_error (or HTTP status)
+    error_kinds: Counter[str] = field(default_factory=Counter)
     slow: int = 0  # requests that took longer than --hang-s in all, making progress all along
 
-    def record(self, outcome: str, detail: str = "", *, affected: bool = False, kind: str = "") -> None:
+    def record(
+        self, outcome: str, detail: str = "", *, affected: bool = False, kind: str = ""
+    ) -> None:
         self.outcomes[outcome] += 1
         self.affected += affected
         if outcome == "typed_error" and kind:
@@ -239,11 +262,19 @@ class Chaos:
     # --- server ------------------------------------------------------------------------------
 
     def start(self) -> threading.Thread:
-        config = ServerConfig(port=0, admission=AdmissionLimits(max_running=8, max_waiting=8), graceful_shutdown_s=2.0)
-        engine = EngineConfig(worker_processes=self.processes, restart_wait_s=30.0, request_stall_timeout_s=self.cfg.stall_s)
+        config = ServerConfig(
+            port=0, admission=AdmissionLimits(max_running=8, max_waiting=8), graceful_shutdown_s=2.0
+        )
+        engine = EngineConfig(
+            worker_processes=self.processes,
+            restart_wait_s=30.0,
+            request_stall_timeout_s=self.cfg.stall_s,
+        )
         placement = Placement.from_yaml(REPLICATED_ORPHEUS) if self.processes else None
         model = RaisingToy() if self.model == "toy-composite" else resolve_model(self.model)
-        app = make_app(model, config, names=(self.model,), placement=placement, engine_config=engine)
+        app = make_app(
+            model, config, names=(self.model,), placement=placement, engine_config=engine
+        )
         self.app = app
         self.server = DrainingServer(uvicorn_config(app, config), config, app)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -256,7 +287,9 @@ class Chaos:
         deadline = time.monotonic() + 300
         while not self.server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {getattr(app.state, 'startup_error', None)!r}")
+                raise RuntimeError(
+                    f"the server did not start: {getattr(app.state, 'startup_error', None)!r}"
+                )
             time.sleep(0.05)
         assert self.server._loop is not None
         self.messages = MessageFaults(self.engine.system, self.server._loop)
@@ -269,12 +302,18 @@ class Chaos:
     # --- load --------------------------------------------------------------------------------
 
     def speech_body(self, *, long: bool = False) -> tuple[str, dict[str, Any]]:
-        words = " ".join(self.rng.choice(["hello", "mstar", "serves", "speech", "today"]) for _ in range(self.rng.randint(1, 6)))
+        words = " ".join(
+            self.rng.choice(["hello", "mstar", "serves", "speech", "today"])
+            for _ in range(self.rng.randint(1, 6))
+        )
         body: dict[str, Any]
         if self.rng.random() < 0.5:
             path, body = "/generate", {"task": "speech", "text": words}
         else:
-            path, body = "/v1/audio/speech", {"model": self.model, "input": words, "response_format": "pcm", "stream": True}
+            path, body = (
+                "/v1/audio/speech",
+                {"model": self.model, "input": words, "response_format": "pcm", "stream": True},
+            )
             if self.rng.random() < 0.5:
                 body["stream_format"] = "sse"
         if self.model == "orpheus-tiny":
@@ -284,14 +323,23 @@ class Chaos:
         return path, body
 
     async def one_request(
-        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], *, leave_after: int = 0, expect: str = ""
+        self,
+        http: httpx.AsyncClient,
+        path: str,
+        body: dict[str, Any],
+        *,
+        leave_after: int = 0,
+        expect: str = "",
     ) -> None:
-        """Send one request and record how it ended (``expect``: the typed error it must end with)."""
+        """Send one request and record how it ended (``expect``: the typed error it must end
+        with)."""
         affected = time.monotonic() < self.fault_until
         kind = ""
         progress = Progress()
         try:
-            outcome, detail, kind = await self._until_idle(self._stream(http, path, body, leave_after, progress), progress)
+            outcome, detail, kind = await self._until_idle(
+                self._stream(http, path, body, leave_after, progress), progress
+            )
         except TimeoutError:
             outcome, detail = "hung", f"{progress.describe()}: {path} {json.dumps(body)[:100]}"
         except httpx.RemoteProtocolError as exc:
@@ -305,12 +353,19 @@ class Chaos:
         if outcome == "typed_error" and kind in WORKER_LOSS_KINDS:
             self.tally.worker_losses.append((progress.start, progress.ended or time.monotonic()))
         if expect and (outcome, kind) != ("typed_error", expect):
-            outcome, detail = "lost", f"{path}: ended {outcome} ({kind or 'no error'}), not with {expect}"
-        self.tally.record(outcome, detail, affected=affected or time.monotonic() < self.fault_until, kind=kind)
+            outcome, detail = (
+                "lost",
+                f"{path}: ended {outcome} ({kind or 'no error'}), not with {expect}",
+            )
+        self.tally.record(
+            outcome, detail, affected=affected or time.monotonic() < self.fault_until, kind=kind
+        )
         if progress.elapsed() > self.cfg.hang_s and outcome != "hung":
             self.tally.slow += 1
 
-    async def _until_idle(self, work: Coroutine[Any, Any, tuple[str, str, str]], progress: Progress) -> tuple[str, str, str]:
+    async def _until_idle(
+        self, work: Coroutine[Any, Any, tuple[str, str, str]], progress: Progress
+    ) -> tuple[str, str, str]:
         """Await ``work``; raise TimeoutError once it made no progress for ``--hang-s`` (or ran
         ten times that long in all)."""
         task = asyncio.ensure_future(work)
@@ -330,7 +385,12 @@ class Chaos:
                     await task
 
     async def _stream(
-        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], leave_after: int, progress: Progress
+        self,
+        http: httpx.AsyncClient,
+        path: str,
+        body: dict[str, Any],
+        leave_after: int,
+        progress: Progress,
     ) -> tuple[str, str, str]:
         async with http.stream("POST", path, json=body) as response:
             progress.saw(0)
@@ -339,9 +399,12 @@ class Chaos:
                 progress.ended = time.monotonic()
                 if not _is_error_body(text):
                     return "lost", f"{response.status_code}: {text[:100]}", ""
-                if response.status_code == 503:  # a client that honours Retry-After (1 s here) rather than spinning
+                # a client that honours Retry-After (1 s here) rather than spinning
+                if response.status_code == 503:
                     with contextlib.suppress(ValueError):
-                        await asyncio.sleep(min(float(response.headers.get("retry-after", "1")), 5.0))
+                        await asyncio.sleep(
+                            min(float(response.headers.get("retry-after", "1")), 5.0)
+                        )
                 return "typed_error", "", _error_kind(text, response.status_code)
             last = b""
             received = 0
@@ -350,8 +413,11 @@ class Chaos:
                 received += 1
                 last = (last + chunk)[-4096:]
                 if leave_after and received >= leave_after:
-                    return "typed_error", "left on purpose", "client left"  # a client that disconnects
-            tail = [line for line in last.decode(errors="replace").splitlines() if line.strip()][-1:]
+                    # a client that disconnects
+                    return "typed_error", "left on purpose", "client left"
+            tail = [line for line in last.decode(errors="replace").splitlines() if line.strip()][
+                -1:
+            ]
             if path == "/generate" or "stream_format" in body:  # NDJSON lines, SSE events
                 end = '"finished":true' if path == "/generate" else '"speech.audio.done"'
                 if tail and end in tail[0]:
@@ -362,7 +428,9 @@ class Chaos:
             return "ok", "", ""  # raw audio that ended with its last chunk
 
     async def client_loop(self, deadline: float) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(2 * self.cfg.hang_s)) as http:
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=httpx.Timeout(2 * self.cfg.hang_s)
+        ) as http:
             while time.monotonic() < deadline:
                 path, body = self.speech_body()
                 await self.one_request(http, path, body)
@@ -398,12 +466,21 @@ class Chaos:
             path, body = self.speech_body()
             await self.one_request(http, path, body, leave_after=2)
         elif fault == "oversized":
-            await self.expect_4xx(http, "/generate", content=b'{"text": "' + b"a" * (17 << 20) + b'"}', detail=fault)
+            await self.expect_4xx(
+                http, "/generate", content=b'{"text": "' + b"a" * (17 << 20) + b'"}', detail=fault
+            )
         elif fault == "malformed":
             junk = bytes(self.rng.randrange(256) for _ in range(self.rng.randint(1, 64)))
-            await self.expect_4xx(http, self.rng.choice(["/generate", "/v1/audio/speech"]), content=junk, detail=fault)
+            await self.expect_4xx(
+                http, self.rng.choice(["/generate", "/v1/audio/speech"]), content=junk, detail=fault
+            )
         elif fault == "long_text":
-            await self.expect_4xx(http, "/generate", content=json.dumps({"task": "speech", "text": "a" * 20_000}).encode(), detail=fault)
+            await self.expect_4xx(
+                http,
+                "/generate",
+                content=json.dumps({"task": "speech", "text": "a" * 20_000}).encode(),
+                detail=fault,
+            )
         elif fault == "drop_message":
             assert self.messages is not None
             self.messages.drop_next_walk_message()
@@ -411,49 +488,85 @@ class Chaos:
             assert self.messages is not None
             self.messages.delay_everything(self.rng.uniform(0.1, 1.0))
         elif fault == "node_raise":
-            await self.one_request(http, "/generate", {"task": "speech", "text": RAISE_TEXT}, expect="WalkExecutionError")
+            await self.one_request(
+                http,
+                "/generate",
+                {"task": "speech", "text": RAISE_TEXT},
+                expect="WalkExecutionError",
+            )
         elif fault == "kv_burst":
             burst = [self.speech_body(long=True) for _ in range(20)]
             await asyncio.gather(*(self.one_request(http, p, b) for p, b in burst))
         elif fault == "fuzz":
             await asyncio.to_thread(self.fuzz)
 
-    async def expect_4xx(self, http: httpx.AsyncClient, path: str, *, content: bytes, detail: str) -> None:
+    async def expect_4xx(
+        self, http: httpx.AsyncClient, path: str, *, content: bytes, detail: str
+    ) -> None:
         try:
-            answer = await http.post(path, content=content, headers={"content-type": "application/json"})
+            answer = await http.post(
+                path, content=content, headers={"content-type": "application/json"}
+            )
         except httpx.HTTPError as exc:
             self.tally.record("lost", f"{detail}: {exc}", affected=True)
             return
         ok = 400 <= answer.status_code < 500 and _is_error_body(answer.text)
         kind = _error_kind(answer.text, answer.status_code) if ok else ""
-        self.tally.record("typed_error" if ok else "lost", f"{detail}: {answer.status_code} {answer.text[:100]}", affected=True, kind=kind)
+        self.tally.record(
+            "typed_error" if ok else "lost",
+            f"{detail}: {answer.status_code} {answer.text[:100]}",
+            affected=True,
+            kind=kind,
+        )
 
     def fuzz(self) -> None:
         """POST hypothesis-drawn bodies to every route: each must get a typed answer (no 5xx)."""
         url, tally, model = self.url, self.tally, self.model
 
-        @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(st.sampled_from(["/generate", "/v1/audio/speech", "/v1/chat/completions", "/v1/images/generations"]), _bodies(model))
+        @settings(
+            max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        @given(
+            st.sampled_from(
+                ["/generate", "/v1/audio/speech", "/v1/chat/completions", "/v1/images/generations"]
+            ),
+            _bodies(model),
+        )
         def post(path: str, body: Any) -> None:
             try:
                 answer = httpx.post(url + path, json=body, timeout=self.cfg.hang_s)
             except httpx.HTTPError as exc:
                 tally.record("lost", f"fuzz {path}: {exc}", affected=True)
                 return
-            typed = answer.status_code == 200 or (answer.status_code < 500 and _is_error_body(answer.text))
-            kind = _error_kind(answer.text, answer.status_code) if typed and answer.status_code != 200 else ""
-            tally.record("typed_error" if typed else "lost", f"fuzz {path} {json.dumps(body)[:80]}: {answer.status_code} {answer.text[:80]}", affected=True, kind=kind)
+            typed = answer.status_code == 200 or (
+                answer.status_code < 500 and _is_error_body(answer.text)
+            )
+            kind = (
+                _error_kind(answer.text, answer.status_code)
+                if typed and answer.status_code != 200
+                else ""
+            )
+            tally.record(
+                "typed_error" if typed else "lost",
+                f"fuzz {path} {json.dumps(body)[:80]}: {answer.status_code} {answer.text[:80]}",
+                affected=True,
+                kind=kind,
+            )
 
         post()
 
-    async def until_healthy(self, http: httpx.AsyncClient, since: float, replaced: tuple[int, int] | None = None) -> float:
+    async def until_healthy(
+        self, http: httpx.AsyncClient, since: float, replaced: tuple[int, int] | None = None
+    ) -> float:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if replaced is not None and self.engine.processes[replaced[0]].pid == replaced[1]:
                 await asyncio.sleep(0.05)
                 continue
             with contextlib.suppress(httpx.HTTPError):
-                if (await http.get("/health")).status_code == 200 and all(self.engine.ranks_up().values()):
+                if (await http.get("/health")).status_code == 200 and all(
+                    self.engine.ranks_up().values()
+                ):
                     return time.monotonic() - since
             await asyncio.sleep(0.05)
         return float("inf")
@@ -463,8 +576,15 @@ class Chaos:
             return await self.until_healthy(http, since)
 
     async def fault_loop(self, deadline: float) -> None:
-        faults = [f for f in FAULTS if (f not in WORKER_FAULTS or self.processes) and (f not in IN_PROCESS_FAULTS or not self.processes)]
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(2 * self.cfg.hang_s)) as http:
+        faults = [
+            f
+            for f in FAULTS
+            if (f not in WORKER_FAULTS or self.processes)
+            and (f not in IN_PROCESS_FAULTS or not self.processes)
+        ]
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=httpx.Timeout(2 * self.cfg.hang_s)
+        ) as http:
             turn = 0
             while time.monotonic() + self.cfg.fault_every_s < deadline:
                 await asyncio.sleep(self.cfg.fault_every_s)
@@ -475,7 +595,10 @@ class Chaos:
 
     async def run_load(self) -> None:
         deadline = time.monotonic() + self.cfg.duration_s
-        await asyncio.gather(self.fault_loop(deadline), *(self.client_loop(deadline) for _ in range(self.cfg.concurrency)))
+        await asyncio.gather(
+            self.fault_loop(deadline),
+            *(self.client_loop(deadline) for _ in range(self.cfg.concurrency)),
+        )
 
     def run(self) -> dict[str, Any]:
         me = psutil.Process()
@@ -487,7 +610,8 @@ class Chaos:
         self.pids = {me.pid} | self.worker_pids()
         asyncio.run(self.run_load())
         assert self.messages is not None
-        self.messages.loop.call_soon_threadsafe(setattr, self.engine.system, "fault_hook", None)  # an armed drop
+        # an armed drop
+        self.messages.loop.call_soon_threadsafe(setattr, self.engine.system, "fault_hook", None)
         recovered = asyncio.run(self._healthy_since(time.monotonic()))
         held = _wait_idle(self)
         self.pids |= self.worker_pids()
@@ -497,8 +621,11 @@ class Chaos:
         thread.join(60)
         self.sock.close()
         leftover_procs = [
-            p for p in me.children(recursive=True)
-            if p.pid not in children_before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            p
+            for p in me.children(recursive=True)
+            if p.pid not in children_before
+            and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE
             and "resource_tracker" not in " ".join(p.cmdline())
         ]
         files = _mstar_files(self.pids) - files_before
@@ -522,9 +649,32 @@ class Chaos:
 
 def _bodies(model: str) -> st.SearchStrategy[Any]:
     """Random JSON values, and near-valid requests with fields of random types."""
-    scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40)
-    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
-    fields = ["text", "input", "prompt", "voice", "stream", "max_tokens", "temperature", "messages", "n", "response_format"]
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=40)
+    )
+    values = st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+        ),
+        max_leaves=12,
+    )
+    fields = [
+        "text",
+        "input",
+        "prompt",
+        "voice",
+        "stream",
+        "max_tokens",
+        "temperature",
+        "messages",
+        "n",
+        "response_format",
+    ]
     near_valid = st.fixed_dictionaries(
         {"model": st.just(model), "task": st.just("speech")}, optional={f: values for f in fields}
     )
@@ -580,7 +730,9 @@ def _wait_idle(chaos: Chaos, timeout: float = 30.0) -> int:
     while time.monotonic() < deadline:
         left = len(state.running) + state.admission.num_running
         if left == 0:
-            held = asyncio.run_coroutine_threadsafe(state.engine.held_state(), chaos.messages.loop).result(60)
+            held = asyncio.run_coroutine_threadsafe(
+                state.engine.held_state(), chaos.messages.loop
+            ).result(60)
             left = sum(v for counts in held.values() for v in counts.values())
             if left == 0:
                 return 0
@@ -589,52 +741,107 @@ def _wait_idle(chaos: Chaos, timeout: float = 30.0) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> ChaosSettings:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per model (default 60)")
-    parser.add_argument("--models", default="orpheus-tiny,toy-composite", help="comma-separated zoo models")
-    parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (default 4)")
-    parser.add_argument("--fault-every", type=float, default=2.0, help="seconds between faults (default 2)")
-    parser.add_argument("--hang-s", type=float, default=60.0, help="a request with no progress (headers, a body chunk) for this long is hung (default 60)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
-        "--stall-s", type=float, default=30.0,
-        help="the engine's request_stall_timeout_s: a request whose message was dropped fails after this long (default 30)",
+        "--duration", type=float, default=60.0, help="seconds of load per model (default 60)"
+    )
+    parser.add_argument(
+        "--models", default="orpheus-tiny,toy-composite", help="comma-separated zoo models"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=4, help="closed-loop clients (default 4)"
+    )
+    parser.add_argument(
+        "--fault-every", type=float, default=2.0, help="seconds between faults (default 2)"
+    )
+    parser.add_argument(
+        "--hang-s",
+        type=float,
+        default=60.0,
+        help="a request with no progress (headers, a body chunk) for this long is hung "
+        "(default 60)",
+    )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=30.0,
+        help="the engine's request_stall_timeout_s: a request whose message was dropped "
+        "fails after this long (default 30)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", dest="json_path", metavar="PATH", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--json", dest="json_path", metavar="PATH", help="also write the figures to this JSON file"
+    )
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
     if args.duration <= 0 or args.concurrency < 1 or args.fault_every <= 0 or not models:
         parser.error("--duration, --fault-every must be > 0, --concurrency >= 1, and name a model")
     if not 0 < args.stall_s < args.hang_s:
-        parser.error("--stall-s must be > 0 and below --hang-s (a stalled request must fail before it counts as hung)")
+        parser.error(
+            "--stall-s must be > 0 and below --hang-s (a stalled request must fail before it "
+            "counts as hung)"
+        )
     return ChaosSettings(
-        models, args.duration, args.concurrency, args.fault_every, args.hang_s, args.stall_s, args.seed, args.json_path
+        models,
+        args.duration,
+        args.concurrency,
+        args.fault_every,
+        args.hang_s,
+        args.stall_s,
+        args.seed,
+        args.json_path,
     )
 
 
 def report(results: list[dict[str, Any]]) -> str:
     rows = [
-        ("faults injected", lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["tally"].faults.items())) or "0"),
+        (
+            "faults injected",
+            lambda r: ", ".join(f"{k} {v}" for k, v in sorted(r["tally"].faults.items())) or "0",
+        ),
         ("requests", lambda r: sum(r["tally"].outcomes.values())),
         ("requests affected by a fault", lambda r: r["tally"].affected),
         ("completed", lambda r: r["tally"].outcomes["ok"]),
         ("failed with a typed error", lambda r: r["tally"].outcomes["typed_error"]),
-        ("  of them stalled (lost message)", lambda r: r["tally"].error_kinds["RequestStalledError"]),
+        (
+            "  of them stalled (lost message)",
+            lambda r: r["tally"].error_kinds["RequestStalledError"],
+        ),
         ("  of them a node's error", lambda r: r["tally"].error_kinds["WalkExecutionError"]),
-        ("  of them a lost or restarting worker", lambda r: r["tally"].error_kinds["WorkerLostError"] + r["tally"].error_kinds["WorkerUnavailableError"]),
-        ("messages dropped / delayed", lambda r: f"{r['messages_dropped']} / {r['messages_delayed']}"),
+        (
+            "  of them a lost or restarting worker",
+            lambda r: (
+                r["tally"].error_kinds["WorkerLostError"]
+                + r["tally"].error_kinds["WorkerUnavailableError"]
+            ),
+        ),
+        (
+            "messages dropped / delayed",
+            lambda r: f"{r['messages_dropped']} / {r['messages_delayed']}",
+        ),
         ("lost (must be 0)", lambda r: r["tally"].outcomes["lost"]),
         ("hung (must be 0)", lambda r: r["tally"].outcomes["hung"]),
         ("slow (over --hang-s in all, never idle)", lambda r: r["tally"].slow),
-        ("worker killed to its streams ended, max s", lambda r: f"{max(r['tally'].stream_end_delays(), default=0.0):.2f}"),
-        ("time to recover (restart), max s", lambda r: f"{max(r['tally'].recoveries, default=0.0):.2f}"),
+        (
+            "worker killed to its streams ended, max s",
+            lambda r: f"{max(r['tally'].stream_end_delays(), default=0.0):.2f}",
+        ),
+        (
+            "time to recover (restart), max s",
+            lambda r: f"{max(r['tally'].recoveries, default=0.0):.2f}",
+        ),
         ("healthy after the load, s", lambda r: f"{r['recovered_s']:.2f}"),
         ("requests still held", lambda r: r["held_after"]),
         ("leftover processes", lambda r: r["leftover_processes"]),
         ("leftover shared segments", lambda r: r["leftover_segments"]),
         ("leftover socket files", lambda r: r["leftover_sockets"]),
         ("leftover fds", lambda r: r["leftover_fds"]),
-        ("RSS before / serving / after, MiB", lambda r: f"{r['rss_before_mb']} / {r['rss_serving_mb']} / {r['rss_after_mb']}"),
+        (
+            "RSS before / serving / after, MiB",
+            lambda r: f"{r['rss_before_mb']} / {r['rss_serving_mb']} / {r['rss_after_mb']}",
+        ),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{'':{width}}  " + "  ".join(f"{r['model']:>24}" for r in results)]
@@ -649,9 +856,19 @@ def report(results: list[dict[str, Any]]) -> str:
 
 def is_clean(result: dict[str, Any]) -> bool:
     """Whether a model's run lost, hung and leaked nothing."""
-    keys = ("held_after", "leftover_processes", "leftover_segments", "leftover_sockets", "leftover_fds")
+    keys = (
+        "held_after",
+        "leftover_processes",
+        "leftover_segments",
+        "leftover_sockets",
+        "leftover_fds",
+    )
     outcomes = result["tally"].outcomes
-    return outcomes["lost"] == outcomes["hung"] == 0 and result["server_stopped"] and not any(result[k] for k in keys)
+    return (
+        outcomes["lost"] == outcomes["hung"] == 0
+        and result["server_stopped"]
+        and not any(result[k] for k in keys)
+    )
 
 
 def warm_up() -> None:
@@ -668,19 +885,21 @@ def to_json(cfg: ChaosSettings, results: list[dict[str, Any]]) -> dict[str, Any]
     for r in results:
         tally: Tally = r["tally"]
         figures = {k: v for k, v in r.items() if k != "tally"}
-        models.append({
-            **figures,
-            "faults": dict(tally.faults),
-            "outcomes": {k: tally.outcomes[k] for k in ("ok", "typed_error", "lost", "hung")},
-            "requests": sum(tally.outcomes.values()),
-            "affected": tally.affected,
-            "slow": tally.slow,
-            "typed_errors_by_kind": dict(tally.error_kinds),
-            "recover_max_s": max(tally.recoveries, default=0.0),
-            "worker_loss_streams_end_max_s": max(tally.stream_end_delays(), default=0.0),
-            "examples": tally.examples,
-            "is_clean": is_clean(r),
-        })
+        models.append(
+            {
+                **figures,
+                "faults": dict(tally.faults),
+                "outcomes": {k: tally.outcomes[k] for k in ("ok", "typed_error", "lost", "hung")},
+                "requests": sum(tally.outcomes.values()),
+                "affected": tally.affected,
+                "slow": tally.slow,
+                "typed_errors_by_kind": dict(tally.error_kinds),
+                "recover_max_s": max(tally.recoveries, default=0.0),
+                "worker_loss_streams_end_max_s": max(tally.stream_end_delays(), default=0.0),
+                "examples": tally.examples,
+                "is_clean": is_clean(r),
+            }
+        )
     return {"settings": asdict(cfg), "models": models}
 
 
@@ -688,9 +907,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     configure_logging("error", json=False)
     warm_up()
-    print(f"chaos: models={','.join(cfg.models)} duration={cfg.duration_s}s concurrency={cfg.concurrency} "
-          f"fault_every={cfg.fault_every_s}s hang_s={cfg.hang_s} stall_s={cfg.stall_s} seed={cfg.seed}", flush=True)
-    print("orpheus-tiny: worker processes, LLM and SNAC replicated on ranks 0 and 1; toy-composite: in-process workers", flush=True)
+    print(
+        f"chaos: models={','.join(cfg.models)} duration={cfg.duration_s}s "
+        f"concurrency={cfg.concurrency} "
+        f"fault_every={cfg.fault_every_s}s hang_s={cfg.hang_s} stall_s={cfg.stall_s} "
+        f"seed={cfg.seed}",
+        flush=True,
+    )
+    print(
+        "orpheus-tiny: worker processes, LLM and SNAC replicated on ranks 0 and 1; "
+        "toy-composite: in-process workers",
+        flush=True,
+    )
     started = time.monotonic()
     results = [Chaos(model, cfg).run() for model in cfg.models]
     print(report(results), flush=True)

@@ -23,7 +23,9 @@ def _size(directory: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and write the checkpoint."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     choices = sorted(name for name in ORPHEUS_CONFIGS if name != "orpheus-3b")
     parser.add_argument("--config", choices=choices, default="orpheus-tiny")
     parser.add_argument("--out", type=Path, required=True, help="output directory")

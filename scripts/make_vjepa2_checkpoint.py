@@ -27,7 +27,9 @@ from mstar.zoo.vjepa2 import (
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, write the checkpoint and load it back as a check."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", choices=sorted(VJEPA2_CONFIGS), default="vjepa2-tiny")
     parser.add_argument("--out", type=Path, required=True, help="output .pt file")
     parser.add_argument("--seed", type=int, default=0)
@@ -38,9 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     load_encoder(path, config)  # both load back: the file fits the config
     load_predictor(path, config)
     # Counted from the file: fused modules may hold packed weights outside `parameters()`.
-    params = [sum(t.numel() for t in read_part(path, part).values()) for part in ("encoder", "predictor")]
-    print(f"{args.config} (seed {args.seed}) in {time.perf_counter() - start:.1f} s: {path} "
-          f"({path.stat().st_size / 2**20:.1f} MiB; encoder {params[0] / 1e6:.1f} M, predictor {params[1] / 1e6:.1f} M parameters)")
+    params = [
+        sum(t.numel() for t in read_part(path, part).values()) for part in ("encoder", "predictor")
+    ]
+    print(
+        f"{args.config} (seed {args.seed}) in {time.perf_counter() - start:.1f} s: {path} "
+        f"({path.stat().st_size / 2**20:.1f} MiB; encoder {params[0] / 1e6:.1f} M, predictor "
+        f"{params[1] / 1e6:.1f} M parameters)"
+    )
     return 0
 
 

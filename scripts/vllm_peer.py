@@ -15,7 +15,7 @@ one object per line, and each engine step's new tokens go back on stdout as they
 The engine is vLLM's `LLMEngine` with greedy sampling, `ignore_eos` and delta outputs, eager
 (no graph capture), without a tokenizer; requests that arrive while it steps join the next
 step (continuous batching). vLLM's own logs go to stderr: stdout carries only these lines.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -70,16 +70,26 @@ def _serve(config: dict[str, Any], out: Any) -> None:
                     break
                 n = int(request["max_tokens"])
                 params = SamplingParams(
-                    temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
-                    detokenize=False, output_kind=RequestOutputKind.DELTA,
+                    temperature=0.0,
+                    max_tokens=n,
+                    min_tokens=n,
+                    ignore_eos=True,
+                    detokenize=False,
+                    output_kind=RequestOutputKind.DELTA,
                 )
-                engine.add_request(str(request["id"]), TokensPrompt(prompt_token_ids=request["prompt"]), params)
+                engine.add_request(
+                    str(request["id"]), TokensPrompt(prompt_token_ids=request["prompt"]), params
+                )
             timeout = 0.0
         if not engine.has_unfinished_requests():
             continue
         # One line per step, so that streaming costs the peer one write whatever the batch.
         step = [
-            [output.request_id, [int(t) for o in output.outputs for t in o.token_ids], bool(output.finished)]
+            [
+                output.request_id,
+                [int(t) for o in output.outputs for t in o.token_ids],
+                bool(output.finished),
+            ]
             for output in engine.step()
         ]
         if step:

@@ -35,7 +35,13 @@ def make_sequence(
 ) -> Sequence:
     """Return an engine `Sequence` ``s{arrival}`` of ``tokens`` (default sampling params);
     ``walk_start``: where its current walk's tokens begin (what penalties count)."""
-    seq = Sequence(f"s{arrival}", tokens, params if params is not None else SamplingParams(), arrival=arrival, **kwargs)
+    seq = Sequence(
+        f"s{arrival}",
+        tokens,
+        params if params is not None else SamplingParams(),
+        arrival=arrival,
+        **kwargs,
+    )
     if walk_start is not None:
         seq.walk_start = walk_start
     return seq
@@ -51,7 +57,10 @@ class Direct:
         self.core = ConductorCore(model, graph, resolved)
         ranks = sorted({r for rs in placement.values() for r in rs})
         self.workers = {
-            r: WorkerCore(r, model, graph, resolved, self._outbox(r), WorkerConfig(offload_steps=False)) for r in ranks
+            r: WorkerCore(
+                r, model, graph, resolved, self._outbox(r), WorkerConfig(offload_steps=False)
+            )
+            for r in ranks
         }
         self.outputs: dict[str, list[Output]] = defaultdict(list)
         self.results: dict[str, asyncio.Future[None]] = {}
@@ -75,7 +84,9 @@ class Direct:
             def stream_item(self, rid: str, slot: Slot, value: Any) -> None:
                 d._later(lambda: d.execute(d.core.stream_item(rid, slot, value)))
 
-            def node_values(self, to: int, rid: str, seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+            def node_values(
+                self, to: int, rid: str, seq: int, items: list[tuple[ValueKey, Any]]
+            ) -> None:
                 d._later(d.workers[to].deliver, rid, seq, items)
 
         return Outbox()
@@ -114,8 +125,6 @@ class Direct:
         for w in self.workers.values():
             assert (w.runners, w.tasks, w.early) == ({}, {}, {})
             assert all(e.num_pending == 0 for e in w.engines.values())
-
-
 
 
 async def wait_until_idle(engine: Any, attempts: int = 200) -> None:

@@ -12,7 +12,9 @@ import pytest
 from mstar.cli import main
 
 
-def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_prints_the_graph_and_writes_audio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "demo.wav"
     assert main(["demo", "--model", "toy-composite", "--text", "hi", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -26,14 +28,17 @@ def test_demo_prints_the_graph_and_writes_audio(tmp_path: Path, capsys: pytest.C
 
 
 @pytest.mark.slow  # starts `mstar serve assistant` with real weights
-def test_the_main_demo_speaks_the_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_main_demo_speaks_the_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "answer.wav"
     assert main(["demo", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     answer = printed.split("answer:", 1)[1].splitlines()[0].strip()
     assert len(answer.split()) >= 5, printed  # a real answer, streamed as text
     with wave.open(str(out)) as f:
-        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24_000)  # as OpenAI's clients play it
+        # as OpenAI's clients play it
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24_000)
         seconds = f.getnframes() / f.getframerate()
     # English speech runs about 12-16 characters a second: the WAV speaks the printed answer.
     assert 0.035 <= seconds / len(answer) <= 0.12, (answer, seconds)
@@ -45,13 +50,19 @@ def test_models_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_entry_point_help_and_bad_usage() -> None:
-    ok = subprocess.run([sys.executable, "-m", "mstar.cli", "--help"], capture_output=True, text=True, check=False)
+    ok = subprocess.run(
+        [sys.executable, "-m", "mstar.cli", "--help"], capture_output=True, text=True, check=False
+    )
     assert ok.returncode == 0 and "demo" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "mstar.cli", "nope"], capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mstar.cli", "nope"], capture_output=True, text=True, check=False
+    )
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
-def test_run_plans_an_action_with_the_world_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_plans_an_action_with_the_world_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     import numpy as np
@@ -62,7 +73,20 @@ def test_run_plans_an_action_with_the_world_model(tmp_path: Path, capsys: pytest
         Image.fromarray((rng.rand(64, 64, 3) * 255).astype("uint8")).save(tmp_path / f"{name}.png")
     out = tmp_path / "plan.json"
     args = ["run", "vjepa2-tiny", "--task", "plan", "--image", str(tmp_path / "ctx.png")]
-    assert main([*args, "--param", f"goal_image={tmp_path / 'goal.png'}", "--param", "seed=1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                *args,
+                "--param",
+                f"goal_image={tmp_path / 'goal.png'}",
+                "--param",
+                "seed=1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (action,) = json.loads(out.read_text())["action:action"]
     assert len(action) == 7 and all(isinstance(x, float) for x in action)
 

@@ -70,15 +70,33 @@ def test_serve_refuses_a_public_address_without_a_key(
         (["serve", "os:system", "--allow-model-factory", "mymodels"], "--allow-model-factory"),
     ],
 )
-def test_serve_explains_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_explains_bad_arguments(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(args) == 2
     assert message in capsys.readouterr().err
 
 
-def test_serve_explains_a_placement_that_does_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_explains_a_placement_that_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     placement = tmp_path / "bad.yaml"
     placement.write_text(BAD_PLACEMENT)
-    assert main(["serve", "toy-composite", "--config", str(placement), "--port", "0", "--log-level", "error"]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "toy-composite",
+                "--config",
+                str(placement),
+                "--port",
+                "0",
+                "--log-level",
+                "error",
+            ]
+        )
+        == 2
+    )
     assert "unknown node 'no_such_node'" in capsys.readouterr().err
 
 
@@ -98,7 +116,10 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
     env = {**os.environ, "MSTAR_API_KEY": KEY}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mstar.cli", "serve", "toy-composite", "--port", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert proc.stderr is not None
     lines: queue.Queue[str] = queue.Queue()
@@ -118,7 +139,10 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
         assert httpx.post(f"{url}/v1/audio/speech", json={"input": "hi"}).status_code == 401
         oa = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         with oa.audio.speech.with_streaming_response.create(
-            model="toy-composite", voice="alloy", input="Hello from the command line", response_format="wav"
+            model="toy-composite",
+            voice="alloy",
+            input="Hello from the command line",
+            response_format="wav",
         ) as response:
             request_id = response.headers["x-request-id"]
             audio = response.read()
@@ -145,12 +169,39 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
 # --- mstar run -------------------------------------------------------------------------------
 
 
-def test_run_speech_to_wav_and_image_to_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_speech_to_wav_and_image_to_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     wav_path, png_path = tmp_path / "hello.wav", tmp_path / "picture.png"
-    assert main(["run", "toy-composite", "--task", "speech", "--text", "Hello", "--out", str(wav_path)]) == 0
+    assert (
+        main(
+            ["run", "toy-composite", "--task", "speech", "--text", "Hello", "--out", str(wav_path)]
+        )
+        == 0
+    )
     with wave.open(str(wav_path)) as f:
-        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 16_000) and f.getnframes() > 0
-    assert main(["run", "toy-composite", "--task", "image", "--text", "a lighthouse", "--param", "seed=4", "--out", str(png_path)]) == 0
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (
+            1,
+            2,
+            16_000,
+        ) and f.getnframes() > 0
+    assert (
+        main(
+            [
+                "run",
+                "toy-composite",
+                "--task",
+                "image",
+                "--text",
+                "a lighthouse",
+                "--param",
+                "seed=4",
+                "--out",
+                str(png_path),
+            ]
+        )
+        == 0
+    )
     assert Image.open(png_path).size == (8, 8)
     err = capsys.readouterr().err
     assert f"wrote {wav_path}" in err and f"wrote {png_path}" in err
@@ -158,14 +209,29 @@ def test_run_speech_to_wav_and_image_to_png(tmp_path: Path, capsys: pytest.Captu
 
 def test_run_text_goes_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = save_tiny_chat_llama(tmp_path / "llama")
-    args = ["run", str(path), "--task", "generate", "--text", "Once upon", "--no-chat-template",
-            "--param", "max_tokens=6", "--param", "temperature=0", "--param", "ignore_eos=true"]
+    args = [
+        "run",
+        str(path),
+        "--task",
+        "generate",
+        "--text",
+        "Once upon",
+        "--no-chat-template",
+        "--param",
+        "max_tokens=6",
+        "--param",
+        "temperature=0",
+        "--param",
+        "ignore_eos=true",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     prompt = tokenizer("Once upon")["input_ids"]
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
-    ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = model.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert out == tokenizer.decode(ids[0, len(prompt) :], skip_special_tokens=True) + "\n"
 
 
@@ -178,7 +244,10 @@ def test_run_explains_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixtur
     cases = [
         (["run", "toy-composite", "--task", "dance", "--text", "x"], "has no task 'dance'"),
         (["run", "toy-composite", "--task", "speech", "--text", "x"], "pass --out FILE.wav"),
-        (["run", "toy-composite", "--task", "speech", "--text", "x", "--config", str(placement)], "unknown node"),
+        (
+            ["run", "toy-composite", "--task", "speech", "--text", "x", "--config", str(placement)],
+            "unknown node",
+        ),
         (["run", "toy-composite", "--task", "speech", "--param", "oops"], "KEY=VALUE"),
         (["run", str(no_weights), "--task", "generate", "--text", "x"], "no-weights"),
     ]

@@ -33,4 +33,6 @@ def test_the_torch_floor_has_every_api_the_code_calls() -> None:
     source = "\n".join(p.read_text() for p in (ROOT / "src" / "mstar").rglob("*.py"))
     for feature, since in TORCH_FEATURES.items():
         if re.search(re.escape(feature), source):
-            assert _floor(torch) >= Version(since), f"the code calls {feature} (torch {since}) but allows {torch}"
+            assert _floor(torch) >= Version(since), (
+                f"the code calls {feature} (torch {since}) but allows {torch}"
+            )

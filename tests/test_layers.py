@@ -33,5 +33,7 @@ def test_every_package_has_a_layer() -> None:
 
 def test_no_package_imports_one_above_it() -> None:
     rank = {name: i for i, name in enumerate(LAYERS)}
-    upward = sorted((a, b) for a, targets in _imports().items() for b in targets if rank[b] > rank[a])
+    upward = sorted(
+        (a, b) for a, targets in _imports().items() for b in targets if rank[b] > rank[a]
+    )
     assert not upward, f"imports from a lower package to a higher one: {upward}"

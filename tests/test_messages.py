@@ -1,4 +1,5 @@
-"""The wire protocols (the actors' envelopes, the runtime's messages): every type round-trips; the decoder survives fuzzing."""
+"""The wire protocols (the actors' envelopes, the runtime's messages): every type round-trips; the
+decoder survives fuzzing."""
 
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ class SampleBuilder:
         if isinstance(t, mi.StructType | mi.DataclassType):
             try:
                 return t.cls(**{f.name: self.build(f.type, depth + 1) for f in t.fields})
-            except ValueError:  # a struct that checks what its values mean (SamplingParams): its defaults
+            # a struct that checks what its values mean (SamplingParams): its defaults
+            except ValueError:
                 return t.cls()
         if isinstance(t, mi.AnyType):
             return ["any", 1]
@@ -135,8 +137,11 @@ class SampleBuilder:
         if isinstance(t, mi.LiteralType):
             return t.values[0]
         simple = {
-            mi.StrType: "s", mi.BytesType: b"\x00\x01", mi.BoolType: True,
-            mi.FloatType: 1.5, mi.NoneType: None,
+            mi.StrType: "s",
+            mi.BytesType: b"\x00\x01",
+            mi.BoolType: True,
+            mi.FloatType: 1.5,
+            mi.NoneType: None,
         }
         for kind, value in simple.items():
             if isinstance(t, kind):
@@ -145,7 +150,16 @@ class SampleBuilder:
 
 
 def _recurses(t: mi.Type) -> bool:
-    return not isinstance(t, mi.IntType | mi.StrType | mi.BytesType | mi.BoolType | mi.FloatType | mi.NoneType | mi.CustomType)
+    return not isinstance(
+        t,
+        mi.IntType
+        | mi.StrType
+        | mi.BytesType
+        | mi.BoolType
+        | mi.FloatType
+        | mi.NoneType
+        | mi.CustomType,
+    )
 
 
 def by_name(types: frozenset[type]) -> list[type]:
@@ -180,7 +194,11 @@ def test_every_message_type_round_trips(message_type: type) -> None:
 ENVELOPE_TYPES = typing.get_args(envelope_type())
 
 
-@pytest.mark.parametrize("envelope_type", ENVELOPE_TYPES, ids=lambda t: typing.get_origin(t).__name__ if typing.get_origin(t) else t.__name__)
+@pytest.mark.parametrize(
+    "envelope_type",
+    ENVELOPE_TYPES,
+    ids=lambda t: typing.get_origin(t).__name__ if typing.get_origin(t) else t.__name__,
+)
 def test_every_envelope_type_round_trips(envelope_type: type) -> None:
     builder = SampleBuilder()
     for _ in range(8):
@@ -196,7 +214,11 @@ def test_round_trip_through_the_codec(envelope: object) -> None:
 
 @pytest.mark.parametrize(
     "envelope",
-    [e for e in ENVELOPES if not (isinstance(e, Tell | Reply) and isinstance(e.body, TensorBundle))],
+    [
+        e
+        for e in ENVELOPES
+        if not (isinstance(e, Tell | Reply) and isinstance(e.body, TensorBundle))
+    ],
     ids=lambda e: type(e).__name__,
 )
 def test_round_trip_without_tensors(envelope: object) -> None:
@@ -255,16 +277,67 @@ def header(obj: object) -> bytes:
         ([header(["Nope", 1])], "malformed"),
         ([header(["Tell", "t", ["Unknown"]])], "malformed"),
         ([header(["Ask", "t", "not-an-int", ["Ack"]])], "malformed"),
-        ([header(["Tell", "t", ["TensorBundle", {"x": ["float32", [2], ["FrameLoc", 1]]}, ""]])], "missing"),
-        ([header(["Tell", "t", ["TensorBundle", {"x": ["float32", [2], ["FrameLoc", 1]]}, ""]]), b"abc"], "needs 8"),
-        ([header(["Tell", "t", ["TensorBundle", {"x": ["float99", [2], ["FrameLoc", 1]]}, ""]]), b"x" * 8], "dtype"),
-        ([header(["Tell", "t", ["TensorBundle", {"x": ["float32", [-1], ["FrameLoc", 1]]}, ""]]), b"x" * 8], "malformed"),
-        ([header(["Tell", "t", ["TensorBundle", {"x": ["float32", [2], ["FrameLoc", 0]]}, ""]]), b"x" * 8], "malformed"),
-        ([header(["Tell", "t", ["TensorBundle", {"x": ["uint8", [1], ["ShmLoc", 0, 1]]}, ""]])], "not mapped"),
+        (
+            [header(["Tell", "t", ["TensorBundle", {"x": ["float32", [2], ["FrameLoc", 1]]}, ""]])],
+            "missing",
+        ),
+        (
+            [
+                header(
+                    ["Tell", "t", ["TensorBundle", {"x": ["float32", [2], ["FrameLoc", 1]]}, ""]]
+                ),
+                b"abc",
+            ],
+            "needs 8",
+        ),
+        (
+            [
+                header(
+                    ["Tell", "t", ["TensorBundle", {"x": ["float99", [2], ["FrameLoc", 1]]}, ""]]
+                ),
+                b"x" * 8,
+            ],
+            "dtype",
+        ),
+        (
+            [
+                header(
+                    ["Tell", "t", ["TensorBundle", {"x": ["float32", [-1], ["FrameLoc", 1]]}, ""]]
+                ),
+                b"x" * 8,
+            ],
+            "malformed",
+        ),
+        (
+            [
+                header(
+                    ["Tell", "t", ["TensorBundle", {"x": ["float32", [2], ["FrameLoc", 0]]}, ""]]
+                ),
+                b"x" * 8,
+            ],
+            "malformed",
+        ),
+        (
+            [header(["Tell", "t", ["TensorBundle", {"x": ["uint8", [1], ["ShmLoc", 0, 1]]}, ""]])],
+            "not mapped",
+        ),
         ([header(["Tell", "t", ["Ack"]]), b"stray"], "no tensor refers"),
         (
             [
-                header(["Tell", "t", ["TensorBundle", {"a": ["uint8", [1], ["FrameLoc", 1]], "b": ["uint8", [1], ["FrameLoc", 1]]}, ""]]),
+                header(
+                    [
+                        "Tell",
+                        "t",
+                        [
+                            "TensorBundle",
+                            {
+                                "a": ["uint8", [1], ["FrameLoc", 1]],
+                                "b": ["uint8", [1], ["FrameLoc", 1]],
+                            },
+                            "",
+                        ],
+                    ]
+                ),
                 b"x",
             ],
             "reused",
@@ -288,7 +361,9 @@ def test_oversize_messages_are_refused_both_ways() -> None:
 
 def test_salvage_finds_call_ids_only_in_asks() -> None:
     assert salvage_call_id([header(["Ask", "t", 5, ["Unknown"]])]) == 5
-    assert salvage_call_id([header(["Ask", "t" * 300, 2**40, ["Ping", 0, b"x" * 100_000]])]) == 2**40
+    assert (
+        salvage_call_id([header(["Ask", "t" * 300, 2**40, ["Ping", 0, b"x" * 100_000]])]) == 2**40
+    )
     assert salvage_call_id([header(["Ask", "t", 5, ["Ping"]])[:-3]]) == 5  # truncated later on
     assert salvage_call_id([header(["Ask", "t"])]) is None
     assert salvage_call_id([header(["Ask", "t", "5", []])]) is None
@@ -302,7 +377,13 @@ def nested_ask(depth: int, call_id: int = 9) -> bytes:
     value = msgspec.msgpack.encode(1)
     for _ in range(depth):
         value = b"\x92" + msgspec.msgpack.encode("ListValue") + b"\x91" + value
-    body = b"\x98" + b"".join(msgspec.msgpack.encode(x) for x in ("EmittedMsg", "r", "p", "w", "n", "o", "latent")) + value
+    body = (
+        b"\x98"
+        + b"".join(
+            msgspec.msgpack.encode(x) for x in ("EmittedMsg", "r", "p", "w", "n", "o", "latent")
+        )
+        + value
+    )
     return b"\x94" + b"".join(msgspec.msgpack.encode(x) for x in ("Ask", "a", call_id)) + body
 
 
@@ -360,7 +441,9 @@ def test_truncated_headers_raise_protocol_error(frames: list[object], data: st.D
 
 @FUZZ
 @given(st.sampled_from(VALID_FRAMES), st.data())
-def test_corrupted_headers_never_crash_the_decoder(frames: list[object], data: st.DataObject) -> None:
+def test_corrupted_headers_never_crash_the_decoder(
+    frames: list[object], data: st.DataObject
+) -> None:
     head = bytearray(bytes(frames[0]))  # type: ignore[arg-type]
     for _ in range(data.draw(st.integers(1, 4))):
         head[data.draw(st.integers(0, len(head) - 1))] = data.draw(st.integers(0, 255))
@@ -380,5 +463,9 @@ def test_a_stats_report_without_walks_or_transport_still_decodes() -> None:
     decoded = decode_envelope(old)
     assert isinstance(decoded, Tell) and decoded.body == StatsReport({"lm": {"steps": 3.0}})
     assert decoded.body.walks == {} and decoded.body.transport == {}
-    full = StatsReport({}, {"lm": {"decode": WalkStepStats(2, 5, 0.5, [1, 1])}}, {"ipc": {"sent": 7, "received": 0}})
+    full = StatsReport(
+        {},
+        {"lm": {"decode": WalkStepStats(2, 5, 0.5, [1, 1])}},
+        {"ipc": {"sent": 7, "received": 0}},
+    )
     assert decode_envelope(encode_envelope(Tell("c", full))) == Tell("c", full)

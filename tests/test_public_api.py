@@ -45,8 +45,14 @@ def test_every_error_derives_from_the_root_and_documents_itself() -> None:
         assert issubclass(cls, mstar.errors.MStarError)
         assert cls.__doc__ and cls.__doc__.startswith(("Raised ", "Root of")), attr
         assert cls.__module__ == "mstar.errors"
-    defined = {n for n, v in vars(mstar.errors).items() if inspect.isclass(v) and issubclass(v, Exception) and v.__module__ == "mstar.errors"}
-    assert defined == set(mstar.errors.__all__), "every error class in mstar.errors must be in its __all__"
+    defined = {
+        n
+        for n, v in vars(mstar.errors).items()
+        if inspect.isclass(v) and issubclass(v, Exception) and v.__module__ == "mstar.errors"
+    }
+    assert defined == set(mstar.errors.__all__), (
+        "every error class in mstar.errors must be in its __all__"
+    )
 
 
 def test_the_errors_callers_catch_and_the_node_types_authors_return_are_top_level() -> None:
@@ -60,6 +66,10 @@ def test_the_errors_callers_catch_and_the_node_types_authors_return_are_top_leve
         batched,
     )
 
-    assert issubclass(RequestAbortedError, mstar.MStarError) and issubclass(WorkerLostError, mstar.MStarError)
-    assert {BatchedNode, FiringRows, ForwardKVNode, KVNode} <= {getattr(mstar, n) for n in mstar.__all__}
+    assert issubclass(RequestAbortedError, mstar.MStarError) and issubclass(
+        WorkerLostError, mstar.MStarError
+    )
+    assert {BatchedNode, FiringRows, ForwardKVNode, KVNode} <= {
+        getattr(mstar, n) for n in mstar.__all__
+    }
     assert batched(lambda x: {"y": x["x"] + 1})([{"x": 1}]) == [{"y": 2}]

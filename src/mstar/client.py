@@ -189,7 +189,8 @@ def parse_output(line: Mapping[str, Any]) -> GenerateOutput:
 
 
 def _decode_png(png: bytes) -> np.ndarray:
-    """Decode an image line's PNG to uint8 RGB ``[H, W, 3]`` (RGBA ``[H, W, 4]`` if it has alpha)."""
+    """Decode an image line's PNG to uint8 RGB ``[H, W, 3]`` (RGBA ``[H, W, 4]`` if it has
+    alpha)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(png), formats=("PNG",)) as picture:
@@ -206,7 +207,8 @@ _ERROR_CLASSES: dict[str, type[MStarError]] = {
     if isinstance(cls := getattr(errors, name), type) and issubclass(cls, MStarError)
 }
 _WALK_PLACE = re.compile(
-    r"^(?P<reason>.*) \(node '(?P<node>[^']*)', walk '(?P<walk>[^']*)', request '(?P<request>[^']*)'\)$",
+    r"^(?P<reason>.*) \(node '(?P<node>[^']*)', walk '(?P<walk>[^']*)', request "
+    r"'(?P<request>[^']*)'\)$",
     re.S,
 )
 
@@ -214,7 +216,8 @@ _WALK_PLACE = re.compile(
 def error_from_body(
     body: Any, *, status: int | None = None, retry_after: str | None = None
 ) -> MStarError:
-    """Return the `mstar.errors` exception that an error body (HTTP answer or stream line) stands for."""
+    """Return the `mstar.errors` exception that an error body (HTTP answer or stream line) stands
+    for."""
     error = body.get("error") if isinstance(body, Mapping) else None
     if not isinstance(error, Mapping):
         return MStarError(
@@ -293,8 +296,13 @@ def image_url(image: Any) -> str:
 
     if not isinstance(image, Image.Image):
         array = np.asarray(image)
-        if array.dtype != np.uint8 or not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
-            raise ValueError(f"an image must be uint8 [H, W], [H, W, 3] or [H, W, 4], got {array.dtype} {list(array.shape)}")
+        if array.dtype != np.uint8 or not (
+            array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))
+        ):
+            raise ValueError(
+                f"an image must be uint8 [H, W], [H, W, 3] or [H, W, 4], got {array.dtype} "
+                f"{list(array.shape)}"
+            )
         image = Image.fromarray(np.ascontiguousarray(array))
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -557,7 +565,8 @@ class AsyncClient:
     async def run(
         self, task: str | None = None, data: Mapping[str, Any] | None = None, **fields: Any
     ) -> list[GenerateOutput]:
-        """Run a request to its end; return all its outputs (the arguments are `Client.generate`'s)."""
+        """Run a request to its end; return all its outputs (the arguments are
+        `Client.generate`'s)."""
         async with self.generate(task, data, **fields) as stream:
             return [out async for out in stream]
 

@@ -86,12 +86,18 @@ async def _serve(model: ToyModel, text: str, out: Path | None, seed: int) -> int
                 outputs.append(output)
             took_ms = (time.perf_counter() - start) * 1e3
             counts = Counter((o.walk, o.name, o.modality) for o in outputs)
-            print(f"request {task!r}: {len(outputs)} outputs in {took_ms:.1f} ms (first after {first_ms:.1f} ms)")
+            print(
+                f"request {task!r}: {len(outputs)} outputs in {took_ms:.1f} ms (first after "
+                f"{first_ms:.1f} ms)"
+            )
             for (walk, name, modality), n in counts.items():
                 print(f"    {walk:10s} {name:6s} [{modality}] x{n}")
             if task == "speech":
                 audio = torch.cat([o.data for o in outputs if o.name == "audio"])
-                print(f"    audio: {audio.numel() / model.audio_sample_rate:.3f} s at {model.audio_sample_rate} Hz")
+                print(
+                    f"    audio: {audio.numel() / model.audio_sample_rate:.3f} s at "
+                    f"{model.audio_sample_rate} Hz"
+                )
             else:
                 image = next(o.data for o in outputs if o.name == "image")
                 print(f"    image: {tuple(image.shape)} {image.dtype}")
@@ -109,7 +115,9 @@ async def _speak(text: str, out: Path | None, seed: int) -> int:
     print()
     sample_rate: int = model.audio_sample_rate  # type: ignore[attr-defined]
     async with await AsyncEngine.start(model) as engine:
-        request = Request("speech", {"text": text, "voice": "tara", "max_tokens": 280, "seed": seed})
+        request = Request(
+            "speech", {"text": text, "voice": "tara", "max_tokens": 280, "seed": seed}
+        )
         start = time.perf_counter()
         chunks: list[torch.Tensor] = []
         ttfa = None
@@ -121,8 +129,10 @@ async def _speak(text: str, out: Path | None, seed: int) -> int:
     audio = torch.cat(chunks)
     seconds = audio.numel() / sample_rate
     print(
-        f"request 'speech' on orpheus-tiny: {len(chunks)} audio chunks, {seconds:.2f} s of {sample_rate} Hz audio; "
-        f"first audio after {(ttfa or 0) * 1e3:.0f} ms, done after {e2e * 1e3:.0f} ms (RTF {e2e / seconds:.2f})"
+        f"request 'speech' on orpheus-tiny: {len(chunks)} audio chunks, {seconds:.2f} s of "
+        f"{sample_rate} Hz audio; "
+        f"first audio after {(ttfa or 0) * 1e3:.0f} ms, done after {e2e * 1e3:.0f} ms (RTF "
+        f"{e2e / seconds:.2f})"
     )
     if out is not None:
         _write_wav(out, audio, sample_rate)
@@ -137,7 +147,9 @@ def _served(model: str) -> Iterator[str]:
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "mstar.cli", "serve", model, "--port", "0", "--log-format", "json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     bound: list[str] = []
     errors: list[str] = []
 
@@ -163,7 +175,9 @@ def _served(model: str) -> Iterator[str]:
                 detail = "; ".join(errors[-5:]) or f"exit code {proc.returncode}"
                 raise RuntimeError(f"`mstar serve {model}` stopped before it was ready: {detail}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"`mstar serve {model}` was not ready within {_STARTUP_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"`mstar serve {model}` was not ready within {_STARTUP_TIMEOUT_S:.0f} s"
+                )
             if bound:
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{bound[0]}/health", timeout=2.0).status_code == 200:
@@ -180,10 +194,14 @@ def _served(model: str) -> Iterator[str]:
 
 
 def run_assistant_demo(question: str = QUESTION, out: Path | None = Path("answer.wav")) -> int:
-    """Serve `assistant`, ask ``question`` with the openai client, stream the answer, write ``out``."""
+    """Serve `assistant`, ask ``question`` with the openai client, stream the answer, write
+    ``out``."""
     from openai import OpenAI
 
-    print("starting `mstar serve assistant`: SmolLM2-135M-Instruct -> sentences -> Piper voice (22,050 Hz)")
+    print(
+        "starting `mstar serve assistant`: SmolLM2-135M-Instruct -> sentences -> Piper voice "
+        "(22,050 Hz)"
+    )
     with _served("assistant") as url:
         print(f"serving at {url}")
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
@@ -218,7 +236,8 @@ def run_assistant_demo(question: str = QUESTION, out: Path | None = Path("answer
     print()
     seconds = len(pcm) / 2 / rate
     print(
-        f"first text after {(first_text or 0) * 1e3:.0f} ms, first audio after {(first_audio or 0) * 1e3:.0f} ms, "
+        f"first text after {(first_text or 0) * 1e3:.0f} ms, first audio after "
+        f"{(first_audio or 0) * 1e3:.0f} ms, "
         f"done after {took * 1e3:.0f} ms; {seconds:.1f} s of speech"
     )
     if out is not None:

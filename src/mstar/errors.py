@@ -58,7 +58,9 @@ class GraphValidationError(MStarError, ValueError):
 class WalkExecutionError(MStarError, RuntimeError):
     """Raised when a node fails while a walk runs; names the node, walk and request."""
 
-    def __init__(self, message: str, *, node: str, walk: str, request_id: str, cause: str = "") -> None:
+    def __init__(
+        self, message: str, *, node: str, walk: str, request_id: str, cause: str = ""
+    ) -> None:
         super().__init__(f"{message} (node {node!r}, walk {walk!r}, request {request_id!r})")
         self.reason = message
         self.node = node
@@ -76,7 +78,8 @@ class BenchTargetError(MStarError, RuntimeError):
 
 
 class WalkDeadlockError(MStarError, RuntimeError):
-    """Raised when every unfinished partition of a request waits for a stream chunk that cannot come."""
+    """Raised when every unfinished partition of a request waits for a stream chunk that cannot
+    come."""
 
 
 class InvalidSamplingParamsError(MStarError, ValueError):
@@ -112,7 +115,8 @@ class UnsupportedModelError(MStarError, ValueError):
 
 
 class ActorDeadError(MStarError, RuntimeError):
-    """Raised when a message targets an actor that stopped or never existed, or was queued when it stopped."""
+    """Raised when a message targets an actor that stopped or never existed, or was queued when it
+    stopped."""
 
 
 class ActorNotFoundError(MStarError, LookupError):
@@ -148,7 +152,8 @@ class PeerLostError(MStarError, ConnectionError):
 
 
 class ProtocolError(MStarError, ValueError):
-    """Raised when frames do not decode into a valid wire message, or a message is not part of the protocol."""
+    """Raised when frames do not decode into a valid wire message, or a message is not part of the
+    protocol."""
 
 
 class MessageTooLargeError(MStarError, ValueError):
@@ -156,7 +161,8 @@ class MessageTooLargeError(MStarError, ValueError):
 
 
 class InvalidAddressError(MStarError, ValueError):
-    """Raised when a transport address is malformed, has an unknown scheme or binds a non-loopback host without opt-in."""
+    """Raised when a transport address is malformed, has an unknown scheme or binds a non-loopback
+    host without opt-in."""
 
 
 class PlacementError(MStarError, ValueError):
@@ -164,7 +170,8 @@ class PlacementError(MStarError, ValueError):
 
 
 class RayClusterUnreachableError(MStarError, ConnectionError):
-    """Raised when the Ray cluster an engine is told to use cannot be reached or joined in time (names the address)."""
+    """Raised when the Ray cluster an engine is told to use cannot be reached or joined in time
+    (names the address)."""
 
 
 class EngineClosedError(MStarError, RuntimeError):
@@ -176,7 +183,8 @@ class RequestAbortedError(MStarError, RuntimeError):
 
 
 class RequestStalledError(MStarError, RuntimeError):
-    """Raised when a request made no progress for `EngineConfig.request_stall_timeout_s` (e.g. a lost message); it is failed and freed."""
+    """Raised when a request made no progress for `EngineConfig.request_stall_timeout_s` (e.g. a
+    lost message); it is failed and freed."""
 
 
 class ModelLoadError(MStarError, RuntimeError):
@@ -184,11 +192,13 @@ class ModelLoadError(MStarError, RuntimeError):
 
 
 class UntrustedModelError(ModelLoadError):
-    """Raised when a worker is asked to build a model whose factory is neither in the zoo nor allow-listed."""
+    """Raised when a worker is asked to build a model whose factory is neither in the zoo nor
+    allow-listed."""
 
 
 class AudioTokenError(MStarError, ValueError):
-    """Raised when a speech LM emits a token that is not a valid audio code for its frame position."""
+    """Raised when a speech LM emits a token that is not a valid audio code for its frame
+    position."""
 
 
 class WorkerLostError(MStarError, RuntimeError):
@@ -196,7 +206,8 @@ class WorkerLostError(MStarError, RuntimeError):
 
 
 class WorkerUnavailableError(WorkerLostError):
-    """Raised when a request needs a rank whose worker is down (restarting) and no live replica can take it; retryable (503 with Retry-After)."""
+    """Raised when a request needs a rank whose worker is down (restarting) and no live replica can
+    take it; retryable (503 with Retry-After)."""
 
     def __init__(self, message: str, *, rank: int | None = None, retry_after_s: int = 1) -> None:
         super().__init__(message)
@@ -205,7 +216,8 @@ class WorkerUnavailableError(WorkerLostError):
 
 
 class MissingMainGuardError(MStarError, RuntimeError):
-    """Raised when worker processes are started from a script without an ``if __name__ == "__main__":`` guard."""
+    """Raised when worker processes are started from a script without an ``if __name__ ==
+    "__main__":`` guard."""
 
 
 class ServerConfigError(MStarError, ValueError):
@@ -213,11 +225,13 @@ class ServerConfigError(MStarError, ValueError):
 
 
 class RunArgumentError(MStarError, ValueError):
-    """Raised when `mstar run`'s flags do not make a request the model takes (the message names the flag)."""
+    """Raised when `mstar run`'s flags do not make a request the model takes (the message names the
+    flag)."""
 
 
 class APIRequestError(MStarError, ValueError):
-    """Raised when an HTTP API request is invalid; carries the HTTP status and the offending field."""
+    """Raised when an HTTP API request is invalid; carries the HTTP status and the offending
+    field."""
 
     def __init__(
         self,
@@ -248,4 +262,5 @@ class ClientDisconnectedError(MStarError, ConnectionError):
 
 
 class RolloutStateError(MStarError, RuntimeError):
-    """Raised when a world-model rollout step does not continue the frames its engine caches for the request."""
+    """Raised when a world-model rollout step does not continue the frames its engine caches for the
+    request."""

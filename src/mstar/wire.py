@@ -268,7 +268,15 @@ class Goodbye(_EnvelopeBase):
 
 
 Envelope: TypeAlias = (
-    Hello | ArenaAttached | ArenaRelease | Tell[Any] | Ask[Any] | Reply[Any] | ErrorReply | Heartbeat | Goodbye
+    Hello
+    | ArenaAttached
+    | ArenaRelease
+    | Tell[Any]
+    | Ask[Any]
+    | Reply[Any]
+    | ErrorReply
+    | Heartbeat
+    | Goodbye
 )
 
 ENVELOPE_TYPES: Final[frozenset[type]] = frozenset(
@@ -291,13 +299,19 @@ class _Registry:
     def add(self, types: tuple[type[WireMessage], ...]) -> None:
         with self._lock:
             for cls in types:
-                if not (isinstance(cls, type) and issubclass(cls, WireMessage)) or cls is WireMessage:
+                if (
+                    not (isinstance(cls, type) and issubclass(cls, WireMessage))
+                    or cls is WireMessage
+                ):
                     raise TypeError(f"{cls!r} is not a WireMessage subclass")
                 known = self.types.get(cls.__name__)
                 if known is cls:
                     continue
                 if known is not None:
-                    raise TypeError(f"two wire messages are named {cls.__name__!r} ({known.__module__}, {cls.__module__})")
+                    raise TypeError(
+                        f"two wire messages are named {cls.__name__!r} ({known.__module__}, "
+                        f"{cls.__module__})"
+                    )
                 self.types[cls.__name__] = cls
             self.version += 1
             self._envelope = None
@@ -306,8 +320,20 @@ class _Registry:
         with self._lock:
             if self._envelope is None:
                 # Built at run time from what is registered: typing's forms, not annotations.
-                body: Any = Union.__getitem__(tuple(self.types[name] for name in sorted(self.types)))
-                members = (Hello, ArenaAttached, ArenaRelease, Tell[body], Ask[body], Reply[body], ErrorReply, Heartbeat, Goodbye)
+                body: Any = Union.__getitem__(
+                    tuple(self.types[name] for name in sorted(self.types))
+                )
+                members = (
+                    Hello,
+                    ArenaAttached,
+                    ArenaRelease,
+                    Tell[body],
+                    Ask[body],
+                    Reply[body],
+                    ErrorReply,
+                    Heartbeat,
+                    Goodbye,
+                )
                 self._envelope = Union.__getitem__(members)
             return self._envelope
 

@@ -1,4 +1,5 @@
-"""A tcp link whose peer process dies is lost at once (its connection closed), not at the heartbeat timeout."""
+"""A tcp link whose peer process dies is lost at once (its connection closed), not at the heartbeat
+timeout."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ PATIENT = replace(TEST_CONFIG, heartbeat_interval_s=0.5, heartbeat_timeout_s=30.
 
 @pytest.mark.slow
 async def test_a_killed_peer_fails_pending_asks_and_tells_the_listeners() -> None:
-    peer = SystemProcess("tests.actors.peer_actors:setup", serve=["tcp://127.0.0.1:0"], config=PATIENT)
+    peer = SystemProcess(
+        "tests.actors.peer_actors:setup", serve=["tcp://127.0.0.1:0"], config=PATIENT
+    )
     address = (await asyncio.to_thread(peer.start))[0]
     lost: list[tuple[list[str], Exception]] = []
     try:

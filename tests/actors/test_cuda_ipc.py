@@ -42,9 +42,17 @@ CONFIG = replace(TEST_CONFIG, heartbeat_interval_s=0.2, heartbeat_timeout_s=20.0
 
 def fake_loc(**changes: object) -> CudaIpcLoc:
     fields = dict(
-        device=0, handle=b"h" * 64, storage_size_bytes=64, storage_offset_bytes=0,
-        ref_counter_handle=b"r", ref_counter_offset=0, event_handle=None,
-        event_sync_required=False, stride=(1,), storage_offset=0, device_uuid="",
+        device=0,
+        handle=b"h" * 64,
+        storage_size_bytes=64,
+        storage_offset_bytes=0,
+        ref_counter_handle=b"r",
+        ref_counter_offset=0,
+        event_handle=None,
+        event_sync_required=False,
+        stride=(1,),
+        storage_offset=0,
+        device_uuid="",
     )
     fields.update(changes)
     return CudaIpcLoc(**fields)  # type: ignore[arg-type]
@@ -70,7 +78,9 @@ def fake_devices(monkeypatch: pytest.MonkeyPatch) -> Any:
     def install(*uuids: str) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(uuids))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
+        )
         local_cuda_device_uuids.cache_clear()
 
     yield install
@@ -82,14 +92,17 @@ def releases(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, int]]:
     """Record every reference given back through torch, instead of giving it back."""
     calls: list[tuple[bytes, int]] = []
     monkeypatch.setattr(
-        torch.UntypedStorage, "_release_ipc_counter_cuda", staticmethod(lambda h, o: calls.append((h, o)))
+        torch.UntypedStorage,
+        "_release_ipc_counter_cuda",
+        staticmethod(lambda h, o: calls.append((h, o))),
     )
     return calls
 
 
 @pytest.fixture
 def opened(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """Record the arguments of every handle opened, instead of opening it (a CPU tensor stands in)."""
+    """Record the arguments of every handle opened, instead of opening it (a CPU tensor stands
+    in)."""
     calls: list[tuple[Any, ...]] = []
 
     def rebuild(*args: Any) -> torch.Tensor:
@@ -135,8 +148,12 @@ class FakeSystem:
 
 def peer_hello(*uuids: str, can: bool = True, pid: int | None = None, host: str = "host") -> Hello:
     return Hello(
-        "peer", ["ipc://peer"], os.getppid() if pid is None else pid, host,
-        cuda_ipc=can, cuda_device_uuids=list(uuids),
+        "peer",
+        ["ipc://peer"],
+        os.getppid() if pid is None else pid,
+        host,
+        cuda_ipc=can,
+        cuda_device_uuids=list(uuids),
     )
 
 
@@ -169,7 +186,9 @@ def dead_pid() -> int:
     ],
     ids=["shared", "peer-without-cuda", "no-local-cuda", "disjoint", "same-pid", "other-host"],
 )
-async def test_the_hellos_decide_cuda_ipc(fake_devices: Any, local: tuple[str, ...], peer: Hello, shared: set[str]) -> None:
+async def test_the_hellos_decide_cuda_ipc(
+    fake_devices: Any, local: tuple[str, ...], peer: Hello, shared: set[str]
+) -> None:
     fake_devices(*local)
     link, channel = accept(peer)
     assert link.codec is not None
@@ -182,14 +201,18 @@ async def test_the_hellos_decide_cuda_ipc(fake_devices: Any, local: tuple[str, .
 
 def test_a_hello_from_before_cuda_fields_means_no_ipc(fake_devices: Any) -> None:
     fake_devices("A")
-    old = msgspec.msgpack.encode(["Hello", "peer", ["ipc://peer"], os.getppid(), "host", 2, 0, None])
+    old = msgspec.msgpack.encode(
+        ["Hello", "peer", ["ipc://peer"], os.getppid(), "host", 2, 0, None]
+    )
     hello = decode_envelope(old)
     assert isinstance(hello, Hello) and not hello.cuda_ipc and hello.cuda_device_uuids == []
     assert shared_cuda_devices(hello, same_host=True) == frozenset()
     # ... and an old peer reads a new hello, ignoring what it does not know.
     old_hello = msgspec.defstruct(
-        "Hello", [("system_id", str), ("addresses", list[str]), ("pid", int), ("host_id", str)],
-        array_like=True, tag=True,
+        "Hello",
+        [("system_id", str), ("addresses", list[str]), ("pid", int), ("host_id", str)],
+        array_like=True,
+        tag=True,
     )
     new = msgspec.msgpack.encode(peer_hello("A"))
     assert msgspec.structs.astuple(msgspec.msgpack.decode(new, type=old_hello))[2] == os.getppid()
@@ -198,7 +221,9 @@ def test_a_hello_from_before_cuda_fields_means_no_ipc(fake_devices: Any) -> None
 # ------------------------------------------------------------- CPU: opening and refusing
 
 
-def test_the_receiver_opens_a_handle_on_its_own_index_of_the_uuid(fake_devices: Any, opened: list[Any], releases: list[Any]) -> None:
+def test_the_receiver_opens_a_handle_on_its_own_index_of_the_uuid(
+    fake_devices: Any, opened: list[Any], releases: list[Any]
+) -> None:
     fake_devices("A", "B", "C")
     # The sender knew the device as its cuda:0 (say, CUDA_VISIBLE_DEVICES=2 there).
     import_cuda_tensor(fake_loc(device=0, device_uuid="C"), torch.float32, (4,))
@@ -221,7 +246,12 @@ def test_the_receiver_opens_a_handle_on_its_own_index_of_the_uuid(fake_devices: 
     ids=["no-cuda", "no-uuid", "unknown-uuid", "stride-rank", "out-of-bounds", "negative-stride"],
 )
 def test_every_refused_handle_is_released(
-    fake_devices: Any, releases: list[Any], opened: list[Any], local: tuple[str, ...], loc: CudaIpcLoc, error: str
+    fake_devices: Any,
+    releases: list[Any],
+    opened: list[Any],
+    local: tuple[str, ...],
+    loc: CudaIpcLoc,
+    error: str,
 ) -> None:
     fake_devices(*local)
     loc = msgspec.structs.replace(loc, ref_counter_handle=b"/torch_1_2_3", ref_counter_offset=7)
@@ -231,7 +261,9 @@ def test_every_refused_handle_is_released(
     assert opened == []
 
 
-def test_a_handle_cuda_fails_to_open_is_released(fake_devices: Any, releases: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_handle_cuda_fails_to_open_is_released(
+    fake_devices: Any, releases: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_devices("A")
 
     def fail(*args: Any) -> torch.Tensor:
@@ -248,7 +280,9 @@ def test_a_cuda_handle_on_a_host_without_cuda_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="CUDA is not available"):
         import_cuda_tensor(fake_loc(), torch.float32, (4,))
     with pytest.raises(ProtocolError, match="CUDA"):
-        LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1).decode([tell_header(cuda_ref(fake_loc()))])
+        LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1).decode(
+            [tell_header(cuda_ref(fake_loc()))]
+        )
 
 
 def test_cpu_tensors_have_no_ipc_handle() -> None:
@@ -265,7 +299,9 @@ def agreed_codec(max_message_bytes: int = 1 << 20) -> LinkCodec:
     return codec
 
 
-def test_a_handle_on_a_link_without_ipc_is_released(fake_devices: Any, releases: list[Any], opened: list[Any]) -> None:
+def test_a_handle_on_a_link_without_ipc_is_released(
+    fake_devices: Any, releases: list[Any], opened: list[Any]
+) -> None:
     fake_devices("A")
     codec = LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1)
     with pytest.raises(ProtocolError, match="did not agree to CUDA IPC"):
@@ -273,7 +309,9 @@ def test_a_handle_on_a_link_without_ipc_is_released(fake_devices: Any, releases:
     assert releases == [(b"r", 3)] and opened == []
 
 
-def test_handles_after_a_refused_tensor_are_released(fake_devices: Any, releases: list[Any], opened: list[Any]) -> None:
+def test_handles_after_a_refused_tensor_are_released(
+    fake_devices: Any, releases: list[Any], opened: list[Any]
+) -> None:
     fake_devices("A")
     first = fake_loc(device_uuid="A", ref_counter_offset=1)
     last = fake_loc(device_uuid="A", ref_counter_offset=2)
@@ -286,20 +324,26 @@ def test_handles_after_a_refused_tensor_are_released(fake_devices: Any, releases
     assert releases == [(b"r", 2)]
 
 
-def test_handles_of_an_oversize_or_malformed_message_are_released(fake_devices: Any, releases: list[Any], opened: list[Any]) -> None:
+def test_handles_of_an_oversize_or_malformed_message_are_released(
+    fake_devices: Any, releases: list[Any], opened: list[Any]
+) -> None:
     fake_devices("A")
     header = tell_header(cuda_ref(fake_loc(device_uuid="A", ref_counter_offset=4)))
     with pytest.raises(MessageTooLargeError):
         agreed_codec(max_message_bytes=16).decode([header])
     assert releases == [(b"r", 4)]
     releases.clear()
-    bad_dtype = tell_header(cuda_ref(fake_loc(device_uuid="A", ref_counter_offset=6), dtype="float13"))
+    bad_dtype = tell_header(
+        cuda_ref(fake_loc(device_uuid="A", ref_counter_offset=6), dtype="float13")
+    )
     with pytest.raises(ProtocolError, match="unknown dtype"):
         agreed_codec().decode([bad_dtype])
     assert releases == [(b"r", 6)] and opened == []
 
 
-def test_a_reference_named_twice_is_refused(fake_devices: Any, releases: list[Any], opened: list[Any]) -> None:
+def test_a_reference_named_twice_is_refused(
+    fake_devices: Any, releases: list[Any], opened: list[Any]
+) -> None:
     fake_devices("A")
     loc = fake_loc(device_uuid="A", ref_counter_offset=8)
     with pytest.raises(ProtocolError, match="twice"):
@@ -307,7 +351,9 @@ def test_a_reference_named_twice_is_refused(fake_devices: Any, releases: list[An
     assert len(opened) == 1 and releases == []  # released once, when the opened tensor dies
 
 
-async def test_handles_sent_to_a_peer_that_exited_are_released(fake_devices: Any, releases: list[Any]) -> None:
+async def test_handles_sent_to_a_peer_that_exited_are_released(
+    fake_devices: Any, releases: list[Any]
+) -> None:
     fake_devices("A")
     link, _ = accept(peer_hello("A"))
     assert link.codec is not None and link.codec.cuda_ipc and link.watched_pid == os.getppid()
@@ -318,7 +364,9 @@ async def test_handles_sent_to_a_peer_that_exited_are_released(fake_devices: Any
     assert not link.codec.sent_cuda_handles
 
 
-async def test_handles_sent_to_a_live_peer_are_not_released_with_its_link(fake_devices: Any, releases: list[Any]) -> None:
+async def test_handles_sent_to_a_live_peer_are_not_released_with_its_link(
+    fake_devices: Any, releases: list[Any]
+) -> None:
     fake_devices("A")
     link, _ = accept(peer_hello("A"))
     assert link.codec is not None
@@ -331,7 +379,8 @@ async def test_handles_sent_to_a_live_peer_are_not_released_with_its_link(fake_d
 
 
 class Holder(Actor):
-    """Keep the tensors of a TensorBundle with key "keep"; any other bundle returns them on the CPU."""
+    """Keep the tensors of a TensorBundle with key "keep"; any other bundle returns them on the
+    CPU."""
 
     def __init__(self) -> None:
         self.kept: dict[str, torch.Tensor] = {}
@@ -381,7 +430,9 @@ def test_a_refused_or_undelivered_handle_pins_nothing() -> None:
     # A handle the receiver refuses (here before opening) is given back by the refusal.
     y = torch.ones(1 << 20, device="cuda")
     with pytest.raises(ProtocolError, match="outside its storage"):
-        import_cuda_tensor(msgspec.structs.replace(export_cuda_tensor(y), stride=(4,)), torch.float32, (1 << 20,))
+        import_cuda_tensor(
+            msgspec.structs.replace(export_cuda_tensor(y), stride=(4,)), torch.float32, (1 << 20,)
+        )
     del y
     assert allocated_after_collect() <= base
     # A message that fails to encode gives back the handles it took.
@@ -415,7 +466,9 @@ def test_cuda_tensors_are_encoded_as_handles() -> None:
 @pytest.mark.gpu
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_cuda_tensors_cross_processes_by_handle() -> None:
-    process = SystemProcess("tests.actors.test_cuda_ipc:setup_peer", serve=["ipc://"], config=CONFIG)
+    process = SystemProcess(
+        "tests.actors.test_cuda_ipc:setup_peer", serve=["ipc://"], config=CONFIG
+    )
     (address,) = await asyncio.to_thread(process.start)
     try:
         async with ActorSystem(CONFIG) as client:
@@ -435,7 +488,13 @@ async def test_cuda_tensors_cross_processes_by_handle() -> None:
             moved = (1024 * 512 + 64 * 128) * 4
             tally = client.transport_tally
             assert tally.sent["cuda_ipc"] == tally.received["cuda_ipc"] == moved
-            assert tally.sent["ipc"] == tally.sent["shm"] == tally.received["ipc"] == tally.received["shm"] == 0
+            assert (
+                tally.sent["ipc"]
+                == tally.sent["shm"]
+                == tally.received["ipc"]
+                == tally.received["shm"]
+                == 0
+            )
     finally:
         await asyncio.to_thread(process.stop)
 
@@ -458,7 +517,9 @@ async def settles_at(baseline: int, timeout_s: float = 10.0) -> bool:
 @pytest.mark.gpu
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_sent_blocks_outlive_the_sender_and_are_freed_after_use() -> None:
-    process = SystemProcess("tests.actors.test_cuda_ipc:setup_peer", serve=["ipc://"], config=CONFIG)
+    process = SystemProcess(
+        "tests.actors.test_cuda_ipc:setup_peer", serve=["ipc://"], config=CONFIG
+    )
     (address,) = await asyncio.to_thread(process.start)
     try:
         async with ActorSystem(CONFIG) as client:

@@ -34,7 +34,8 @@ async def test_peers_holding_the_keys_talk() -> None:
     [
         TEST_CONFIG,  # no keys at all: plain tcp against a CURVE server
         replace(TEST_CONFIG, curve=CurveKeys.generate()),  # another deployment's keys
-        replace(TEST_CONFIG, curve=replace(KEYS, client_public=CurveKeys.generate().client_public)),  # not our client
+        # not our client
+        replace(TEST_CONFIG, curve=replace(KEYS, client_public=CurveKeys.generate().client_public)),
     ],
     ids=["no-keys", "other-deployment", "unknown-client"],
 )

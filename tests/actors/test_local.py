@@ -121,7 +121,12 @@ async def test_a_failing_tell_goes_to_on_failure(system: ActorSystem) -> None:
     ref = await system.spawn(Recorder, name="rec")
     ref.tell("raise")
     assert await ref.ask("after") == "after"
-    assert Recorder.log == ["start rec", "handle 'raise'", "failure KeyError 'raise'", "handle 'after'"]
+    assert Recorder.log == [
+        "start rec",
+        "handle 'raise'",
+        "failure KeyError 'raise'",
+        "handle 'after'",
+    ]
 
 
 class Immediate(Actor):
@@ -163,7 +168,13 @@ async def test_an_idle_actor_takes_immediate_tells_in_the_senders_call(system: A
     ref.tell(Ping(1))  # not an immediate type: queued
     ref.tell("c")  # queued behind it, to keep the order
     assert await ref.ask("d") == "d"
-    assert actor.log == ["now a", "handle b", "handle Ping(seq=1, payload=b'')", "handle c", "handle d"]
+    assert actor.log == [
+        "now a",
+        "handle b",
+        "handle Ping(seq=1, payload=b'')",
+        "handle c",
+        "handle d",
+    ]
 
 
 async def test_a_busy_actor_queues_immediate_tells_in_order(system: ActorSystem) -> None:
@@ -189,7 +200,9 @@ async def test_an_immediate_tell_that_raises_goes_to_on_failure(system: ActorSys
     assert actor.log == ["failure KeyError raise", "handle after", "handle ask"]
 
 
-async def test_an_immediate_tell_whose_on_failure_raises_crashes_the_actor(system: ActorSystem) -> None:
+async def test_an_immediate_tell_whose_on_failure_raises_crashes_the_actor(
+    system: ActorSystem,
+) -> None:
     instances: list[Immediate] = []
 
     def make() -> Immediate:
@@ -227,7 +240,9 @@ class Crashy(Actor):
         return self.seen
 
 
-async def test_crashed_actors_restart_with_a_fresh_instance_and_the_same_mailbox(system: ActorSystem) -> None:
+async def test_crashed_actors_restart_with_a_fresh_instance_and_the_same_mailbox(
+    system: ActorSystem,
+) -> None:
     Crashy.instances = Crashy.stops = 0
     ref = await system.spawn(Crashy, restart=RestartPolicy(max_restarts=2, window_s=60))
     assert await ref.ask("a") == 1
@@ -239,7 +254,9 @@ async def test_crashed_actors_restart_with_a_fresh_instance_and_the_same_mailbox
 
 async def test_too_many_crashes_stop_the_actor(system: ActorSystem) -> None:
     Crashy.instances = Crashy.stops = 0
-    ref = await system.spawn(Crashy, name="crashy", restart=RestartPolicy(max_restarts=1, window_s=60))
+    ref = await system.spawn(
+        Crashy, name="crashy", restart=RestartPolicy(max_restarts=1, window_s=60)
+    )
     ref.tell("crash")
     ref.tell("crash")
     pending = await enqueued(ref.ask("never"))

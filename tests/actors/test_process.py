@@ -59,7 +59,9 @@ async def test_calls_reach_another_process(peer: SystemProcess, scheme: str) -> 
 
 
 @pytest.mark.parametrize("scheme", ["ipc", "tcp"])
-async def test_tensors_cross_processes_through_shared_memory(peer: SystemProcess, scheme: str) -> None:
+async def test_tensors_cross_processes_through_shared_memory(
+    peer: SystemProcess, scheme: str
+) -> None:
     address = next(a for a in peer.addresses if a.startswith(scheme))
     async with ActorSystem(PATIENT) as client:
         await client.connect(address)
@@ -122,7 +124,8 @@ async def test_a_killed_peer_fails_pending_asks_and_its_files_are_removed() -> N
                 with pytest.raises(PeerLostError):
                     await asyncio.wait_for(future, 10)
             elapsed = time.monotonic() - started
-            assert elapsed < QUICK.heartbeat_timeout_s + 5.0  # bounded, with room for a loaded machine
+            # bounded, with room for a loaded machine
+            assert elapsed < QUICK.heartbeat_timeout_s + 5.0
             # The surviving side removed what the dead process left behind.
             assert not segment.exists() and not socket_file.exists()
     finally:
@@ -130,7 +133,9 @@ async def test_a_killed_peer_fails_pending_asks_and_its_files_are_removed() -> N
 
 
 def test_a_child_that_fails_to_set_up_reports_it() -> None:
-    process = SystemProcess("tests.actors.peer_actors:no_such_setup", serve=["ipc://"], config=PATIENT)
+    process = SystemProcess(
+        "tests.actors.peer_actors:no_such_setup", serve=["ipc://"], config=PATIENT
+    )
     with pytest.raises(PeerLostError, match="no_such_setup"):
         process.start()
     assert not process.is_alive
@@ -158,7 +163,9 @@ async def test_a_peer_whose_loop_is_blocked_past_the_heartbeat_timeout_is_not_lo
         process.kill()
 
 
-async def test_a_killed_peer_on_this_host_is_lost_without_waiting_for_the_heartbeat_timeout() -> None:
+async def test_a_killed_peer_on_this_host_is_lost_without_waiting_for_the_heartbeat_timeout() -> (
+    None
+):
     process = SystemProcess(SETUP, serve=["ipc://"], config=LAX)
     (ipc,) = await asyncio.to_thread(process.start)
     try:

@@ -84,10 +84,13 @@ async def test_tensors_round_trip_and_arena_slots_come_back(linked: Linked, tran
             assert arena is not None and arena.allocator.num_allocated == 0
 
 
-async def test_each_system_counts_the_tensor_bytes_its_links_moved(linked: Linked, transport: str) -> None:
+async def test_each_system_counts_the_tensor_bytes_its_links_moved(
+    linked: Linked, transport: str
+) -> None:
     echo = linked.client.ref("echo", linked.address)
     await echo.ask(Ping())  # both arenas are attached once a round trip went through
-    big, small = torch.randn(256, 64), torch.arange(10, dtype=torch.int32)  # 64 KiB: arena; 40 B: frame
+    # 64 KiB: arena; 40 B: frame
+    big, small = torch.randn(256, 64), torch.arange(10, dtype=torch.int32)
     reply = await echo.ask(TensorBundle({"big": big, "small": small}))
     assert isinstance(reply, TensorBundle)
     client, server = linked.client.transport_tally, linked.server.transport_tally
@@ -112,7 +115,9 @@ async def test_unknown_remote_actors(linked: Linked) -> None:
     with pytest.raises(ActorDeadError, match="nobody"):
         await nobody.ask(Ping())
     nobody.tell(Ping())  # dropped at the peer, which keeps serving
-    assert await linked.client.lookup("echo", address=linked.address) == linked.client.ref("echo", linked.address)
+    assert await linked.client.lookup("echo", address=linked.address) == linked.client.ref(
+        "echo", linked.address
+    )
     with pytest.raises(ActorNotFoundError):
         await linked.client.lookup("nobody", address=linked.address)
 
@@ -270,7 +275,12 @@ async def test_garbage_from_one_peer_does_not_harm_another(transport: str) -> No
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(address)
         try:
-            for frames in ([b"\xc1"], [b""], [msgspec.msgpack.encode(["Ask", "echo", 1, ["Nope"]])], [b"x" * 100_000]):
+            for frames in (
+                [b"\xc1"],
+                [b""],
+                [msgspec.msgpack.encode(["Ask", "echo", 1, ["Nope"]])],
+                [b"x" * 100_000],
+            ):
                 await raw.send_multipart(frames)
                 assert await echo.ask(Ping(1)) == Pong(1)
             # The malformed ask was failed by call id.

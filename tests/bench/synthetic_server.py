@@ -27,7 +27,9 @@ GAP_S = 0.005  # between outputs
 IMAGE_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
 
 
-def wav_header(sample_rate: int, channels: int = 1, bits: int = 16, data_size: int = 0xFFFFFFFF) -> bytes:
+def wav_header(
+    sample_rate: int, channels: int = 1, bits: int = 16, data_size: int = 0xFFFFFFFF
+) -> bytes:
     """Return a canonical 44-byte WAV header; the default data size means 'unknown'."""
     block = channels * bits // 8
     riff_size = 0xFFFFFFFF if data_size == 0xFFFFFFFF else 36 + data_size
@@ -80,7 +82,11 @@ async def _chat(request: Request) -> Response:
     if body.get("test_stream_error"):
         events.append({"error": {"message": "engine died"}})
     if (body.get("stream_options") or {}).get("include_usage"):
-        usage = {"prompt_tokens": 7, "completion_tokens": num_tokens, "total_tokens": 7 + num_tokens}
+        usage = {
+            "prompt_tokens": 7,
+            "completion_tokens": num_tokens,
+            "total_tokens": 7 + num_tokens,
+        }
         events.append({"choices": [], "usage": usage})
     pieces = [f"data: {json.dumps(e)}\n\n".encode() for e in events]
     if not body.get("test_no_done"):

@@ -15,7 +15,7 @@ from mstar.cli.bench import add_bench_arguments, bench_command, main
 
 Server = tuple[str, list[tuple[str, Any]]]
 
-FUNCTIONS = '''
+FUNCTIONS = """
 import asyncio
 from mstar.bench import OutputEvent
 
@@ -29,7 +29,7 @@ async def slow(request):
         for _ in range(5):
             await asyncio.sleep(0)
         yield OutputEvent("text", num_tokens=1)
-'''
+"""
 
 
 def test_module_help_runs() -> None:
@@ -124,7 +124,16 @@ def test_wires_into_a_subcommand_parser(tmp_path: Path) -> None:
     add_bench_arguments(bench)
     bench.set_defaults(func=bench_command)
     args = parser.parse_args(
-        ["bench", "--target", f"{module}:fast", "--concurrency", "1", "--no-progress", "--out", str(tmp_path)]
+        [
+            "bench",
+            "--target",
+            f"{module}:fast",
+            "--concurrency",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
     )
     assert args.func(args) == 0
     assert (tmp_path / "mstar-bench.json").exists() and (tmp_path / "mstar-bench.png").exists()

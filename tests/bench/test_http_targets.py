@@ -69,7 +69,9 @@ async def test_speech_pcm_counts_samples_and_stamps_from_send(synthetic_server: 
 
 async def test_speech_pcm_split_off_frame_boundaries(synthetic_server: Server) -> None:
     url, _ = synthetic_server
-    request = BenchRequest("s2", "speech split", params={"test_split": True, "test_chunks": [1001, 7]})
+    request = BenchRequest(
+        "s2", "speech split", params={"test_split": True, "test_chunks": [1001, 7]}
+    )
     record = await send(SpeechTarget(url), request)
     assert record.error is None
     assert audio_samples(record)[0] == 1008
@@ -106,7 +108,10 @@ async def test_chat_sse_counts_deltas_and_takes_usage(synthetic_server: Server) 
     text = [e for e in record.events if e.modality == "text"]
     assert len(text) == 5  # the empty role delta is not a token
     assert [e.num_bytes for e in text] == [3, 3, 3, 3, 3]
-    assert record.usage is not None and (record.usage.num_output_tokens, record.usage.num_prompt_tokens) == (5, 7)
+    assert record.usage is not None and (
+        record.usage.num_output_tokens,
+        record.usage.num_prompt_tokens,
+    ) == (5, 7)
     assert num_output_tokens(record) == 5
     assert len(inter_token_latencies(record)) == 4
     ttft = time_to_first_token(record)

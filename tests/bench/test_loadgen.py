@@ -100,7 +100,9 @@ async def test_open_loop_sends_everything_and_respects_the_concurrency_cap() -> 
 
 async def test_open_loop_at_a_finite_rate_returns_records_in_order() -> None:
     batch = requests(6)
-    records = await OpenLoop(rates=(5000.0,), num_requests=6).drive(5000.0, batch, Recorder(), seed=3)
+    records = await OpenLoop(rates=(5000.0,), num_requests=6).drive(
+        5000.0, batch, Recorder(), seed=3
+    )
     assert [r.request_id for r in records] == [r.request_id for r in batch]
 
 
@@ -121,7 +123,9 @@ async def test_offline_waves_start_after_the_previous_wave_finished() -> None:
 
 
 def test_requests_are_drawn_identically_for_a_seed() -> None:
-    pool = make_requests(["a", "b", "c", "d"], max_tokens=16, ignore_eos=True, params={"voice": "x"})
+    pool = make_requests(
+        ["a", "b", "c", "d"], max_tokens=16, ignore_eos=True, params={"voice": "x"}
+    )
     assert [r.request_id for r in pool] == ["p0", "p1", "p2", "p3"]
     first = draw_requests(pool, 20, seed=5, prefix="c-4")
     assert first == draw_requests(pool, 20, seed=5, prefix="c-4")

@@ -174,7 +174,13 @@ def test_job_completion_time_is_the_last_job_output() -> None:
 def test_stats_are_mean_and_linear_percentiles() -> None:
     stats = compute_stats([float(v) for v in range(101)])
     assert stats is not None
-    assert (stats.count, stats.mean, stats.p50, stats.p95, stats.p99) == (101, 50.0, 50.0, 95.0, 99.0)
+    assert (stats.count, stats.mean, stats.p50, stats.p95, stats.p99) == (
+        101,
+        50.0,
+        50.0,
+        95.0,
+        99.0,
+    )
     small = compute_stats([4.0, 1.0, 3.0, 2.0])
     assert small is not None
     assert (small.mean, small.p50) == (2.5, 2.5)
@@ -222,7 +228,16 @@ def test_throughput_with_zero_duration_is_zero_not_an_error() -> None:
 
 def test_every_metric_has_a_printed_definition() -> None:
     assert "E2E latency / audio duration" in METRIC_DEFINITIONS["rtf"]
-    for key in ("e2e_s", "ttft_s", "itl_s", "tpot_s", "ttfa_s", "viable", "image_latency_s", "jct_s"):
+    for key in (
+        "e2e_s",
+        "ttft_s",
+        "itl_s",
+        "tpot_s",
+        "ttfa_s",
+        "viable",
+        "image_latency_s",
+        "jct_s",
+    ):
         assert METRIC_DEFINITIONS[key]
 
 

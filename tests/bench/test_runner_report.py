@@ -58,7 +58,9 @@ def quiet_console() -> Console:
 
 async def test_closed_loop_sweep_with_a_baseline_writes_table_json_and_png(tmp_path: Path) -> None:
     mstar_engine, baseline_engine = SpeechEngine(1), SpeechEngine(4)
-    requests = make_requests(["hello there", "a longer prompt", "third"], max_tokens=6, ignore_eos=True)
+    requests = make_requests(
+        ["hello there", "a longer prompt", "third"], max_tokens=6, ignore_eos=True
+    )
     console = quiet_console()
     result = await run_benchmark(
         {"mstar": mstar_engine.generate, "hand-loop": baseline_engine.generate},
@@ -72,7 +74,11 @@ async def test_closed_loop_sweep_with_a_baseline_writes_table_json_and_png(tmp_p
     )
 
     # Structure: 2 points x 2 targets, 5 x c measured requests, warm-up excluded.
-    assert (result.primary, result.baselines, result.load_points) == ("mstar", ("hand-loop",), (1.0, 2.0))
+    assert (result.primary, result.baselines, result.load_points) == (
+        "mstar",
+        ("hand-loop",),
+        (1.0, 2.0),
+    )
     for point in (1.0, 2.0):
         for target in ("mstar", "hand-loop"):
             entry = result.result(target, point)
@@ -91,7 +97,13 @@ async def test_closed_loop_sweep_with_a_baseline_writes_table_json_and_png(tmp_p
     # Ratios: primary against baseline on every headline metric both have.
     ratios = result.ratios()
     metrics = {r.metric for r in ratios}
-    assert {"requests_per_s", "output_tokens_per_s", "audio_s_per_s", "e2e_s.p50", "ttfa_s.p50"} <= metrics
+    assert {
+        "requests_per_s",
+        "output_tokens_per_s",
+        "audio_s_per_s",
+        "e2e_s.p50",
+        "ttfa_s.p50",
+    } <= metrics
     assert "images_per_s" not in metrics and "jct_s.p50" not in metrics
     for ratio in ratios:
         better = dict(RATIO_METRICS)[ratio.metric]
@@ -177,8 +189,11 @@ async def test_measured_phases_run_with_what_lived_before_frozen_out_of_the_coll
         yield OutputEvent("text", num_tokens=1)
 
     await run_benchmark(
-        {"t": target}, make_requests(["a"]), OfflineWaves(wave_sizes=(2,), num_waves=1, warmup=1),
-        progress=False, console=quiet_console(),
+        {"t": target},
+        make_requests(["a"]),
+        OfflineWaves(wave_sizes=(2,), num_waves=1, warmup=1),
+        progress=False,
+        console=quiet_console(),
     )
     assert all(count == 0 for rid, count in frozen.items() if rid.startswith("warmup"))
     assert all(count > 1000 for rid, count in frozen.items() if not rid.startswith("warmup"))

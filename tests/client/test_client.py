@@ -126,7 +126,10 @@ def test_images_go_in_as_data_urls(toy_server: RunningServer) -> None:
         with pytest.raises(APIRequestError) as bad:
             client.run("image_edit", text="x", images=["data:image/png;base64,AAAA"], seed=1)
         assert client.run("image", text="data:image/png;base64,AAAA", seed=1)  # text stays text
-    edited = [next(o.image for o in run if isinstance(o, ImageOutput)) for run in (as_url, as_pil, as_lists)]
+    edited = [
+        next(o.image for o in run if isinstance(o, ImageOutput))
+        for run in (as_url, as_pil, as_lists)
+    ]
     np.testing.assert_array_equal(edited[0], edited[2])
     np.testing.assert_array_equal(edited[1], edited[2])
     assert (bad.value.status, bad.value.param) == (400, "data.images.0")

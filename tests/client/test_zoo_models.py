@@ -69,7 +69,12 @@ class Case:
 
 
 CASES = [
-    Case("toy-composite", "speech", {"text": "hello"}, {AudioOutput: {"audio"}, TextOutput: {"token"}}),
+    Case(
+        "toy-composite",
+        "speech",
+        {"text": "hello"},
+        {AudioOutput: {"audio"}, TextOutput: {"token"}},
+    ),
     Case(
         "toy-composite",
         "image",
@@ -87,21 +92,45 @@ CASES = [
     Case(
         "orpheus-tiny",
         "speech",
-        {"text": "Hello from mstar.", "voice": "tara", "seed": 7, "temperature": 0.0, "max_tokens": 120},
+        {
+            "text": "Hello from mstar.",
+            "voice": "tara",
+            "seed": 7,
+            "temperature": 0.0,
+            "max_tokens": 120,
+        },
         {AudioOutput: {"audio"}},
     ),
-    Case("vjepa2-tiny", "encode", {"image": image_url(PICTURE)}, {LatentOutput: {"latents"}}, {"latents": (1, N, D)}),
+    Case(
+        "vjepa2-tiny",
+        "encode",
+        {"image": image_url(PICTURE)},
+        {LatentOutput: {"latents"}},
+        {"latents": (1, N, D)},
+    ),
     Case(
         "vjepa2-tiny",
         "rollout",
-        {"latent": _latent(1), "actions": (RNG.standard_normal((2, 7)) * 0.05).tolist(), "pose": [0.0] * 7},
+        {
+            "latent": _latent(1),
+            "actions": (RNG.standard_normal((2, 7)) * 0.05).tolist(),
+            "pose": [0.0] * 7,
+        },
         {LatentOutput: {"latents", "poses"}},
         {"latents": (2, N, D), "poses": (2, 7)},
     ),
     Case(
         "vjepa2-tiny",
         "plan",
-        {"latent": _latent(2), "goal_latent": _latent(3), "samples": 8, "topk": 2, "cem_steps": 2, "rollout": 2, "seed": 1},
+        {
+            "latent": _latent(2),
+            "goal_latent": _latent(3),
+            "samples": 8,
+            "topk": 2,
+            "cem_steps": 2,
+            "rollout": 2,
+            "seed": 1,
+        },
         {ActionOutput: {"action"}},
         {"action": (7,)},
     ),
@@ -118,17 +147,34 @@ CASES = [
         {"text": "make it blue", "image": image_url(PICTURE), "seed": 3, "num_timesteps": 3},
         {ImageOutput: {"image"}, LatentOutput: {"latents"}},
     ),
-    Case("bagel-tiny", "understand", {"text": "what is it?", "image": image_url(PICTURE), "max_tokens": 4}, {TextOutput: {"token"}}),
-    Case("bagel-tiny", "generate", {"prompt": "Once upon", "max_tokens": 4}, {TextOutput: {"token"}}),
+    Case(
+        "bagel-tiny",
+        "understand",
+        {"text": "what is it?", "image": image_url(PICTURE), "max_tokens": 4},
+        {TextOutput: {"token"}},
+    ),
+    Case(
+        "bagel-tiny", "generate", {"prompt": "Once upon", "max_tokens": 4}, {TextOutput: {"token"}}
+    ),
     Case(
         "qwen3-omni-tiny",
         "generate",
         {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
         {TextOutput: {"text"}},
     ),
-    Case("qwen3-omni-tiny", "speech", {"text": "Hello you", "voice": "chelsie"}, {AudioOutput: {"audio"}}),
+    Case(
+        "qwen3-omni-tiny",
+        "speech",
+        {"text": "Hello you", "voice": "chelsie"},
+        {AudioOutput: {"audio"}},
+    ),
     # Real small weights (SmolLM2-135M; the assistant adds a Piper voice): about 10 s each to load.
-    Case("smollm2-135m", "generate", {"prompt": "Hi", "max_tokens": 4, "temperature": 0.0}, {TextOutput: {"tokens"}}),
+    Case(
+        "smollm2-135m",
+        "generate",
+        {"prompt": "Hi", "max_tokens": 4, "temperature": 0.0},
+        {TextOutput: {"tokens"}},
+    ),
     Case(
         "assistant",
         "generate",
@@ -185,7 +231,8 @@ def _check_decodes(out: GenerateOutput, case: Case, server: RunningServer) -> No
     indirect=["zoo_server"],
 )
 def test_every_task_arrives_typed_and_decodes(zoo_server: RunningServer, case: Case) -> None:
-    assert set(zoo_server.state.tasks) == {c.task for c in CASES if c.model == case.model}  # none left out
+    # none left out
+    assert set(zoo_server.state.tasks) == {c.task for c in CASES if c.model == case.model}
     with Client(zoo_server.url) as client:
         stream = client.generate(case.task, case.data)
         outputs = list(stream)
@@ -199,7 +246,15 @@ def test_every_task_arrives_typed_and_decodes(zoo_server: RunningServer, case: C
         assert names <= got.get(cls, set()), (cls.__name__, names, got)
     images = [o for o in outputs if isinstance(o, ImageOutput)]
     if images:  # the PNG on the wire is the array the client gives
-        (line,) = [line for line in _raw_lines(zoo_server, case.task, case.data) if line.get("modality") == "image"]
+        (line,) = [
+            line
+            for line in _raw_lines(zoo_server, case.task, case.data)
+            if line.get("modality") == "image"
+        ]
         with Image.open(io.BytesIO(base64.b64decode(line["data"])), formats=("PNG",)) as png:
-            assert (png.width, png.height) == (line["width"], line["height"]) == (images[-1].width, images[-1].height)
+            assert (
+                (png.width, png.height)
+                == (line["width"], line["height"])
+                == (images[-1].width, images[-1].height)
+            )
             np.testing.assert_array_equal(np.array(png.convert("RGB")), images[-1].image)

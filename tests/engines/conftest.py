@@ -55,7 +55,9 @@ def tiny_llama64() -> LlamaCausalLM:
     return make_tiny_llama(dtype=torch.float64)
 
 
-def run_join_leave_schedule(engine: KVCacheEngine) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+def run_join_leave_schedule(
+    engine: KVCacheEngine,
+) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
     """Greedy requests joining at steps 0, 3, 7 and 12, one aborted at step 9; return each
     request's tokens and per-step logits (the engine must return logits)."""
     schedule = {0: ["a", "b"], 3: ["c"], 7: ["d", "e"], 12: ["f"]}

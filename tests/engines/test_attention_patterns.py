@@ -617,7 +617,8 @@ def test_a_cache_cut_inside_a_segment_is_never_shared_by_token_hash(cut: str) ->
 
 
 def test_a_walk_returning_rows_computes_them_even_when_its_prefix_is_cached() -> None:
-    """A "hidden" walk whose tokens are in the prefix cache still returns (and computes) all its rows."""
+    """A "hidden" walk whose tokens are in the prefix cache still returns (and computes) all its
+    rows."""
     h = Harness(block_size=2)
     h.submit("a", Walk(9, seed=1, mode="none"))
     h.run()
@@ -712,7 +713,8 @@ def _run_programs(h: Harness, programs: list[tuple[Walk, list[Op]]]) -> None:
 def test_random_pattern_mixes_match_dense(
     programs: list[tuple[Walk, list[Op]]], block_size: int, budget: int, prefix_caching: bool
 ) -> None:
-    """Several sequences of random segments stepped together (one step mixes patterns) match dense."""
+    """Several sequences of random segments stepped together (one step mixes patterns) match
+    dense."""
     h = Harness(block_size=block_size, budget=budget, prefix_caching=prefix_caching)
     _run_programs(h, programs)
     h.close()

@@ -93,7 +93,9 @@ def test_logits_processor_constrains_each_position(tiny_llama: LlamaCausalLM) ->
 
     engine = _engine(tiny_llama)
     engine.add_request(
-        "r", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=9, seed=3),
+        "r",
+        [1, 2, 3],
+        SamplingParams(temperature=1.0, max_tokens=9, seed=3),
         logits_processor=constrain,
     )
     got = _drain(engine)["r"]
@@ -172,7 +174,10 @@ def _dense_reference(model: LlamaCausalLM, ids: list[int], limits: list[int]) ->
 )
 @pytest.mark.parametrize("budget", [4, 64], ids=["chunked", "one-step"])
 def test_non_causal_prompt_masks_match_dense_attention(
-    tiny_llama64: LlamaCausalLM, mask: AttentionMask, limits, budget: int  # type: ignore[no-untyped-def]
+    tiny_llama64: LlamaCausalLM,
+    mask: AttentionMask,
+    limits,
+    budget: int,  # type: ignore[no-untyped-def]
 ) -> None:
     prompt = [5, 3, 8, 1, 9, 2, 7, 4, 6, 10, 12]
     n = len(prompt)
@@ -227,7 +232,10 @@ def test_errors_for_bad_requests(tiny_llama: LlamaCausalLM) -> None:
     engine.add_request("a", [1, 2], SamplingParams.greedy(2))
     with pytest.raises(DuplicateRequestError):
         engine.add_request("a", [1], SamplingParams.greedy(2))
-    with pytest.raises(KVCacheCapacityError, match=r"KV cache's capacity is 32 tokens \(8 blocks\); raise the KV-cache budget"):
+    with pytest.raises(
+        KVCacheCapacityError,
+        match=r"KV cache's capacity is 32 tokens \(8 blocks\); raise the KV-cache budget",
+    ):
         engine.add_request("long", [1] * 30, SamplingParams.greedy(10))
     with pytest.raises(KVCacheCapacityError, match="max_model_len"):
         engine.add_request("huge", [1] * 250, SamplingParams.greedy(10))
@@ -291,7 +299,9 @@ def test_equal_length_decode_staging_matches_plain_gather(dtype: torch.dtype) ->
     model = make_tiny_llama(dtype=dtype)
     prompts = [[(7 * r + i) % 64 for i in range(6)] for r in range(4)]
 
-    def run(staging: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
+    def run(
+        staging: bool,
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
         engine = _engine(model)
         backend = TorchPagedAttention(decode_staging=staging, native=False)
         engine.runner.backend = backend

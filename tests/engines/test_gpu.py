@@ -65,7 +65,9 @@ def _metadata(
         used += n
         tables.append(table)
         for p in range(kv_len - q_len, kv_len):
-            slots.append(sink if is_read_only else table[p // block_size] * block_size + p % block_size)
+            slots.append(
+                sink if is_read_only else table[p // block_size] * block_size + p % block_size
+            )
         limits.extend(_limits(patterns[i] if patterns else "causal", kv_len, q_len))
     starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     return AttentionMetadata(
@@ -118,10 +120,12 @@ def _assert_matches_torch(backend: AttentionBackend, dtype: torch.dtype, step: s
     outs: list[list[torch.Tensor]] = []
     for each in (TorchPagedAttention("cuda"), backend):
         each.plan(meta)
-        outs.append([
-            each.forward(q, k, v, (k_cache.clone(), v_cache.clone()), dim**-0.5).float()
-            for q, k, v, k_cache, v_cache in layers
-        ])
+        outs.append(
+            [
+                each.forward(q, k, v, (k_cache.clone(), v_cache.clone()), dim**-0.5).float()
+                for q, k, v, k_cache, v_cache in layers
+            ]
+        )
     for got, want in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
@@ -153,8 +157,10 @@ def _generate(engine: KVCacheEngine, prompts: list[list[int]]) -> list[list[int]
 @pytest.mark.parametrize("batch_size", [1, 3, 16, 21])
 def test_cuda_graph_decode_matches_eager_and_cpu(batch_size: int) -> None:
     gen = torch.Generator().manual_seed(batch_size)
-    prompts = [torch.randint(0, 64, (int(n),), generator=gen).tolist()
-               for n in torch.randint(1, 20, (batch_size,), generator=gen)]
+    prompts = [
+        torch.randint(0, 64, (int(n),), generator=gen).tolist()
+        for n in torch.randint(1, 20, (batch_size,), generator=gen)
+    ]
     cpu = make_tiny_llama()
     expected = _generate(KVCacheEngine(cpu, KVCacheEngineConfig(num_blocks=128)), prompts)
     model = make_tiny_llama().cuda()
@@ -173,10 +179,14 @@ def test_engine_on_flashinfer_matches_the_torch_backend() -> None:
     results = []
     for backend in ("torch", "flashinfer"):
         config = KVCacheEngineConfig(num_blocks=128, attention_backend=backend, cuda_graphs=False)  # type: ignore[arg-type]
-        results.append(_generate(KVCacheEngine(_flashinfer_llama(), config, device="cuda"), prompts))
+        results.append(
+            _generate(KVCacheEngine(_flashinfer_llama(), config, device="cuda"), prompts)
+        )
     assert results[1] == results[0]
     engine = KVCacheEngine(
-        _flashinfer_llama(), KVCacheEngineConfig(num_blocks=128, attention_backend="flashinfer"), device="cuda"
+        _flashinfer_llama(),
+        KVCacheEngineConfig(num_blocks=128, attention_backend="flashinfer"),
+        device="cuda",
     )
     engine.add_request("m", [5, 3, 8, 1, 9, 2], SamplingParams.greedy(4), mask=AttentionMask.full())
     while engine.has_unfinished():
@@ -226,8 +236,13 @@ def test_cuda_graphs_on_flashinfer_equal_eager_as_batches_change(heads: int, kv_
     # Batch sizes change step to step (21 -> 3 -> 16 sequences), sequences cross block
     # boundaries and outgrow cuda_graph_max_len (48: those steps run eagerly).
     gen = torch.Generator().manual_seed(heads)
-    waves = [[torch.randint(0, 64, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (size,), generator=gen)]
-             for size in (21, 3, 16)]  # fmt: skip
+    waves = [
+        [
+            torch.randint(0, 64, (int(n),), generator=gen).tolist()
+            for n in torch.randint(1, 30, (size,), generator=gen)
+        ]
+        for size in (21, 3, 16)
+    ]
     results = []
     for graphs in (False, True):
         config = KVCacheEngineConfig(

@@ -10,7 +10,9 @@ from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.skipif(not can_screen(torch.zeros(1, 1)), reason="needs a CPU with bfloat16 products"),
+    pytest.mark.skipif(
+        not can_screen(torch.zeros(1, 1)), reason="needs a CPU with bfloat16 products"
+    ),
 ]
 
 

@@ -101,7 +101,13 @@ async def test_branches_fork_at_a_mark_and_queries_write_nothing(model: LlamaCau
             engine,
             "r",
             KVChunk(token_ids=query, read_only=True),
-            KVChunk(seq="uncond", token_ids=query, read_only=True, fork_from="", fork_tokens=len(context)),
+            KVChunk(
+                seq="uncond",
+                token_ids=query,
+                read_only=True,
+                fork_from="",
+                fork_tokens=len(context),
+            ),
         )
         assert full is not None and no_text is not None
         torch.testing.assert_close(full, dense_rows(model, context + latest + query, 3))
@@ -161,7 +167,12 @@ async def test_chunks_of_one_sequence_run_in_order(model: LlamaCausalLM) -> None
         want = next(o.hidden for o in dense.step() if o.hidden is not None)
         torch.testing.assert_close(rows[2], want)
         with pytest.raises(ValueError, match="cannot reset"):
-            await fire(engine, "r", KVChunk(seq="c", token_ids=[1]), KVChunk(seq="c", token_ids=[2], reset=True))
+            await fire(
+                engine,
+                "r",
+                KVChunk(seq="c", token_ids=[1]),
+                KVChunk(seq="c", token_ids=[2], reset=True),
+            )
     finally:
         await engine.aclose()
 
@@ -188,12 +199,20 @@ def test_forward_nodes_declare_themselves(model: LlamaCausalLM) -> None:
 def test_kv_budgets_split_a_rank_by_share() -> None:
     cpu = torch.device("cpu")
     config = WorkerConfig(kv_cache_memory=1000, kv_cache_shares={"thinker": 0.5})
-    assert kv_cache_budgets(["thinker", "talker", "code"], config, cpu) == {"thinker": 500, "talker": 250, "code": 250}
+    assert kv_cache_budgets(["thinker", "talker", "code"], config, cpu) == {
+        "thinker": 500,
+        "talker": 250,
+        "code": 250,
+    }
     assert kv_cache_budgets(["a"], WorkerConfig(), cpu) == {"a": None}  # a lone node sizes itself
     two = kv_cache_budgets(["a", "b"], WorkerConfig(), cpu)  # several split the device default
     assert two["a"] == two["b"] and two["a"] is not None and two["a"] <= (1 << 29)
     with pytest.raises(KVCacheCapacityError, match=r"add up to 1\.2"):
-        kv_cache_budgets(["a", "b"], WorkerConfig(kv_cache_memory=1000, kv_cache_shares={"a": 0.6, "b": 0.6}), cpu)
+        kv_cache_budgets(
+            ["a", "b"],
+            WorkerConfig(kv_cache_memory=1000, kv_cache_shares={"a": 0.6, "b": 0.6}),
+            cpu,
+        )
     with pytest.raises(KVCacheCapacityError, match="not KV-cache nodes"):
         kv_cache_budgets(["a"], WorkerConfig(kv_cache_shares={"codec": 0.5}), cpu)
     with pytest.raises(KVCacheCapacityError, match=r"must be in \(0, 1\]"):
@@ -211,7 +230,10 @@ async def test_kv_nodes_of_different_geometries_share_a_budget() -> None:
     nodes = {"big": ChunkNode(big), "small": ChunkNode(small)}
     for node in nodes.values():
         node.engine_config = KVCacheEngineConfig(block_size=8)
-    engines = {name: KVNodeEngine(name, node, None, "cpu", kv_cache_memory=budgets[name]) for name, node in nodes.items()}
+    engines = {
+        name: KVNodeEngine(name, node, None, "cpu", kv_cache_memory=budgets[name])
+        for name, node in nodes.items()
+    }
     for name, engine in engines.items():
         spec: KVCacheSpec = nodes[name].model.kv_cache_spec
         assert engine.engine.num_blocks == budgets[name] // spec.bytes_per_block(8) - 1
@@ -255,13 +277,17 @@ class PromptThenAnswer(ChunkNode):
 
     def __init__(self, model: LlamaCausalLM) -> None:
         super().__init__(model)
-        self.engine_config = KVCacheEngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=3)
+        self.engine_config = KVCacheEngineConfig(
+            block_size=4, num_blocks=64, max_num_batched_tokens=3
+        )
         self.calls: list[tuple[int, bool, Any]] = []
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         return KVTurn(list(inputs["tail"]), SamplingParams.greedy(4), return_rows=inputs["rows"])
 
-    def outputs(self, request_id: str, token_id: int, history: list[int] | None, **extra: Any) -> Mapping[str, Any]:
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None, **extra: Any
+    ) -> Mapping[str, Any]:
         self.calls.append((token_id, history is not None, extra.get("rows")))
         return {"token": token_id, "stop": history is not None}
 
@@ -277,13 +303,20 @@ async def test_a_token_walk_hands_its_inputs_rows_to_its_first_token(model: Llam
     try:
         await engine.submit("r", {"chunks": [KVChunk(token_ids=head, output="none")]})
         tokens: list[int] = []
-        await engine.run("r", {"tail": tail, "rows": True}, None, lambda out: tokens.append(out["token"]))
+        await engine.run(
+            "r", {"tail": tail, "rows": True}, None, lambda out: tokens.append(out["token"])
+        )
         plain = PromptThenAnswer(model)
         other = KVNodeEngine("plain", plain, None, "cpu")
         other.start()
         try:
             want: list[int] = []
-            await other.run("p", {"tail": head + tail, "rows": False}, None, lambda out: want.append(out["token"]))
+            await other.run(
+                "p",
+                {"tail": head + tail, "rows": False},
+                None,
+                lambda out: want.append(out["token"]),
+            )
         finally:
             await other.aclose()
     finally:
@@ -291,6 +324,8 @@ async def test_a_token_walk_hands_its_inputs_rows_to_its_first_token(model: Llam
     assert tokens == want and len(tokens) == 4
     rows = [r for _, _, r in node.calls]
     assert rows[0] is not None and all(r is None for r in rows[1:])
-    torch.testing.assert_close(rows[0], dense_rows(model, head + tail, len(tail)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        rows[0], dense_rows(model, head + tail, len(tail)), rtol=1e-5, atol=1e-5
+    )
     assert [last for _, last, _ in node.calls] == [False, False, False, True]
     assert all(r is None for _, _, r in plain.calls)

@@ -48,7 +48,8 @@ def test_fused_projections_match_separate_linears(forced_layout: str, bias: bool
     for shape in ((1, 48), (5, 48), (16, 48), (2, 7, 48), (48,)):
         x = torch.randn(shape)
         expected = torch.cat(
-            [F.linear(x, w, b) for w, b in zip(expected_weights, expected_biases, strict=True)], dim=-1
+            [F.linear(x, w, b) for w, b in zip(expected_weights, expected_biases, strict=True)],
+            dim=-1,
         )
         torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
     if forced_layout in (PACKED, TILED):
@@ -100,7 +101,9 @@ def test_apply_rotary_turns_half_split_pairs() -> None:
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
     got = apply_rotary(x, cos, sin)
     x0, x1 = x[:, :4], x[:, 4:]
-    expected = torch.cat([x0 * angles.cos() - x1 * angles.sin(), x1 * angles.cos() + x0 * angles.sin()], dim=-1)
+    expected = torch.cat(
+        [x0 * angles.cos() - x1 * angles.sin(), x1 * angles.cos() + x0 * angles.sin()], dim=-1
+    )
     torch.testing.assert_close(got, expected)
 
 
@@ -116,12 +119,15 @@ def test_route_experts_runs_each_row_through_its_own_weights() -> None:
         for row, expert in enumerate(ids.tolist()):
             torch.testing.assert_close(out[row], experts[expert](x[row]))
         torch.testing.assert_close(route_experts(x, None, experts), experts[0](x))
-        torch.testing.assert_close(route_experts(x, torch.ones(7, dtype=torch.long), experts), experts[1](x))
+        torch.testing.assert_close(
+            route_experts(x, torch.ones(7, dtype=torch.long), experts), experts[1](x)
+        )
 
 
 @pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
 @pytest.mark.parametrize(
-    ("activation", "act"), [("silu", F.silu), ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))]
+    ("activation", "act"),
+    [("silu", F.silu), ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))],
 )
 def test_gated_mlp_is_the_gated_block_before_and_after_fusing(
     forced_layout: str, activation: str, act: object
@@ -130,7 +136,12 @@ def test_gated_mlp_is_the_gated_block_before_and_after_fusing(
     mlp = GatedMLP(32, 48, activation=activation, bias=True)
     x = torch.randn(5, 32)
     with torch.no_grad():
-        want = F.linear(act(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight, mlp.down_proj.bias)  # type: ignore[operator]
+        want = F.linear(
+            act(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+            * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias),
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+        )  # type: ignore[operator]
         torch.testing.assert_close(mlp(x), want)
         mlp.fuse()
         torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)

@@ -20,7 +20,9 @@ from mstar.engines.sampler import argmax_rows
 
 from .conftest import make_tiny_llama, run_join_leave_schedule
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None, reason="no C++ compiler to build the kernels"
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,14 @@ def kernels():  # type: ignore[no-untyped-def]
 
 
 def _cpu_has(*flags: str) -> bool:
-    words = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
+    words = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        [],
+    )
     return set(flags) <= set(words)
 
 
@@ -39,8 +48,24 @@ def _cpu_has(*flags: str) -> bool:
 # this machine's own; AVX-512 without BF16 (bfloat16 widened on load); AVX2 only (two halves).
 ISAS = [
     pytest.param(None, id="native"),
-    pytest.param("skylake-avx512", id="avx512", marks=[pytest.mark.slow, pytest.mark.skipif(not _cpu_has("avx512f", "avx512bw", "avx512vl"), reason="no AVX-512 here")]),
-    pytest.param("haswell", id="avx2", marks=[pytest.mark.slow, pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="no AVX2 here")]),
+    pytest.param(
+        "skylake-avx512",
+        id="avx512",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(
+                not _cpu_has("avx512f", "avx512bw", "avx512vl"), reason="no AVX-512 here"
+            ),
+        ],
+    ),
+    pytest.param(
+        "haswell",
+        id="avx2",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(not _cpu_has("avx2", "fma"), reason="no AVX2 here"),
+        ],
+    ),
 ]
 
 
@@ -54,7 +79,9 @@ def isa_kernels(request: pytest.FixtureRequest, kernels):  # type: ignore[no-unt
     return built
 
 
-def _paged(lens: list[int], kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+def _paged(
+    lens: list[int], kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, seed: int
+):  # type: ignore[no-untyped-def]
     """Random keys and values of each row scattered over shuffled blocks; return the caches,
     tables, lengths and each row's keys and values in order `[kv_heads, len, dim]`."""
     gen = torch.Generator().manual_seed(seed)
@@ -79,21 +106,37 @@ def _reference(q: torch.Tensor, rows, kv_heads: int, scale: float) -> torch.Tens
     for r, (keys, values) in enumerate(rows):
         heads, dim = q.shape[1], q.shape[2]
         qr = q[r].float().view(kv_heads, heads // kv_heads, dim)
-        out.append(F.scaled_dot_product_attention(qr, keys, values, scale=scale).reshape(heads, dim))
+        out.append(
+            F.scaled_dot_product_attention(qr, keys, values, scale=scale).reshape(heads, dim)
+        )
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
-    [(8, 4, 32, 16), (9, 3, 64, 16), (4, 4, 16, 8), (8, 1, 128, 32), (2, 2, 256, 16), (16, 2, 64, 4)],
+    [
+        (8, 4, 32, 16),
+        (9, 3, 64, 16),
+        (4, 4, 16, 8),
+        (8, 1, 128, 32),
+        (2, 2, 256, 16),
+        (16, 2, 64, 4),
+    ],
 )
-def test_kernel_equals_attention_over_the_gathered_keys(isa_kernels, dtype, heads, kv_heads, dim, block_size) -> None:  # type: ignore[no-untyped-def]
-    """Rows of many lengths (one key, partial blocks and tiles, several chunks), strided query rows."""
+def test_kernel_equals_attention_over_the_gathered_keys(
+    isa_kernels, dtype, heads, kv_heads, dim, block_size
+) -> None:  # type: ignore[no-untyped-def]
+    """Rows of many lengths (one key, partial blocks and tiles, several chunks), strided query
+    rows."""
     lens = [1, 5, 16, 17, 64, 100, 257]
-    k_cache, v_cache, tables, lengths, rows = _paged(lens, kv_heads, dim, block_size, dtype, seed=dim + heads)
+    k_cache, v_cache, tables, lengths, rows = _paged(
+        lens, kv_heads, dim, block_size, dtype, seed=dim + heads
+    )
     # The queries as the layers hand them over: a view into a wider row (q and k side by side).
-    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    qk = torch.randn(
+        len(lens), heads + kv_heads, dim, generator=torch.Generator().manual_seed(1)
+    ).to(dtype)
     q = qk[:, :heads]
     scale = dim**-0.5
     out = isa_kernels.decode_attention(q, k_cache, v_cache, tables, lengths, scale)
@@ -104,7 +147,9 @@ def test_kernel_equals_attention_over_the_gathered_keys(isa_kernels, dtype, head
     else:  # float32 arithmetic, rounded once to bfloat16
         torch.testing.assert_close(out, expected.to(dtype), rtol=1.6e-2, atol=1e-2)
     # Each row alone gives what it gives in the batch: no state leaks between work items.
-    alone = isa_kernels.decode_attention(q[3:4].contiguous(), k_cache, v_cache, tables[3:4].contiguous(), lengths[3:4], scale)
+    alone = isa_kernels.decode_attention(
+        q[3:4].contiguous(), k_cache, v_cache, tables[3:4].contiguous(), lengths[3:4], scale
+    )
     torch.testing.assert_close(alone, out[3:4], rtol=0, atol=0)
 
 
@@ -114,7 +159,9 @@ def test_a_dominant_key_takes_all_the_weight(isa_kernels) -> None:  # type: igno
     v_cache = torch.arange(2 * 16 * 16, dtype=torch.float32).view(2, 16, 1, 16)
     k_cache[1, 3, 0] = 1.0
     q = torch.full((1, 1, 16), 400.0)
-    out = isa_kernels.decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([32]), 1.0)
+    out = isa_kernels.decode_attention(
+        q, k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([32]), 1.0
+    )
     torch.testing.assert_close(out[0, 0], v_cache[1, 3, 0])
 
 
@@ -133,9 +180,18 @@ def test_kernel_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyp
     with pytest.raises(RuntimeError, match="share a dtype"):
         isa_kernels.decode_attention(q.bfloat16(), k_cache, k_cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="head_dim must be"):
-        isa_kernels.decode_attention(torch.zeros(2, 4, 8), torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8), tables, lens, 1.0)
+        isa_kernels.decode_attention(
+            torch.zeros(2, 4, 8),
+            torch.zeros(4, 16, 2, 8),
+            torch.zeros(4, 16, 2, 8),
+            tables,
+            lens,
+            1.0,
+        )
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        isa_kernels.decode_attention(q.double(), k_cache.double(), k_cache.double(), tables, lens, 1.0)
+        isa_kernels.decode_attention(
+            q.double(), k_cache.double(), k_cache.double(), tables, lens, 1.0
+        )
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
         isa_kernels.decode_attention(q.transpose(0, 1), k_cache, k_cache, tables, lens, 1.0)
 
@@ -146,8 +202,12 @@ def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: to
     whether decode rows go through the kernel or gather their blocks."""
     model = make_tiny_llama(dtype=dtype, hidden_size=64, num_heads=4, num_kv_heads=2)  # head_dim 16
 
-    def run(native: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
-        engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16))
+    def run(
+        native: bool,
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], TorchPagedAttention]:
+        engine = KVCacheEngine(
+            model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16)
+        )
         backend = TorchPagedAttention(decode_staging=False, native=native)
         engine.runner.backend = backend
         engine.runner.ctx.backend = backend
@@ -169,9 +229,14 @@ def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: to
         compared = 0
         for name in native:
             a, b = native_tokens[name], gathered_tokens[name]
-            same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
+            same = (
+                next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1)
+                + 1
+            )
             compared += same
-            torch.testing.assert_close(native[name][:same], gathered[name][:same], rtol=0.05, atol=0.1)
+            torch.testing.assert_close(
+                native[name][:same], gathered[name][:same], rtol=0.05, atol=0.1
+            )
         assert compared >= len(native) * 8
 
 
@@ -186,7 +251,9 @@ def _torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_round_as_the_torch_path_does(kernels, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_norms_round_as_the_torch_path_does(
+    kernels, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(3)
     norm = RMSNorm(256, 1e-5).to(dtype)
     with torch.no_grad():
@@ -209,7 +276,9 @@ def test_norms_round_as_the_torch_path_does(kernels, dtype: torch.dtype, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_silu_mul_equal_the_torch_ops(kernels, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_rotary_and_silu_mul_equal_the_torch_ops(
+    kernels, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(16, 14 * 32, generator=gen).to(dtype)
     qk = qkv[:, : 12 * 32].view(16, 12, 32)  # q and k heads side by side, v after them
@@ -231,7 +300,12 @@ def test_rotary_and_silu_mul_equal_the_torch_ops(kernels, dtype: torch.dtype, mo
         torch.testing.assert_close(native[2], plain[2], rtol=1e-5, atol=1e-5)
     # Far tails of silu: exp's clamps give 0 and the identity, never NaN.
     tails = kernels.silu_mul(torch.tensor([[-1e4, 1e4, 100.0, 2.0, 1.0, 1.0, 1.0, 1.0]]).to(dtype))
-    torch.testing.assert_close(tails.float(), torch.tensor([[-0.0, 1e4, 100.0, 2 * 0.8807970779778823]]), rtol=8e-3, atol=1e-30)
+    torch.testing.assert_close(
+        tails.float(),
+        torch.tensor([[-0.0, 1e4, 100.0, 2 * 0.8807970779778823]]),
+        rtol=8e-3,
+        atol=1e-30,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,14 +314,20 @@ def test_small_ops_give_the_same_on_every_path(isa_kernels, kernels, dtype: torc
     machine's path) give the same values built for every vector path."""
     gen = torch.Generator().manual_seed(5)
     x = (3 * torch.randn(16, 512, generator=gen)).to(dtype)[:, :256]
-    w, delta = (1 + 0.1 * torch.randn(256, generator=gen)).to(dtype), torch.randn(16, 256, generator=gen).to(dtype)
+    w, delta = (
+        (1 + 0.1 * torch.randn(256, generator=gen)).to(dtype),
+        torch.randn(16, 256, generator=gen).to(dtype),
+    )
     qk = torch.randn(16, 12, 32, generator=gen).to(dtype)
     angles = 40 * torch.rand(16, 32, generator=gen)
     cos, sin = angles.cos().to(dtype), signed_sin(angles.sin()).to(dtype)
     gated = (8 * torch.randn(16, 256, generator=gen)).to(dtype)
     for got, want in [
         (isa_kernels.rms_norm(x, w, 1e-5), kernels.rms_norm(x, w, 1e-5)),
-        (isa_kernels.add_rms_norm(x, delta, w, 1e-5)[1], kernels.add_rms_norm(x, delta, w, 1e-5)[1]),
+        (
+            isa_kernels.add_rms_norm(x, delta, w, 1e-5)[1],
+            kernels.add_rms_norm(x, delta, w, 1e-5)[1],
+        ),
         (isa_kernels.rotary(qk, cos, sin), kernels.rotary(qk, cos, sin)),
         (isa_kernels.silu_mul(gated), kernels.silu_mul(gated)),
     ]:
@@ -286,10 +366,18 @@ def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) 
         step_lens = [n + step for n in lens]
         per_row = [-(-n // block_size) for n in step_lens]
         tables = [list(range(sum(per_row[:r]), sum(per_row[: r + 1]))) for r in range(len(lens))]
-        slots = [tables[r][(n - 1) // block_size] * block_size + (n - 1) % block_size for r, n in enumerate(step_lens)]
+        slots = [
+            tables[r][(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for r, n in enumerate(step_lens)
+        ]
         metadata = AttentionMetadata(
-            num_tokens=len(lens), slot_mapping=torch.tensor(slots), query_start_loc=np.arange(len(lens) + 1),
-            seq_lens=np.array(step_lens), block_tables=tables, kv_limits=None, block_size=block_size,
+            num_tokens=len(lens),
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=np.arange(len(lens) + 1),
+            seq_lens=np.array(step_lens),
+            block_tables=tables,
+            kv_limits=None,
+            block_size=block_size,
             seq_keys=np.arange(len(lens)),
         )
         backend.plan(metadata)
@@ -314,7 +402,9 @@ def test_a_layer_the_kernel_does_not_take_gathers_within_the_same_step(kernels) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("features", [64, 96, 18])
-def test_tiled_linear_is_the_product_rounded_once(isa_kernels, dtype: torch.dtype, bias: bool, features: int) -> None:  # type: ignore[no-untyped-def]
+def test_tiled_linear_is_the_product_rounded_once(
+    isa_kernels, dtype: torch.dtype, bias: bool, features: int
+) -> None:  # type: ignore[no-untyped-def]
     """Every row count a step can have (one to past two blocks of 16), strided input rows.
 
     On a CPU with AMX, bfloat16 products of 4 rows or more with features in blocks of 32 run
@@ -381,7 +471,10 @@ def test_argmax_rows_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["tiled", "in_out", "out_in", "packed"])
 def test_native_decoder_layers_equal_the_layer_by_layer_path(
-    kernels, dtype: torch.dtype, layout: str, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+    kernels,
+    dtype: torch.dtype,
+    layout: str,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
 ) -> None:
     """Decode steps run in one `DecodeStack.forward` call: bit for bit the logits and tokens
     of the layer-by-layer path, with requests joining, leaving and preempted. Products in
@@ -404,11 +497,15 @@ def test_native_decoder_layers_equal_the_layer_by_layer_path(
             return self._stack.forward(*args)
 
     def run(native: bool) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
-        model = make_tiny_llama(dtype=dtype, hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=3)
+        model = make_tiny_llama(
+            dtype=dtype, hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=3
+        )
         model.fuse_for_inference()
         if not native:
             model._native_stack = False
-        engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16))
+        engine = KVCacheEngine(
+            model, KVCacheEngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=16)
+        )
         engine.return_logits = True
         return run_join_leave_schedule(engine)
 
@@ -445,8 +542,23 @@ def test_decode_layer_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, 1e-5)
 
     def call(slots: torch.Tensor, k: torch.Tensor = k_cache):  # type: ignore[no-untyped-def]
-        return isa_kernels.decode_layer(x, None, *norms, weights, biases, transposed, cos, sin, k, v_cache,
-                                    slots, tables, lens, 0.25, 4)
+        return isa_kernels.decode_layer(
+            x,
+            None,
+            *norms,
+            weights,
+            biases,
+            transposed,
+            cos,
+            sin,
+            k,
+            v_cache,
+            slots,
+            tables,
+            lens,
+            0.25,
+            4,
+        )
 
     residual, mlp = call(torch.tensor([0, 4]))
     assert residual.shape == mlp.shape == (2, 64)
@@ -473,7 +585,9 @@ def test_linear_argmax_is_the_argmax_of_the_tiled_product(isa_kernels, dtype: to
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(isa_kernels, threads: int) -> None:  # type: ignore[no-untyped-def]
+def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(
+    isa_kernels, threads: int
+) -> None:  # type: ignore[no-untyped-def]
     """On AMX the bfloat16 product's outputs are never written (each row's maximum is kept as
     they come out, per thread, then merged): still the first maximum, the first NaN, and 0 for
     a row of -inf, as `torch.argmax` of the written outputs gives."""
@@ -483,7 +597,12 @@ def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(isa_kerne
     weight[40:48] = weight[33]  # and within one tile
     tiles = isa_kernels.pack_linear(weight)
     inf, nan = float("inf"), float("nan")
-    biases = {"none": None, "tie": torch.zeros(4000), "nan": torch.zeros(4000), "ninf": torch.full((4000,), -inf)}
+    biases = {
+        "none": None,
+        "tie": torch.zeros(4000),
+        "nan": torch.zeros(4000),
+        "ninf": torch.full((4000,), -inf),
+    }
     biases["tie"][[17, 3001, 33, 40]] = 100.0
     biases["nan"][[2999, 3500]] = nan
     biases["nan"][12] = inf
@@ -502,7 +621,8 @@ def test_linear_argmax_keeps_torchs_choice_on_ties_infinities_and_nans(isa_kerne
 
 
 def test_a_build_killed_midway_leaves_no_lock_that_stops_the_next(kernels) -> None:  # type: ignore[no-untyped-def]
-    """torch's loader leaves its lock file behind when a build is killed; the next build waited on it forever."""
+    """torch's loader leaves its lock file behind when a build is killed; the next build waited on
+    it forever."""
     from torch.utils import cpp_extension
 
     build_dir = Path(cpp_extension._get_build_directory(native._build_name(), verbose=False))

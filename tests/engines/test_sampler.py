@@ -98,7 +98,9 @@ class _Silent(_Window):
     narrows_vocab = False  # type: ignore[assignment]
 
 
-@pytest.mark.parametrize(("top_k", "top_p", "penalty"), [(0, 1.0, 1.0), (0, 0.8, 1.3), (7, 0.9, 1.0)])
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "penalty"), [(0, 1.0, 1.0), (0, 0.8, 1.3), (7, 0.9, 1.0)]
+)
 def test_candidate_ranges_draw_exactly_what_the_whole_vocabulary_draws(
     top_k: int, top_p: float, penalty: float
 ) -> None:
@@ -106,8 +108,12 @@ def test_candidate_ranges_draw_exactly_what_the_whole_vocabulary_draws(
     logits = torch.randn(24, 1000) * 2
     history = [torch.randint(0, 1000, (20,)).tolist() for _ in range(24)]
     windows = [(100 * (i % 5), 100 * (i % 5) + 60 + i) for i in range(24)]
-    params = [SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, repetition_penalty=penalty, seed=i)
-              for i in range(24)]
+    params = [
+        SamplingParams(
+            temperature=0.7, top_k=top_k, top_p=top_p, repetition_penalty=penalty, seed=i
+        )
+        for i in range(24)
+    ]
 
     def draw(processor: type[_Window]) -> torch.Tensor:
         seqs = _seqs(params, history)

@@ -72,7 +72,9 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
     expected = torch.tensor([[1.0, 2.0, 3.0, 4.0 - 0.5 - 2 * 1.5, 5.0 - 0.5 - 1.5]])
     torch.testing.assert_close(got, expected)
     # Without prompt_len, the tokens of the current walk count.
-    seq = make_sequence([0, 1, 2], SamplingParams(temperature=0.0, presence_penalty=1.0), walk_start=2)
+    seq = make_sequence(
+        [0, 1, 2], SamplingParams(temperature=0.0, presence_penalty=1.0), walk_start=2
+    )
     torch.testing.assert_close(
         Sampler._apply_presence_frequency(logits.clone(), [seq]),
         logits - torch.tensor([0, 0, 1.0, 0, 0]),

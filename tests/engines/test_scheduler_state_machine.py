@@ -136,7 +136,9 @@ class EngineMachine(RuleBasedStateMachine):
         suffix=st.lists(st.integers(0, VOCAB - 1), max_size=4),
         params=params_strategy,
     )
-    def add_shared_prefix(self, data: st.DataObject, suffix: list[int], params: SamplingParams) -> None:
+    def add_shared_prefix(
+        self, data: st.DataObject, suffix: list[int], params: SamplingParams
+    ) -> None:
         base = data.draw(st.sampled_from(self.prefixes))
         prompt = (base + tuple(suffix))[:MAX_PROMPT]
         self._add(prompt, params, keep_alive=False)
@@ -158,9 +160,7 @@ class EngineMachine(RuleBasedStateMachine):
         for out in self.engine.step():
             self.outputs[out.request_id][-1].extend(out.new_token_ids)
             if out.finished:
-                seq_done = out.request_id not in {
-                    s for s in self.engine.scheduler.paused
-                }
+                seq_done = out.request_id not in {s for s in self.engine.scheduler.paused}
                 if seq_done:
                     self.live.discard(out.request_id)
                     self.done.add(out.request_id)
@@ -169,7 +169,11 @@ class EngineMachine(RuleBasedStateMachine):
         return sorted(self.engine.scheduler.paused)
 
     @precondition(lambda self: bool(self.engine.scheduler.paused))
-    @rule(data=st.data(), params=params_strategy, new_tokens=st.lists(st.integers(0, VOCAB - 1), max_size=3))
+    @rule(
+        data=st.data(),
+        params=params_strategy,
+        new_tokens=st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    )
     def resume(self, data: st.DataObject, params: SamplingParams, new_tokens: list[int]) -> None:
         request_id = data.draw(st.sampled_from(self._paused_ids()))
         if len(self.walks[request_id]) >= 3:

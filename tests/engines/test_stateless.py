@@ -31,7 +31,9 @@ class Recorder:
 async def test_concurrent_requests_share_one_step() -> None:
     node = Recorder()
     async with StatelessEngine("enc", node, StatelessEngineConfig(max_batch_size=8)) as engine:
-        outs = await asyncio.gather(*(engine.submit(f"r{i}", {"x": torch.full((3,), float(i))}) for i in range(20)))
+        outs = await asyncio.gather(
+            *(engine.submit(f"r{i}", {"x": torch.full((3,), float(i))}) for i in range(20))
+        )
     assert [o["y"][0].item() for o in outs] == [2 * i + 1 for i in range(20)]
     assert node.sizes == [8, 8, 4]  # continuous batching under the size cap, arrival order
     assert engine.num_steps == 3
@@ -39,7 +41,9 @@ async def test_concurrent_requests_share_one_step() -> None:
 
 async def test_max_wait_lets_a_short_batch_fill() -> None:
     node = Recorder()
-    async with StatelessEngine("enc", node, StatelessEngineConfig(max_batch_size=4, max_wait_s=5.0)) as engine:
+    async with StatelessEngine(
+        "enc", node, StatelessEngineConfig(max_batch_size=4, max_wait_s=5.0)
+    ) as engine:
         first = asyncio.ensure_future(engine.submit("a", {"x": torch.zeros(1)}))
         await asyncio.sleep(0)  # the engine now waits for the batch to fill
         rest = [asyncio.ensure_future(engine.submit(r, {"x": torch.ones(1)})) for r in "bcd"]
@@ -68,7 +72,9 @@ async def test_a_bad_input_fails_only_its_request() -> None:
             raise ValueError("negative input")
         return {"y": inputs["x"] + 1}
 
-    async with StatelessEngine("enc", batched(node), StatelessEngineConfig(max_batch_size=8)) as engine:
+    async with StatelessEngine(
+        "enc", batched(node), StatelessEngineConfig(max_batch_size=8)
+    ) as engine:
         results = await asyncio.gather(
             *(engine.submit(f"r{x}", {"x": x}) for x in (1, -1, 2)), return_exceptions=True
         )
@@ -83,7 +89,9 @@ async def test_wrong_output_count_is_an_error() -> None:
 
 
 async def test_close_fails_pending_and_later_submissions() -> None:
-    engine = StatelessEngine("enc", Recorder(), StatelessEngineConfig(max_batch_size=2, max_wait_s=30.0))
+    engine = StatelessEngine(
+        "enc", Recorder(), StatelessEngineConfig(max_batch_size=2, max_wait_s=30.0)
+    )
     engine.start()
     pending = asyncio.ensure_future(engine.submit("r", {"x": torch.zeros(1)}))
     await asyncio.sleep(0)
@@ -114,8 +122,12 @@ async def test_steps_on_the_event_loop_start_and_stop_with_the_engine() -> None:
 async def test_steps_can_run_off_the_event_loop() -> None:
     node = Recorder()
     with ThreadPoolExecutor(1) as pool:
-        async with StatelessEngine("enc", node, StatelessEngineConfig(max_batch_size=16), executor=pool) as engine:
-            outs = await asyncio.gather(*(engine.submit(str(i), {"x": torch.tensor([float(i)])}) for i in range(5)))
+        async with StatelessEngine(
+            "enc", node, StatelessEngineConfig(max_batch_size=16), executor=pool
+        ) as engine:
+            outs = await asyncio.gather(
+                *(engine.submit(str(i), {"x": torch.tensor([float(i)])}) for i in range(5))
+            )
     assert [float(o["y"]) for o in outs] == [1.0, 3.0, 5.0, 7.0, 9.0]
 
 

@@ -21,8 +21,12 @@ def test_a_mixed_step_counts_under_every_walk_present() -> None:
     assert (decode.steps, decode.inputs, prefill.steps, prefill.inputs) == (2, 3, 1, 1)
     assert decode.seconds == pytest.approx(0.0121) and prefill.seconds == pytest.approx(0.012)
     # buckets: 0.0001 <= 0.0005 (first), 0.012 in (0.01, 0.025]
-    assert decode.bucket_counts[0] == 1 and decode.bucket_counts[STEP_TIME_BUCKETS.index(0.025)] == 1
-    assert sum(decode.bucket_counts) == 2 and len(decode.bucket_counts) == len(STEP_TIME_BUCKETS) + 1
+    assert (
+        decode.bucket_counts[0] == 1 and decode.bucket_counts[STEP_TIME_BUCKETS.index(0.025)] == 1
+    )
+    assert (
+        sum(decode.bucket_counts) == 2 and len(decode.bucket_counts) == len(STEP_TIME_BUCKETS) + 1
+    )
 
 
 def test_bounds_are_inclusive_and_the_last_bucket_takes_the_rest() -> None:
@@ -50,7 +54,9 @@ async def test_the_stateless_engine_attributes_its_steps_to_walks() -> None:
     async with StatelessEngine("codec", node, config) as engine:
         # one batch of 8: five inputs of one walk, three of another
         walks = ["vocode"] * 5 + ["encode"] * 3
-        await asyncio.gather(*(engine.submit(f"r{i}", {"x": i}, walk) for i, walk in enumerate(walks)))
+        await asyncio.gather(
+            *(engine.submit(f"r{i}", {"x": i}, walk) for i, walk in enumerate(walks))
+        )
         await engine.submit("alone", {"x": 0}, "encode")
     assert node.sizes == [8, 1]
     vocode, encode = engine.walk_times.by_walk["vocode"], engine.walk_times.by_walk["encode"]

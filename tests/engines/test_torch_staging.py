@@ -12,7 +12,10 @@ from .conftest import make_tiny_llama
 
 
 def _engine(staging: bool) -> KVCacheEngine:
-    engine = KVCacheEngine(make_tiny_llama(), KVCacheEngineConfig(block_size=4, num_blocks=128, attention_backend="torch"))
+    engine = KVCacheEngine(
+        make_tiny_llama(),
+        KVCacheEngineConfig(block_size=4, num_blocks=128, attention_backend="torch"),
+    )
     backend = TorchPagedAttention(chunk_staging=staging)
     engine.runner.backend = backend
     engine.runner.ctx.backend = backend

@@ -45,7 +45,9 @@ from mstar.zoo.toy import (
 class Plan:
     """Walk order per partition: a list run once, or repeated while ``repeat`` says so."""
 
-    def __init__(self, order: Mapping[str, list[str]], repeat: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, order: Mapping[str, list[str]], repeat: frozenset[str] = frozenset()
+    ) -> None:
         self.order, self.repeat = order, repeat
 
     def first_walk(self, partition: str, state: Any) -> str | None:
@@ -70,9 +72,18 @@ W = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
 def test_sequential_and_persist_across_walks() -> None:
     # walk one: a -> b; b's output persists into walk two, where a runs again on it.
     a = GraphNode("a", {"x"}, [GraphEdge("b", "h")])
-    b = GraphNode("b", {"h"}, [GraphEdge("a", "x", persist=True), GraphEdge(EMIT, "y", modality="latent")])
-    g = ModelGraph({"one": Sequential([a, b]), "two": Sequential([a, b])}, {"P": ["one", "two"]}, inputs={"a": {"x"}})
-    fns = {"a": lambda i: {"h": W @ i["x"]}, "b": lambda i: {"x": torch.tanh(i["h"]), "y": i["h"].sum()}}
+    b = GraphNode(
+        "b", {"h"}, [GraphEdge("a", "x", persist=True), GraphEdge(EMIT, "y", modality="latent")]
+    )
+    g = ModelGraph(
+        {"one": Sequential([a, b]), "two": Sequential([a, b])},
+        {"P": ["one", "two"]},
+        inputs={"a": {"x"}},
+    )
+    fns = {
+        "a": lambda i: {"h": W @ i["x"]},
+        "b": lambda i: {"x": torch.tanh(i["h"]), "y": i["h"].sum()},
+    }
     x0 = torch.ones(4)
     got = values(run_reference(g, fns, {"a": {"x": x0}}, Plan({"P": ["one", "two"]})), "y")
     # plain Python
@@ -89,14 +100,18 @@ def test_parallel_branches_see_the_same_inputs_and_are_gathered() -> None:
     a = GraphNode("a", {"x"}, [GraphEdge("c", "p"), GraphEdge("b", "x")])
     b = GraphNode("b", {"x"}, [GraphEdge("c", "q")])
     c = GraphNode("c", {"p", "q"}, [GraphEdge(EMIT, "out", modality="latent")])
-    g = ModelGraph({"w": Sequential([Parallel([a, b]), c])}, {"P": ["w"]}, inputs={"a": {"x"}, "b": {"x"}})
+    g = ModelGraph(
+        {"w": Sequential([Parallel([a, b]), c])}, {"P": ["w"]}, inputs={"a": {"x"}, "b": {"x"}}
+    )
     fns = {
         "a": lambda i: {"p": i["x"] * 2, "x": i["x"] * 100},
         "b": lambda i: {"q": i["x"] + 1},
         "c": lambda i: {"out": i["p"] - i["q"]},
     }
     x = torch.arange(4.0)
-    (out,) = values(run_reference(g, fns, {"a": {"x": x}, "b": {"x": x}}, Plan({"P": ["w"]})), "out")
+    (out,) = values(
+        run_reference(g, fns, {"a": {"x": x}, "b": {"x": x}}, Plan({"P": ["w"]})), "out"
+    )
     assert torch.equal(out, x * 2 - (x + 1))
 
 
@@ -104,9 +119,15 @@ def test_loop_feeds_back_and_accumulates() -> None:
     f = GraphNode(
         "f",
         {"x"},
-        [GraphEdge("f", "x"), GraphEdge(EMIT, "step", modality="latent"), GraphEdge(EMIT, "acc", modality="latent")],
+        [
+            GraphEdge("f", "x"),
+            GraphEdge(EMIT, "step", modality="latent"),
+            GraphEdge(EMIT, "acc", modality="latent"),
+        ],
     )
-    g = ModelGraph({"w": Loop(f, 5, accumulated_outputs={"acc"})}, {"P": ["w"]}, inputs={"f": {"x"}})
+    g = ModelGraph(
+        {"w": Loop(f, 5, accumulated_outputs={"acc"})}, {"P": ["w"]}, inputs={"f": {"x"}}
+    )
     fns = {"f": lambda i: {"x": torch.tanh(W @ i["x"]), "step": i["x"].sum(), "acc": i["x"][:2]}}
     em = run_reference(g, fns, {"f": {"x": torch.ones(4)}}, Plan({"P": ["w"]}))
     steps, accs = [], []
@@ -121,27 +142,38 @@ def test_loop_feeds_back_and_accumulates() -> None:
 
 
 def test_nested_loops_accumulate_into_the_outer_loop() -> None:
-    inner = GraphNode("inner", {"x"}, [GraphEdge("inner", "x"), GraphEdge(EMIT, "v", modality="latent")])
+    inner = GraphNode(
+        "inner", {"x"}, [GraphEdge("inner", "x"), GraphEdge(EMIT, "v", modality="latent")]
+    )
     g = ModelGraph(
         {"w": Loop(Loop(inner, 3, accumulated_outputs={"v"}), 2, accumulated_outputs={"v"})},
         {"P": ["w"]},
         inputs={"inner": {"x"}},
     )
     fns = {"inner": lambda i: {"x": i["x"] + 1, "v": i["x"].reshape(1)}}
-    (v,) = values(run_reference(g, fns, {"inner": {"x": torch.tensor(0.0)}}, Plan({"P": ["w"]})), "v")
+    (v,) = values(
+        run_reference(g, fns, {"inner": {"x": torch.tensor(0.0)}}, Plan({"P": ["w"]})), "v"
+    )
     assert v.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 @pytest.mark.parametrize("horizon", [1, 3, 7, 12])
 def test_dynamic_loop_stops_per_request(horizon: int) -> None:
     step = GraphNode(
-        "step", {"t", "horizon"}, [GraphEdge("step", "t"), GraphEdge(EMIT, "t", modality="action")], signals={"done"}
+        "step",
+        {"t", "horizon"},
+        [GraphEdge("step", "t"), GraphEdge(EMIT, "t", modality="action")],
+        signals={"done"},
     )
     g = ModelGraph(
-        {"roll": DynamicLoop(step, max_iters=10, stop="done")}, {"P": ["roll"]}, inputs={"step": {"t", "horizon"}}
+        {"roll": DynamicLoop(step, max_iters=10, stop="done")},
+        {"P": ["roll"]},
+        inputs={"step": {"t", "horizon"}},
     )
     fns = {"step": lambda i: {"t": i["t"] + 1, "done": bool(i["t"] + 1 >= i["horizon"])}}
-    em = run_reference(g, fns, {"step": {"t": torch.tensor(0), "horizon": horizon}}, Plan({"P": ["roll"]}))
+    em = run_reference(
+        g, fns, {"step": {"t": torch.tensor(0), "horizon": horizon}}, Plan({"P": ["roll"]})
+    )
     # while i < max_iters: run; stop if done
     want, t, i = [], 0, 0
     while i < 10:
@@ -154,7 +186,12 @@ def test_dynamic_loop_stops_per_request(horizon: int) -> None:
 
 
 def streaming_graph(policy: ChunkPolicy) -> ModelGraph:
-    prod = GraphNode("prod", {"i"}, [GraphEdge("prod", "i"), StreamingGraphEdge("cons", "item")], signals={"done"})
+    prod = GraphNode(
+        "prod",
+        {"i"},
+        [GraphEdge("prod", "i"), StreamingGraphEdge("cons", "item")],
+        signals={"done"},
+    )
     cons = GraphNode("cons", {"item"}, [GraphEdge(EMIT, "seen", modality="latent")])
     return ModelGraph(
         {"produce": DynamicLoop(prod, max_iters=100, stop="done"), "consume": cons},
@@ -166,7 +203,12 @@ def streaming_graph(policy: ChunkPolicy) -> ModelGraph:
 
 @pytest.mark.parametrize(
     "policy",
-    [FixedChunkPolicy(3), SlidingWindowChunkPolicy(4, 2), SlidingWindowChunkPolicy(28, 7), LeftContextChunkPolicy(3, 5)],
+    [
+        FixedChunkPolicy(3),
+        SlidingWindowChunkPolicy(4, 2),
+        SlidingWindowChunkPolicy(28, 7),
+        LeftContextChunkPolicy(3, 5),
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("n", [0, 1, 5, 28, 31])
@@ -180,7 +222,9 @@ def test_streaming_edges_fire_the_consumer_per_chunk(policy: ChunkPolicy, n: int
         c: Chunk[torch.Tensor] = i["item"]
         return {"seen": (c.start, c.context_len, c.is_last, [int(x) for x in c.items])}
 
-    plan = Plan({"Prod": ["produce"] if n else [], "Cons": ["consume"]}, repeat=frozenset({"consume"}))
+    plan = Plan(
+        {"Prod": ["produce"] if n else [], "Cons": ["consume"]}, repeat=frozenset({"consume"})
+    )
     got = values(run_reference(g, {"prod": prod, "cons": cons}, {"prod": {"i": 0}}, plan), "seen")
     buf: StreamBuffer[int] = StreamBuffer(policy)
     buf.put(list(range(n)))
@@ -219,7 +263,10 @@ def test_node_failure_names_node_walk_and_request() -> None:
         raise ValueError("bad shape")
 
     plan = Plan({"Prod": ["produce"], "Cons": ["consume"]}, repeat=frozenset({"consume"}))
-    with pytest.raises(WalkExecutionError, match=r"ValueError: bad shape \(node 'prod', walk 'produce', request 'r7'\)") as info:
+    with pytest.raises(
+        WalkExecutionError,
+        match=r"ValueError: bad shape \(node 'prod', walk 'produce', request 'r7'\)",
+    ) as info:
         run_reference(g, {"prod": boom, "cons": boom}, {"prod": {"i": 0}}, plan, request_id="r7")
     assert (info.value.node, info.value.walk, info.value.request_id) == ("prod", "produce", "r7")
 
@@ -228,11 +275,18 @@ def test_unknown_outputs_and_missing_callables_are_errors() -> None:
     g = streaming_graph(FixedChunkPolicy(1))
     plan = Plan({"Prod": ["produce"], "Cons": ["consume"]}, repeat=frozenset({"consume"}))
     with pytest.raises(WalkExecutionError, match=r"unknown outputs \['oops'\]"):
-        run_reference(g, {"prod": lambda i: {"oops": 1}, "cons": lambda i: {}}, {"prod": {"i": 0}}, plan)
+        run_reference(
+            g, {"prod": lambda i: {"oops": 1}, "cons": lambda i: {}}, {"prod": {"i": 0}}, plan
+        )
     with pytest.raises(ValueError, match=r"no callable given for nodes \['cons'\]"):
         run_reference(g, {"prod": lambda i: {}}, {"prod": {"i": 0}}, plan)
     with pytest.raises(ValueError, match="not a walk of partition 'Cons'"):
-        run_reference(g, {"prod": lambda i: {}, "cons": lambda i: {}}, {}, Plan({"Prod": [], "Cons": ["produce"]}))
+        run_reference(
+            g,
+            {"prod": lambda i: {}, "cons": lambda i: {}},
+            {},
+            Plan({"Prod": [], "Cons": ["produce"]}),
+        )
 
 
 def test_partitions_waiting_on_each_other_deadlock_with_a_clear_error() -> None:
@@ -241,7 +295,10 @@ def test_partitions_waiting_on_each_other_deadlock_with_a_clear_error() -> None:
     g = ModelGraph(
         {"wa": a, "wb": b},
         {"A": ["wa"], "B": ["wb"]},
-        connections=[Connection("A", "B", "y", FixedChunkPolicy(1)), Connection("B", "A", "x", FixedChunkPolicy(1))],
+        connections=[
+            Connection("A", "B", "y", FixedChunkPolicy(1)),
+            Connection("B", "A", "x", FixedChunkPolicy(1)),
+        ],
     )
 
     class Forever(Plan):
@@ -249,12 +306,17 @@ def test_partitions_waiting_on_each_other_deadlock_with_a_clear_error() -> None:
             return finished
 
     with pytest.raises(WalkDeadlockError, match=r"partitions \['A', 'B'\] all wait"):
-        run_reference(g, {"a": lambda i: {}, "b": lambda i: {}}, {}, Forever({"A": ["wa"], "B": ["wb"]}))
+        run_reference(
+            g, {"a": lambda i: {}, "b": lambda i: {}}, {}, Forever({"A": ["wa"], "B": ["wb"]})
+        )
 
 
 def test_concat_values() -> None:
     assert torch.equal(concat_values([torch.tensor(1), torch.tensor(2)]), torch.tensor([1, 2]))
-    assert torch.equal(concat_values([torch.ones(2, 3), torch.zeros(1, 3)]), torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
+    assert torch.equal(
+        concat_values([torch.ones(2, 3), torch.zeros(1, 3)]),
+        torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]),
+    )
     assert concat_values([[1], [2, 3]]) == [1, 2, 3]
     assert concat_values(["a", "b"]) == ["a", "b"]
 
@@ -281,7 +343,8 @@ def test_toy_model_speak_matches_a_hand_written_loop() -> None:
     got = values(em, "audio")
     assert len(got) == len(audio)
     assert all(torch.equal(x, y) for x, y in zip(got, audio, strict=True))
-    assert sum(len(a) for a in got) == len(tokens) * cfg.samples_per_token  # every token voiced once
+    # every token voiced once
+    assert sum(len(a) for a in got) == len(tokens) * cfg.samples_per_token
     # the vocoder starts before the LM is done: streaming, not a batch at the end
     first_audio = next(i for i, e in enumerate(em) if e.name == "audio")
     assert first_audio < max(i for i, e in enumerate(em) if e.name == "token")
@@ -309,8 +372,14 @@ def test_toy_model_edit_starts_the_flow_from_the_input_images() -> None:
     cfg = ToyConfig()
     fns = make_toy_nodes(cfg, seed=1)
     ramp = torch.arange(64, dtype=torch.uint8).reshape(8, 8) * 4
-    images = prepare_toy_images([ramp.numpy(), torch.full((16, 16, 3), 200, dtype=torch.uint8)], cfg)
-    assert images.shape == (2, 8, 8) and torch.equal(images[0], ramp) and bool((images[1] == 200).all())
+    images = prepare_toy_images(
+        [ramp.numpy(), torch.full((16, 16, 3), 200, dtype=torch.uint8)], cfg
+    )
+    assert (
+        images.shape == (2, 8, 8)
+        and torch.equal(images[0], ramp)
+        and bool((images[1] == 200).all())
+    )
     inputs = make_toy_inputs("brighter", cfg, seed=5, images=images)
     em = run_reference(make_toy_graph(cfg), fns, inputs, ToyPlan(), state="image_edit")
     # plain Python: the VAE's inverse of each image, averaged, mixed with the seed's noise

@@ -30,7 +30,11 @@ def orpheus_like(**overrides: object) -> ModelGraph:
     )
     snac = GraphNode("snac", {"codes"}, [GraphEdge(EMIT, "audio", modality="audio")])
     kwargs: dict[str, object] = dict(
-        walks={"prefill": llm, "decode": DynamicLoop(llm, max_iters=16, stop="eos"), "snac_chunk": snac},
+        walks={
+            "prefill": llm,
+            "decode": DynamicLoop(llm, max_iters=16, stop="eos"),
+            "snac_chunk": snac,
+        },
         partitions={"LLM": ["prefill", "decode"], "SNAC": ["snac_chunk"]},
         connections=[Connection("LLM", "SNAC", "codes", SlidingWindowChunkPolicy(28, 7))],
         inputs={"LLM": {"tokens"}},
@@ -70,7 +74,12 @@ def test_text_ir_is_readable() -> None:
 
 def test_toy_graph_prints_every_primitive() -> None:
     text = str(make_toy_graph())
-    for word in ("Sequential", "Parallel", "Loop(max_iters=6, accumulated_outputs=[norm])", "DynamicLoop"):
+    for word in (
+        "Sequential",
+        "Parallel",
+        "Loop(max_iters=6, accumulated_outputs=[norm])",
+        "DynamicLoop",
+    ):
         assert word in text
 
 
@@ -81,11 +90,18 @@ def test_walks_may_name_nodes_by_string() -> None:
     assert g.walk_nodes("w") == [a, b]
 
 
-def _node(name: str, inputs: set[str], *outs: GraphEdge | StreamingGraphEdge, signals: set[str] | None = None) -> GraphNode:
+def _node(
+    name: str,
+    inputs: set[str],
+    *outs: GraphEdge | StreamingGraphEdge,
+    signals: set[str] | None = None,
+) -> GraphNode:
     return GraphNode(name, inputs, outs, signals=signals or set())
 
 
-def _one_walk(section: object, inputs: dict[str, set[str]] | None = None, **kw: object) -> ModelGraph:
+def _one_walk(
+    section: object, inputs: dict[str, set[str]] | None = None, **kw: object
+) -> ModelGraph:
     return ModelGraph({"w": section}, {"P": ["w"]}, inputs=inputs, **kw)  # type: ignore[arg-type]
 
 
@@ -96,30 +112,50 @@ def _one_walk(section: object, inputs: dict[str, set[str]] | None = None, **kw: 
         (lambda: _one_walk(Sequential(["missing"])), "walk 'w' refers to unknown node 'missing'"),
         (
             lambda: _one_walk(
-                Sequential([_node("a", set(), GraphEdge(EMIT, "o", modality="text")), _node("a", set())])
+                Sequential(
+                    [_node("a", set(), GraphEdge(EMIT, "o", modality="text")), _node("a", set())]
+                )
             ),
             "duplicate node name 'a'",
         ),
         # edges
-        (lambda: _one_walk(_node("a", set(), GraphEdge("ghost", "x"))), "node 'a' has edge 'x' to unknown node 'ghost'"),
         (
-            lambda: _one_walk(Sequential([_node("a", set(), GraphEdge("b", "x")), _node("b", {"y"})]), {"b": {"y"}}),
+            lambda: _one_walk(_node("a", set(), GraphEdge("ghost", "x"))),
+            "node 'a' has edge 'x' to unknown node 'ghost'",
+        ),
+        (
+            lambda: _one_walk(
+                Sequential([_node("a", set(), GraphEdge("b", "x")), _node("b", {"y"})]),
+                {"b": {"y"}},
+            ),
             "edge 'x' from 'a' to 'b': 'b' has no input 'x'",
         ),
         # inputs nothing provides
         (lambda: _one_walk(_node("a", {"x"})), "input 'x' of node 'a' is provided by nothing"),
         (
-            lambda: _one_walk(Sequential([_node("b", {"x"}), _node("a", set(), GraphEdge("b", "x"))])),
+            lambda: _one_walk(
+                Sequential([_node("b", {"x"}), _node("a", set(), GraphEdge("b", "x"))])
+            ),
             "input 'x' of node 'b' is provided by nothing before the node runs",
         ),
-        (lambda: _one_walk(_node("a", set()), {"a": {"nope"}}), r"request inputs \['nope'\] are not inputs of node 'a'"),
-        (lambda: _one_walk(_node("a", set()), {"zz": {"x"}}), "request inputs name unknown node 'zz'"),
+        (
+            lambda: _one_walk(_node("a", set()), {"a": {"nope"}}),
+            r"request inputs \['nope'\] are not inputs of node 'a'",
+        ),
+        (
+            lambda: _one_walk(_node("a", set()), {"zz": {"x"}}),
+            "request inputs name unknown node 'zz'",
+        ),
         # loops
         (lambda: Loop(_node("a", set()), 0), "Loop max_iters must be an integer >= 1, got 0"),
-        (lambda: DynamicLoop(_node("a", set()), -3), "DynamicLoop max_iters must be an integer >= 1, got -3"),
+        (
+            lambda: DynamicLoop(_node("a", set()), -3),
+            "DynamicLoop max_iters must be an integer >= 1, got -3",
+        ),
         (
             lambda: _one_walk(DynamicLoop(_node("a", set()), stop="done")),
-            "walk 'w' can never terminate: DynamicLoop stop signal 'done' is raised by no node of its body",
+            "walk 'w' can never terminate: DynamicLoop stop signal 'done' is raised by no "
+            "node of its body",
         ),
         (
             lambda: _one_walk(DynamicLoop(_node("a", set()), max_iters=3, stop="done")),
@@ -134,7 +170,12 @@ def _one_walk(section: object, inputs: dict[str, set[str]] | None = None, **kw: 
             lambda: _one_walk(
                 Sequential(
                     [
-                        Parallel([_node("a", set(), GraphEdge("c", "x")), _node("b", set(), GraphEdge("c", "x"))]),
+                        Parallel(
+                            [
+                                _node("a", set(), GraphEdge("c", "x")),
+                                _node("b", set(), GraphEdge("c", "x")),
+                            ]
+                        ),
                         _node("c", {"x"}),
                     ]
                 )
@@ -153,7 +194,10 @@ def test_validation_errors_name_the_culprit(build: object, message: str) -> None
 
 
 def test_streaming_edge_without_chunk_policy() -> None:
-    with pytest.raises(GraphValidationError, match="streaming edge 'codes' from 'LLM' to 'snac' has no chunk policy"):
+    with pytest.raises(
+        GraphValidationError,
+        match="streaming edge 'codes' from 'LLM' to 'snac' has no chunk policy",
+    ):
         orpheus_like(connections=[])
 
 
@@ -172,11 +216,21 @@ def test_plain_edge_across_partitions() -> None:
 def test_connection_checks() -> None:
     policy = FixedChunkPolicy(1)
     with pytest.raises(GraphValidationError, match="names unknown partition 'Nope'"):
-        orpheus_like(connections=[Connection("LLM", "SNAC", "codes", policy), Connection("LLM", "Nope", "codes", policy)])
+        orpheus_like(
+            connections=[
+                Connection("LLM", "SNAC", "codes", policy),
+                Connection("LLM", "Nope", "codes", policy),
+            ]
+        )
     with pytest.raises(GraphValidationError, match="is declared twice"):
         orpheus_like(connections=[Connection("LLM", "SNAC", "codes", policy)] * 2)
     with pytest.raises(GraphValidationError, match="carries nothing"):
-        orpheus_like(connections=[Connection("LLM", "SNAC", "codes", policy), Connection("SNAC", "LLM", "codes", policy)])
+        orpheus_like(
+            connections=[
+                Connection("LLM", "SNAC", "codes", policy),
+                Connection("SNAC", "LLM", "codes", policy),
+            ]
+        )
     with pytest.raises(GraphValidationError, match="policy must be a chunk policy"):
         Connection("LLM", "SNAC", "codes", 3)  # type: ignore[arg-type]
 
@@ -188,7 +242,9 @@ def test_partition_checks() -> None:
         orpheus_like(partitions={"LLM": ["prefill", "decode"]})
     with pytest.raises(GraphValidationError, match="walk 'decode' is in two partitions"):
         orpheus_like(partitions={"LLM": ["prefill", "decode"], "SNAC": ["snac_chunk", "decode"]})
-    with pytest.raises(GraphValidationError, match="node 'LLM' is used by partitions 'LLM' and 'SNAC'"):
+    with pytest.raises(
+        GraphValidationError, match="node 'LLM' is used by partitions 'LLM' and 'SNAC'"
+    ):
         orpheus_like(partitions={"LLM": ["prefill"], "SNAC": ["snac_chunk", "decode"]})
 
 

@@ -22,7 +22,10 @@ cluster_utils = pytest.importorskip("ray.cluster_utils")
 from ray._private import ray_constants  # noqa: E402
 
 if ray_constants.ENABLE_RAY_CLUSTER:  # Ray was imported before the variable was set
-    pytest.fail("Ray would pick this machine's network address: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 first")
+    pytest.fail(
+        "Ray would pick this machine's network address: set "
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 first"
+    )
 
 LOOPBACK = "127.0.0.1"
 FAST_FAILURE_DETECTION = {

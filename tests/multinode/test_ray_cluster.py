@@ -66,8 +66,14 @@ def ray_config(**kwargs: Any) -> EngineConfig:
 
 def reference(request: Request) -> list[Emission]:
     model = ToyModel(seed=SEED)
-    images = prepare_toy_images(request.data["images"], model.config) if request.task == "image_edit" else None
-    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0), images)
+    images = (
+        prepare_toy_images(request.data["images"], model.config)
+        if request.task == "image_edit"
+        else None
+    )
+    inputs = make_toy_inputs(
+        request.data["text"], model.config, request.data.get("seed", 0), images
+    )
     return run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task)
 
 
@@ -92,9 +98,20 @@ def toy_requests(n: int) -> list[Request]:
     out = []
     for i in range(n):
         task = ["speech", "image", "image_edit"][i % 3]
-        data: dict[str, Any] = {"text": rng.choice(["hello", "mstar serves graphs", "models walk"]), "seed": i}
+        data: dict[str, Any] = {
+            "text": rng.choice(["hello", "mstar serves graphs", "models walk"]),
+            "seed": i,
+        }
         if task == "image_edit":
-            data["images"] = [torch.randint(0, 256, (12, 10, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))]
+            data["images"] = [
+                torch.randint(
+                    0,
+                    256,
+                    (12, 10, 3),
+                    dtype=torch.uint8,
+                    generator=torch.Generator().manual_seed(i),
+                )
+            ]
         out.append(Request(task, data))
     return out
 
@@ -103,9 +120,13 @@ def node_of(engine: AsyncEngine, rank: int) -> str:
     return engine.rank_info[rank].node_id
 
 
-async def test_a_stream_and_a_cfg_loop_across_nodes_equal_the_reference(ray_cluster: LocalCluster) -> None:
+async def test_a_stream_and_a_cfg_loop_across_nodes_equal_the_reference(
+    ray_cluster: LocalCluster,
+) -> None:
     spec = ModelSpec("mstar.zoo.toy:ToyModel", {"seed": SEED})
-    async with await AsyncEngine.start(spec, Placement.from_yaml(TOY_ACROSS), ray_config()) as engine:
+    async with await AsyncEngine.start(
+        spec, Placement.from_yaml(TOY_ACROSS), ray_config()
+    ) as engine:
         assert node_of(engine, 0) == ray_cluster.cluster.head_node.node_id
         assert node_of(engine, 1) in {n.node_id for n in ray_cluster.b_nodes}
         reqs = toy_requests(6)
@@ -118,23 +139,37 @@ async def test_a_stream_and_a_cfg_loop_across_nodes_equal_the_reference(ray_clus
         assert stats.transport["rank1"].get("shm", {}).get("received", 0) == 0
 
 
-async def test_a_dynamic_loop_spanning_two_nodes_equals_co_located(ray_cluster: LocalCluster) -> None:
+async def test_a_dynamic_loop_spanning_two_nodes_equals_co_located(
+    ray_cluster: LocalCluster,
+) -> None:
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 200})
     async with await AsyncEngine.start(spec) as local:
         want = [await local.run(Request("loop", {}, request_id=f"r{i}")) for i in range(3)]
-    async with await AsyncEngine.start(spec, Placement.from_yaml(LOOP_ACROSS), ray_config()) as engine:
+    async with await AsyncEngine.start(
+        spec, Placement.from_yaml(LOOP_ACROSS), ray_config()
+    ) as engine:
         assert node_of(engine, 0) != node_of(engine, 1)
-        got = await asyncio.gather(*(engine.run(Request("loop", {}, request_id=f"r{i}")) for i in range(3)))
-    assert [[(o.name, o.data) for o in out] for out in got] == [[(o.name, o.data) for o in out] for out in want]
+        got = await asyncio.gather(
+            *(engine.run(Request("loop", {}, request_id=f"r{i}")) for i in range(3))
+        )
+    assert [[(o.name, o.data) for o in out] for out in got] == [
+        [(o.name, o.data) for o in out] for out in want
+    ]
     assert got[0][0].data == 200
 
 
-async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(ray_cluster: LocalCluster) -> None:
-    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 60, "delay_s": 0.05})  # ~3 s a request
+async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(
+    ray_cluster: LocalCluster,
+) -> None:
+    # ~3 s a request
+    spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 60, "delay_s": 0.05})
     config = ray_config(restart_wait_s=60.0)
     async with await AsyncEngine.start(spec, Placement.from_yaml(REPLICAS), config) as engine:
         lost_node = node_of(engine, 1)
-        tasks = [asyncio.ensure_future(engine.run(Request("loop", {}, request_id=f"r{i}"))) for i in range(4)]
+        tasks = [
+            asyncio.ensure_future(engine.run(Request("loop", {}, request_id=f"r{i}")))
+            for i in range(4)
+        ]
         # Requests alternate between the replicas: r0, r2 on rank 0; r1, r3 on rank 1.
         while True:
             held = await engine.held_state()
@@ -163,12 +198,16 @@ async def test_losing_a_node_fails_its_requests_and_the_worker_comes_back(ray_cl
             await asyncio.sleep(0.1)
         assert node_of(engine, 1) != lost_node
         assert node_of(engine, 1) in {n.node_id for n in ray_cluster.b_nodes}
-        again = await asyncio.gather(*(engine.run(Request("loop", {}, request_id=f"n{i}")) for i in range(2)))
+        again = await asyncio.gather(
+            *(engine.run(Request("loop", {}, request_id=f"n{i}")) for i in range(2))
+        )
         assert [[o.data for o in out] for out in again] == [[60], [60]]
     ray_cluster.add_b_node()  # for later tests
 
 
-async def test_the_first_request_after_ray_restarted_a_killed_rank_succeeds(ray_cluster: LocalCluster) -> None:
+async def test_the_first_request_after_ray_restarted_a_killed_rank_succeeds(
+    ray_cluster: LocalCluster,
+) -> None:
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 5})
     # Ray's restart takes seconds, longer than the rank may be away before walks that need it
     # fail: the conductor has given the rank up by the time it is back.
@@ -190,7 +229,9 @@ async def test_backend_ray_in_the_placement_file_places_ranks_through_a_placemen
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 20})
     before = {g["placement_group_id"] for g in placement_groups("CREATED")}
     config = EngineConfig(ray_num_cpus=0.5)  # no ray_address: the file says where
-    async with await AsyncEngine.start(spec, Placement.from_yaml(LOOP_BACKEND_RAY), config) as engine:
+    async with await AsyncEngine.start(
+        spec, Placement.from_yaml(LOOP_BACKEND_RAY), config
+    ) as engine:
         assert engine.launcher is not None and engine.config.ray_address == "auto"
         assert node_of(engine, 0) == ray_cluster.cluster.head_node.node_id
         assert node_of(engine, 1) in {n.node_id for n in ray_cluster.b_nodes}
@@ -200,22 +241,36 @@ async def test_backend_ray_in_the_placement_file_places_ranks_through_a_placemen
         assert group["bundles_to_node_id"] == {0: node_of(engine, 0), 1: node_of(engine, 1)}
         got = await engine.run(Request("loop", {}))
         assert [o.data for o in got] == [20]
-    assert group["placement_group_id"] not in {g["placement_group_id"] for g in placement_groups("CREATED")}
+    assert group["placement_group_id"] not in {
+        g["placement_group_id"] for g in placement_groups("CREATED")
+    }
 
 
 @pytest.mark.parametrize(
     ("resources", "why"),
     [
-        ("{0: {node_a: 1}, 1: {node_z: 1}}", r"no node of the cluster offers rank 1 \{CPU: 0.5, node_z: 1\}"),
-        ("{0: {node_a: 1}, 1: {node_b: 5}}", r"no node of the cluster offers rank 1 \{CPU: 0.5, node_b: 5\}"),
-        ("{0: {node_a: 3}, 1: {node_a: 3}}", "every rank fits some node, but not all of them at once"),
+        (
+            "{0: {node_a: 1}, 1: {node_z: 1}}",
+            r"no node of the cluster offers rank 1 \{CPU: 0.5, node_z: 1\}",
+        ),
+        (
+            "{0: {node_a: 1}, 1: {node_b: 5}}",
+            r"no node of the cluster offers rank 1 \{CPU: 0.5, node_b: 5\}",
+        ),
+        (
+            "{0: {node_a: 3}, 1: {node_a: 3}}",
+            "every rank fits some node, but not all of them at once",
+        ),
     ],
 )
 async def test_a_placement_the_cluster_cannot_satisfy_fails_fast(
     ray_cluster: LocalCluster, resources: str, why: str
 ) -> None:
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 2})
-    placement = Placement.from_yaml(f"node_groups:\n  - {{node_names: [a, b, done], ranks: [0, 1]}}\nrank_resources: {resources}\n")
+    placement = Placement.from_yaml(
+        "node_groups:\n  - {node_names: [a, b, done], ranks: [0, 1]}\nrank_resources: "
+        f"{resources}\n"
+    )
     with pytest.raises(PlacementError, match=why):
         await AsyncEngine.start(spec, placement, ray_config(ray_placement_timeout_s=1.0))
     assert placement_groups("PENDING") == []  # the reservation was withdrawn, nothing waits for it

@@ -55,7 +55,10 @@ def test_an_address_where_no_cluster_runs_fails_with_an_error_naming_it() -> Non
     address = f"{LOOPBACK}:{free_port()}"
     done = subprocess.run(
         serve("toy-composite", "--ray-address", address, "--port", "0", "--log-level", "warning"),
-        env=user_env(), capture_output=True, text=True, timeout=90,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
@@ -70,8 +73,12 @@ def test_sigterm_while_joining_the_cluster_stops_the_server() -> None:
         silent.bind((LOOPBACK, 0))
         silent.listen(8)
         address = f"{LOOPBACK}:{silent.getsockname()[1]}"
-        command = serve("toy-composite", "--ray-address", address, "--port", "0", "--log-format", "json")
-        server = subprocess.Popen(command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command = serve(
+            "toy-composite", "--ray-address", address, "--port", "0", "--log-format", "json"
+        )
+        server = subprocess.Popen(
+            command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             assert server.stdout is not None
             seen = []
@@ -101,10 +108,21 @@ def test_sigterm_while_the_workers_start_stops_the_server_and_frees_its_placemen
     placement.write_text(ACROSS)
     before = {g["placement_group_id"] for g in placement_groups("CREATED")}
     command = serve(
-        "orpheus-tiny", "--config", str(placement), "--ray-address", ray_cluster.cluster.address,
-        "--ray-num-cpus", "0.5", "--port", "0", "--log-format", "json",
+        "orpheus-tiny",
+        "--config",
+        str(placement),
+        "--ray-address",
+        ray_cluster.cluster.address,
+        "--ray-num-cpus",
+        "0.5",
+        "--port",
+        "0",
+        "--log-format",
+        "json",
     )
-    server = subprocess.Popen(command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     assert server.stdout is not None
     lines: queue.Queue[str | None] = queue.Queue()
     seen: list[str] = []
@@ -118,7 +136,8 @@ def test_sigterm_while_the_workers_start_stops_the_server_and_frees_its_placemen
     threading.Thread(target=drain, daemon=True).start()
     code = None
     try:
-        while (line := lines.get(timeout=300)) is not None:  # until the ranks' resources are reserved
+        # until the ranks' resources are reserved
+        while (line := lines.get(timeout=300)) is not None:
             seen.append(line)
             if '"ray_placed"' in line:
                 break
@@ -135,20 +154,35 @@ def test_sigterm_while_the_workers_start_stops_the_server_and_frees_its_placemen
         while (line := lines.get(timeout=30)) is not None:
             seen.append(line)
     assert code == 0, f"SIGTERM at {signalled:.2f}; " + "".join(seen[-30:])[-4000:]
-    assert {g["placement_group_id"] for g in placement_groups("CREATED")} <= before  # its reservation is gone
+    # its reservation is gone
+    assert {g["placement_group_id"] for g in placement_groups("CREATED")} <= before
 
 
-def test_serve_speech_across_nodes_on_loopback_and_stop_gracefully(ray_cluster: LocalCluster, tmp_path: Path) -> None:
+def test_serve_speech_across_nodes_on_loopback_and_stop_gracefully(
+    ray_cluster: LocalCluster, tmp_path: Path
+) -> None:
     placement = tmp_path / "across.yaml"
     placement.write_text(ACROSS)
     address = ray_cluster.cluster.address
-    assert address.startswith(f"{LOOPBACK}:")  # a head on loopback only, as `ray start --node-ip-address 127.0.0.1`
+    # a head on loopback only, as `ray start --node-ip-address 127.0.0.1`
+    assert address.startswith(f"{LOOPBACK}:")
     port = 18000 + os.getpid() % 1000
     command = serve(
-        "orpheus-tiny", "--config", str(placement), "--ray-address", address, "--ray-num-cpus", "0.5",
-        "--port", str(port), "--log-level", "warning",
+        "orpheus-tiny",
+        "--config",
+        str(placement),
+        "--ray-address",
+        address,
+        "--ray-num-cpus",
+        "0.5",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
     )
-    server = subprocess.Popen(command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        command, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -160,9 +194,16 @@ def test_serve_speech_across_nodes_on_loopback_and_stop_gracefully(ray_cluster: 
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        body = {"model": "orpheus-tiny", "input": "Hello there", "voice": "tara", "response_format": "wav"}
+        body = {
+            "model": "orpheus-tiny",
+            "input": "Hello there",
+            "voice": "tara",
+            "response_format": "wav",
+        }
         speech = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json=body, timeout=120)
-        assert speech.status_code == 200 and speech.content[:4] == b"RIFF" and len(speech.content) > 44
+        assert (
+            speech.status_code == 200 and speech.content[:4] == b"RIFF" and len(speech.content) > 44
+        )
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(60)

@@ -46,8 +46,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 def reference(request: Request) -> list[Emission]:
     model = ToyModel(seed=SEED)
-    images = prepare_toy_images(request.data["images"], model.config) if request.task == "image_edit" else None
-    inputs = make_toy_inputs(request.data["text"], model.config, request.data.get("seed", 0), images)
+    images = (
+        prepare_toy_images(request.data["images"], model.config)
+        if request.task == "image_edit"
+        else None
+    )
+    inputs = make_toy_inputs(
+        request.data["text"], model.config, request.data.get("seed", 0), images
+    )
     return run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task)
 
 
@@ -73,7 +79,15 @@ def requests(n: int, seed: int = 0) -> list[Request]:
         task = rng.choice(["speech", "image", "image_edit"])
         data: dict[str, Any] = {"text": rng.choice(words), "seed": i}
         if task == "image_edit":
-            data["images"] = [torch.randint(0, 256, (12, 10, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))]
+            data["images"] = [
+                torch.randint(
+                    0,
+                    256,
+                    (12, 10, 3),
+                    dtype=torch.uint8,
+                    generator=torch.Generator().manual_seed(i),
+                )
+            ]
         out.append(Request(task, data))
     return out
 
@@ -81,7 +95,13 @@ def requests(n: int, seed: int = 0) -> list[Request]:
 def mstar_files(pids: set[int]) -> set[Path]:
     """Return the shared segments and socket files that processes ``pids`` own now."""
     prefixes = tuple(f"mstar-{pid}-" for pid in pids)
-    return {p for d in (SHM_DIR, runtime_dir()) if d.exists() for p in d.iterdir() if p.name.startswith(prefixes)}
+    return {
+        p
+        for d in (SHM_DIR, runtime_dir())
+        if d.exists()
+        for p in d.iterdir()
+        if p.name.startswith(prefixes)
+    }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["colocated", "processes"])
@@ -98,7 +118,9 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
     orphans = [
         p.cmdline()
         for p in leftover
-        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+        if p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE
+        and "resource_tracker" not in " ".join(p.cmdline())
     ]
     assert not orphans, f"orphan worker processes: {orphans}"
 
@@ -114,7 +136,9 @@ async def test_outputs_equal_the_reference(engine: AsyncEngine) -> None:
 
 
 @pytest.mark.timeout(300)
-async def test_concurrent_requests_with_random_aborts_leave_nothing_behind(engine: AsyncEngine) -> None:
+async def test_concurrent_requests_with_random_aborts_leave_nothing_behind(
+    engine: AsyncEngine,
+) -> None:
     reqs = requests(40, seed=1)
     rng = random.Random(7)
     victims = {r.request_id for r in rng.sample(reqs, 12)}
@@ -148,16 +172,23 @@ async def test_leaving_generate_early_aborts_the_request(engine: AsyncEngine) ->
     async for _ in engine.generate(req):
         break
     await asyncio.sleep(0)
-    assert_same(await engine.run(Request("image", {"text": "next"})), reference(Request("image", {"text": "next"})))
+    assert_same(
+        await engine.run(Request("image", {"text": "next"})),
+        reference(Request("image", {"text": "next"})),
+    )
     await wait_until_idle(engine)
 
 
 def _moved(stats: EngineStats, direction: str) -> int:
-    return sum(kinds[direction] for process in stats.transport.values() for kinds in process.values())
+    return sum(
+        kinds[direction] for process in stats.transport.values() for kinds in process.values()
+    )
 
 
 @pytest.mark.timeout(300)
-async def test_stats_give_step_times_per_walk_and_tensor_bytes_per_transport(engine: AsyncEngine) -> None:
+async def test_stats_give_step_times_per_walk_and_tensor_bytes_per_transport(
+    engine: AsyncEngine,
+) -> None:
     await wait_until_idle(engine)
     before = await engine.engine_stats()
     for task in ("speech", "image"):  # one request at a time: no step mixes walks
@@ -170,10 +201,15 @@ async def test_stats_give_step_times_per_walk_and_tensor_bytes_per_transport(eng
     steps = {w: t.steps - lm_before.get(w, zero).steps for w, t in lm.items()}
     inputs = {w: t.inputs - lm_before.get(w, zero).inputs for w, t in lm.items()}
     assert steps["prefill"] == 1 and steps["decode"] >= 1 and inputs == steps
-    assert sum(steps.values()) == after.nodes[0]["lm"]["steps"] - before.nodes[0].get("lm", {}).get("steps", 0)
+    assert sum(steps.values()) == after.nodes[0]["lm"]["steps"] - before.nodes[0].get("lm", {}).get(
+        "steps", 0
+    )
     for t in lm.values():
         assert sum(t.bucket_counts) == t.steps and t.inputs >= t.steps and t.seconds > 0
-    assert "image_gen" in after.walks[2]["vae"] and set(after.walks[2]["vae"]) <= {"image_gen", "image_edit"}
+    assert "image_gen" in after.walks[2]["vae"] and set(after.walks[2]["vae"]) <= {
+        "image_gen",
+        "image_edit",
+    }
     assert {"vocode"} == set(after.walks[1]["vocoder"])
     if engine.config.worker_processes:
         assert set(after.transport) == {CONDUCTOR_PROCESS, "rank0", "rank1", "rank2"}
@@ -196,7 +232,9 @@ async def test_bad_requests_fail_alone() -> None:
 async def test_freeze_gc_freezes_what_lives_once_started() -> None:
     assert gc.get_freeze_count() == 0
     try:
-        async with await AsyncEngine.start(ToyModel(seed=SEED), config=EngineConfig(freeze_gc=True)) as engine:
+        async with await AsyncEngine.start(
+            ToyModel(seed=SEED), config=EngineConfig(freeze_gc=True)
+        ) as engine:
             frozen = gc.get_freeze_count()
             assert frozen > 1000  # the model, the engine, the imports
             request = Request("speech", {"text": "still serves"})
@@ -211,16 +249,27 @@ async def test_a_failing_node_fails_its_request_and_names_it() -> None:
     model = ToyModel(seed=SEED)
     model._nodes["vae"] = lambda inputs: (_ for _ in ()).throw(RuntimeError("decoder exploded"))
     async with await AsyncEngine.start(model) as engine:
-        with pytest.raises(WalkExecutionError, match=r"RuntimeError: decoder exploded \(node 'vae', walk 'image_gen'"):
+        with pytest.raises(
+            WalkExecutionError,
+            match=r"RuntimeError: decoder exploded \(node 'vae', walk 'image_gen'",
+        ):
             await engine.run(Request("image", {"text": "boom"}))
-        assert_same(await engine.run(Request("speech", {"text": "fine"})), reference(Request("speech", {"text": "fine"})))
+        assert_same(
+            await engine.run(Request("speech", {"text": "fine"})),
+            reference(Request("speech", {"text": "fine"})),
+        )
 
 
 async def test_placement_errors_are_clear() -> None:
     with pytest.raises(PlacementError, match="unknown node 'gpu_vae'"):
-        await AsyncEngine.start(ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [gpu_vae], ranks: [0]}\n"))
+        await AsyncEngine.start(
+            ToyModel(),
+            Placement.from_yaml("node_groups:\n  - {node_names: [gpu_vae], ranks: [0]}\n"),
+        )
     with pytest.raises(PlacementError, match="has no placement"):
-        await AsyncEngine.start(ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [lm], ranks: [0]}\n"))
+        await AsyncEngine.start(
+            ToyModel(), Placement.from_yaml("node_groups:\n  - {node_names: [lm], ranks: [0]}\n")
+        )
 
 
 async def test_ranks_in_one_process_share_the_cores_per_step_thread() -> None:

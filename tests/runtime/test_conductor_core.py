@@ -36,9 +36,42 @@ def assert_same(outputs: list[Output], emissions: list[Emission]) -> None:
 
 
 PLACEMENTS = {
-    "colocated": {n: [0] for n in ("encoder", "lm", "vocoder", "init", "image_encoder", "cond", "uncond", "combine", "vae")},
-    "spread": {"encoder": [1], "lm": [0], "vocoder": [2], "init": [2], "image_encoder": [1], "cond": [0], "uncond": [1], "combine": [2], "vae": [0]},
-    "replicas": {"encoder": [0, 1], "lm": [0, 1], "vocoder": [2], "init": [0], "image_encoder": [2], "cond": [1], "uncond": [2], "combine": [0, 1], "vae": [2]},
+    "colocated": {
+        n: [0]
+        for n in (
+            "encoder",
+            "lm",
+            "vocoder",
+            "init",
+            "image_encoder",
+            "cond",
+            "uncond",
+            "combine",
+            "vae",
+        )
+    },
+    "spread": {
+        "encoder": [1],
+        "lm": [0],
+        "vocoder": [2],
+        "init": [2],
+        "image_encoder": [1],
+        "cond": [0],
+        "uncond": [1],
+        "combine": [2],
+        "vae": [0],
+    },
+    "replicas": {
+        "encoder": [0, 1],
+        "lm": [0, 1],
+        "vocoder": [2],
+        "init": [0],
+        "image_encoder": [2],
+        "cond": [1],
+        "uncond": [2],
+        "combine": [0, 1],
+        "vae": [2],
+    },
 }
 
 
@@ -48,7 +81,11 @@ async def test_outputs_equal_the_reference(placement: dict[str, list[int]], task
     model = ToyModel(seed=4)
     async with Direct(model, placement) as d:
         for i, text in enumerate(["hello", "composite models", "x"]):
-            pictures = [torch.randint(0, 256, (9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))]
+            pictures = [
+                torch.randint(
+                    0, 256, (9, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)
+                )
+            ]
             outputs = await d.run(Request(task, {"text": text, "seed": i, "images": pictures}))
             images = prepare_toy_images(pictures, model.config) if task == "image_edit" else None
             inputs = make_toy_inputs(text, model.config, i, images)
@@ -61,7 +98,10 @@ async def test_many_concurrent_requests_with_random_aborts_leave_nothing_behind(
     model = ToyModel(seed=1)
     rng = random.Random(0)
     async with Direct(model, PLACEMENTS["spread"]) as d:
-        requests = [Request(rng.choice(["speech", "image"]), {"text": f"req {i}", "seed": i}) for i in range(40)]
+        requests = [
+            Request(rng.choice(["speech", "image"]), {"text": f"req {i}", "seed": i})
+            for i in range(40)
+        ]
         runs = [asyncio.ensure_future(d.run(r)) for r in requests]
         aborted = set()
         for _ in range(15):
@@ -75,7 +115,12 @@ async def test_many_concurrent_requests_with_random_aborts_leave_nothing_behind(
                 assert isinstance(result, RequestAbortedError) and request.request_id in aborted
             else:
                 inputs = make_toy_inputs(request.data["text"], model.config, request.data["seed"])
-                assert_same(result, run_reference(model.graph(), model._nodes, inputs, ToyPlan(), state=request.task))
+                assert_same(
+                    result,
+                    run_reference(
+                        model.graph(), model._nodes, inputs, ToyPlan(), state=request.task
+                    ),
+                )
         for _ in range(10):  # let in-flight releases land
             await asyncio.sleep(0)
         d.assert_empty()
@@ -93,7 +138,8 @@ async def test_a_failing_node_fails_only_its_request() -> None:
     model._nodes["vae"] = flaky_vae
     async with Direct(model, PLACEMENTS["spread"]) as d:
         results = await asyncio.gather(
-            *(d.run(Request("image", {"text": "t", "seed": s})) for s in range(8)), return_exceptions=True
+            *(d.run(Request("image", {"text": "t", "seed": s})) for s in range(8)),
+            return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, Exception)]
         assert failures and len(failures) < 8

@@ -35,7 +35,9 @@ class Recorder(Actor):
 
 
 def _no_wire_values(value: Any) -> None:
-    assert not isinstance(value, TensorValue | BytesValue | ListValue | DictValue | ChunkValue), value
+    assert not isinstance(value, TensorValue | BytesValue | ListValue | DictValue | ChunkValue), (
+        value
+    )
     if isinstance(value, list | tuple):
         for item in value:
             _no_wire_values(item)
@@ -45,7 +47,15 @@ def _no_wire_values(value: Any) -> None:
 async def test_values_arrive_as_values_on_every_transport(transport: str) -> None:
     tensor = torch.arange(6.0).reshape(2, 3)
     sampling = SamplingParams(temperature=0.7, top_k=5, stop_token_ids=(2, 9), seed=11, logprobs=3)
-    values = [tensor, 3, "s", None, [1, torch.ones(2)], Chunk((torch.zeros(1),), 4, 1, True), {"params": sampling}]
+    values = [
+        tensor,
+        3,
+        "s",
+        None,
+        [1, torch.ones(2)],
+        Chunk((torch.zeros(1),), 4, 1, True),
+        {"params": sampling},
+    ]
     async with ActorSystem(TEST_CONFIG) as server, ActorSystem(TEST_CONFIG) as client:
         address = await server.serve(bind_address(transport))
         holder: list[Recorder] = []
@@ -62,9 +72,13 @@ async def test_values_arrive_as_values_on_every_transport(transport: str) -> Non
         assert isinstance(got, NodeValuesMsg)
         _no_wire_values(got.values)
         assert torch.equal(got.values[0], tensor) and got.values[1:4] == [3, "s", None]
-        assert isinstance(got.values[5], Chunk) and got.values[5].start == 4 and got.values[5].is_last
+        assert (
+            isinstance(got.values[5], Chunk) and got.values[5].start == 4 and got.values[5].is_last
+        )
         assert got.values[6] == {"params": sampling}  # typed on the other side too, not a dict
-        assert type(got.values[6]["params"]) is SamplingParams and got.values[6]["params"].stop_token_ids == (2, 9)
+        assert type(got.values[6]["params"]) is SamplingParams and got.values[6][
+            "params"
+        ].stop_token_ids == (2, 9)
         if transport == "inproc":
             assert got.values[0] is tensor  # by reference, never converted
         # Asks and their replies too.

@@ -81,7 +81,9 @@ class LMNode:
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         return history_turn(inputs, is_first)
 
-    def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None
+    ) -> Mapping[str, Any]:
         if history is None:
             return {"tokens": token_id, "stop": False}
         return {"tokens": token_id, "stop": True, "history": torch.tensor(history)}
@@ -93,7 +95,9 @@ def vocoder(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     for x in batch:
         base, samples = x["tone"]["base"], int(x["tone"]["samples"])
         t = np.arange(samples) / HumModel.audio_sample_rate
-        tones = [0.3 * np.sin(2 * np.pi * base * (1 + tok / 64) * t) for tok in x["tokens"].new_items]
+        tones = [
+            0.3 * np.sin(2 * np.pi * base * (1 + tok / 64) * t) for tok in x["tokens"].new_items
+        ]
         out.append({"audio": np.concatenate(tones or [np.zeros(0)]).astype(np.float32)})
     return out
 
@@ -118,15 +122,23 @@ class HumModel(Model, SupportsAudioOutput):
         return HumOptions
 
     def submodule(self, node: str, device: torch.device) -> Any:
-        return LMNode(make_tiny_llama(seed=7).to(device), self.engine_config) if node == "lm" else vocoder
+        return (
+            LMNode(make_tiny_llama(seed=7).to(device), self.engine_config)
+            if node == "lm"
+            else vocoder
+        )
 
     def preprocess(self, request: Request) -> PreparedRequest:
         options = request.options_as(HumOptions)
         prompt = [1, *(b % 62 + 2 for b in speech_text(request.data).encode())]
         params = request.params.with_defaults({"temperature": 0.0})
-        sampling = params.sampling(max_tokens=params.max_tokens or 16, stop_token_ids=(0,), prompt_len=len(prompt))
+        sampling = params.sampling(
+            max_tokens=params.max_tokens or 16, stop_token_ids=(0,), prompt_len=len(prompt)
+        )
         tone = {"base": 220.0 if options.voice == "low" else 440.0, "samples": 800 / options.speed}
-        return PreparedRequest({"lm": {"history": torch.tensor(prompt), "params": sampling}, "vocoder": {"tone": tone}})
+        return PreparedRequest(
+            {"lm": {"history": torch.tensor(prompt), "params": sampling}, "vocoder": {"tone": tone}}
+        )
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         return "prefill" if partition == "LM" else "vocode"
@@ -140,7 +152,9 @@ class HumModel(Model, SupportsAudioOutput):
 
 @pytest.fixture(scope="module")
 def client() -> Any:
-    with running_server(ModelSpec("tests.runtime.test_model_author:HumModel", {}), names=("hum",)) as server:
+    with running_server(
+        ModelSpec("tests.runtime.test_model_author:HumModel", {}), names=("hum",)
+    ) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
@@ -154,13 +168,16 @@ def _speak(client: Any, **kwargs: Any) -> np.ndarray:
 
 def test_the_options_and_settings_reach_the_model_typed(client: Any) -> None:
     low = _speak(client, voice="low", extra_body={"max_tokens": 6, "ignore_eos": True})
-    assert low.size == pytest.approx(6 * 800 * 24_000 / 16_000, abs=48)  # 6 tones, resampled to 24 kHz
+    # 6 tones, resampled to 24 kHz
+    assert low.size == pytest.approx(6 * 800 * 24_000 / 16_000, abs=48)
     fast = _speak(client, voice="low", speed=2.0, extra_body={"max_tokens": 6, "ignore_eos": True})
     assert fast.size == pytest.approx(low.size / 2, abs=48)
     high = _speak(client, voice="high", extra_body={"max_tokens": 6, "ignore_eos": True})
     assert high.size == low.size and not np.array_equal(high, low)
     # Greedy by the model's default: the same request, the same audio.
-    assert np.array_equal(_speak(client, voice="low", extra_body={"max_tokens": 6, "ignore_eos": True}), low)
+    assert np.array_equal(
+        _speak(client, voice="low", extra_body={"max_tokens": 6, "ignore_eos": True}), low
+    )
 
 
 @pytest.mark.parametrize(
@@ -172,7 +189,9 @@ def test_the_options_and_settings_reach_the_model_typed(client: Any) -> None:
         ({"extra_body": {"temperature": -1}}, "temperature", "temperature"),
     ],
 )
-def test_bad_requests_name_their_field(client: Any, kwargs: dict[str, Any], param: str, words: str) -> None:
+def test_bad_requests_name_their_field(
+    client: Any, kwargs: dict[str, Any], param: str, words: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         _speak(client, **kwargs)
     body = error.value.body

@@ -1,4 +1,5 @@
-"""Model capabilities are declared by inheriting a `Supports*` protocol, never inferred from attributes."""
+"""Model capabilities are declared by inheriting a `Supports*` protocol, never inferred from
+attributes."""
 
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def test_zoo_models_declare_what_they_offer() -> None:
     assert supports_audio_output(toy) and toy.audio_sample_rate == 16_000
     assert not supports_text_output(toy)  # its text outputs are toy ids, with no tokenizer
     # Protocols with data members refuse issubclass(), so look for the declaration itself.
-    assert SupportsAudioOutput in OrpheusModel.__mro__ and SupportsTextOutput not in OrpheusModel.__mro__
+    assert (
+        SupportsAudioOutput in OrpheusModel.__mro__
+        and SupportsTextOutput not in OrpheusModel.__mro__
+    )
     assert SupportsTextOutput in TextLLM.__mro__ and SupportsAudioOutput not in TextLLM.__mro__
     assert not supports_text_output(NoopLoopModel()) and not supports_audio_output(NoopLoopModel())

@@ -22,7 +22,12 @@ from mstar.streaming import SlidingWindowChunkPolicy
 
 @pytest.fixture
 def graph() -> ModelGraph:
-    llm = GraphNode("LLM", {"tokens"}, [GraphEdge("LLM", "tokens", persist=True), StreamingGraphEdge("snac_decoder", "tokens")], signals={"eos"})
+    llm = GraphNode(
+        "LLM",
+        {"tokens"},
+        [GraphEdge("LLM", "tokens", persist=True), StreamingGraphEdge("snac_decoder", "tokens")],
+        signals={"eos"},
+    )
     snac = GraphNode("snac_decoder", {"tokens"}, [GraphEdge(EMIT, "audio", modality="audio")])
     return ModelGraph(
         {"prefill": llm, "decode": DynamicLoop(llm, 64, stop="eos"), "snac_chunk": snac},
@@ -62,19 +67,41 @@ def test_default_is_everything_on_rank_0(graph: ModelGraph) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("node_groups:\n  - {node_names: [GPU], ranks: [0]}\n", "node_groups\\[0\\]: unknown node 'GPU'"),
-        ("node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [5]}\n", "rank 5 is not available \\(ranks 0..1\\)"),
-        ("node_groups:\n  - {node_names: [LLM], ranks: [0]}\n", "node 'snac_decoder' in walk 'snac_chunk' has no placement"),
         (
-            "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [0]}\n  - {node_names: [LLM], ranks: [1], graph_walks: [decode]}\n",
+            "node_groups:\n  - {node_names: [GPU], ranks: [0]}\n",
+            "node_groups\\[0\\]: unknown node 'GPU'",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [5]}\n",
+            "rank 5 is not available \\(ranks 0..1\\)",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n",
+            "node 'snac_decoder' in walk 'snac_chunk' has no placement",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [0]}\n  - "
+            "{node_names: [LLM], ranks: [1], graph_walks: [decode]}\n",
             "node_groups\\[1\\]: node 'LLM' in walk 'decode' is already placed",
         ),
-        ("node_groups:\n  - {node_names: [LLM], ranks: [0], graph_walks: [typo]}\n", "unknown walk 'typo'"),
-        ("node_groups:\n  - {node_names: [snac_decoder], ranks: [0], graph_walks: [decode]}\n", "used by none of"),
+        (
+            "node_groups:\n  - {node_names: [LLM], ranks: [0], graph_walks: [typo]}\n",
+            "unknown walk 'typo'",
+        ),
+        (
+            "node_groups:\n  - {node_names: [snac_decoder], ranks: [0], graph_walks: [decode]}\n",
+            "used by none of",
+        ),
         ("node_groups:\n  - {node_names: [LLM], ranks: []}\n", "ranks is empty"),
         ("node_groups:\n  - {node_names: [LLM], ranks: [0, 0]}\n", "has duplicates"),
-        ("node_groups:\n  - {node_names: [LLM], rank: [0]}\n", "Object contains unknown field `rank`"),
-        ("node_groups:\n  - {node_names: [LLM], ranks: [zero]}\n", "Expected `int`, got `str` - at `\\$.node_groups\\[0\\].ranks\\[0\\]`"),
+        (
+            "node_groups:\n  - {node_names: [LLM], rank: [0]}\n",
+            "Object contains unknown field `rank`",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM], ranks: [zero]}\n",
+            "Expected `int`, got `str` - at `\\$.node_groups\\[0\\].ranks\\[0\\]`",
+        ),
         ("model: bagel\nnode_groups: []\n", "placement is for model 'bagel', not 'orpheus'"),
         ("node_groups: [\n", "not valid YAML"),
     ],
@@ -103,7 +130,10 @@ def test_kv_cache_shares_come_from_the_groups_on_a_rank() -> None:
     config = EngineConfig(kv_cache_memory=1 << 20, kv_cache_shares={"talker": 0.3})
     worker = config.worker_config(0, 2, placement.kv_cache_shares(0))
     assert worker.kv_cache_memory == 1 << 20
-    assert worker.kv_cache_shares == {"thinker": 0.6, "talker": 0.3, "code_predictor": 0.2}  # the config wins
-    bad = Placement.from_yaml("node_groups:\n  - {node_names: [a], ranks: [0], kv_cache_share: 1.5}\n")
+    # the config wins
+    assert worker.kv_cache_shares == {"thinker": 0.6, "talker": 0.3, "code_predictor": 0.2}
+    bad = Placement.from_yaml(
+        "node_groups:\n  - {node_names: [a], ranks: [0], kv_cache_share: 1.5}\n"
+    )
     with pytest.raises(PlacementError, match=r"kv_cache_share must be in \(0, 1\]"):
         bad.kv_cache_shares(0)

@@ -29,11 +29,15 @@ def test_resources_per_group_and_per_rank() -> None:
 
 
 def test_bad_amounts_are_placement_errors() -> None:
-    p = Placement.from_yaml("node_groups:\n  - {node_names: [a], ranks: [0], ray_resources: {x: 0}}\n")
+    p = Placement.from_yaml(
+        "node_groups:\n  - {node_names: [a], ranks: [0], ray_resources: {x: 0}}\n"
+    )
     with pytest.raises(PlacementError, match=r"ray_resources\['x'\] must be > 0"):
         p.ray_resources(0)
     with pytest.raises(PlacementError):
-        Placement.from_yaml("node_groups:\n  - {node_names: [a], ranks: [0]}\nrank_resources: {0: {x: nope}}\n")
+        Placement.from_yaml(
+            "node_groups:\n  - {node_names: [a], ranks: [0]}\nrank_resources: {0: {x: nope}}\n"
+        )
 
 
 RAY_FILE = """
@@ -51,7 +55,8 @@ def test_backend_ray_names_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     p = Placement.from_yaml(RAY_FILE)
     assert (p.backend, p.ray_address) == ("ray", "ray://head:10001")
     assert p.cluster_address(None) == "ray://head:10001"
-    assert p.cluster_address("ray://head:10001") == "ray://head:10001"  # the same cluster twice is fine
+    # the same cluster twice is fine
+    assert p.cluster_address("ray://head:10001") == "ray://head:10001"
     assert Placement.from_yaml(p.to_yaml()) == p
     bare = Placement.from_yaml(RAY_FILE_NO_ADDRESS)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -70,7 +75,10 @@ def test_without_backend_the_config_decides() -> None:
 
 
 def test_conflicting_settings_are_placement_errors() -> None:
-    with pytest.raises(PlacementError, match=r"names the Ray cluster 'ray://head:10001' and the engine's config 'auto'"):
+    with pytest.raises(
+        PlacementError,
+        match=r"names the Ray cluster 'ray://head:10001' and the engine's config 'auto'",
+    ):
         Placement.from_yaml(RAY_FILE).cluster_address("auto")
     with pytest.raises(PlacementError, match="backend: local"):
         Placement.from_yaml(LOCAL_FILE).cluster_address("auto")
@@ -87,10 +95,14 @@ async def test_a_local_engine_refuses_a_ray_config_with_a_local_placement() -> N
 
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": 2})
     with pytest.raises(PlacementError, match="backend: local"):
-        await AsyncEngine.start(spec, Placement.from_yaml(LOCAL_FILE), EngineConfig(ray_address="auto"))
+        await AsyncEngine.start(
+            spec, Placement.from_yaml(LOCAL_FILE), EngineConfig(ray_address="auto")
+        )
 
 
-def test_cluster_endpoints_of_ray_addresses(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_cluster_endpoints_of_ray_addresses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from mstar.runtime.ray_launcher import cluster_endpoint
 
     assert cluster_endpoint("127.0.0.1:6379") == ("127.0.0.1", 6379)
@@ -101,7 +113,8 @@ def test_cluster_endpoints_of_ray_addresses(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert cluster_endpoint("auto") is None  # no cluster started here
     (tmp_path / "ray").mkdir()
-    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:41234\n")  # what `ray start --head` leaves
+    # what `ray start --head` leaves
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:41234\n")
     assert cluster_endpoint("auto") == ("127.0.0.1", 41234)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
     assert cluster_endpoint("auto") == ("10.0.0.2", 6379)

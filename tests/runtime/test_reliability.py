@@ -40,17 +40,22 @@ from mstar.zoo.toy import ToyModel
 from tests.helpers import wait_until_idle
 from tests.server.models import save_tiny_chat_llama
 
-TWO_RANKS = "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
+TWO_RANKS = (
+    "node_groups:\n  - {node_names: [a, done], ranks: [0]}\n  - {node_names: [b], ranks: [1]}\n"
+)
 # toy-composite's speech: prefill and decode on rank 0, its vocoder (a later walk) on rank 1.
 VOCODER_APART = (
-    "node_groups:\n  - {node_names: [encoder, lm, init, image_encoder, cond, uncond, combine, vae], ranks: [0]}\n"
+    "node_groups:\n  - {node_names: [encoder, lm, init, image_encoder, cond, uncond, "
+    "combine, vae], ranks: [0]}\n"
     "  - {node_names: [vocoder], ranks: [1]}\n"
 )
 
 
 async def start(steps: int, **config: float) -> AsyncEngine:
     spec = ModelSpec("mstar.zoo.noop:NoopLoopModel", {"steps": steps})
-    return await AsyncEngine.start(spec, Placement.from_yaml(TWO_RANKS), EngineConfig(offload_steps=False, **config))  # type: ignore[arg-type]
+    return await AsyncEngine.start(
+        spec, Placement.from_yaml(TWO_RANKS), EngineConfig(offload_steps=False, **config)
+    )  # type: ignore[arg-type]
 
 
 @pytest_asyncio.fixture
@@ -65,7 +70,9 @@ async def until(predicate: object, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_a_duplicate_id_is_refused_and_the_first_request_keeps_running(endless: AsyncEngine) -> None:
+async def test_a_duplicate_id_is_refused_and_the_first_request_keeps_running(
+    endless: AsyncEngine,
+) -> None:
     first = asyncio.ensure_future(endless.run(Request("loop", {}, "dup")))
 
     async def running() -> bool:
@@ -102,7 +109,9 @@ async def test_an_abort_before_the_first_iteration_is_not_lost(endless: AsyncEng
 
 async def start_toy(**config: float) -> AsyncEngine:
     placement = Placement.from_yaml(VOCODER_APART)
-    return await AsyncEngine.start(ToyModel(), placement, EngineConfig(offload_steps=False, **config))  # type: ignore[arg-type]
+    return await AsyncEngine.start(
+        ToyModel(), placement, EngineConfig(offload_steps=False, **config)
+    )  # type: ignore[arg-type]
 
 
 def back(engine: AsyncEngine, rank: int) -> None:
@@ -119,7 +128,11 @@ async def test_a_new_request_for_a_lost_rank_fails_fast_and_runs_once_it_is_back
         with pytest.raises(WorkerUnavailableError, match="rank 1 is down") as refused:
             await asyncio.wait_for(engine.run(Request("loop", {})), 10)
         assert refused.value.rank == 1 and 1 <= refused.value.retry_after_s <= 30
-        assert (await engine.held_state())["conductor"] == {"requests": 0, "client_queues": 0, "parked_walks": 0}
+        assert (await engine.held_state())["conductor"] == {
+            "requests": 0,
+            "client_queues": 0,
+            "parked_walks": 0,
+        }
         back(engine, 1)
         # The first request after the rank is back runs (no stale failure).
         assert [o.data for o in await asyncio.wait_for(engine.run(Request("loop", {})), 10)] == [50]
@@ -169,7 +182,9 @@ async def test_a_running_requests_walk_for_a_lost_rank_waits_for_its_restart() -
 async def test_a_rank_that_does_not_come_back_fails_its_waiting_walks() -> None:
     async with await start_toy(restart_wait_s=0.2) as engine:
         running = await speech_running_at_the_loss(engine)
-        with pytest.raises(WorkerUnavailableError, match=r"did not come back within 0\.2 s") as gone:
+        with pytest.raises(
+            WorkerUnavailableError, match=r"did not come back within 0\.2 s"
+        ) as gone:
             await asyncio.wait_for(running, 30)
         assert gone.value.rank == 1
         with pytest.raises(WorkerUnavailableError, match="rank 1 died and did not come back"):
@@ -189,7 +204,9 @@ class SlowPreprocess(NoopLoopModel):
 
 
 async def test_preprocessing_runs_off_the_event_loop() -> None:
-    async with await AsyncEngine.start(SlowPreprocess(steps=5), config=EngineConfig(offload_steps=False)) as engine:
+    async with await AsyncEngine.start(
+        SlowPreprocess(steps=5), config=EngineConfig(offload_steps=False)
+    ) as engine:
         gaps: list[float] = []
 
         async def tick() -> None:
@@ -208,9 +225,17 @@ async def test_preprocessing_runs_off_the_event_loop() -> None:
 
 
 async def test_an_engine_start_removes_what_killed_processes_left() -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = int(dead.stdout)
-    stale = [SHM_DIR / f"mstar-{pid}-0123456789ab", runtime_dir() / f"mstar-{pid}-0123456789ab.sock"]
+    stale = [
+        SHM_DIR / f"mstar-{pid}-0123456789ab",
+        runtime_dir() / f"mstar-{pid}-0123456789ab.sock",
+    ]
     for path in stale:
         path.write_bytes(b"")
     async with await start(3):
@@ -226,7 +251,9 @@ def test_worker_processes_without_a_main_guard_say_how_to_fix_it(tmp_path: Path)
         "spec = ModelSpec('mstar.zoo.noop:NoopLoopModel', {'steps': 3})\n"
         "asyncio.run(AsyncEngine.start(spec, config=EngineConfig(worker_processes=True)))\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path
+    )
     assert done.returncode != 0
     assert "MissingMainGuardError" in done.stderr
     assert 'if __name__ == "__main__":' in done.stderr
@@ -249,7 +276,9 @@ def drop_first(kind: type, taken: list[Any]) -> Callable[[str, Any, Callable[[],
 
 
 @pytest.mark.parametrize("kind", [StartWalkMsg, NodeValuesMsg, WalkDoneMsg])
-async def test_a_request_whose_message_is_lost_fails_as_stalled_and_frees_what_it_held(kind: type) -> None:
+async def test_a_request_whose_message_is_lost_fails_as_stalled_and_frees_what_it_held(
+    kind: type,
+) -> None:
     async with await start(30, request_stall_timeout_s=0.4) as engine:
         taken: list[Any] = []
         engine.system.fault_hook = drop_first(kind, taken)
@@ -270,9 +299,16 @@ class Ticker(Model):
 
     def __init__(self, steps: int, delay_s: float) -> None:
         self.steps, self.delay_s = steps, delay_s
-        tick = GraphNode("tick", {"i"}, [GraphEdge("tick", "i"), GraphEdge(EMIT, "i", modality="latent")], signals={"stop"})
+        tick = GraphNode(
+            "tick",
+            {"i"},
+            [GraphEdge("tick", "i"), GraphEdge(EMIT, "i", modality="latent")],
+            signals={"stop"},
+        )
         loop = DynamicLoop(tick, max_iters=steps, stop="stop")
-        self._graph = ModelGraph(name="ticker", walks={"loop": loop}, partitions={"P": ["loop"]}, inputs={"tick": {"i"}})
+        self._graph = ModelGraph(
+            name="ticker", walks={"loop": loop}, partitions={"P": ["loop"]}, inputs={"tick": {"i"}}
+        )
 
     def graph(self) -> ModelGraph:
         return self._graph
@@ -327,7 +363,11 @@ async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: 
             held = await engine.held_state()  # at once: no waiting for the next engine step
             assert all(v == 0 for counts in held.values() for v in counts.values()), held
         # A client that leaves early: once its generator is closed, the request holds nothing.
-        request = Request("generate", {"prompt_token_ids": [1, 5, 9], "max_tokens": 50, "ignore_eos": True}, "left")
+        request = Request(
+            "generate",
+            {"prompt_token_ids": [1, 5, 9], "max_tokens": 50, "ignore_eos": True},
+            "left",
+        )
         async with contextlib.aclosing(engine.generate(request)) as outputs:
             async for _ in outputs:
                 break
@@ -341,7 +381,9 @@ async def test_held_state_shows_nothing_of_a_request_once_it_returned(tmp_path: 
 def test_while_a_rank_is_down_new_walks_pick_a_live_replica_and_requests_keep_theirs() -> None:
     model = ToyModel()
     graph = model.graph()
-    core = ConductorCore(model, graph, {(n.name, w): (0, 1, 2) for w in graph.walks for n in graph.walk_nodes(w)})
+    core = ConductorCore(
+        model, graph, {(n.name, w): (0, 1, 2) for w in graph.walks for n in graph.walk_nodes(w)}
+    )
 
     def started(commands: list[Any]) -> list[StartWalk]:
         return [c for c in commands if isinstance(c, StartWalk)]
@@ -357,4 +399,5 @@ def test_while_a_rank_is_down_new_walks_pick_a_live_replica_and_requests_keep_th
     news = [started(core.submit(Request("speech", {"text": "hi"}, f"n{i}"))) for i in range(4)]
     assert [c.rank for walks in news for c in walks] == [2, 1, 2, 1]
     core.ranks_down.discard(0)
-    assert [c.rank for c in started(core.submit(Request("speech", {"text": "hi"}, "back")))] == [1]  # index 7 of 0, 1, 2
+    # index 7 of 0, 1, 2
+    assert [c.rank for c in started(core.submit(Request("speech", {"text": "hi"}, "back")))] == [1]

@@ -46,7 +46,9 @@ def test_what_is_trusted(factory: str, allowed: list[str], trusted: bool) -> Non
 
 
 def test_the_error_says_how_to_allow_a_factory() -> None:
-    with pytest.raises(UntrustedModelError, match=r"allowed_model_factories=\['os'\].*--allow-model-factory"):
+    with pytest.raises(
+        UntrustedModelError, match=r"allowed_model_factories=\['os'\].*--allow-model-factory"
+    ):
         check_model_factory("os:system")
 
 
@@ -58,7 +60,9 @@ async def test_an_untrusted_factory_fails_before_any_worker_starts() -> None:
 
 @pytest.mark.slow
 async def test_an_allow_listed_factory_serves_in_worker_processes() -> None:
-    config = EngineConfig(worker_processes=True, allowed_model_factories=("tests.runtime.test_trust",))
+    config = EngineConfig(
+        worker_processes=True, allowed_model_factories=("tests.runtime.test_trust",)
+    )
     spec = ModelSpec("tests.runtime.test_trust:make_noop", {"steps": 4})
     async with await AsyncEngine.start(spec, config=config) as engine:
         outputs = await engine.run(Request("loop", {}, request_id="r"))
@@ -68,14 +72,21 @@ async def test_an_allow_listed_factory_serves_in_worker_processes() -> None:
 @pytest.mark.slow
 async def test_a_worker_host_refuses_an_init_naming_any_other_code() -> None:
     """What a peer that reached a worker could send: the host refuses to import it."""
-    proc = SystemProcess("mstar.runtime.worker:setup_worker_host", setup_args={"allowed_model_factories": []})
+    proc = SystemProcess(
+        "mstar.runtime.worker:setup_worker_host", setup_args={"allowed_model_factories": []}
+    )
     addresses = await asyncio.to_thread(proc.start)
     try:
         async with ActorSystem() as system:
             host = system.ref(HOST_NAME, addresses[0])
             init = InitWorker(
-                0, "os:system", {"command": "true"}, [], ActorId(system.address, "conductor"),
-                {0: ActorId(addresses[0], "worker-0")}, WorkerConfig(),
+                0,
+                "os:system",
+                {"command": "true"},
+                [],
+                ActorId(system.address, "conductor"),
+                {0: ActorId(addresses[0], "worker-0")},
+                WorkerConfig(),
             )
             with pytest.raises(ActorHandlerError) as caught:
                 await host.ask(init, timeout=30)
@@ -89,7 +100,8 @@ def test_a_placement_is_unchanged_by_the_check() -> None:
 
 
 def test_the_zoo_declares_every_model_it_registers_as_an_entry_point() -> None:
-    """Workers trust what installed packages declare (`mstar.models`); the runtime never imports the zoo for it."""
+    """Workers trust what installed packages declare (`mstar.models`); the runtime never imports the
+    zoo for it."""
     from mstar.runtime.trust import declared_factories
     from mstar.zoo.registry import zoo_factories
 

@@ -34,7 +34,9 @@ Slot = tuple[str, str]
 class Cluster:
     """Runs the walks of one partition over several in-process ranks; delivers out of order."""
 
-    def __init__(self, graph: ModelGraph, fns: Mapping[str, NodeFn], placement: Mapping[str, int], seed: int) -> None:
+    def __init__(
+        self, graph: ModelGraph, fns: Mapping[str, NodeFn], placement: Mapping[str, int], seed: int
+    ) -> None:
         self.graph, self.fns, self.placement = graph, fns, placement
         self.rng = random.Random(seed)
         self.emitted: dict[tuple[str, str], list[Any]] = defaultdict(list)
@@ -67,7 +69,9 @@ class Cluster:
             def stream(self, node: str, edge: StreamingGraphEdge, value: Any) -> None:
                 cluster.streamed[(edge.dst, edge.name)].append(value)
 
-            def loop(self, node: str, inputs: Mapping[str, Any], max_iters: int | None, sink: Any) -> None:
+            def loop(
+                self, node: str, inputs: Mapping[str, Any], max_iters: int | None, sink: Any
+            ) -> None:
                 return None  # these nodes have no native loop: fire per iteration
 
         return Ports()
@@ -99,7 +103,9 @@ def by_output(emissions: list[Emission]) -> dict[tuple[str, str], list[Any]]:
     return out
 
 
-def assert_same(got: Mapping[tuple[str, str], list[Any]], want: Mapping[tuple[str, str], list[Any]]) -> None:
+def assert_same(
+    got: Mapping[tuple[str, str], list[Any]], want: Mapping[tuple[str, str], list[Any]]
+) -> None:
     assert got.keys() == want.keys()
     for key in want:
         assert len(got[key]) == len(want[key]), key
@@ -134,23 +140,43 @@ async def test_toy_lm_walks_persist_across_walks_and_stream(seed: int) -> None:
     for walk in ("prefill", "decode"):
         await cluster.run_walk(walk, persistent)
     assert_same(cluster.emitted, want)
-    assert [int(t) for t in cluster.streamed[("vocoder", "token")]] == [int(t) for t in want[("lm", "token")]]
+    assert [int(t) for t in cluster.streamed[("vocoder", "token")]] == [
+        int(t) for t in want[("lm", "token")]
+    ]
     assert int(persistent[("lm", "token")]) == int(want[("lm", "token")][-1])
 
 
 def remote_stop_graph() -> ModelGraph:
     # The stop signal comes from b; a (on another rank) must stop at the same iteration.
     a = GraphNode("a", {"x"}, [GraphEdge("b", "y"), GraphEdge(EMIT, "a_out", modality="latent")])
-    b = GraphNode("b", {"y", "limit"}, [GraphEdge("a", "x"), GraphEdge("c", "x"), GraphEdge(EMIT, "b_out", modality="latent")], signals={"stop"})
-    c = GraphNode("c", {"x"}, [GraphEdge(EMIT, "final", modality="latent")])
-    acc = GraphNode("acc", {"x"}, [GraphEdge("acc", "x"), GraphEdge(EMIT, "hist", modality="latent")])
-    walk = Sequential(
-        [DynamicLoop(Sequential([a, b]), max_iters=50, stop="stop"), Parallel([c, Loop(acc, 3, accumulated_outputs={"hist"})])]
+    b = GraphNode(
+        "b",
+        {"y", "limit"},
+        [GraphEdge("a", "x"), GraphEdge("c", "x"), GraphEdge(EMIT, "b_out", modality="latent")],
+        signals={"stop"},
     )
-    return ModelGraph({"w": walk}, {"P": ["w"]}, inputs={"a": {"x"}, "b": {"limit"}, "acc": {"x"}}, nodes=[a, b, c, acc])
+    c = GraphNode("c", {"x"}, [GraphEdge(EMIT, "final", modality="latent")])
+    acc = GraphNode(
+        "acc", {"x"}, [GraphEdge("acc", "x"), GraphEdge(EMIT, "hist", modality="latent")]
+    )
+    walk = Sequential(
+        [
+            DynamicLoop(Sequential([a, b]), max_iters=50, stop="stop"),
+            Parallel([c, Loop(acc, 3, accumulated_outputs={"hist"})]),
+        ]
+    )
+    return ModelGraph(
+        {"w": walk},
+        {"P": ["w"]},
+        inputs={"a": {"x"}, "b": {"limit"}, "acc": {"x"}},
+        nodes=[a, b, c, acc],
+    )
 
 
-@pytest.mark.parametrize("placement", [dict(a=0, b=1, c=1, acc=0), dict(a=1, b=0, c=2, acc=2), dict(a=0, b=0, c=0, acc=0)])
+@pytest.mark.parametrize(
+    "placement",
+    [dict(a=0, b=1, c=1, acc=0), dict(a=1, b=0, c=2, acc=2), dict(a=0, b=0, c=0, acc=0)],
+)
 @pytest.mark.parametrize("limit", [1, 4, 9])
 async def test_remote_stop_signal_and_accumulation(placement: dict[str, int], limit: int) -> None:
     graph = remote_stop_graph()
@@ -181,6 +207,12 @@ async def test_a_failing_node_names_itself() -> None:
     def boom(i: Mapping[str, Any]) -> Mapping[str, Any]:
         raise RuntimeError("kaput")
 
-    cluster = Cluster(graph, {"a": boom, "b": boom, "c": boom, "acc": boom}, dict(a=0, b=0, c=0, acc=0), 0)
-    with pytest.raises(Exception, match=r"RuntimeError: kaput \(node 'a', walk 'w', request 'req'\)"):
-        await cluster.run_walk("w", {("a", "x"): torch.tensor(0.0), ("b", "limit"): 1, ("acc", "x"): torch.tensor(0.0)})
+    cluster = Cluster(
+        graph, {"a": boom, "b": boom, "c": boom, "acc": boom}, dict(a=0, b=0, c=0, acc=0), 0
+    )
+    with pytest.raises(
+        Exception, match=r"RuntimeError: kaput \(node 'a', walk 'w', request 'req'\)"
+    ):
+        await cluster.run_walk(
+            "w", {("a", "x"): torch.tensor(0.0), ("b", "limit"): 1, ("acc", "x"): torch.tensor(0.0)}
+        )

@@ -1,4 +1,5 @@
-"""scripts/bench_bagel.py on bagel-tiny: the three targets return the same images, and it writes its figures."""
+"""scripts/bench_bagel.py on bagel-tiny: the three targets return the same images, and it writes its
+figures."""
 
 from __future__ import annotations
 
@@ -28,17 +29,37 @@ def bench() -> ModuleType:
 
 def test_arguments(bench: ModuleType) -> None:
     settings = bench.parse_args([])
-    assert settings.config == "bagel-small" and settings.concurrency == (1, 2, 4, 8) and settings.timesteps is None
+    assert (
+        settings.config == "bagel-small"
+        and settings.concurrency == (1, 2, 4, 8)
+        and settings.timesteps is None
+    )
     assert bench.parse_args(["--timesteps", "10", "--concurrency", "1,2"]).concurrency == (1, 2)
 
 
 @pytest.mark.slow
 async def test_a_tiny_run_agrees_and_writes_its_figures(bench: ModuleType, tmp_path: Path) -> None:
     settings = bench.parse_args(
-        ["--config", "bagel-tiny", "--timesteps", "4", "--concurrency", "1,2", "--num-requests", "2", "--out", str(tmp_path)]
+        [
+            "--config",
+            "bagel-tiny",
+            "--timesteps",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
     )
     summary = await bench.run(settings, Console(quiet=True))
-    assert [(r["task"], r["c"]) for r in summary["rows"]] == [("image", 1), ("image", 2), ("image_edit", 1), ("image_edit", 2)]
+    assert [(r["task"], r["c"]) for r in summary["rows"]] == [
+        ("image", 1),
+        ("image", 2),
+        ("image_edit", 1),
+        ("image_edit", 2),
+    ]
     for row in summary["rows"]:
         assert all(row[t]["failed"] == 0 and row[t]["images_per_s"] > 0 for t in bench.TARGET_NAMES)
     # the same image from every target, up to fp32 rounding (a pixel level at most): the

@@ -14,7 +14,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_llm.py"
 
 # Speaks the peer's protocol without vLLM: each request gets tokens 0, 1, ... one per step.
-FAKE_PEER = '''
+FAKE_PEER = """
 import json, sys
 print(json.dumps({"ready": True, "torch_threads": 1}), flush=True)
 for line in sys.stdin:
@@ -24,7 +24,7 @@ for line in sys.stdin:
     n = request["max_tokens"]
     for i in range(n):
         print(json.dumps({"step": [[request["id"], [i], i == n - 1]]}), flush=True)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,9 @@ def test_step_cost_counts_weights_once_and_every_cached_key(bench: ModuleType) -
     assert flops_sixteen > 16 * flops_one
 
 
-def test_floors_are_the_step_bytes_over_the_bandwidth_and_the_larger_of_it_and_the_arithmetic(bench: ModuleType) -> None:
+def test_floors_are_the_step_bytes_over_the_bandwidth_and_the_larger_of_it_and_the_arithmetic(
+    bench: ModuleType,
+) -> None:
     # Bound by arithmetic (the tiny model at c = 16 on one thread) ...
     row = {"step_bytes": 1.31e7, "flop_ms": 3.17, "mstar_tpot_ms": 4.0}
     bench.add_floors(row, 1e10)
@@ -64,7 +66,9 @@ def test_floors_are_the_step_bytes_over_the_bandwidth_and_the_larger_of_it_and_t
     assert (row["roofline_ms"], row["roofline_pct"]) == pytest.approx((1.09, 54.5))
 
 
-def test_peer_streams_each_request_its_tokens(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_peer_streams_each_request_its_tokens(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake = tmp_path / "fake_peer.py"
     fake.write_text(FAKE_PEER)
     monkeypatch.setattr(bench, "PEER_SCRIPT", fake)
@@ -86,19 +90,54 @@ def test_peer_streams_each_request_its_tokens(bench: ModuleType, tmp_path: Path,
 
 def test_a_missing_peer_environment_says_how_to_make_it(bench: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"setup_vllm_peer\.sh"):
-        bench.main(["--models", "tiny", "--concurrency", "1", "--new-tokens", "2", "--waves", "1",
-                    "--peer", "vllm", "--peer-python", str(tmp_path / "none" / "python"), "--out", str(tmp_path)])
+        bench.main(
+            [
+                "--models",
+                "tiny",
+                "--concurrency",
+                "1",
+                "--new-tokens",
+                "2",
+                "--waves",
+                "1",
+                "--peer",
+                "vllm",
+                "--peer-python",
+                str(tmp_path / "none" / "python"),
+                "--out",
+                str(tmp_path),
+            ]
+        )
 
 
 def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path: Path) -> None:
-    bench.main(["--models", "tiny", "--concurrency", "1,2", "--new-tokens", "4", "--prompt-len", "8",
-                "--waves", "1", "--out", str(tmp_path)])
+    bench.main(
+        [
+            "--models",
+            "tiny",
+            "--concurrency",
+            "1,2",
+            "--new-tokens",
+            "4",
+            "--prompt-len",
+            "8",
+            "--waves",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = json.loads((tmp_path / "bench_llm_summary.json").read_text())
-    assert [(r["model"], r["dtype"], r["concurrency"]) for r in rows] == [("tiny", "float32", 1), ("tiny", "float32", 2)]
+    assert [(r["model"], r["dtype"], r["concurrency"]) for r in rows] == [
+        ("tiny", "float32", 1),
+        ("tiny", "float32", 2),
+    ]
     for row in rows:
         assert row["failed"] == 0 and row["mstar_tokens_per_s"] > 0 and row["ratio"] > 0
         assert row["floor_ms"] > 0 and row["floor_pct"] > 0 and row["flop_ms"] > 0
-        assert row["floor_ms"] == pytest.approx(row["step_bytes"] / row["bandwidth_bytes_per_s"] * 1e3)
+        assert row["floor_ms"] == pytest.approx(
+            row["step_bytes"] / row["bandwidth_bytes_per_s"] * 1e3
+        )
         assert row["roofline_ms"] == max(row["floor_ms"], row["flop_ms"])
         assert row["roofline_pct"] >= row["floor_pct"]
         assert "vllm_tokens_per_s" not in row
@@ -107,12 +146,28 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
 
 def test_rounds_combine_as_medians_with_the_ratios_range(bench: ModuleType) -> None:
     rows = [
-        {"model": "tiny", "concurrency": 4, "mstar_tokens_per_s": t, "ratio": r, "vllm_ratio": v,
-         "failed": f, "mstar_peak_mib": m, "hf_peak_mib": 1.0}
-        for t, r, v, f, m in [(100.0, 1.2, 0.9, 0, 5.0), (300.0, 1.6, 1.4, 1, 7.0), (200.0, 1.3, 1.1, 0, 6.0)]
+        {
+            "model": "tiny",
+            "concurrency": 4,
+            "mstar_tokens_per_s": t,
+            "ratio": r,
+            "vllm_ratio": v,
+            "failed": f,
+            "mstar_peak_mib": m,
+            "hf_peak_mib": 1.0,
+        }
+        for t, r, v, f, m in [
+            (100.0, 1.2, 0.9, 0, 5.0),
+            (300.0, 1.6, 1.4, 1, 7.0),
+            (200.0, 1.3, 1.1, 0, 6.0),
+        ]
     ]
     combined = bench.combine_rounds(rows)
-    assert combined["mstar_tokens_per_s"] == 200.0 and combined["ratio"] == 1.3 and combined["vllm_ratio"] == 1.1
+    assert (
+        combined["mstar_tokens_per_s"] == 200.0
+        and combined["ratio"] == 1.3
+        and combined["vllm_ratio"] == 1.1
+    )
     assert (combined["ratio_min"], combined["ratio_max"]) == (1.2, 1.6)
     assert (combined["vllm_ratio_min"], combined["vllm_ratio_max"]) == (0.9, 1.4)
     assert combined["failed"] == 1 and combined["mstar_peak_mib"] == 7.0 and combined["rounds"] == 3
@@ -120,8 +175,24 @@ def test_rounds_combine_as_medians_with_the_ratios_range(bench: ModuleType) -> N
 
 
 def test_rounds_measure_every_point_again(bench: ModuleType, tmp_path: Path) -> None:
-    bench.main(["--models", "tiny", "--concurrency", "1", "--new-tokens", "3", "--prompt-len", "8",
-                "--waves", "1", "--rounds", "2", "--out", str(tmp_path)])
+    bench.main(
+        [
+            "--models",
+            "tiny",
+            "--concurrency",
+            "1",
+            "--new-tokens",
+            "3",
+            "--prompt-len",
+            "8",
+            "--waves",
+            "1",
+            "--rounds",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     (row,) = json.loads((tmp_path / "bench_llm_summary.json").read_text())
     assert row["rounds"] == 2 and row["failed"] == 0
     assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]

@@ -23,14 +23,24 @@ def test_the_quick_run_reports_every_figure(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray on loopback
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=280, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "bench_multinode.json").read_text())
     median = data["median"]
     for key in (
-        "tcp_rtt_s", "tcp_bytes_per_s", "ray nodes_step_s", "processes_step_s", "ray nodes_bytes_per_s",
-        "processes_bytes_per_s", "ray_object_store_bytes_per_s", "ray_call_rtt_s",
+        "tcp_rtt_s",
+        "tcp_bytes_per_s",
+        "ray nodes_step_s",
+        "processes_step_s",
+        "ray nodes_bytes_per_s",
+        "processes_bytes_per_s",
+        "ray_object_store_bytes_per_s",
+        "ray_call_rtt_s",
     ):
         assert median[key] > 0, key
     assert data["mstar_over_object_store"] > 0

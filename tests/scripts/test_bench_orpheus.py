@@ -1,4 +1,5 @@
-"""scripts/bench_orpheus.py on orpheus-tiny: the three systems do the same work; the report is complete."""
+"""scripts/bench_orpheus.py on orpheus-tiny: the three systems do the same work; the report is
+complete."""
 
 from __future__ import annotations
 

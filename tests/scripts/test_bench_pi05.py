@@ -1,4 +1,5 @@
-"""scripts/bench_pi05.py on pi05-tiny: the baseline's sampler is exact; both targets return the same actions."""
+"""scripts/bench_pi05.py on pi05-tiny: the baseline's sampler is exact; both targets return the same
+actions."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""scripts/bench_qwen3_omni.py: arguments are checked; a tiny run reports every target, point and ratio."""
+"""scripts/bench_qwen3_omni.py: arguments are checked; a tiny run reports every target, point and
+ratio."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_arguments_are_validated(bench: ModuleType) -> None:
 
 
 def test_cpu_account_charges_each_target_its_own_threads(bench: ModuleType) -> None:
-    """Work on a stage thread while the stage target has a request in flight is the stage's, per audio second."""
+    """Work on a stage thread while the stage target has a request in flight is the stage's, per
+    audio second."""
     account = bench.CpuAccount()
 
     def spin(seconds: float) -> None:
@@ -106,9 +108,24 @@ def test_a_tiny_run_reports_every_target(
 ) -> None:
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     data = bench.main(
-        ["--config", "qwen3-omni-tiny", "--concurrency", "1,2", "--max-tokens", "4", "--max-frames", "8",
-         "--num-requests", "2", "--warmup", "0", "--transformers", "--out", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "--config",
+            "qwen3-omni-tiny",
+            "--concurrency",
+            "1,2",
+            "--max-tokens",
+            "4",
+            "--max-frames",
+            "8",
+            "--num-requests",
+            "2",
+            "--warmup",
+            "0",
+            "--transformers",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     (shape,) = data["shapes"].values()
     assert all(r["summary"]["num_failed"] == 0 for r in shape["results"])
     summary = shape["qwen3_omni"]["summary"]

@@ -52,28 +52,39 @@ class RunningServer:
         while True:
             held = self.held_state()
             admission = self.state.admission
-            if not any(v for counts in held.values() for v in counts.values()) and admission.num_running == 0:
+            if (
+                not any(v for counts in held.values() for v in counts.values())
+                and admission.num_running == 0
+            ):
                 return held
             if time.monotonic() > deadline:
                 return held
             time.sleep(0.01)
 
     def metric(self, name: str, **labels: str) -> float:
-        value = self.state.metrics.registry.get_sample_value(name, {"model": self.state.name, **labels})
+        value = self.state.metrics.registry.get_sample_value(
+            name, {"model": self.state.name, **labels}
+        )
         return 0.0 if value is None else value
 
 
 @contextlib.contextmanager
-def serve_in_thread(server: uvicorn.Server, sock: socket.socket, app: FastAPI) -> Iterator[RunningServer]:
+def serve_in_thread(
+    server: uvicorn.Server, sock: socket.socket, app: FastAPI
+) -> Iterator[RunningServer]:
     """Run ``server`` on ``sock`` in a thread once its engine started (bounded); stop it on exit."""
     port = sock.getsockname()[1]
     loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True)
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(server.serve(sockets=[sock])), daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.started:  # bounded wait for the engine to start in the lifespan
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start: {getattr(app.state, 'startup_error', None)!r}")
+            raise RuntimeError(
+                f"the server did not start: {getattr(app.state, 'startup_error', None)!r}"
+            )
         time.sleep(0.01)
     try:
         yield RunningServer(f"http://127.0.0.1:{port}", app, loop)
@@ -85,7 +96,9 @@ def serve_in_thread(server: uvicorn.Server, sock: socket.socket, app: FastAPI) -
 
 
 @contextlib.contextmanager
-def running_server(model: ModelSpec | Model, config: ServerConfig | None = None, **kwargs: Any) -> Iterator[RunningServer]:
+def running_server(
+    model: ModelSpec | Model, config: ServerConfig | None = None, **kwargs: Any
+) -> Iterator[RunningServer]:
     """Serve ``model`` on 127.0.0.1 (a free port) in a thread; stop it on exit."""
     app = make_app(model, config or ServerConfig(port=0), **kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -93,7 +106,14 @@ def running_server(model: ModelSpec | Model, config: ServerConfig | None = None,
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     server = uvicorn.Server(
-        uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", loop="asyncio", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            loop="asyncio",
+            timeout_graceful_shutdown=5,
+        )
     )
     with serve_in_thread(server, sock, app) as running:
         yield running
@@ -108,8 +128,12 @@ def toy_server() -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def endless_server() -> Iterator[RunningServer]:
     """One running slot and one waiting slot, so tests can fill both."""
-    config = ServerConfig(port=0, admission=AdmissionLimits(max_running=1, max_waiting=1, retry_after_s=2))
-    with running_server(ModelSpec("tests.server.models:EndlessTone"), config, names=("endless",)) as server:
+    config = ServerConfig(
+        port=0, admission=AdmissionLimits(max_running=1, max_waiting=1, retry_after_s=2)
+    )
+    with running_server(
+        ModelSpec("tests.server.models:EndlessTone"), config, names=("endless",)
+    ) as server:
         yield server
 
 
@@ -125,6 +149,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_server(tiny_llama_dir: Path) -> Iterator[RunningServer]:
-    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "tiny-chat"})
+    spec = ModelSpec(
+        "mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "tiny-chat"}
+    )
     with running_server(spec, names=("tiny-chat",)) as server:
         yield server

@@ -1,4 +1,5 @@
-"""Test models: speech that never ends on its own (to hold requests open), a byte-level tokenizer."""
+"""Test models: speech that never ends on its own (to hold requests open), a byte-level
+tokenizer."""
 
 from __future__ import annotations
 
@@ -83,8 +84,13 @@ CHAT_TEMPLATE = (
 
 
 def _byte_chars() -> dict[int, str]:
-    """Return GPT-2's byte-level alphabet: printable bytes stand for themselves, others move to 256+."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    """Return GPT-2's byte-level alphabet: printable bytes stand for themselves, others move to
+    256+."""
+    keep = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -96,14 +102,18 @@ def _byte_chars() -> dict[int, str]:
 
 
 def make_byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Return a byte-level tokenizer: ids 0-255 are bytes, 256-258 are chat specials (257 ends a turn)."""
+    """Return a byte-level tokenizer: ids 0-255 are bytes, 256-258 are chat specials (257 ends a
+    turn)."""
     vocab = {c: b for b, c in _byte_chars().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -114,9 +124,15 @@ def save_tiny_chat_llama(path: Path) -> Path:
     tokenizer = make_byte_tokenizer()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)

@@ -33,8 +33,12 @@ def assert_nothing_held(server: RunningServer) -> None:
     assert (server.state.admission.num_running, server.state.admission.num_waiting) == (0, 0)
 
 
-async def test_disconnect_mid_stream_aborts_and_frees_everything(endless_server: RunningServer) -> None:
-    aborted = endless_server.metric("mstar_requests_finished_total", task="speech", status="aborted")
+async def test_disconnect_mid_stream_aborts_and_frees_everything(
+    endless_server: RunningServer,
+) -> None:
+    aborted = endless_server.metric(
+        "mstar_requests_finished_total", task="speech", status="aborted"
+    )
     async with (
         httpx.AsyncClient(base_url=endless_server.url) as http,
         http.stream("POST", "/v1/audio/speech", json=ENDLESS) as response,
@@ -47,31 +51,48 @@ async def test_disconnect_mid_stream_aborts_and_frees_everything(endless_server:
                 break
     # Leaving the block closed the connection mid-stream.
     assert_nothing_held(endless_server)
-    assert endless_server.metric("mstar_requests_finished_total", task="speech", status="aborted") == aborted + 1
+    assert (
+        endless_server.metric("mstar_requests_finished_total", task="speech", status="aborted")
+        == aborted + 1
+    )
 
 
 async def test_disconnect_before_the_answer_aborts_too(endless_server: RunningServer) -> None:
-    aborted = endless_server.metric("mstar_requests_finished_total", task="speech", status="aborted")
+    aborted = endless_server.metric(
+        "mstar_requests_finished_total", task="speech", status="aborted"
+    )
     async with httpx.AsyncClient(base_url=endless_server.url) as http:
         # Not streamed: the answer would come when the (endless) request ends.
         pending = asyncio.create_task(http.post("/v1/audio/speech", json={"input": "x"}))
-        await until(lambda: endless_server.metric("mstar_generated_audio_seconds_total") > 0 and endless_server.state.admission.num_running == 1)
+        await until(
+            lambda: (
+                endless_server.metric("mstar_generated_audio_seconds_total") > 0
+                and endless_server.state.admission.num_running == 1
+            )
+        )
         pending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pending
     assert_nothing_held(endless_server)
-    assert endless_server.metric("mstar_requests_finished_total", task="speech", status="aborted") == aborted + 1
+    assert (
+        endless_server.metric("mstar_requests_finished_total", task="speech", status="aborted")
+        == aborted + 1
+    )
 
 
 async def test_overload_answers_503_with_retry_after(endless_server: RunningServer) -> None:
     admission = endless_server.state.admission
-    rejected = endless_server.metric("mstar_requests_finished_total", task="speech", status="rejected")
+    rejected = endless_server.metric(
+        "mstar_requests_finished_total", task="speech", status="rejected"
+    )
     async with httpx.AsyncClient(base_url=endless_server.url) as http:
         async with http.stream("POST", "/v1/audio/speech", json=ENDLESS) as running:
             chunks = running.aiter_bytes()  # kept open (not abandoned) until the block ends
             await anext(chunks)  # admitted and producing: the one running slot is taken
             # The second request waits for the slot (a finite one, answered as a whole).
-            waiting = asyncio.create_task(http.post("/generate", json={"num_chunks": 3, "text": "x"}))
+            waiting = asyncio.create_task(
+                http.post("/generate", json={"num_chunks": 3, "text": "x"})
+            )
             await until(lambda: admission.num_waiting == 1)
             assert endless_server.metric("mstar_requests_waiting") == 1
             refused = await http.post("/v1/audio/speech", json=ENDLESS)
@@ -83,8 +104,13 @@ async def test_overload_answers_503_with_retry_after(endless_server: RunningServ
         answer = await waiting
     assert answer.status_code == 200
     lines = answer.text.splitlines()
-    assert sum('"modality":"audio"' in line for line in lines) == 3 and lines[-1].startswith('{"usage"')
-    assert endless_server.metric("mstar_requests_finished_total", task="speech", status="rejected") == rejected + 1
+    assert sum('"modality":"audio"' in line for line in lines) == 3 and lines[-1].startswith(
+        '{"usage"'
+    )
+    assert (
+        endless_server.metric("mstar_requests_finished_total", task="speech", status="rejected")
+        == rejected + 1
+    )
     assert_nothing_held(endless_server)
 
 

@@ -30,7 +30,9 @@ GREEDY = {"temperature": 0.0, "max_tokens": 64}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    spec = ModelSpec("mstar.zoo.assistant.model:AssistantModel", {"noise_scale": 0.0, "noise_w_scale": 0.0})
+    spec = ModelSpec(
+        "mstar.zoo.assistant.model:AssistantModel", {"noise_scale": 0.0, "noise_w_scale": 0.0}
+    )
     with running_server(spec, names=("assistant",)) as running:
         yield running
 
@@ -94,7 +96,13 @@ def test_a_whole_answer_comes_as_a_wav(server: RunningServer) -> None:
 
 def _native_speech(server: RunningServer) -> tuple[np.ndarray, int]:
     """The same spoken answer from the native route, at the voice's own rate (int16 samples)."""
-    body = {"task": "generate", "messages": QUESTION, "modalities": ["text", "audio"], "stream": False, **GREEDY}
+    body = {
+        "task": "generate",
+        "messages": QUESTION,
+        "modalities": ["text", "audio"],
+        "stream": False,
+        **GREEDY,
+    }
     answer = httpx.post(f"{server.url}/generate", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     lines = [json.loads(line) for line in answer.text.splitlines()]
@@ -114,13 +122,18 @@ def test_the_24_khz_stream_is_the_whole_answer_resampled_at_once(server: Running
     )  # fmt: skip
     pcm = bytearray()
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.audio is not None and chunk.choices[0].delta.audio.data:
+        if (
+            chunk.choices
+            and chunk.choices[0].delta.audio is not None
+            and chunk.choices[0].delta.audio.data
+        ):
             pcm += base64.b64decode(chunk.choices[0].delta.audio.data)
     served = np.frombuffer(bytes(pcm), "<i2").astype(np.float64)
     # The stream holds the answer's duration at 24 kHz, sample for sample.
     assert len(served) == round(len(native) * 24_000 / native_rate)
     whole = soxr.resample(native.astype(np.float32) / 32767.0, native_rate, 24_000, quality="HQ")
-    whole = np.clip(whole, -1.0, 1.0) * 32767.0  # PCM16 clips the filter's overshoot of a full-scale peak
+    # PCM16 clips the filter's overshoot of a full-scale peak
+    whole = np.clip(whole, -1.0, 1.0) * 32767.0
     # Resampled chunk by chunk, continuously: equal to resampling it whole (PCM16 rounding aside),
     # with no click where one sentence's chunk meets the next.
     error = np.abs(served - whole)
@@ -134,7 +147,10 @@ def test_the_24_khz_stream_is_the_whole_answer_resampled_at_once(server: Running
         ({"modalities": ["audio"]}, "modalities"),
         ({"modalities": ["text", "video"]}, "modalities.1"),
         ({"modalities": ["text", "audio"], "audio": {"format": "mp3"}}, "audio.format"),
-        ({"modalities": ["text", "audio"], "audio": {"format": "wav"}, "stream": True}, "audio.format"),
+        (
+            {"modalities": ["text", "audio"], "audio": {"format": "wav"}, "stream": True},
+            "audio.format",
+        ),
         ({"modalities": ["text", "audio"], "n": 2}, "n"),
     ],
 )
@@ -168,7 +184,10 @@ def test_log_probabilities_come_with_a_spoken_answer(server: RunningServer) -> N
     assert choice.message.audio is not None and choice.logprobs is not None
     content = choice.logprobs.content or []
     # Every sampled token, the end of turn included, carries its log-probability.
-    assert "".join(t.token for t in content).removesuffix("<|im_end|>") == choice.message.audio.transcript
+    assert (
+        "".join(t.token for t in content).removesuffix("<|im_end|>")
+        == choice.message.audio.transcript
+    )
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
 
@@ -177,7 +196,9 @@ SPOKEN = "Sleep lets the brain rest. It also helps the body heal."
 
 def _native_read(server: RunningServer, **data: object) -> np.ndarray:
     """The speech task from the native route, at the voice's own 22,050 Hz (int16 samples)."""
-    answer = httpx.post(f"{server.url}/generate", json={"task": "speech", "stream": False, **data}, timeout=120)
+    answer = httpx.post(
+        f"{server.url}/generate", json={"task": "speech", "stream": False, **data}, timeout=120
+    )
     assert answer.status_code == 200, answer.text
     audio = [json.loads(line) for line in answer.text.splitlines() if '"audio"' in line]
     assert {line["sample_rate"] for line in audio} == {22_050}
@@ -189,12 +210,18 @@ def test_the_speech_route_reads_a_text_aloud_at_24_khz(server: RunningServer) ->
     native = _native_read(server, text=SPOKEN)
     whole = soxr.resample(native.astype(np.float32) / 32767.0, 22_050, 24_000, quality="HQ")
     whole = np.clip(whole, -1.0, 1.0) * 32767.0
-    wav_bytes = client.audio.speech.create(model="assistant", voice="default", input=SPOKEN, response_format="wav").content
+    wav_bytes = client.audio.speech.create(
+        model="assistant", voice="default", input=SPOKEN, response_format="wav"
+    ).content
     with wave.open(io.BytesIO(wav_bytes)) as f:
         assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (1, 2, 24_000)
         samples = np.frombuffer(f.readframes(f.getnframes()), "<i2")
     with client.audio.speech.with_streaming_response.create(
-        model="assistant", voice="joe", input=SPOKEN, response_format="pcm", stream_format="audio",  # type: ignore[arg-type]
+        model="assistant",
+        voice="joe",
+        input=SPOKEN,
+        response_format="pcm",
+        stream_format="audio",  # type: ignore[arg-type]
     ) as response:
         streamed = np.frombuffer(b"".join(response.iter_bytes()), "<i2")
     for served in (samples, streamed):
@@ -203,5 +230,9 @@ def test_the_speech_route_reads_a_text_aloud_at_24_khz(server: RunningServer) ->
     # The last user turn of a chat is read as the same text; no voice is the default voice.
     chat = [{"role": "user", "content": "not this"}, {"role": "user", "content": SPOKEN}]
     np.testing.assert_array_equal(_native_read(server, messages=chat), native)
-    bad = httpx.post(f"{server.url}/v1/audio/speech", json={"model": "assistant", "input": "x", "voice": "alloy"}, timeout=30)
+    bad = httpx.post(
+        f"{server.url}/v1/audio/speech",
+        json={"model": "assistant", "input": "x", "voice": "alloy"},
+        timeout=30,
+    )
     assert bad.status_code == 400 and "unknown voice" in bad.text

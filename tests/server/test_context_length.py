@@ -53,7 +53,9 @@ def toy() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def llama(tiny_llama_dir: Path) -> Iterator[RunningServer]:
-    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "tiny-chat"})
+    spec = ModelSpec(
+        "mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "tiny-chat"}
+    )
     with running_server(spec, names=("tiny-chat",)) as server:
         yield server
 
@@ -65,14 +67,18 @@ def _openai(server: RunningServer) -> openai.OpenAI:
 def _refused(call: Any, param: str = "max_tokens") -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as refused:
         call()
-    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param), refused.value.body
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param), (
+        refused.value.body
+    )
     return refused.value
 
 
 def _refused_natively(server: RunningServer, task: str, **data: Any) -> APIRequestError:
     with Client(server.url) as client, pytest.raises(APIRequestError) as refused:
         client.run(task, data)
-    assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded"), refused.value
+    assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded"), (
+        refused.value
+    )
     return refused.value
 
 
@@ -83,11 +89,19 @@ def _limit(server: RunningServer) -> int:
 
 
 @pytest.mark.parametrize("max_tokens", HUGE)
-def test_speech_refuses_a_huge_max_tokens(orpheus: RunningServer, qwen3_omni: RunningServer, max_tokens: int) -> None:
+def test_speech_refuses_a_huge_max_tokens(
+    orpheus: RunningServer, qwen3_omni: RunningServer, max_tokens: int
+) -> None:
     for server, voice in ((orpheus, "tara"), (qwen3_omni, "chelsie")):
         speech = _openai(server).audio.speech
-        error = _refused(lambda: speech.create(model=server.state.name, voice=voice, input="hi", extra_body={"max_tokens": max_tokens}))  # noqa: B023
-        assert str(max_tokens) in error.message and f"holds {_limit(server)} tokens" in error.message
+        error = _refused(
+            lambda speech=speech, name=server.state.name, voice=voice: speech.create(
+                model=name, voice=voice, input="hi", extra_body={"max_tokens": max_tokens}
+            )
+        )
+        assert (
+            str(max_tokens) in error.message and f"holds {_limit(server)} tokens" in error.message
+        )
         refused = _refused_natively(server, "speech", text="hi", max_tokens=max_tokens)
         assert refused.param == "data.max_tokens"  # mstar.client sends its fields in `data`
 
@@ -98,19 +112,37 @@ def test_text_routes_refuse_a_huge_max_tokens(
 ) -> None:
     for server in (llama, qwen3_omni, bagel):
         oa, name = _openai(server), server.state.name
-        _refused(lambda: oa.chat.completions.create(model=name, messages=MESSAGES, max_tokens=max_tokens))  # type: ignore[arg-type]  # noqa: B023
         _refused(
-            lambda: oa.chat.completions.create(model=name, messages=MESSAGES, max_completion_tokens=max_tokens),  # type: ignore[arg-type]  # noqa: B023
+            lambda oa=oa, name=name: oa.chat.completions.create(
+                model=name, messages=MESSAGES, max_tokens=max_tokens
+            )
+        )
+        _refused(
+            lambda oa=oa, name=name: oa.chat.completions.create(
+                model=name, messages=MESSAGES, max_completion_tokens=max_tokens
+            ),
             "max_completion_tokens",
         )
-        _refused(lambda: oa.completions.create(model=name, prompt="hi", max_tokens=max_tokens))  # noqa: B023
-        assert _refused_natively(server, "generate", prompt="hi", max_tokens=max_tokens).param == "data.max_tokens"
+        _refused(
+            lambda oa=oa, name=name: oa.completions.create(
+                model=name, prompt="hi", max_tokens=max_tokens
+            )
+        )
+        assert (
+            _refused_natively(server, "generate", prompt="hi", max_tokens=max_tokens).param
+            == "data.max_tokens"
+        )
 
 
 @pytest.mark.parametrize("max_tokens", HUGE)
-def test_generate_refuses_a_huge_max_tokens_for_every_task(bagel: RunningServer, max_tokens: int) -> None:
+def test_generate_refuses_a_huge_max_tokens_for_every_task(
+    bagel: RunningServer, max_tokens: int
+) -> None:
     for task in bagel.state.tasks:  # those that make images too: think mode decodes text first
-        assert _refused_natively(bagel, task, text="a red square", max_tokens=max_tokens).param == "data.max_tokens"
+        assert (
+            _refused_natively(bagel, task, text="a red square", max_tokens=max_tokens).param
+            == "data.max_tokens"
+        )
     with Client(bagel.url) as client, pytest.raises(APIRequestError) as top_level:
         list(client.generate("generate", {"prompt": "hi"}, max_tokens=max_tokens))
     assert top_level.value.param == "data.max_tokens"
@@ -120,7 +152,12 @@ def test_the_prompt_alone_too_long_names_its_field(llama: RunningServer) -> None
     limit = _limit(llama)
     refused = _refused_natively(llama, "generate", prompt_token_ids=[5] * limit, max_tokens=1)
     assert refused.param == "data.prompt_token_ids" and f"has {limit} tokens" in str(refused)
-    _refused(lambda: _openai(llama).completions.create(model="tiny-chat", prompt="x" * limit, max_tokens=1), "prompt")
+    _refused(
+        lambda: _openai(llama).completions.create(
+            model="tiny-chat", prompt="x" * limit, max_tokens=1
+        ),
+        "prompt",
+    )
 
 
 def test_just_past_the_length_is_the_same_400(orpheus: RunningServer) -> None:
@@ -132,7 +169,10 @@ def test_just_past_the_length_is_the_same_400(orpheus: RunningServer) -> None:
             model="orpheus-tiny", voice="tara", input="hi", extra_body={"max_tokens": limit - 1}
         )
     )
-    assert _refused_natively(orpheus, "speech", text="hi", max_tokens=limit - 1).param == "data.max_tokens"
+    assert (
+        _refused_natively(orpheus, "speech", text="hi", max_tokens=limit - 1).param
+        == "data.max_tokens"
+    )
     with Client(orpheus.url) as client:  # and the server serves on
         assert client.run("speech", text="hi", max_tokens=14, seed=1)
 
@@ -153,7 +193,9 @@ def test_a_model_without_a_kv_cache_still_refuses_what_no_count_holds(toy: Runni
 def test_the_images_route_takes_no_max_tokens(bagel: RunningServer) -> None:
     # OpenAI's images API has no max_tokens; an unknown field is ignored there, as OpenAI does.
     result = _openai(bagel).images.generate(
-        model="bagel-tiny", prompt="a red square", extra_body={"max_tokens": 2**63, "num_inference_steps": 2}
+        model="bagel-tiny",
+        prompt="a red square",
+        extra_body={"max_tokens": 2**63, "num_inference_steps": 2},
     )
     assert result.data and result.data[0].b64_json
     with Client(bagel.url) as client:

@@ -47,9 +47,19 @@ def _params(model: TextLLM, **data: object) -> SamplingParams:
 def test_unset_fields_take_the_file_and_set_ones_the_request(checkpoint: Path) -> None:
     model = TextLLM(checkpoint)
     params = _params(model)
-    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.0, 0.5, 7, 1.3)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
+        0.0,
+        0.5,
+        7,
+        1.3,
+    )
     params = _params(model, temperature=0.8, top_k=3)
-    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (0.8, 3, 0.5, 1.3)
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (
+        0.8,
+        3,
+        0.5,
+        1.3,
+    )
 
 
 def test_a_checkpoint_without_the_file_keeps_the_engine_defaults(tmp_path: Path) -> None:
@@ -67,12 +77,16 @@ def test_an_invalid_file_names_the_setting(tmp_path: Path) -> None:
         TextLLM(path)
 
 
-def test_the_server_samples_with_the_file_unless_the_request_says_otherwise(server: RunningServer) -> None:
+def test_the_server_samples_with_the_file_unless_the_request_says_otherwise(
+    server: RunningServer,
+) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
 
     def answer(**sampling: object) -> str:
-        reply = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=16, **sampling)  # type: ignore[arg-type,call-overload]
+        reply = client.chat.completions.create(
+            model="tiny-chat", messages=messages, max_tokens=16, **sampling
+        )  # type: ignore[arg-type,call-overload]
         return str(reply.choices[0].message.content)
 
     # The file's temperature 0: two unseeded requests answer alike (greedy), not at the API's 1.0.

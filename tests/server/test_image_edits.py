@@ -59,14 +59,20 @@ def pixels(b64: str | None) -> np.ndarray:
 def test_the_openai_client_edits_an_image(toy_server: RunningServer) -> None:
     png = encoded(picture(1))
     result = client(toy_server).images.edit(
-        model=MODEL, image=("in.png", png, "image/png"), prompt="make it brighter", n=2, response_format="b64_json"
+        model=MODEL,
+        image=("in.png", png, "image/png"),
+        prompt="make it brighter",
+        n=2,
+        response_format="b64_json",
     )
     assert len(result.data) == 2
     want = reference([png], "make it brighter")
     for image in result.data:
         assert np.array_equal(pixels(image.b64_json), want)
     # another picture, another edit
-    other = client(toy_server).images.edit(model=MODEL, image=("in.png", encoded(picture(2)), "image/png"), prompt="make it brighter")
+    other = client(toy_server).images.edit(
+        model=MODEL, image=("in.png", encoded(picture(2)), "image/png"), prompt="make it brighter"
+    )
     assert not np.array_equal(pixels(other.data[0].b64_json), want)
 
 
@@ -87,7 +93,13 @@ def test_httpx_multipart_with_size_and_seed(toy_server: RunningServer) -> None:
         answer = http.post(
             "/v1/images/edits",
             files=[("image", ("photo.jpg", jpeg, "image/jpeg"))],
-            data={"prompt": "a cat", "n": "2", "size": "8x8", "seed": "3", "response_format": "b64_json"},
+            data={
+                "prompt": "a cat",
+                "n": "2",
+                "size": "8x8",
+                "seed": "3",
+                "response_format": "b64_json",
+            },
         )
     assert answer.status_code == 200, answer.text
     body = answer.json()
@@ -95,7 +107,10 @@ def test_httpx_multipart_with_size_and_seed(toy_server: RunningServer) -> None:
     first, second = (pixels(d["b64_json"]) for d in body["data"])
     assert np.array_equal(first, reference([jpeg], "a cat", seed=3))
     assert np.array_equal(second, reference([jpeg], "a cat", seed=4))  # image i gets seed + i
-    assert toy_server.metric("mstar_requests_finished_total", task="image_edit", status="completed") >= 2
+    assert (
+        toy_server.metric("mstar_requests_finished_total", task="image_edit", status="completed")
+        >= 2
+    )
 
 
 def error(answer: httpx.Response, status: int = 400) -> dict[str, Any]:
@@ -111,20 +126,34 @@ def test_bad_edits_get_clear_400s(toy_server: RunningServer) -> None:
 
     def post(files: list[tuple[str, Any]] | None = None, **fields: str) -> httpx.Response:
         with httpx.Client(base_url=toy_server.url) as http:
-            return http.post("/v1/images/edits", files=files or [("image", ("in.png", png, "image/png"))], data={"prompt": "p", **fields})
+            return http.post(
+                "/v1/images/edits",
+                files=files or [("image", ("in.png", png, "image/png"))],
+                data={"prompt": "p", **fields},
+            )
 
     with httpx.Client(base_url=toy_server.url) as http:
         as_json = http.post("/v1/images/edits", json={"prompt": "p", "image": "aGk="})
         no_image = http.post("/v1/images/edits", data={"prompt": "p"}, files={"other": ("x", b"1")})
-        text_image = http.post("/v1/images/edits", data={"prompt": "p", "image": "aGk="}, files={"other": ("x", b"1")})
+        text_image = http.post(
+            "/v1/images/edits", data={"prompt": "p", "image": "aGk="}, files={"other": ("x", b"1")}
+        )
     assert "multipart/form-data" in error(as_json)["message"]
     assert error(no_image)["param"] == "image" and "required" in error(no_image)["message"]
     assert "file upload" in error(text_image)["message"]
-    assert "not a PNG or JPEG" in error(post([("image", ("in.gif", gif.getvalue(), "image/gif"))]))["message"]
+    assert (
+        "not a PNG or JPEG"
+        in error(post([("image", ("in.gif", gif.getvalue(), "image/gif"))]))["message"]
+    )
     truncated = error(post([("image", ("in.png", png[: len(png) // 2], "image/png"))]))
     assert truncated["param"] == "image" and "'in.png'" in truncated["message"]
     assert "empty" in error(post([("image", ("in.png", b"", "image/png"))]))["message"]
-    assert error(post([("image", ("in.png", png, "image/png")), ("mask", ("m.png", png, "image/png"))]))["param"] == "mask"
+    assert (
+        error(
+            post([("image", ("in.png", png, "image/png")), ("mask", ("m.png", png, "image/png"))])
+        )["param"]
+        == "mask"
+    )
     assert error(post(response_format="url"))["param"] == "response_format"
     assert error(post(n="0"))["param"] == "n"
     assert error(post(n="two"))["param"] == "n"
@@ -135,7 +164,9 @@ def test_bad_edits_get_clear_400s(toy_server: RunningServer) -> None:
     many = [("image[]", (f"{i}.png", png, "image/png")) for i in range(17)]
     assert "at most 16" in error(post(many))["message"]
     with pytest.raises(openai.BadRequestError, match="not a PNG or JPEG"):
-        client(toy_server).images.edit(model=MODEL, image=("in.gif", gif.getvalue(), "image/gif"), prompt="p")
+        client(toy_server).images.edit(
+            model=MODEL, image=("in.gif", gif.getvalue(), "image/gif"), prompt="p"
+        )
     # the server still edits after all that
     assert post().status_code == 200
 
@@ -151,21 +182,36 @@ def test_uploads_over_the_body_limit_get_413(small_body_server: RunningServer) -
     big = encoded(picture(7, (64, 64, 3)))  # noise does not compress: about 12 KiB
     assert len(big) > 4096
     with httpx.Client(base_url=small_body_server.url) as http:
-        declared = http.post("/v1/images/edits", files={"image": ("big.png", big, "image/png")}, data={"prompt": "p"})
-        request = http.build_request("POST", "/v1/images/edits", files={"image": ("big.png", big, "image/png")}, data={"prompt": "p"})
+        declared = http.post(
+            "/v1/images/edits", files={"image": ("big.png", big, "image/png")}, data={"prompt": "p"}
+        )
+        request = http.build_request(
+            "POST",
+            "/v1/images/edits",
+            files={"image": ("big.png", big, "image/png")},
+            data={"prompt": "p"},
+        )
         body, content_type = request.read(), request.headers["content-type"]
 
         def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
             for i in range(0, len(body), 1000):
                 yield body[i : i + 1000]
 
-        streamed = http.post("/v1/images/edits", content=chunks(), headers={"content-type": content_type})
-        small = http.post("/v1/images/edits", files={"image": ("s.png", encoded(picture(8, (4, 4))), "image/png")}, data={"prompt": "p"})
+        streamed = http.post(
+            "/v1/images/edits", content=chunks(), headers={"content-type": content_type}
+        )
+        small = http.post(
+            "/v1/images/edits",
+            files={"image": ("s.png", encoded(picture(8, (4, 4))), "image/png")},
+            data={"prompt": "p"},
+        )
     assert "4096 bytes" in error(declared, 413)["message"]
     assert error(streamed, 413)["code"] == 413
     assert small.status_code == 200
     with pytest.raises(openai.APIStatusError) as too_large:
-        client(small_body_server).images.edit(model=MODEL, image=("big.png", big, "image/png"), prompt="p")
+        client(small_body_server).images.edit(
+            model=MODEL, image=("big.png", big, "image/png"), prompt="p"
+        )
     assert too_large.value.status_code == 413
 
 

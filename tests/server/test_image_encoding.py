@@ -40,7 +40,10 @@ def _decoded(png: bytes) -> np.ndarray:
         pytest.param(torch.from_numpy(RGB).permute(2, 0, 1), id="uint8-chw-tensor"),
         pytest.param(torch.from_numpy(RGB)[None], id="uint8-batch-of-one"),
         pytest.param(RGB.astype(np.float32) / 255.0, id="float-hwc-array"),
-        pytest.param(torch.from_numpy(RGB).permute(2, 0, 1).to(torch.bfloat16) / 255.0, id="bfloat16-chw-tensor"),
+        pytest.param(
+            torch.from_numpy(RGB).permute(2, 0, 1).to(torch.bfloat16) / 255.0,
+            id="bfloat16-chw-tensor",
+        ),
         pytest.param(RGB.astype(np.int64), id="int64-array"),
         pytest.param(Image.fromarray(RGB), id="pil"),
         pytest.param(_png(RGB), id="png-bytes"),
@@ -102,8 +105,12 @@ def test_no_output_falls_back_to_a_repr() -> None:
     raw = b"\x00\x01binary"
     for modality in ("latent", "audio", "action", "text-ish"):
         line = _line(modality, raw)
-        assert (line["encoding"], line["num_bytes"]) == ("base64", len(raw)) and base64.b64decode(line["data"]) == raw
+        assert (line["encoding"], line["num_bytes"]) == ("base64", len(raw)) and base64.b64decode(
+            line["data"]
+        ) == raw
         out = parse_output(line)
         assert isinstance(out, ValueOutput) and out.value == raw
-    nested = _line("latent", {"steps": (np.int64(3), torch.tensor([1.5])), "blob": b"ab", "ok": None})
+    nested = _line(
+        "latent", {"steps": (np.int64(3), torch.tensor([1.5])), "blob": b"ab", "ok": None}
+    )
     assert nested["value"] == {"steps": [3, [1.5]], "blob": "YWI=", "ok": None}

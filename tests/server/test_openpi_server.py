@@ -24,7 +24,9 @@ from mstar.zoo.pi05.model import Pi05Model
 from tests.server.conftest import RunningServer, running_server
 
 # openpi-client 0.1.2 opens its connection without a context manager, which websockets warns about.
-pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
+)
 
 SPEC = ModelSpec("mstar.zoo.pi05.model:Pi05Model", {"config": "pi05-tiny"})
 
@@ -64,7 +66,12 @@ def expected(seed: int) -> np.ndarray:
 def test_openpi_client_gets_unnormalized_action_chunks(pi05_server: RunningServer) -> None:
     host, port = pi05_server.url.removeprefix("http://").split(":")
     client = WebsocketClientPolicy(host, int(port))
-    assert client.get_server_metadata() == {"model": "pi05-tiny", "robot": "droid", "action_horizon": 10, "action_dim": 8}
+    assert client.get_server_metadata() == {
+        "model": "pi05-tiny",
+        "robot": "droid",
+        "action_horizon": 10,
+        "action_dim": 8,
+    }
     reply = client.infer(observation(0))
     assert reply["actions"].shape == (10, 8) and reply["actions"].dtype == np.float32
     assert reply["policy_timing"]["infer_ms"] > 0 and "infer_ms" in reply["server_timing"]
@@ -90,7 +97,8 @@ def test_many_robots_at_once_and_a_bad_one_fails_alone(pi05_server: RunningServe
         chunks = [f.result(timeout=120) for f in futures]
     assert not np.allclose(chunks[0][0], chunks[1][0])  # each robot its own observation
     for chunk in chunks:
-        # Seeded noise: the same chunk twice (up to float rounding: other robots shared the batches).
+        # Seeded noise: the same chunk twice (up to float rounding: other robots shared the
+        # batches).
         np.testing.assert_allclose(chunk[0], chunk[1], rtol=1e-5, atol=1e-5)
         assert chunk.shape == (2, 10, 8)
     stats = pi05_server.call(pi05_server.state.engine.stats())[0]["llm"]
@@ -112,12 +120,15 @@ def test_messages_use_openpis_array_encoding() -> None:
 
 
 def test_healthz_and_api_keys() -> None:
-    with running_server(SPEC, ServerConfig(port=0, api_key="sekret"), names=("pi05-tiny",)) as server:
+    with running_server(
+        SPEC, ServerConfig(port=0, api_key="sekret"), names=("pi05-tiny",)
+    ) as server:
         assert httpx.get(f"{server.url}/healthz").text == "OK\n"
         host, port = server.url.removeprefix("http://").split(":")
         with pytest.raises(websockets.exceptions.InvalidStatus):
             WebsocketClientPolicy(host, int(port))
-        client = WebsocketClientPolicy(host, int(port), api_key="sekret")  # Authorization: Api-Key sekret
+        # Authorization: Api-Key sekret
+        client = WebsocketClientPolicy(host, int(port), api_key="sekret")
         assert client.infer(observation(5))["actions"].shape == (10, 8)
 
 
@@ -126,15 +137,22 @@ def test_native_generate_returns_the_action_chunk(pi05_server: RunningServer) ->
     import json
 
     obs = observation(7)
-    body = {"task": "act", "data": {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in obs.items()}}
+    body = {
+        "task": "act",
+        "data": {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in obs.items()},
+    }
     response = httpx.post(f"{pi05_server.url}/generate", json=body, timeout=60)
     assert response.status_code == 200, response.text
     lines = [json.loads(line) for line in response.text.splitlines() if line]
     (chunk,) = [line for line in lines if line.get("name") == "actions"]
-    assert chunk["modality"] == "action" and chunk["shape"] == [10, 8] and chunk["dtype"] == "float32"
+    assert (
+        chunk["modality"] == "action" and chunk["shape"] == [10, 8] and chunk["dtype"] == "float32"
+    )
     actions = np.frombuffer(base64.b64decode(chunk["data"]), dtype="<f4").reshape(10, 8)
     host, port = pi05_server.url.removeprefix("http://").split(":")
     over_ws = WebsocketClientPolicy(host, int(port)).infer(obs)["actions"]
     np.testing.assert_allclose(actions, over_ws, rtol=1e-5, atol=1e-5)
-    bad = httpx.post(f"{pi05_server.url}/generate", json={"task": "act", "data": {"prompt": "x"}}, timeout=60)
+    bad = httpx.post(
+        f"{pi05_server.url}/generate", json={"task": "act", "data": {"prompt": "x"}}, timeout=60
+    )
     assert bad.status_code == 400 and "DROID observation has no" in bad.text

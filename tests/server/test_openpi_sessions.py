@@ -34,7 +34,9 @@ from mstar.server.runner import DrainingServer, uvicorn_config
 from tests.server.conftest import START_TIMEOUT_S, RunningServer, serve_in_thread
 from tests.server.test_openpi_server import SPEC, observation
 
-pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
+)
 
 HEADER_TIMEOUT_S = ServerConfig().header_timeout_s  # the server's real default (10 s)
 WINDOW_S = 62.0  # the busy robots' session: six header deadlines, three ping intervals
@@ -47,7 +49,9 @@ HORIZON, ACTION_DIM = 10, 8
 
 
 @contextlib.contextmanager
-def serving_like_mstar(config: ServerConfig, *, ping_s: float | None = None) -> Iterator[RunningServer]:
+def serving_like_mstar(
+    config: ServerConfig, *, ping_s: float | None = None
+) -> Iterator[RunningServer]:
     """Serve pi05-tiny with the uvicorn settings of `mstar serve`, in a thread; stop it on exit.
 
     ``ping_s`` replaces both the WebSocket ping interval and the pong timeout.
@@ -158,11 +162,17 @@ def dead_peer(server: RunningServer) -> tuple[list[Opcode], int | None]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_robot_sessions_outlast_the_header_deadline_and_slow_loris_does_not(pi05_server: RunningServer) -> None:
-    completed_before = pi05_server.metric("mstar_requests_finished_total", task="act", status="completed")
+def test_robot_sessions_outlast_the_header_deadline_and_slow_loris_does_not(
+    pi05_server: RunningServer,
+) -> None:
+    completed_before = pi05_server.metric(
+        "mstar_requests_finished_total", task="act", status="completed"
+    )
     stop_at = time.monotonic() + WINDOW_S
     with concurrent.futures.ThreadPoolExecutor(NUM_BUSY_ROBOTS + 4) as pool:
-        busy = [pool.submit(busy_robot, pi05_server, seed, stop_at) for seed in range(NUM_BUSY_ROBOTS)]
+        busy = [
+            pool.submit(busy_robot, pi05_server, seed, stop_at) for seed in range(NUM_BUSY_ROBOTS)
+        ]
         idle = pool.submit(idle_robot, pi05_server, 100)
         loris = pool.submit(slow_loris, pi05_server)
         silent = pool.submit(silent_client, pi05_server)
@@ -220,31 +230,60 @@ def malformed_frames() -> list[tuple[str | bytes, str]]:
     g = np.random.default_rng(0)
     good = observation(0)
     texts = ["", "{}", '{"prompt": "pick"}', "observation", "\u00e9\u4e2d"]
-    non_maps: list[Any] = [7, -1, 1.5, None, True, "a string", b"bytes", [1, "x"], [], np.arange(6, dtype=np.float32)]
+    non_maps: list[Any] = [
+        7,
+        -1,
+        1.5,
+        None,
+        True,
+        "a string",
+        b"bytes",
+        [1, "x"],
+        [],
+        np.arange(6, dtype=np.float32),
+    ]
     short_array = {b"__ndarray__": True, b"data": b"\0" * 8, b"dtype": "<f4", b"shape": [2, 3]}
     bad_observations: list[tuple[bytes, str]] = [
         (pack({}), "joint_position"),
-        (pack({k: v for k, v in good.items() if k != "observation/wrist_image_left"}), "wrist_image_left"),
+        (
+            pack({k: v for k, v in good.items() if k != "observation/wrist_image_left"}),
+            "wrist_image_left",
+        ),
         (pack({**good, "observation/joint_position": np.zeros(3)}), "joint_position"),
-        (pack({**good, "observation/exterior_image_1_left": np.zeros((4, 4), np.uint8)}), "exterior_image_1_left"),
-        (pack({**good, "observation/exterior_image_1_left": np.full((8, 8, 3), 2.0)}), "exterior_image_1_left"),
+        (
+            pack({**good, "observation/exterior_image_1_left": np.zeros((4, 4), np.uint8)}),
+            "exterior_image_1_left",
+        ),
+        (
+            pack({**good, "observation/exterior_image_1_left": np.full((8, 8, 3), 2.0)}),
+            "exterior_image_1_left",
+        ),
         (pack({**good, "prompt": 5}), "prompt"),
         (pack({**good, "prompt": "  "}), "prompt"),
-        (msgpack.packb({"observation/joint_position": short_array}, use_bin_type=True), "needs 24 bytes"),
+        (
+            msgpack.packb({"observation/joint_position": short_array}, use_bin_type=True),
+            "needs 24 bytes",
+        ),
     ]
     frames: list[tuple[str | bytes, str]] = []
     for i in range(50):
-        frames.append((f"{texts[i % len(texts)]} {i}" if i >= len(texts) else texts[i], "text frame"))
+        frames.append(
+            (f"{texts[i % len(texts)]} {i}" if i >= len(texts) else texts[i], "text frame")
+        )
         frames.append((b"\xc1" + g.bytes(i), "msgpack"))  # 0xc1 is never valid msgpack
         frames.append((pack(non_maps[i % len(non_maps)]), "msgpack map"))
         frames.append(bad_observations[i % len(bad_observations)])
     return frames
 
 
-def error_and_close_code(server: RunningServer, frame: str | bytes) -> tuple[str | bytes, int | None]:
+def error_and_close_code(
+    server: RunningServer, frame: str | bytes
+) -> tuple[str | bytes, int | None]:
     """Send one frame on a fresh connection; return the reply and the server's close code."""
     url = server.url.replace("http://", "ws://")
-    with websockets.sync.client.connect(url, compression=None, max_size=None, open_timeout=30) as ws:
+    with websockets.sync.client.connect(
+        url, compression=None, max_size=None, open_timeout=30
+    ) as ws:
         metadata = ws.recv(timeout=30)
         assert isinstance(metadata, bytes) and unpack(metadata)["model"] == "pi05-tiny"  # first
         ws.send(frame)
@@ -256,21 +295,30 @@ def error_and_close_code(server: RunningServer, frame: str | bytes) -> tuple[str
     return reply, None
 
 
-def test_every_malformed_frame_gets_the_error_text_and_close_1011(pi05_server: RunningServer) -> None:
+def test_every_malformed_frame_gets_the_error_text_and_close_1011(
+    pi05_server: RunningServer,
+) -> None:
     frames = malformed_frames()
     assert len(frames) == 200
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda f: error_and_close_code(pi05_server, f[0]), frames))
-    wrong = [(frame, reply, code) for (frame, fragment), (reply, code) in zip(frames, answers, strict=True)
-             if not (isinstance(reply, str) and fragment in reply and code == 1011)]
+    wrong = [
+        (frame, reply, code)
+        for (frame, fragment), (reply, code) in zip(frames, answers, strict=True)
+        if not (isinstance(reply, str) and fragment in reply and code == 1011)
+    ]
     assert not wrong, f"{len(wrong)} of 200 frames: {wrong[:3]}"
     host, port = address(pi05_server)
-    assert WebsocketClientPolicy(host, port).infer(observation(1))["actions"].shape == (HORIZON, ACTION_DIM)
+    assert WebsocketClientPolicy(host, port).infer(observation(1))["actions"].shape == (
+        HORIZON,
+        ACTION_DIM,
+    )
 
 
 @contextlib.contextmanager
 def echo_server(header_timeout_s: float) -> Iterator[tuple[str, int]]:
-    """Serve a WebSocket echo at /echo with `mstar serve`'s uvicorn settings and this header deadline."""
+    """Serve a WebSocket echo at /echo with `mstar serve`'s uvicorn settings and this header
+    deadline."""
     app = FastAPI()
 
     @app.websocket("/echo")
@@ -280,7 +328,9 @@ def echo_server(header_timeout_s: float) -> Iterator[tuple[str, int]]:
             while True:
                 await websocket.send_text(await websocket.receive_text())
 
-    server = uvicorn.Server(uvicorn_config(app, ServerConfig(port=0, header_timeout_s=header_timeout_s)))
+    server = uvicorn.Server(
+        uvicorn_config(app, ServerConfig(port=0, header_timeout_s=header_timeout_s))
+    )
     sock = server.config.bind_socket()
     thread = threading.Thread(target=lambda: server.run(sockets=[sock]), daemon=True)
     thread.start()

@@ -32,7 +32,11 @@ def test_orpheus_speech_streams_to_a_file(orpheus_server: RunningServer, tmp_pat
     oa = openai.OpenAI(base_url=f"{orpheus_server.url}/v1", api_key="unused", max_retries=0)
     out = tmp_path / "tara.wav"
     with oa.audio.speech.with_streaming_response.create(
-        model=MODEL, voice="tara", input="Hello from mstar.", response_format="wav", stream_format="audio",
+        model=MODEL,
+        voice="tara",
+        input="Hello from mstar.",
+        response_format="wav",
+        stream_format="audio",
         extra_body=SAMPLING,
     ) as response:
         response.stream_to_file(out)
@@ -40,14 +44,21 @@ def test_orpheus_speech_streams_to_a_file(orpheus_server: RunningServer, tmp_pat
     assert struct.unpack("<I", streamed[40:44])[0] == 0xFFFFFFFF  # length unknown while streaming
     assert struct.unpack("<I", streamed[24:28])[0] == 24_000
     whole = oa.audio.speech.create(
-        model=MODEL, voice="tara", input="Hello from mstar.", response_format="wav", extra_body=SAMPLING
+        model=MODEL,
+        voice="tara",
+        input="Hello from mstar.",
+        response_format="wav",
+        extra_body=SAMPLING,
     )
     with wave.open(io.BytesIO(whole.content)) as f:
         assert f.getframerate() == 24_000
         pcm = f.readframes(f.getnframes())
     assert len(pcm) > 0 and streamed[44:] == pcm
     with httpx.Client(base_url=orpheus_server.url, timeout=60) as http:
-        native = http.post("/generate", json={"task": "speech", "text": "Hello from mstar.", "voice": "tara", **SAMPLING})
+        native = http.post(
+            "/generate",
+            json={"task": "speech", "text": "Hello from mstar.", "voice": "tara", **SAMPLING},
+        )
     lines = [json.loads(line) for line in native.text.splitlines()]
     audio = b"".join(base64.b64decode(ln["data"]) for ln in lines if ln.get("modality") == "audio")
     assert audio == pcm

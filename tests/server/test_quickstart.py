@@ -24,7 +24,7 @@ CURL_MODELS = "curl -s http://127.0.0.1:8000/v1/models"
 CURL_SPEECH = """curl -s http://127.0.0.1:8000/v1/audio/speech \\
   -H "Content-Type: application/json" \\
   -d '{"model": "toy-composite", "input": "Hello from mstar!", "response_format": "wav", "stream": true}' \\
-  -o hello.wav"""
+  -o hello.wav"""  # noqa: E501 (a table or diagram)
 CURL_IMAGE = """curl -s http://127.0.0.1:8000/v1/images/generations \\
   -H "Content-Type: application/json" \\
   -d '{"model": "toy-composite", "prompt": "a lighthouse at dusk"}'"""
@@ -35,10 +35,12 @@ CURL_GENERATE = """curl -sN http://127.0.0.1:8000/generate \\
   -d '{"task": "speech", "text": "Hello from mstar!"}'"""
 CURL_CHAT = """curl -sN http://127.0.0.1:8000/v1/chat/completions \\
   -H "Content-Type: application/json" \\
-  -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "stream": true}'"""
-CURL_METRICS = "curl -s http://127.0.0.1:8000/metrics | grep mstar_time_to_first_audio_seconds_count"
+  -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "stream": true}'"""  # noqa: E501 (a table or diagram)
+CURL_METRICS = (
+    "curl -s http://127.0.0.1:8000/metrics | grep mstar_time_to_first_audio_seconds_count"
+)
 
-PYTHON_SPEECH = '''
+PYTHON_SPEECH = """
 from openai import OpenAI
 
 client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -47,8 +49,8 @@ with client.audio.speech.with_streaming_response.create(
     response_format="wav", stream_format="audio",  # audio is sent as it is produced
 ) as response:
     response.stream_to_file("hello.wav")
-'''
-PYTHON_CHAT = '''
+"""
+PYTHON_CHAT = """
 from openai import OpenAI
 
 client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -60,14 +62,21 @@ stream = client.chat.completions.create(
 )
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True)
-'''
+"""
 
 
 def shell(command: str, server: RunningServer, cwd: Path, model: str | None = None) -> str:
     command = command.replace(README_URL, server.url)
     if model is not None:
         command = command.replace(README_CHAT_MODEL, model)
-    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], cwd=cwd, capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {command}"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return done.stdout
 
 
@@ -92,8 +101,12 @@ def wav_frames(path: Path) -> int:
         return len(f.readframes(10**9)) // 2
 
 
-@pytest.mark.skipif(subprocess.run(["which", "curl"], capture_output=True).returncode != 0, reason="needs curl")
-def test_curl_examples(toy_server: RunningServer, llama_server: RunningServer, tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    subprocess.run(["which", "curl"], capture_output=True).returncode != 0, reason="needs curl"
+)
+def test_curl_examples(
+    toy_server: RunningServer, llama_server: RunningServer, tmp_path: Path
+) -> None:
     assert json.loads(shell(CURL_MODELS, toy_server, tmp_path))["data"][0]["id"] == "toy-composite"
     shell(CURL_SPEECH, toy_server, tmp_path)
     assert wav_frames(tmp_path / "hello.wav") > 0
@@ -106,10 +119,14 @@ def test_curl_examples(toy_server: RunningServer, llama_server: RunningServer, t
     assert any(ln.get("modality") == "audio" for ln in lines) and lines[-1]["finished"]
     events = shell(CURL_CHAT, llama_server, tmp_path, model="tiny-chat").split("\n\n")
     assert events[0].startswith("data: {") and events[-2] == "data: [DONE]"
-    assert shell(CURL_METRICS, toy_server, tmp_path).startswith("mstar_time_to_first_audio_seconds_count")
+    assert shell(CURL_METRICS, toy_server, tmp_path).startswith(
+        "mstar_time_to_first_audio_seconds_count"
+    )
 
 
-def test_openai_client_examples(toy_server: RunningServer, llama_server: RunningServer, tmp_path: Path) -> None:
+def test_openai_client_examples(
+    toy_server: RunningServer, llama_server: RunningServer, tmp_path: Path
+) -> None:
     python(PYTHON_SPEECH, toy_server, tmp_path)
     assert wav_frames(tmp_path / "hello.wav") > 0
     tokens = llama_server.metric("mstar_generated_tokens_total")

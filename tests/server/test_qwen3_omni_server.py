@@ -1,4 +1,5 @@
-"""Qwen3-Omni (tiny, random weights) behind a real server, asked through the official `openai` client.
+"""Qwen3-Omni (tiny, random weights) behind a real server, asked through the official `openai`
+client.
 
 A spoken chat streams transcript deltas and pcm16 chunks at 24 kHz; `/v1/audio/speech` speaks
 its input; audio (`input_audio`) and image (`image_url`) parts reach the model decoded.
@@ -67,9 +68,13 @@ def _png() -> str:
 
 def _spoken(client: openai.OpenAI, messages: list[dict[str, object]]) -> tuple[str, bytes]:
     stream = client.chat.completions.create(
-        model=NAME, messages=messages, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},  # type: ignore[arg-type]
-        stream=True, **SETTINGS,  # type: ignore[arg-type]
-    )  # fmt: skip
+        model=NAME,
+        messages=messages,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},  # type: ignore[arg-type]
+        stream=True,
+        **SETTINGS,  # type: ignore[arg-type]
+    )
     transcript, pcm, rates = [], bytearray(), set()
     for chunk in stream:
         if not chunk.choices or chunk.choices[0].delta.audio is None:
@@ -150,7 +155,10 @@ def _check_greedy_logprobs(content: list[Any], num_top: int) -> None:
     for entry in content:
         tops = [t.logprob for t in entry.top_logprobs]
         assert entry.logprob <= 0 and len(tops) == num_top and tops == sorted(tops, reverse=True)
-        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (
+            entry.token,
+            entry.logprob,
+        )
 
 
 def test_the_thinker_text_comes_with_log_probabilities(server: RunningServer) -> None:
@@ -158,27 +166,55 @@ def test_the_thinker_text_comes_with_log_probabilities(server: RunningServer) ->
     client = _client(server)
     plain = client.chat.completions.create(model=NAME, messages=question, **SETTINGS)  # type: ignore[arg-type]
     answer = client.chat.completions.create(
-        model=NAME, messages=question, logprobs=True, top_logprobs=3, **SETTINGS  # type: ignore[arg-type]
+        model=NAME,
+        messages=question,
+        logprobs=True,
+        top_logprobs=3,
+        **SETTINGS,  # type: ignore[arg-type]
     )
     choice = answer.choices[0]
-    assert choice.message.content == plain.choices[0].message.content and choice.logprobs is not None
+    assert (
+        choice.message.content == plain.choices[0].message.content and choice.logprobs is not None
+    )
     _check_greedy_logprobs(choice.logprobs.content or [], 3)
     assert len(choice.logprobs.content or []) == answer.usage.completion_tokens  # type: ignore[union-attr]
     stream = client.chat.completions.create(
-        model=NAME, messages=question, logprobs=True, top_logprobs=2, stream=True, **SETTINGS  # type: ignore[arg-type]
+        model=NAME,
+        messages=question,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        **SETTINGS,  # type: ignore[arg-type]
     )
-    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    streamed = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
     _check_greedy_logprobs(streamed, 2)
-    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in choice.logprobs.content or []], abs=1e-5)
+    assert [t.logprob for t in streamed] == pytest.approx(
+        [t.logprob for t in choice.logprobs.content or []], abs=1e-5
+    )
     native = httpx.post(
         f"{server.url}/generate",
-        json={"task": "generate", "text": "Tell me something.", "modalities": ["text"], "logprobs": 2, "stream": False, **SETTINGS},
+        json={
+            "task": "generate",
+            "text": "Tell me something.",
+            "modalities": ["text"],
+            "logprobs": 2,
+            "stream": False,
+            **SETTINGS,
+        },
         timeout=60,
     )
     assert native.status_code == 200, native.text
     lines = [json.loads(line) for line in native.text.splitlines()]
     tokens = [line["logprobs"] for line in lines if line.get("modality") == "text"]
-    assert tokens and all(t["logprob"] <= 0 and t["top_token_ids"][0] == t["token_id"] and len(t["top_logprobs"]) == 2 for t in tokens)
+    assert tokens and all(
+        t["logprob"] <= 0 and t["top_token_ids"][0] == t["token_id"] and len(t["top_logprobs"]) == 2
+        for t in tokens
+    )
 
 
 @pytest.mark.parametrize("voice", ["default", None])
@@ -189,4 +225,5 @@ def test_the_default_voice_speaks_audible_audio(server: RunningServer, voice: st
     response = httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=60)
     assert response.status_code == 200, response.text
     samples = np.frombuffer(response.content, "<i2")
-    assert len(samples) > 0 and np.abs(samples).max() > 0 and samples.std() > 0  # not the all-zero PCM16
+    # not the all-zero PCM16
+    assert len(samples) > 0 and np.abs(samples).max() > 0 and samples.std() > 0

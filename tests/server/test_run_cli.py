@@ -55,7 +55,16 @@ def test_run_sends_a_chat_to_an_instruct_model_without_a_task(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = save_tiny_chat_llama(tmp_path / "llama")
-    argv = ["run", str(path), "--text", "Why?", "--param", "max_tokens=5", "--param", "ignore_eos=true"]
+    argv = [
+        "run",
+        str(path),
+        "--text",
+        "Why?",
+        "--param",
+        "max_tokens=5",
+        "--param",
+        "ignore_eos=true",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -65,7 +74,9 @@ def test_run_sends_a_chat_to_an_instruct_model_without_a_task(
     prompt = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     # Greedy by default: the same answer as transformers' greedy decoding of the chat prompt;
     # standard output holds only the answer, standard error where it went and the phases.
-    assert captured.out == tokenizer.decode(_greedy(path, prompt, 5), skip_special_tokens=True) + "\n"
+    assert (
+        captured.out == tokenizer.decode(_greedy(path, prompt, 5), skip_special_tokens=True) + "\n"
+    )
     assert "mstar run: wrote 5 tokens of text to standard output\n" in captured.err
     assert PHASES.search(captured.err), captured.err
 
@@ -125,28 +136,63 @@ def _png(path: Path, seed: int = 0) -> Path:
             "--task: model 'toy-composite' has no task 'paint' "
             "(its tasks: speech, image, image_edit; the default is speech)",
         ),
-        (["toy-composite", "--task", "image_edit", "--text", "x"], "task 'image_edit' of toy-composite needs --image"),
+        (
+            ["toy-composite", "--task", "image_edit", "--text", "x"],
+            "task 'image_edit' of toy-composite needs --image",
+        ),
         (["orpheus-tiny", "--text", ""], "--text must be a non-empty string"),
-        (["orpheus-tiny", "--text", "hi", "--image", "{tmp}/none.png"], "--image {tmp}/none.png: '{tmp}/none.png' does not exist"),
-        (["orpheus-tiny", "--text", "hi", "--image", "{tmp}/obs.json"], "--image {tmp}/obs.json: cannot read '{tmp}/obs.json' as an image"),
-        (["orpheus-tiny", "--text", "hi", "--image", "{tmp}/a.png"], "--image: task 'speech' of orpheus-tiny does not take it"),
-        (["orpheus-tiny", "--text", "hi", "--param", "max_tokens=0"], "--param max_tokens: must be an integer >= 1, got 0"),
-        (["orpheus-tiny", "--text", "hi", "--param", "speed=2"], "--param speed: task 'speech' of orpheus-tiny does not take it"),
-        (["orpheus-tiny", "--text", "hi", "--observation", "{tmp}/good.json"], "task 'speech' of orpheus-tiny does not take --observation"),
-        (["orpheus-tiny", "--text", "hi", "--no-chat-template"], "task 'speech' of orpheus-tiny does not take --no-chat-template"),
-        (["pi05-tiny"], "task 'act' of pi05-tiny needs --observation FILE.json: DROID observation has no 'observation/joint_position'"),
+        (
+            ["orpheus-tiny", "--text", "hi", "--image", "{tmp}/none.png"],
+            "--image {tmp}/none.png: '{tmp}/none.png' does not exist",
+        ),
+        (
+            ["orpheus-tiny", "--text", "hi", "--image", "{tmp}/obs.json"],
+            "--image {tmp}/obs.json: cannot read '{tmp}/obs.json' as an image",
+        ),
+        (
+            ["orpheus-tiny", "--text", "hi", "--image", "{tmp}/a.png"],
+            "--image: task 'speech' of orpheus-tiny does not take it",
+        ),
+        (
+            ["orpheus-tiny", "--text", "hi", "--param", "max_tokens=0"],
+            "--param max_tokens: must be an integer >= 1, got 0",
+        ),
+        (
+            ["orpheus-tiny", "--text", "hi", "--param", "speed=2"],
+            "--param speed: task 'speech' of orpheus-tiny does not take it",
+        ),
+        (
+            ["orpheus-tiny", "--text", "hi", "--observation", "{tmp}/good.json"],
+            "task 'speech' of orpheus-tiny does not take --observation",
+        ),
+        (
+            ["orpheus-tiny", "--text", "hi", "--no-chat-template"],
+            "task 'speech' of orpheus-tiny does not take --no-chat-template",
+        ),
+        (
+            ["pi05-tiny"],
+            "task 'act' of pi05-tiny needs --observation FILE.json: DROID observation has no "
+            "'observation/joint_position'",
+        ),
         (["pi05-tiny", "--text", "go"], "task 'act' of pi05-tiny needs --observation FILE.json"),
-        (["pi05-tiny", "--observation", "{tmp}/a.png"], "--observation {tmp}/a.png: not a JSON file"),
+        (
+            ["pi05-tiny", "--observation", "{tmp}/a.png"],
+            "--observation {tmp}/a.png: not a JSON file",
+        ),
         (
             ["pi05-tiny", "--observation", "{tmp}/good.json"],
             "--observation {tmp}/good.json: DROID observation has no 'observation/joint_position'",
         ),
         (
             ["pi05-tiny", "--observation", "{tmp}/obs.json"],
-            "--observation {tmp}/obs.json: key 'observation/wrist_image_left': '{tmp}/missing.png' does not exist",
+            "--observation {tmp}/obs.json: key 'observation/wrist_image_left': "
+            "'{tmp}/missing.png' does not exist",
         ),
         (["vjepa2-tiny"], "task 'encode' of vjepa2-tiny needs --image"),
-        (["vjepa2-tiny", "--task", "plan", "--image", "{tmp}/a.png"], "task 'plan' of vjepa2-tiny needs --param goal_image=VALUE"),
+        (
+            ["vjepa2-tiny", "--task", "plan", "--image", "{tmp}/a.png"],
+            "task 'plan' of vjepa2-tiny needs --param goal_image=VALUE",
+        ),
     ],
 )
 def test_flags_are_checked_before_the_model_loads(
@@ -157,7 +203,10 @@ def test_flags_are_checked_before_the_model_loads(
     expected: str,
 ) -> None:
     _png(tmp_path / "a.png")
-    obs = {"observation/exterior_image_1_left": "a.png", "observation/wrist_image_left": "missing.png"}
+    obs = {
+        "observation/exterior_image_1_left": "a.png",
+        "observation/wrist_image_left": "missing.png",
+    }
     (tmp_path / "obs.json").write_text(json.dumps(obs))
     (tmp_path / "good.json").write_text(json.dumps({"prompt": "pick up the cup"}))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -175,11 +224,26 @@ def _actions(path: Path) -> np.ndarray:
 
 
 @pytest.mark.slow  # two pi05-tiny runs, one of them a fresh `python -m mstar.cli` process
-def test_run_acts_on_the_example_observation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_acts_on_the_example_observation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "actions.json"
-    argv = ["run", "pi05-tiny", "--observation", str(EXAMPLE), "--param", "seed=1", "--out", str(out)]
+    argv = [
+        "run",
+        "pi05-tiny",
+        "--observation",
+        str(EXAMPLE),
+        "--param",
+        "seed=1",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "mstar.cli", *argv], capture_output=True, text=True, check=False, cwd=tmp_path
+        [sys.executable, "-m", "mstar.cli", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     assert f"mstar run: wrote {out} (JSON: action:actions [10, 8])\n" in done.stderr
@@ -197,23 +261,39 @@ def test_run_acts_on_the_example_observation(tmp_path: Path, capsys: pytest.Capt
         wrist = np.array(image.convert("RGB")).tolist()
     (folder / "obs.json").write_text(
         json.dumps(
-            {**doc, "observation/exterior_image_1_left": "exterior.npy", "observation/wrist_image_left": wrist}
+            {
+                **doc,
+                "observation/exterior_image_1_left": "exterior.npy",
+                "observation/wrist_image_left": wrist,
+            }
         )
     )
     again = tmp_path / "again.json"
-    argv = ["run", "pi05-tiny", "--observation", str(folder / "obs.json"), "--param", "seed=1", "--out", str(again)]
+    argv = [
+        "run",
+        "pi05-tiny",
+        "--observation",
+        str(folder / "obs.json"),
+        "--param",
+        "seed=1",
+        "--out",
+        str(again),
+    ]
     assert main(argv) == 0
     # (Another process may sum in another order: equal to float32 rounding, not bit for bit.)
     np.testing.assert_allclose(_actions(again), actions, rtol=1e-4, atol=1e-5)
     # --text is the instruction of an observation without one.
-    images = {k: str(EXAMPLE.parent / v) for k, v in doc.items() if k.endswith("_left")}  # absolute paths
+    # absolute paths
+    images = {k: str(EXAMPLE.parent / v) for k, v in doc.items() if k.endswith("_left")}
     untold = {k: v for k, v in doc.items() if k != "prompt"}
     (folder / "obs.json").write_text(json.dumps({**untold, **images}))
     told = tmp_path / "told.json"
     assert main([*argv[:-1], str(told), "--text", doc["prompt"]]) == 0
     np.testing.assert_allclose(_actions(told), actions, rtol=1e-4, atol=1e-5)
     # Another joint state is another prompt: other actions.
-    (folder / "obs.json").write_text(json.dumps({**doc, **images, "observation/joint_position": [0.5] * 7}))
+    (folder / "obs.json").write_text(
+        json.dumps({**doc, **images, "observation/joint_position": [0.5] * 7})
+    )
     assert main([*argv[:-1], str(tmp_path / "other.json")]) == 0
     assert np.abs(_actions(tmp_path / "other.json") - actions).max() > 1e-2
     capsys.readouterr()

@@ -40,7 +40,9 @@ def log_stream() -> Iterator[io.StringIO]:
 @pytest.fixture
 def secured_server(log_stream: io.StringIO) -> Iterator[RunningServer]:
     config = ServerConfig(port=0, api_key=KEY, max_body_bytes=2048)
-    with running_server(ModelSpec("mstar.zoo.toy:ToyModel"), config, names=("toy-composite",)) as server:
+    with running_server(
+        ModelSpec("mstar.zoo.toy:ToyModel"), config, names=("toy-composite",)
+    ) as server:
         yield server
 
 
@@ -49,16 +51,25 @@ def test_api_key_is_required_except_for_health_and_metrics(secured_server: Runni
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 200
         missing = http.post("/v1/audio/speech", json={"input": "hi"})
-        wrong = http.post("/generate", json={"text": "hi"}, headers={"Authorization": "Bearer nope"})
+        wrong = http.post(
+            "/generate", json={"text": "hi"}, headers={"Authorization": "Bearer nope"}
+        )
         listing = http.get("/v1/models")
     for answer in (missing, wrong, listing):
-        assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
+        assert (
+            answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
+        )
     assert missing.headers["www-authenticate"] == "Bearer"
     keyed = openai.OpenAI(base_url=f"{secured_server.url}/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in keyed.models.list().data] == ["toy-composite"]
-    assert keyed.audio.speech.create(model="toy-composite", voice="alloy", input="hi").content[:4] == b"RIFF"
+    assert (
+        keyed.audio.speech.create(model="toy-composite", voice="alloy", input="hi").content[:4]
+        == b"RIFF"
+    )
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{secured_server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=f"{secured_server.url}/v1", api_key="sk-wrong", max_retries=0
+        ).models.list()
 
 
 def test_bodies_over_the_limit_get_413(secured_server: RunningServer) -> None:
@@ -70,8 +81,12 @@ def test_bodies_over_the_limit_get_413(secured_server: RunningServer) -> None:
             yield big[i : i + 500]
 
     with httpx.Client(base_url=secured_server.url, headers=auth) as http:
-        declared = http.post("/v1/audio/speech", content=big, headers={"content-type": "application/json"})
-        streamed = http.post("/v1/audio/speech", content=chunked(), headers={"content-type": "application/json"})
+        declared = http.post(
+            "/v1/audio/speech", content=big, headers={"content-type": "application/json"}
+        )
+        streamed = http.post(
+            "/v1/audio/speech", content=chunked(), headers={"content-type": "application/json"}
+        )
         small = http.post("/v1/audio/speech", json={"input": "x" * 100})
     assert declared.status_code == 413 and "2048 bytes" in declared.json()["error"]["message"]
     assert streamed.status_code == 413
@@ -84,18 +99,24 @@ def test_logs_are_json_with_one_request_id_per_request_and_no_secrets(
     auth = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=secured_server.url, headers=auth) as http:
         ok = http.post("/v1/audio/speech", json={"input": "log me"})
-        invalid = http.post("/generate", json={"task": "speech", "text": ""})  # the model refuses it
+        # the model refuses it
+        invalid = http.post("/generate", json={"task": "speech", "text": ""})
         http.get("/health", headers={"Authorization": f"Bearer {KEY}-typo"})
     assert ok.status_code == 200 and invalid.status_code == 400
     text = log_stream.getvalue()
     assert KEY not in text
     lines = [json.loads(line) for line in text.splitlines()]  # every line is JSON
     assert all({"event", "level", "timestamp"} <= line.keys() for line in lines)
-    for answer, events in ((ok, {"request_started", "request_finished"}), (invalid, {"request_started", "request_ended", "request_finished"})):
+    for answer, events in (
+        (ok, {"request_started", "request_finished"}),
+        (invalid, {"request_started", "request_ended", "request_finished"}),
+    ):
         request_id = answer.headers["x-request-id"]
         mine = [line for line in lines if line.get("request_id") == request_id]
         assert events <= {line["event"] for line in mine}
-        assert [line["status"] for line in mine if line["event"] == "request_finished"] == [answer.status_code]
+        assert [line["status"] for line in mine if line["event"] == "request_finished"] == [
+            answer.status_code
+        ]
     request_lines = [line for line in lines if line["event"].startswith("request_")]
     assert all("request_id" in line for line in request_lines)
 

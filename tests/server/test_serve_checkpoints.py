@@ -52,7 +52,9 @@ def _custom_config() -> Qwen3OmniConfig:
 
 @pytest.fixture(scope="module")
 def omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_checkpoint(_custom_config(), tmp_path_factory.mktemp("ckpt") / "omni-custom", seed=4)
+    return make_random_checkpoint(
+        _custom_config(), tmp_path_factory.mktemp("ckpt") / "omni-custom", seed=4
+    )
 
 
 def _read_lines(stream: io.TextIOBase, lines: queue.Queue[str]) -> None:
@@ -97,7 +99,9 @@ def serve_cli(*args: str) -> Iterator[str]:
 
 @pytest.fixture
 def served(omni_dir: Path) -> Iterator[str]:
-    with serve_cli(str(omni_dir), "--dtype", "auto", "--model-option", "max_audio_frames=40") as url:
+    with serve_cli(
+        str(omni_dir), "--dtype", "auto", "--model-option", "max_audio_frames=40"
+    ) as url:
         yield url
 
 
@@ -108,7 +112,9 @@ def _answer(url: str, model: str) -> tuple[str, int]:
     return reply.choices[0].message.content, reply.usage.completion_tokens
 
 
-def test_a_qwen3_omni_checkpoint_of_its_own_sizes_serves_from_its_path(served: str, omni_dir: Path) -> None:
+def test_a_qwen3_omni_checkpoint_of_its_own_sizes_serves_from_its_path(
+    served: str, omni_dir: Path
+) -> None:
     models = openai.OpenAI(base_url=f"{served}/v1", api_key="unused").models.list()
     assert [m.id for m in models.data] == [str(omni_dir)]
     got = _answer(served, str(omni_dir))
@@ -122,9 +128,21 @@ def test_a_qwen3_omni_checkpoint_of_its_own_sizes_serves_from_its_path(served: s
 
 def test_serve_names_the_options_a_checkpoint_takes(omni_dir: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "mstar.cli", "serve", str(omni_dir), "--port", "0", "--snac-dir", "snac"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mstar.cli",
+            "serve",
+            str(omni_dir),
+            "--port",
+            "0",
+            "--snac-dir",
+            "snac",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "takes no option 'snac_dir'" in done.stderr and "max_audio_frames" in done.stderr
 
@@ -137,7 +155,9 @@ def _generate(url: str, task: str, data: dict[str, Any]) -> dict[str, GenerateOu
         return {out.name: out for out in client.generate(task, data)}
 
 
-def _same_outputs(by_path: ModelSpec, explicit: ModelSpec, task: str, data: dict[str, Any]) -> dict[str, GenerateOutput]:
+def _same_outputs(
+    by_path: ModelSpec, explicit: ModelSpec, task: str, data: dict[str, Any]
+) -> dict[str, GenerateOutput]:
     with running_server(by_path, names=("by-path",)) as server:
         got = _generate(server.url, task, data)
     with running_server(explicit, names=("explicit",)) as server:
@@ -161,7 +181,9 @@ def test_a_bagel_checkpoint_of_its_own_sizes_draws_as_its_explicit_config(tmp_pa
     by_path = resolve_model(str(directory))
     assert by_path.factory == "mstar.zoo.bagel.model:BagelModel"
     explicit = ModelSpec(by_path.factory, {"config": BAGEL_CUSTOM, "checkpoint": str(directory)})
-    got = _same_outputs(by_path, explicit, "image", {"text": "a red square", "seed": 3, "num_timesteps": 3})
+    got = _same_outputs(
+        by_path, explicit, "image", {"text": "a red square", "seed": 3, "num_timesteps": 3}
+    )
     image = got["image"]
     assert isinstance(image, ImageOutput) and image.image.shape == (48, 48, 3)
 
@@ -170,7 +192,9 @@ def test_a_vjepa2_file_of_its_own_sizes_encodes_as_its_explicit_config(tmp_path:
     path = write_upstream(VJEPA_CUSTOM, tmp_path / "droid-ac-small.pt", seed=5)
     by_path = resolve_model(str(path), kv={"num_blocks": 16})
     assert by_path.factory == "mstar.zoo.vjepa2.model:VJepa2Model"
-    explicit = ModelSpec(by_path.factory, {"config": VJEPA_CUSTOM, "checkpoint": str(path), "kv": {"num_blocks": 16}})
+    explicit = ModelSpec(
+        by_path.factory, {"config": VJEPA_CUSTOM, "checkpoint": str(path), "kv": {"num_blocks": 16}}
+    )
     picture = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
     got = _same_outputs(by_path, explicit, "encode", {"image": image_url(picture)})
     latents = got["latents"]
@@ -180,7 +204,9 @@ def test_a_vjepa2_file_of_its_own_sizes_encodes_as_its_explicit_config(tmp_path:
 # --- pi0.5 through the openpi robot client: a LIBERO fine-tune of its own sizes, by path ---
 
 
-@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+@pytest.mark.filterwarnings(
+    "ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"
+)
 def test_a_pi05_libero_checkpoint_serves_the_openpi_client_from_its_path(tmp_path: Path) -> None:
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
@@ -195,6 +221,11 @@ def test_a_pi05_libero_checkpoint_serves_the_openpi_client_from_its_path(tmp_pat
         policy = WebsocketClientPolicy(host, int(port))
         metadata = policy.get_server_metadata()
         actions = policy.infer(observation)["actions"]
-    assert metadata == {"model": directory.name, "robot": "libero", "action_horizon": 6, "action_dim": 7}
+    assert metadata == {
+        "model": directory.name,
+        "robot": "libero",
+        "action_horizon": 6,
+        "action_dim": 7,
+    }
     expected = run_model(Pi05Model(None, checkpoint=str(directory)), observation)
     np.testing.assert_allclose(actions, expected, rtol=1e-5, atol=1e-5)

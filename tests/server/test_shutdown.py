@@ -49,7 +49,10 @@ def test_sigterm_drains_then_ends_running_streams_with_an_error_event() -> None:
     server = DrainingServer(uvicorn_config(app, config), config, app)
     url, thread = serve_in_thread(server)
     lines: list[dict[str, object]] = []
-    with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/generate", json={"task": "speech", "text": "x"}) as stream:
+    with (
+        httpx.Client(base_url=url, timeout=30) as http,
+        http.stream("POST", "/generate", json={"task": "speech", "text": "x"}) as stream,
+    ):
         assert stream.status_code == 200
         received = stream.iter_lines()  # one iterator: closing one would close the connection
         lines += [json.loads(next(received)) for _ in range(3)]
@@ -61,11 +64,14 @@ def test_sigterm_drains_then_ends_running_streams_with_an_error_event() -> None:
                 assert time.monotonic() < deadline
             assert health.status_code == 503 and health.json()["status"] == "stopping"
             refused = other.post("/generate", json={"task": "speech", "text": "x"})
-            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            assert (
+                refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            )
         for raw in received:  # the running stream goes on through the grace...
             lines.append(json.loads(raw))
     last = lines[-1]
-    assert "error" in last and "shutting down" in str(last["error"]), last  # ...and ends with an error
+    # ...and ends with an error
+    assert "error" in last and "shutting down" in str(last["error"]), last
     assert time.monotonic() - start >= 0.9  # the grace was given
     thread.join(30)
     assert not thread.is_alive(), "the server did not stop"
@@ -77,7 +83,10 @@ def test_shutdown_without_running_requests_is_quick() -> None:
     app = make_app(ModelSpec("mstar.zoo.toy:ToyModel"), config, names=("toy-composite",))
     server = DrainingServer(uvicorn_config(app, config), config, app)
     url, thread = serve_in_thread(server)
-    assert httpx.post(f"{url}/generate", json={"task": "speech", "text": "hi"}, timeout=30).status_code == 200
+    assert (
+        httpx.post(f"{url}/generate", json={"task": "speech", "text": "hi"}, timeout=30).status_code
+        == 200
+    )
     start = time.monotonic()
     server.handle_exit(signal.SIGTERM, None)
     thread.join(30)
@@ -91,7 +100,11 @@ def test_idle_and_slow_header_connections_are_closed() -> None:
     async def root() -> dict[str, str]:
         return {"ok": "yes"}
 
-    server = uvicorn.Server(uvicorn.Config(app, http=timed_h11(0.5), timeout_keep_alive=1, log_config=None, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, http=timed_h11(0.5), timeout_keep_alive=1, log_config=None, lifespan="off"
+        )
+    )
     url, thread = serve_in_thread(server)
     host, port = url.removeprefix("http://").split(":")
     try:
@@ -125,7 +138,9 @@ def test_uvicorn_gets_the_connection_timeouts() -> None:
         ServerConfig(header_timeout_s=0)
 
 
-def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_api_key_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("sk-from-file\n")
     monkeypatch.setenv("MSTAR_API_KEY", "sk-from-env")
@@ -140,13 +155,20 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path: Path, monkey
 
 def owned(pid: int) -> set[Path]:
     prefix = f"mstar-{pid}-"
-    return {p for d in (SHM_DIR, runtime_dir()) if d.exists() for p in d.iterdir() if p.name.startswith(prefix)}
+    return {
+        p
+        for d in (SHM_DIR, runtime_dir())
+        if d.exists()
+        for p in d.iterdir()
+        if p.name.startswith(prefix)
+    }
 
 
 @pytest.mark.timeout(120)
 def test_a_killed_engine_process_leaves_nothing_once_its_workers_exit(tmp_path: Path) -> None:
     script = tmp_path / "serve.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import asyncio, os, sys
         from mstar import AsyncEngine, EngineConfig, ModelSpec, Placement
 
@@ -160,8 +182,11 @@ def test_a_killed_engine_process_leaves_nothing_once_its_workers_exit(tmp_path: 
 
         if __name__ == "__main__":
             asyncio.run(main())
-    '''))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    """)  # noqa: E501 (a table or diagram)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     try:
         assert proc.stdout is not None
         line = ""
@@ -173,7 +198,9 @@ def test_a_killed_engine_process_leaves_nothing_once_its_workers_exit(tmp_path: 
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 20  # the workers exit at once, and sweep what was left
-        while any(owned(pid) for pid in [proc.pid, *workers]) or any(_alive(pid) for pid in workers):
+        while any(owned(pid) for pid in [proc.pid, *workers]) or any(
+            _alive(pid) for pid in workers
+        ):
             assert time.monotonic() < deadline, {pid: owned(pid) for pid in [proc.pid, *workers]}
             time.sleep(0.05)
     finally:

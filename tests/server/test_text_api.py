@@ -145,7 +145,8 @@ def test_chat_logprobs_are_the_models_and_name_their_bytes(
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content or []
     ]
-    # Equal up to float rounding: another request may share a step (batched matmuls round differently).
+    # Equal up to float rounding: another request may share a step (batched matmuls round
+    # differently).
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     plain = oa.chat.completions.create(

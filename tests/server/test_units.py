@@ -45,7 +45,12 @@ def test_whole_wav_is_readable_by_the_wave_module() -> None:
     samples = torch.sin(torch.arange(1000, dtype=torch.float32) / 10)
     pcm = pcm16_bytes(samples)
     with wave.open(io.BytesIO(wav_header(22_050, num_data_bytes=len(pcm)) + pcm)) as f:
-        assert (f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()) == (1, 2, 22_050, 1000)
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()) == (
+            1,
+            2,
+            22_050,
+            1000,
+        )
         assert f.readframes(1000) == pcm
 
 
@@ -91,7 +96,9 @@ def _decode(ids: list[int]) -> str:
     specials=st.lists(st.integers(256, 258), max_size=3),
     cuts=st.lists(st.integers(1, 4), min_size=1, max_size=30),
 )
-def test_incremental_text_equals_decoding_everything(text: str, specials: list[int], cuts: list[int]) -> None:
+def test_incremental_text_equals_decoding_everything(
+    text: str, specials: list[int], cuts: list[int]
+) -> None:
     ids = list(TOKENIZER(text, add_special_tokens=False)["input_ids"]) + specials
     detok = IncrementalDetokenizer(_decode)
     deltas, i, k = [], 0, 0
@@ -186,7 +193,11 @@ def test_admission_limits_are_checked() -> None:
 
 def test_only_loopback_binds_without_an_api_key() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("example.com") and not is_loopback("10.1.2.3")
+    assert (
+        not is_loopback("0.0.0.0")
+        and not is_loopback("example.com")
+        and not is_loopback("10.1.2.3")
+    )
     assert ServerConfig().host == "127.0.0.1"
     with pytest.raises(ServerConfigError, match="--api-key"):
         ServerConfig(host="0.0.0.0")
@@ -219,8 +230,13 @@ def test_validation_names_the_field() -> None:
         ChatCompletionRequest.model_validate({"messages": [{"role": "robot", "content": "x"}]})
     assert bad.value.errors()[0]["loc"] == ("messages", 0, "role")
     with pytest.raises(ValidationError, match="less than or equal to 16"):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 17})
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "n": 17}
+        )
     with pytest.raises(ValidationError, match=r"speed must be in \[0.25, 4.0\]"):
         SpeechRequest.model_validate({"input": "x", "speed": 4.5})
-    assert SpeechRequest.model_validate({"input": "x", "speed": 2.0}).model_data() == {"text": "x", "speed": 2.0}
+    assert SpeechRequest.model_validate({"input": "x", "speed": 2.0}).model_data() == {
+        "text": "x",
+        "speed": 2.0,
+    }
     assert "speed" not in SpeechRequest.model_validate({"input": "x"}).model_data()

@@ -61,8 +61,14 @@ policies = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(policy=policies, puts=st.lists(st.integers(0, 11), max_size=12), pop_between=st.lists(st.booleans(), max_size=12))
-def test_chunks_match_spec_for_any_interleaving(policy: ChunkPolicy, puts: list[int], pop_between: list[bool]) -> None:
+@given(
+    policy=policies,
+    puts=st.lists(st.integers(0, 11), max_size=12),
+    pop_between=st.lists(st.booleans(), max_size=12),
+)
+def test_chunks_match_spec_for_any_interleaving(
+    policy: ChunkPolicy, puts: list[int], pop_between: list[bool]
+) -> None:
     buf: StreamBuffer[int] = StreamBuffer(policy)
     got: list[Chunk[int]] = []
     n = 0
@@ -117,7 +123,11 @@ def test_orpheus_window_28_stride_7() -> None:
 
 
 def test_close_on_empty_stream_gives_one_empty_last_chunk() -> None:
-    for policy in (FixedChunkPolicy(3), SlidingWindowChunkPolicy(4, 2), LeftContextChunkPolicy(2, 5)):
+    for policy in (
+        FixedChunkPolicy(3),
+        SlidingWindowChunkPolicy(4, 2),
+        LeftContextChunkPolicy(2, 5),
+    ):
         buf: StreamBuffer[int] = StreamBuffer(policy)
         buf.close()
         assert buf.pop_ready() == [Chunk((), 0, 0, True)]

@@ -28,11 +28,17 @@ def make_codec() -> LinkCodec:
 
 
 def bind_address(scheme: str) -> str:
-    return {"inproc": f"inproc://chan-{uuid.uuid4().hex[:8]}", "ipc": "ipc://", "tcp": "tcp://127.0.0.1:0"}[scheme]
+    return {
+        "inproc": f"inproc://chan-{uuid.uuid4().hex[:8]}",
+        "ipc": "ipc://",
+        "tcp": "tcp://127.0.0.1:0",
+    }[scheme]
 
 
 @pytest.fixture(params=["inproc", "ipc", "tcp"])
-async def linked(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Listener, Channel, Channel]]:
+async def linked(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[Listener, Channel, Channel]]:
     listener = listen(bind_address(request.param), make_codec)
     client = connect(listener.address, make_codec())
     client.send(Hello("c", [], 1, "h"))  # a ZeroMQ listener sees a peer on its first message
@@ -43,7 +49,9 @@ async def linked(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Listener
     await listener.aclose()
 
 
-async def test_messages_arrive_in_order_both_ways(linked: tuple[Listener, Channel, Channel]) -> None:
+async def test_messages_arrive_in_order_both_ways(
+    linked: tuple[Listener, Channel, Channel],
+) -> None:
     _, client, server = linked
     for i in range(50):
         client.send(Tell("a", Ping(i)))
@@ -208,7 +216,9 @@ async def test_ipc_socket_files_are_private_and_removed_on_close() -> None:
     assert not path.exists()
 
 
-async def test_a_live_ipc_address_cannot_be_stolen_but_a_stale_one_is_reused(tmp_path: Path) -> None:
+async def test_a_live_ipc_address_cannot_be_stolen_but_a_stale_one_is_reused(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "x.sock"
     first = listen(f"ipc://{path}", make_codec)
     with pytest.raises(InvalidAddressError, match="in use"):

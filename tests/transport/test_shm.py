@@ -115,7 +115,10 @@ def test_a_full_arena_falls_back_to_frames(arena: SharedArena) -> None:
     sender.local_arena = arena
     frames = sender.encode(Tell("t", TensorBundle({"x": torch.zeros(2 << 20, dtype=torch.uint8)})))
     assert len(frames) == 2 and not sender.sent_slots
-    assert torch.equal(LinkCodec(max_message_bytes=8 << 20, shm_min_bytes=1).decode(frames).body.tensors["x"], torch.zeros(2 << 20, dtype=torch.uint8))  # type: ignore[union-attr]
+    assert torch.equal(
+        LinkCodec(max_message_bytes=8 << 20, shm_min_bytes=1).decode(frames).body.tensors["x"],
+        torch.zeros(2 << 20, dtype=torch.uint8),
+    )  # type: ignore[union-attr]
 
 
 def dead_pid() -> int:

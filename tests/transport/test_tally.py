@@ -21,11 +21,16 @@ def nbytes(t: torch.Tensor) -> int:
 
 def test_frames_count_under_the_links_scheme_headers_do_not() -> None:
     sent, received = TransportTally(), TransportTally()
-    sender = LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1 << 30, transport="tcp", tally=sent)
-    receiver = LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1 << 30, transport="tcp", tally=received)
+    sender = LinkCodec(
+        max_message_bytes=1 << 20, shm_min_bytes=1 << 30, transport="tcp", tally=sent
+    )
+    receiver = LinkCodec(
+        max_message_bytes=1 << 20, shm_min_bytes=1 << 30, transport="tcp", tally=received
+    )
     a, b = torch.randn(100, 3), torch.arange(7, dtype=torch.int16)
     receiver.decode(sender.encode(Tell("x", TensorBundle({"a": a, "b": b}))))
-    receiver.decode(sender.encode(Tell("x", Ping(1, b"not a tensor"))))  # no tensors: nothing counted
+    # no tensors: nothing counted
+    receiver.decode(sender.encode(Tell("x", Ping(1, b"not a tensor"))))
     assert sent.sent == {"ipc": 0, "tcp": nbytes(a) + nbytes(b), "shm": 0, "cuda_ipc": 0}
     assert received.received == sent.sent
     assert sum(sent.received.values()) == sum(received.sent.values()) == 0
@@ -66,7 +71,9 @@ def arena() -> Iterator[SharedArena]:
 def test_arena_slots_count_as_shm_small_tensors_as_frames(arena: SharedArena) -> None:
     sent, received = TransportTally(), TransportTally()
     sender = LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1024, transport="ipc", tally=sent)
-    receiver = LinkCodec(max_message_bytes=1 << 20, shm_min_bytes=1024, transport="ipc", tally=received)
+    receiver = LinkCodec(
+        max_message_bytes=1 << 20, shm_min_bytes=1024, transport="ipc", tally=received
+    )
     sender.local_arena = arena
     releases: list[int] = []
     receiver.peer_arena = ArenaMapping(arena.name, arena.nbytes, releases.append)

@@ -1,4 +1,5 @@
-"""Which family a checkpoint is, read from its files; the model options of `mstar serve` / `mstar run`."""
+"""Which family a checkpoint is, read from its files; the model options of `mstar serve` / `mstar
+run`."""
 
 from __future__ import annotations
 
@@ -32,11 +33,16 @@ def _dir(tmp_path: Path, name: str, files: dict[str, object]) -> Path:
 def test_each_family_is_recognised_by_its_files(tmp_path: Path) -> None:
     cases = {
         "mstar.zoo.llm:TextLLM": {"config.json": {"model_type": "llama"}, "model.safetensors": ""},
-        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel": {"config.json": {"model_type": "qwen3_omni_moe"}},
+        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel": {
+            "config.json": {"model_type": "qwen3_omni_moe"}
+        },
         "mstar.zoo.bagel.model:BagelModel": dict.fromkeys(
             ("llm_config.json", "vit_config.json", "ema.safetensors", "ae.safetensors"), ""
         ),
-        "mstar.zoo.pi05.model:Pi05Model": {"config.json": {"type": "pi05"}, "model.safetensors": ""},
+        "mstar.zoo.pi05.model:Pi05Model": {
+            "config.json": {"type": "pi05"},
+            "model.safetensors": "",
+        },
     }
     for i, (factory, files) in enumerate(cases.items()):
         spec = checkpoint_spec(_dir(tmp_path, f"c{i}", files), dtype="auto")
@@ -52,7 +58,9 @@ def test_each_family_is_recognised_by_its_files(tmp_path: Path) -> None:
 
 
 def test_a_qwen3_omni_directory_is_not_served_as_a_llama(tmp_path: Path) -> None:
-    path = _dir(tmp_path, "omni", {"config.json": {"model_type": "qwen3_omni_moe"}, "model.safetensors": ""})
+    path = _dir(
+        tmp_path, "omni", {"config.json": {"model_type": "qwen3_omni_moe"}, "model.safetensors": ""}
+    )
     spec = resolve_model(str(path))
     assert spec.factory == "mstar.zoo.qwen3_omni.model:Qwen3OmniModel"
     assert spec.kwargs == {"config": None, "checkpoint": str(path.resolve())}
@@ -61,7 +69,10 @@ def test_a_qwen3_omni_directory_is_not_served_as_a_llama(tmp_path: Path) -> None
 def test_a_vjepa2_file_is_recognised_by_its_state_dicts(tmp_path: Path) -> None:
     good, other = tmp_path / "vitg.pt", tmp_path / "other.pt"
     torch.save(
-        {"encoder": {"patch_embed.proj.weight": torch.zeros(1)}, "predictor": {"predictor_embed.weight": torch.zeros(1)}},
+        {
+            "encoder": {"patch_embed.proj.weight": torch.zeros(1)},
+            "predictor": {"predictor_embed.weight": torch.zeros(1)},
+        },
         good,
     )
     torch.save({"model": {"w": torch.zeros(1)}}, other)
@@ -73,15 +84,36 @@ def test_a_vjepa2_file_is_recognised_by_its_state_dicts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("files", "message"),
     [
-        ({"llm_config.json": "{}", "ema.safetensors": ""}, "looks like a BAGEL checkpoint but lacks vit_config.json, ae.safetensors"),
-        ({"config.json": {"encoder_dim": 64, "decoder_dim": 64, "encoder_rates": [2], "decoder_rates": [2]}}, "is a SNAC codec"),
-        ({"config.json": {"model_type": "llama"}, "tokenizer.json": '{"added": "<custom_token_7>"}'}, "--snac-dir"),
+        (
+            {"llm_config.json": "{}", "ema.safetensors": ""},
+            "looks like a BAGEL checkpoint but lacks vit_config.json, ae.safetensors",
+        ),
+        (
+            {
+                "config.json": {
+                    "encoder_dim": 64,
+                    "decoder_dim": 64,
+                    "encoder_rates": [2],
+                    "decoder_rates": [2],
+                }
+            },
+            "is a SNAC codec",
+        ),
+        (
+            {
+                "config.json": {"model_type": "llama"},
+                "tokenizer.json": '{"added": "<custom_token_7>"}',
+            },
+            "--snac-dir",
+        ),
         ({"config.json": {"model_type": "mistral"}}, "config.json with model_type 'mistral'"),
         ({"weights.bin": ""}, "found files weights.bin"),
         ({"config.json": "[1, 2]"}, "must hold a JSON object"),
     ],
 )
-def test_what_matches_no_family_says_what_was_found(tmp_path: Path, files: dict[str, object], message: str) -> None:
+def test_what_matches_no_family_says_what_was_found(
+    tmp_path: Path, files: dict[str, object], message: str
+) -> None:
     with pytest.raises(ModelLoadError, match=message) as info:
         checkpoint_spec(_dir(tmp_path, "ckpt", files))
     if "found" in message or "model_type" in message:
@@ -97,11 +129,18 @@ def test_paths_that_do_not_exist_and_unknown_names(tmp_path: Path) -> None:
 
 
 def test_an_option_the_model_does_not_take_names_the_ones_it_does() -> None:
-    with pytest.raises(ModelLoadError, match=r"toy-composite takes no option 'dtype' \(its options: seed\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"toy-composite takes no option 'dtype' \(its options: seed\)"
+    ):
         resolve_model("toy-composite", dtype="auto")
-    assert resolve_model("qwen3-omni-tiny", dtype="bfloat16").kwargs == {"config": "qwen3-omni-tiny", "dtype": "bfloat16"}
+    assert resolve_model("qwen3-omni-tiny", dtype="bfloat16").kwargs == {
+        "config": "qwen3-omni-tiny",
+        "dtype": "bfloat16",
+    }
     options = model_options("mstar.zoo.orpheus.model:OrpheusModel")
-    assert {"checkpoint", "snac_dir", "dtype", "constrained"} <= set(options) and options["codec_batch_size"] == 4
+    assert {"checkpoint", "snac_dir", "dtype", "constrained"} <= set(options) and options[
+        "codec_batch_size"
+    ] == 4
 
 
 def _flags(*argv: str) -> argparse.Namespace:
@@ -115,14 +154,22 @@ def test_the_flags_become_keyword_arguments() -> None:
     args = _flags(
         "--checkpoint", "ckpt", "--dtype", "auto", "--snac-dir", "snac", "--robot", "libero",
         "--norm-stats", "stats.json", "--asset-id", "libero", "--tokenizer", "tok.model",
-        "--model-option", "constrained=true", "--model-option", "engine_config={\"num_blocks\": 64}",
+        "--model-option", "constrained=true", "--model-option", "engine_config={\"num_blocks\": "
+                                                                "64}",
         "--model-option", "name=my model",
     )  # fmt: skip
     assert model_kwargs(args) == {
-        "checkpoint": "ckpt", "dtype": "auto", "snac_dir": "snac", "robot": "libero", "norm_stats": "stats.json",
-        "asset_id": "libero", "tokenizer": "tok.model", "constrained": True, "engine_config": {"num_blocks": 64},
+        "checkpoint": "ckpt",
+        "dtype": "auto",
+        "snac_dir": "snac",
+        "robot": "libero",
+        "norm_stats": "stats.json",
+        "asset_id": "libero",
+        "tokenizer": "tok.model",
+        "constrained": True,
+        "engine_config": {"num_blocks": 64},
         "name": "my model",
-    }  # fmt: skip
+    }
     with pytest.raises(ModelLoadError, match="write KEY=VALUE"):
         model_kwargs(_flags("--model-option", "constrained"))
     with pytest.raises(ModelLoadError, match="repeats --dtype"):
@@ -139,7 +186,11 @@ def custom_orpheus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     """A speech LM of sizes no preset has (3 layers, 96 wide) beside a tiny SNAC."""
     tiny = get_orpheus_config("orpheus-tiny")
     llm = dataclasses.replace(tiny.llm, hidden_size=96, num_hidden_layers=3, head_dim=24)
-    cfg = make_orpheus(dataclasses.replace(tiny, name="custom", llm=llm), tmp_path_factory.mktemp("orpheus"), seed=3)
+    cfg = make_orpheus(
+        dataclasses.replace(tiny, name="custom", llm=llm),
+        tmp_path_factory.mktemp("orpheus"),
+        seed=3,
+    )
     assert cfg.llm_dir is not None and cfg.snac_dir is not None
     return cfg.llm_dir, cfg.snac_dir
 
@@ -150,20 +201,32 @@ def test_orpheus_sizes_and_id_layout_come_from_the_files(custom_orpheus: tuple[P
     tiny = get_orpheus_config("orpheus-tiny")
     assert (cfg.llm.hidden_size, cfg.llm.num_hidden_layers, cfg.llm.head_dim) == (96, 3, 24)
     assert cfg.snac == tiny.snac
-    assert cfg.layout == tiny.layout  # 29,706 ids: 1,024 text ids below 10 special and 7 x 4,096 audio ids
+    # 29,706 ids: 1,024 text ids below 10 special and 7 x 4,096 audio ids
+    assert cfg.layout == tiny.layout
     assert cfg.name == llm_dir.name and not cfg.constrained
     real = get_orpheus_config("orpheus-3b")
-    assert real.llm.vocab_size >= LLAMA3_VOCAB_SIZE + 10 + 7 * 4096 and real.layout.tokeniser_length == LLAMA3_VOCAB_SIZE
+    assert (
+        real.llm.vocab_size >= LLAMA3_VOCAB_SIZE + 10 + 7 * 4096
+        and real.layout.tokeniser_length == LLAMA3_VOCAB_SIZE
+    )
 
 
 async def _speak(model: OrpheusModel) -> torch.Tensor:
-    data = {"text": "a checkpoint of its own", "voice": "tara", "max_tokens": 56, "temperature": 0.0, "seed": 1}
+    data = {
+        "text": "a checkpoint of its own",
+        "voice": "tara",
+        "max_tokens": 56,
+        "temperature": 0.0,
+        "seed": 1,
+    }
     async with await AsyncEngine.start(model) as engine:
         outputs = await engine.run(Request("speech", data))
     return torch.cat([o.data for o in outputs])
 
 
-async def test_orpheus_read_from_its_files_speaks_as_the_explicit_config(custom_orpheus: tuple[Path, Path]) -> None:
+async def test_orpheus_read_from_its_files_speaks_as_the_explicit_config(
+    custom_orpheus: tuple[Path, Path],
+) -> None:
     llm_dir, snac_dir = custom_orpheus
     read = OrpheusModel(None, checkpoint=str(llm_dir), snac_dir=str(snac_dir), constrained=True)
     explicit = OrpheusModel(
@@ -180,7 +243,9 @@ async def test_orpheus_read_from_its_files_speaks_as_the_explicit_config(custom_
         OrpheusModel(None, checkpoint=str(llm_dir), snac_dir=str(snac_dir), dtype="int8")
 
 
-def test_orpheus_vocabulary_too_small_for_its_audio_ids(custom_orpheus: tuple[Path, Path], tmp_path: Path) -> None:
+def test_orpheus_vocabulary_too_small_for_its_audio_ids(
+    custom_orpheus: tuple[Path, Path], tmp_path: Path
+) -> None:
     llm_dir, snac_dir = custom_orpheus
     small = tmp_path / "llm"
     small.mkdir()

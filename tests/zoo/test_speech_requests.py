@@ -1,4 +1,5 @@
-"""A speech task reads ``messages`` as well as ``text``, and "default" (or no voice) is the model's own voice.
+"""A speech task reads ``messages`` as well as ``text``, and "default" (or no voice) is the model's
+own voice.
 
 Each speaking tiny model, seeded, in the embedded `AsyncEngine`: the last user turn of a chat
 is spoken exactly as the same words sent as ``text``; ``voice: "default"`` and no voice speak
@@ -26,13 +27,20 @@ CHAT = [
     {"role": "system", "content": "You read aloud."},
     {"role": "user", "content": "not this one"},
     {"role": "assistant", "content": "ok"},
-    {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}],
+    },
 ]
 # (model, its default voice by name, settings that make a request deterministic)
 MODELS = [
     ("toy-composite", None, {"seed": 1}),
     ("orpheus-tiny", DEFAULT_VOICE, {"seed": 1, "max_tokens": 42}),
-    ("qwen3-omni-tiny", get_qwen3_omni_config("qwen3-omni-tiny").speaker, {"seed": 1, "max_audio_frames": 20}),
+    (
+        "qwen3-omni-tiny",
+        get_qwen3_omni_config("qwen3-omni-tiny").speaker,
+        {"seed": 1, "max_audio_frames": 20},
+    ),
 ]
 
 
@@ -49,7 +57,9 @@ def test_speech_text_is_the_text_or_the_last_user_turn() -> None:
 
 
 def _audio(outputs: list[Any]) -> np.ndarray:
-    pieces = [torch.as_tensor(np.asarray(o.data)).reshape(-1) for o in outputs if o.modality == "audio"]
+    pieces = [
+        torch.as_tensor(np.asarray(o.data)).reshape(-1) for o in outputs if o.modality == "audio"
+    ]
     assert pieces, "no audio"
     return torch.cat(pieces).numpy()
 
@@ -60,7 +70,9 @@ async def test_messages_and_the_default_voice_speak_as_text_and_the_named_voice(
     name: str, voice: str | None, settings: dict[str, Any]
 ) -> None:
     kwargs = {"colocated": True} if name == "qwen3-omni-tiny" else {}
-    async with await AsyncEngine.start(resolve_model(name, **kwargs), config=EngineConfig(worker_processes=False)) as engine:
+    async with await AsyncEngine.start(
+        resolve_model(name, **kwargs), config=EngineConfig(worker_processes=False)
+    ) as engine:
 
         async def speak(**data: Any) -> np.ndarray:
             return _audio(await engine.run(Request("speech", {**settings, **data})))

@@ -47,15 +47,33 @@ REQUESTS: dict[str, list[tuple[str, dict[str, Any], set[str]]]] = {
     "qwen3-omni-tiny": [
         ("speech", {"text": "hello", "seed": 1, "max_audio_frames": 30}, {"audio"}),
         ("generate", {"text": "hi", "max_tokens": 6, "seed": 1, "max_audio_frames": 30}, {"audio"}),
-        ("generate", {"text": "hi", "max_tokens": 6, "seed": 1, "max_audio_frames": 30, "return_codes": True}, {"audio", "talker_codes"}),
+        (
+            "generate",
+            {
+                "text": "hi",
+                "max_tokens": 6,
+                "seed": 1,
+                "max_audio_frames": 30,
+                "return_codes": True,
+            },
+            {"audio", "talker_codes"},
+        ),
     ],
     "bagel-tiny": [
         ("image", {"prompt": "a cube", "num_timesteps": 4, "seed": 1}, {"image", "latents"}),
-        ("image_edit", {"prompt": "bluer", "image": IMAGE, "num_timesteps": 4, "seed": 1}, {"image", "latents"}),
+        (
+            "image_edit",
+            {"prompt": "bluer", "image": IMAGE, "num_timesteps": 4, "seed": 1},
+            {"image", "latents"},
+        ),
     ],
     "vjepa2-tiny": [
         ("encode", {"image": IMAGE}, {"latents"}),
-        ("rollout", {"image": IMAGE, "actions": _RNG.normal(size=(3, 7)) * 0.05}, {"latents", "poses"}),
+        (
+            "rollout",
+            {"image": IMAGE, "actions": _RNG.normal(size=(3, 7)) * 0.05},
+            {"latents", "poses"},
+        ),
         ("plan", {"image": IMAGE, "goal_image": GOAL, "seed": 1}, {"action"}),
     ],
     "pi05-tiny": [("act", OBSERVATION, {"actions"})],
@@ -73,7 +91,13 @@ def _spec(name: str, tmp_path: Path) -> ModelSpec:
 def _array(out: Output) -> np.ndarray:
     if isinstance(out.data, bytes | bytearray):  # an encoded image
         return np.asarray(Image.open(io.BytesIO(out.data)).convert("RGB"))
-    return torch.as_tensor(np.asarray(out.data) if not isinstance(out.data, torch.Tensor) else out.data).double().numpy()
+    return (
+        torch.as_tensor(
+            np.asarray(out.data) if not isinstance(out.data, torch.Tensor) else out.data
+        )
+        .double()
+        .numpy()
+    )
 
 
 def _check_signal(name: str, task: str, output: str, outs: list[Output]) -> None:
@@ -82,7 +106,9 @@ def _check_signal(name: str, task: str, output: str, outs: list[Output]) -> None
         samples = np.concatenate([_array(o).reshape(-1) for o in outs])
         pcm = np.frombuffer(pcm16_bytes(samples), "<i2")
         assert np.isfinite(samples).all(), where
-        assert np.abs(pcm).max() > 0 and pcm.std() > 0, f"{where}: silent ({np.abs(samples).max():.3g} abs-max)"
+        assert np.abs(pcm).max() > 0 and pcm.std() > 0, (
+            f"{where}: silent ({np.abs(samples).max():.3g} abs-max)"
+        )
         return
     for out in outs:
         value = _array(out)
@@ -97,7 +123,9 @@ def _check_signal(name: str, task: str, output: str, outs: list[Output]) -> None
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(REQUESTS))
 async def test_every_task_of_a_tiny_model_gives_a_signal(name: str, tmp_path: Path) -> None:
-    async with await AsyncEngine.start(_spec(name, tmp_path), config=EngineConfig(worker_processes=False)) as engine:
+    async with await AsyncEngine.start(
+        _spec(name, tmp_path), config=EngineConfig(worker_processes=False)
+    ) as engine:
         for task, data, names in REQUESTS[name]:
             outputs = await engine.run(Request(task, dict(data)))
             by_name: dict[str, list[Output]] = {}

@@ -80,4 +80,6 @@ class Actor:
         inside the sender's call (or a link's receive callback): it must not block. If it
         raises, `on_failure` runs next, as when `handle` raises on a told message.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not handle {type(message).__name__} at once")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not handle {type(message).__name__} at once"
+        )

@@ -21,6 +21,7 @@ __all__ = ["ActorCell", "fail_reply", "handler_error", "resolve_reply"]
 
 log = logging.getLogger(__name__)
 
+
 def resolve_reply(reply: Any, value: Any) -> None:
     """Deliver `value` to whoever asked (a future in this process, or a `RemoteReply`)."""
     if isinstance(reply, asyncio.Future):
@@ -140,7 +141,9 @@ class ActorCell:
         finally:
             self.request_stop()
             if not self.started.done():
-                self.started.set_exception(ActorDeadError(f"actor {self.name!r} stopped while starting"))
+                self.started.set_exception(
+                    ActorDeadError(f"actor {self.name!r} stopped while starting")
+                )
             self.system._unregister(self)
             self.done.set()
 
@@ -155,7 +158,9 @@ class ActorCell:
                 if self._may_restart():
                     continue
                 if not self.started.done():
-                    error = ActorDeadError(f"actor {self.name!r} failed to start: {type(exc).__name__}: {exc}")
+                    error = ActorDeadError(
+                        f"actor {self.name!r} failed to start: {type(exc).__name__}: {exc}"
+                    )
                     error.__cause__ = exc
                     self.started.set_exception(error)
                 return None
@@ -228,7 +233,9 @@ class ActorCell:
         if len(self._restart_times) >= policy.max_restarts:
             log.error(
                 "actor %r crashed %d times within %s s; stopping it",
-                self.name, len(self._restart_times) + 1, policy.window_s,
+                self.name,
+                len(self._restart_times) + 1,
+                policy.window_s,
             )
             return False
         self._restart_times.append(now)

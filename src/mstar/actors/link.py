@@ -124,13 +124,17 @@ class RemoteReply:
 
     def resolve(self, value: Any) -> None:
         if value is not None and not is_wire_message(value):
-            self.fail(ProtocolError(
-                f"reply of type {type(value).__name__} is not a wire message "
-                "(register it with mstar.wire.register_messages)"
-            ))
+            self.fail(
+                ProtocolError(
+                    f"reply of type {type(value).__name__} is not a wire message "
+                    "(register it with mstar.wire.register_messages)"
+                )
+            )
             return
         try:
-            self.link.send(Reply(self.call_id, self.link.outgoing(value) if value is not None else None))
+            self.link.send(
+                Reply(self.call_id, self.link.outgoing(value) if value is not None else None)
+            )
         except (ProtocolError, MessageTooLargeError) as exc:
             self.fail(exc)
         except TransportClosedError:
@@ -170,7 +174,9 @@ class PeerLink:
         self._release_scheduled = False
 
     def __repr__(self) -> str:
-        peer = self.address or (self.peer.addresses[0] if self.peer and self.peer.addresses else "?")
+        peer = self.address or (
+            self.peer.addresses[0] if self.peer and self.peer.addresses else "?"
+        )
         return f"PeerLink({peer})"
 
     @property
@@ -202,7 +208,8 @@ class PeerLink:
         return message if self.codec is None else message.from_wire()
 
     def silence_error(self, now: float, interval: float, timeout: float) -> PeerLostError | None:
-        """Return why the link is lost, if it is: its peer's process exited, or it was silent too long."""
+        """Return why the link is lost, if it is: its peer's process exited, or it was silent too
+        long."""
         silent_s = now - self.last_recv
         if self.watched_pid is not None:
             if silent_s > interval and not is_pid_alive(self.watched_pid):
@@ -295,7 +302,9 @@ class PeerLink:
             codec.cuda_ipc = bool(codec.cuda_ipc_device_uuids)
             if same_host and hello.arena is not None and self.system.config.shm_arena_bytes > 0:
                 try:
-                    codec.peer_arena = ArenaMapping(hello.arena.name, hello.arena.nbytes, self._queue_release)
+                    codec.peer_arena = ArenaMapping(
+                        hello.arena.name, hello.arena.nbytes, self._queue_release
+                    )
                 except (OSError, ProtocolError) as exc:
                     log.info("not mapping the arena of %s: %s", self.label, exc)
                 else:

@@ -44,7 +44,7 @@ _MAIN_GUARD_EXIT = 86
 _MAIN_GUARD_HELP = (
     "worker processes start with 'spawn', which imports your main script again in each of "
     "them; that script starts worker processes at import time. Put the code that starts the "
-    "engine under `if __name__ == \"__main__\":`"
+    'engine under `if __name__ == "__main__":`'
 )
 
 
@@ -158,7 +158,9 @@ class SystemProcess:
             self.kill()
             if exitcode == _MAIN_GUARD_EXIT:
                 raise MissingMainGuardError(_MAIN_GUARD_HELP) from None
-            raise PeerLostError(f"the child system exited (code {exitcode}) before it served") from exc
+            raise PeerLostError(
+                f"the child system exited (code {exitcode}) before it served"
+            ) from exc
         except PeerLostError:
             self.kill()
             raise
@@ -212,13 +214,21 @@ class SystemProcess:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 
 
 def _child_main(
-    setup: str, serve: list[str], config: str, loop: str, lifeline: Connection, setup_args: str = "{}"
+    setup: str,
+    serve: list[str],
+    config: str,
+    loop: str,
+    lifeline: Connection,
+    setup_args: str = "{}",
 ) -> None:
     """Run in the child: serve, set up, report, and wait to be stopped."""
     parsed = msgspec.json.decode(config, type=SystemConfig)
@@ -232,7 +242,11 @@ def _child_main(
 
 
 async def _child(
-    setup: str, serve: list[str], config: SystemConfig, lifeline: Connection, setup_args: dict[str, Any]
+    setup: str,
+    serve: list[str],
+    config: SystemConfig,
+    lifeline: Connection,
+    setup_args: dict[str, Any],
 ) -> None:
     parent = os.getppid()
     loop = asyncio.get_running_loop()

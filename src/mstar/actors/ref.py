@@ -54,7 +54,8 @@ class ActorRef:
         """Send `message` and return the actor's reply.
 
         Args:
-            message: any object for a local actor; a registered `mstar.wire.WireMessage` for a remote one.
+            message: any object for a local actor; a registered `mstar.wire.WireMessage` for a
+                remote one.
             timeout: seconds to wait for the reply; None waits as long as the link lives.
 
         Raises:

@@ -73,7 +73,8 @@ FaultHook = Callable[[str, Any, Callable[[], None]], bool]
 
 
 def default_host_id() -> str:
-    """Return what tells this machine (and boot) apart: processes share /dev/shm and CUDA IPC only within it."""
+    """Return what tells this machine (and boot) apart: processes share /dev/shm and CUDA IPC only
+    within it."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -125,7 +126,10 @@ class ActorSystem:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> bool | None:
         assert self._tg is not None
         try:
@@ -263,7 +267,11 @@ class ActorSystem:
         return ActorRef(self, address or self.address, target)
 
     async def lookup(
-        self, name: str, *, address: str | None = None, timeout: float | None = DEFAULT_ASK_TIMEOUT_S
+        self,
+        name: str,
+        *,
+        address: str | None = None,
+        timeout: float | None = DEFAULT_ASK_TIMEOUT_S,
     ) -> ActorRef:
         """Return a ref to a running actor, asking its system if it is remote.
 
@@ -280,7 +288,9 @@ class ActorSystem:
     # -------------------------------------------------------------------------- sending
 
     def _tell(self, ref: ActorRef, message: Any) -> None:
-        if self.fault_hook is not None and self._hooked(ref.name, message, self._tell, ref, message):
+        if self.fault_hook is not None and self._hooked(
+            ref.name, message, self._tell, ref, message
+        ):
             return
         if ref.address in self._own:
             cell = self._cells.get(ref.name)
@@ -327,7 +337,9 @@ class ActorSystem:
 
     def _deliver(self, link: PeerLink, envelope: Tell | Ask) -> None:
         """Hand a peer's message to a local actor (or to the system itself)."""
-        if self.fault_hook is not None and self._hooked(envelope.target, envelope.body, self._deliver, link, envelope):
+        if self.fault_hook is not None and self._hooked(
+            envelope.target, envelope.body, self._deliver, link, envelope
+        ):
             return
         is_ask = type(envelope) is Ask
         reply = RemoteReply(link, envelope.call_id) if is_ask else None  # type: ignore[union-attr]
@@ -413,7 +425,9 @@ class ActorSystem:
         if scheme != "inproc":
             self._ensure_arena()
         make_codec = functools.partial(self._make_codec, scheme)
-        listener = listen(address, make_codec, allow_remote=self.config.allow_remote, curve=self.config.curve)
+        listener = listen(
+            address, make_codec, allow_remote=self.config.allow_remote, curve=self.config.curve
+        )
         self._listeners.append(listener)
         self._served.append(listener.address)
         self._own.add(listener.address)
@@ -450,7 +464,9 @@ class ActorSystem:
             raise PeerLostError(f"no link to {address} (that system is not connected to this one)")
         if scheme != "inproc":
             self._ensure_arena()
-        link = self._add_link(connect(address, self._make_codec(scheme), curve=self.config.curve), address)
+        link = self._add_link(
+            connect(address, self._make_codec(scheme), curve=self.config.curve), address
+        )
         link.start()
         return link
 
@@ -470,7 +486,9 @@ class ActorSystem:
                 await asyncio.shield(link.handshake)
         except TimeoutError:
             link.lose(PeerLostError(f"no actor system answered at {address} within {timeout} s"))
-            raise PeerLostError(f"no actor system answered at {address} within {timeout} s") from None
+            raise PeerLostError(
+                f"no actor system answered at {address} within {timeout} s"
+            ) from None
 
     def drop_link(self, address: str, error: Exception) -> None:
         """Give up the link to the system at ``address`` now (its process is known dead).
@@ -497,7 +515,9 @@ class ActorSystem:
             current = self._routes.get(address)
             # A new system at a known address (a restarted peer) replaces the old link;
             # a second link to the same system keeps the first.
-            if current is None or (current.peer is not None and current.peer.system_id != hello.system_id):
+            if current is None or (
+                current.peer is not None and current.peer.system_id != hello.system_id
+            ):
                 self._routes[address] = link
 
     def _forget_link(self, link: PeerLink, error: Exception | None = None) -> None:
@@ -505,7 +525,9 @@ class ActorSystem:
         for address in [a for a, routed in self._routes.items() if routed is link]:
             del self._routes[address]
         if error is not None and self._link_lost_callbacks and not self._is_closed:
-            addresses = [a for a in [link.address, *(link.peer.addresses if link.peer else [])] if a]
+            addresses = [
+                a for a in [link.address, *(link.peer.addresses if link.peer else [])] if a
+            ]
             for callback in list(self._link_lost_callbacks):
                 try:
                     callback(addresses, error)

@@ -35,7 +35,8 @@ class AskTimeouts:
         self._buckets: dict[int, dict[asyncio.Future[Any], tuple[object, float]]] = {}
 
     def add(self, future: asyncio.Future[Any], target: object, timeout: float) -> int:
-        """Fail `future` with `AskTimeoutError` unless it is done within `timeout`; return its bucket."""
+        """Fail `future` with `AskTimeoutError` unless it is done within `timeout`; return its
+        bucket."""
         loop = asyncio.get_running_loop()
         bucket = math.ceil((loop.time() + timeout) / self.resolution)
         entries = self._buckets.get(bucket)
@@ -54,4 +55,6 @@ class AskTimeouts:
     def _expire(self, bucket: int) -> None:
         for future, (target, timeout) in self._buckets.pop(bucket, {}).items():
             if not future.done():
-                future.set_exception(AskTimeoutError(f"no reply from {target!r} within {timeout} s"))
+                future.set_exception(
+                    AskTimeoutError(f"no reply from {target!r} within {timeout} s")
+                )

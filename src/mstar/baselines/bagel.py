@@ -39,7 +39,8 @@ class DenseContext:
         x, rope, is_gen = w.embed_input(payload)
         n = x.shape[0]
         past = self.keys[0].shape[0] if self.keys else 0
-        visible: torch.Tensor | None = None  # full attention (images, queries): no mask, as the paged kernel runs it
+        # full attention (images, queries): no mask, as the paged kernel runs it
+        visible: torch.Tensor | None = None
         if causal:
             visible = torch.ones(n, past + n, dtype=torch.bool)
             visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
@@ -52,8 +53,12 @@ class DenseContext:
             new_k.append(keys)
             new_v.append(values)
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=visible, scale=cfg.head_dim**-0.5, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+                q.transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=visible,
+                scale=cfg.head_dim**-0.5,
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )
             return out[0].transpose(0, 1)
 
@@ -68,7 +73,8 @@ class DenseContext:
         self._run(payload, causal=isinstance(payload, TextInput), write=True)
 
     def velocity(self, x: torch.Tensor, positions: torch.Tensor, t: float) -> torch.Tensor:
-        """Return the velocity ``[n, p*p*z]`` of noisy latents at time ``t``, reading the cache only."""
+        """Return the velocity ``[n, p*p*z]`` of noisy latents at time ``t``, reading the cache
+        only."""
         self.num_passes += 1
         query = ImageInput("flow", x, self.rope, positions, t)
         hidden = self._run(query, causal=False, write=False)
@@ -89,7 +95,15 @@ def build_context(weights: BagelWeights, vae: FluxVAE | None, items: list[Item])
             assert vae is not None
             p, down = cfg.latent_patch_size, cfg.latent_downsample
             h, w = item.vae.shape[1] // down, item.vae.shape[2] // down
-            ctx.add(ImageInput("vae", vae_tokens(vae, item.vae, p, item.vae_noise), ctx.rope, latent_grid(weights, h, w), 0.0))
+            ctx.add(
+                ImageInput(
+                    "vae",
+                    vae_tokens(vae, item.vae, p, item.vae_noise),
+                    ctx.rope,
+                    latent_grid(weights, h, w),
+                    0.0,
+                )
+            )
         if item.vit is not None:
             ctx.add(ImageInput("vit", weights.embed_vit(item.vit), ctx.rope))
     return ctx
@@ -104,14 +118,22 @@ def reference_generate(
     noise: torch.Tensor,
     think_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, np.ndarray, int]:
-    """Generate one image densely: return its final latent tokens, its uint8 pixels and the LLM passes.
+    """Generate one image densely: return its final latent tokens, its uint8 pixels and the LLM
+    passes.
 
     ``think_ids``: the planning text of think mode (`reference_understand` over the items),
     which the full context takes after the items.
     """
     tokens = weights.config.tokens
-    think = None if think_ids is None else TextItem(torch.tensor([tokens.bos, *think_ids, tokens.eos], dtype=torch.long))
-    contexts = {branch: build_context(weights, vae, its) for branch, its in branch_items(items, think).items()}
+    think = (
+        None
+        if think_ids is None
+        else TextItem(torch.tensor([tokens.bos, *think_ids, tokens.eos], dtype=torch.long))
+    )
+    contexts = {
+        branch: build_context(weights, vae, its)
+        for branch, its in branch_items(items, think).items()
+    }
     positions = latent_grid(weights, spec.height, spec.width)
     x = noise.float()
     for k in range(spec.num_steps):
@@ -124,8 +146,11 @@ def reference_generate(
 
 
 @torch.inference_mode()
-def reference_understand(weights: BagelWeights, vae: FluxVAE | None, items: list[Item], max_tokens: int) -> list[int]:
-    """Answer densely and greedily: tokens sampled after ``<|im_start|>`` until ``<|im_end|>`` (excluded).
+def reference_understand(
+    weights: BagelWeights, vae: FluxVAE | None, items: list[Item], max_tokens: int
+) -> list[int]:
+    """Answer densely and greedily: tokens sampled after ``<|im_start|>`` until ``<|im_end|>``
+    (excluded).
 
     Think mode's planning text is such an answer too (over the items of an image request).
     """

@@ -40,11 +40,17 @@ def _copy(ctx: DenseContext) -> DenseContext:
     return DenseContext(ctx.weights, list(ctx.keys), list(ctx.values), ctx.rope)
 
 
-def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[dict[str, NodeFn], Callable[[], int]]:
+def dense_nodes(
+    model: BagelModel, device: torch.device | None = None
+) -> tuple[dict[str, NodeFn], Callable[[], int]]:
     """Return a callable per node of ``model``'s graph for one request (they keep its caches), and a
     count of the LLM passes its flow ran."""
     weights, vae = model.load(device or torch.device("cpu"))
-    contexts = {COND: DenseContext(weights), CFG_TEXT: DenseContext(weights), CFG_IMG: DenseContext(weights)}
+    contexts = {
+        COND: DenseContext(weights),
+        CFG_TEXT: DenseContext(weights),
+        CFG_IMG: DenseContext(weights),
+    }
     decoded: list[int] = []
     thinking: list[DenseContext] = []  # the full context before a planning text was decoded
     tokens = model.config.tokens
@@ -101,7 +107,9 @@ def dense_nodes(model: BagelModel, device: torch.device | None = None) -> tuple[
         contexts[COND].add(ImageInput("vae", latents.tokens, contexts[COND].rope, positions, 0.0))
         contexts[CFG_TEXT] = _copy(contexts[COND])
         payload = ImageInput("vae", latents.tokens, state.cond.rope, positions, 0.0)
-        return prefilled(inputs, state.after_image(payload, is_last_part=not latents.then_vit), payload)
+        return prefilled(
+            inputs, state.after_image(payload, is_last_part=not latents.then_vit), payload
+        )
 
     def denoise(branch: str) -> NodeFn:
         @torch.inference_mode()

@@ -11,7 +11,7 @@ thinker  prompt ──prefill──▶ rows ─▶ token 1 ─▶ rows ─▶ to
 talker   prompt(9+) ─prefill─▶ hidden ─▶ code0 ─┬─ code predictor ─▶ frame 0 ─▶ next input ─▶ ...
 code2wav frames ──[25 new + up to 25 context]──▶ audio (context trimmed)
 ```
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def run_thinker(
 
 @dataclass(frozen=True, eq=False)
 class SpeechResult:
-    """A talker run: ``codes`` ``[16, frames]`` (codebook 0 first) and the codebook-0 tokens drawn."""
+    """A talker run: ``codes`` ``[16, frames]`` (codebook 0 first) and the codebook-0 tokens
+    drawn."""
 
     codes: torch.Tensor
     code0: list[int]

@@ -303,7 +303,11 @@ class ImagesTarget(HttpTarget):
         self.size = size
 
     def base_body(self, request: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"prompt": request.prompt, "n": self.n, "response_format": "b64_json"}
+        body: dict[str, Any] = {
+            "prompt": request.prompt,
+            "n": self.n,
+            "response_format": "b64_json",
+        }
         if self.size is not None:
             body["size"] = self.size
         return body
@@ -382,5 +386,7 @@ class GenerateTarget(HttpTarget):
                 raise BenchTargetError(f"audio line from {where} has neither num_samples nor data")
             return OutputEvent("audio", num_samples=samples, sample_rate=rate, num_bytes=num_bytes)
         if modality == "image":
-            return OutputEvent("image", num_images=int(obj.get("num_images", 1)), num_bytes=num_bytes)
+            return OutputEvent(
+                "image", num_images=int(obj.get("num_images", 1)), num_bytes=num_bytes
+            )
         return OutputEvent(modality, num_bytes=num_bytes)

@@ -236,7 +236,9 @@ class OpenLoop:
     async def drive(
         self, point: float, requests: Sequence[BenchRequest], send: Send, *, seed: int
     ) -> list[RequestRecord]:
-        offsets = arrival_offsets(len(requests), point, self.burstiness, np.random.default_rng(seed))
+        offsets = arrival_offsets(
+            len(requests), point, self.burstiness, np.random.default_rng(seed)
+        )
         slots = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
         records: list[RequestRecord | None] = [None] * len(requests)
 

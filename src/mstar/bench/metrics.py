@@ -135,7 +135,9 @@ def audio_duration(record: RequestRecord) -> float:
     """Return the seconds of audio a request received."""
     samples_by_rate: dict[int, int] = {}
     for chunk in audio_chunks(record):
-        samples_by_rate[chunk.sample_rate] = samples_by_rate.get(chunk.sample_rate, 0) + chunk.num_samples
+        samples_by_rate[chunk.sample_rate] = (
+            samples_by_rate.get(chunk.sample_rate, 0) + chunk.num_samples
+        )
     return _seconds(samples_by_rate)
 
 
@@ -312,12 +314,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
     audio_s = sum(m.audio_s for m in ok)
     images = sum(len(m.image_latencies_s) for m in ok)
     viable = [m.is_viable for m in ok if m.is_viable is not None]
-    all_flags = [
-        flag
-        for r in records
-        if r.is_ok
-        for flag in chunk_on_time(audio_chunks(r))[1:]
-    ]
+    all_flags = [flag for r in records if r.is_ok for flag in chunk_on_time(audio_chunks(r))[1:]]
 
     def per_s(amount: float) -> float:
         return amount / duration_s if duration_s > 0 else 0.0

@@ -148,7 +148,11 @@ def make_distribution_table(result: BenchResult) -> Table:
                     continue
                 values = (stats.mean, stats.p50, stats.p95, stats.p99)
                 table.add_row(
-                    _label(point), target, header, str(stats.count), *(_num(1e3 * v) for v in values)
+                    _label(point),
+                    target,
+                    header,
+                    str(stats.count),
+                    *(_num(1e3 * v) for v in values),
                 )
         table.add_section()
     return table
@@ -170,7 +174,9 @@ def make_ratio_table(result: BenchResult) -> Table | None:
         table.add_column(_RATIO_HEADERS.get(metric, metric), justify="right")
     for point in result.load_points:
         for baseline in result.baselines:
-            values = {r.metric: r.value for r in ratios if r.point == point and r.baseline == baseline}
+            values = {
+                r.metric: r.value for r in ratios if r.point == point and r.baseline == baseline
+            }
             table.add_row(
                 _label(point),
                 baseline,
@@ -289,8 +295,12 @@ def plot_png(result: BenchResult, path: str | Path) -> Path:
     for axis, (key, title) in zip(axes, latency_panels, strict=False):
         for target, color in zip(result.targets, colors, strict=True):
             summaries = [result.result(target, p).summary for p in points]
-            _plot_series(axis, xs, [_stat(s, key, "p50") for s in summaries], color, "-", f"{target} p50")
-            _plot_series(axis, xs, [_stat(s, key, "p99") for s in summaries], color, "--", f"{target} p99")
+            _plot_series(
+                axis, xs, [_stat(s, key, "p50") for s in summaries], color, "-", f"{target} p50"
+            )
+            _plot_series(
+                axis, xs, [_stat(s, key, "p99") for s in summaries], color, "--", f"{target} p99"
+            )
         axis.set_title(title)
         axis.set_ylim(bottom=0)
     throughput_axis = axes[-1]

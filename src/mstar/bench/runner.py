@@ -85,7 +85,9 @@ class Ratio:
     value: float
 
 
-def merge_results(results: Sequence[BenchResult], config: Mapping[str, Any] | None = None) -> BenchResult:
+def merge_results(
+    results: Sequence[BenchResult], config: Mapping[str, Any] | None = None
+) -> BenchResult:
     """Return one result holding every point of ``results`` (one run per load point, closed
     loop), its config the first's with ``config`` on top and the load listing every point."""
     first = results[0]
@@ -274,7 +276,11 @@ async def run_benchmark(
     console.print(f"[bold]{name}[/bold]: configuration")
     for key, value in run_config.items():
         text = str(value)  # the JSON keeps it whole; the terminal gets a line
-        console.print(f"  {key}: {text if len(text) <= 100 else text[:99] + '…'}", highlight=False, markup=False)
+        console.print(
+            f"  {key}: {text if len(text) <= 100 else text[:99] + '…'}",
+            highlight=False,
+            markup=False,
+        )
 
     points: list[PointResult] = []
     bar = Progress(
@@ -297,7 +303,10 @@ async def run_benchmark(
                     requests, load.warmup_at(point), seed=point_seed, prefix=f"warmup-{label}"
                 )
                 measured = draw_requests(
-                    requests, load.requests_at(point), seed=point_seed + 1, prefix=f"{load.kind}-{label}"
+                    requests,
+                    load.requests_at(point),
+                    seed=point_seed + 1,
+                    prefix=f"{load.kind}-{label}",
                 )
                 for target_label, target in opened.items():
                     task = bar.add_task(
@@ -305,7 +314,15 @@ async def run_benchmark(
                     )
                     points.append(
                         await _run_point(
-                            target, target_label, point, warmup, measured, load, point_seed, bar, task
+                            target,
+                            target_label,
+                            point,
+                            warmup,
+                            measured,
+                            load,
+                            point_seed,
+                            bar,
+                            task,
                         )
                     )
     return BenchResult(

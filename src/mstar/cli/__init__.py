@@ -30,7 +30,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
             print(f"{'':24s}   options: {shown}")
     if args.verbose:
         print(
-            "\nA checkpoint's path serves as MODEL too: its family and sizes are read from its files "
+            "\nA checkpoint's path serves as MODEL too: its family and sizes are read from "
+            "its files "
             "(mstar serve --help lists the flags; --model-option KEY=VALUE sets any option above)."
         )
     return 0
@@ -43,7 +44,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="serve a composite model and ask it something (default: the spoken assistant)")
+    demo = sub.add_parser(
+        "demo", help="serve a composite model and ask it something (default: the spoken assistant)"
+    )
     demo.add_argument(
         "--model",
         choices=("assistant", "toy-composite"),
@@ -51,16 +54,23 @@ def make_parser() -> argparse.ArgumentParser:
         help="assistant: ask SmolLM2 + a Piper voice a question over HTTP; toy-composite: the toy "
         "graph checked against the reference interpreter, then orpheus-tiny",
     )
-    demo.add_argument("--text", default=None, help="the question (assistant) or the input text (toy-composite)")
     demo.add_argument(
-        "--out", type=Path, default=None, help="write the spoken audio to this WAV file (assistant: answer.wav)"
+        "--text", default=None, help="the question (assistant) or the input text (toy-composite)"
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the spoken audio to this WAV file (assistant: answer.wav)",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the toy's random weights")
     demo.set_defaults(func=_cmd_demo)
 
     from mstar.cli.bench import add_bench_arguments, bench_command
 
-    bench = sub.add_parser("bench", help="benchmark a target (an HTTP server or async callables) against baselines")
+    bench = sub.add_parser(
+        "bench", help="benchmark a target (an HTTP server or async callables) against baselines"
+    )
     add_bench_arguments(bench)
     bench.set_defaults(func=bench_command)
 
@@ -78,7 +88,12 @@ def make_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=run_command)
 
     models = sub.add_parser("models", help="list the models mstar can serve")
-    models.add_argument("--verbose", "-v", action="store_true", help="also list each model's options (its keyword arguments)")
+    models.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="also list each model's options (its keyword arguments)",
+    )
     models.set_defaults(func=_cmd_models)
     return parser
 

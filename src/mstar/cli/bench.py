@@ -197,7 +197,9 @@ def _load(args: argparse.Namespace) -> LoadPattern:
             warmup=1 if args.warmup is None else args.warmup,
         )
     if args.waves:
-        return OfflineWaves(wave_sizes=tuple(args.waves), num_waves=args.num_waves, warmup=args.warmup)
+        return OfflineWaves(
+            wave_sizes=tuple(args.waves), num_waves=args.num_waves, warmup=args.warmup
+        )
     return ClosedLoop(
         concurrencies=tuple(args.concurrency or (1, 2, 4, 8, 16, 32)),
         num_requests=args.num_requests,

@@ -42,21 +42,55 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "naming the ones it does (`mstar models --verbose`)",
     )
     group.add_argument(
-        "--checkpoint", default=None, metavar="PATH",
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
         help="the checkpoint of a zoo name that needs one (MODEL may also be the path itself)",
     )
     group.add_argument(
-        "--dtype", default=None, choices=DTYPE_CHOICES,
-        help="weights' dtype; auto: the checkpoint's own (config.json's torch_dtype). Default: the model's",
+        "--dtype",
+        default=None,
+        choices=DTYPE_CHOICES,
+        help="weights' dtype; auto: the checkpoint's own (config.json's torch_dtype). "
+        "Default: the model's",
     )
-    group.add_argument("--tokenizer", default=None, metavar="PATH", help="a tokenizer kept apart from the checkpoint (pi0.5: PaliGemma's tokenizer.model)")
-    group.add_argument("--snac-dir", default=None, metavar="DIR", help="Orpheus: the SNAC 24 kHz codec (config.json + pytorch_model.bin)")
-    group.add_argument("--robot", default=None, metavar="LAYOUT", help="pi0.5: the robot's observation and action layout (droid, libero, aloha)")
-    group.add_argument("--norm-stats", default=None, metavar="FILE", help="pi0.5: the norm_stats.json to use (default: found in the checkpoint)")
-    group.add_argument("--asset-id", default=None, metavar="ID", help="pi0.5: which assets/<ID>/ holds the norm stats")
     group.add_argument(
-        "--model-option", action="append", default=[], metavar="KEY=VALUE",
-        help="any other keyword of the model; VALUE is read as JSON when it parses, else as a string (repeatable)",
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a tokenizer kept apart from the checkpoint (pi0.5: PaliGemma's tokenizer.model)",
+    )
+    group.add_argument(
+        "--snac-dir",
+        default=None,
+        metavar="DIR",
+        help="Orpheus: the SNAC 24 kHz codec (config.json + pytorch_model.bin)",
+    )
+    group.add_argument(
+        "--robot",
+        default=None,
+        metavar="LAYOUT",
+        help="pi0.5: the robot's observation and action layout (droid, libero, aloha)",
+    )
+    group.add_argument(
+        "--norm-stats",
+        default=None,
+        metavar="FILE",
+        help="pi0.5: the norm_stats.json to use (default: found in the checkpoint)",
+    )
+    group.add_argument(
+        "--asset-id",
+        default=None,
+        metavar="ID",
+        help="pi0.5: which assets/<ID>/ holds the norm stats",
+    )
+    group.add_argument(
+        "--model-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other keyword of the model; VALUE is read as JSON when it parses, else as "
+        "a string (repeatable)",
     )
 
 
@@ -66,10 +100,16 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ModelLoadError: A ``--model-option`` that is not KEY=VALUE, or names a flag's keyword.
     """
-    kwargs = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
+    kwargs = {
+        key: getattr(args, dest)
+        for dest, key in _FLAGS.items()
+        if getattr(args, dest, None) is not None
+    }
     options = key_value_pairs(args.model_option, "--model-option", "seed=3", ModelLoadError)
     for key in options.keys() & kwargs.keys():
-        raise ModelLoadError(f"--model-option {key}=... repeats --{key.replace('_', '-')}: give it once")
+        raise ModelLoadError(
+            f"--model-option {key}=... repeats --{key.replace('_', '-')}: give it once"
+        )
     return {**kwargs, **options}
 
 

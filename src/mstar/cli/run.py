@@ -92,7 +92,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="a zoo model name (see `mstar models`) or a checkpoint's path (see `mstar serve --help`)",
+        help="a zoo model name (see `mstar models`) or a checkpoint's path (see `mstar serve "
+        "--help`)",
     )
     parser.add_argument(
         "--task",
@@ -160,7 +161,8 @@ class _Collected:
         self.audio: list[bytes] = []
         self.num_samples = 0
         self.images: list[Any] = []
-        self.others: dict[str, list[torch.Tensor]] = {}  # "modality:name" -> outputs (actions, latents)
+        # "modality:name" -> outputs (actions, latents)
+        self.others: dict[str, list[torch.Tensor]] = {}
 
     def add(self, out: Output) -> None:
         if out.modality == "text":
@@ -172,7 +174,9 @@ class _Collected:
         elif out.modality == "image":
             self.images.append(out.data)
         else:
-            self.others.setdefault(f"{out.modality}:{out.name}", []).append(torch.as_tensor(out.data))
+            self.others.setdefault(f"{out.modality}:{out.name}", []).append(
+                torch.as_tensor(out.data)
+            )
 
     def summary(self, rate: int | None) -> str:
         parts = [f"{len(self.token_ids)} tokens"] if self.token_ids else []
@@ -186,7 +190,9 @@ class _Collected:
     def arrays(self) -> str:
         """Describe the non-media outputs, e.g. ``action:actions [10, 8]``."""
         return ", ".join(
-            f"{key} {list(ts[0].shape)}" if len(ts) == 1 else f"{key} {len(ts)} x {list(ts[0].shape)}"
+            f"{key} {list(ts[0].shape)}"
+            if len(ts) == 1
+            else f"{key} {len(ts)} x {list(ts[0].shape)}"
             for key, ts in self.others.items()
         )
 
@@ -227,7 +233,9 @@ async def _run(
     phases: _Phases,
     loading_started: float,
 ) -> tuple[_Collected, int | None]:
-    devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+    devices = (
+        {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+    )
     with loading_display(args.model):
         engine = await AsyncEngine.start(
             model, placement, EngineConfig(worker_processes=args.worker_processes, devices=devices)
@@ -255,12 +263,16 @@ def _write_media(collected: _Collected, rate: int | None, out: Path) -> str:
     """Write the audio (.wav) or the last image (.png) to ``out``; return what it holds."""
     if out.suffix.lower() == ".wav":
         if not collected.audio or not rate:
-            raise RunArgumentError("--out: the request produced no audio: choose another --out (.png, .json, .txt)")
+            raise RunArgumentError(
+                "--out: the request produced no audio: choose another --out (.png, .json, .txt)"
+            )
         pcm = b"".join(collected.audio)
         out.write_bytes(wav_header(rate, num_data_bytes=len(pcm)) + pcm)
         return f"{collected.num_samples / rate:.2f} s of {rate / 1000:g} kHz audio"
     if not collected.images:
-        raise RunArgumentError("--out: the request produced no image: choose another --out (.wav, .json, .txt)")
+        raise RunArgumentError(
+            "--out: the request produced no image: choose another --out (.wav, .json, .txt)"
+        )
     encoded = encode_image(collected.images[-1])  # PNG whatever the node emitted
     out.write_bytes(encoded.png)
     from PIL import Image
@@ -288,7 +300,11 @@ def _write(collected: _Collected, rate: int | None, out: Path | None) -> str:
             from safetensors.torch import save_file
 
             assert out is not None
-            tensors = {f"{key}:{i}": t.contiguous() for key, ts in collected.others.items() for i, t in enumerate(ts)}
+            tensors = {
+                f"{key}:{i}": t.contiguous()
+                for key, ts in collected.others.items()
+                for i, t in enumerate(ts)
+            }
             save_file(tensors, str(out))
             return f"wrote {out} (safetensors: {collected.arrays()})"
         doc = {key: [t.tolist() for t in ts] for key, ts in collected.others.items()}

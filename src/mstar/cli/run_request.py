@@ -27,7 +27,15 @@ from mstar.errors import RunArgumentError
 from mstar.runtime.model import Model, Request, supports_action_policy, supports_text_output
 from mstar.runtime.params import GenerationParams, parse_options
 
-__all__ = ["ReadLog", "RunInputs", "RunRequest", "build_request", "check_request", "explain", "read_inputs"]
+__all__ = [
+    "ReadLog",
+    "RunInputs",
+    "RunRequest",
+    "build_request",
+    "check_request",
+    "explain",
+    "read_inputs",
+]
 
 # A string value of an --observation file naming one of these is a file to read (images, arrays).
 _OBSERVATION_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".npy")
@@ -96,7 +104,9 @@ def _read_observation(path: Path) -> dict[str, Any]:
                 except FileNotFoundError:
                     raise RunArgumentError(f"{where}: {str(file)!r} does not exist") from None
                 except (OSError, ValueError) as exc:
-                    raise RunArgumentError(f"{where}: cannot read {str(file)!r} as a .npy array: {exc}") from None
+                    raise RunArgumentError(
+                        f"{where}: cannot read {str(file)!r} as a .npy array: {exc}"
+                    ) from None
             else:
                 value = _read_image(file, where)
         observation[key] = value
@@ -116,7 +126,8 @@ def read_inputs(args: argparse.Namespace) -> RunInputs:
 
 
 def _is_chat_model(model: Model) -> bool:
-    """Whether the model's prompts go through a chat template (an instruct model's tokenizer has one)."""
+    """Whether the model's prompts go through a chat template (an instruct model's tokenizer has
+    one)."""
     return supports_text_output(model) and model.chat_prompts
 
 
@@ -143,7 +154,8 @@ def build_request(args: argparse.Namespace, model: Model, inputs: RunInputs) -> 
     if inputs.observation is not None:
         if not is_policy:
             raise RunArgumentError(
-                f"{where} does not take --observation (only a robot policy's task does, e.g. pi05-* act)"
+                f"{where} does not take --observation (only a robot policy's task does, e.g. "
+                "pi05-* act)"
             )
         for key, value in inputs.observation.items():
             request.data[key] = value
@@ -151,7 +163,8 @@ def build_request(args: argparse.Namespace, model: Model, inputs: RunInputs) -> 
     sends_chat = task == "generate" and _is_chat_model(model)
     if not args.chat_template and not sends_chat:
         raise RunArgumentError(
-            f"{where} does not take --no-chat-template (it applies to an instruct model's 'generate')"
+            f"{where} does not take --no-chat-template (it applies to an instruct model's "
+            "'generate')"
         )
     if args.text is not None:
         text: Any = args.text
@@ -254,7 +267,10 @@ def explain(message: str, request: RunRequest, log: ReadLog, model: str) -> str:
         if key in ("image", "images"):
             return "--image"
         if request.is_policy:  # a policy's observation key: the file's flag, if one was given
-            return next((f for f in request.flags.values() if f.startswith("--observation ")), "--observation")
+            return next(
+                (f for f in request.flags.values() if f.startswith("--observation ")),
+                "--observation",
+            )
         return f"--param {key}"
 
     candidates = [*log.looked_up, *data, *_TEXT_FIELDS]
@@ -299,7 +315,9 @@ def check_request(request: RunRequest, model: Model, name: str) -> None:
         declared = model.task_options(request.task)
         params = GenerationParams.from_data(request.data)
         options = parse_options(declared, request.data)
-        model.preprocess(Request(request.task, log, request_id="mstar-run-check", params=params, options=options))
+        model.preprocess(
+            Request(request.task, log, request_id="mstar-run-check", params=params, options=options)
+        )
     except (ValueError, TypeError) as exc:  # a model's preprocessing raises these for bad input
         raise RunArgumentError(explain(str(exc), request, log, name)) from None
     read = set(log.looked_up) | set(GenerationParams.__struct_fields__)
@@ -309,5 +327,6 @@ def check_request(request: RunRequest, model: Model, name: str) -> None:
         if key not in read:
             what = f"its key {key!r}" if flag.startswith("--observation") else "it"
             raise RunArgumentError(
-                f"{flag}: task {request.task!r} of {name} does not take {what} (it reads no field {key!r})"
+                f"{flag}: task {request.task!r} of {name} does not take {what} (it reads no "
+                f"field {key!r})"
             )

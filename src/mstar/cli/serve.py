@@ -39,8 +39,10 @@ EXIT_USAGE = 2
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of `mstar serve` to ``parser``."""
     parser.add_argument(
-        "model", metavar="MODEL",
-        help="a zoo model name (see `mstar models`) or a checkpoint's path (a directory, or V-JEPA 2's "
+        "model",
+        metavar="MODEL",
+        help="a zoo model name (see `mstar models`) or a checkpoint's path (a directory, or "
+        "V-JEPA 2's "
         ".pt file), whose family and sizes are read from its files; an action policy (pi0.5) also "
         "serves openpi's robot protocol (see below)",
     )
@@ -51,34 +53,66 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "api_key=KEY); GET /healthz answers OK. A malformed observation gets its error as a text "
         "frame, then close code 1011."
     )
-    parser.add_argument("--config", type=str, default=None, metavar="PLACEMENT.yaml", help="placement file (default: everything on one device)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument(
-        "--api-key", default=None,
-        help=f"require 'Authorization: Bearer KEY' (visible in the process list: prefer ${API_KEY_ENV} or --api-key-file)",
+        "--config",
+        type=str,
+        default=None,
+        metavar="PLACEMENT.yaml",
+        help="placement file (default: everything on one device)",
     )
-    parser.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
     parser.add_argument(
-        "--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; any other needs --api-key)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (visible in the process list: prefer "
+        f"${API_KEY_ENV} or --api-key-file)",
+    )
+    parser.add_argument(
+        "--api-key-file", default=None, metavar="PATH", help="read the API key from this file"
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
         help="on SIGTERM, how long running requests may take to finish (default 10)",
     )
     parser.add_argument(
-        "--request-stall-timeout", type=float, default=600.0, metavar="SECONDS",
+        "--request-stall-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
         help="fail a request that made no progress for this long, e.g. a message lost on the way "
         "(RequestStalledError; default 600, 0 never)",
     )
-    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    parser.add_argument("--worker-processes", action="store_true", help="run each rank's worker in a process of its own")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: MODEL)"
+    )
+    parser.add_argument(
+        "--worker-processes",
+        action="store_true",
+        help="run each rank's worker in a process of its own",
+    )
     parser.add_argument(
         "--ray-address",
         default=None,
         metavar="ADDR",
-        help="run each rank's worker as a Ray actor on this cluster (auto, ray://head:10001), on the node "
+        help="run each rank's worker as a Ray actor on this cluster (auto, "
+        "ray://head:10001), on the node "
         "its placement's ray_resources name; the HTTP server and the conductor stay here",
     )
     parser.add_argument(
-        "--ray-num-cpus", type=float, default=1.0, help="CPUs each rank's Ray actor reserves (default 1)"
+        "--ray-num-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs each rank's Ray actor reserves (default 1)",
     )
     parser.add_argument(
         "--allow-model-factory",
@@ -88,12 +122,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="let workers build models from this module or factory besides the zoo's (repeatable); "
         "MODEL may then be package.module:callable",
     )
-    parser.add_argument("--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)")
-    parser.add_argument("--max-running", type=int, default=64, help="requests in the engine at once (default 64)")
-    parser.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond that; more get 503 (default 256)")
-    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body (default 16 MiB)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--log-format", default="auto", choices=("auto", "json", "console"), help="auto: JSON unless on a terminal")
+    parser.add_argument(
+        "--device", default=None, help="torch device of every rank, e.g. cuda:0 (default cpu)"
+    )
+    parser.add_argument(
+        "--max-running", type=int, default=64, help="requests in the engine at once (default 64)"
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests queued beyond that; more get 503 (default 256)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest request body (default 16 MiB)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    parser.add_argument(
+        "--log-format",
+        default="auto",
+        choices=("auto", "json", "console"),
+        help="auto: JSON unless on a terminal",
+    )
     add_model_arguments(parser)
 
 
@@ -144,13 +199,17 @@ def serve_command(args: argparse.Namespace) -> int:
         spec = _model_spec(args.model, args.allow_model_factory, model_kwargs(args))
         placement = Placement.from_yaml(args.config) if args.config else None
         if args.request_stall_timeout < 0:
-            raise ServerConfigError(f"--request-stall-timeout must be >= 0 seconds, got {args.request_stall_timeout}")
+            raise ServerConfigError(
+                f"--request-stall-timeout must be >= 0 seconds, got {args.request_stall_timeout}"
+            )
     except (MStarError, OSError) as exc:
         print(f"mstar serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     json_logs = None if args.log_format == "auto" else args.log_format == "json"
     configure_logging(args.log_level, json=json_logs, secrets=[api_key] if api_key else [])
-    devices = {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+    devices = (
+        {r: args.device for r in (placement.ranks if placement else (0,))} if args.device else {}
+    )
     engine_config = EngineConfig(
         worker_processes=args.worker_processes,
         devices=devices,
@@ -162,7 +221,12 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     start = EngineStart()
     app = make_app(
-        spec, config, names=(args.model,), placement=placement, engine_config=engine_config, loading=start.loading
+        spec,
+        config,
+        names=(args.model,),
+        placement=placement,
+        engine_config=engine_config,
+        loading=start.loading,
     )
     try:
         run_server(app, config, start)
@@ -173,6 +237,8 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"mstar serve: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the port is taken, or the address cannot be bound
-        print(f"mstar serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(
+            f"mstar serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
+        )
         return 1
     return 0

@@ -56,7 +56,9 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
 class _GatherDecodeAttention:
     """Fixed-shape paged decode attention over gathered key slots (the torch route)."""
 
-    def __init__(self, slot_mapping: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor, sink_slot: int) -> None:
+    def __init__(
+        self, slot_mapping: torch.Tensor, gather: torch.Tensor, mask: torch.Tensor, sink_slot: int
+    ) -> None:
         self.slot_mapping = slot_mapping
         self.gather = gather
         self.mask = mask
@@ -78,7 +80,9 @@ class _GatherDecodeAttention:
         mask = np.zeros((bs, max_len), dtype=bool)
         mask[:, 0] = True
         pos = np.arange(max_len)
-        for row, (table, length) in enumerate(zip(metadata.block_tables, metadata.seq_lens, strict=True)):
+        for row, (table, length) in enumerate(
+            zip(metadata.block_tables, metadata.seq_lens, strict=True)
+        ):
             blocks = np.asarray(table[: -(-int(length) // size)], dtype=np.int64)
             gather[row, :length] = (blocks[:, None] * size + np.arange(size)).reshape(-1)[:length]
             mask[row] = pos < length
@@ -136,7 +140,9 @@ class _FlashInferDecodeAttention:
         self.sink_block = sink_block
         self.block_size = block_size
         self.indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
-        self.indices = torch.full((max_batch_size * max_pages,), sink_block, dtype=torch.int32, device=device)
+        self.indices = torch.full(
+            (max_batch_size * max_pages,), sink_block, dtype=torch.int32, device=device
+        )
         self.last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=device)
         self.wrappers: dict[int, Any] = {}
         self.head_args: tuple[int, int, int] | None = None  # heads, KV heads, head size
@@ -163,10 +169,15 @@ class _FlashInferDecodeAttention:
             paged_kv_last_page_len_buffer=self.last_page_len[:bs],
         )  # fmt: skip
         self.wrappers[bs] = wrapper
-        self._plan(wrapper, *padded_page_table(np.zeros(0, np.int64), [], self.block_size, bs, self.sink_block))
+        self._plan(
+            wrapper,
+            *padded_page_table(np.zeros(0, np.int64), [], self.block_size, bs, self.sink_block),
+        )
         return wrapper
 
-    def _plan(self, wrapper: Any, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> None:
+    def _plan(
+        self, wrapper: Any, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray
+    ) -> None:
         assert self.head_args is not None
         wrapper.plan(
             torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
@@ -175,7 +186,9 @@ class _FlashInferDecodeAttention:
 
     def prepare(self, metadata: AttentionMetadata, bs: int) -> None:
         """Plan the bucket's wrapper on the step's page table (host arrays, outside the graph)."""
-        tables = padded_page_table(metadata.seq_lens, metadata.block_tables, self.block_size, bs, self.sink_block)
+        tables = padded_page_table(
+            metadata.seq_lens, metadata.block_tables, self.block_size, bs, self.sink_block
+        )
         self._plan(self.wrappers[bs], *tables)
 
     def forward(
@@ -233,7 +246,9 @@ class CudaGraphDecodeRunner:
                 block_size=block_size, device=device,
             )  # fmt: skip
         else:
-            gather = torch.full((max_batch_size, self.max_len), sink_slot, dtype=torch.long, device=device)
+            gather = torch.full(
+                (max_batch_size, self.max_len), sink_slot, dtype=torch.long, device=device
+            )
             mask = torch.zeros(max_batch_size, 1, 1, self.max_len, dtype=torch.bool, device=device)
             mask[..., 0] = True
             self.attention = _GatherDecodeAttention(slot_mapping, gather, mask, sink_slot)

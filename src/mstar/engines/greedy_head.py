@@ -86,20 +86,42 @@ class ScreenedArgmax:
         kernels = cpu_kernels()
         screen = self._screen
         if (
-            kernels is not None and screen.layout == TILED and x.dim() == 2 and x.stride(-1) == 1
+            kernels is not None
+            and screen.layout == TILED
+            and x.dim() == 2
+            and x.stride(-1) == 1
             and self.weight.is_contiguous()
         ):  # the screen's product and the decision in one native call
             tokens = kernels.screened_tokens(
-                x, screen.weight, self.weight, self._dw_max, self._accum, self._sum_max, _SAFETY, _BF16_UNIT,
+                x,
+                screen.weight,
+                self.weight,
+                self._dw_max,
+                self._accum,
+                self._sum_max,
+                _SAFETY,
+                _BF16_UNIT,
                 _MAX_CANDIDATES_PER_ROW,
             )
             return tokens if tokens.numel() else None
         xb = x.to(torch.bfloat16)
         approx = screen(xb)
-        if kernels is not None and approx.is_contiguous() and x.stride(-1) == 1 and self.weight.is_contiguous():
+        if (
+            kernels is not None
+            and approx.is_contiguous()
+            and x.stride(-1) == 1
+            and self.weight.is_contiguous()
+        ):
             # The same decision in two passes over the screen (no float32 copy of it).
             tokens = kernels.screened_argmax(
-                approx, x, self.weight, self._dw_max, self._accum, self._sum_max, _SAFETY, _BF16_UNIT,
+                approx,
+                x,
+                self.weight,
+                self._dw_max,
+                self._accum,
+                self._sum_max,
+                _SAFETY,
+                _BF16_UNIT,
                 _MAX_CANDIDATES_PER_ROW,
             )
             return tokens if tokens.numel() else None

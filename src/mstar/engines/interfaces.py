@@ -31,7 +31,7 @@ token ids and positions as tensors, and in `PagedKVContext.step` what else each 
 A model that accepts payloads embeds each payload chunk itself (`StepInputs.payload_chunks`)
 and routes rows through its experts by `StepInputs.expert_ids`; attention is joint over
 the whole batch, whichever weights produced a row's keys and values.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ class StepInputs:
 
 @dataclass(slots=True)
 class PagedKVContext:
-    """Handed to the model each step: the planned backend, every layer's cache, the step's inputs."""
+    """Handed to the model each step: the planned backend, every layer's cache, the step's
+    inputs."""
 
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -155,7 +156,8 @@ class PagedKVContext:
 
     def native_decode(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Return `(slots, block tables, lengths)` for native decoder layers, or None (see
-        `TorchPagedAttention.native_decode`): only a CPU backend with the native kernels offers them."""
+        `TorchPagedAttention.native_decode`): only a CPU backend with the native kernels offers
+        them."""
         if not self.kv_caches or torch.compiler.is_compiling():
             return None
         return self.backend.native_decode(self.kv_caches[0][0])
@@ -198,8 +200,11 @@ class SupportsNarrowLogits(Protocol):
 
     supports_narrow_logits: ClassVar[Literal[True]]
 
-    def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
-        """Return `[rows, vocab]` logits computed inside each row's `[(start, end), ...]`, `-inf` elsewhere."""
+    def compute_logits_in(
+        self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]
+    ) -> torch.Tensor:
+        """Return `[rows, vocab]` logits computed inside each row's `[(start, end), ...]`, `-inf`
+        elsewhere."""
         ...
 
 
@@ -219,7 +224,8 @@ class SupportsGreedyTokens(Protocol):
     supports_greedy_tokens: ClassVar[Literal[True]]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Return `[rows]` int64 argmax ids of `compute_logits(hidden)` (the first on ties), or None.
+        """Return `[rows]` int64 argmax ids of `compute_logits(hidden)` (the first on ties), or
+        None.
 
         None: not decided this way (the runner computes the logits and samples as usual).
         """

@@ -16,7 +16,13 @@ import torch
 
 from mstar.errors import KVCacheCapacityError
 
-__all__ = ["KVCacheSpec", "allocate_kv_cache", "available_memory_bytes", "budget_bytes", "num_blocks_for_budget"]
+__all__ = [
+    "KVCacheSpec",
+    "allocate_kv_cache",
+    "available_memory_bytes",
+    "budget_bytes",
+    "num_blocks_for_budget",
+]
 
 _CPU_DEFAULT_CAP = 1 << 30
 

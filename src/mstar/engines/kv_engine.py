@@ -172,7 +172,9 @@ class KVCacheEngine:
         if config.compile_backend is not None:
             # Attention calls stay outside the compiled graphs (graph breaks): the
             # projections, norms and MLPs around them are what gets fused.
-            model = cast(PagedModel, torch.compile(model, backend=config.compile_backend, dynamic=True))
+            model = cast(
+                PagedModel, torch.compile(model, backend=config.compile_backend, dynamic=True)
+            )
         self.runner = ModelRunner(
             model, kv_cache, backend, block_size=config.block_size, device=self.device
         )
@@ -272,19 +274,24 @@ class KVCacheEngine:
         """Append a walk's inputs to `seq` (checked) and set what the walk returns."""
         if payload is not None:
             if num_tokens is None or num_tokens < 1:
-                raise KVCacheCapacityError(f"request {seq.request_id!r}: a payload needs num_tokens >= 1, got {num_tokens}")
+                raise KVCacheCapacityError(
+                    f"request {seq.request_id!r}: a payload needs num_tokens >= 1, got {num_tokens}"
+                )
             token_ids = [PLACEHOLDER_TOKEN] * num_tokens
             seq.is_pinned = True
         token_ids = list(token_ids or [])
         if not token_ids and seq.num_tokens == 0:
             raise KVCacheCapacityError(f"request {seq.request_id!r} has an empty prompt")
         if output_mode != "sample" and not token_ids:
-            raise KVCacheCapacityError(f"request {seq.request_id!r}: a walk in {output_mode!r} mode needs new inputs")
+            raise KVCacheCapacityError(
+                f"request {seq.request_id!r}: a walk in {output_mode!r} mode needs new inputs"
+            )
         seq.extend(token_ids, mask, payload=payload, expert=expert)
         seq.output_mode = output_mode
         if output_mode == "sample" and seq.num_uncomputed_tokens == 0:
             raise KVCacheCapacityError(
-                f"request {seq.request_id!r} has no input left to sample from (its cache ends at a mark): give new tokens"
+                f"request {seq.request_id!r} has no input left to sample from (its cache "
+                "ends at a mark): give new tokens"
             )
 
     def resume(
@@ -345,7 +352,9 @@ class KVCacheEngine:
         """
         seq = self._get(request_id)
         if seq.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING) or seq.is_read_only:
-            raise RequestNotFoundError(f"request {request_id!r} is {seq.status.value}; only a running walk can be extended")
+            raise RequestNotFoundError(
+                f"request {request_id!r} is {seq.status.value}; only a running walk can be extended"
+            )
         self._extend(seq, new_token_ids, mask, payload, num_tokens, expert, output_mode)
         self._check_fits(seq)
 
@@ -372,7 +381,8 @@ class KVCacheEngine:
         count = parent.num_computed_tokens if num_tokens is None else num_tokens
         if not 0 < count <= parent.num_computed_tokens:
             raise KVCacheCapacityError(
-                f"request {parent_id!r} holds {parent.num_computed_tokens} tokens; cannot fork at {count}"
+                f"request {parent_id!r} holds {parent.num_computed_tokens} tokens; cannot "
+                f"fork at {count}"
             )
         params = sampling_params or parent.params
         # A whole fork keeps the parent's last sampled token (uncomputed yet) to go on from.
@@ -404,7 +414,8 @@ class KVCacheEngine:
         self._check_complete(seq, "truncate")
         if not 0 < num_tokens <= seq.num_computed_tokens:
             raise KVCacheCapacityError(
-                f"request {request_id!r} holds {seq.num_computed_tokens} tokens; cannot truncate to {num_tokens}"
+                f"request {request_id!r} holds {seq.num_computed_tokens} tokens; cannot "
+                f"truncate to {num_tokens}"
             )
         seq.truncate(num_tokens)
         self.block_manager.truncate(seq, num_tokens)
@@ -434,13 +445,19 @@ class KVCacheEngine:
         self._check_complete(parent, "be queried")
         # The parent's arrival: to the backends, queries over one context are one sequence
         # from step to step (its keys can stay staged).
-        seq = Sequence(query_id, parent.token_ids[: parent.num_computed_tokens], parent.params, arrival=parent.arrival)
+        seq = Sequence(
+            query_id,
+            parent.token_ids[: parent.num_computed_tokens],
+            parent.params,
+            arrival=parent.arrival,
+        )
         seq.inherit_segments(parent)
         self._extend(seq, token_ids, mask, payload, num_tokens, expert, "hidden")
         seq.is_read_only = True
         if seq.num_tokens > self.max_model_len:
             raise KVCacheCapacityError(
-                f"query {query_id!r} reaches {seq.num_tokens} tokens but max_model_len is {self.max_model_len}"
+                f"query {query_id!r} reaches {seq.num_tokens} tokens but max_model_len is "
+                f"{self.max_model_len}"
             )
         parent.is_pinned = True
         self.block_manager.fork(parent, seq)
@@ -455,7 +472,8 @@ class KVCacheEngine:
             )
         if not seq.block_table:
             raise RequestNotFoundError(
-                f"request {seq.request_id!r} holds no cache (it was evicted); run its inputs again to {verb}"
+                f"request {seq.request_id!r} holds no cache (it was evicted); run its inputs "
+                f"again to {verb}"
             )
 
     def release(self, request_id: str) -> None:
@@ -494,7 +512,8 @@ class KVCacheEngine:
             if self.is_stalled and not self._room_may_come():
                 pending = self.scheduler.running or list(self.scheduler.waiting)
                 raise KVCacheCapacityError(
-                    f"request {pending[0].request_id!r} cannot be scheduled: the KV cache cannot hold "
+                    f"request {pending[0].request_id!r} cannot be scheduled: the KV cache "
+                    "cannot hold "
                     f"its next chunk even alone; raise the KV-cache budget"
                 )
             return []
@@ -510,7 +529,9 @@ class KVCacheEngine:
         if result.logits is not None:
             rows = iter(result.logits)
             outputs = [
-                RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, next(rows), o.hidden)
+                RequestOutput(
+                    o.request_id, o.new_token_ids, o.finished, o.finish_reason, next(rows), o.hidden
+                )
                 if o.new_token_ids
                 else o
                 for o in outputs
@@ -523,7 +544,9 @@ class KVCacheEngine:
         phases.add("update", time.perf_counter() - t1)
         return outputs + failed
 
-    def _isolate_failures(self, out: SchedulerOutput) -> tuple[SchedulerOutput, StepResult, list[RequestOutput]]:
+    def _isolate_failures(
+        self, out: SchedulerOutput
+    ) -> tuple[SchedulerOutput, StepResult, list[RequestOutput]]:
         """Rerun a failed step one sequence at a time: only the sequences that fail alone fail.
 
         A failing sequence is dropped and reported by an output carrying its error; the
@@ -553,7 +576,8 @@ class KVCacheEngine:
         return SchedulerOutput(ok, [], out.preempted_ids), merged, failed
 
     def _room_may_come(self) -> bool:
-        """Whether blocks held now may still be freed without a step (a paused pinned walk goes on later)."""
+        """Whether blocks held now may still be freed without a step (a paused pinned walk goes on
+        later)."""
         return any(seq.is_pinned and seq.block_table for seq in self.scheduler.paused.values())
 
     def generate(
@@ -582,11 +606,15 @@ class KVCacheEngine:
 
     @property
     def max_seq_len(self) -> int:
-        """Return the longest sequence that fits, alone: `max_model_len`, or the whole cache if smaller."""
+        """Return the longest sequence that fits, alone: `max_model_len`, or the whole cache if
+        smaller."""
         return min(self.max_model_len, self.num_blocks * self.config.block_size)
 
-    def check_length(self, request_id: str, num_input_tokens: int, max_tokens: int, reserve_tokens: int = 0) -> None:
-        """Reject a request of ``num_input_tokens`` inputs sampling up to ``max_tokens`` that could never fit.
+    def check_length(
+        self, request_id: str, num_input_tokens: int, max_tokens: int, reserve_tokens: int = 0
+    ) -> None:
+        """Reject a request of ``num_input_tokens`` inputs sampling up to ``max_tokens`` that could
+        never fit.
 
         The engine's one length check: a node asks it for a whole request before its first
         walk, and every sequence added is checked by it (``reserve_tokens``: how many tokens'
@@ -597,11 +625,18 @@ class KVCacheEngine:
         """
         longest = max(num_input_tokens + max_tokens, reserve_tokens)
         if longest > self.max_seq_len:
-            needs = f"request {request_id!r} needs up to {longest} tokens ({num_input_tokens} input + max_tokens {max_tokens})"
+            needs = (
+                f"request {request_id!r} needs up to {longest} tokens "
+                f"({num_input_tokens} input + max_tokens {max_tokens})"
+            )
             if longest > self.max_model_len:
-                raise KVCacheCapacityError(f"{needs} but max_model_len is {self.max_model_len} tokens; shorten it or lower max_tokens")
+                raise KVCacheCapacityError(
+                    f"{needs} but max_model_len is {self.max_model_len} tokens; shorten it "
+                    "or lower max_tokens"
+                )
             raise KVCacheCapacityError(
-                f"{needs} but the KV cache's capacity is {self.max_seq_len} tokens ({self.num_blocks} blocks); "
+                f"{needs} but the KV cache's capacity is {self.max_seq_len} tokens "
+                f"({self.num_blocks} blocks); "
                 "raise the KV-cache budget, shorten it or lower max_tokens"
             )
 
@@ -617,7 +652,8 @@ class KVCacheEngine:
             raise RequestNotFoundError(f"no request {request_id!r} in this engine") from None
 
     def _make_generator(self, params: SamplingParams, position: int) -> torch.Generator | None:
-        """Return the generator of a walk whose first draw samples the token after ``position`` tokens.
+        """Return the generator of a walk whose first draw samples the token after ``position``
+        tokens.
 
         Seeded by the request's seed and that position: the walks of one request (prefill,
         then decode) draw different numbers, and a walk draws the same ones on any rank (a

@@ -144,11 +144,15 @@ class KVNodeEngine(StepLoop):
         self._query_ids = itertools.count()
         self._release_after: set[str] = set()  # sequences dropped once their chunk ran
         self._token_node: Any = kv_node if self.has_native_loop else None
-        self._groups: dict[str, _PrefixGroup] = {}  # by engine id of the shared sequence (step thread only)
-        self._group_arrivals: dict[str, tuple[int, int]] = {}  # group -> (arrived, size), on the loop
+        # by engine id of the shared sequence (step thread only)
+        self._groups: dict[str, _PrefixGroup] = {}
+        # group -> (arrived, size), on the loop
+        self._group_arrivals: dict[str, tuple[int, int]] = {}
         # Engine calls to apply before the next step (appended on the loop, run on the step thread).
         self._ops: collections.deque[tuple[str, Callable[[], object]]] = collections.deque()
-        self._steps = OverlappedSteps(self.engine.runner, self._step, self._deliver, self._fail_step, self._keep_stepping)
+        self._steps = OverlappedSteps(
+            self.engine.runner, self._step, self._deliver, self._fail_step, self._keep_stepping
+        )
         # A step answered firings (set on the step thread, read between its runs): the next
         # step waits for their walks to fire again, so that requests stay in one wave.
         self._answered = False
@@ -168,7 +172,8 @@ class KVNodeEngine(StepLoop):
         return NodeLimits(engine.max_seq_len, engine.num_blocks, engine.config.block_size)
 
     def stats(self) -> dict[str, float]:
-        """Return cumulative step counters, per-phase seconds and KV-cache occupancy (for metrics)."""
+        """Return cumulative step counters, per-phase seconds and KV-cache occupancy (for
+        metrics)."""
         blocks = self.engine.block_manager
         return {
             "steps": self.num_steps,
@@ -190,7 +195,9 @@ class KVNodeEngine(StepLoop):
         """Return how many sequences hold state here (running or between walks)."""
         return self.engine.num_requests
 
-    async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
+    async def submit(
+        self, request_id: str, inputs: Mapping[str, Any], walk: str = ""
+    ) -> Mapping[str, Any]:
         """Fire the node once for a request: a forward firing, or one sampled token."""
         if self._forward_node is None:
             outputs: list[Mapping[str, Any]] = []
@@ -198,7 +205,9 @@ class KVNodeEngine(StepLoop):
             return outputs[-1]
         return await self._fire(self._forward_node, request_id, inputs, walk)
 
-    async def _fire(self, node: ForwardKVNode, request_id: str, inputs: Mapping[str, Any], walk: str) -> Mapping[str, Any]:
+    async def _fire(
+        self, node: ForwardKVNode, request_id: str, inputs: Mapping[str, Any], walk: str
+    ) -> Mapping[str, Any]:
         if self._closed:
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
         forward = node.forward(request_id, inputs)
@@ -211,17 +220,26 @@ class KVNodeEngine(StepLoop):
         reserved = sum(-(-c.reserve_tokens // size) for c in forward.chunks)
         if reserved > self.engine.num_blocks:
             raise KVCacheCapacityError(
-                f"a firing of request {request_id!r} reserves {reserved} blocks for its sequences but the "
-                f"KV cache of node {self.node!r} has {self.engine.num_blocks}; raise its KV-cache budget or send less at once"
+                f"a firing of request {request_id!r} reserves {reserved} blocks for its "
+                "sequences but the "
+                f"KV cache of node {self.node!r} has {self.engine.num_blocks}; raise its "
+                "KV-cache budget or send less at once"
             )
         keys: list[str] = []
         for chunk in forward.chunks:
             key = seq_key(request_id, chunk.seq)
             out_key = f"{key}?{next(self._query_ids)}" if chunk.read_only else key
-            if out_key in keys and (chunk.reset or chunk.fork_from is not None or chunk.truncate is not None):
-                raise ValueError(f"a later chunk of sequence {chunk.seq!r} in one firing cannot reset, fork or truncate it")
+            if out_key in keys and (
+                chunk.reset or chunk.fork_from is not None or chunk.truncate is not None
+            ):
+                raise ValueError(
+                    f"a later chunk of sequence {chunk.seq!r} in one firing cannot reset, "
+                    "fork or truncate it"
+                )
             if out_key in self._firings or out_key in self._walks:
-                raise RuntimeError(f"sequence {out_key!r} of node {self.node!r} already runs a walk")
+                raise RuntimeError(
+                    f"sequence {out_key!r} of node {self.node!r} already runs a walk"
+                )
             keys.append(out_key)
         ops = [
             self._chunk_ops(request_id, seq_key(request_id, c.seq), k, c, extends=k in keys[:i])
@@ -255,7 +273,12 @@ class KVNodeEngine(StepLoop):
         """
         engine = self.engine
         output = chunk.output
-        args: dict[str, Any] = {"mask": chunk.mask, "payload": chunk.payload, "num_tokens": chunk.num_tokens, "expert": chunk.expert}
+        args: dict[str, Any] = {
+            "mask": chunk.mask,
+            "payload": chunk.payload,
+            "num_tokens": chunk.num_tokens,
+            "expert": chunk.expert,
+        }
 
         def prepare() -> None:
             if chunk.truncate is not None:
@@ -263,7 +286,12 @@ class KVNodeEngine(StepLoop):
             if chunk.reset or chunk.fork_from is not None:
                 engine.abort(key)
             if chunk.fork_from is not None:
-                engine.fork(seq_key(request_id, chunk.fork_from), key, num_tokens=chunk.fork_tokens, keep_alive=True)
+                engine.fork(
+                    seq_key(request_id, chunk.fork_from),
+                    key,
+                    num_tokens=chunk.fork_tokens,
+                    keep_alive=True,
+                )
 
         def append() -> None:
             if extends:
@@ -274,8 +302,12 @@ class KVNodeEngine(StepLoop):
                 engine.resume(key, chunk.token_ids, output_mode=output, **args)
             else:
                 engine.add_request(
-                    key, chunk.token_ids or [], keep_alive=True, output_mode=output,
-                    reserve_tokens=chunk.reserve_tokens, **args,
+                    key,
+                    chunk.token_ids or [],
+                    keep_alive=True,
+                    output_mode=output,
+                    reserve_tokens=chunk.reserve_tokens,
+                    **args,
                 )
 
         if chunk.release:
@@ -290,7 +322,8 @@ class KVNodeEngine(StepLoop):
         sink: Callable[[Mapping[str, Any]], None],
         walk: str = "",
     ) -> None:
-        """Run up to ``max_steps`` decode steps for a request, calling ``sink`` with each step's outputs.
+        """Run up to ``max_steps`` decode steps for a request, calling ``sink`` with each step's
+        outputs.
 
         ``sink`` runs on the event loop, synchronously while the step's tokens are handed
         out: a step's outputs reach every walk in one pass, with no task switch per token.
@@ -306,7 +339,9 @@ class KVNodeEngine(StepLoop):
         if request_id in self._walks or request_id in self._firings:
             raise RuntimeError(f"request {request_id!r} already runs a walk on node {self.node!r}")
         if self._token_node is None:
-            raise RuntimeError(f"node {self.node!r} has no token walks (it is fired by forward passes)")
+            raise RuntimeError(
+                f"node {self.node!r} has no token walks (it is fired by forward passes)"
+            )
         is_first = not self._holds(request_id)
         turn: KVTurn = self._token_node.turn(request_id, inputs, is_first=is_first)
         if turn.is_done:
@@ -363,23 +398,34 @@ class KVNodeEngine(StepLoop):
                 running.done.exception()  # ended as this task was cancelled: nobody else reads it
 
     async def _gather_groups(self) -> None:
-        """Let the requests of the prefix groups just arriving all arrive (bounded), then forget them."""
+        """Let the requests of the prefix groups just arriving all arrive (bounded), then forget
+        them."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _GROUP_WAIT_S
         turns = 0
-        while any(arrived < size for arrived, size in self._group_arrivals.values()) and loop.time() < deadline:
+        while (
+            any(arrived < size for arrived, size in self._group_arrivals.values())
+            and loop.time() < deadline
+        ):
             await asyncio.sleep(0 if turns < 16 else 0.001)
             turns += 1
         self._group_arrivals.clear()
 
     @staticmethod
     def _can_share(turn: KVTurn) -> bool:
-        """Whether a first walk may fork its group's shared prompt (a plain causal prompt of 2+ tokens)."""
+        """Whether a first walk may fork its group's shared prompt (a plain causal prompt of 2+
+        tokens)."""
         plain = turn.mask is None or turn.mask.is_causal
-        return turn.prefix_group is not None and plain and turn.logits_processor is None and len(turn.new_token_ids) > 1
+        return (
+            turn.prefix_group is not None
+            and plain
+            and turn.logits_processor is None
+            and len(turn.new_token_ids) > 1
+        )
 
     def _join_group(self, request_id: str, turn: KVTurn, params: SamplingParams) -> None:
-        """Fork the group's shared prompt for a request, computing it first if nobody did (step thread).
+        """Fork the group's shared prompt for a request, computing it first if nobody did (step
+        thread).
 
         ```
         shared:  [p0 p1 ... p(n-2)]            computed once ("none" output)
@@ -394,14 +440,18 @@ class KVNodeEngine(StepLoop):
             group.pending.append((request_id, params))
             return
         if group is not None or self.engine.has_request(key):
-            # Another prompt under this group's name (or its shared sequence still around): compute alone.
+            # Another prompt under this group's name (or its shared sequence still around): compute
+            # alone.
             self.engine.add_request(request_id, prompt, params, keep_alive=True)
             return
-        self.engine.add_request(key, prompt[:-1], SamplingParams.greedy(1), keep_alive=True, output_mode="none")
+        self.engine.add_request(
+            key, prompt[:-1], SamplingParams.greedy(1), keep_alive=True, output_mode="none"
+        )
         self._groups[key] = _PrefixGroup(list(prompt), [(request_id, params)])
 
     def _fork_group(self, key: str, failed: list[tuple[str, BaseException]]) -> None:
-        """The group's shared prompt is computed: fork it for every waiting request, then drop it (step thread)."""
+        """The group's shared prompt is computed: fork it for every waiting request, then drop it
+        (step thread)."""
         group = self._groups.pop(key)
         engine = self.engine
         for request_id, params in group.pending:
@@ -415,14 +465,17 @@ class KVNodeEngine(StepLoop):
                 failed.append((request_id, exc))
         engine.release(key)
 
-    def _fail_group(self, key: str, error: BaseException, failed: list[tuple[str, BaseException]]) -> None:
+    def _fail_group(
+        self, key: str, error: BaseException, failed: list[tuple[str, BaseException]]
+    ) -> None:
         """The group's shared prompt failed: so does every request waiting for it (step thread)."""
         group = self._groups.pop(key)
         failed.extend((request_id, error) for request_id, _ in group.pending)
         self.engine.abort(key)
 
     def release(self, request_id: str) -> None:
-        """Drop a request's caches and any walk or firing it runs here (partition done, or aborted)."""
+        """Drop a request's caches and any walk or firing it runs here (partition done, or
+        aborted)."""
         error = RequestAbortedError(f"request {request_id!r} was aborted")
         walk = self._walks.pop(request_id, None)
         if walk is not None:
@@ -630,13 +683,16 @@ class KVNodeEngine(StepLoop):
         if completed:
             self._complete(completed)
 
-    def _chunk_done(self, firing: _Firing, key: str, rows: torch.Tensor | None, completed: list[_Firing]) -> None:
+    def _chunk_done(
+        self, firing: _Firing, key: str, rows: torch.Tensor | None, completed: list[_Firing]
+    ) -> None:
         firing.rows[key] = rows
         if len(firing.rows) == len(set(firing.keys)) and not firing.done.done():
             completed.append(firing)
 
     def _complete(self, firings: list[_Firing]) -> None:
-        """Hand the firings a step completed to the node in one call; resolve each with its result."""
+        """Hand the firings a step completed to the node in one call; resolve each with its
+        result."""
         node = self._forward_node
         assert node is not None
         batch = [FiringRows(f.request_id, f.inputs, _chunk_rows(f)) for f in firings]
@@ -655,7 +711,8 @@ class KVNodeEngine(StepLoop):
 
 
 def _chunk_rows(firing: _Firing) -> list[torch.Tensor | None]:
-    """Return each chunk's rows: a sequence's come under its last chunk (None under earlier ones)."""
+    """Return each chunk's rows: a sequence's come under its last chunk (None under earlier
+    ones)."""
     keys = firing.keys
     return [firing.rows[k] if k not in keys[i + 1 :] else None for i, k in enumerate(keys)]
 

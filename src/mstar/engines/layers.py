@@ -93,14 +93,20 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
 
 
 def _tiles(weight: torch.Tensor) -> ModuleType | None:
     """The native kernels, where they can tile this `[out, in]` weight (see `TILED`)."""
     out_features, in_features = weight.shape
-    if weight.device.type != "cpu" or out_features % 16 or weight.dtype not in (torch.float32, torch.bfloat16):
+    if (
+        weight.device.type != "cpu"
+        or out_features % 16
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+    ):
         return None
     kernels = cpu_kernels()
     if kernels is None or (weight.dtype == torch.bfloat16 and in_features % 2):
@@ -223,7 +229,9 @@ class FusedLinear:
             self._kernels = cast(ModuleType, cpu_kernels())
 
     @classmethod
-    def of(cls, linears: Sequence[nn.Linear], *, rows: tuple[int, ...] = DECODE_ROWS) -> FusedLinear:
+    def of(
+        cls, linears: Sequence[nn.Linear], *, rows: tuple[int, ...] = DECODE_ROWS
+    ) -> FusedLinear:
         """Fuse `linears` (same input size) and re-point their parameters at the result.
 
         Args:
@@ -248,7 +256,11 @@ class FusedLinear:
             start = 0
             for lin in linears:
                 size = lin.out_features
-                view = weight[:, start : start + size].t() if layout == IN_OUT else weight[start : start + size]
+                view = (
+                    weight[:, start : start + size].t()
+                    if layout == IN_OUT
+                    else weight[start : start + size]
+                )
                 lin.weight = nn.Parameter(view, requires_grad=False)
                 if bias is not None:
                     lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
@@ -276,13 +288,19 @@ class FusedLinear:
         if self.layout == PACKED:
             return _packed_linear(x, self.weight, self.bias)
         if self.layout == TILED:
-            return cast(torch.Tensor, self._kernels.linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias))
+            return cast(
+                torch.Tensor,
+                self._kernels.linear(
+                    x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias
+                ),
+            )
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """Return each row's first maximum of `self(x)` for `x` `[rows, in]` (a greedy head's choice).
+        """Return each row's first maximum of `self(x)` for `x` `[rows, in]` (a greedy head's
+        choice).
 
         Tiles multiply and choose in one native call: the calling thread takes the GIL back
         once, not between the product and the choice.
@@ -349,10 +367,14 @@ class GatedMLP(nn.Module):
         bias: Whether the projections have biases.
     """
 
-    def __init__(self, hidden: int, inner: int, *, activation: str = "silu", bias: bool = False) -> None:
+    def __init__(
+        self, hidden: int, inner: int, *, activation: str = "silu", bias: bool = False
+    ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
         self.act = _ACTIVATIONS[activation]
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
@@ -389,7 +411,9 @@ class RMSNorm(nn.Module):
         """Normalise the last dimension."""
         kernels = _native_for(x, self.weight)
         if kernels is not None:  # one pass, the same rounding as below
-            return cast(torch.Tensor, kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)).view(x.shape)
+            return cast(
+                torch.Tensor, kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+            ).view(x.shape)
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused kernel instead of seven small ops (a decode step runs 2L + 1 norms).
@@ -405,7 +429,12 @@ class RMSNorm(nn.Module):
     def residual(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(x + delta, self(x + delta))``: a residual add and the norm after it."""
         kernels = _native_for(x, self.weight)
-        if kernels is not None and x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype:
+        if (
+            kernels is not None
+            and x.dim() == 2
+            and delta.shape == x.shape
+            and delta.dtype == x.dtype
+        ):
             total, normed = kernels.add_rms_norm(x, delta, self.weight, self.eps)
             return cast(torch.Tensor, total), cast(torch.Tensor, normed)
         total = x + delta
@@ -413,13 +442,17 @@ class RMSNorm(nn.Module):
 
 
 def _native_for(x: torch.Tensor, weight: torch.Tensor | None = None) -> ModuleType | None:
-    """The native kernels, where they take `x` (CPU, float32 or bfloat16, rows contiguous, no grad, eager)."""
+    """The native kernels, where they take `x` (CPU, float32 or bfloat16, rows contiguous, no grad,
+    eager)."""
     if (
         x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.bfloat16)
         or x.stride(-1) != 1
         or (weight is not None and weight.dtype != x.dtype)
-        or (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)))
+        or (
+            torch.is_grad_enabled()
+            and (x.requires_grad or (weight is not None and weight.requires_grad))
+        )
         or torch.compiler.is_compiling()  # compiled graphs fuse the torch ops themselves
     ):
         return None
@@ -439,13 +472,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """Return rotary sine tables `[..., head_dim]` with the first half negated, for `apply_rotary_signed`."""
+    """Return rotary sine tables `[..., head_dim]` with the first half negated, for
+    `apply_rotary_signed`."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` with the sine's sign folded into its table (`signed_sin`): three ops, not five.
+def apply_rotary_signed(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rotary` with the sine's sign folded into its table (`signed_sin`): three ops, not
+    five.
 
     A model computes `signed_sin` once per step and rotates every layer's queries and keys
     with it; the result equals `apply_rotary`'s bit for bit (`-a * b` is `a * -b`).
@@ -468,7 +505,9 @@ def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
 
 
 def route_experts(
-    x: torch.Tensor, expert_ids: torch.Tensor | None, experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+    x: torch.Tensor,
+    expert_ids: torch.Tensor | None,
+    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
 ) -> torch.Tensor:
     """Run each row of `x` `[rows, ...]` through its expert; return the rows in order.
 

@@ -36,7 +36,9 @@ class StepResult:
 
     __slots__ = ("hidden", "logits", "tokens")
 
-    def __init__(self, tokens: list[int], logits: torch.Tensor | None, hidden: list[torch.Tensor]) -> None:
+    def __init__(
+        self, tokens: list[int], logits: torch.Tensor | None, hidden: list[torch.Tensor]
+    ) -> None:
         self.tokens = tokens  # one per chunk that samples, in order
         self.logits = logits  # `[sampled rows, vocab]` before any processing, or None
         self.hidden = hidden  # one `[rows, ...]` per chunk that returns its rows, in order
@@ -45,7 +47,15 @@ class StepResult:
 class PreparedBatch:
     """Host and device inputs of one step."""
 
-    __slots__ = ("hidden_rows", "input_ids", "logits_indices", "metadata", "positions", "sample_seqs", "step")
+    __slots__ = (
+        "hidden_rows",
+        "input_ids",
+        "logits_indices",
+        "metadata",
+        "positions",
+        "sample_seqs",
+        "step",
+    )
 
     def __init__(
         self,
@@ -81,7 +91,8 @@ class ModelRunner:
     ) -> None:
         """Create a runner; `kv_cache` comes from `allocate_kv_cache`."""
         self.model = model
-        self._needs_chunks = supports_step_chunks(model)  # no decode fast path (see `SupportsStepChunks`)
+        # no decode fast path (see `SupportsStepChunks`)
+        self._needs_chunks = supports_step_chunks(model)
         self._greedy_tokens = supports_greedy_tokens(model)
         self.kv_cache = kv_cache
         self.backend = backend
@@ -127,12 +138,16 @@ class ModelRunner:
         # The decode fast path returns no rows: a walk that returns its rows (even one
         # token's) takes the general path, which also keeps it off the CUDA graphs (their
         # outputs are static buffers, overwritten by the next replay).
-        if scheduled and not self._needs_chunks and all(
-            item.num_tokens == 1
-            and item.start >= item.seq.segments_end
-            and not item.seq.is_read_only
-            and not item.returns_hidden
-            for item in scheduled
+        if (
+            scheduled
+            and not self._needs_chunks
+            and all(
+                item.num_tokens == 1
+                and item.start >= item.seq.segments_end
+                and not item.seq.is_read_only
+                and not item.returns_hidden
+                for item in scheduled
+            )
         ):
             return self._prepare_decode(out)
         size = self.block_size
@@ -147,7 +162,9 @@ class ModelRunner:
         hidden_rows: list[tuple[int, int]] = []
         sample_seqs: list[Sequence] = []
         chunks: list[StepChunk] = []
-        has_masks = any(item.start < item.seq.segments_end or item.seq.is_read_only for item in scheduled)
+        has_masks = any(
+            item.start < item.seq.segments_end or item.seq.is_read_only for item in scheduled
+        )
         read_only = np.zeros(num_seqs, dtype=bool)
         limit_parts: list[np.ndarray] = []
         expert_parts: list[tuple[int, int, int]] = []
@@ -172,7 +189,11 @@ class ModelRunner:
                     limit_parts.append(pos + 1)
             segment = seq.input_segment_at(start)
             payload, expert = (None, 0) if segment is None else (segment.payload, segment.expert)
-            chunks.append(StepChunk(seq.request_id, total, total + n, start, payload, expert, seq.is_read_only))
+            chunks.append(
+                StepChunk(
+                    seq.request_id, total, total + n, start, payload, expert, seq.is_read_only
+                )
+            )
             if expert:
                 expert_parts.append((total, total + n, expert))
             total += n
@@ -218,7 +239,10 @@ class ModelRunner:
         seqs = [item.seq for item in scheduled]
         positions = [item.start for item in scheduled]
         ids = [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
-        slots = [seq.block_table[p // size] * size + p % size for seq, p in zip(seqs, positions, strict=True)]
+        slots = [
+            seq.block_table[p // size] * size + p % size
+            for seq, p in zip(seqs, positions, strict=True)
+        ]
         num_seqs = len(seqs)
         metadata = AttentionMetadata(
             num_tokens=num_seqs,
@@ -267,7 +291,9 @@ class ModelRunner:
         result.hidden = returned
         return result
 
-    def _sample(self, batch: PreparedBatch, hidden: torch.Tensor, return_logits: bool) -> StepResult:
+    def _sample(
+        self, batch: PreparedBatch, hidden: torch.Tensor, return_logits: bool
+    ) -> StepResult:
         seqs = batch.sample_seqs
         rows = hidden.index_select(0, batch.logits_indices)
         if self.before_logits is not None:
@@ -277,7 +303,11 @@ class ModelRunner:
             if greedy is not None:
                 return StepResult(greedy.tolist(), None, [])
         ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
-        if not return_logits and supports_narrow_logits(self.model) and all(r is not None for r in ranges):
+        if (
+            not return_logits
+            and supports_narrow_logits(self.model)
+            and all(r is not None for r in ranges)
+        ):
             # Constrained rows: project onto the ids they may take only (the rest is -inf).
             logits = self.model.compute_logits_in(rows, cast(list[list[tuple[int, int]]], ranges))
         else:

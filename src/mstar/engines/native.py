@@ -61,7 +61,11 @@ def _cpu_flags() -> str:
 
 def sources() -> dict[str, bytes]:
     """Return every file of the kernels' source (the unit and its headers), by name."""
-    return {path.name: path.read_bytes() for path in sorted(CSRC.iterdir()) if path.suffix in (".cpp", ".h")}
+    return {
+        path.name: path.read_bytes()
+        for path in sorted(CSRC.iterdir())
+        if path.suffix in (".cpp", ".h")
+    }
 
 
 def _build_name(cflags: tuple[str, ...] = CFLAGS) -> str:
@@ -91,7 +95,8 @@ def _build(cflags: tuple[str, ...] = CFLAGS) -> ModuleType:
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     for filename, text in sources().items():
         copy = build_dir / filename
-        if not copy.is_file() or copy.read_bytes() != text:  # the name hashes the texts: written once
+        # the name hashes the texts: written once
+        if not copy.is_file() or copy.read_bytes() != text:
             partial = copy.with_name(f"{filename}.{os.getpid()}.tmp")
             partial.write_bytes(text)
             os.replace(partial, copy)  # atomic: a concurrent build never reads half a file
@@ -103,7 +108,9 @@ def _build(cflags: tuple[str, ...] = CFLAGS) -> ModuleType:
     with open(build_dir / "mstar.flock", "a+b") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), verbose=False)
+        return cpp_extension.load(
+            name=name, sources=[str(source)], extra_cflags=list(cflags), verbose=False
+        )
 
 
 def build_for(march: str) -> ModuleType:
@@ -116,7 +123,8 @@ def build_for(march: str) -> ModuleType:
 
 
 def cpu_kernels() -> ModuleType | None:
-    """Return the built kernels (see `csrc/cpu_kernels.cpp`), building them on first call; None if they cannot be."""
+    """Return the built kernels (see `csrc/cpu_kernels.cpp`), building them on first call; None if
+    they cannot be."""
     global _loaded, _tried
     if not native_kernels_enabled():
         return None
@@ -129,7 +137,9 @@ def cpu_kernels() -> ModuleType | None:
             try:
                 _loaded = _build()
             except Exception as error:  # no compiler, a failed build: the torch paths serve
-                _log.warning("native_kernels_unavailable", error=str(error).strip().splitlines()[-1][:300])
+                _log.warning(
+                    "native_kernels_unavailable", error=str(error).strip().splitlines()[-1][:300]
+                )
             else:
                 _log.info("native_kernels_ready", seconds=round(time.perf_counter() - start, 2))
         return _loaded

@@ -76,7 +76,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     else numpy's vectorised argmax, which was 12x faster than torch's on `[16, 32000]`
     float32 logits (0.04 vs 0.43 ms). All pick the first maximum and treat NaN as the maximum.
     """
-    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1:
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.stride(-1) == 1
+    ):
         kernels = cpu_kernels()
         if kernels is not None:
             return kernels.argmax_rows(x.detach())
@@ -122,7 +127,8 @@ class Sampler:
     def _select(
         self, logits: torch.Tensor, seqs: list[Sequence], ranges: list[Ranges | None] | None
     ) -> torch.Tensor:
-        """Return each row's token: its argmax (greedy rows) or a draw from its filtered distribution."""
+        """Return each row's token: its argmax (greedy rows) or a draw from its filtered
+        distribution."""
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
             return argmax_rows(logits)
@@ -224,7 +230,8 @@ class Sampler:
 
     @staticmethod
     def _apply_presence_frequency(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Subtract, in place, OpenAI's presence and frequency penalties over each row's generated tokens."""
+        """Subtract, in place, OpenAI's presence and frequency penalties over each row's generated
+        tokens."""
         for row, seq in enumerate(seqs):
             params = seq.params
             if not params.has_penalties:
@@ -243,7 +250,8 @@ class Sampler:
     def _record_logprobs(
         raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]
     ) -> None:
-        """Append each asking row's `TokenLogprobs` (from ``raw`` log-probabilities) to its sequence."""
+        """Append each asking row's `TokenLogprobs` (from ``raw`` log-probabilities) to its
+        sequence."""
         sampled = tokens[rows].to(raw.device)
         chosen = raw.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
         width = max(s.params.logprobs or 0 for s in seqs)

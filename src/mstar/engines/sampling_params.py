@@ -30,7 +30,9 @@ def _check_int(name: str, value: Any) -> None:
         raise InvalidSamplingParamsError(f"{name} must be an integer, got {value!r}")
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True, tag=True):
+class SamplingParams(
+    msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True, tag=True
+):
     """How to pick each next token of one request.
 
     Processing order matches transformers' `generate`: repetition penalty (then presence
@@ -117,7 +119,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}"
             )
         # Accept any iterable of ids from callers but store a tuple (hashable, immutable).
-        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        msgspec.structs.force_setattr(
+            self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids)
+        )
 
     @classmethod
     def greedy(cls, max_tokens: int = 16, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:

@@ -158,11 +158,7 @@ class BatchScheduler:
             seq = self.waiting[0]
             bm.allocate_cached_prefix(seq)
             num_tokens = seq.max_chunk(budget)
-            while (
-                not self._fits(seq, num_tokens)
-                and not self.running
-                and self._has_evictable()
-            ):
+            while not self._fits(seq, num_tokens) and not self.running and self._has_evictable():
                 # Nothing runs, so only idle paused sequences can give blocks back.
                 self._evict_paused(out)
             if not self._fits(seq, num_tokens):
@@ -192,7 +188,11 @@ class BatchScheduler:
                 self._evict_paused(out)
                 continue
             victim = next(
-                (s for s in reversed(self.running) if id(s) not in scheduled_ids and not s.is_pinned and not s.is_read_only),
+                (
+                    s
+                    for s in reversed(self.running)
+                    if id(s) not in scheduled_ids and not s.is_pinned and not s.is_read_only
+                ),
                 None,
             )
             if victim is None:
@@ -206,7 +206,9 @@ class BatchScheduler:
         """Whether a waiting sequence can be admitted now (with its reservation, if any)."""
         bm = self.block_manager
         if seq.reserve_tokens:
-            return bm.can_reserve(seq, max(seq.reserve_tokens, seq.num_computed_tokens + num_tokens))
+            return bm.can_reserve(
+                seq, max(seq.reserve_tokens, seq.num_computed_tokens + num_tokens)
+            )
         return bm.can_append(seq, num_tokens)
 
     def _has_evictable(self) -> bool:
@@ -239,7 +241,11 @@ class BatchScheduler:
                 self.running.remove(seq)
                 self.block_manager.free(seq)  # its hold on the parent's blocks
                 seq.status = SequenceStatus.FINISHED
-                outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.COMPUTED, hidden=next(rows)))
+                outputs.append(
+                    RequestOutput(
+                        seq.request_id, [], True, FinishReason.COMPUTED, hidden=next(rows)
+                    )
+                )
                 continue
             seq.num_computed_tokens = item.start + item.num_tokens
             if not item.completes:
@@ -256,7 +262,9 @@ class BatchScheduler:
                 outputs.append(RequestOutput(seq.request_id, [token], True, reason, hidden=row))
             else:
                 row = next(rows) if seq.output_mode == "hidden" else None
-                outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.COMPUTED, hidden=row))
+                outputs.append(
+                    RequestOutput(seq.request_id, [], True, FinishReason.COMPUTED, hidden=row)
+                )
             self.running.remove(seq)
             if seq.keep_alive:
                 seq.status = SequenceStatus.PAUSED

@@ -54,6 +54,7 @@ class InputSegment:
     payload: Any = None
     expert: int = 0
 
+
 LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
 """Called per step as `processor(token_ids, logits) -> logits` with the row of one request.
 
@@ -83,7 +84,9 @@ def supports_vocab_ranges(processor: object) -> TypeGuard[NarrowingLogitsProcess
     return getattr(processor, "narrows_vocab", False) is True
 
 
-def vocab_ranges(processor: LogitsProcessor | None, token_ids: list[int]) -> list[tuple[int, int]] | None:
+def vocab_ranges(
+    processor: LogitsProcessor | None, token_ids: list[int]
+) -> list[tuple[int, int]] | None:
     """Return the id ranges outside which `processor` sets every logit to `-inf`, where it
     declares them (`NarrowingLogitsProcessor`); None: no promise."""
     return list(processor.vocab_ranges(token_ids)) if supports_vocab_ranges(processor) else None
@@ -267,7 +270,9 @@ class Sequence:
         self.walk_start = min(self.walk_start, num_tokens)
         self.inputs_start = min(self.inputs_start, num_tokens)
         self.mask_segments = [
-            MaskSegment(m.start, min(m.end, num_tokens), m.mask) for m in self.mask_segments if m.start < num_tokens
+            MaskSegment(m.start, min(m.end, num_tokens), m.mask)
+            for m in self.mask_segments
+            if m.start < num_tokens
         ]
         # A cut segment stays, trimmed: its positions keep their expert (a recompute runs
         # them right) and their K/V stay out of the prefix cache (they are not the ids').
@@ -334,7 +339,9 @@ class Sequence:
             else:
                 size = segment.mask.block_size
                 pos = np.arange(lo, hi, dtype=np.int64)
-                limits[lo - start : hi - start] = np.minimum(segment.start + ((pos - segment.start) // size + 1) * size, segment.end)
+                limits[lo - start : hi - start] = np.minimum(
+                    segment.start + ((pos - segment.start) // size + 1) * size, segment.end
+                )
         return limits
 
     def kv_limit(self, position: int) -> int:

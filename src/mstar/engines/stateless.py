@@ -142,8 +142,11 @@ class StatelessEngine(StepLoop):
         """Return the requests with inputs waiting for a step."""
         return {p.request_id for p in self._queue}
 
-    async def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Mapping[str, Any]:
-        """Queue one request's inputs (for ``walk``, in step times); return its outputs once the batch ran.
+    async def submit(
+        self, request_id: str, inputs: Mapping[str, Any], walk: str = ""
+    ) -> Mapping[str, Any]:
+        """Queue one request's inputs (for ``walk``, in step times); return its outputs once the
+        batch ran.
 
         Raises:
             EngineClosedError: The engine is closed.
@@ -152,7 +155,9 @@ class StatelessEngine(StepLoop):
         """
         if self._closed:
             raise EngineClosedError(f"engine for node {self.node!r} is closed")
-        future: asyncio.Future[Mapping[str, Any]] = (self._loop or asyncio.get_running_loop()).create_future()
+        future: asyncio.Future[Mapping[str, Any]] = (
+            self._loop or asyncio.get_running_loop()
+        ).create_future()
         self._queue.append(_Pending(request_id, inputs, future, walk))
         if not self._is_inline:
             self._wakeup.set()
@@ -168,7 +173,9 @@ class StatelessEngine(StepLoop):
             if p.request_id == request_id:
                 dropped += 1
                 if not p.future.done():
-                    p.future.set_exception(RequestAbortedError(f"request {request_id!r} was aborted"))
+                    p.future.set_exception(
+                        RequestAbortedError(f"request {request_id!r} was aborted")
+                    )
             else:
                 keep.append(p)
         self._queue = keep
@@ -192,7 +199,9 @@ class StatelessEngine(StepLoop):
                 await self._wakeup.wait()
             if cfg.max_wait_s > 0 and len(self._queue) < cfg.max_batch_size:
                 deadline = loop.time() + cfg.max_wait_s
-                while len(self._queue) < cfg.max_batch_size and (left := deadline - loop.time()) > 0:
+                while (
+                    len(self._queue) < cfg.max_batch_size and (left := deadline - loop.time()) > 0
+                ):
                     self._wakeup.clear()
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), left)
@@ -215,12 +224,16 @@ class StatelessEngine(StepLoop):
             return
         _resolve(batch, outputs)
 
-    async def _call(self, inputs: list[Mapping[str, Any]], walks: list[str]) -> Sequence[Mapping[str, Any]]:
+    async def _call(
+        self, inputs: list[Mapping[str, Any]], walks: list[str]
+    ) -> Sequence[Mapping[str, Any]]:
         if self.executor is None:
             return self._call_now(inputs, walks)
         start = time.perf_counter()
         try:
-            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, self.module, inputs)
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.module, inputs
+            )
         finally:
             self._record(time.perf_counter() - start, len(inputs), walks)
         self._check(outputs, inputs)
@@ -254,7 +267,9 @@ class StatelessEngine(StepLoop):
             return
         _resolve(batch, outputs)
 
-    def _call_now(self, inputs: list[Mapping[str, Any]], walks: list[str]) -> Sequence[Mapping[str, Any]]:
+    def _call_now(
+        self, inputs: list[Mapping[str, Any]], walks: list[str]
+    ) -> Sequence[Mapping[str, Any]]:
         start = time.perf_counter()
         try:
             outputs = self.module(inputs)
@@ -271,7 +286,9 @@ class StatelessEngine(StepLoop):
 
     def _check(self, outputs: Sequence[Mapping[str, Any]], inputs: list[Mapping[str, Any]]) -> None:
         if len(outputs) != len(inputs):
-            raise RuntimeError(f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}")
+            raise RuntimeError(
+                f"node {self.node!r} returned {len(outputs)} outputs for a batch of {len(inputs)}"
+            )
 
     def limits(self) -> None:
         """Return None: a stateless node holds nothing across steps, so it has no length limit."""
@@ -279,7 +296,11 @@ class StatelessEngine(StepLoop):
 
     def stats(self) -> dict[str, float]:
         """Return cumulative step counters (for metrics)."""
-        return {"steps": self.num_steps, "batched": self.num_batched, "step_seconds": self.step_seconds}
+        return {
+            "steps": self.num_steps,
+            "batched": self.num_batched,
+            "step_seconds": self.step_seconds,
+        }
 
 
 def _resolve(batch: list[_Pending], outputs: Sequence[Mapping[str, Any]]) -> None:

@@ -60,7 +60,9 @@ class StepExecutor(ThreadPoolExecutor):
     work is queued (`has_waiting_work`), so engines sharing a rank take turns.
     """
 
-    def __init__(self, thread_name_prefix: str = "", initializer: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self, thread_name_prefix: str = "", initializer: Callable[[], object] | None = None
+    ) -> None:
         super().__init__(1, thread_name_prefix=thread_name_prefix, initializer=initializer)
         self._lock = threading.Lock()
         self._num_waiting = 0

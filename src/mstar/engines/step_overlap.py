@@ -76,7 +76,13 @@ class OverlappedSteps:
         fail: Callable[[Exception], None],
         keep_going: Callable[[], bool],
     ) -> None:
-        self.runner, self.step, self.deliver, self.fail, self.keep_going = runner, step, deliver, fail, keep_going
+        self.runner, self.step, self.deliver, self.fail, self.keep_going = (
+            runner,
+            step,
+            deliver,
+            fail,
+            keep_going,
+        )
 
     def run(self, loop: asyncio.AbstractEventLoop, *, overlap: bool) -> None:
         """Run steps until `keep_going` says stop, a step fails or the loop closes (step thread)."""

@@ -23,7 +23,20 @@ from dataclasses import dataclass, field
 __all__ = ["PHASES", "STEP_TIME_BUCKETS", "PhaseTimes", "StepTimes", "WalkStepTimes"]
 
 STEP_TIME_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 """Upper bounds (seconds) of the step-time histogram buckets; one more bucket catches the rest."""
 
@@ -56,7 +69,8 @@ class WalkStepTimes:
         self.by_walk: dict[str, StepTimes] = {}
 
     def record(self, seconds: float, walks: Iterable[str]) -> None:
-        """Record one step of ``seconds`` that ran one input of each of ``walks`` (repeats allowed)."""
+        """Record one step of ``seconds`` that ran one input of each of ``walks`` (repeats
+        allowed)."""
         if type(walks) is list and len(walks) == 1:  # one input: the common case at low load
             counts = {walks[0]: 1}
         else:

@@ -19,7 +19,14 @@ from mstar.graph.nodes import EMIT, Edge, GraphEdge, GraphNode, StreamingGraphEd
 from mstar.graph.walks import DynamicLoop, Loop, Parallel, Section, Sequential, iter_node_refs
 from mstar.streaming import StreamBuffer
 
-__all__ = ["Emission", "NodeFn", "WalkStateMachine", "accumulated_edges", "concat_values", "run_reference"]
+__all__ = [
+    "Emission",
+    "NodeFn",
+    "WalkStateMachine",
+    "accumulated_edges",
+    "concat_values",
+    "run_reference",
+]
 
 NodeFn = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 """A node's computation: input name -> value in, output (or signal) name -> value out."""
@@ -89,8 +96,16 @@ class _Run:
         missing = sorted(set(graph.nodes) - set(nodes))
         if missing:
             raise ValueError(f"no callable given for nodes {missing}")
-        self.graph, self.nodes, self.plan, self.state, self.request_id = graph, nodes, plan, state, request_id
-        self.persistent: dict[Slot, Any] = {(n, k): v for n, vals in inputs.items() for k, v in vals.items()}
+        self.graph, self.nodes, self.plan, self.state, self.request_id = (
+            graph,
+            nodes,
+            plan,
+            state,
+            request_id,
+        )
+        self.persistent: dict[Slot, Any] = {
+            (n, k): v for n, vals in inputs.items() for k, v in vals.items()
+        }
         self.emissions: list[Emission] = []
         self.buffers: dict[Slot, StreamBuffer[Any]] = {}
         for src in graph.nodes.values():
@@ -122,8 +137,16 @@ class _Run:
         walk = self.plan.first_walk(part, self.state)
         while walk is not None:
             if walk not in self.graph.walks or self.graph.walk_partition[walk] != part:
-                raise ValueError(f"walk state machine chose {walk!r}, which is not a walk of partition {part!r}")
-            env = _Env({s: v for s, v in self.persistent.items() if self.graph.node_partition[s[0]] == part})
+                raise ValueError(
+                    f"walk state machine chose {walk!r}, which is not a walk of partition {part!r}"
+                )
+            env = _Env(
+                {
+                    s: v
+                    for s, v in self.persistent.items()
+                    if self.graph.node_partition[s[0]] == part
+                }
+            )
             for slot in self._stream_slots(walk):
                 while (chunk := self.buffers[slot].next_chunk()) is None:
                     if self.buffers[slot].is_over:
@@ -153,7 +176,9 @@ class _Run:
 
     # --- walks ---------------------------------------------------------------------------------
 
-    def _section(self, walk: str, sec: Section, env: _Env, accs: list[_Accumulator]) -> Iterator[bool]:
+    def _section(
+        self, walk: str, sec: Section, env: _Env, accs: list[_Accumulator]
+    ) -> Iterator[bool]:
         if isinstance(sec, GraphNode):
             self._fire(walk, sec, env, accs)
             yield True
@@ -166,7 +191,9 @@ class _Run:
             for s, benv in zip(sec.sections, branches, strict=True):
                 yield from self._section(walk, s, benv, accs)
             for benv in branches:  # gather what each branch wrote (validation keeps them disjoint)
-                env.values.update({k: v for k, v in benv.values.items() if before.get(k, benv) is not v})
+                env.values.update(
+                    {k: v for k, v in benv.values.items() if before.get(k, benv) is not v}
+                )
                 env.signals.update(benv.signals)
         elif isinstance(sec, Loop):
             acc = _Accumulator(sec.accumulated_outputs, _body_names(sec.body))
@@ -187,7 +214,9 @@ class _Run:
 
     def _fire(self, walk: str, node: GraphNode, env: _Env, accs: list[_Accumulator]) -> None:
         def fail(message: str) -> WalkExecutionError:
-            return WalkExecutionError(message, node=node.name, walk=walk, request_id=self.request_id)
+            return WalkExecutionError(
+                message, node=node.name, walk=walk, request_id=self.request_id
+            )
 
         try:
             args = {i: env.values[(node.name, i)] for i in node.inputs}
@@ -204,10 +233,19 @@ class _Run:
             if name in node.signals:
                 env.signals[name] = value
             else:
-                self._route(walk, node, name, value, [e for e in node.outputs if e.name == name], env, accs)
+                self._route(
+                    walk, node, name, value, [e for e in node.outputs if e.name == name], env, accs
+                )
 
     def _route(
-        self, walk: str, node: GraphNode, name: str, value: Any, edges: list[Edge], env: _Env, accs: list[_Accumulator]
+        self,
+        walk: str,
+        node: GraphNode,
+        name: str,
+        value: Any,
+        edges: list[Edge],
+        env: _Env,
+        accs: list[_Accumulator],
     ) -> None:
         # Values leaving the innermost loop that accumulates this name are held back; the
         # loop routes their concatenation along the same edges when it ends.

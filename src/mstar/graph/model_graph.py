@@ -110,17 +110,24 @@ class ModelGraph:
     # --- construction ----------------------------------------------------------------------
 
     @staticmethod
-    def _collect_nodes(walks: Mapping[str, Section], extra: Iterable[GraphNode]) -> dict[str, GraphNode]:
+    def _collect_nodes(
+        walks: Mapping[str, Section], extra: Iterable[GraphNode]
+    ) -> dict[str, GraphNode]:
         if not walks:
             raise GraphValidationError("a ModelGraph needs at least one walk")
         found: dict[str, GraphNode] = {}
         candidates = list(extra) + [
-            ref for sec in walks.values() for ref in iter_node_refs(sec) if isinstance(ref, GraphNode)
+            ref
+            for sec in walks.values()
+            for ref in iter_node_refs(sec)
+            if isinstance(ref, GraphNode)
         ]
         for node in candidates:
             other = found.setdefault(node.name, node)
             if other is not node and other != node:
-                raise GraphValidationError(f"duplicate node name {node.name!r}: two different nodes use it")
+                raise GraphValidationError(
+                    f"duplicate node name {node.name!r}: two different nodes use it"
+                )
         return found
 
     def _resolve(self, walk: str, section: Section) -> Section:
@@ -135,7 +142,9 @@ class ModelGraph:
         if isinstance(section, Parallel):
             return Parallel(self._resolve(walk, s) for s in section.sections)
         if isinstance(section, Loop):
-            return Loop(self._resolve(walk, section.body), section.max_iters, section.accumulated_outputs)
+            return Loop(
+                self._resolve(walk, section.body), section.max_iters, section.accumulated_outputs
+            )
         return DynamicLoop(self._resolve(walk, section.body), section.max_iters, section.stop)
 
     def _map_walks(self) -> dict[str, str]:
@@ -149,7 +158,9 @@ class ModelGraph:
                 if w not in self.walks:
                     raise GraphValidationError(f"partition {part!r} lists unknown walk {w!r}")
                 if w in owner:
-                    raise GraphValidationError(f"walk {w!r} is in two partitions: {owner[w]!r} and {part!r}")
+                    raise GraphValidationError(
+                        f"walk {w!r} is in two partitions: {owner[w]!r} and {part!r}"
+                    )
                 owner[w] = part
         for w in self.walks:
             if w not in owner:
@@ -163,7 +174,8 @@ class ModelGraph:
                 prev = owner.setdefault(node.name, part)
                 if prev != part:
                     raise GraphValidationError(
-                        f"node {node.name!r} is used by partitions {prev!r} and {part!r} (walk {walk!r}); "
+                        f"node {node.name!r} is used by partitions {prev!r} and {part!r} "
+                        f"(walk {walk!r}); "
                         "a node belongs to one partition"
                     )
         for name in self.nodes:
@@ -189,22 +201,27 @@ class ModelGraph:
                 if e.dst == EMIT:
                     continue
                 if e.dst not in self.nodes:
-                    raise GraphValidationError(f"node {node.name!r} has edge {e.name!r} to unknown node {e.dst!r}")
+                    raise GraphValidationError(
+                        f"node {node.name!r} has edge {e.name!r} to unknown node {e.dst!r}"
+                    )
                 if e.name not in self.nodes[e.dst].inputs:
                     raise GraphValidationError(
-                        f"edge {e.name!r} from {node.name!r} to {e.dst!r}: {e.dst!r} has no input {e.name!r}"
+                        f"edge {e.name!r} from {node.name!r} to {e.dst!r}: {e.dst!r} has no "
+                        f"input {e.name!r}"
                     )
                 dst_part = self.node_partition[e.dst]
                 if isinstance(e, StreamingGraphEdge):
                     if dst_part == part:
                         raise GraphValidationError(
-                            f"streaming edge {e.name!r} from {node.name!r} to {e.dst!r} stays inside "
+                            f"streaming edge {e.name!r} from {node.name!r} to {e.dst!r} "
+                            "stays inside "
                             f"partition {part!r}: use a GraphEdge"
                         )
                     self.connection_for(node.name, e)
                 elif dst_part != part:
                     raise GraphValidationError(
-                        f"edge {e.name!r} from {node.name!r} ({part}) to {e.dst!r} ({dst_part}) crosses "
+                        f"edge {e.name!r} from {node.name!r} ({part}) to {e.dst!r} "
+                        f"({dst_part}) crosses "
                         "partitions: use a StreamingGraphEdge with a Connection"
                     )
 
@@ -227,7 +244,9 @@ class ModelGraph:
                 for e in n.outputs
             )
             if not used:
-                raise GraphValidationError(f"{c} carries nothing: no StreamingGraphEdge {c.name!r} matches it")
+                raise GraphValidationError(
+                    f"{c} carries nothing: no StreamingGraphEdge {c.name!r} matches it"
+                )
 
     def _validate_inputs(self) -> None:
         for node, names in self.inputs.items():
@@ -235,7 +254,9 @@ class ModelGraph:
                 raise GraphValidationError(f"request inputs name unknown node {node!r}")
             extra = names - self.nodes[node].inputs
             if extra:
-                raise GraphValidationError(f"request inputs {sorted(extra)} are not inputs of node {node!r}")
+                raise GraphValidationError(
+                    f"request inputs {sorted(extra)} are not inputs of node {node!r}"
+                )
 
     def _validate_section(self, walk: str, section: Section) -> None:
         if isinstance(section, GraphNode | str):
@@ -253,13 +274,16 @@ class ModelGraph:
             missing = section.accumulated_outputs - produced
             if missing:
                 raise GraphValidationError(
-                    f"walk {walk!r}: Loop accumulates {sorted(missing)}, which no node of its body outputs"
+                    f"walk {walk!r}: Loop accumulates {sorted(missing)}, which no node of "
+                    "its body outputs"
                 )
         elif not any(section.stop in n.signals for n in body):
             why = "can never terminate" if section.max_iters is None else "never stops early"
             raise GraphValidationError(
-                f"walk {walk!r} {why}: DynamicLoop stop signal {section.stop!r} is raised by no node "
-                f"of its body ({', '.join(sorted({n.name for n in body}))}); add it to a node's signals"
+                f"walk {walk!r} {why}: DynamicLoop stop signal {section.stop!r} is raised by "
+                "no node "
+                f"of its body ({', '.join(sorted({n.name for n in body}))}); add it to a "
+                "node's signals"
             )
 
     def _check_disjoint_branches(self, walk: str, section: Parallel) -> None:
@@ -269,7 +293,11 @@ class ModelGraph:
                 assert isinstance(ref, GraphNode)
                 for e in ref.outputs:
                     slot = (e.dst, e.name)
-                    if isinstance(e, GraphEdge) and e.dst != EMIT and writer.setdefault(slot, i) != i:
+                    if (
+                        isinstance(e, GraphEdge)
+                        and e.dst != EMIT
+                        and writer.setdefault(slot, i) != i
+                    ):
                         raise GraphValidationError(
                             f"walk {walk!r}: Parallel branches {writer[slot]} and {i} both "
                             f"write input {e.name!r} of {e.dst!r}"
@@ -284,15 +312,21 @@ class ModelGraph:
         return {s for s in slots if self.node_partition.get(s[0]) == partition}
 
     def _check_available(self, walk: str, section: Section, avail: set[Slot]) -> set[Slot]:
-        """Return the slots filled after ``section``; raise if a node could fire without an input."""
+        """Return the slots filled after ``section``; raise if a node could fire without an
+        input."""
         if isinstance(section, GraphNode):
             missing = sorted(i for i in section.inputs if (section.name, i) not in avail)
             if missing:
                 raise GraphValidationError(
-                    f"walk {walk!r}: input {missing[0]!r} of node {section.name!r} is provided by nothing "
+                    f"walk {walk!r}: input {missing[0]!r} of node {section.name!r} is "
+                    "provided by nothing "
                     "before the node runs (no earlier node, persist edge, stream or request input)"
                 )
-            return avail | {(e.dst, e.name) for e in section.outputs if isinstance(e, GraphEdge) and e.dst != EMIT}
+            return avail | {
+                (e.dst, e.name)
+                for e in section.outputs
+                if isinstance(e, GraphEdge) and e.dst != EMIT
+            }
         if isinstance(section, Sequential):
             for s in section.sections:
                 avail = self._check_available(walk, s, avail)
@@ -324,7 +358,10 @@ class ModelGraph:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"ModelGraph({self.name!r}, walks={list(self.walks)}, partitions={list(self.partitions)})"
+        return (
+            f"ModelGraph({self.name!r}, walks={list(self.walks)}, "
+            f"partitions={list(self.partitions)})"
+        )
 
 
 def _format_walk(walk: str, section: Section) -> list[str]:
@@ -338,9 +375,15 @@ def _format_section(section: Section, indent: str) -> list[str]:
         return [f"{indent}{section}"]
     if isinstance(section, Sequential | Parallel):
         lines = [f"{indent}{type(section).__name__}"]
-        return lines + [line for s in section.sections for line in _format_section(s, indent + "  ")]
+        return lines + [
+            line for s in section.sections for line in _format_section(s, indent + "  ")
+        ]
     if isinstance(section, Loop):
-        acc = f", accumulated_outputs=[{', '.join(sorted(section.accumulated_outputs))}]" if section.accumulated_outputs else ""
+        acc = (
+            f", accumulated_outputs=[{', '.join(sorted(section.accumulated_outputs))}]"
+            if section.accumulated_outputs
+            else ""
+        )
         head = f"{indent}Loop(max_iters={section.max_iters}{acc})"
     else:
         head = f"{indent}DynamicLoop(max_iters={section.max_iters}, stop={section.stop})"

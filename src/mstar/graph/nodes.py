@@ -122,7 +122,9 @@ class GraphNode:
         if name == EMIT:
             raise GraphValidationError(f"{EMIT!r} is reserved and cannot name a node")
         if isinstance(inputs, str) or isinstance(signals, str):
-            raise GraphValidationError(f"node {name!r}: inputs and signals take a set of names, not a string")
+            raise GraphValidationError(
+                f"node {name!r}: inputs and signals take a set of names, not a string"
+            )
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "inputs", frozenset(inputs))
         object.__setattr__(self, "outputs", tuple(outputs))
@@ -134,11 +136,15 @@ class GraphNode:
         for edge in self.outputs:
             key = (edge.dst, edge.name)
             if key in seen:
-                raise GraphValidationError(f"node {name!r} has two edges {edge.name!r} to {edge.dst!r}")
+                raise GraphValidationError(
+                    f"node {name!r} has two edges {edge.name!r} to {edge.dst!r}"
+                )
             seen.add(key)
         clash = self.signals & self.output_names
         if clash:
-            raise GraphValidationError(f"node {name!r}: {sorted(clash)} are both signals and edge names")
+            raise GraphValidationError(
+                f"node {name!r}: {sorted(clash)} are both signals and edge names"
+            )
 
     @functools.cached_property
     def output_names(self) -> frozenset[str]:

@@ -99,10 +99,14 @@ class Loop:
     max_iters: int
     accumulated_outputs: frozenset[str]
 
-    def __init__(self, body: Section, max_iters: int, accumulated_outputs: Iterable[str] = ()) -> None:
+    def __init__(
+        self, body: Section, max_iters: int, accumulated_outputs: Iterable[str] = ()
+    ) -> None:
         _max_iters("Loop", max_iters)
         if isinstance(accumulated_outputs, str):
-            raise GraphValidationError("Loop accumulated_outputs takes a set of names, not a string")
+            raise GraphValidationError(
+                "Loop accumulated_outputs takes a set of names, not a string"
+            )
         object.__setattr__(self, "body", _sections("Loop", [body])[0])
         object.__setattr__(self, "max_iters", max_iters)
         object.__setattr__(self, "accumulated_outputs", frozenset(accumulated_outputs))

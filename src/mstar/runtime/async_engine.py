@@ -76,7 +76,11 @@ class AsyncEngine:
     """Serve one model: submit requests, stream their outputs, abort them; shut down."""
 
     def __init__(
-        self, model: Model, placement: Placement, config: EngineConfig, launcher: RayLauncher | None = None
+        self,
+        model: Model,
+        placement: Placement,
+        config: EngineConfig,
+        launcher: RayLauncher | None = None,
     ) -> None:
         self.model = model
         self.placement = placement
@@ -87,14 +91,20 @@ class AsyncEngine:
         system = config.system
         if launcher is not None:
             # The workers' systems got the same config (and CURVE keys) with their launch.
-            system = replace(launcher.system, allow_remote=True, host_id=ray_host_id(launcher.node_id))
+            system = replace(
+                launcher.system, allow_remote=True, host_id=ray_host_id(launcher.node_id)
+            )
         self.system = ActorSystem(system)
-        self.ranks = Ranks(model, self.graph, self.resolved, placement, config, self.system, launcher)
+        self.ranks = Ranks(
+            model, self.graph, self.resolved, placement, config, self.system, launcher
+        )
         self.conductor: ActorRef | None = None
         self.spec: ModelSpec | None = None
         self.limits = EngineLimits()  # published by the engines at start (`start`)
         self._preprocessing = ThreadPoolExecutor(2, thread_name_prefix="mstar-preprocess")
-        self._not_started: weakref.WeakValueDictionary[str, _Pending] = weakref.WeakValueDictionary()
+        self._not_started: weakref.WeakValueDictionary[str, _Pending] = (
+            weakref.WeakValueDictionary()
+        )
         self._is_closed = False
 
     @property
@@ -153,19 +163,25 @@ class AsyncEngine:
             placement = instance.default_placement() or Placement.colocated(instance.graph())
         elif not isinstance(placement, Placement):
             placement = Placement.from_yaml(placement)
-        ray_address = placement.cluster_address(config.ray_address)  # backend: ray in the placement file
+        # backend: ray in the placement file
+        ray_address = placement.cluster_address(config.ray_address)
         if ray_address != config.ray_address:
             config = replace(config, ray_address=ray_address)
         if config.is_distributed and spec is None:
-            raise MStarError("worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)")
+            raise MStarError(
+                "worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)"
+            )
         if config.is_distributed and spec is not None:
-            check_model_factory(spec.factory, config.allowed_model_factories)  # before any process starts
+            # before any process starts
+            check_model_factory(spec.factory, config.allowed_model_factories)
         launcher = None
         if config.ray_address is not None:
-            placement.resolve(instance.graph())  # a bad placement fails before the cluster is joined
+            # a bad placement fails before the cluster is joined
+            placement.resolve(instance.graph())
             launcher = RayLauncher(
                 config.ray_address,
-                replace(config.system, curve=CurveKeys.generate()),  # the same keys for every system
+                # the same keys for every system
+                replace(config.system, curve=CurveKeys.generate()),
                 {"allowed_model_factories": list(config.allowed_model_factories)},
                 loop=config.loop,
                 num_cpus=config.ray_num_cpus,
@@ -204,7 +220,8 @@ class AsyncEngine:
         workers = await self.ranks.launch(spec)
         wait_s, stall_s = self.config.restart_wait_s, self.config.request_stall_timeout_s
         self.conductor = await self.system.spawn(
-            lambda: Conductor(self.model, self.graph, self.resolved, workers, wait_s, stall_s), name=CONDUCTOR
+            lambda: Conductor(self.model, self.graph, self.resolved, workers, wait_s, stall_s),
+            name=CONDUCTOR,
         )
         await self.ranks.start_workers(self.conductor)
 
@@ -262,7 +279,9 @@ class AsyncEngine:
             # Preprocessing (tokenizing a long text, decoding images) can take seconds: off
             # the event loop, which serves every other request meanwhile.
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._preprocessing, self.model.preprocess, request)
+            prepared = await loop.run_in_executor(
+                self._preprocessing, self.model.preprocess, request
+            )
             if pending.is_aborted or self._is_closed:
                 raise RequestAbortedError(f"request {request.request_id!r} was aborted")
         finally:
@@ -307,7 +326,9 @@ class AsyncEngine:
         """
         assert self.conductor is not None
         up = self.ranks_up()
-        refs = {"conductor": self.conductor} | {f"rank{r}": ref for r, ref in self.workers.items() if up[r]}
+        refs = {"conductor": self.conductor} | {
+            f"rank{r}": ref for r, ref in self.workers.items() if up[r]
+        }
         out: dict[str, dict[str, int]] = {}
         for name, ref in refs.items():
             report = await ref.ask(StateQuery(), timeout=30.0)
@@ -317,7 +338,9 @@ class AsyncEngine:
 
     async def _gather_limits(self) -> EngineLimits:
         """Ask every worker, once, what its engines accept."""
-        reports = {rank: await ref.ask(LimitsQuery(), timeout=60.0) for rank, ref in self.workers.items()}
+        reports = {
+            rank: await ref.ask(LimitsQuery(), timeout=60.0) for rank, ref in self.workers.items()
+        }
         assert all(isinstance(r, LimitsReport) for r in reports.values())
         return EngineLimits({rank: dict(report.limits) for rank, report in reports.items()})
 
@@ -354,13 +377,11 @@ class AsyncEngine:
             out.nodes[rank] = {node: dict(values) for node, values in report.stats.items()}
             out.walks[rank] = {node: dict(walks) for node, walks in report.walks.items()}
             if self.ranks.is_remote(rank):  # in-process workers share this process's links
-                out.transport[f"rank{rank}"] = {kind: dict(v) for kind, v in report.transport.items()}
+                out.transport[f"rank{rank}"] = {
+                    kind: dict(v) for kind, v in report.transport.items()
+                }
         return out
 
     async def run(self, request: Request) -> list[Output]:
         """Run a request to completion and return all its outputs."""
         return [out async for out in self.generate(request)]
-
-
-
-

@@ -112,7 +112,8 @@ class WorkerLost:
 
 @dataclass(frozen=True)
 class RankWaitExpired:
-    """Give up waiting for the restart of ``rank``'s worker (loss number ``epoch``); in-process only."""
+    """Give up waiting for the restart of ``rank``'s worker (loss number ``epoch``); in-process
+    only."""
 
     rank: int
     epoch: int
@@ -153,10 +154,12 @@ class Conductor(Actor):
         self.gone: set[int] = set()  # lost ranks that did not come back in time
         self.parked: dict[tuple[str, int], list[StartWalk]] = {}  # (request, walk seq) -> shares
         self._losses: dict[int, int] = {}  # rank -> how often it was lost (tags its timer)
-        self._back_at: dict[int, float] = {}  # lost rank -> when its restart should be done (monotonic)
+        # lost rank -> when its restart should be done (monotonic)
+        self._back_at: dict[int, float] = {}
         self._num_losses = 0  # losses of any rank so far: orders submissions and losses
         self._lost_as: dict[int, int] = {}  # lost rank -> the number of its loss among all
-        self._admitted_as: dict[str, int] = {}  # running request -> the losses there were at its submission
+        # running request -> the losses there were at its submission
+        self._admitted_as: dict[str, int] = {}
         self.stall_timeout_s = request_stall_timeout_s
         self._progressed: set[str] = set()  # requests something arrived for since the last sweep
         self._quiet: dict[str, int] = {}  # request -> sweeps in a row that found no progress
@@ -189,14 +192,18 @@ class Conductor(Actor):
         if isinstance(message, WalkDoneMsg | WalkFailedMsg) and self.stall_timeout_s is not None:
             self._progressed.add(message.request_id)
         if isinstance(message, WalkDoneMsg):
-            commands = core.walk_done(message.request_id, message.walk_seq, message.rank, from_slots(message.persisted))
+            commands = core.walk_done(
+                message.request_id, message.walk_seq, message.rank, from_slots(message.persisted)
+            )
         elif isinstance(message, WalkFailedMsg):
             commands = core.walk_failed(message.request_id, message.walk_seq, _error_of(message))
         elif isinstance(message, Submit):
             request_id = message.request.request_id
             if request_id in self.queues:
                 # Checked before anything is replaced: the running request keeps its stream.
-                message.queue.put_nowait(DuplicateRequestError(f"request id {request_id!r} is already running"))
+                message.queue.put_nowait(
+                    DuplicateRequestError(f"request id {request_id!r} is already running")
+                )
                 return None
             self.queues[request_id] = message.queue
             self._admitted_as[request_id] = self._num_losses
@@ -217,7 +224,10 @@ class Conductor(Actor):
             self._worker_back(message.rank, self.system.ref(message.worker))
             return None
         elif isinstance(message, RankWaitExpired):
-            if message.rank not in self.restarting or self._losses.get(message.rank) != message.epoch:
+            if (
+                message.rank not in self.restarting
+                or self._losses.get(message.rank) != message.epoch
+            ):
                 return None
             self.restarting.discard(message.rank)
             self.gone.add(message.rank)
@@ -226,7 +236,11 @@ class Conductor(Actor):
             commands = self._sweep_stalls()
             self._schedule_sweep()
         elif isinstance(message, StateQuery):
-            counts = {"requests": len(core.requests), "client_queues": len(self.queues), "parked_walks": len(self.parked)}
+            counts = {
+                "requests": len(core.requests),
+                "client_queues": len(self.queues),
+                "parked_walks": len(self.parked),
+            }
             return StateReport(counts)
         else:
             raise TypeError(f"the conductor does not handle {type(message).__name__}")
@@ -268,7 +282,9 @@ class Conductor(Actor):
                     queue.put_nowait(END if isinstance(c, Finish) else c.error)
 
     def _send_walk(self, c: StartWalk) -> None:
-        self.workers[c.rank].tell(StartWalkMsg(c.request_id, c.walk_seq, c.walk, c.node_ranks, to_slots(c.initial)))
+        self.workers[c.rank].tell(
+            StartWalkMsg(c.request_id, c.walk_seq, c.walk, c.node_ranks, to_slots(c.initial))
+        )
 
     def _down_rank(self, c: StartWalk) -> int | None:
         """Return a lost rank the walk needs (any rank's share of it may send values there)."""
@@ -287,10 +303,14 @@ class Conductor(Actor):
         self._back_at[rank] = time.monotonic() + restart_estimate_s
         self._num_losses += 1
         self._lost_as[rank] = self._num_losses
-        asyncio.get_running_loop().call_later(self.restart_wait_s, self._expire, RankWaitExpired(rank, epoch))
+        asyncio.get_running_loop().call_later(
+            self.restart_wait_s, self._expire, RankWaitExpired(rank, epoch)
+        )
         retry = self._retry_after_s(rank)
         error = WorkerUnavailableError(
-            f"the worker of rank {rank} died; it is being restarted (retry in {retry} s)", rank=rank, retry_after_s=retry
+            f"the worker of rank {rank} died; it is being restarted (retry in {retry} s)",
+            rank=rank,
+            retry_after_s=retry,
         )
         return self.core.worker_lost(rank, error)
 
@@ -303,7 +323,8 @@ class Conductor(Actor):
         if rank in self.gone:
             return self._gone_error(rank)
         return WorkerUnavailableError(
-            f"rank {rank} is down (its worker died and is being restarted) and no live replica can take "
+            f"rank {rank} is down (its worker died and is being restarted) and no live "
+            "replica can take "
             f"this request; retry in {retry} s",
             rank=rank,
             retry_after_s=retry,
@@ -314,7 +335,8 @@ class Conductor(Actor):
             return
         try:
             self.ref.tell(message)
-        except MailboxFullError:  # a burst of outputs: the timer must not be lost, or walks would wait forever
+        # a burst of outputs: the timer must not be lost, or walks would wait forever
+        except MailboxFullError:
             asyncio.get_running_loop().call_later(_RETRY_S, self._expire, message)
         except MStarError:
             pass  # the conductor stopped
@@ -335,7 +357,8 @@ class Conductor(Actor):
     def _gone_error(self, rank: int) -> WorkerUnavailableError:
         retry = self._retry_after_s(rank)
         return WorkerUnavailableError(
-            f"the worker of rank {rank} died and did not come back within {self.restart_wait_s} s; retry in {retry} s",
+            f"the worker of rank {rank} died and did not come back within "
+            f"{self.restart_wait_s} s; retry in {retry} s",
             rank=rank,
             retry_after_s=retry,
         )
@@ -345,7 +368,9 @@ class Conductor(Actor):
     def _schedule_sweep(self) -> None:
         if self.stall_timeout_s is not None:
             delay = self.stall_timeout_s / _SWEEPS
-            self._sweep_timer = asyncio.get_running_loop().call_later(delay, self._expire, SweepStalls())
+            self._sweep_timer = asyncio.get_running_loop().call_later(
+                delay, self._expire, SweepStalls()
+            )
 
     def _sweep_stalls(self) -> list[Command]:
         """Fail the requests that went ``_SWEEPS`` sweeps in a row without progress."""
@@ -358,9 +383,12 @@ class Conductor(Actor):
             num_quiet = quiet[request_id] = self._quiet.get(request_id, 0) + 1
             if num_quiet >= _SWEEPS:
                 del quiet[request_id]
-                log.warning("request_stalled", engine_request_id=request_id, timeout_s=self.stall_timeout_s)
+                log.warning(
+                    "request_stalled", engine_request_id=request_id, timeout_s=self.stall_timeout_s
+                )
                 error = RequestStalledError(
-                    f"request {request_id!r} made no progress for {self.stall_timeout_s} s (a message lost on the "
+                    f"request {request_id!r} made no progress for {self.stall_timeout_s} s "
+                    "(a message lost on the "
                     "way?); it was failed and everything it held released"
                 )
                 commands += self.core.fail(request_id, error)
@@ -373,13 +401,19 @@ class Conductor(Actor):
         if self._sweep_timer is not None:
             self._sweep_timer.cancel()
         for request_id, queue in self.queues.items():
-            queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted: the engine shut down"))
+            queue.put_nowait(
+                RequestAbortedError(f"request {request_id!r} was aborted: the engine shut down")
+            )
         self.queues.clear()
 
 
 def _error_of(message: WalkFailedMsg) -> Exception:
     if message.kind == "WalkExecutionError":
         return WalkExecutionError(
-            message.message, node=message.node, walk=message.walk, request_id=message.request_id, cause=message.cause
+            message.message,
+            node=message.node,
+            walk=message.walk,
+            request_id=message.request_id,
+            cause=message.cause,
         )
     return MStarError(f"walk failed on rank {message.rank}: {message.message}")

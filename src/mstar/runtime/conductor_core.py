@@ -101,7 +101,8 @@ class _Request:
     partitions: dict[str, _Partition]
     buffers: dict[Slot, StreamBuffer[Any]]
     ranks_used: set[int] = field(default_factory=set)
-    replicas: dict[str, int] = field(default_factory=dict)  # node -> the rank it runs on for this request
+    # node -> the rank it runs on for this request
+    replicas: dict[str, int] = field(default_factory=dict)
 
 
 class ConductorCore:
@@ -113,7 +114,9 @@ class ConductorCore:
         placement: (node, walk) to the ranks that host it.
     """
 
-    def __init__(self, model: Model, graph: ModelGraph, placement: Mapping[tuple[str, str], tuple[int, ...]]) -> None:
+    def __init__(
+        self, model: Model, graph: ModelGraph, placement: Mapping[tuple[str, str], tuple[int, ...]]
+    ) -> None:
         self.model, self.graph, self.placement = model, graph, placement
         self.requests: dict[str, _Request] = {}
         # Ranks whose worker is lost: a node replicated elsewhere runs on a live replica.
@@ -121,7 +124,11 @@ class ConductorCore:
         self._num_submitted = 0
         self._num_walks = 0  # walk sequence numbers are unique across requests
         self._stream_slots = {
-            w: [(n.name, i) for n in graph.walk_nodes(w) for i in sorted(n.inputs & graph.stream_inputs(n.name))]
+            w: [
+                (n.name, i)
+                for n in graph.walk_nodes(w)
+                for i in sorted(n.inputs & graph.stream_inputs(n.name))
+            ]
             for w in graph.walks
         }
         self._policies: dict[Slot, Any] = {}
@@ -135,7 +142,8 @@ class ConductorCore:
     # --- events ----------------------------------------------------------------------------
 
     def submit(self, request: Request, prepared: PreparedRequest | None = None) -> list[Command]:
-        """Start a request: preprocess it (unless ``prepared``) and start each partition's first walk.
+        """Start a request: preprocess it (unless ``prepared``) and start each partition's first
+        walk.
 
         Raises:
             ValueError: The model rejected the request, or its id is already running.
@@ -164,7 +172,9 @@ class ConductorCore:
             return self._fail(req, exc, out)
         return self._maybe_finish(req, out)
 
-    def walk_done(self, request_id: str, walk_seq: int, rank: int, persisted: Mapping[Slot, Any]) -> list[Command]:
+    def walk_done(
+        self, request_id: str, walk_seq: int, rank: int, persisted: Mapping[Slot, Any]
+    ) -> list[Command]:
         """Record that ``rank`` finished its share of a walk; move on once all have."""
         req = self.requests.get(request_id)
         part = self._partition_of(req, walk_seq)
@@ -221,7 +231,9 @@ class ConductorCore:
     def abort(self, request_id: str, reason: str = "") -> list[Command]:
         """Abort a request (saying why, if ``reason``) and release everything held for it."""
         why = f": {reason}" if reason else ""
-        return self.fail(request_id, RequestAbortedError(f"request {request_id!r} was aborted{why}"))
+        return self.fail(
+            request_id, RequestAbortedError(f"request {request_id!r} was aborted{why}")
+        )
 
     def fail(self, request_id: str, error: Exception) -> list[Command]:
         """Fail a request with ``error`` and release everything held for it."""
@@ -238,7 +250,9 @@ class ConductorCore:
             self._end_partition(req, part, out)
             return
         if self.graph.walk_partition.get(walk) != part:
-            raise MStarError(f"the model chose walk {walk!r}, which is not a walk of partition {part!r}")
+            raise MStarError(
+                f"the model chose walk {walk!r}, which is not a walk of partition {part!r}"
+            )
         state.walk = walk
         for slot in self._stream_slots[walk]:
             if slot in state.bound:
@@ -246,7 +260,8 @@ class ConductorCore:
             chunk = req.buffers[slot].next_chunk()
             if chunk is None:
                 if req.buffers[slot].is_over:
-                    self._end_partition(req, part, out)  # the stream is over, and with it the partition
+                    # the stream is over, and with it the partition
+                    self._end_partition(req, part, out)
                 return  # wait for the producer
             state.bound[slot] = chunk
         self._start(req, part, walk, out)
@@ -254,7 +269,9 @@ class ConductorCore:
     def _start(self, req: _Request, part: str, walk: str, out: list[Command]) -> None:
         state = req.partitions[part]
         state.walk_seq = self._next_seq(req)
-        node_ranks = {node.name: self._replica(req, node.name, walk) for node in self.graph.walk_nodes(walk)}
+        node_ranks = {
+            node.name: self._replica(req, node.name, walk) for node in self.graph.walk_nodes(walk)
+        }
         initial: dict[int, dict[Slot, Any]] = {r: {} for r in set(node_ranks.values())}
         for slot, value in req.persistent.items():
             if slot[0] in node_ranks:
@@ -266,7 +283,9 @@ class ConductorCore:
         state.is_running = True
         req.ranks_used |= state.outstanding
         for rank, values in sorted(initial.items()):
-            out.append(StartWalk(req.request_id, state.walk_seq, walk, rank, dict(node_ranks), values))
+            out.append(
+                StartWalk(req.request_id, state.walk_seq, walk, rank, dict(node_ranks), values)
+            )
 
     def _replica(self, req: _Request, node: str, walk: str) -> int:
         """Return the rank that runs ``node`` in ``walk`` for a request.

@@ -79,7 +79,9 @@ class EngineConfig:
     offload_steps: bool = True
     max_batch_size: int = 32
     max_wait_s: float = 0.0
-    loop: str = field(default_factory=lambda: "uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
+    loop: str = field(
+        default_factory=lambda: "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    )
     # A loaded 2-core host can starve an event loop for seconds; a dead process is caught by
     # the watchdog at once (and a link to a peer on this host watches its process, not its
     # silence), so links to other hosts may wait longer before giving a peer up.
@@ -101,7 +103,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         stall = self.request_stall_timeout_s
         if stall is not None and not stall > 0:
-            raise ValueError(f"request_stall_timeout_s must be > 0 seconds, or None for no timeout; got {stall}")
+            raise ValueError(
+                f"request_stall_timeout_s must be > 0 seconds, or None for no timeout; got {stall}"
+            )
 
     @property
     def is_distributed(self) -> bool:
@@ -164,4 +168,6 @@ class EngineLimits:
     @property
     def max_seq_len(self) -> int | None:
         """The longest sequence every KV-cache node can hold (None: the model has none)."""
-        return min((n.max_seq_len for ranks in self.nodes.values() for n in ranks.values()), default=None)
+        return min(
+            (n.max_seq_len for ranks in self.nodes.values() for n in ranks.values()), default=None
+        )

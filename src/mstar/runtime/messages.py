@@ -60,11 +60,19 @@ class StartWalkMsg(WireMessage):
 
     def to_wire(self) -> StartWalkMsg:
         """Return this message with its values in wire form."""
-        return StartWalkMsg(self.request_id, self.walk_seq, self.walk, self.node_ranks, slots_to_wire(self.initial))
+        return StartWalkMsg(
+            self.request_id, self.walk_seq, self.walk, self.node_ranks, slots_to_wire(self.initial)
+        )
 
     def from_wire(self) -> StartWalkMsg:
         """Return this message with its values converted back."""
-        return StartWalkMsg(self.request_id, self.walk_seq, self.walk, self.node_ranks, slots_from_wire(self.initial))
+        return StartWalkMsg(
+            self.request_id,
+            self.walk_seq,
+            self.walk,
+            self.node_ranks,
+            slots_from_wire(self.initial),
+        )
 
 
 class ReleaseRequest(WireMessage):
@@ -75,7 +83,8 @@ class ReleaseRequest(WireMessage):
 
 
 class NodeValuesMsg(WireMessage):
-    """Worker to worker: values of one firing for nodes of the receiver, keyed as in `WalkRunner`."""
+    """Worker to worker: values of one firing for nodes of the receiver, keyed as in
+    `WalkRunner`."""
 
     request_id: str
     walk_seq: int
@@ -84,11 +93,15 @@ class NodeValuesMsg(WireMessage):
 
     def to_wire(self) -> NodeValuesMsg:
         """Return this message with its values in wire form."""
-        return NodeValuesMsg(self.request_id, self.walk_seq, self.keys, [to_wire(v) for v in self.values])
+        return NodeValuesMsg(
+            self.request_id, self.walk_seq, self.keys, [to_wire(v) for v in self.values]
+        )
 
     def from_wire(self) -> NodeValuesMsg:
         """Return this message with its values converted back."""
-        return NodeValuesMsg(self.request_id, self.walk_seq, self.keys, [from_wire(v) for v in self.values])
+        return NodeValuesMsg(
+            self.request_id, self.walk_seq, self.keys, [from_wire(v) for v in self.values]
+        )
 
 
 class WalkDoneMsg(WireMessage):
@@ -105,7 +118,9 @@ class WalkDoneMsg(WireMessage):
 
     def from_wire(self) -> WalkDoneMsg:
         """Return this message with its values converted back."""
-        return WalkDoneMsg(self.request_id, self.walk_seq, self.rank, slots_from_wire(self.persisted))
+        return WalkDoneMsg(
+            self.request_id, self.walk_seq, self.rank, slots_from_wire(self.persisted)
+        )
 
 
 class WalkFailedMsg(WireMessage):
@@ -134,11 +149,27 @@ class EmittedMsg(WireMessage):
 
     def to_wire(self) -> EmittedMsg:
         """Return this message with its value in wire form."""
-        return EmittedMsg(self.request_id, self.partition, self.walk, self.node, self.name, self.modality, to_wire(self.value))
+        return EmittedMsg(
+            self.request_id,
+            self.partition,
+            self.walk,
+            self.node,
+            self.name,
+            self.modality,
+            to_wire(self.value),
+        )
 
     def from_wire(self) -> EmittedMsg:
         """Return this message with its value converted back."""
-        return EmittedMsg(self.request_id, self.partition, self.walk, self.node, self.name, self.modality, from_wire(self.value))
+        return EmittedMsg(
+            self.request_id,
+            self.partition,
+            self.walk,
+            self.node,
+            self.name,
+            self.modality,
+            from_wire(self.value),
+        )
 
 
 class StreamItemMsg(WireMessage):

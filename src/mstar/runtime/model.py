@@ -22,7 +22,7 @@ The capabilities, in one place:
 | forward firings, per-request node state | `ForwardKVNode` (``forward_walks = True``; `release`) | `supports_forward_walks` |
 
 The last four live with the engines that use them (`mstar.engines`) and are re-exported here.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ class Request:
             self.params = GenerationParams.from_data(self.data)
 
     def options_as(self, cls: type[_O]) -> _O:
-        """Return the task's options as ``cls`` (parsed from ``data`` once, if the engine did not)."""
+        """Return the task's options as ``cls`` (parsed from ``data`` once, if the engine did
+        not)."""
         if not isinstance(self.options, cls):
             self.options = parse_struct(cls, self.data)
         return self.options
@@ -223,7 +224,14 @@ class Model(ABC):
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:
         """Turn an emitted value into a client output (default: as is)."""
-        return Output(request_id, emission.modality, emission.name, emission.value, emission.node, emission.walk)
+        return Output(
+            request_id,
+            emission.modality,
+            emission.name,
+            emission.value,
+            emission.node,
+            emission.walk,
+        )
 
     def default_placement(self) -> Placement | None:
         """Return the placement used when none is given (default: None, every node on rank 0).

@@ -72,7 +72,8 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    seed: int | None = None  # 64-bit, signed or not: checked by `SamplingParams` (msgspec bounds stop at int64)
+    # 64-bit, signed or not: checked by `SamplingParams` (msgspec bounds stop at int64)
+    seed: int | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     ignore_eos: bool = False
     prefix_group: str | None = None
@@ -92,20 +93,40 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
 
     def with_defaults(self, defaults: Mapping[str, Any]) -> GenerationParams:
         """Return these settings with the ones not given taken from ``defaults`` (by field name)."""
-        unset = {k: v for k, v in defaults.items() if k in self.__struct_fields__ and getattr(self, k) is None}
+        unset = {
+            k: v
+            for k, v in defaults.items()
+            if k in self.__struct_fields__ and getattr(self, k) is None
+        }
         return msgspec.structs.replace(self, **unset) if unset else self
 
     def sampling(
-        self, *, max_tokens: int, stop_token_ids: tuple[int, ...] = (), prompt_len: int | None = None
+        self,
+        *,
+        max_tokens: int,
+        stop_token_ids: tuple[int, ...] = (),
+        prompt_len: int | None = None,
     ) -> SamplingParams:
-        """Return the engine's `SamplingParams` for these settings (unset ones at the engine's defaults)."""
-        given = {name: value for name in _SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+        """Return the engine's `SamplingParams` for these settings (unset ones at the engine's
+        defaults)."""
+        given = {
+            name: value for name in _SAMPLING_FIELDS if (value := getattr(self, name)) is not None
+        }
         stops = () if self.ignore_eos else stop_token_ids
-        return SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, prompt_len=prompt_len, **given)
+        return SamplingParams(
+            max_tokens=max_tokens, stop_token_ids=stops, prompt_len=prompt_len, **given
+        )
 
 
 _SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
 )
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 
@@ -116,7 +137,8 @@ def parse_struct(cls: type[T], data: Mapping[str, Any]) -> T:
     Raises:
         InvalidRequestError: A value has the wrong type or is out of range; ``param`` names it.
     """
-    given = {k: data[k] for k in cls.__struct_fields__ if k in data}  # looks up only the fields it has
+    # looks up only the fields it has
+    given = {k: data[k] for k in cls.__struct_fields__ if k in data}
     try:
         return msgspec.convert(given, cls, strict=True)
     except msgspec.ValidationError as exc:
@@ -143,13 +165,28 @@ def _choices(cls: type[msgspec.Struct], name: str | None) -> tuple[Any, ...]:
     assert isinstance(info, msgspec.inspect.StructType)
     for field in info.fields:
         if field.name == name:
-            kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
-            return tuple(v for kind in kinds if isinstance(kind, msgspec.inspect.LiteralType) for v in kind.values)
+            kinds = (
+                field.type.types
+                if isinstance(field.type, msgspec.inspect.UnionType)
+                else (field.type,)
+            )
+            return tuple(
+                v
+                for kind in kinds
+                if isinstance(kind, msgspec.inspect.LiteralType)
+                for v in kind.values
+            )
     return ()
 
 
-_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "array": "a list",
-          "object": "an object"}  # fmt: skip
+_KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "array": "a list",
+    "object": "an object",
+}
 _EXPECTED = re.compile(r"^Expected `(?P<kind>[^`]*)`(?P<rest>.*?)(, got `[^`]*`)?$")
 
 

@@ -108,7 +108,9 @@ class Placement:
         Raises:
             PlacementError: The file is missing or not a valid placement.
         """
-        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))):
+        if isinstance(source, Path) or (
+            isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))
+        ):
             path = Path(source)
             if not path.is_file():
                 raise PlacementError(f"placement file {str(path)!r} does not exist")
@@ -124,9 +126,13 @@ class Placement:
             raise PlacementError(f"{where} is not valid YAML: {exc}") from None
         if spec.ray_address is not None and spec.backend != "ray":
             raise PlacementError(f"{where}: ray_address needs backend: ray")
-        return cls(tuple(spec.node_groups), spec.model, spec.rank_resources, spec.backend, spec.ray_address)
+        return cls(
+            tuple(spec.node_groups), spec.model, spec.rank_resources, spec.backend, spec.ray_address
+        )
 
-    def resolve(self, graph: ModelGraph, num_ranks: int | None = None) -> dict[tuple[str, str], tuple[int, ...]]:
+    def resolve(
+        self, graph: ModelGraph, num_ranks: int | None = None
+    ) -> dict[tuple[str, str], tuple[int, ...]]:
         """Check this placement against ``graph``; return (node, walk) -> ranks.
 
         Raises:
@@ -144,26 +150,40 @@ class Placement:
                 raise PlacementError(f"{where}: node_names is empty")
             for node in group.node_names:
                 if node not in graph.nodes:
-                    raise PlacementError(f"{where}: unknown node {node!r} (nodes: {', '.join(sorted(graph.nodes))})")
+                    raise PlacementError(
+                        f"{where}: unknown node {node!r} (nodes: {', '.join(sorted(graph.nodes))})"
+                    )
             for walk in group.graph_walks or ():
                 if walk not in graph.walks:
-                    raise PlacementError(f"{where}: unknown walk {walk!r} (walks: {', '.join(graph.walks)})")
-            walks: Iterable[str] = group.graph_walks if group.graph_walks is not None else graph.walks
+                    raise PlacementError(
+                        f"{where}: unknown walk {walk!r} (walks: {', '.join(graph.walks)})"
+                    )
+            walks: Iterable[str] = (
+                group.graph_walks if group.graph_walks is not None else graph.walks
+            )
             for node in group.node_names:
                 covered = [(node, w) for w in walks if (node, w) in uses]
                 if group.graph_walks is not None and not covered:
-                    raise PlacementError(f"{where}: node {node!r} is used by none of {group.graph_walks}")
+                    raise PlacementError(
+                        f"{where}: node {node!r} is used by none of {group.graph_walks}"
+                    )
                 for key in covered:
                     if key in out:
-                        raise PlacementError(f"{where}: node {node!r} in walk {key[1]!r} is already placed")
+                        raise PlacementError(
+                            f"{where}: node {node!r} in walk {key[1]!r} is already placed"
+                        )
                     out[key] = tuple(group.ranks)
         for node, walk in sorted(uses - out.keys()):
-            raise PlacementError(f"node {node!r} in walk {walk!r} has no placement: add it to a node group")
+            raise PlacementError(
+                f"node {node!r} in walk {walk!r} has no placement: add it to a node group"
+            )
         return out
 
     def to_yaml(self) -> str:
         """Return this placement as YAML text (what `from_yaml` reads)."""
-        spec = _PlacementFile(list(self.groups), self.model, self.rank_resources, self.backend, self.ray_address)
+        spec = _PlacementFile(
+            list(self.groups), self.model, self.rank_resources, self.backend, self.ray_address
+        )
         return msgspec.yaml.encode(spec).decode()
 
     def cluster_address(self, configured: str | None) -> str | None:
@@ -177,15 +197,21 @@ class Placement:
         """
         if self.backend == "local" and configured is not None:
             raise PlacementError(
-                f"the placement says backend: local, but the engine is configured for the Ray cluster {configured!r}"
+                "the placement says backend: local, but the engine is configured for the "
+                f"Ray cluster {configured!r}"
             )
         if self.backend != "ray":
             if self.ray_address is not None:
                 raise PlacementError("ray_address needs backend: ray")
             return configured
-        if configured is not None and self.ray_address is not None and configured != self.ray_address:
+        if (
+            configured is not None
+            and self.ray_address is not None
+            and configured != self.ray_address
+        ):
             raise PlacementError(
-                f"the placement names the Ray cluster {self.ray_address!r} and the engine's config {configured!r}: "
+                f"the placement names the Ray cluster {self.ray_address!r} and the engine's "
+                f"config {configured!r}: "
                 "name it in one place (or the same in both)"
             )
         return configured or self.ray_address or os.environ.get(RAY_ADDRESS_ENV) or "auto"
@@ -202,20 +228,29 @@ class Placement:
             if share is None or rank not in group.ranks:
                 continue
             if not 0.0 < share <= 1.0:
-                raise PlacementError(f"node_groups[{i}]: kv_cache_share must be in (0, 1], got {share}")
+                raise PlacementError(
+                    f"node_groups[{i}]: kv_cache_share must be in (0, 1], got {share}"
+                )
             for node in group.node_names:
                 if shares.get(node, share) != share:
-                    raise PlacementError(f"node_groups[{i}]: node {node!r} has two kv_cache_share values")
+                    raise PlacementError(
+                        f"node_groups[{i}]: node {node!r} has two kv_cache_share values"
+                    )
                 shares[node] = share
         return shares
 
     def ray_resources(self, rank: int) -> dict[str, float]:
-        """Return the Ray resources the worker of ``rank`` asks for (the largest amount named for it).
+        """Return the Ray resources the worker of ``rank`` asks for (the largest amount named for
+        it).
 
         Raises:
             PlacementError: An amount is not positive.
         """
-        asks = [(f"node_groups[{i}].ray_resources", g.ray_resources) for i, g in enumerate(self.groups) if rank in g.ranks]
+        asks = [
+            (f"node_groups[{i}].ray_resources", g.ray_resources)
+            for i, g in enumerate(self.groups)
+            if rank in g.ranks
+        ]
         asks.append((f"rank_resources[{rank}]", (self.rank_resources or {}).get(rank)))
         out: dict[str, float] = {}
         for where, resources in asks:

@@ -53,7 +53,12 @@ class Ranks:
         launcher: RayLauncher | None,
     ) -> None:
         self.model, self.graph, self.resolved = model, graph, resolved
-        self.placement, self.config, self.system, self.launcher = placement, config, system, launcher
+        self.placement, self.config, self.system, self.launcher = (
+            placement,
+            config,
+            system,
+            launcher,
+        )
         self.workers: dict[int, ActorRef] = {}
         self.processes: dict[int, SystemProcess] = {}
         self.rank_info: dict[int, RankInfo] = {}  # where each rank's Ray actor serves
@@ -90,26 +95,39 @@ class Ranks:
         if self.launcher is not None:
             launcher = self.launcher
             host = launcher.node_ip()
-            self._served = await self.system.serve(f"tcp://{'[' + host + ']' if ':' in host else host}:0")
-            self.rank_info = await launcher.start({r: self.placement.ray_resources(r) for r in ranks})
-            self.workers = {r: self.system.ref(worker_name(r), info.addresses[0]) for r, info in self.rank_info.items()}
+            self._served = await self.system.serve(
+                f"tcp://{'[' + host + ']' if ':' in host else host}:0"
+            )
+            self.rank_info = await launcher.start(
+                {r: self.placement.ray_resources(r) for r in ranks}
+            )
+            self.workers = {
+                r: self.system.ref(worker_name(r), info.addresses[0])
+                for r, info in self.rank_info.items()
+            }
         elif self.config.worker_processes:
             self._served = await self.system.serve("ipc://")
             for rank in ranks:
                 self.processes[rank] = self._make_process()
             await asyncio.gather(*(asyncio.to_thread(p.start) for p in self.processes.values()))
-            self.workers = {r: self.system.ref(worker_name(r), p.addresses[0]) for r, p in self.processes.items()}
+            self.workers = {
+                r: self.system.ref(worker_name(r), p.addresses[0])
+                for r, p in self.processes.items()
+            }
         else:
             self.workers = {r: self.system.ref(worker_name(r)) for r in ranks}
         return self.workers
 
     async def start_workers(self, conductor: ActorRef) -> None:
-        """Build every rank's worker (talking to ``conductor``); watch those in processes of their own."""
+        """Build every rank's worker (talking to ``conductor``); watch those in processes of their
+        own."""
         self.conductor = conductor
         ranks = self.placement.ranks
         if not self.config.is_distributed:
             for rank in ranks:
-                await self.system.spawn(self._worker_factory(rank, conductor), name=worker_name(rank))
+                await self.system.spawn(
+                    self._worker_factory(rank, conductor), name=worker_name(rank)
+                )
             return
         await asyncio.gather(*(self._init_worker(rank) for rank in ranks))
         self._start_s = dict.fromkeys(ranks, time.monotonic() - self._started_at)
@@ -117,11 +135,15 @@ class Ranks:
             loop = asyncio.get_running_loop()
             self._links_lost = {r: asyncio.Event() for r in ranks}
             self.system.on_link_lost(self._link_lost)
-            self._ray_watchers = [loop.create_task(self._watch_ray(r), name=f"mstar-ray-watch-{r}") for r in ranks]
+            self._ray_watchers = [
+                loop.create_task(self._watch_ray(r), name=f"mstar-ray-watch-{r}") for r in ranks
+            ]
             return
         for rank in ranks:
             self._watch_exit(rank)
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="mstar-watchdog")
+        self._watchdog = asyncio.get_running_loop().create_task(
+            self._watch(), name="mstar-watchdog"
+        )
 
     async def stop_watching(self) -> None:
         """Stop restarting workers (the first step of a shutdown)."""
@@ -159,7 +181,11 @@ class Ranks:
 
     async def _init_worker(self, rank: int) -> None:
         assert self.spec is not None
-        address = self.rank_info[rank].addresses[0] if self.launcher is not None else self.processes[rank].addresses[0]
+        address = (
+            self.rank_info[rank].addresses[0]
+            if self.launcher is not None
+            else self.processes[rank].addresses[0]
+        )
         host = self.system.ref(HOST_NAME, address)
         init = InitWorker(
             rank,
@@ -176,7 +202,8 @@ class Ranks:
             raise MStarError(f"rank {rank} did not start: {ready!r}")
 
     def _watch_exit(self, rank: int) -> None:
-        """Wake the watchdog as soon as the process of ``rank`` exits (its sentinel turns readable)."""
+        """Wake the watchdog as soon as the process of ``rank`` exits (its sentinel turns
+        readable)."""
         sentinel = self.processes[rank].sentinel
         if sentinel is None:
             return
@@ -206,7 +233,9 @@ class Ranks:
                 self.conductor.tell(WorkerLost(rank, self._start_s.get(rank, 0.0)))
                 # Asks waiting on the dead process fail now, not at the heartbeat timeout.
                 for address in proc.addresses:
-                    self.system.drop_link(address, PeerLostError(f"the worker process of rank {rank} died"))
+                    self.system.drop_link(
+                        address, PeerLostError(f"the worker process of rank {rank} died")
+                    )
                 if proc.sentinel is not None and proc.sentinel in self._sentinels:
                     self._sentinels.discard(proc.sentinel)
                     asyncio.get_running_loop().remove_reader(proc.sentinel)
@@ -224,7 +253,9 @@ class Ranks:
         self.workers[rank] = self.system.ref(worker_name(rank), proc.addresses[0])
         await self._worker_back(rank)
         self._start_s[rank] = time.monotonic() - started
-        log.info("worker_restarted", rank=rank, pid=proc.pid, restart_s=round(self._start_s[rank], 3))
+        log.info(
+            "worker_restarted", rank=rank, pid=proc.pid, restart_s=round(self._start_s[rank], 3)
+        )
 
     def _link_lost(self, addresses: list[str], error: Exception) -> None:
         """Wake the watcher of a Ray rank whose link broke (sooner than Ray tells of the death)."""
@@ -236,7 +267,10 @@ class Ranks:
         """Return when ``rank``'s process is gone: Ray says so, or its tcp connection closed."""
         assert self.launcher is not None
         link_lost = self._links_lost[rank]
-        waits = [asyncio.ensure_future(self.launcher.wait_lost(rank)), asyncio.ensure_future(link_lost.wait())]
+        waits = [
+            asyncio.ensure_future(self.launcher.wait_lost(rank)),
+            asyncio.ensure_future(link_lost.wait()),
+        ]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -264,9 +298,11 @@ class Ranks:
                 info = self.rank_info[rank] = await launcher.restarted(rank, old)
                 self.workers[rank] = self.system.ref(worker_name(rank), info.addresses[0])
                 await self._worker_back(rank)
-                self._start_s[rank] = time.monotonic() - lost_at  # Ray's restart and the worker's build
+                # Ray's restart and the worker's build
+                self._start_s[rank] = time.monotonic() - lost_at
             except WorkerLostError:
-                log.error("worker_gone", rank=rank)  # Ray gave up on it: walks fail after restart_wait_s
+                # Ray gave up on it: walks fail after restart_wait_s
+                log.error("worker_gone", rank=rank)
                 return
             except Exception:
                 if self._is_closed:
@@ -277,7 +313,8 @@ class Ranks:
             log.info("worker_restarted", rank=rank, pid=info.pid, ray_node=info.node_id)
 
     async def _worker_back(self, rank: int) -> None:
-        """Build the restarted worker of ``rank``; point the conductor and the other workers at it."""
+        """Build the restarted worker of ``rank``; point the conductor and the other workers at
+        it."""
         ref = self.workers[rank]
         await self._init_worker(rank)
         update = UpdatePeer(rank, ActorId(ref.address, ref.name))
@@ -295,4 +332,6 @@ class Ranks:
 
     def _worker_factory(self, rank: int, conductor: ActorRef) -> Callable[[], Worker]:
         config = self._worker_config(rank)
-        return lambda: Worker(rank, self.model, self.graph, self.resolved, conductor, self.workers, config)
+        return lambda: Worker(
+            rank, self.model, self.graph, self.resolved, conductor, self.workers, config
+        )

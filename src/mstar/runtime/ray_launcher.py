@@ -106,7 +106,8 @@ def cluster_endpoint(address: str) -> tuple[str, int] | None:
 
 
 def _current_cluster() -> str | None:
-    """Return the address ``ray start --head`` recorded on this machine, if any (read as Ray does)."""
+    """Return the address ``ray start --head`` recorded on this machine, if any (read as Ray
+    does)."""
     temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
     try:
         return (Path(temp) / "ray" / "ray_current_cluster").read_text().strip() or None
@@ -142,8 +143,10 @@ def _keep_ray_on_loopback(address: str) -> None:
         os.environ.setdefault(LOOPBACK_ENV, "0")
     elif os.environ.get(LOOPBACK_ENV) != "0":
         raise RayClusterUnreachableError(
-            f"the Ray cluster at {address} is on loopback, but Ray was imported already and would use this "
-            f"machine's network address instead: set {LOOPBACK_ENV}=0 before Ray is imported (or call ray.init "
+            f"the Ray cluster at {address} is on loopback, but Ray was imported already and "
+            "would use this "
+            f"machine's network address instead: set {LOOPBACK_ENV}=0 before Ray is imported "
+            "(or call ray.init "
             f"yourself)"
         )
 
@@ -163,8 +166,10 @@ def _probe(address: str) -> None:
             pass
     except OSError as exc:
         raise RayClusterUnreachableError(
-            f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}; check that its head runs there "
-            f"(ray start --head --port {port}{' --node-ip-address ' + host if _is_loopback(host) else ''}) "
+            f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}; check that "
+            "its head runs there "
+            "(ray start --head --port "
+            f"{port}{' --node-ip-address ' + host if _is_loopback(host) else ''}) "
             f"and that this machine reaches {host}:{port}"
         ) from None
 
@@ -198,7 +203,9 @@ class RankHost:
         self._stop: asyncio.Event | None = None
         self._stopped = threading.Event()
         self._on_stopped: list[Any] = []
-        self._thread = threading.Thread(target=self._main, args=(loop,), name="mstar-rank-host", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(loop,), name="mstar-rank-host", daemon=True
+        )
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
@@ -241,7 +248,8 @@ class RankHost:
         return self._info
 
     async def wait_stopped(self) -> None:
-        """Return once the host stopped (a call the driver keeps open, to hear of this process's death)."""
+        """Return once the host stopped (a call the driver keeps open, to hear of this process's
+        death)."""
         ray_loop = asyncio.get_running_loop()
         stopped: asyncio.Future[None] = ray_loop.create_future()
 
@@ -312,7 +320,9 @@ class RayLauncher:
         try:
             import ray
         except ImportError as exc:
-            raise MStarError("serving on a Ray cluster needs Ray: pip install 'mstar[ray]'") from exc
+            raise MStarError(
+                "serving on a Ray cluster needs Ray: pip install 'mstar[ray]'"
+            ) from exc
         self._ray = ray
         self.address = address
         self._owns_ray = False  # set once connect joined the cluster
@@ -359,7 +369,8 @@ class RayLauncher:
             outcome: BaseException | None = None
             try:
                 ray.init(address=address, log_to_driver=False)
-            except BaseException as exc:  # reported to the awaiting task, which raises its own error
+            # reported to the awaiting task, which raises its own error
+            except BaseException as exc:
                 outcome = exc
             if abandoned.is_set():
                 if outcome is None:
@@ -378,16 +389,21 @@ class RayLauncher:
                 ray.shutdown()  # it joined just as this gave up
             if isinstance(exc, TimeoutError):
                 raise RayClusterUnreachableError(
-                    f"joining the Ray cluster at {address} took longer than {timeout_s:g} s: check that it is the "
-                    f"address of a Ray head (ray status --address {address}), that this machine can reach "
-                    f"every node of the cluster, and, if the cluster uses token authentication (ray start "
+                    f"joining the Ray cluster at {address} took longer than {timeout_s:g} s: "
+                    "check that it is the "
+                    f"address of a Ray head (ray status --address {address}), that this "
+                    "machine can reach "
+                    "every node of the cluster, and, if the cluster uses token "
+                    "authentication (ray start "
                     f"says so), that RAY_AUTH_MODE=token is set here as well"
                 ) from None
             raise
         if outcome is not None:
             raise RayClusterUnreachableError(
-                f"cannot join the Ray cluster at {address}: {type(outcome).__name__}: {outcome}; if the cluster "
-                f"uses token authentication (ray start says so), set RAY_AUTH_MODE=token here as well"
+                f"cannot join the Ray cluster at {address}: {type(outcome).__name__}: "
+                f"{outcome}; if the cluster "
+                "uses token authentication (ray start says so), set RAY_AUTH_MODE=token "
+                "here as well"
             ) from outcome
         self._owns_ray = True
         log.info("ray_connected", address=address, node_ip=self.node_ip())
@@ -410,7 +426,10 @@ class RayLauncher:
         out = {"CPU": float(self._num_cpus)} if self._num_cpus > 0 else {}
         out.update({name: float(amount) for name, amount in resources.items()})
         if not any(v > 0 for v in out.values()):
-            raise PlacementError(f"rank {rank} asks Ray for nothing: give it ray_resources, or CPUs (ray_num_cpus > 0)")
+            raise PlacementError(
+                f"rank {rank} asks Ray for nothing: give it ray_resources, or CPUs "
+                "(ray_num_cpus > 0)"
+            )
         return out
 
     async def start(self, resources: Mapping[int, Mapping[str, float]]) -> dict[int, RankInfo]:
@@ -433,7 +452,9 @@ class RayLauncher:
             raise PlacementError(self._unplaced(ranks, bundles)) from None
         log.info("ray_placed", ranks=ranks)
         for index, rank in enumerate(ranks):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=index
+            )
             self._actors[rank] = self._remote.options(
                 num_cpus=self._num_cpus,
                 resources=dict(resources[rank]),
@@ -445,13 +466,19 @@ class RayLauncher:
         return dict(zip(ranks, infos, strict=True))
 
     def _unplaced(self, ranks: list[int], bundles: list[dict[str, float]]) -> str:
-        """Say why the placement group of ``bundles`` is not ready: what no node has, or is free now."""
+        """Say why the placement group of ``bundles`` is not ready: what no node has, or is free
+        now."""
         nodes = [n for n in self._ray.nodes() if n.get("Alive")]
-        offers = "; ".join(f"{n['NodeID'][:8]}: {_fmt(n.get('Resources', {}))}" for n in nodes) or "no node"
+        offers = (
+            "; ".join(f"{n['NodeID'][:8]}: {_fmt(n.get('Resources', {}))}" for n in nodes)
+            or "no node"
+        )
         never = [
             f"rank {r} {_fmt(b)}"
             for r, b in zip(ranks, bundles, strict=True)
-            if not any(all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in b.items()) for n in nodes)
+            if not any(
+                all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in b.items()) for n in nodes
+            )
         ]
         what = (
             f"no node of the cluster offers {', '.join(never)}"
@@ -459,8 +486,10 @@ class RayLauncher:
             else "every rank fits some node, but not all of them at once with what is free now"
         )
         return (
-            f"the Ray cluster did not place the ranks within {self._placement_timeout_s:g} s: {what} "
-            f"(nodes: {offers}); name resources the cluster's nodes advertise (ray start --resources)"
+            f"the Ray cluster did not place the ranks within {self._placement_timeout_s:g} "
+            f"s: {what} "
+            f"(nodes: {offers}); name resources the cluster's nodes advertise (ray start "
+            "--resources)"
         )
 
     async def info(self, rank: int) -> RankInfo:
@@ -472,7 +501,9 @@ class RayLauncher:
             except ray.exceptions.ActorUnavailableError:
                 await asyncio.sleep(0.1)  # restarting: Ray answers once it is back
             except ray.exceptions.RayActorError as exc:
-                raise WorkerLostError(f"the Ray actor of rank {rank} is dead for good: {exc}") from exc
+                raise WorkerLostError(
+                    f"the Ray actor of rank {rank} is dead for good: {exc}"
+                ) from exc
 
     async def wait_lost(self, rank: int) -> None:
         """Return when the process of ``rank``'s current incarnation is gone."""
@@ -481,7 +512,8 @@ class RayLauncher:
             await _ray_call(self._actors[rank].wait_stopped.remote())
 
     async def restarted(self, rank: int, old: RankInfo) -> RankInfo:
-        """Return the next incarnation of ``rank``'s actor (forcing a restart if the old one lives)."""
+        """Return the next incarnation of ``rank``'s actor (forcing a restart if the old one
+        lives)."""
         info = await self.info(rank)
         if info.system_id == old.system_id:
             # The call broke but the process lives: restart it, so that nothing stale serves.
@@ -492,7 +524,8 @@ class RayLauncher:
         return info
 
     def kill(self, rank: int) -> None:
-        """Kill the process of ``rank`` (Ray restarts it): what a rank that will not come back in gets."""
+        """Kill the process of ``rank`` (Ray restarts it): what a rank that will not come back in
+        gets."""
         with contextlib.suppress(self._ray.exceptions.RayError):
             self._ray.kill(self._actors[rank], no_restart=False)
 
@@ -506,7 +539,9 @@ class RayLauncher:
         # Together and bounded: an actor still starting (importing, loading on a busy machine)
         # answers only once it has started, and a stop must not wait for that, rank by rank.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*map(_ray_call, stops), return_exceptions=True), STOP_GRACE_S)
+            await asyncio.wait_for(
+                asyncio.gather(*map(_ray_call, stops), return_exceptions=True), STOP_GRACE_S
+            )
         for actor in self._actors.values():
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(actor, no_restart=True)
@@ -522,4 +557,10 @@ class RayLauncher:
 
 
 def _fmt(resources: Mapping[str, float]) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{k}: {v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")
+        )
+        + "}"
+    )

@@ -30,7 +30,9 @@ ENTRY_POINT_GROUP = "mstar.models"
 @functools.cache
 def declared_factories() -> frozenset[str]:
     """Return the factories installed packages declare in the ``mstar.models`` group."""
-    return frozenset(entry.value.replace(" ", "") for entry in entry_points(group=ENTRY_POINT_GROUP))
+    return frozenset(
+        entry.value.replace(" ", "") for entry in entry_points(group=ENTRY_POINT_GROUP)
+    )
 
 
 def is_trusted_factory(factory: str, allowed: Iterable[str] = ()) -> bool:
@@ -59,6 +61,7 @@ def check_model_factory(factory: str, allowed: Iterable[str] = ()) -> None:
     if not is_trusted_factory(factory, allowed):
         raise UntrustedModelError(
             f"model factory {factory!r} is not in the zoo and not allow-listed "
-            f"(allowed: {allowed or 'none'}): pass EngineConfig(allowed_model_factories=[{factory.partition(':')[0]!r}]) "
+            f"(allowed: {allowed or 'none'}): pass "
+            f"EngineConfig(allowed_model_factories=[{factory.partition(':')[0]!r}]) "
             "or `mstar serve --allow-model-factory MODULE` to let workers build it"
         )

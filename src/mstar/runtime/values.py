@@ -80,7 +80,17 @@ class ChunkValue(_Value):
 # Scalars, strings and None travel as themselves (msgpack tells them apart); a request's
 # `SamplingParams` too (a tagged Struct of the engines', validated again as it is decoded).
 Value: TypeAlias = (
-    TensorValue | BytesValue | ListValue | DictValue | ChunkValue | SamplingParams | bool | int | float | str | None
+    TensorValue
+    | BytesValue
+    | ListValue
+    | DictValue
+    | ChunkValue
+    | SamplingParams
+    | bool
+    | int
+    | float
+    | str
+    | None
 )
 
 
@@ -133,7 +143,9 @@ def to_wire(value: Any) -> Value:
     if isinstance(value, bytes | bytearray | memoryview):
         return BytesValue(bytes(value))
     if isinstance(value, Chunk):
-        return ChunkValue([to_wire(v) for v in value.items], value.start, value.context_len, value.is_last)
+        return ChunkValue(
+            [to_wire(v) for v in value.items], value.start, value.context_len, value.is_last
+        )
     if isinstance(value, list | tuple):
         return ListValue([to_wire(v) for v in value])
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
@@ -160,7 +172,9 @@ def from_wire(value: Any) -> Any:
         return [from_wire(v) for v in value.items]
     if isinstance(value, DictValue):
         return {k: from_wire(v) for k, v in value.items.items()}
-    return Chunk(tuple(from_wire(v) for v in value.items), value.start, value.context_len, value.is_last)
+    return Chunk(
+        tuple(from_wire(v) for v in value.items), value.start, value.context_len, value.is_last
+    )
 
 
 def to_slots(values: Mapping[Slot, Any]) -> list[SlotValue]:

@@ -75,7 +75,8 @@ class WalkPorts(Protocol):
         max_iters: int | None,
         sink: Callable[[Mapping[str, Any]], None],
     ) -> Awaitable[None] | None:
-        """Run a `DynamicLoop` over a local node natively, calling ``sink`` with each step's outputs.
+        """Run a `DynamicLoop` over a local node natively, calling ``sink`` with each step's
+        outputs.
 
         The awaitable ends with the loop (raising what ended it: the node's failure, or an
         exception ``sink`` raised). Return None when the node's engine has no native loop
@@ -163,7 +164,9 @@ class WalkRunner:
 
     # --- traversal ---------------------------------------------------------------------------
 
-    async def _section(self, sec: Section, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
+    async def _section(
+        self, sec: Section, env: _Env, accs: list[_Acc], stops: frozenset[str]
+    ) -> None:
         if isinstance(sec, GraphNode):
             if self.node_ranks[sec.name] == self.rank:
                 await self._fire(sec, env, accs, stops)
@@ -171,7 +174,8 @@ class WalkRunner:
                 self._expect(sec, env, accs, stops)
         elif isinstance(sec, Sequential):
             for s in sec.sections:
-                if isinstance(s, GraphNode):  # as above, without a coroutine per node (a loop body's every step)
+                # as above, without a coroutine per node (a loop body's every step)
+                if isinstance(s, GraphNode):
                     if self.node_ranks[s.name] == self.rank:
                         await self._fire(s, env, accs, stops)
                     else:
@@ -181,7 +185,10 @@ class WalkRunner:
         elif isinstance(sec, Parallel):
             before = dict(env.values)
             branches = [_Env(dict(before), dict(env.signals)) for _ in sec.sections]
-            await _all(self._section(s, b, accs, stops) for s, b in zip(sec.sections, branches, strict=True))
+            await _all(
+                self._section(s, b, accs, stops)
+                for s, b in zip(sec.sections, branches, strict=True)
+            )
             for b in branches:
                 env.values.update({k: v for k, v in b.values.items() if before.get(k, b) is not v})
                 env.signals.update(b.signals)
@@ -214,7 +221,9 @@ class WalkRunner:
                 if bool(stop):
                     break
 
-    async def _fire(self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
+    async def _fire(
+        self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]
+    ) -> None:
         args = self._ready_inputs(node, env)
         if args is None:
             args = await self._inputs(node, env)
@@ -223,10 +232,14 @@ class WalkRunner:
         except WalkExecutionError:
             raise
         except Exception as exc:
-            raise self._error(node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__) from exc
+            raise self._error(
+                node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__
+            ) from exc
         self._absorb(node, out, env, accs, stops)
 
-    async def _native_loop(self, loop: DynamicLoop, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> bool:
+    async def _native_loop(
+        self, loop: DynamicLoop, env: _Env, accs: list[_Acc], stops: frozenset[str]
+    ) -> bool:
         """Hand a `DynamicLoop` over one local node to its engine, if the engine loops natively.
 
         A KV-cache engine runs the whole loop as its decode loop (continuous batching, the
@@ -248,7 +261,9 @@ class WalkRunner:
         except WalkExecutionError:
             raise
         except Exception as exc:
-            raise self._error(node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__) from exc
+            raise self._error(
+                node, f"node raised {type(exc).__name__}: {exc}", type(exc).__name__
+            ) from exc
         env.signals.pop(loop.stop, None)
         return True
 
@@ -284,7 +299,12 @@ class WalkRunner:
         return args
 
     def _absorb(
-        self, node: GraphNode, out: Mapping[str, Any], env: _Env, accs: list[_Acc], stops: frozenset[str]
+        self,
+        node: GraphNode,
+        out: Mapping[str, Any],
+        env: _Env,
+        accs: list[_Acc],
+        stops: frozenset[str],
     ) -> None:
         """Route one firing's outputs and signals."""
         self._fired[node.name] += 1
@@ -298,7 +318,9 @@ class WalkRunner:
                 env.signals[name] = value
                 if name in stops:
                     for r in self._others:
-                        self._outgoing.setdefault(r, []).append(((node.name, tag, SIGNAL, name), value))
+                        self._outgoing.setdefault(r, []).append(
+                            ((node.name, tag, SIGNAL, name), value)
+                        )
             else:
                 raise self._error(node, f"node returned unknown output {name!r}")
         self._flush()
@@ -311,7 +333,14 @@ class WalkRunner:
             self._outgoing = {}
 
     def _route(
-        self, node: GraphNode, tag: str, name: str, value: Any, edges: Sequence[Edge], env: _Env, accs: list[_Acc]
+        self,
+        node: GraphNode,
+        tag: str,
+        name: str,
+        value: Any,
+        edges: Sequence[Edge],
+        env: _Env,
+        accs: list[_Acc],
     ) -> None:
         if accs:
             acc = next((a for a in reversed(accs) if name in a.names), None)
@@ -333,7 +362,9 @@ class WalkRunner:
                 if rank == self.rank:
                     env.values[(e.dst, e.name)] = value
                 elif rank is not None:
-                    self._outgoing.setdefault(rank, []).append(((node.name, tag, e.dst, e.name), value))
+                    self._outgoing.setdefault(rank, []).append(
+                        ((node.name, tag, e.dst, e.name), value)
+                    )
 
     def _expect(self, node: GraphNode, env: _Env, accs: list[_Acc], stops: frozenset[str]) -> None:
         """Account for a remote node's firing: placeholders for what it sends here."""
@@ -350,9 +381,15 @@ class WalkRunner:
         for name in node.signals & stops:
             env.signals[name] = _Pending((node.name, tag, SIGNAL, name))
 
-    def _expect_edges(self, node: GraphNode, tag: str, edges: Sequence[Edge], env: _Env, accs: list[_Acc]) -> None:
+    def _expect_edges(
+        self, node: GraphNode, tag: str, edges: Sequence[Edge], env: _Env, accs: list[_Acc]
+    ) -> None:
         for e in edges:
-            if isinstance(e, GraphEdge) and e.dst != EMIT and self.node_ranks.get(e.dst) == self.rank:
+            if (
+                isinstance(e, GraphEdge)
+                and e.dst != EMIT
+                and self.node_ranks.get(e.dst) == self.rank
+            ):
                 env.values[(e.dst, e.name)] = _Pending((node.name, tag, e.dst, e.name))
 
     # --- values from other workers ---------------------------------------------------------
@@ -372,7 +409,9 @@ class WalkRunner:
         return value.value
 
     def _error(self, node: GraphNode, message: str, cause: str = "") -> WalkExecutionError:
-        return WalkExecutionError(message, node=node.name, walk=self.walk, request_id=self.request_id, cause=cause)
+        return WalkExecutionError(
+            message, node=node.name, walk=self.walk, request_id=self.request_id, cause=cause
+        )
 
 
 def _nodes(section: Section) -> list[GraphNode]:

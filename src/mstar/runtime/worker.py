@@ -80,7 +80,9 @@ class Worker(Actor):
 
     def handle_now(self, message: NodeValuesMsg) -> None:
         """Hand values from a peer worker to the runner of their walk."""
-        self.core.deliver(message.request_id, message.walk_seq, zip(message.keys, message.values, strict=True))
+        self.core.deliver(
+            message.request_id, message.walk_seq, zip(message.keys, message.values, strict=True)
+        )
 
     async def handle(self, message: Any) -> Any:
         """Start walks, take values from peers, release requests."""
@@ -89,7 +91,14 @@ class Worker(Actor):
         elif isinstance(message, StartWalkMsg):
             initial = from_slots(message.initial)
             self.core.start_walk(
-                StartWalk(message.request_id, message.walk_seq, message.walk, self.rank, dict(message.node_ranks), initial)
+                StartWalk(
+                    message.request_id,
+                    message.walk_seq,
+                    message.walk,
+                    self.rank,
+                    dict(message.node_ranks),
+                    initial,
+                )
             )
         elif isinstance(message, ReleaseRequest):
             self.core.release(message.request_id, message.up_to_seq)
@@ -102,7 +111,13 @@ class Worker(Actor):
             return stats_report(self.core.owned_engines, self.system)
         elif isinstance(message, LimitsQuery):
             engines = self.core.owned_engines.items()
-            return LimitsReport({node: limits for node, engine in engines if (limits := engine.limits()) is not None})
+            return LimitsReport(
+                {
+                    node: limits
+                    for node, engine in engines
+                    if (limits := engine.limits()) is not None
+                }
+            )
         else:
             raise TypeError(f"worker {self.rank} does not handle {type(message).__name__}")
         return None
@@ -110,7 +125,9 @@ class Worker(Actor):
     # --- WorkerOutbox ------------------------------------------------------------------------
     # Values go into messages as they are: a link to another process converts them.
 
-    def walk_done(self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]) -> None:
+    def walk_done(
+        self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]
+    ) -> None:
         """Report a finished walk share to the conductor."""
         self.conductor.tell(WalkDoneMsg(request_id, walk_seq, rank, to_slots(persisted)))
 
@@ -118,21 +135,29 @@ class Worker(Actor):
         """Report a failed walk share to the conductor."""
         if isinstance(error, WalkExecutionError):
             kind = type(error).__name__
-            msg = WalkFailedMsg(request_id, walk_seq, rank, kind, error.reason, error.node, error.walk, error.cause)
+            msg = WalkFailedMsg(
+                request_id, walk_seq, rank, kind, error.reason, error.node, error.walk, error.cause
+            )
         else:
-            msg = WalkFailedMsg(request_id, walk_seq, rank, type(error).__name__, f"{type(error).__name__}: {error}")
+            msg = WalkFailedMsg(
+                request_id, walk_seq, rank, type(error).__name__, f"{type(error).__name__}: {error}"
+            )
         self.conductor.tell(msg)
 
     def emitted(self, request_id: str, emission: Emission) -> None:
         """Send an emission to the conductor."""
         e = emission
-        self.conductor.tell(EmittedMsg(request_id, e.partition, e.walk, e.node, e.name, e.modality, e.value))
+        self.conductor.tell(
+            EmittedMsg(request_id, e.partition, e.walk, e.node, e.name, e.modality, e.value)
+        )
 
     def stream_item(self, request_id: str, slot: Slot, value: Any) -> None:
         """Send a stream item to the conductor."""
         self.conductor.tell(StreamItemMsg(request_id, slot[0], slot[1], value))
 
-    def node_values(self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+    def node_values(
+        self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]
+    ) -> None:
         """Send values straight to the worker of another rank (one message)."""
         keys = [key for key, _ in items]
         values = [v for _, v in items]
@@ -171,7 +196,8 @@ class WorkerHost(Actor):
         if workers[rank].address not in system.addresses:
             raise MStarError(f"rank {rank} is not placed in this process")
         ref = await system.spawn(
-            lambda: Worker(rank, model, graph, placement, conductor, workers, config), name=worker_name(rank)
+            lambda: Worker(rank, model, graph, placement, conductor, workers, config),
+            name=worker_name(rank),
         )
         return WorkerReady(rank, ActorId(ref.address, ref.name))
 
@@ -189,7 +215,9 @@ def stats_report(engines: Mapping[str, NodeEngine], system: ActorSystem) -> Stat
     return StatsReport(stats, walks, system.transport_tally.snapshot())
 
 
-async def setup_worker_host(system: ActorSystem, allowed_model_factories: Sequence[str] = ()) -> None:
+async def setup_worker_host(
+    system: ActorSystem, allowed_model_factories: Sequence[str] = ()
+) -> None:
     """Spawn the worker host in a fresh worker process (`SystemProcess` setup)."""
     allowed = tuple(allowed_model_factories)
     await system.spawn(lambda: WorkerHost(allowed), name=HOST_NAME)

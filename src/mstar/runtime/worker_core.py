@@ -32,7 +32,15 @@ from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import EngineType, Model, supports_shared_engines
 from mstar.runtime.walk_runner import ValueKey, WalkRunner
 
-__all__ = ["ENGINE_FACTORIES", "EngineFactory", "NodeEngine", "WorkerConfig", "WorkerCore", "WorkerOutbox", "kv_cache_budgets"]
+__all__ = [
+    "ENGINE_FACTORIES",
+    "EngineFactory",
+    "NodeEngine",
+    "WorkerConfig",
+    "WorkerCore",
+    "WorkerOutbox",
+    "kv_cache_budgets",
+]
 
 Slot = tuple[str, str]
 _RunKey = tuple[str, int]  # (request id, walk seq)
@@ -57,7 +65,9 @@ class NodeEngine(Protocol):
         """Stop; pending firings fail."""
         ...
 
-    def submit(self, request_id: str, inputs: Mapping[str, Any], walk: str = "") -> Awaitable[Mapping[str, Any]]:
+    def submit(
+        self, request_id: str, inputs: Mapping[str, Any], walk: str = ""
+    ) -> Awaitable[Mapping[str, Any]]:
         """Fire the node for one request, as part of ``walk`` (batched with others)."""
         ...
 
@@ -87,7 +97,9 @@ class NodeEngine(Protocol):
 class WorkerOutbox(Protocol):
     """Where a worker's messages go."""
 
-    def walk_done(self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]) -> None:
+    def walk_done(
+        self, request_id: str, walk_seq: int, rank: int, persisted: dict[Slot, Any]
+    ) -> None:
         """Tell the conductor this rank finished its share of a walk."""
         ...
 
@@ -103,7 +115,9 @@ class WorkerOutbox(Protocol):
         """Send a stream item to the conductor."""
         ...
 
-    def node_values(self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]) -> None:
+    def node_values(
+        self, rank: int, request_id: str, walk_seq: int, items: list[tuple[ValueKey, Any]]
+    ) -> None:
         """Send values to the worker of another rank."""
         ...
 
@@ -140,15 +154,29 @@ class WorkerConfig:
     kv_cache_shares: dict[str, float] = field(default_factory=dict)
 
 
-EngineFactory = Callable[[str, Any, "Executor | None", WorkerConfig, "int | float | None"], NodeEngine]
+EngineFactory = Callable[
+    [str, Any, "Executor | None", WorkerConfig, "int | float | None"], NodeEngine
+]
 """``factory(node, submodule, step_executor, worker_config, kv_cache_bytes) -> NodeEngine``."""
 
 
-def _make_stateless(node: str, module: Any, executor: Executor | None, config: WorkerConfig, _budget: int | float | None) -> NodeEngine:
+def _make_stateless(
+    node: str,
+    module: Any,
+    executor: Executor | None,
+    config: WorkerConfig,
+    _budget: int | float | None,
+) -> NodeEngine:
     return StatelessEngine(node, module, config.stateless, executor)
 
 
-def _make_kv(node: str, module: Any, executor: Executor | None, config: WorkerConfig, budget: int | float | None) -> NodeEngine:
+def _make_kv(
+    node: str,
+    module: Any,
+    executor: Executor | None,
+    config: WorkerConfig,
+    budget: int | float | None,
+) -> NodeEngine:
     try:
         return KVNodeEngine(node, module, executor, device=config.device, kv_cache_memory=budget)
     except KVCacheCapacityError as exc:
@@ -176,11 +204,14 @@ def kv_cache_budgets(
     unknown = sorted(set(shares) - set(kv_nodes))
     if unknown:
         raise KVCacheCapacityError(
-            f"kv_cache_shares name {unknown}, which are not KV-cache nodes of this rank (those are {sorted(kv_nodes)})"
+            f"kv_cache_shares name {unknown}, which are not KV-cache nodes of this rank "
+            f"(those are {sorted(kv_nodes)})"
         )
     for node, share in shares.items():
         if not 0.0 < share <= 1.0:
-            raise KVCacheCapacityError(f"the KV-cache share of node {node!r} must be in (0, 1], got {share}")
+            raise KVCacheCapacityError(
+                f"the KV-cache share of node {node!r} must be in (0, 1], got {share}"
+            )
     total_share = sum(shares.values())
     if total_share > 1.0 + 1e-9:
         raise KVCacheCapacityError(
@@ -223,7 +254,9 @@ class _Ports:
 
     def emit(self, node: str, name: str, modality: str, value: Any) -> None:
         part = self.worker.graph.node_partition[node]
-        self.worker.outbox.emitted(self.request_id, Emission(part, self.walk, node, name, modality, value))
+        self.worker.outbox.emitted(
+            self.request_id, Emission(part, self.walk, node, name, modality, value)
+        )
 
     def stream(self, node: str, edge: StreamingGraphEdge, value: Any) -> None:
         self.worker.outbox.stream_item(self.request_id, (edge.dst, edge.name), value)
@@ -245,7 +278,8 @@ class WorkerCore:
         self.config = config or WorkerConfig()
         self.node_names = sorted({node for (node, _), ranks in placement.items() if rank in ranks})
         self.engines: dict[str, NodeEngine] = {}  # by node; a hosted node maps to its host's engine
-        self.hosted: dict[str, str] = {}  # node -> the node whose engine it runs on (`SupportsSharedEngines`)
+        # node -> the node whose engine it runs on (`SupportsSharedEngines`)
+        self.hosted: dict[str, str] = {}
         self.runners: dict[_RunKey, WalkRunner] = {}
         self.tasks: dict[_RunKey, asyncio.Task[None]] = {}
         self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
@@ -268,7 +302,9 @@ class WorkerCore:
             # the config names none), or it would oversubscribe the cores next to the loop.
             self._executor = StepExecutor(
                 thread_name_prefix=f"mstar-rank{self.rank}",
-                initializer=functools.partial(torch.set_num_threads, threads or torch.get_num_threads()),
+                initializer=functools.partial(
+                    torch.set_num_threads, threads or torch.get_num_threads()
+                ),
             )
         elif threads is not None:
             torch.set_num_threads(threads)
@@ -276,16 +312,25 @@ class WorkerCore:
         types = self.model.engine_types()
         for node in self.node_names:
             if types.get(node) not in ENGINE_FACTORIES:
-                raise MStarError(f"node {node!r} has engine type {types.get(node)!r}; expected one of {[t.value for t in EngineType]}")
+                raise MStarError(
+                    f"node {node!r} has engine type {types.get(node)!r}; expected one of "
+                    f"{[t.value for t in EngineType]}"
+                )
         if supports_shared_engines(self.model):
             hosts = self.model.engine_hosts()
-            self.hosted = {n: hosts[n] for n in self.node_names if n in hosts and hosts[n] in self.node_names}
+            self.hosted = {
+                n: hosts[n] for n in self.node_names if n in hosts and hosts[n] in self.node_names
+            }
         owned = [n for n in self.node_names if n not in self.hosted]
-        budgets = kv_cache_budgets([n for n in owned if types[n] == EngineType.KV_CACHE], self.config, device)
+        budgets = kv_cache_budgets(
+            [n for n in owned if types[n] == EngineType.KV_CACHE], self.config, device
+        )
         for node in owned:
             # Loading weights takes seconds: off the event loop, which must keep heartbeating.
             module = await asyncio.to_thread(self.model.submodule, node, device)
-            engine = ENGINE_FACTORIES[types[node]](node, module, self._executor, self.config, budgets.get(node))
+            engine = ENGINE_FACTORIES[types[node]](
+                node, module, self._executor, self.config, budgets.get(node)
+            )
             engine.start()
             self.engines[node] = engine
         for node, host in self.hosted.items():
@@ -319,7 +364,11 @@ class WorkerCore:
 
     def held_state(self) -> dict[str, int]:
         """Count what this worker holds for requests (all zero when idle; see `settle`)."""
-        counts = {"runners": len(self.runners), "tasks": len(self.tasks), "early_values": len(self.early)}
+        counts = {
+            "runners": len(self.runners),
+            "tasks": len(self.tasks),
+            "early_values": len(self.early),
+        }
         for name, engine in self.owned_engines.items():
             counts[f"pending:{name}"] = engine.num_pending
             counts[f"requests:{name}"] = engine.num_requests
@@ -333,13 +382,19 @@ class WorkerCore:
         if self._is_released(cmd.request_id, cmd.walk_seq):
             return
         ports = _Ports(self, cmd.request_id, cmd.walk, cmd.walk_seq)
-        runner = WalkRunner(self.graph, cmd.walk, self.rank, cmd.node_ranks, cmd.initial, ports, cmd.request_id)
+        runner = WalkRunner(
+            self.graph, cmd.walk, self.rank, cmd.node_ranks, cmd.initial, ports, cmd.request_id
+        )
         self.runners[key] = runner
-        self.tasks[key] = asyncio.get_running_loop().create_task(self._run(key, runner), name=f"walk:{key}")
+        self.tasks[key] = asyncio.get_running_loop().create_task(
+            self._run(key, runner), name=f"walk:{key}"
+        )
         for value_key, value in self.early.pop(key, ()):
             runner.deliver(value_key, value)
 
-    def deliver(self, request_id: str, walk_seq: int, items: Iterable[tuple[ValueKey, Any]]) -> None:
+    def deliver(
+        self, request_id: str, walk_seq: int, items: Iterable[tuple[ValueKey, Any]]
+    ) -> None:
         """Accept values from another rank's share of a walk."""
         runner = self.runners.get((request_id, walk_seq))
         if runner is not None:

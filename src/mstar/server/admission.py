@@ -56,7 +56,9 @@ class AdmissionQueue:
 
     def can_admit(self) -> bool:
         """Return whether `acquire` would run or queue a request now (rather than refuse it)."""
-        return self.num_running < self.limits.max_running or self.num_waiting < self.limits.max_waiting
+        return (
+            self.num_running < self.limits.max_running or self.num_waiting < self.limits.max_waiting
+        )
 
     async def acquire(self) -> None:
         """Take a running slot, waiting in line for one if needed.
@@ -69,7 +71,8 @@ class AdmissionQueue:
             return
         if self.num_waiting >= self.limits.max_waiting:
             raise OverloadedError(
-                f"the server is at capacity ({self.num_running} running, {self.num_waiting} waiting): "
+                f"the server is at capacity ({self.num_running} running, {self.num_waiting} "
+                "waiting): "
                 f"retry after {self.limits.retry_after_s} s",
                 retry_after_s=self.limits.retry_after_s,
             )

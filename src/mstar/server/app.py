@@ -90,7 +90,9 @@ def make_app(
             app.state.startup_error = exc  # the server's runner reports it after uvicorn exits
             raise
         try:
-            served = tuple(dict.fromkeys(n for n in (config.served_model_name, *names, engine.model.name) if n))
+            served = tuple(
+                dict.fromkeys(n for n in (config.served_model_name, *names, engine.model.name) if n)
+            )
             metrics = ServerMetrics(served[0])
             admission = AdmissionQueue(config.admission)
             metrics.watch_admission(lambda: admission.num_running, lambda: admission.num_waiting)
@@ -101,7 +103,9 @@ def make_app(
             log.info("engine_stopping")
             await engine.shutdown()
 
-    app = FastAPI(title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app = FastAPI(
+        title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
     app.include_router(openai_routes.router)
     app.include_router(text_routes.router)
     app.include_router(native.router)
@@ -127,7 +131,9 @@ def _add_operational_routes(app: FastAPI) -> None:
             return JSONResponse({"status": "stopping", "model": state.name}, status_code=503)
         down = [rank for rank, is_up in state.engine.ranks_up().items() if not is_up]
         if down:
-            return JSONResponse({"status": "degraded", "model": state.name, "ranks_down": down}, status_code=503)
+            return JSONResponse(
+                {"status": "degraded", "model": state.name, "ranks_down": down}, status_code=503
+            )
         return JSONResponse({"status": "ok", "model": state.name})
 
     @app.get("/metrics")
@@ -136,9 +142,13 @@ def _add_operational_routes(app: FastAPI) -> None:
         state: ServerState = http.app.state.server
         stats = await state.engine.engine_stats()
         ranks_up = state.engine.ranks_up()
-        state.metrics.set_ranks_up({rank: is_up and rank not in stats.missing_ranks for rank, is_up in ranks_up.items()})
+        state.metrics.set_ranks_up(
+            {rank: is_up and rank not in stats.missing_ranks for rank, is_up in ranks_up.items()}
+        )
         state.metrics.set_engine_stats(stats)
-        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
 
 def _field(loc: Sequence[Any]) -> str:
@@ -154,10 +164,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body("the body is not valid JSON", "invalid_request_error", code=400), 400)
+            return JSONResponse(
+                error_body("the body is not valid JSON", "invalid_request_error", code=400), 400
+            )
         field = _field(first.get("loc", ()))
         message = "; ".join(f"{_field(e.get('loc', ()))}: {e.get('msg')}" for e in errors)
-        return JSONResponse(error_body(message, "invalid_request_error", param=field, code=400), 400)
+        return JSONResponse(
+            error_body(message, "invalid_request_error", param=field, code=400), 400
+        )
 
     @app.exception_handler(APIRequestError)
     async def api_error(http: HttpRequest, exc: APIRequestError) -> Response:
@@ -166,7 +180,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_field(http: HttpRequest, exc: InvalidRequestError) -> Response:
-        return JSONResponse(error_body(str(exc), "invalid_request_error", param=exc.param, code=400, exc=exc), 400)
+        return JSONResponse(
+            error_body(str(exc), "invalid_request_error", param=exc.param, code=400, exc=exc), 400
+        )
 
     @app.exception_handler(OverloadedError)
     async def overloaded(http: HttpRequest, exc: OverloadedError) -> Response:
@@ -193,5 +209,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(http: HttpRequest, exc: HTTPException) -> Response:
-        kind = _ERROR_TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
-        return JSONResponse(error_body(str(exc.detail), kind, code=exc.status_code), exc.status_code, headers=exc.headers)
+        kind = _ERROR_TYPES.get(
+            exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        )
+        return JSONResponse(
+            error_body(str(exc.detail), kind, code=exc.status_code),
+            exc.status_code,
+            headers=exc.headers,
+        )

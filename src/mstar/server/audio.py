@@ -11,7 +11,7 @@ hold the placeholder 0xFFFFFFFF ("until the end of the stream"), which players a
 (ffmpeg, libsndfile) read to the end of the stream:
 
     RIFF <0xFFFFFFFF> WAVE | fmt  <16> PCM, channels, rate, byte rate, block, 16 bits | data <0xFFFFFFFF> samples...
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -100,11 +100,18 @@ def wav_header(sample_rate: int, *, num_data_bytes: int | None = None, channels:
         riff_size = data_size = STREAMING_SIZE
     else:
         if num_data_bytes < 0 or num_data_bytes % block:
-            raise ValueError(f"{num_data_bytes} data bytes is not a whole number of {block}-byte frames")
+            raise ValueError(
+                f"{num_data_bytes} data bytes is not a whole number of {block}-byte frames"
+            )
         riff_size, data_size = 36 + num_data_bytes, num_data_bytes
     fmt = struct.pack("<HHIIHH", 1, channels, sample_rate, sample_rate * block, block, 16)
     return (
-        b"RIFF" + struct.pack("<I", riff_size) + b"WAVE"
-        + b"fmt " + struct.pack("<I", len(fmt)) + fmt
-        + b"data" + struct.pack("<I", data_size)
+        b"RIFF"
+        + struct.pack("<I", riff_size)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", len(fmt))
+        + fmt
+        + b"data"
+        + struct.pack("<I", data_size)
     )

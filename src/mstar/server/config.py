@@ -59,7 +59,9 @@ class ServerConfig:
         if self.max_body_bytes < 1:
             raise ServerConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.graceful_shutdown_s < 0:
-            raise ServerConfigError(f"the shutdown grace must be >= 0 s, got {self.graceful_shutdown_s}")
+            raise ServerConfigError(
+                f"the shutdown grace must be >= 0 s, got {self.graceful_shutdown_s}"
+            )
         if self.keep_alive_timeout_s <= 0 or self.header_timeout_s <= 0:
             raise ServerConfigError(
                 f"connection timeouts must be > 0 s, got keep-alive {self.keep_alive_timeout_s}, "

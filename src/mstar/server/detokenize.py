@@ -103,7 +103,8 @@ class StopStringMatcher:
 
 
 def _byte_level_alphabet() -> dict[str, int]:
-    """Return GPT-2's byte-level alphabet, character to byte (printable bytes stand for themselves)."""
+    """Return GPT-2's byte-level alphabet, character to byte (printable bytes stand for
+    themselves)."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),

@@ -99,7 +99,12 @@ def output_line(
     Raises:
         MStarError: An image output that is no image (the model's fault, not the request's).
     """
-    line: dict[str, Any] = {"modality": out.modality, "name": out.name, "node": out.node, "walk": out.walk}
+    line: dict[str, Any] = {
+        "modality": out.modality,
+        "name": out.name,
+        "node": out.node,
+        "walk": out.walk,
+    }
     data = out.data
     if out.modality == "text":
         ids = token_ids(data)
@@ -119,8 +124,12 @@ def output_line(
         try:
             image = encode_image(data)
         except ValueError as exc:
-            raise MStarError(f"node {out.node!r} emitted an image {out.name!r} that is no image: {exc}") from None
-        line.update(num_images=1, width=image.width, height=image.height, format="png", data=_b64(image.png))
+            raise MStarError(
+                f"node {out.node!r} emitted an image {out.name!r} that is no image: {exc}"
+            ) from None
+        line.update(
+            num_images=1, width=image.width, height=image.height, format="png", data=_b64(image.png)
+        )
         return line
     if isinstance(data, torch.Tensor | np.ndarray):
         array = _array(data) if isinstance(data, torch.Tensor) else np.ascontiguousarray(data)

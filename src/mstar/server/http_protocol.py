@@ -76,7 +76,9 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self._header_deadline = None
         # A connection handed to another protocol (an upgrade) is no longer ours to close.
         if self.transport.get_protocol() is self and not self.transport.is_closing():
-            self.logger.info("closing a connection whose request headers took over %s s", self.header_timeout_s)
+            self.logger.info(
+                "closing a connection whose request headers took over %s s", self.header_timeout_s
+            )
             self.transport.close()
 
 
@@ -84,4 +86,8 @@ def timed_h11(header_timeout_s: float) -> type[HeaderTimeoutH11Protocol]:
     """Return the protocol class with the given header deadline (uvicorn takes a class)."""
     if header_timeout_s <= 0:
         raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s}")
-    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout_s": header_timeout_s})
+    return type(
+        "HeaderTimeoutH11Protocol",
+        (HeaderTimeoutH11Protocol,),
+        {"header_timeout_s": header_timeout_s},
+    )

@@ -39,7 +39,9 @@ def png_bytes(image: Any) -> bytes:
         array = array[:, :, 0]
     channels = 1 if array.ndim == 2 else array.shape[2] if array.ndim == 3 else 0
     if channels not in _CHANNELS:
-        raise ValueError(f"images must be [H, W], [H, W, 3] or [H, W, 4], got shape {list(array.shape)}")
+        raise ValueError(
+            f"images must be [H, W], [H, W, 3] or [H, W, 4], got shape {list(array.shape)}"
+        )
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(array)).save(buffer, format="PNG")
     return buffer.getvalue()
@@ -112,8 +114,13 @@ def _pixels(image: Any) -> np.ndarray:
         array = array[0]
     if array.ndim == 3 and array.shape[2] not in _CHANNELS and array.shape[0] in _CHANNELS:
         array = np.moveaxis(array, 0, 2)  # [C, H, W] -> [H, W, C]
-    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in _CHANNELS)) or 0 in array.shape:
-        raise ValueError(f"an image must be [H, W], [H, W, C] or [C, H, W] with C in 1, 3, 4; got shape {shape}")
+    if (
+        not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in _CHANNELS))
+        or 0 in array.shape
+    ):
+        raise ValueError(
+            f"an image must be [H, W], [H, W, C] or [C, H, W] with C in 1, 3, 4; got shape {shape}"
+        )
     if array.dtype == np.uint8:
         return array
     if array.dtype == np.bool_:
@@ -125,7 +132,9 @@ def _pixels(image: Any) -> np.ndarray:
         if array.min() < 0 or array.max() > 255:
             raise ValueError(f"integer pixels must lie in 0..255, got {array.min()}..{array.max()}")
         return array.astype(np.uint8)
-    raise ValueError(f"an image must hold uint8, integer, boolean or float pixels, got {array.dtype}")
+    raise ValueError(
+        f"an image must hold uint8, integer, boolean or float pixels, got {array.dtype}"
+    )
 
 
 def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
@@ -146,7 +155,9 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarr
             with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as opened:
                 width, height = opened.size
                 if width * height > max_pixels:
-                    raise ValueError(f"the image is {width}x{height}, more than {max_pixels} pixels")
+                    raise ValueError(
+                        f"the image is {width}x{height}, more than {max_pixels} pixels"
+                    )
                 opened.load()  # reads and checks every byte (a truncated file fails here)
                 picture: Image.Image = ImageOps.exif_transpose(opened)  # photos: upright as shown
                 if picture.mode in ("I;16", "I;16B", "I;16L"):  # 16-bit grey: keep the high byte
@@ -159,5 +170,10 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarr
                 return np.asarray(picture, dtype=np.uint8).copy()
     except UnidentifiedImageError:
         raise ValueError("the file is not a PNG or JPEG image") from None
-    except (OSError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except (
+        OSError,
+        SyntaxError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as exc:
         raise ValueError(f"the image cannot be decoded: {exc}") from None

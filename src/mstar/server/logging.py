@@ -23,7 +23,9 @@ from structlog.typing import EventDict, Processor
 __all__ = ["SecretRedactor", "configure_logging"]
 
 REDACTED = "[redacted]"
-_SECRET_KEYS = re.compile(r"(authorization|api[_-]?key|password|passwd|secret|token)$", re.IGNORECASE)
+_SECRET_KEYS = re.compile(
+    r"(authorization|api[_-]?key|password|passwd|secret|token)$", re.IGNORECASE
+)
 _BEARER = re.compile(r"(Bearer\s+)[^\s\"',;]+", re.IGNORECASE)
 
 
@@ -55,7 +57,10 @@ class SecretRedactor:
                 value = value.replace(secret, REDACTED)
             return value
         if isinstance(value, MutableMapping):
-            return {k: REDACTED if isinstance(k, str) and _SECRET_KEYS.search(k) else self._scrub(v) for k, v in value.items()}
+            return {
+                k: REDACTED if isinstance(k, str) and _SECRET_KEYS.search(k) else self._scrub(v)
+                for k, v in value.items()
+            }
         if isinstance(value, list | tuple):
             return type(value)(self._scrub(v) for v in value)
         return value
@@ -100,10 +105,16 @@ def configure_logging(
         SecretRedactor(secrets),
     ]
     renderer: Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
     )
     structlog.configure(
-        processors=[structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,

@@ -28,7 +28,7 @@ Families (every one labelled with `model`):
 
 Engine and transport families are read from the workers at each scrape (`AsyncEngine.engine_stats`);
 a lost worker is not waited for.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -48,14 +48,68 @@ from mstar.runtime.model import Output
 __all__ = ["RequestTracker", "ServerMetrics"]
 
 _LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
-    7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
 )
 _GAP_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
     5.0,
 )
-_RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+_RTF_BUCKETS = (
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+    1.0,
+    1.25,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+)
 
 
 class ServerMetrics:
@@ -65,57 +119,103 @@ class ServerMetrics:
         self.model = model
         self.registry = registry or CollectorRegistry()
         r, m = self.registry, ("model",)
-        self.running = Gauge("mstar_requests_running", "Requests admitted into the engine.", m, registry=r)
-        self.waiting = Gauge("mstar_requests_waiting", "Requests queued for admission.", m, registry=r)
+        self.running = Gauge(
+            "mstar_requests_running", "Requests admitted into the engine.", m, registry=r
+        )
+        self.waiting = Gauge(
+            "mstar_requests_waiting", "Requests queued for admission.", m, registry=r
+        )
         self.finished = Counter(
-            "mstar_requests_finished", "Requests ended, by task and status.", (*m, "task", "status"), registry=r
+            "mstar_requests_finished",
+            "Requests ended, by task and status.",
+            (*m, "task", "status"),
+            registry=r,
         )
         self.e2e = Histogram(
-            "mstar_e2e_request_latency_seconds", "Arrival to last output of completed requests.",
-            (*m, "task"), buckets=_LATENCY_BUCKETS, registry=r,
+            "mstar_e2e_request_latency_seconds",
+            "Arrival to last output of completed requests.",
+            (*m, "task"),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
-            "mstar_time_to_first_token_seconds", "Arrival to the first text output.", m,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "mstar_time_to_first_token_seconds",
+            "Arrival to the first text output.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttfa = Histogram(
-            "mstar_time_to_first_audio_seconds", "Arrival to the first audio output.", m,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "mstar_time_to_first_audio_seconds",
+            "Arrival to the first audio output.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.rtf = Histogram(
-            "mstar_audio_real_time_factor", "E2E latency divided by the seconds of audio produced.", m,
-            buckets=_RTF_BUCKETS, registry=r,
+            "mstar_audio_real_time_factor",
+            "E2E latency divided by the seconds of audio produced.",
+            m,
+            buckets=_RTF_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "mstar_inter_token_latency_seconds", "Gap between consecutive text outputs.", m,
-            buckets=_GAP_BUCKETS, registry=r,
+            "mstar_inter_token_latency_seconds",
+            "Gap between consecutive text outputs.",
+            m,
+            buckets=_GAP_BUCKETS,
+            registry=r,
         )
         self.inter_chunk = Histogram(
-            "mstar_inter_chunk_latency_seconds", "Gap between consecutive outputs of a non-text modality.",
-            (*m, "modality"), buckets=_GAP_BUCKETS, registry=r,
+            "mstar_inter_chunk_latency_seconds",
+            "Gap between consecutive outputs of a non-text modality.",
+            (*m, "modality"),
+            buckets=_GAP_BUCKETS,
+            registry=r,
         )
         self.tokens = Counter("mstar_generated_tokens", "Text tokens produced.", m, registry=r)
-        self.audio_seconds = Counter("mstar_generated_audio_seconds", "Seconds of audio produced.", m, registry=r)
+        self.audio_seconds = Counter(
+            "mstar_generated_audio_seconds", "Seconds of audio produced.", m, registry=r
+        )
         self.images = Counter("mstar_generated_images", "Images produced.", m, registry=r)
 
         self.rank_up = Gauge(
-            "mstar_rank_up", "Whether the worker of a rank serves (1) or is lost or silent (0).", (*m, "rank"), registry=r
+            "mstar_rank_up",
+            "Whether the worker of a rank serves (1) or is lost or silent (0).",
+            (*m, "rank"),
+            registry=r,
         )
         e = (*m, "rank", "node")
-        self.engine_steps = Gauge("mstar_engine_steps", "Engine steps run, per node (cumulative).", e, registry=r)
+        self.engine_steps = Gauge(
+            "mstar_engine_steps", "Engine steps run, per node (cumulative).", e, registry=r
+        )
         self.engine_step_seconds = Gauge(
-            "mstar_engine_step_seconds", "Seconds spent in engine steps, per node (cumulative).", e, registry=r
+            "mstar_engine_step_seconds",
+            "Seconds spent in engine steps, per node (cumulative).",
+            e,
+            registry=r,
         )
         self.engine_phase_seconds = Gauge(
-            "mstar_engine_phase_seconds", "Seconds spent in one phase of the engine steps, per node (cumulative).",
-            (*e, "phase"), registry=r,
+            "mstar_engine_phase_seconds",
+            "Seconds spent in one phase of the engine steps, per node (cumulative).",
+            (*e, "phase"),
+            registry=r,
         )
         self.engine_batch_size = Gauge(
-            "mstar_engine_batch_size_mean", "Mean inputs (sequences) per engine step, per node.", e, registry=r
+            "mstar_engine_batch_size_mean",
+            "Mean inputs (sequences) per engine step, per node.",
+            e,
+            registry=r,
         )
-        self.kv_blocks_used = Gauge("mstar_kv_cache_blocks_used", "KV-cache blocks held by sequences.", e, registry=r)
-        self.kv_blocks_total = Gauge("mstar_kv_cache_blocks_total", "KV-cache blocks in all.", e, registry=r)
-        self.kv_usage = Gauge("mstar_kv_cache_usage", "Fraction of the KV cache in use.", e, registry=r)
+        self.kv_blocks_used = Gauge(
+            "mstar_kv_cache_blocks_used", "KV-cache blocks held by sequences.", e, registry=r
+        )
+        self.kv_blocks_total = Gauge(
+            "mstar_kv_cache_blocks_total", "KV-cache blocks in all.", e, registry=r
+        )
+        self.kv_usage = Gauge(
+            "mstar_kv_cache_usage", "Fraction of the KV cache in use.", e, registry=r
+        )
         self._engine_families = _EngineFamilies(model)
         r.register(self._engine_families)
 
@@ -125,7 +225,8 @@ class ServerMetrics:
             self.rank_up.labels(self.model, str(rank)).set(1.0 if is_up else 0.0)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
-        """Publish the engines' and links' counters (from `AsyncEngine.engine_stats`), read at each scrape.
+        """Publish the engines' and links' counters (from `AsyncEngine.engine_stats`), read at each
+        scrape.
 
         Ranks missing from ``stats`` keep the counters of their last answer.
         """
@@ -142,7 +243,9 @@ class ServerMetrics:
                 steps = values.get("steps", 0.0)
                 self.engine_steps.labels(*labels).set(steps)
                 self.engine_step_seconds.labels(*labels).set(values.get("step_seconds", 0.0))
-                self.engine_batch_size.labels(*labels).set(values.get("batched", 0.0) / steps if steps else 0.0)
+                self.engine_batch_size.labels(*labels).set(
+                    values.get("batched", 0.0) / steps if steps else 0.0
+                )
                 for key, seconds in values.items():
                     if (phase := _phase_of(key)) is not None:
                         self.engine_phase_seconds.labels(*labels, phase).set(seconds)
@@ -191,13 +294,17 @@ class _EngineFamilies:
         labels = ["model", "rank", "node", "walk"]
         step_times = HistogramMetricFamily(
             "mstar_engine_walk_step_seconds",
-            "Duration of the engine steps that served inputs of a walk, per (node, walk). A step whose "
-            "batch mixes several walks is recorded in full under each of them, so sums over walks can "
+            "Duration of the engine steps that served inputs of a walk, per (node, walk). A "
+            "step whose "
+            "batch mixes several walks is recorded in full under each of them, so sums over "
+            "walks can "
             "exceed the node's mstar_engine_step_seconds.",
             labels=labels,
         )
         inputs = CounterMetricFamily(
-            "mstar_engine_walk_inputs", "Inputs of a walk run in engine steps, per (node, walk).", labels=labels
+            "mstar_engine_walk_inputs",
+            "Inputs of a walk run in engine steps, per (node, walk).",
+            labels=labels,
         )
         bounds = [floatToGoString(b) for b in STEP_TIME_BUCKETS] + ["+Inf"]
         for rank, nodes in stats.walks.items():
@@ -207,13 +314,16 @@ class _EngineFamilies:
                         continue  # a worker built with other buckets: its histogram cannot be read
                     values = [self.model, str(rank), node, walk]
                     cumulative = list(accumulate(t.bucket_counts))
-                    step_times.add_metric(values, list(zip(bounds, cumulative, strict=True)), t.seconds)
+                    step_times.add_metric(
+                        values, list(zip(bounds, cumulative, strict=True)), t.seconds
+                    )
                     inputs.add_metric(values, t.inputs)
         yield step_times
         yield inputs
         moved = CounterMetricFamily(
             "mstar_transport_tensor_bytes",
-            "Tensor bytes that crossed between processes, per process, transport (ipc or tcp: ZeroMQ "
+            "Tensor bytes that crossed between processes, per process, transport (ipc or "
+            "tcp: ZeroMQ "
             "frames; shm: shared-memory arena slots; cuda_ipc: CUDA IPC handles) and direction. "
             "In-process handoffs pass tensors by reference and are not counted.",
             labels=["model", "process", "transport", "direction"],
@@ -221,7 +331,9 @@ class _EngineFamilies:
         for process, kinds in stats.transport.items():
             for kind, directions in kinds.items():
                 for direction in ("sent", "received"):
-                    moved.add_metric([self.model, process, kind, direction], directions.get(direction, 0))
+                    moved.add_metric(
+                        [self.model, process, kind, direction], directions.get(direction, 0)
+                    )
         yield moved
 
 
@@ -248,7 +360,9 @@ class RequestTracker:
         self._last[modality] = now
         if modality == "text":
             m.tokens.labels(model).inc(_num_items(output.data))
-            (m.ttft.labels(model) if last is None else m.itl.labels(model)).observe(now - (last or self.arrival))
+            (m.ttft.labels(model) if last is None else m.itl.labels(model)).observe(
+                now - (last or self.arrival)
+            )
             return
         if last is None:
             if modality == "audio":

@@ -22,13 +22,23 @@ REQUEST_ID_HEADER = "x-request-id"
 _QUIET_PATHS = frozenset({"/health", "/metrics"})
 
 
-async def _send_error(send: Send, status: int, message: str, error_type: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+async def _send_error(
+    send: Send,
+    status: int,
+    message: str,
+    error_type: str,
+    headers: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
     body = json.dumps(error_body(message, error_type, code=status)).encode()
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})
@@ -57,7 +67,10 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER.encode(), request_id.encode())]
+                message["headers"] = [
+                    *message.get("headers", ()),
+                    (REQUEST_ID_HEADER.encode(), request_id.encode()),
+                ]
             await send(message)
 
         # Probes and scrapes arrive every few seconds: log them only at debug level.
@@ -79,7 +92,12 @@ class RequestContextMiddleware:
 class ApiKeyMiddleware:
     """Require ``Authorization: Bearer <key>`` on every path but the open ones."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Iterable[str] = ("/health", "/healthz", "/metrics")) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        open_paths: Iterable[str] = ("/health", "/healthz", "/metrics"),
+    ) -> None:
         self.app = app
         self._expected = api_key.encode()
         self.open_paths = frozenset(open_paths)
@@ -96,7 +114,10 @@ class ApiKeyMiddleware:
         if not (secrets.compare_digest(key.strip(), self._expected) and is_bearer):
             log.warning("unauthorized", path=scope["path"])
             await _send_error(
-                send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error",
+                send,
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
                 [(b"www-authenticate", b"Bearer")],
             )
             return

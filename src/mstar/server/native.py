@@ -72,7 +72,9 @@ def _task(state: ServerState, body: GenerateRequest) -> str:
     raise APIRequestError(f"send a task: one of {', '.join(state.tasks)}", param="task")
 
 
-async def _lines(stream: RequestStream, state: ServerState, with_audio: bool) -> AsyncIterator[bytes]:
+async def _lines(
+    stream: RequestStream, state: ServerState, with_audio: bool
+) -> AsyncIterator[bytes]:
     text_model = state.text_model
     detokenizer = None if text_model is None else IncrementalDetokenizer(text_model.detokenize)
     num_tokens = 0
@@ -100,9 +102,15 @@ def _check_text(body: GenerateRequest, limit: int) -> None:
     inner = data if isinstance(data, dict) else (data.model_extra or {})
     fields = [(f"data.{k}", v) for k, v in inner.items()] + list((body.model_extra or {}).items())
     for name, value in fields:
-        if name.rpartition(".")[2] in _TEXT_FIELDS and isinstance(value, str) and len(value) > limit:
+        if (
+            name.rpartition(".")[2] in _TEXT_FIELDS
+            and isinstance(value, str)
+            and len(value) > limit
+        ):
             raise APIRequestError(
-                f"{name} is {len(value)} characters long; at most {limit} are accepted", param=name, code="text_too_long"
+                f"{name} is {len(value)} characters long; at most {limit} are accepted",
+                param=name,
+                code="text_too_long",
             )
 
 
@@ -147,7 +155,8 @@ def _decode_images(data: dict[str, Any], inner: set[str]) -> dict[str, Any]:
 
 
 def _decode_image_urls(value: Any, name: str) -> Any:
-    """Return ``value`` with every ``data:image/...;base64,`` string decoded to a uint8 RGB array."""
+    """Return ``value`` with every ``data:image/...;base64,`` string decoded to a uint8 RGB
+    array."""
     if isinstance(value, str) and _IMAGE_URL.match(value) is not None:
         try:
             return decode_image_url(value)
@@ -161,7 +170,8 @@ def _decode_image_urls(value: Any, name: str) -> Any:
 
 
 def _prompt_length(state: ServerState, data: dict[str, Any]) -> int | None:
-    """Count the prompt's tokens where the server can (token ids, or at least the tokens of a text)."""
+    """Count the prompt's tokens where the server can (token ids, or at least the tokens of a
+    text)."""
     ids = data.get("prompt_token_ids")
     if isinstance(ids, list):
         return len(ids)
@@ -179,11 +189,14 @@ async def generate(body: GenerateRequest, http: HttpRequest) -> Response:
     data: dict[str, Any] = body.request_data()
     length_param = await _check_length(state, body, data)
     if any(_has_image_url(v) for k, v in data.items() if k not in _TEXT_FIELDS):
-        data = await asyncio.to_thread(_decode_images, data, set(body.data.given()))  # slow: off the loop
+        # slow: off the loop
+        data = await asyncio.to_thread(_decode_images, data, set(body.data.given()))
     if task != "generate" and "prompt" in data and "text" not in data:
         data["text"] = data.pop("prompt")
     request = Request(task, data, f"gen-{uuid.uuid4().hex}")
-    stream = await open_stream(state, http, request, sample_rate=state.sample_rate, length_param=length_param)
+    stream = await open_stream(
+        state, http, request, sample_rate=state.sample_rate, length_param=length_param
+    )
     lines = _lines(stream, state, body.audio_data)
     if body.stream:
         return EngineStreamingResponse(lines, stream, media_type=NDJSON)

@@ -49,7 +49,13 @@ def _state(http: HttpRequest) -> ServerState:
 
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "mstar", "tasks": list(state.tasks)}
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "mstar",
+        "tasks": list(state.tasks),
+    }
 
 
 @router.get("/v1/models")
@@ -86,13 +92,18 @@ async def speech(body: SpeechRequest, http: HttpRequest) -> Response:
     rate = OPENAI_SAMPLE_RATE
     if body.speed != 1.0 and "speed" not in state.option_names("speech"):
         raise APIRequestError(f"model {state.name!r} speaks at speed 1.0 only", param="speed")
-    await state.check_length(body.max_tokens, num_prompt=state.count_prompt(body.input), prompt_param="input")
+    await state.check_length(
+        body.max_tokens, num_prompt=state.count_prompt(body.input), prompt_param="input"
+    )
     request = Request("speech", body.model_data(), f"speech-{uuid.uuid4().hex}")
     headers = {"X-Sample-Rate": str(rate)}
     if not body.is_streamed:
         (outputs,) = await run_to_end(state, http, [request], sample_rate=native)
         resampler = PcmResampler(native, rate)
-        pcm = b"".join(resampler.feed(o.data) for o in outputs if o.modality == "audio") + resampler.finish()
+        pcm = (
+            b"".join(resampler.feed(o.data) for o in outputs if o.modality == "audio")
+            + resampler.finish()
+        )
         if body.response_format == "wav":
             pcm = wav_header(rate, num_data_bytes=len(pcm)) + pcm
         return Response(pcm, media_type=_AUDIO_TYPES[body.response_format], headers=headers)
@@ -100,13 +111,18 @@ async def speech(body: SpeechRequest, http: HttpRequest) -> Response:
     chunks = _pcm_chunks(stream, PcmResampler(native, rate))
     if body.stream_format == "sse":
         content = _speech_events(chunks, body.response_format, rate)
-        return EngineStreamingResponse(content, stream, media_type="text/event-stream", headers=headers)
+        return EngineStreamingResponse(
+            content, stream, media_type="text/event-stream", headers=headers
+        )
     content = _audio_bytes(chunks, body.response_format, rate)
-    return EngineStreamingResponse(content, stream, media_type=_AUDIO_TYPES[body.response_format], headers=headers)
+    return EngineStreamingResponse(
+        content, stream, media_type=_AUDIO_TYPES[body.response_format], headers=headers
+    )
 
 
 async def _pcm_chunks(stream: RequestStream, resampler: PcmResampler) -> AsyncIterator[bytes]:
-    """Yield PCM16 at the served rate of each audio output as it comes, then the resampler's tail."""
+    """Yield PCM16 at the served rate of each audio output as it comes, then the resampler's
+    tail."""
     async with contextlib.aclosing(stream.outputs()) as outputs:
         async for out in outputs:
             if out.modality == "audio":
@@ -118,7 +134,9 @@ async def _pcm_chunks(stream: RequestStream, resampler: PcmResampler) -> AsyncIt
         yield tail
 
 
-async def _audio_bytes(chunks: AsyncIterator[bytes], response_format: str, rate: int) -> AsyncIterator[bytes]:
+async def _audio_bytes(
+    chunks: AsyncIterator[bytes], response_format: str, rate: int
+) -> AsyncIterator[bytes]:
     """Yield a streaming WAV header (for wav), then the audio as it is produced.
 
     A failure mid-stream propagates: the connection closes without the final chunk, so the
@@ -130,7 +148,9 @@ async def _audio_bytes(chunks: AsyncIterator[bytes], response_format: str, rate:
         yield pcm
 
 
-async def _speech_events(chunks: AsyncIterator[bytes], response_format: str, rate: int) -> AsyncIterator[bytes]:
+async def _speech_events(
+    chunks: AsyncIterator[bytes], response_format: str, rate: int
+) -> AsyncIterator[bytes]:
     """Yield `speech.audio.delta` events (base64 audio), then `speech.audio.done`."""
 
     def delta(data: bytes) -> bytes:
@@ -143,11 +163,17 @@ async def _speech_events(chunks: AsyncIterator[bytes], response_format: str, rat
         async for pcm in chunks:
             num_samples += len(pcm) // 2
             yield delta(pcm)
-        yield sse({"type": "speech.audio.done", "usage": {"num_samples": num_samples, "sample_rate": rate}})
+        yield sse(
+            {
+                "type": "speech.audio.done",
+                "usage": {"num_samples": num_samples, "sample_rate": rate},
+            }
+        )
     except (MStarError, ValueError) as exc:
         log.warning("stream_failed", error=str(exc), error_type=type(exc).__name__)
         kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
-        yield sse({"type": "error", **error_body(str(exc), kind, exc=exc)})  # names the mstar error, for clients
+        # names the mstar error, for clients
+        yield sse({"type": "error", **error_body(str(exc), kind, exc=exc)})
 
 
 # --- images ------------------------------------------------------------------------------
@@ -171,7 +197,9 @@ async def image_edits(http: HttpRequest) -> JSONResponse:
     """
     state = _state(http)
     if not http.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise APIRequestError("send an image edit as multipart/form-data, with the image as a file field 'image'")
+        raise APIRequestError(
+            "send an image edit as multipart/form-data, with the image as a file field 'image'"
+        )
     async with http.form(max_files=MAX_EDIT_IMAGES + 1, max_fields=64) as form:
         items = form.multi_items()
         fields = {k: v for k, v in items if isinstance(v, str) and k not in _IMAGE_FIELDS}
@@ -182,16 +210,24 @@ async def image_edits(http: HttpRequest) -> JSONResponse:
         state.check_model(body.model)
         state.check_task("image_edit")
         if any(k == "mask" for k, _ in items):
-            raise APIRequestError("masks are not supported: the whole image is edited", param="mask")
+            raise APIRequestError(
+                "masks are not supported: the whole image is edited", param="mask"
+            )
         uploads = [v for k, v in items if k in _IMAGE_FIELDS]
         if not uploads:
-            raise APIRequestError("image is required: attach one or more PNG or JPEG files", param="image")
+            raise APIRequestError(
+                "image is required: attach one or more PNG or JPEG files", param="image"
+            )
         if len(uploads) > MAX_EDIT_IMAGES:
-            raise APIRequestError(f"send at most {MAX_EDIT_IMAGES} images, got {len(uploads)}", param="image")
+            raise APIRequestError(
+                f"send at most {MAX_EDIT_IMAGES} images, got {len(uploads)}", param="image"
+            )
         images = []
         for i, upload in enumerate(uploads):
             if not isinstance(upload, UploadFile):
-                raise APIRequestError("image must be a file upload (multipart file field), not text", param="image")
+                raise APIRequestError(
+                    "image must be a file upload (multipart file field), not text", param="image"
+                )
             try:
                 images.append(decode_image(await upload.read()))
             except ValueError as exc:
@@ -201,7 +237,11 @@ async def image_edits(http: HttpRequest) -> JSONResponse:
 
 
 async def _run_images(
-    state: ServerState, http: HttpRequest, task: str, body: ImageGenerationRequest, extra: dict[str, Any]
+    state: ServerState,
+    http: HttpRequest,
+    task: str,
+    body: ImageGenerationRequest,
+    extra: dict[str, Any],
 ) -> JSONResponse:
     """Run `body.n` requests of ``task`` (``extra`` added to their data); answer their images."""
     size = body.dimensions
@@ -212,7 +252,11 @@ async def _run_images(
             data["seed"] = body.seed + i
         if size is not None:
             data["width"], data["height"] = size
-        for field, key in (("num_inference_steps", "num_timesteps"), ("guidance_scale", "guidance_scale"), ("think", "think")):
+        for field, key in (
+            ("num_inference_steps", "num_timesteps"),
+            ("guidance_scale", "guidance_scale"),
+            ("think", "think"),
+        ):
             if getattr(body, field) is not None:
                 data[key] = getattr(body, field)
         requests.append(Request(task, data, f"{task}-{uuid.uuid4().hex}"))
@@ -225,12 +269,17 @@ async def _run_images(
         try:
             picture = encode_image(pictures[-1])  # whatever the model emits: bytes, PIL, tensors
         except ValueError as exc:
-            raise MStarError(f"model {state.name!r} emitted an image that is no image: {exc}") from None
+            raise MStarError(
+                f"model {state.name!r} emitted an image that is no image: {exc}"
+            ) from None
         if size is not None and (picture.width, picture.height) != size:
             raise APIRequestError(
-                f"model {state.name!r} makes {picture.width}x{picture.height} images, not {size[0]}x{size[1]}: "
+                f"model {state.name!r} makes {picture.width}x{picture.height} images, not "
+                f"{size[0]}x{size[1]}: "
                 "omit size or send 'auto'",
                 param="size",
             )
-        images.append({"b64_json": base64.b64encode(picture.png).decode("ascii"), "revised_prompt": None})
+        images.append(
+            {"b64_json": base64.b64encode(picture.png).decode("ascii"), "revised_prompt": None}
+        )
     return JSONResponse({"created": int(time.time()), "data": images})

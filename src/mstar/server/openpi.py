@@ -1,4 +1,5 @@
-"""openpi's WebSocket policy protocol, so existing robot clients (`openpi-client`) connect unchanged.
+"""openpi's WebSocket policy protocol, so existing robot clients (`openpi-client`) connect
+unchanged.
 
 On a model that declares `SupportsActionPolicy` (pi0.5), the server answers:
 
@@ -54,7 +55,12 @@ def _encode(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind in "VOc":
             raise ValueError(f"unsupported array dtype {obj.dtype}")
-        return {b"__ndarray__": True, b"data": np.ascontiguousarray(obj).tobytes(), b"dtype": obj.dtype.str, b"shape": list(obj.shape)}
+        return {
+            b"__ndarray__": True,
+            b"data": np.ascontiguousarray(obj).tobytes(),
+            b"dtype": obj.dtype.str,
+            b"shape": list(obj.shape),
+        }
     if isinstance(obj, np.generic):
         return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
     raise TypeError(f"cannot encode {type(obj).__name__}")
@@ -68,7 +74,10 @@ def _decode(obj: dict[Any, Any]) -> Any:
         shape = tuple(int(n) for n in obj[b"shape"])
         data = obj[b"data"]
         if len(data) != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-            raise ValueError(f"an array of shape {list(shape)} and dtype {dtype} needs {dtype.itemsize * int(np.prod(shape))} bytes, got {len(data)}")
+            raise ValueError(
+                f"an array of shape {list(shape)} and dtype {dtype} needs "
+                f"{dtype.itemsize * int(np.prod(shape))} bytes, got {len(data)}"
+            )
         return np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # writable, owned
     if b"__npgeneric__" in obj:
         return np.dtype(obj[b"dtype"]).type(obj[b"data"])
@@ -106,7 +115,9 @@ def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
         return True
     given = websocket.headers.get("authorization", "")
     scheme, _, key = given.partition(" ")
-    return scheme.lower() in ("api-key", "bearer") and secrets.compare_digest(key.strip().encode(), api_key.encode())
+    return scheme.lower() in ("api-key", "bearer") and secrets.compare_digest(
+        key.strip().encode(), api_key.encode()
+    )
 
 
 @router.websocket("/")
@@ -118,7 +129,9 @@ async def policy(websocket: WebSocket) -> None:
         await websocket.close(code=POLICY_VIOLATION, reason="missing or invalid API key")
         return
     if not supports_action_policy(model):
-        await websocket.close(code=POLICY_VIOLATION, reason=f"model {state.name!r} is not an action policy")
+        await websocket.close(
+            code=POLICY_VIOLATION, reason=f"model {state.name!r} is not an action policy"
+        )
         return
     await websocket.accept()
     await websocket.send_bytes(pack(model.policy_metadata()))
@@ -174,7 +187,10 @@ async def _fail(websocket: WebSocket, exc: Exception) -> None:
         detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         await websocket.send_text(detail)
-        await websocket.close(code=INTERNAL_ERROR, reason="Internal server error. Traceback included in previous frame.")
+        await websocket.close(
+            code=INTERNAL_ERROR,
+            reason="Internal server error. Traceback included in previous frame.",
+        )
     except (WebSocketDisconnect, RuntimeError, OSError):
         pass  # the robot already left
 

@@ -207,7 +207,8 @@ class ChatMessage(BaseModel):
                 continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIRequestError(
-                    f"content part of type {part.get('type')!r} is not supported: send text, input_audio or image_url parts",
+                    f"content part of type {part.get('type')!r} is not supported: send text, "
+                    "input_audio or image_url parts",
                     param=f"{where}.content.{i}",
                 )
             texts.append(part["text"])
@@ -216,10 +217,13 @@ class ChatMessage(BaseModel):
     @property
     def has_media(self) -> bool:
         """Return whether the message holds audio or image parts."""
-        return isinstance(self.content, list) and any(p.get("type") in _MEDIA_PARTS for p in self.content)
+        return isinstance(self.content, list) and any(
+            p.get("type") in _MEDIA_PARTS for p in self.content
+        )
 
     def parts(self, where: str) -> list[dict[str, Any]]:
-        """Return the content as model parts: text, audio (float32 16 kHz mono) and image (uint8 H x W x 3).
+        """Return the content as model parts: text, audio (float32 16 kHz mono) and image (uint8 H x
+        W x 3).
 
         ``input_audio`` takes ``{"data": base64 WAV, "format": "wav"}``; ``image_url`` takes a
         ``data:image/...;base64,`` URL (nothing is fetched).
@@ -241,7 +245,9 @@ class ChatMessage(BaseModel):
                 else:
                     out.append({"type": "text", "text": part.get("text", "")})
             except ValueError as exc:
-                raise APIRequestError(f"content part {kind!r} cannot be read: {exc}", param=param) from None
+                raise APIRequestError(
+                    f"content part {kind!r} cannot be read: {exc}", param=param
+                ) from None
         self.text(where)  # checks the other parts
         return out
 
@@ -250,7 +256,8 @@ class ChatAudio(BaseModel):
     """`audio`: how a chat answer with ``modalities: ["text", "audio"]`` is spoken.
 
     ``pcm16`` is little-endian 16-bit mono at 24 kHz, the rate OpenAI clients play (the
-    model's audio resampled; each audio delta names it as ``sample_rate``); streams send ``pcm16`` only, as
+    model's audio resampled; each audio delta names it as ``sample_rate``); streams send ``pcm16``
+    only, as
     OpenAI's API does. The voice is the model's own (the assistant has one).
     """
 
@@ -283,9 +290,13 @@ class ChatCompletionRequest(_Sampling):
         if not self.with_audio:
             return self
         if self.n > 1:
-            raise _field_error(type(self), ("n",), "an answer with audio has one choice: n must be 1")
+            raise _field_error(
+                type(self), ("n",), "an answer with audio has one choice: n must be 1"
+            )
         if self.stream and self.audio_format != "pcm16":
-            raise _field_error(type(self), ("audio", "format"), 'a stream carries audio as "pcm16" only')
+            raise _field_error(
+                type(self), ("audio", "format"), 'a stream carries audio as "pcm16" only'
+            )
         return self
 
     @property
@@ -314,7 +325,10 @@ class ChatCompletionRequest(_Sampling):
         """Return the messages with decoded media parts, or None when every message is text."""
         if not any(m.has_media for m in self.messages):
             return None
-        return [{"role": m.role, "content": m.parts(f"messages.{i}")} for i, m in enumerate(self.messages)]
+        return [
+            {"role": m.role, "content": m.parts(f"messages.{i}")}
+            for i, m in enumerate(self.messages)
+        ]
 
     def limit(self) -> int | None:
         """Return the requested completion length."""
@@ -388,7 +402,8 @@ class SpeechRequest(_Body):
             value = getattr(self, key)
             if value is not None:
                 data[key] = value
-        if self.speed != 1.0:  # the model's option where its speech task declares one (the route checks)
+        # the model's option where its speech task declares one (the route checks)
+        if self.speed != 1.0:
             data["speed"] = self.speed
         return data
 
@@ -545,7 +560,9 @@ def decode_image_url(value: Any) -> Any:
 
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
-        raise ValueError("image_url must be a data:image/...;base64, URL (remote URLs are not fetched)")
+        raise ValueError(
+            "image_url must be a data:image/...;base64, URL (remote URLs are not fetched)"
+        )
     from mstar.server.images import decode_image
 
     try:

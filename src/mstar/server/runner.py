@@ -59,7 +59,9 @@ class EngineStart:
     Its `loading` wraps the engine's start (`make_app`'s ``loading``), around ``display``.
     """
 
-    def __init__(self, display: Callable[[str], contextlib.AbstractContextManager[Any]] = loading_display) -> None:
+    def __init__(
+        self, display: Callable[[str], contextlib.AbstractContextManager[Any]] = loading_display
+    ) -> None:
         self.display = display
         self.task: asyncio.Task[Any] | None = None
 
@@ -109,7 +111,11 @@ class DrainingServer(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, server_config: ServerConfig, app: FastAPI, start: EngineStart | None = None
+        self,
+        config: uvicorn.Config,
+        server_config: ServerConfig,
+        app: FastAPI,
+        start: EngineStart | None = None,
     ) -> None:
         super().__init__(config)
         self.server_config = server_config
@@ -128,7 +134,12 @@ class DrainingServer(uvicorn.Server):
         """Begin draining (or stop a start); a second signal, or no running loop, exits at once."""
         loop = self._loop
         starting = self.start.task if self.start is not None else None
-        if not self.is_start_cancelled and starting is not None and loop is not None and not loop.is_closed():
+        if (
+            not self.is_start_cancelled
+            and starting is not None
+            and loop is not None
+            and not loop.is_closed()
+        ):
             # uvicorn would wait for the lifespan's start (minutes, on a cluster) before it
             # looks at the signal. The start then fails by cancellation: no error to report.
             self.is_start_cancelled = True
@@ -144,7 +155,9 @@ class DrainingServer(uvicorn.Server):
     def begin_drain(self) -> None:
         """Start draining (on the server's loop); exit once it is over."""
         if self._drain is None:
-            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(), name="mstar-drain")
+            self._drain = asyncio.get_running_loop().create_task(
+                self._drain_then_exit(), name="mstar-drain"
+            )
 
     async def _drain_then_exit(self) -> None:
         state: ServerState | None = getattr(self.app.state, "server", None)
@@ -156,9 +169,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def _not_cancelled(record: logging.LogRecord) -> bool:
-    """Drop uvicorn's report of the lifespan's start failing by a cancellation (and its traceback)."""
+    """Drop uvicorn's report of the lifespan's start failing by a cancellation (and its
+    traceback)."""
     message = record.getMessage().rstrip()
-    return not (message.endswith("CancelledError") or message == "Application startup failed. Exiting.")
+    return not (
+        message.endswith("CancelledError") or message == "Application startup failed. Exiting."
+    )
 
 
 def _bind(app: FastAPI, config: ServerConfig) -> tuple[uvicorn.Config, socket.socket, str]:
@@ -183,7 +199,11 @@ def run_server(app: FastAPI, config: ServerConfig, start: EngineStart | None = N
     log.info("server_bound", url=url)
     # uvicorn handles the signal (graceful shutdown), then raises it again once done: turn
     # that into a normal return rather than death by signal.
-    previous = _on_sigterm(_exit_quietly) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        _on_sigterm(_exit_quietly)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     server = DrainingServer(uv, config, app, start)
     try:
         server.run(sockets=[sock])
@@ -211,5 +231,3 @@ def _exit_quietly(signum: int, frame: object) -> None:
 
 def _on_sigterm(handler: Callable[[int, object], None]) -> Any:
     return signal.signal(signal.SIGTERM, handler)
-
-

@@ -53,7 +53,9 @@ T = TypeVar("T")
 
 def status_of(exc: BaseException) -> str:
     """Return the `mstar_requests_finished_total` status of a request that raised ``exc``."""
-    if isinstance(exc, RequestAbortedError | ClientDisconnectedError | asyncio.CancelledError | GeneratorExit):
+    if isinstance(
+        exc, RequestAbortedError | ClientDisconnectedError | asyncio.CancelledError | GeneratorExit
+    ):
         return "aborted"
     if isinstance(exc, ValueError):
         return "invalid"
@@ -63,7 +65,9 @@ def status_of(exc: BaseException) -> str:
 class RequestStream:
     """Run one request through the engine under admission control and metrics."""
 
-    def __init__(self, state: ServerState, request: Request, *, sample_rate: int | None = None) -> None:
+    def __init__(
+        self, state: ServerState, request: Request, *, sample_rate: int | None = None
+    ) -> None:
         self.state = state
         self.request = request
         self.tracker = state.metrics.tracker(request.task, sample_rate=sample_rate)
@@ -90,7 +94,9 @@ class RequestStream:
         """
         try:
             if self.state.is_draining:
-                raise OverloadedError("the server is shutting down: retry on another replica", retry_after_s=1)
+                raise OverloadedError(
+                    "the server is shutting down: retry on another replica", retry_after_s=1
+                )
             await self.state.admission.acquire()
         except OverloadedError:
             self._is_closed = True
@@ -158,7 +164,9 @@ class RequestStream:
 class EngineStreamingResponse(StreamingResponse):
     """A streaming response that always closes its `RequestStream` (client gone or not)."""
 
-    def __init__(self, content: AsyncIterator[bytes], stream: RequestStream, **kwargs: object) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], stream: RequestStream, **kwargs: object
+    ) -> None:
         super().__init__(content, **kwargs)  # type: ignore[arg-type]
         self.stream = stream
 
@@ -252,7 +260,11 @@ async def open_stream(
 
 
 async def run_to_end(
-    state: ServerState, http: HttpRequest, requests: list[Request], *, sample_rate: int | None = None
+    state: ServerState,
+    http: HttpRequest,
+    requests: list[Request],
+    *,
+    sample_rate: int | None = None,
 ) -> list[list[Output]]:
     """Run requests concurrently to the end; return each one's outputs.
 

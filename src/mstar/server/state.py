@@ -123,9 +123,15 @@ class ServerState:
                 prompt alone is too long, else ``param``.
         """
         limit = self.max_seq_len
-        if limit is not None and num_prompt is not None and prompt_param is not None and num_prompt >= limit:
+        if (
+            limit is not None
+            and num_prompt is not None
+            and prompt_param is not None
+            and num_prompt >= limit
+        ):
             raise APIRequestError(
-                f"the prompt has {num_prompt} tokens but the model holds {limit} tokens, prompt and "
+                f"the prompt has {num_prompt} tokens but the model holds {limit} tokens, "
+                "prompt and "
                 "completion together (its length, or a smaller KV cache): shorten it",
                 param=prompt_param,
                 code="context_length_exceeded",
@@ -145,8 +151,10 @@ class ServerState:
             prompt = "at least 1 token" if num_prompt is None else f"{num_prompt} tokens"
             fix = "less the prompt's tokens" if num_prompt is None else "or shorten the prompt"
             raise APIRequestError(
-                f"{param} is {max_tokens} and the prompt has {prompt}, but the model holds {limit} tokens, "
-                f"prompt and completion together (its length, or a smaller KV cache): lower {param} to "
+                f"{param} is {max_tokens} and the prompt has {prompt}, but the model holds "
+                f"{limit} tokens, "
+                "prompt and completion together (its length, or a smaller KV cache): lower "
+                f"{param} to "
                 f"at most {limit - counted} {fix}",
                 param=param,
                 code="context_length_exceeded",
@@ -224,7 +232,8 @@ class ServerState:
         """
         if task not in self.tasks:
             raise APIRequestError(
-                f"model {self.name!r} cannot do task {task!r} (its tasks: {', '.join(self.tasks) or 'none'})",
+                f"model {self.name!r} cannot do task {task!r} (its tasks: "
+                f"{', '.join(self.tasks) or 'none'})",
                 param=param,
                 code="unsupported_task",
             )

@@ -14,7 +14,8 @@ A chat with ``modalities: ["text", "audio"]`` to a model with audio outputs (the
 Qwen3-Omni) is answered as OpenAI's audio-output API answers: the text is the audio's
 ``transcript``, and the speech comes base64-encoded in ``audio.data`` (``pcm16`` chunks as
 they are spoken in a stream, each delta also naming its ``sample_rate``; a whole ``wav`` or
-``pcm16`` file otherwise), at 24 kHz whatever the model's own rate (`PcmResampler`). Models with audio outputs get ``modalities`` in the request data,
+``pcm16`` file otherwise), at 24 kHz whatever the model's own rate (`PcmResampler`). Models with
+audio outputs get ``modalities`` in the request data,
 so a text-only chat does not run their voice.
 """
 
@@ -66,7 +67,8 @@ class Piece:
 
 
 class TextGeneration:
-    """Follow one choice's text outputs: text deltas, stop strings, log-probabilities, finish reason."""
+    """Follow one choice's text outputs: text deltas, stop strings, log-probabilities, finish
+    reason."""
 
     def __init__(
         self,
@@ -115,7 +117,9 @@ class TextGeneration:
         pcm = b"" if self.audio is None else self.audio.finish()
         if self.is_stopped:
             return Piece(pcm=pcm)
-        return Piece(self._emit(self.stopper.feed(self.detokenizer.flush()) + self.stopper.flush()), pcm=pcm)
+        return Piece(
+            self._emit(self.stopper.feed(self.detokenizer.flush()) + self.stopper.flush()), pcm=pcm
+        )
 
     def _emit(self, text: str) -> str:
         self.text_len += len(text)
@@ -161,7 +165,8 @@ def _chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprobs]) -> dict[str
 def _completion_logprobs(
     texts: TokenTexts, logprobs: list[TokenLogprobs], offsets: list[int]
 ) -> dict[str, Any]:
-    """Return legacy completions' ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    """Return legacy completions' ``logprobs``: tokens, token_logprobs, top_logprobs,
+    text_offset."""
     top: list[dict[str, float] | None] = []
     for lp in logprobs:
         alternatives: dict[str, float] = {}
@@ -275,7 +280,8 @@ class _Choices:
         return results
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
-        """Yield ``(choice, piece)`` as the choices produce them, and ``(choice, None)`` as each ends.
+        """Yield ``(choice, piece)`` as the choices produce them, and ``(choice, None)`` as each
+        ends.
 
         Raises:
             MStarError | ValueError: A choice failed.
@@ -327,7 +333,8 @@ def _text_model(state: ServerState) -> SupportsTextOutput:
     text_model = state.text_model
     if text_model is None:
         raise APIRequestError(
-            f"model {state.name!r} has no tokenizer: send token ids to the native /generate endpoint",
+            f"model {state.name!r} has no tokenizer: send token ids to the native /generate "
+            "endpoint",
             code="no_tokenizer",
         )
     return text_model
@@ -354,7 +361,8 @@ async def _max_tokens(
     """Return the completion length: as requested, or the rest of the model's length.
 
     Raises:
-        APIRequestError: The prompt, or the prompt and the requested tokens, exceed the model's length.
+        APIRequestError: The prompt, or the prompt and the requested tokens, exceed the model's
+            length.
     """
     limit = state.max_seq_len
     if limit is None:
@@ -371,7 +379,8 @@ async def _max_tokens(
     if num_prompt + requested > limit:
         raise APIRequestError(
             f"the model's length is {limit} tokens, but {num_prompt + requested} were requested "
-            f"({num_prompt} in the prompt, {requested} in the completion): lower {limit_param} to at most "
+            f"({num_prompt} in the prompt, {requested} in the completion): lower "
+            f"{limit_param} to at most "
             f"{limit - num_prompt} or shorten the prompt",
             param=limit_param,
             code="context_length_exceeded",
@@ -392,7 +401,9 @@ async def _run(
     request_id = f"{kind}-{uuid.uuid4().hex}"
     spoken = isinstance(body, ChatCompletionRequest) and body.with_audio
     requests, gens = [], []
-    prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids} if media_messages is None else {"messages": media_messages}
+    prompt: dict[str, Any] = (
+        {"prompt_token_ids": prompt_ids} if media_messages is None else {"messages": media_messages}
+    )
     for i in range(body.n):
         data: dict[str, Any] = {**prompt, **body.sampling_data(max_tokens, i)}
         if body.n > 1:
@@ -402,8 +413,14 @@ async def _run(
         requests.append(
             Request("generate", data, request_id if body.n == 1 else f"{request_id}-{i}")
         )
-        audio = PcmResampler(state.sample_rate, OPENAI_SAMPLE_RATE) if spoken and state.sample_rate else None
-        gens.append(TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens, i, audio))
+        audio = (
+            PcmResampler(state.sample_rate, OPENAI_SAMPLE_RATE)
+            if spoken and state.sample_rate
+            else None
+        )
+        gens.append(
+            TextGeneration(text_model, len(prompt_ids), body.stop_strings, max_tokens, i, audio)
+        )
     texts = TokenTexts(text_model.tokenizer)
     meta = {"id": request_id, "created": int(time.time()), "model": state.name}
     rate = OPENAI_SAMPLE_RATE if spoken else None  # what the answer's speech is served at
@@ -413,7 +430,9 @@ async def _run(
         await cancel_on_disconnect(http, choices.wait_started())
         if spoken:
             assert rate is not None
-            content = _spoken_chat_events(choices, texts, meta, body.include_usage, with_logprobs, rate)
+            content = _spoken_chat_events(
+                choices, texts, meta, body.include_usage, with_logprobs, rate
+            )
         else:
             events = _chat_events if kind == "chatcmpl" else _completion_events
             content = events(choices, texts, meta, body.include_usage, with_logprobs)
@@ -493,9 +512,16 @@ def _audio_id(meta: dict[str, Any]) -> str:
     return f"audio_{meta['id']}"
 
 
-def _spoken_answer(meta: dict[str, Any], piece: Piece, audio_format: str, rate: int) -> dict[str, Any]:
-    """Return a whole spoken answer's ``message.audio`` (mstar keeps no audio: it expires at once)."""
-    data = piece.pcm if audio_format == "pcm16" else wav_header(rate, num_data_bytes=len(piece.pcm)) + piece.pcm
+def _spoken_answer(
+    meta: dict[str, Any], piece: Piece, audio_format: str, rate: int
+) -> dict[str, Any]:
+    """Return a whole spoken answer's ``message.audio`` (mstar keeps no audio: it expires at
+    once)."""
+    data = (
+        piece.pcm
+        if audio_format == "pcm16"
+        else wav_header(rate, num_data_bytes=len(piece.pcm)) + piece.pcm
+    )
     return {
         "id": _audio_id(meta),
         "expires_at": meta["created"],
@@ -516,7 +542,9 @@ async def _spoken_chat_events(
     """Stream a spoken answer (one choice): transcript deltas and pcm16 chunks as they come."""
     audio_id = _audio_id(meta)
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
+    def chunk(
+        delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
+    ) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return sse({**meta, "object": "chat.completion.chunk", "choices": [choice]})
 
@@ -529,7 +557,9 @@ async def _spoken_chat_events(
                 continue
             if piece.text or piece.logprobs:
                 logprobs = _chat_logprobs(texts, piece.logprobs) if with_logprobs else None
-                yield chunk({"audio": {"id": audio_id, "transcript": piece.text}}, logprobs=logprobs)
+                yield chunk(
+                    {"audio": {"id": audio_id, "transcript": piece.text}}, logprobs=logprobs
+                )
             if piece.pcm:
                 data = base64.b64encode(piece.pcm).decode("ascii")
                 yield chunk({"audio": {"id": audio_id, "data": data, "sample_rate": rate}})
@@ -586,7 +616,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Re
     text_model = _text_model(state)
     if body.with_audio and state.sample_rate is None:
         raise APIRequestError(
-            f"model {state.name!r} has no audio output: modalities can only be [\"text\"]",
+            f'model {state.name!r} has no audio output: modalities can only be ["text"]',
             param="modalities",
         )
     prompt_ids = _chat_prompt(text_model, body.chat())

@@ -140,7 +140,8 @@ class StreamBuffer(Generic[T]):
 
     @property
     def is_over(self) -> bool:
-        """Return whether no chunk will ever come: drained, unless the policy continues after done."""
+        """Return whether no chunk will ever come: drained, unless the policy continues after
+        done."""
         return self._final_sent and not self._ready and not self.policy.continue_after_done
 
     def next_chunk(self) -> Chunk[T] | None:
@@ -168,8 +169,10 @@ class StreamBuffer(Generic[T]):
             start, end = window
             if not self._base <= start <= self.num_delivered < end <= self.num_items:
                 raise ValueError(
-                    f"{policy} chose the window [{start}, {end}) of {self.num_items} buffered items "
-                    f"({self.num_delivered} delivered, positions before {self._base} dropped): a window "
+                    f"{policy} chose the window [{start}, {end}) of {self.num_items} "
+                    "buffered items "
+                    f"({self.num_delivered} delivered, positions before {self._base} "
+                    "dropped): a window "
                     "must bring new buffered items and skip none"
                 )
             chunks.append(self._take(start, end, is_last=False))

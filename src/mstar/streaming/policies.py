@@ -138,7 +138,8 @@ class SlidingWindowChunkPolicy:
         )
         _require(
             1 <= self.stride <= self.window,
-            f"SlidingWindowChunkPolicy stride must be in [1, window={self.window}], got {self.stride}",
+            f"SlidingWindowChunkPolicy stride must be in [1, window={self.window}], got "
+            f"{self.stride}",
         )
 
     def next_window(

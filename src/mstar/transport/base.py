@@ -186,7 +186,9 @@ class Transport(Protocol):
         """Bind at `address` now and return the listener (CURVE-secured where it applies)."""
         ...
 
-    def connect(self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None) -> Channel:
+    def connect(
+        self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None
+    ) -> Channel:
         """Return a channel to `address` at once; messages queue until the peer is reached."""
         ...
 
@@ -267,7 +269,10 @@ class ChannelBase:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.aclose()
 

@@ -6,7 +6,8 @@
 A tensor's bytes go, by preference: as CUDA IPC handles (CUDA tensor on a device the peer
 sees too, peer another process on this machine, both able to open handles); into a slot of
 this system's shared arena (CPU tensor of at least `shm_min_bytes`, peer on this machine,
-arena not full); else as a separate frame, sent without a copy. A frame is read by the transport later, so a tensor must not be modified
+arena not full); else as a separate frame, sent without a copy. A frame is read by the transport
+later, so a tensor must not be modified
 after it was sent. Decoding accepts only what `messages` declares, checks every tensor
 against its frame or slot, and raises `ProtocolError` for anything else.
 
@@ -56,9 +57,23 @@ __all__ = ["DTYPES", "LinkCodec", "frame_nbytes", "salvage_call_id"]
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-        "float8_e4m3fn", "float8_e5m2",
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
     )
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
@@ -100,8 +115,17 @@ def _read_header(data: memoryview, pos: int) -> tuple[str, int, int]:
         return "array", byte & 0x0F, pos
     if 0xA0 <= byte <= 0xBF:
         return "str", byte & 0x1F, pos
-    sizes = {0xCC: ("int", 1), 0xCD: ("int", 2), 0xCE: ("int", 4), 0xCF: ("int", 8),
-             0xD9: ("str", 1), 0xDA: ("str", 2), 0xDB: ("str", 4), 0xDC: ("array", 2), 0xDD: ("array", 4)}
+    sizes = {
+        0xCC: ("int", 1),
+        0xCD: ("int", 2),
+        0xCE: ("int", 4),
+        0xCF: ("int", 8),
+        0xD9: ("str", 1),
+        0xDA: ("str", 2),
+        0xDB: ("str", 4),
+        0xDC: ("array", 2),
+        0xDD: ("array", 4),
+    }
     if byte not in sizes:
         raise ValueError("not a header")
     kind, size = sizes[byte]
@@ -291,7 +315,9 @@ class LinkCodec:
     def _peer_sees(self, device: torch.device) -> bool:
         uuids = local_cuda_device_uuids()
         index = device.index
-        return index is not None and index < len(uuids) and uuids[index] in self.cuda_ipc_device_uuids
+        return (
+            index is not None and index < len(uuids) and uuids[index] in self.cuda_ipc_device_uuids
+        )
 
     def release_cuda_sent(self) -> None:
         """Release every CUDA IPC handle this link sent: its peer's process exited.
@@ -405,7 +431,9 @@ class LinkCodec:
         if isinstance(loc, CudaIpcLoc):
             if not self.cuda_ipc:
                 release_cuda_handle(loc.ref_counter_handle, loc.ref_counter_offset)
-                raise ProtocolError("received a CUDA IPC tensor on a link that did not agree to CUDA IPC")
+                raise ProtocolError(
+                    "received a CUDA IPC tensor on a link that did not agree to CUDA IPC"
+                )
             tensor = import_cuda_tensor(loc, dtype, ref.shape)
             self._cuda_bytes += nbytes
             return tensor
@@ -413,7 +441,9 @@ class LinkCodec:
             if self.peer_arena is None:
                 raise ProtocolError("tensor in a shared arena this side has not mapped")
             if loc.nbytes != nbytes:
-                raise ProtocolError(f"arena slot holds {loc.nbytes} bytes, the tensor needs {nbytes}")
+                raise ProtocolError(
+                    f"arena slot holds {loc.nbytes} bytes, the tensor needs {nbytes}"
+                )
             view = self.peer_arena.tensor(loc.offset, nbytes, dtype, ref.shape)
             self._shm_bytes += nbytes
             return view
@@ -424,7 +454,9 @@ class LinkCodec:
         self._in_used[index] = True
         buffer = _as_buffer(self._in[index])
         if frame_nbytes(buffer) != nbytes:
-            raise ProtocolError(f"frame {index} holds {frame_nbytes(buffer)} bytes, the tensor needs {nbytes}")
+            raise ProtocolError(
+                f"frame {index} holds {frame_nbytes(buffer)} bytes, the tensor needs {nbytes}"
+            )
         if nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
         if isinstance(buffer, bytes):

@@ -57,11 +57,14 @@ def local_cuda_device_uuids() -> tuple[str, ...]:
     """
     if not is_cuda_ipc_available():
         return ()
-    return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+    return tuple(
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    )
 
 
 def cuda_device_index(uuid: str) -> int | None:
-    """Return this process's index of the CUDA device named `uuid`, or None if it does not see it."""
+    """Return this process's index of the CUDA device named `uuid`, or None if it does not see
+    it."""
     uuids = local_cuda_device_uuids()
     return uuids.index(uuid) if uuid in uuids else None
 
@@ -142,10 +145,14 @@ def import_cuda_tensor(loc: CudaIpcLoc, dtype: torch.dtype, shape: Sequence[int]
     if not is_cuda_ipc_available():
         raise _refuse(loc, "received a CUDA IPC tensor but CUDA is not available here")
     if not loc.device_uuid:
-        raise _refuse(loc, "received a CUDA IPC tensor that names no device UUID (a peer from before UUIDs)")
+        raise _refuse(
+            loc, "received a CUDA IPC tensor that names no device UUID (a peer from before UUIDs)"
+        )
     device = cuda_device_index(loc.device_uuid)
     if device is None:
-        raise _refuse(loc, f"received a tensor on CUDA device {loc.device_uuid}, which does not exist here")
+        raise _refuse(
+            loc, f"received a tensor on CUDA device {loc.device_uuid}, which does not exist here"
+        )
     if len(loc.stride) != len(shape):
         raise _refuse(loc, f"stride {loc.stride} does not match shape {tuple(shape)}")
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -42,10 +42,18 @@ class CurveKeys:
         """Return fresh random key pairs."""
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
-        return cls(server_public.decode(), server_secret.decode(), client_public.decode(), client_secret.decode())
+        return cls(
+            server_public.decode(),
+            server_secret.decode(),
+            client_public.decode(),
+            client_secret.decode(),
+        )
 
     def __repr__(self) -> str:
-        return f"CurveKeys(server_public={self.server_public!r}, client_public={self.client_public!r}, secrets hidden)"
+        return (
+            f"CurveKeys(server_public={self.server_public!r}, "
+            f"client_public={self.client_public!r}, secrets hidden)"
+        )
 
 
 class _ClientKeys:

@@ -129,7 +129,9 @@ class InprocTransport:
     ) -> InprocListener:
         return InprocListener(address.rest)
 
-    def connect(self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None) -> InprocChannel:
+    def connect(
+        self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None
+    ) -> InprocChannel:
         listener = _LISTENERS.get(address.rest)
         if listener is None:
             raise PeerLostError(f"nothing listens at {address} in this process")

@@ -58,7 +58,9 @@ class AdaptiveCopier:
         """Fold one measured copy into the method's moving average."""
         rate = nbytes / max(seconds, 1e-9) / 1e9
         old = self.gbps[method]
-        self.gbps[method] = rate if old == 0.0 else (1 - self.smoothing) * old + self.smoothing * rate
+        self.gbps[method] = (
+            rate if old == 0.0 else (1 - self.smoothing) * old + self.smoothing * rate
+        )
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` (same dtype and shape; `dst` contiguous CPU memory)."""

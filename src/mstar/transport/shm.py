@@ -61,9 +61,7 @@ class SharedArena:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            self._mmap: mmap.mmap | None = mmap.mmap(
-                fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE
-            )
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             os.unlink(self.path)
             raise
@@ -133,16 +131,16 @@ class ArenaMapping:
             size = os.fstat(fd).st_size
             if size != nbytes:
                 raise ProtocolError(f"arena {name!r} holds {size} bytes, the peer said {nbytes}")
-            self._mmap: mmap.mmap | None = mmap.mmap(
-                fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE
-            )
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
         self.name = name
         self.nbytes = nbytes
         self._on_release = on_release
 
-    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    def tensor(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]
+    ) -> torch.Tensor:
         """Return a tensor viewing `nbytes` at `offset`; the slot is released when it dies.
 
         Raises:
@@ -151,7 +149,9 @@ class ArenaMapping:
         if self._mmap is None:
             raise ProtocolError(f"arena {self.name!r} is no longer mapped")
         if offset % _ALIGNMENT or offset + nbytes > self.nbytes:
-            raise ProtocolError(f"slot [{offset}, {offset + nbytes}) is outside arena {self.name!r}")
+            raise ProtocolError(
+                f"slot [{offset}, {offset + nbytes}) is outside arena {self.name!r}"
+            )
         # The numpy array is the one object every view of the slot keeps alive (torch holds it
         # as the storage's owner), so its finalizer runs exactly when the last view dies.
         array = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)

@@ -41,4 +41,6 @@ class TransportTally:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Return ``{kind: {"sent": bytes, "received": bytes}}`` for every listed kind."""
-        return {kind: {"sent": self.sent[kind], "received": self.received[kind]} for kind in self.sent}
+        return {
+            kind: {"sent": self.sent[kind], "received": self.received[kind]} for kind in self.sent
+        }

@@ -138,7 +138,9 @@ class _SocketDriver:
             except zmq.ZMQError as exc:
                 raise TransportClosedError(f"socket send failed: {exc}") from exc
         # Sending may have consumed the descriptor's edge while input is waiting.
-        if not self._is_scheduled and self._get(_EVENTS) & (_POLLOUT | _POLLIN if backlog else _POLLIN):
+        if not self._is_scheduled and self._get(_EVENTS) & (
+            _POLLOUT | _POLLIN if backlog else _POLLIN
+        ):
             self._schedule()
 
     def _send_now(self, frames: list[Any]) -> None:
@@ -450,7 +452,9 @@ class ZmqTransport:
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return ZmqListener(sock, bound, make_codec, ipc_path)
 
-    def connect(self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None) -> ZmqChannel:
+    def connect(
+        self, address: Address, codec: LinkCodec, *, curve: CurveKeys | None = None
+    ) -> ZmqChannel:
         if self.scheme == "ipc" and not address.rest:
             raise InvalidAddressError("connecting needs a path: ipc://PATH")
         if self.scheme == "tcp":
@@ -462,7 +466,8 @@ class ZmqTransport:
             sock.setsockopt(zmq.IPV6, 1)
         if self.scheme == "tcp" and curve is not None:
             secure_client(sock, curve)
-        channel = ZmqChannel(sock, codec, watch=self.scheme == "tcp")  # watching from before connecting
+        # watching from before connecting
+        channel = ZmqChannel(sock, codec, watch=self.scheme == "tcp")
         try:
             sock.connect(str(address))
         except zmq.ZMQError as exc:

@@ -24,7 +24,8 @@ _COMPLETE = ".complete"
 
 
 def mstar_cache_dir() -> Path:
-    """Return the cache root: `$MSTAR_CACHE_DIR`, else `$XDG_CACHE_HOME/mstar`, else ~/.cache/mstar."""
+    """Return the cache root: `$MSTAR_CACHE_DIR`, else `$XDG_CACHE_HOME/mstar`, else
+    ~/.cache/mstar."""
     explicit = os.environ.get("MSTAR_CACHE_DIR")
     if explicit:
         return Path(explicit)

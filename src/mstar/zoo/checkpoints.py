@@ -34,10 +34,12 @@ __all__ = ["FAMILY_FILES", "checkpoint_spec"]
 # What each family needs, for the message when a path matches none.
 FAMILY_FILES: dict[str, str] = {
     "Llama": "config.json with model_type 'llama' and *.safetensors",
-    "Orpheus": "a Llama directory (its speech LM) served with --snac-dir (SNAC: config.json + pytorch_model.bin)",
+    "Orpheus": "a Llama directory (its speech LM) served with --snac-dir (SNAC: config.json "
+    "+ pytorch_model.bin)",
     "Qwen3-Omni": "config.json with model_type 'qwen3_omni_moe' and *.safetensors",
     "BAGEL": "llm_config.json, vit_config.json, ema.safetensors and ae.safetensors",
-    "pi0.5": "model.safetensors and config.json (openpi's paligemma_variant, or LeRobot's \"type\": \"pi05\")",
+    "pi0.5": "model.safetensors and config.json (openpi's paligemma_variant, or LeRobot's "
+    '"type": "pi05")',
     "V-JEPA 2": "upstream's .pt file holding 'encoder' and 'predictor'",
 }
 
@@ -66,7 +68,10 @@ def checkpoint_spec(path: str | Path, **options: Any) -> ModelSpec:
             return ModelSpec("mstar.zoo.vjepa2.model:VJepa2Model", _kwargs(path, options))
         found = f"a file named {path.name!r}"
         if path.suffix in _TORCH_FILE_SUFFIXES:
-            found += " without V-JEPA 2's 'encoder' (patch_embed.proj.weight) and 'predictor' (predictor_embed.weight)"
+            found += (
+                " without V-JEPA 2's 'encoder' (patch_embed.proj.weight) and "
+                "'predictor' (predictor_embed.weight)"
+            )
         raise _unrecognised(path, found)
     if not path.is_dir():
         raise ModelLoadError(f"no checkpoint at {str(path)!r}: no such file or directory")
@@ -92,8 +97,10 @@ def checkpoint_spec(path: str | Path, **options: Any) -> ModelSpec:
             return ModelSpec("mstar.zoo.orpheus.model:OrpheusModel", _kwargs(path, options))
         if _has_orpheus_tokens(path):
             raise ModelLoadError(
-                f"{str(path)!r} is an Orpheus speech LM (its tokenizer has Orpheus's audio tokens): "
-                "serve it with --snac-dir DIR (a SNAC 24 kHz checkpoint: config.json + pytorch_model.bin)"
+                f"{str(path)!r} is an Orpheus speech LM (its tokenizer has Orpheus's audio "
+                "tokens): "
+                "serve it with --snac-dir DIR (a SNAC 24 kHz checkpoint: config.json + "
+                "pytorch_model.bin)"
             )
         return ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(path), **options})
     if set(raw) >= _SNAC_FIELDS:
@@ -101,7 +108,11 @@ def checkpoint_spec(path: str | Path, **options: Any) -> ModelSpec:
             f"{str(path)!r} is a SNAC codec, not a model of its own: serve an Orpheus speech LM "
             f"with it (mstar serve LM_DIR --snac-dir {path})"
         )
-    found = f"config.json with model_type {model_type!r}" if model_type else "config.json without model_type"
+    found = (
+        f"config.json with model_type {model_type!r}"
+        if model_type
+        else "config.json without model_type"
+    )
     raise _unrecognised(path, f"{found}; {_listing(names)}")
 
 
@@ -135,5 +146,6 @@ def _listing(names: set[str], limit: int = 12) -> str:
 def _unrecognised(path: Path, found: str) -> ModelLoadError:
     needs = "; ".join(f"{family}: {files}" for family, files in FAMILY_FILES.items())
     return ModelLoadError(
-        f"{str(path)!r} is not a checkpoint mstar recognises (found {found}). Each family needs: {needs}"
+        f"{str(path)!r} is not a checkpoint mstar recognises (found {found}). Each family "
+        f"needs: {needs}"
     )

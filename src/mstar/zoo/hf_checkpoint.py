@@ -89,19 +89,23 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def checkpoint_dtype(config: dict[str, Any]) -> str:
-    """Return the dtype a config dict names (``torch_dtype``, or transformers 5's ``dtype``), else float32.
+    """Return the dtype a config dict names (``torch_dtype``, or transformers 5's ``dtype``), else
+    float32.
 
     Raises:
         CheckpointError: The config names a dtype mstar does not run.
     """
     name = config.get("torch_dtype") or config.get("dtype") or "float32"
     if name not in DTYPES:
-        raise CheckpointError(f"the checkpoint's torch_dtype is {name!r}; mstar runs {', '.join(DTYPES)}")
+        raise CheckpointError(
+            f"the checkpoint's torch_dtype is {name!r}; mstar runs {', '.join(DTYPES)}"
+        )
     return str(name)
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
-"""The sampling settings a checkpoint's `generation_config.json` gives requests that leave them unset."""
+"""The sampling settings a checkpoint's `generation_config.json` gives requests that leave them
+unset."""
 
 
 def load_generation_defaults(checkpoint_dir: str | Path) -> dict[str, float | int]:
@@ -299,7 +303,9 @@ def read_safetensors_header(path: str | Path) -> dict[str, SafetensorsEntry]:
             if name != "__metadata__"
         }
     except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise CheckpointError(f"cannot read the safetensors header of {str(path)!r}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read the safetensors header of {str(path)!r}: {exc}"
+        ) from exc
     return entries
 
 
@@ -334,7 +340,8 @@ class ShardReader:
         self._headers: dict[Path, dict[str, SafetensorsEntry]] = {}
 
     def _open(self, path: Path, nbytes: int) -> Any:
-        """Return the shard's handle, reopened first if reading ``nbytes`` more would pass the window."""
+        """Return the shard's handle, reopened first if reading ``nbytes`` more would pass the
+        window."""
         from safetensors import safe_open
 
         mapped = self._mapped.get(path, 0)
@@ -353,7 +360,8 @@ class ShardReader:
         self._mapped[path] += nbytes
 
     def get_tensor(self, path: Path, name: str) -> torch.Tensor:
-        """Return tensor ``name`` of shard ``path`` (a view of its mapping; CPU, the file's dtype)."""
+        """Return tensor ``name`` of shard ``path`` (a view of its mapping; CPU, the file's
+        dtype)."""
         tensor: torch.Tensor = self._open(path, self._entry(path, name).nbytes).get_tensor(name)
         self._count(path, tensor)
         return tensor
@@ -376,7 +384,8 @@ class ShardReader:
         entry = self._entry(path, name)
         if entry.shape != tuple(out.shape):
             raise CheckpointError(
-                f"tensor {name!r} in {str(path)!r} has shape {list(entry.shape)}, expected {list(out.shape)}"
+                f"tensor {name!r} in {str(path)!r} has shape {list(entry.shape)}, expected "
+                f"{list(out.shape)}"
             )
         if entry.nbytes <= self.window_bytes or len(entry.shape) == 0 or entry.shape[0] < 2:
             out.copy_(self.get_tensor(path, name))

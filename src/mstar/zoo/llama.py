@@ -170,8 +170,12 @@ class LlamaAttention(nn.Module):
         if self.qkv is not None:
             # q and k sit side by side in the fused output: rotate them in one pass.
             qkv = self.qkv(x)
-            qk = qkv[:, : q_size + kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary_signed(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = qkv[:, : q_size + kv_size].view(
+                tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            q, k = apply_rotary_signed(qk, cos, sin).split(
+                [self.num_heads, self.num_kv_heads], dim=1
+            )
             v2 = qkv[:, q_size + kv_size :]
         else:
             q2, k2, v2 = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -196,10 +200,14 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
     ) -> torch.Tensor:
         """Apply the layer."""
-        x, h = self.post_attention_layernorm.residual(x, self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        x, h = self.post_attention_layernorm.residual(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        )
         return x + self.mlp(h)
 
-    def native_products(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[bool]] | None:
+    def native_products(
+        self,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[bool]] | None:
         """The q/k/v, output, gate/up and down products as `decode_layer` takes them, or None.
 
         None unless the layer is fused, its MLP is SwiGLU, both norms share an epsilon, and
@@ -230,7 +238,8 @@ class LlamaBackbone(nn.Module):
 
 
 class LlamaCausalLM(nn.Module):
-    """A Llama causal LM for `KVCacheEngine` (`PagedModel`, `SupportsNarrowLogits`, `SupportsGreedyTokens`)."""
+    """A Llama causal LM for `KVCacheEngine` (`PagedModel`, `SupportsNarrowLogits`,
+    `SupportsGreedyTokens`)."""
 
     supports_narrow_logits: ClassVar[Literal[True]] = True
     supports_greedy_tokens: ClassVar[Literal[True]] = True
@@ -280,14 +289,22 @@ class LlamaCausalLM(nn.Module):
         """Return final hidden states `[tokens, hidden]` for a flat token batch."""
         embed = self.model.embed_tokens.weight
         dtype = embed.dtype
-        if dtype in (torch.float32, torch.bfloat16) and embed.device.type == "cpu" and not torch.is_grad_enabled():
+        if (
+            dtype in (torch.float32, torch.bfloat16)
+            and embed.device.type == "cpu"
+            and not torch.is_grad_enabled()
+        ):
             plan = ctx.native_decode()
             if plan is not None and (stack := self._decode_stack()) is not None:
                 slots, tables, lens = plan
-                caches = [cache for pair in ctx.kv_caches for cache in pair]  # layer i's are kv_caches[i]
-                return cast(torch.Tensor, stack.forward(input_ids, positions, caches, slots, tables, lens))
+                # layer i's are kv_caches[i]
+                caches = [cache for pair in ctx.kv_caches for cache in pair]
+                return cast(
+                    torch.Tensor, stack.forward(input_ids, positions, caches, slots, tables, lens)
+                )
         x = self.model.embed_tokens(input_ids)
-        # The step's rotary tables, once for every layer (the sine signed: see `apply_rotary_signed`).
+        # The step's rotary tables, once for every layer (the sine signed: see
+        # `apply_rotary_signed`).
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = signed_sin(self.rope_sin.index_select(0, positions).unsqueeze(1).to(dtype))
         for layer in self.decoder_layers:
@@ -306,14 +323,29 @@ class LlamaCausalLM(nn.Module):
             layers = [(layer, layer.native_products()) for layer in self.decoder_layers]
             self._native_stack = False
             norm, embed = self.model.norm, self.model.embed_tokens.weight
-            if kernels is not None and norm.weight.dtype == embed.dtype and all(p is not None for _, p in layers):
+            if (
+                kernels is not None
+                and norm.weight.dtype == embed.dtype
+                and all(p is not None for _, p in layers)
+            ):
                 attn = self.decoder_layers[0].self_attn
-                stack = kernels.DecodeStack(embed, self.rope_cos, self.rope_sin, norm.weight, norm.eps, attn.scale,
-                                            attn.num_heads)
+                stack = kernels.DecodeStack(
+                    embed,
+                    self.rope_cos,
+                    self.rope_sin,
+                    norm.weight,
+                    norm.eps,
+                    attn.scale,
+                    attn.num_heads,
+                )
                 for layer, products in layers:
                     assert products is not None
-                    stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                    layer.input_layernorm.eps, *products)
+                    stack.add_layer(
+                        layer.input_layernorm.weight,
+                        layer.post_attention_layernorm.weight,
+                        layer.input_layernorm.eps,
+                        *products,
+                    )
                 self._native_stack = stack
         return self._native_stack or None
 
@@ -340,7 +372,9 @@ class LlamaCausalLM(nn.Module):
         self._greedy = None
         self._native_stack = None
 
-    def compute_logits_in(self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
+    def compute_logits_in(
+        self, hidden: torch.Tensor, ranges: list[list[tuple[int, int]]]
+    ) -> torch.Tensor:
         """Return logits computed only inside each row's id ranges, `-inf` elsewhere.
 
         Rows sharing ranges share one product with just those rows of the head: constrained
@@ -363,7 +397,8 @@ class LlamaCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Return each row's argmax token of `compute_logits(hidden)`, or None (see `SupportsGreedyTokens`)."""
+        """Return each row's argmax token of `compute_logits(hidden)`, or None (see
+        `SupportsGreedyTokens`)."""
         if self._head is None:
             return None
         if self._greedy is None:

@@ -47,7 +47,8 @@ from mstar.zoo.llama import LlamaCausalLM, load_llama
 __all__ = ["DEFAULT_MAX_TOKENS", "LlamaKVNode", "TextLLM", "history_turn", "make_llm_graph"]
 
 DEFAULT_MAX_TOKENS = 256
-"""Tokens a request without ``max_tokens`` may generate (at most: the model's length may end first)."""
+"""Tokens a request without ``max_tokens`` may generate (at most: the model's length may end
+first)."""
 
 
 def make_llm_graph(name: str = "llama") -> ModelGraph:
@@ -84,9 +85,15 @@ class LlamaKVNode:
         return history_turn(inputs, is_first, prefix_group=group, prefix_group_size=int(size))
 
     def outputs(
-        self, request_id: str, token_id: int, history: list[int] | None, *, logprobs: TokenLogprobs | None = None
+        self,
+        request_id: str,
+        token_id: int,
+        history: list[int] | None,
+        *,
+        logprobs: TokenLogprobs | None = None,
     ) -> Mapping[str, Any]:
-        """Emit the token (with its log-probabilities if asked); on the walk's last one raise ``stop`` and persist the history."""
+        """Emit the token (with its log-probabilities if asked); on the walk's last one raise
+        ``stop`` and persist the history."""
         token: Any = token_id if logprobs is None else logprobs.to_dict()
         if history is None:
             return {"tokens": token, "stop": False}
@@ -106,7 +113,12 @@ def history_turn(inputs: Mapping[str, Any], is_first: bool, **extra: Any) -> KVT
     generated = len(history) - prompt_len
     left = params.max_tokens - generated
     is_done = left <= 0 or (generated > 0 and history[-1] in params.stop_token_ids)
-    return KVTurn(history if is_first else [], params.replace(max_tokens=max(1, left)), is_done=is_done, **extra)
+    return KVTurn(
+        history if is_first else [],
+        params.replace(max_tokens=max(1, left)),
+        is_done=is_done,
+        **extra,
+    )
 
 
 class TextLLM(Model, SupportsTextOutput):
@@ -192,7 +204,9 @@ class TextLLM(Model, SupportsTextOutput):
 
     def submodule(self, node: str, device: torch.device) -> LlamaKVNode:
         """Load the checkpoint onto ``device``."""
-        return LlamaKVNode(load_llama(self.checkpoint_dir, device=device, dtype=self.dtype), self.engine_config)
+        return LlamaKVNode(
+            load_llama(self.checkpoint_dir, device=device, dtype=self.dtype), self.engine_config
+        )
 
     def preprocess(self, request: Request) -> PreparedRequest:
         """Tokenize the prompt (or apply the chat template) and collect sampling settings."""
@@ -204,7 +218,9 @@ class TextLLM(Model, SupportsTextOutput):
         elif self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids")
         elif "messages" in data:
-            text = self.tokenizer.apply_chat_template(data["messages"], add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                data["messages"], add_generation_prompt=True, tokenize=False
+            )
             tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         elif isinstance(data.get("prompt"), str):
             tokens = list(self.tokenizer(data["prompt"])["input_ids"])
@@ -221,16 +237,28 @@ class TextLLM(Model, SupportsTextOutput):
                 f"the prompt has {len(tokens)} tokens but the model's length is {limit}: shorten it"
             )
         params = request.params.with_defaults(self.generation_defaults)
-        max_tokens = params.max_tokens if params.max_tokens is not None else min(DEFAULT_MAX_TOKENS, limit - len(tokens))
+        max_tokens = (
+            params.max_tokens
+            if params.max_tokens is not None
+            else min(DEFAULT_MAX_TOKENS, limit - len(tokens))
+        )
         if len(tokens) + max_tokens > limit:
             raise KVCacheCapacityError(
-                f"the request needs up to {len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt + "
-                f"max_tokens {max_tokens}) but the model's length is {limit}: lower max_tokens to at most "
+                f"the request needs up to {len(tokens) + max_tokens} tokens ({len(tokens)} "
+                "in the prompt + "
+                f"max_tokens {max_tokens}) but the model's length is {limit}: lower "
+                "max_tokens to at most "
                 f"{limit - len(tokens)}"
             )
-        sampling = params.sampling(max_tokens=max_tokens, stop_token_ids=self.eos_token_ids, prompt_len=len(tokens))
-        group = None if params.prefix_group is None else [params.prefix_group, params.prefix_group_size]
-        return PreparedRequest({"llm": {"history": torch.tensor(tokens), "params": sampling, "prefix_group": group}})
+        sampling = params.sampling(
+            max_tokens=max_tokens, stop_token_ids=self.eos_token_ids, prompt_len=len(tokens)
+        )
+        group = (
+            None if params.prefix_group is None else [params.prefix_group, params.prefix_group_size]
+        )
+        return PreparedRequest(
+            {"llm": {"history": torch.tensor(tokens), "params": sampling, "prefix_group": group}}
+        )
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """Start with prefill."""

@@ -39,7 +39,11 @@ class NoopLoopModel(Model):
         done = GraphNode("done", {"i"}, [GraphEdge(EMIT, "steps", modality="latent")])
         self._graph = ModelGraph(
             name=self.name,
-            walks={"loop": Sequential([DynamicLoop(Sequential([a, b]), max_iters=steps, stop="stop"), done])},
+            walks={
+                "loop": Sequential(
+                    [DynamicLoop(Sequential([a, b]), max_iters=steps, stop="stop"), done]
+                )
+            },
             partitions={"P": ["loop"]},
             inputs={"a": {"i", *p}},
         )
@@ -57,13 +61,20 @@ class NoopLoopModel(Model):
         steps, delay_s = self.steps, self.delay_s
 
         def a(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-            return [{"x": inputs["i"], **({"p": inputs["p"]} if "p" in inputs else {})} for inputs in batch]
+            return [
+                {"x": inputs["i"], **({"p": inputs["p"]} if "p" in inputs else {})}
+                for inputs in batch
+            ]
 
         def b(batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
             if delay_s:
                 time.sleep(delay_s)
             return [
-                {"i": inputs["x"] + 1, "stop": inputs["x"] + 1 >= steps, **({"p": inputs["p"]} if "p" in inputs else {})}
+                {
+                    "i": inputs["x"] + 1,
+                    "stop": inputs["x"] + 1 >= steps,
+                    **({"p": inputs["p"]} if "p" in inputs else {}),
+                }
                 for inputs in batch
             ]
 

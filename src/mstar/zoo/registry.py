@@ -13,7 +13,14 @@ from mstar.errors import ModelLoadError
 from mstar.runtime.model import Model, ModelSpec
 from mstar.zoo.checkpoints import checkpoint_spec
 
-__all__ = ["ZooEntry", "list_models", "make_model", "model_options", "resolve_model", "zoo_factories"]
+__all__ = [
+    "ZooEntry",
+    "list_models",
+    "make_model",
+    "model_options",
+    "resolve_model",
+    "zoo_factories",
+]
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,8 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "orpheus-small": ZooEntry(
         "mstar.zoo.orpheus.model:OrpheusModel",
-        "Orpheus TTS with a 512-wide, 8-layer Llama and the real-size SNAC, random weights (benchmarks)",
+        "Orpheus TTS with a 512-wide, 8-layer Llama and the real-size SNAC, random weights "
+        "(benchmarks)",
         {"config": "orpheus-small"},
     ),
     "orpheus-3b": ZooEntry(
@@ -62,7 +70,8 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "pi05-tiny": ZooEntry(
         "mstar.zoo.pi05.model:Pi05Model",
-        "pi0.5 VLA (SigLIP + PaliGemma prefix, flow-matching action expert), openpi's dummy sizes, random weights (tests)",
+        "pi0.5 VLA (SigLIP + PaliGemma prefix, flow-matching action expert), openpi's dummy "
+        "sizes, random weights (tests)",
         {"config": "pi05-tiny"},
     ),
     "pi05-small": ZooEntry(
@@ -72,37 +81,44 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "pi05-droid": ZooEntry(
         "mstar.zoo.pi05.model:Pi05Model",
-        "pi0.5 DROID: pass --checkpoint (openpi PyTorch layout, e.g. lerobot/pi05_base) and --tokenizer (PaliGemma)",
+        "pi0.5 DROID: pass --checkpoint (openpi PyTorch layout, e.g. lerobot/pi05_base) and "
+        "--tokenizer (PaliGemma)",
         {"config": "pi05-droid"},
     ),
     "bagel-tiny": ZooEntry(
         "mstar.zoo.bagel.model:BagelModel",
-        "BAGEL (MoT LLM, SigLIP NaViT, FLUX VAE): text-to-image, editing, understanding; tiny random weights (tests)",
+        "BAGEL (MoT LLM, SigLIP NaViT, FLUX VAE): text-to-image, editing, understanding; "
+        "tiny random weights (tests)",
         {"config": "bagel-tiny"},
     ),
     "bagel-small": ZooEntry(
         "mstar.zoo.bagel.model:BagelModel",
-        "BAGEL with a 4-layer, 256-wide MoT LLM and 256 px images (16 x 16 latent tokens), random weights (benchmarks)",
+        "BAGEL with a 4-layer, 256-wide MoT LLM and 256 px images (16 x 16 latent tokens), "
+        "random weights (benchmarks)",
         {"config": "bagel-small"},
     ),
     "bagel-7b-mot": ZooEntry(
         "mstar.zoo.bagel.model:BagelModel",
-        "BAGEL-7B-MoT: pass --checkpoint the published directory (llm_config.json, vit_config.json, ema/ae.safetensors)",
+        "BAGEL-7B-MoT: pass --checkpoint the published directory (llm_config.json, "
+        "vit_config.json, ema/ae.safetensors)",
         {"config": "bagel-7b-mot"},
     ),
     "qwen3-omni-tiny": ZooEntry(
         "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
-        "Qwen3-Omni (MoE thinker, MoE talker + code predictor, Code2Wav) streaming text and speech; tiny random weights (tests)",
+        "Qwen3-Omni (MoE thinker, MoE talker + code predictor, Code2Wav) streaming text and "
+        "speech; tiny random weights (tests)",
         {"config": "qwen3-omni-tiny"},
     ),
     "qwen3-omni-small": ZooEntry(
         "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
-        "Qwen3-Omni with a 256-wide thinker, 128-wide talker, 16 codebooks and 24 kHz Code2Wav, random weights (benchmarks)",
+        "Qwen3-Omni with a 256-wide thinker, 128-wide talker, 16 codebooks and 24 kHz "
+        "Code2Wav, random weights (benchmarks)",
         {"config": "qwen3-omni-small"},
     ),
     "qwen3-omni-30b-a3b": ZooEntry(
         "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
-        "Qwen3-Omni-30B-A3B-Instruct: pass --checkpoint the Hugging Face directory (config.json, safetensors, tokenizer)",
+        "Qwen3-Omni-30B-A3B-Instruct: pass --checkpoint the Hugging Face directory "
+        "(config.json, safetensors, tokenizer)",
         {"config": "qwen3-omni-30b-a3b"},
     ),
     "smollm2-135m": ZooEntry(
@@ -111,11 +127,13 @@ _ZOO: dict[str, ZooEntry] = {
     ),
     "assistant": ZooEntry(
         "mstar.zoo.assistant.model:AssistantModel",
-        "SmolLM2-135M-Instruct answers, a Piper voice (22 kHz) speaks each sentence as it is written",
+        "SmolLM2-135M-Instruct answers, a Piper voice (22 kHz) speaks each sentence as it is "
+        "written",
     ),
     "llama": ZooEntry(
         "mstar.zoo.llm:TextLLM",
-        "any local Hugging Face Llama checkpoint directory (pass --checkpoint, or the path as MODEL)",
+        "any local Hugging Face Llama checkpoint directory (pass --checkpoint, or the path "
+        "as MODEL)",
     ),
     "noop-loop": ZooEntry(
         "mstar.zoo.noop:NoopLoopModel",
@@ -157,7 +175,9 @@ def resolve_model(name: str, **kwargs: Any) -> ModelSpec:
     unknown = sorted(set(kwargs) - set(options))
     if unknown:
         takes = ", ".join(options) or "none"
-        raise ModelLoadError(f"{name} takes no option {', '.join(map(repr, unknown))} (its options: {takes})")
+        raise ModelLoadError(
+            f"{name} takes no option {', '.join(map(repr, unknown))} (its options: {takes})"
+        )
     return spec
 
 
@@ -189,9 +209,13 @@ def make_model(name: str, **kwargs: Any) -> Model:
     return resolve_model(name, **kwargs).build()
 
 
-def make_smollm2(*, engine_config: Mapping[str, Any] | None = None, dtype: str | None = None) -> Model:
+def make_smollm2(
+    *, engine_config: Mapping[str, Any] | None = None, dtype: str | None = None
+) -> Model:
     """Build SmolLM2-135M-Instruct: dequantised once from the packaged GGUF, then cached."""
     from mstar.zoo.llm import TextLLM
     from mstar.zoo.smollm2 import smollm2_checkpoint_dir
 
-    return TextLLM(smollm2_checkpoint_dir(), name="smollm2-135m", engine_config=engine_config, dtype=dtype)
+    return TextLLM(
+        smollm2_checkpoint_dir(), name="smollm2-135m", engine_config=engine_config, dtype=dtype
+    )

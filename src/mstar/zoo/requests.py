@@ -14,7 +14,9 @@ DEFAULT_VOICE = "default"
 """The voice name every speaking model reads as its own default voice (as does no voice at all)."""
 
 
-def initial_noise(data: Mapping[str, Any], shape: tuple[int, ...], seed: int | None) -> torch.Tensor:
+def initial_noise(
+    data: Mapping[str, Any], shape: tuple[int, ...], seed: int | None
+) -> torch.Tensor:
     """Return a request's initial noise of ``shape``: given (``noise``), seeded (``seed``, the
     request's `GenerationParams.seed`) or fresh.
 
@@ -24,7 +26,9 @@ def initial_noise(data: Mapping[str, Any], shape: tuple[int, ...], seed: int | N
     if "noise" in data:
         noise = torch.as_tensor(np.asarray(data["noise"], dtype=np.float32))
         if tuple(noise.shape) != shape or not bool(torch.isfinite(noise).all()):
-            raise ValueError(f"noise must be a finite array of shape {list(shape)}, got {list(noise.shape)}")
+            raise ValueError(
+                f"noise must be a finite array of shape {list(shape)}, got {list(noise.shape)}"
+            )
         return noise
     generator = torch.Generator()
     if seed is not None:
@@ -58,7 +62,9 @@ def speech_text(data: Mapping[str, Any]) -> str:
     content = turns[-1].get("content")
     if isinstance(content, list):
         content = "".join(
-            str(part.get("text", "")) for part in content if isinstance(part, Mapping) and part.get("type") == "text"
+            str(part.get("text", ""))
+            for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text"
         )
     if not isinstance(content, str) or not content.strip():
         raise ValueError("the last user turn of messages has no text to speak")
@@ -66,7 +72,8 @@ def speech_text(data: Mapping[str, Any]) -> str:
 
 
 def speech_voice(data: Mapping[str, Any], default: str) -> str:
-    """Return a request's voice (``voice``, or ``speaker``): omitted or `DEFAULT_VOICE` is ``default``.
+    """Return a request's voice (``voice``, or ``speaker``): omitted or `DEFAULT_VOICE` is
+    ``default``.
 
     Raises:
         ValueError: The voice is not a string.

@@ -112,7 +112,11 @@ def make_toy_graph(cfg: ToyConfig = ToyConfig()) -> ModelGraph:
         ],
     )
     vae = GraphNode("vae", {"x"}, [GraphEdge(EMIT, "image", modality="image")])
-    flow = Loop(Sequential([Parallel([cond, uncond]), combine]), cfg.flow_steps, accumulated_outputs={"norm"})
+    flow = Loop(
+        Sequential([Parallel([cond, uncond]), combine]),
+        cfg.flow_steps,
+        accumulated_outputs={"norm"},
+    )
     return ModelGraph(
         name="toy-composite",
         walks={
@@ -122,7 +126,11 @@ def make_toy_graph(cfg: ToyConfig = ToyConfig()) -> ModelGraph:
             "image_gen": Sequential([init, flow, vae]),
             "image_edit": Sequential([image_encoder, flow, vae]),
         },
-        partitions={"LM": ["prefill", "decode"], "Vocoder": ["vocode"], "Image": ["image_gen", "image_edit"]},
+        partitions={
+            "LM": ["prefill", "decode"],
+            "Vocoder": ["vocode"],
+            "Image": ["image_gen", "image_edit"],
+        },
         connections=[Connection("LM", "Vocoder", "token", SlidingWindowChunkPolicy(4, 2))],
         inputs={
             "encoder": {"text"},
@@ -193,16 +201,24 @@ def prepare_toy_images(images: Sequence[Any], cfg: ToyConfig = ToyConfig()) -> t
     out = []
     for i, image in enumerate(images):
         try:
-            pixels = image if isinstance(image, torch.Tensor) else torch.as_tensor(np.asarray(image))
+            pixels = (
+                image if isinstance(image, torch.Tensor) else torch.as_tensor(np.asarray(image))
+            )
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"image {i} is not an array of pixels: {exc}") from None
         if pixels.dim() not in (2, 3) or (pixels.dim() == 3 and pixels.shape[2] not in (1, 3, 4)):
-            raise ValueError(f"image {i} must be [H, W], [H, W, 3] or [H, W, 4], got shape {list(pixels.shape)}")
+            raise ValueError(
+                f"image {i} must be [H, W], [H, W, 3] or [H, W, 4], got shape {list(pixels.shape)}"
+            )
         if min(pixels.shape[:2]) < 1:
             raise ValueError(f"image {i} is empty")
         if pixels.dtype != torch.uint8:
             # integer pixels (from JSON, say) are accepted when they fit in a byte
-            is_bytes = not pixels.is_floating_point() and not pixels.is_complex() and pixels.dtype != torch.bool
+            is_bytes = (
+                not pixels.is_floating_point()
+                and not pixels.is_complex()
+                and pixels.dtype != torch.bool
+            )
             if not is_bytes or int(pixels.min()) < 0 or int(pixels.max()) > 255:
                 raise ValueError(f"image {i} must hold uint8 pixels (0 to 255), got {pixels.dtype}")
         grey = pixels.float() if pixels.dim() == 2 else pixels[..., :3].float().mean(-1)

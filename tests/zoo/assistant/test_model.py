@@ -51,7 +51,9 @@ def _audio(outputs: list[Output]) -> list[torch.Tensor]:
     return [o.data for o in outputs if o.modality == "audio"]
 
 
-async def test_speech_streams_sentence_by_sentence_while_the_text_is_written(model: AssistantModel) -> None:
+async def test_speech_streams_sentence_by_sentence_while_the_text_is_written(
+    model: AssistantModel,
+) -> None:
     async with await AsyncEngine.start(model) as engine:
         answers = await asyncio.gather(*(_ask(engine, q) for q in QUESTIONS))
     speaker = PiperSpeaker(settings=VoiceSettings(noise_scale=0.0, noise_w_scale=0.0))
@@ -63,13 +65,18 @@ async def test_speech_streams_sentence_by_sentence_while_the_text_is_written(mod
             assert "Paris" in text
         if question.startswith("Why"):  # an answer of several sentences
             # Speech starts before the text is finished.
-            first_audio = next(t for o, t in zip(outputs, times, strict=True) if o.modality == "audio")
+            first_audio = next(
+                t for o, t in zip(outputs, times, strict=True) if o.modality == "audio"
+            )
             last_text = max(t for o, t in zip(outputs, times, strict=True) if o.modality == "text")
             assert first_audio < last_text, (question, first_audio, last_text)
         # The voice's pace: its duration per character lies in the range of English speech.
         samples = torch.cat(audio)
         seconds = samples.numel() / model.audio_sample_rate
-        assert SECONDS_PER_CHAR[0] <= seconds / len(text.strip()) <= SECONDS_PER_CHAR[1], (text, seconds)
+        assert SECONDS_PER_CHAR[0] <= seconds / len(text.strip()) <= SECONDS_PER_CHAR[1], (
+            text,
+            seconds,
+        )
         assert float(samples.square().mean().sqrt()) > 0.02  # not silence
         # Each streamed chunk is the voice speaking that piece of text alone.
         buffer: StreamBuffer[int] = StreamBuffer(model.policy)
@@ -107,7 +114,9 @@ class _AssistantWithBrokenVoice(AssistantModel):
 async def test_a_voice_failure_fails_only_its_request() -> None:
     model = _AssistantWithBrokenVoice(noise_scale=0.0, noise_w_scale=0.0)
     async with await AsyncEngine.start(model) as engine:
-        results = await asyncio.gather(*(_ask(engine, q) for q in QUESTIONS), return_exceptions=True)
+        results = await asyncio.gather(
+            *(_ask(engine, q) for q in QUESTIONS), return_exceptions=True
+        )
         sky, paris = results
         assert isinstance(paris, WalkExecutionError) and "cannot say Paris" in str(paris)
         assert not isinstance(sky, BaseException) and _audio(sky[0])
@@ -123,6 +132,8 @@ async def test_a_voice_failure_fails_only_its_request() -> None:
         ({"text": "Hi", "modalities": "text"}, "modalities must be"),
     ],
 )
-def test_bad_requests_say_what_is_wrong(model: AssistantModel, data: dict[str, Any], message: str) -> None:
+def test_bad_requests_say_what_is_wrong(
+    model: AssistantModel, data: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         model.preprocess(Request("generate", data))

@@ -1,4 +1,5 @@
-"""BAGEL checkpoints: the published layout and names, random ones written in it, loading and its errors."""
+"""BAGEL checkpoints: the published layout and names, random ones written in it, loading and its
+errors."""
 
 from __future__ import annotations
 
@@ -43,7 +44,12 @@ def _shapes(path: Path) -> dict[str, list[int]]:
 
 
 def test_the_files_have_the_published_names_and_shapes(written: Path, config: BagelConfig) -> None:
-    assert sorted(p.name for p in written.iterdir()) == ["ae.safetensors", "ema.safetensors", "llm_config.json", "vit_config.json"]
+    assert sorted(p.name for p in written.iterdir()) == [
+        "ae.safetensors",
+        "ema.safetensors",
+        "llm_config.json",
+        "vit_config.json",
+    ]
     ema = _shapes(written / "ema.safetensors")
     h, p = config.llm.hidden_size, config.vit.patch_size
     layer = "language_model.model.layers.1."
@@ -63,14 +69,28 @@ def test_the_files_have_the_published_names_and_shapes(written: Path, config: Ba
     assert ema["vit_pos_embed.pos_embed"] == [config.vit.max_patches_per_side**2, h]
     assert ema["connector.fc1.weight"] == [h, config.vit.hidden_size]
     # upstream converts the patch conv to a linear over (row, col, channel)
-    assert ema["vit_model.vision_model.embeddings.patch_embedding.weight"] == [config.vit.hidden_size, p * p * 3]
-    assert f"vit_model.vision_model.encoder.layers.{config.vit.num_layers - 1}.mlp.fc1.weight" in ema
-    assert f"vit_model.vision_model.encoder.layers.{config.vit.num_layers}.mlp.fc1.weight" not in ema
+    assert ema["vit_model.vision_model.embeddings.patch_embedding.weight"] == [
+        config.vit.hidden_size,
+        p * p * 3,
+    ]
+    assert (
+        f"vit_model.vision_model.encoder.layers.{config.vit.num_layers - 1}.mlp.fc1.weight" in ema
+    )
+    assert (
+        f"vit_model.vision_model.encoder.layers.{config.vit.num_layers}.mlp.fc1.weight" not in ema
+    )
     assert not any("head" in n and n.startswith("vit_model") for n in ema)
     ae = _shapes(written / "ae.safetensors")
-    assert ae["encoder.conv_out.weight"] == [2 * config.vae.z_channels, config.vae.ch * config.vae.ch_mult[-1], 3, 3]
+    assert ae["encoder.conv_out.weight"] == [
+        2 * config.vae.z_channels,
+        config.vae.ch * config.vae.ch_mult[-1],
+        3,
+        3,
+    ]
     assert ae["encoder.mid.attn_1.q.weight"][2:] == [1, 1]
-    assert "decoder.up.3.upsample.conv.weight" in ae and "decoder.up.0.upsample.conv.weight" not in ae
+    assert (
+        "decoder.up.3.upsample.conv.weight" in ae and "decoder.up.0.upsample.conv.weight" not in ae
+    )
     vit = json.loads((written / "vit_config.json").read_text())
     assert vit["num_hidden_layers"] == config.vit.num_layers + 1  # upstream drops the last one
 
@@ -78,7 +98,10 @@ def test_the_files_have_the_published_names_and_shapes(written: Path, config: Ba
 def test_the_real_layout() -> None:
     real = get_bagel_config("bagel-7b-mot")
     with torch.device("meta"):
-        names = {to_checkpoint_name(n): tuple(t.shape) for n, t in BagelWeights(real).state_dict().items()}
+        names = {
+            to_checkpoint_name(n): tuple(t.shape)
+            for n, t in BagelWeights(real).state_dict().items()
+        }
     assert names["language_model.model.embed_tokens.weight"] == (152_064, 3584)
     assert names["language_model.model.layers.27.self_attn.k_proj_moe_gen.weight"] == (512, 3584)
     assert names["language_model.model.layers.27.mlp_moe_gen.down_proj.weight"] == (3584, 18_944)
@@ -95,7 +118,10 @@ def test_the_real_layout() -> None:
 
 def test_names_rename_both_ways() -> None:
     for ours, theirs in [
-        ("vit_model.encoder.layers.0.mlp.fc1.weight", "vit_model.vision_model.encoder.layers.0.mlp.fc1.weight"),
+        (
+            "vit_model.encoder.layers.0.mlp.fc1.weight",
+            "vit_model.vision_model.encoder.layers.0.mlp.fc1.weight",
+        ),
         ("language_model.model.norm.weight", "language_model.model.norm.weight"),
         ("connector.fc2.bias", "connector.fc2.bias"),
     ]:
@@ -135,10 +161,17 @@ def test_clear_errors(written: Path, config: BagelConfig, tmp_path: Path) -> Non
     bad = _copy(written, tmp_path / "missing", "ema.safetensors", {name: None})
     with pytest.raises(CheckpointError, match=rf"missing 1 tensors.*{name}"):
         load_bagel(bad, config)
-    bad = _copy(written, tmp_path / "extra", "ema.safetensors", {"vit_model.vision_model.head.probe": torch.zeros(1)})
+    bad = _copy(
+        written,
+        tmp_path / "extra",
+        "ema.safetensors",
+        {"vit_model.vision_model.head.probe": torch.zeros(1)},
+    )
     with pytest.raises(CheckpointError, match=r"unexpected 1.*head.probe"):
         load_bagel(bad, config)
-    bad = _copy(written, tmp_path / "shape", "ema.safetensors", {"vae2llm.weight": torch.zeros(3, 3)})
+    bad = _copy(
+        written, tmp_path / "shape", "ema.safetensors", {"vae2llm.weight": torch.zeros(3, 3)}
+    )
     with pytest.raises(CheckpointError, match=r"vae2llm.weight has shape \[3, 3\]"):
         load_bagel(bad, config)
     bad = _copy(written, tmp_path / "ae", "ae.safetensors", {"encoder.conv_in.weight": None})
@@ -190,10 +223,16 @@ def test_each_rank_loads_only_its_nodes_weights(
     model.submodule("vae_decoder", cpu)
     weights, vae = model.load(cpu, ["vae_encoder"])  # nothing new
     assert read and all(r.startswith("ae.safetensors:") for r in read)
-    assert all(p.is_meta for p in weights.parameters()) and not any(p.is_meta for p in vae.parameters())
+    assert all(p.is_meta for p in weights.parameters()) and not any(
+        p.is_meta for p in vae.parameters()
+    )
     read.clear()
     model.submodule("vit", cpu)
-    assert {r.split(":")[1].split(".")[0] for r in read} == {"vit_model", "connector", "vit_pos_embed"}
+    assert {r.split(":")[1].split(".")[0] for r in read} == {
+        "vit_model",
+        "connector",
+        "vit_pos_embed",
+    }
     assert weights.language_model.model.embed_tokens.weight.is_meta
     image = torch.rand(3, 2 * config.vit.patch_size, 3 * config.vit.patch_size) * 2 - 1
     vit_tokens = weights.embed_vit(image)
@@ -201,7 +240,9 @@ def test_each_rank_loads_only_its_nodes_weights(
     model.submodule("denoise_cfg_text", cpu)
     assert model.load(cpu)[0] is weights
     assert not any(p.is_meta for p in weights.parameters())
-    assert {r.split(":")[1].split(".")[0] for r in read} == set(LLM_PARTS) and len(read) == len(set(read))
+    assert {r.split(":")[1].split(".")[0] for r in read} == set(LLM_PARTS) and len(read) == len(
+        set(read)
+    )
     whole, whole_vae = load_bagel(written, config)
     whole.fuse_for_inference()  # as the model does once the LLM's weights are in
     assert weights.state_dict().keys() == whole.state_dict().keys()

@@ -1,4 +1,5 @@
-"""BAGEL's persisted values: the context state stays small, the context inputs go only where they are read.
+"""BAGEL's persisted values: the context state stays small, the context inputs go only where they
+are read.
 
 A prefill returns the new `ContextState` (to every node that follows the items) and each CFG
 branch's own context inputs (`Parts`); the large ones (ViT embeddings, latents) must not reach
@@ -43,7 +44,8 @@ def test_context_inputs_persist_only_to_the_prefills_and_each_branch() -> None:
 
 
 def _edit_prefills() -> tuple[ContextState, dict[str, Any], list[Any]]:
-    """Prefill an edit's items (the image's VAE then ViT tokens, then the text) as the LLM nodes do."""
+    """Prefill an edit's items (the image's VAE then ViT tokens, then the text) as the LLM nodes
+    do."""
     state, outputs = ContextState(), {name: Parts() for name in map(parts_input, BRANCHES)}
     vae = ImageInput("vae", torch.randn(16, 16), 0, torch.arange(16), 0.0)
     vit = ImageInput("vit", torch.randn(16, 64), 0)

@@ -44,19 +44,35 @@ def _image(seed: int, size: tuple[int, int]) -> Image.Image:
 
 
 def t2i(i: int, **extra: Any) -> Request:
-    return Request("image", {"prompt": f"a red cube no. {i}", "seed": 10 + i, "num_timesteps": 6, **extra})
+    return Request(
+        "image", {"prompt": f"a red cube no. {i}", "seed": 10 + i, "num_timesteps": 6, **extra}
+    )
 
 
 def edit(i: int, **extra: Any) -> Request:
     size = [(64, 64), (48, 80), (64, 32)][i % 3]
-    return Request("image_edit", {"prompt": f"make it blue {i}", "image": _image(i, size), "seed": i, "num_timesteps": 4, **extra})
+    return Request(
+        "image_edit",
+        {
+            "prompt": f"make it blue {i}",
+            "image": _image(i, size),
+            "seed": i,
+            "num_timesteps": 4,
+            **extra,
+        },
+    )
 
 
 def understand(i: int) -> Request:
-    return Request("understand", {"prompt": f"what is this? {i}", "image": _image(100 + i, (40, 56)), "max_tokens": 6})
+    return Request(
+        "understand",
+        {"prompt": f"what is this? {i}", "image": _image(100 + i, (40, 56)), "max_tokens": 6},
+    )
 
 
-async def serve(model: BagelModel, requests: list[Request]) -> tuple[list[list[Output]], dict[str, Any]]:
+async def serve(
+    model: BagelModel, requests: list[Request]
+) -> tuple[list[list[Output]], dict[str, Any]]:
     async with await AsyncEngine.start(model) as engine:
         outs = await asyncio.gather(*(engine.run(r) for r in requests))
         stats = (await engine.stats())[0]["llm"]
@@ -75,7 +91,9 @@ def dense(model: BagelModel, request: Request) -> tuple[torch.Tensor, np.ndarray
     prepared = model.preprocess(request)
     plan = prepared.state
     weights, vae = model.load(CPU)
-    return reference_generate(weights, vae, plan.items, plan.spec, prepared.inputs["cfg_combine"]["flow"].x)
+    return reference_generate(
+        weights, vae, plan.items, plan.spec, prepared.inputs["cfg_combine"]["flow"].x
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -90,9 +108,11 @@ async def test_text_to_image_equals_the_dense_reference(model64: BagelModel, bat
         (png,) = by_name(out, "image")
         assert png_pixels(png).shape == (64, 64, 3)
         assert png == _png(pixels)  # identical bytes
-    # one prefill per request, then only the passes the steps needed (5 steps: all inside the interval)
+    # one prefill per request, then only the passes the steps needed (5 steps: all inside the
+    # interval)
     assert stats["batched"] == batch + passes and passes == batch * 5 * 2
-    # Requests and branches share steps (how often depends on timing: only that they do is asserted).
+    # Requests and branches share steps (how often depends on timing: only that they do is
+    # asserted).
     assert stats["steps"] <= stats["batched"] and (batch == 1 or stats["steps"] < stats["batched"])
 
 
@@ -102,8 +122,11 @@ def _png(pixels: np.ndarray) -> bytes:
     return png_bytes(pixels)
 
 
-async def test_fp32_latents_are_close_and_the_default_schedule_runs_90_passes(model32: BagelModel) -> None:
-    request = Request("image", {"token_ids": [5, 6, 7], "seed": 3})  # 50 timesteps, shift 3, interval (0.4, 1]
+async def test_fp32_latents_are_close_and_the_default_schedule_runs_90_passes(
+    model32: BagelModel,
+) -> None:
+    # 50 timesteps, shift 3, interval (0.4, 1]
+    request = Request("image", {"token_ids": [5, 6, 7], "seed": 3})
     outs, stats = await serve(model32, [request])
     latents, _, passes = dense(model32, request)
     assert passes == 90 and stats["batched"] == 1 + 90
@@ -111,7 +134,14 @@ async def test_fp32_latents_are_close_and_the_default_schedule_runs_90_passes(mo
 
 
 async def test_editing_and_understanding_equal_the_dense_reference(model64: BagelModel) -> None:
-    requests = [edit(0), edit(1), understand(0), t2i(5, cfg_img_scale=2.0), edit(2, cfg_interval=[0.5, 1.0]), understand(1)]
+    requests = [
+        edit(0),
+        edit(1),
+        understand(0),
+        t2i(5, cfg_img_scale=2.0),
+        edit(2, cfg_interval=[0.5, 1.0]),
+        understand(1),
+    ]
     outs, _ = await serve(model64, requests)
     weights, vae = model64.load(CPU)
     for request, out in zip(requests, outs, strict=True):
@@ -132,7 +162,9 @@ async def test_the_reference_interpreter_agrees(model64: BagelModel) -> None:
     for request, out in zip(requests, outs, strict=True):
         prepared = model64.preprocess(request)
         nodes, passes = dense_nodes(model64)
-        emissions = run_reference(model64.graph(), nodes, prepared.inputs, model64, state=prepared.state)
+        emissions = run_reference(
+            model64.graph(), nodes, prepared.inputs, model64, state=prepared.state
+        )
         want = [(e.name, e.value) for e in emissions]
         got = [(o.name, o.data) for o in out]
         assert [n for n, _ in got] == [n for n, _ in want]
@@ -147,8 +179,11 @@ async def test_the_reference_interpreter_agrees(model64: BagelModel) -> None:
 
 async def test_think_mode_equals_the_dense_reference(model64: BagelModel) -> None:
     """A planning text is decoded (and streamed) first, then taken by the full context alone."""
-    requests = [t2i(0, think=True, max_think_tokens=6), edit(1, think=True, max_think_tokens=5),
-                Request("understand", {**understand(3).data, "think": True})]
+    requests = [
+        t2i(0, think=True, max_think_tokens=6),
+        edit(1, think=True, max_think_tokens=5),
+        Request("understand", {**understand(3).data, "think": True}),
+    ]
     outs, _ = await serve(model64, requests)
     weights, vae = model64.load(CPU)
     for request, out in zip(requests, outs, strict=True):
@@ -157,16 +192,24 @@ async def test_think_mode_equals_the_dense_reference(model64: BagelModel) -> Non
         if request.task == "understand":  # the reasoning instruction first, then the answer
             assert by_name(out, "token") == reference_understand(weights, vae, plan.items, 6)
             continue
-        think_ids = reference_understand(weights, vae, plan.items, prepared.inputs["llm"]["segments"].max_tokens)
+        think_ids = reference_understand(
+            weights, vae, plan.items, prepared.inputs["llm"]["segments"].max_tokens
+        )
         assert by_name(out, "token") == think_ids and think_ids
-        latents, pixels, _ = reference_generate(weights, vae, plan.items, plan.spec, prepared.inputs["cfg_combine"]["flow"].x, think_ids)
+        latents, pixels, _ = reference_generate(
+            weights, vae, plan.items, plan.spec, prepared.inputs["cfg_combine"]["flow"].x, think_ids
+        )
         torch.testing.assert_close(by_name(out, "latents")[0], latents, rtol=0, atol=1e-6)
         assert by_name(out, "image")[0] == _png(pixels)
         assert [o.name for o in out] == ["token"] * len(think_ids) + ["latents", "image"]
         nodes, _ = dense_nodes(model64)  # the reference interpreter on the same walks
-        emissions = run_reference(model64.graph(), nodes, prepared.inputs, model64, state=prepared.state)
+        emissions = run_reference(
+            model64.graph(), nodes, prepared.inputs, model64, state=prepared.state
+        )
         assert [e.value for e in emissions if e.name == "token"] == think_ids
-        torch.testing.assert_close(next(e.value for e in emissions if e.name == "latents"), latents, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            next(e.value for e in emissions if e.name == "latents"), latents, rtol=0, atol=1e-6
+        )
 
 
 def test_think_options_are_checked(model32: BagelModel) -> None:
@@ -180,23 +223,39 @@ def test_think_options_are_checked(model32: BagelModel) -> None:
 
 async def test_answers_honour_the_sampling_settings(model32: BagelModel) -> None:
     def ask(**sampling: Any) -> Request:
-        return Request("understand", {"prompt": "what is this?", "image": _image(5, (40, 56)), "max_tokens": 8, **sampling})
+        return Request(
+            "understand",
+            {"prompt": "what is this?", "image": _image(5, (40, 56)), "max_tokens": 8, **sampling},
+        )
 
-    requests = [ask(), ask(temperature=1.5, seed=1), ask(temperature=1.5, seed=1), ask(temperature=1.5, top_p=0.9, seed=2)]
+    requests = [
+        ask(),
+        ask(temperature=1.5, seed=1),
+        ask(temperature=1.5, seed=1),
+        ask(temperature=1.5, top_p=0.9, seed=2),
+    ]
     outs, _ = await serve(model32, requests)
     greedy, sampled, again, nucleus = (by_name(o, "token") for o in outs)
     weights, vae = model32.load(CPU)
-    assert greedy == reference_understand(weights, vae, model32.preprocess(requests[0]).state.items, 8)
+    assert greedy == reference_understand(
+        weights, vae, model32.preprocess(requests[0]).state.items, 8
+    )
     assert sampled == again  # seeded draws repeat
     assert sampled != greedy and nucleus != sampled  # and are draws (fixed seeds: deterministic)
 
 
-def test_bad_sampling_settings_and_edit_sizes_are_refused_before_generation(model32: BagelModel) -> None:
+def test_bad_sampling_settings_and_edit_sizes_are_refused_before_generation(
+    model32: BagelModel,
+) -> None:
     with pytest.raises(ValueError, match="top_p"):
-        model32.preprocess(Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), "top_p": 0.0}))
+        model32.preprocess(
+            Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), "top_p": 0.0})
+        )
     for name, value in (("logprobs", 21), ("ignore_eos", True)):  # logprobs: at most 20
         with pytest.raises(ValueError, match=name):
-            model32.preprocess(Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), name: value}))
+            model32.preprocess(
+                Request("understand", {"prompt": "x", "image": _image(0, (40, 56)), name: value})
+            )
     with pytest.raises(ValueError, match="size: an edit keeps the input's size, 80x48"):
         model32.preprocess(edit(1, width=64, height=64))
     plan = model32.preprocess(edit(1, width=80, height=48)).state  # its own size is fine

@@ -28,9 +28,14 @@ def test_navit_equals_transformers_siglip_on_a_full_grid() -> None:
     ours = NaViT(vit).eval()
     twin = SiglipVisionModel(
         SiglipVisionConfig(
-            hidden_size=vit.hidden_size, intermediate_size=vit.intermediate_size, num_hidden_layers=vit.num_layers,
-            num_attention_heads=vit.num_heads, image_size=vit.image_size, patch_size=vit.patch_size,
-            hidden_act="gelu_pytorch_tanh", vision_use_head=False,
+            hidden_size=vit.hidden_size,
+            intermediate_size=vit.intermediate_size,
+            num_hidden_layers=vit.num_layers,
+            num_attention_heads=vit.num_heads,
+            image_size=vit.image_size,
+            patch_size=vit.patch_size,
+            hidden_act="gelu_pytorch_tanh",
+            vision_use_head=False,
         )
     ).eval()
     twin.load_state_dict(ours.state_dict())
@@ -40,7 +45,9 @@ def test_navit_equals_transformers_siglip_on_a_full_grid() -> None:
         want = twin(pixel_values=image).last_hidden_state[0]
         got = ours.encode(patchify(image[0], vit.patch_size), flattened_positions(side, side, side))
         # a smaller image takes the table's rows r * side + c (no interpolation)
-        small = ours.encode(patchify(image[0, :, :16, :24], vit.patch_size), flattened_positions(2, 3, side))
+        small = ours.encode(
+            patchify(image[0, :, :16, :24], vit.patch_size), flattened_positions(2, 3, side)
+        )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert small.shape == (6, vit.hidden_size)
 
@@ -55,7 +62,9 @@ def test_patchify_round_trips_and_orders_row_col_channel() -> None:
 
 def test_sincos_table_is_upstreams() -> None:
     dim, side = 16, 5
-    grid = np.stack(np.meshgrid(np.arange(side, dtype=np.float32), np.arange(side, dtype=np.float32)), axis=0)
+    grid = np.stack(
+        np.meshgrid(np.arange(side, dtype=np.float32), np.arange(side, dtype=np.float32)), axis=0
+    )
 
     def one_d(d: int, pos: np.ndarray) -> np.ndarray:
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
@@ -101,7 +110,12 @@ def _attn(x: torch.Tensor, sd: dict[str, torch.Tensor], name: str, g: int) -> to
 
 
 def _mid(x: torch.Tensor, sd: dict[str, torch.Tensor], p: str, g: int) -> torch.Tensor:
-    return _resnet(_attn(_resnet(x, sd, f"{p}.mid.block_1", g), sd, f"{p}.mid.attn_1", g), sd, f"{p}.mid.block_2", g)
+    return _resnet(
+        _attn(_resnet(x, sd, f"{p}.mid.block_1", g), sd, f"{p}.mid.attn_1", g),
+        sd,
+        f"{p}.mid.block_2",
+        g,
+    )
 
 
 def _flux_encode_mean(x: torch.Tensor, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -124,7 +138,12 @@ def _flux_decode(z: torch.Tensor, sd: dict[str, torch.Tensor]) -> torch.Tensor:
         for j in range(vae.num_res_blocks + 1):
             h = _resnet(h, sd, f"decoder.up.{i}.block.{j}", g)
         if i != 0:
-            h = _conv(F.interpolate(h, scale_factor=2.0, mode="nearest"), sd, f"decoder.up.{i}.upsample.conv", padding=1)
+            h = _conv(
+                F.interpolate(h, scale_factor=2.0, mode="nearest"),
+                sd,
+                f"decoder.up.{i}.upsample.conv",
+                padding=1,
+            )
     return _conv(F.silu(_gn(h, sd, "decoder.norm_out", g)), sd, "decoder.conv_out", padding=1)
 
 
@@ -136,8 +155,12 @@ def test_diffusers_vae_fed_bfl_names_equals_fluxs_formulas() -> None:
     scale, shift = CFG.vae.scale_factor, CFG.vae.shift_factor
     with torch.no_grad():
         z = vae.encode(x)
-        torch.testing.assert_close(z, (_flux_encode_mean(x, ae) - shift) * scale, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(vae.decode(z), _flux_decode(z / scale + shift, ae), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            z, (_flux_encode_mean(x, ae) - shift) * scale, rtol=1e-4, atol=1e-4
+        )
+        torch.testing.assert_close(
+            vae.decode(z), _flux_decode(z / scale + shift, ae), rtol=1e-4, atol=1e-4
+        )
 
 
 # --- the flow -----------------------------------------------------------------------------------
@@ -159,10 +182,14 @@ def test_guidance_modes() -> None:
     v, vt, vi = (torch.randn(6, 16, generator=g) for _ in range(3))
     spec = FlowSpec(2, 3, cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_renorm_type="global")
     mixed = vi + 2.0 * (vt + 4.0 * (v - vt) - vi)
-    torch.testing.assert_close(guidance(spec, v, vt, vi), mixed * (v.norm() / (mixed.norm() + 1e-8)).clamp(max=1.0))
+    torch.testing.assert_close(
+        guidance(spec, v, vt, vi), mixed * (v.norm() / (mixed.norm() + 1e-8)).clamp(max=1.0)
+    )
     chan = FlowSpec(2, 3, cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_renorm_type="text_channel")
     text = vt + 4.0 * (v - vt)
-    text = text * (v.norm(dim=-1, keepdim=True) / (text.norm(dim=-1, keepdim=True) + 1e-8)).clamp(max=1.0)
+    text = text * (v.norm(dim=-1, keepdim=True) / (text.norm(dim=-1, keepdim=True) + 1e-8)).clamp(
+        max=1.0
+    )
     torch.testing.assert_close(guidance(chan, v, vt, vi), vi + 2.0 * (text - vi))
     assert guidance(spec, v, None, None) is v
 
@@ -180,9 +207,13 @@ def test_repeated_queries_projected_once_equal_each_projected_alone(fused: bool)
         weights.fuse_for_inference()
     llm = CFG.llm
     n = 6
-    query = ImageInput("flow", torch.randn(n - 2, CFG.patch_latent_dim), 0, torch.arange(n - 2), 0.7)
+    query = ImageInput(
+        "flow", torch.randn(n - 2, CFG.patch_latent_dim), 0, torch.arange(n - 2), 0.7
+    )
     x, _, is_gen = weights.embed_input(query)
-    contexts = [(torch.randn(ctx, llm.num_kv_heads, llm.head_dim, dtype=dtype),) * 2 for ctx in (5, 3, 0)]
+    contexts = [
+        (torch.randn(ctx, llm.num_kv_heads, llm.head_dim, dtype=dtype),) * 2 for ctx in (5, 3, 0)
+    ]
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = []
@@ -190,7 +221,10 @@ def test_repeated_queries_projected_once_equal_each_projected_alone(fused: bool)
             rows = slice(b * n, (b + 1) * n)
             keys, values = torch.cat([ck, k[rows]]), torch.cat([cv, v[rows]])
             o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), enable_gqa=True
+                q[rows].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                enable_gqa=True,
             )
             out.append(o.transpose(0, 1))
         return torch.cat(out)

@@ -29,7 +29,7 @@ TWO_RANKS = """
 node_groups:
   - {node_names: [llm, llm_vit, llm_vae, vit, vae_encoder, denoise, cfg_combine, vae_decoder], ranks: [0]}
   - {node_names: [denoise_cfg_text, denoise_cfg_img], ranks: [1]}
-"""
+"""  # noqa: E501 (a table or diagram)
 
 
 def requests() -> list[Request]:
@@ -41,7 +41,9 @@ def requests() -> list[Request]:
     ]
 
 
-async def serve(model: Any, placement: Placement | str | Path | None, config: EngineConfig | None = None) -> tuple[list[list[Output]], Any]:
+async def serve(
+    model: Any, placement: Placement | str | Path | None, config: EngineConfig | None = None
+) -> tuple[list[list[Output]], Any]:
     async with await AsyncEngine.start(model, placement=placement, config=config) as engine:
         outs = await asyncio.gather(*(engine.run(r) for r in requests()))
         stats = await engine.stats()
@@ -60,17 +62,23 @@ def colocated() -> list[list[Output]]:
     return asyncio.run(serve(BagelModel("bagel-tiny", dtype="float64"), None))[0]
 
 
-async def test_branches_on_ranks_of_their_own_equal_colocated(colocated: list[list[Output]]) -> None:
+async def test_branches_on_ranks_of_their_own_equal_colocated(
+    colocated: list[list[Output]],
+) -> None:
     model = BagelModel("bagel-tiny", dtype="float64")
     outs, stats = await serve(model, CFG_PARALLEL)
     assert_same(outs, colocated)
     # each branch ran on its own rank's engine, and rank 0's engine ran none of their queries
-    assert stats[1]["denoise_cfg_text"]["batched"] > 0 and stats[2]["denoise_cfg_img"]["batched"] > 0
+    assert (
+        stats[1]["denoise_cfg_text"]["batched"] > 0 and stats[2]["denoise_cfg_img"]["batched"] > 0
+    )
     assert set(stats[1]) == {"denoise_cfg_text"} and set(stats[2]) == {"denoise_cfg_img"}
 
 
 @pytest.mark.slow
 async def test_branches_in_worker_processes_equal_colocated(colocated: list[list[Output]]) -> None:
-    spec = ModelSpec("mstar.zoo.bagel.model:BagelModel", {"config": "bagel-tiny", "dtype": "float64"})
+    spec = ModelSpec(
+        "mstar.zoo.bagel.model:BagelModel", {"config": "bagel-tiny", "dtype": "float64"}
+    )
     outs, _ = await serve(spec, Placement.from_yaml(TWO_RANKS), EngineConfig(worker_processes=True))
     assert_same(outs, colocated)

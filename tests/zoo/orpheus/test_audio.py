@@ -17,7 +17,16 @@ def test_pcm16_is_little_endian_truncated_and_clamped() -> None:
     audio = torch.tensor([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0, 1e-5])
     data = pcm16_bytes(audio)
     assert len(data) == 2 * 8
-    assert np.frombuffer(data, dtype="<i2").tolist() == [0, 16383, -16383, 32767, -32767, 32767, -32767, 0]
+    assert np.frombuffer(data, dtype="<i2").tolist() == [
+        0,
+        16383,
+        -16383,
+        32767,
+        -32767,
+        32767,
+        -32767,
+        0,
+    ]
     assert data[2:4] == (16383).to_bytes(2, "little", signed=True)
 
 

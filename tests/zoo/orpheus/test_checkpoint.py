@@ -27,10 +27,11 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> OrpheusConfig:
-    return make_random_checkpoint(get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("tiny"))
+    return make_random_checkpoint(
+        get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("tiny")
+    )
 
 
 def test_configs_have_the_published_sizes() -> None:
@@ -58,7 +59,9 @@ def test_configs_have_the_published_sizes() -> None:
 
 
 def test_config_validation() -> None:
-    with pytest.raises(UnsupportedModelError, match=r"unknown Orpheus config 'orpheus-7b'.*orpheus-tiny"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"unknown Orpheus config 'orpheus-7b'.*orpheus-tiny"
+    ):
         get_orpheus_config("orpheus-7b")
     with pytest.raises(UnsupportedModelError, match="vq_strides"):
         SnacConfig(vq_strides=(8, 4, 2, 1))
@@ -103,11 +106,16 @@ def test_same_seed_same_weights(tiny: OrpheusConfig, tmp_path: Path) -> None:
     a = torch.load(again.snac_dir / "pytorch_model.bin", weights_only=True)
     b = torch.load(tiny.snac_dir / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(load_orpheus_llm(again).model.embed_tokens.weight, load_orpheus_llm(tiny).model.embed_tokens.weight)
+    assert torch.equal(
+        load_orpheus_llm(again).model.embed_tokens.weight,
+        load_orpheus_llm(tiny).model.embed_tokens.weight,
+    )
 
 
 def test_missing_checkpoints_say_how_to_fix(tiny: OrpheusConfig, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"orpheus-3b has no checkpoint directories.*make_orpheus_checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=r"orpheus-3b has no checkpoint directories.*make_orpheus_checkpoint"
+    ):
         load_orpheus_llm(get_orpheus_config("orpheus-3b"))
     assert tiny.llm_dir is not None and tiny.snac_dir is not None
     config = tiny.with_checkpoints(tiny.llm_dir, tmp_path / "absent")
@@ -128,14 +136,21 @@ def test_missing_checkpoints_say_how_to_fix(tiny: OrpheusConfig, tmp_path: Path)
 def test_a_checkpoint_of_another_size_is_refused(tiny: OrpheusConfig) -> None:
     assert tiny.llm_dir is not None and tiny.snac_dir is not None
     small = get_orpheus_config("orpheus-small", llm_dir=tiny.llm_dir, snac_dir=tiny.snac_dir)
-    with pytest.raises(CheckpointError, match=r"vocab_size 29706 \(expected 156940\).*hidden_size 64 \(expected 512\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"vocab_size 29706 \(expected 156940\).*hidden_size 64 \(expected 512\)",
+    ):
         load_orpheus_llm(small)
     with pytest.raises(CheckpointError, match="expected"):
         load_orpheus_codec(small)
 
 
-def test_script_writes_a_loadable_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("make_orpheus_checkpoint", ROOT / "scripts" / "make_orpheus_checkpoint.py")
+def test_script_writes_a_loadable_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "make_orpheus_checkpoint", ROOT / "scripts" / "make_orpheus_checkpoint.py"
+    )
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -17,7 +17,6 @@ TINY = SnacConfig(encoder_dim=4, decoder_dim=64)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-
 def _snac(config: SnacConfig, seed: int = 0) -> SNAC:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -36,7 +36,9 @@ def test_real_layout_has_the_published_ids() -> None:
     generated=st.integers(0, 60),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_only_the_positions_audio_ids_survive(prompt_len: int, generated: int, dtype: torch.dtype) -> None:
+def test_only_the_positions_audio_ids_survive(
+    prompt_len: int, generated: int, dtype: torch.dtype
+) -> None:
     processor = AudioLogitsProcessor(MICRO, prompt_len)
     logits = torch.randn(MICRO.num_ids + 3, dtype=dtype)  # a padded vocab too
     before = logits.clone()
@@ -59,7 +61,8 @@ def test_sampling_under_the_mask_yields_valid_frames() -> None:
     ended_at = None
     for _ in range(400):
         logits = torch.randn(MICRO.num_ids, generator=gen) * 3
-        logits[MICRO.end_of_speech] += 4  # make end of speech likely, so the boundary rule is exercised
+        # make end of speech likely, so the boundary rule is exercised
+        logits[MICRO.end_of_speech] += 4
         probs = torch.softmax(processor(tokens, logits), dim=-1)
         token = int(torch.multinomial(probs, 1, generator=gen))
         if token == MICRO.end_of_speech:
@@ -92,7 +95,11 @@ def test_audio_code_inverts_audio_id() -> None:
 @pytest.mark.parametrize(
     ("token", "index", "message"),
     [
-        (REAL.audio_id(1, 5), 0, r"audio token 0 \(frame 0, position 0\) is 128266\+4096\+5|an audio id for position 1"),
+        (
+            REAL.audio_id(1, 5),
+            0,
+            r"audio token 0 \(frame 0, position 0\) is 128266\+4096\+5|an audio id for position 1",
+        ),
         (REAL.audio_id(0, 5), 13, r"frame 1, position 6.*an audio id for position 0"),
         (9906, 2, r"a text id: expected an id in \[136458, 140554\)"),
         (REAL.end_of_speech, 4, "end of speech where audio was expected"),

@@ -25,27 +25,41 @@ from mstar.zoo.orpheus.model import OrpheusModel
 from tests.helpers import wait_until_idle
 
 TEXT = "Hello there, this is mstar speaking."
-SPLIT = "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: [snac_decoder], ranks: [1]}\n"
+SPLIT = (
+    "node_groups:\n  - {node_names: [LLM], ranks: [0]}\n  - {node_names: [snac_decoder], "
+    "ranks: [1]}\n"
+)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    cfg = make_random_checkpoint(get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("orpheus"), seed=5)
+    cfg = make_random_checkpoint(
+        get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("orpheus"), seed=5
+    )
     assert cfg.llm_dir is not None and cfg.snac_dir is not None
     return {"checkpoint": str(cfg.llm_dir), "snac_dir": str(cfg.snac_dir)}
 
 
-def expected_audio(dirs: dict[str, str], text: str, max_tokens: int, seed: int) -> tuple[list[int], list[torch.Tensor]]:
+def expected_audio(
+    dirs: dict[str, str], text: str, max_tokens: int, seed: int
+) -> tuple[list[int], list[torch.Tensor]]:
     """Run the pieces by hand: the engine to completion, then the 28/7 chunks through the codec."""
     cfg = get_orpheus_config("orpheus-tiny", llm_dir=dirs["checkpoint"], snac_dir=dirs["snac_dir"])
     model = OrpheusModel("orpheus-tiny", **dirs)
     prompt = model.tokenizer.format_prompt(text, "tara")
-    engine = KVCacheEngine(load_orpheus_llm(cfg), KVCacheEngineConfig(num_blocks=64, max_model_len=512))
-    params = SamplingParams(
-        temperature=0.0, repetition_penalty=cfg.repetition_penalty, top_p=cfg.top_p,
-        max_tokens=max_tokens, stop_token_ids=(cfg.layout.end_of_speech,),
+    engine = KVCacheEngine(
+        load_orpheus_llm(cfg), KVCacheEngineConfig(num_blocks=64, max_model_len=512)
     )
-    engine.add_request("r", prompt, params, logits_processor=AudioLogitsProcessor(cfg.layout, len(prompt)))
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=cfg.repetition_penalty,
+        top_p=cfg.top_p,
+        max_tokens=max_tokens,
+        stop_token_ids=(cfg.layout.end_of_speech,),
+    )
+    engine.add_request(
+        "r", prompt, params, logits_processor=AudioLogitsProcessor(cfg.layout, len(prompt))
+    )
     tokens: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():
@@ -65,7 +79,13 @@ def expected_audio(dirs: dict[str, str], text: str, max_tokens: int, seed: int) 
 
 
 async def speak(engine: AsyncEngine, max_tokens: int, seed: int) -> list[Output]:
-    data = {"text": TEXT, "voice": "tara", "max_tokens": max_tokens, "temperature": 0.0, "seed": seed}
+    data = {
+        "text": TEXT,
+        "voice": "tara",
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": seed,
+    }
     return await engine.run(Request("speech", data))
 
 
@@ -78,9 +98,13 @@ def assert_audio_equal(outputs: list[Output], audio: list[torch.Tensor]) -> None
 
 
 @pytest.mark.parametrize("max_tokens", [20, 27, 28, 50, 91])
-async def test_streamed_audio_equals_the_pieces_and_keeps_every_frame(dirs: dict[str, str], max_tokens: int) -> None:
+async def test_streamed_audio_equals_the_pieces_and_keeps_every_frame(
+    dirs: dict[str, str], max_tokens: int
+) -> None:
     tokens, audio = expected_audio(dirs, TEXT, max_tokens, seed=2)
-    model = OrpheusModel("orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 64})
+    model = OrpheusModel(
+        "orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 64}
+    )
     async with await AsyncEngine.start(model, config=EngineConfig(offload_steps=False)) as engine:
         outputs = await speak(engine, max_tokens, seed=2)
     assert_audio_equal(outputs, audio)
@@ -91,7 +115,9 @@ async def test_streamed_audio_equals_the_pieces_and_keeps_every_frame(dirs: dict
 async def test_concurrent_requests_batch_and_stay_independent(dirs: dict[str, str]) -> None:
     runs = [(30, 1), (64, 2), (45, 3), (90, 4)]
     expected = [expected_audio(dirs, TEXT, n, s)[1] for n, s in runs]
-    model = OrpheusModel("orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 128})
+    model = OrpheusModel(
+        "orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 128}
+    )
     async with await AsyncEngine.start(model) as engine:
         results = await asyncio.gather(*(speak(engine, n, s) for n, s in runs))
     for outputs, audio in zip(results, expected, strict=True):
@@ -100,7 +126,10 @@ async def test_concurrent_requests_batch_and_stay_independent(dirs: dict[str, st
 
 async def test_llm_and_codec_in_separate_processes(dirs: dict[str, str]) -> None:
     _, audio = expected_audio(dirs, TEXT, 60, seed=7)
-    spec = ModelSpec("mstar.zoo.orpheus.model:OrpheusModel", {"config": "orpheus-tiny", **dirs, "codec_batch_size": 1})
+    spec = ModelSpec(
+        "mstar.zoo.orpheus.model:OrpheusModel",
+        {"config": "orpheus-tiny", **dirs, "codec_batch_size": 1},
+    )
     config = EngineConfig(worker_processes=True)
     async with await AsyncEngine.start(spec, Placement.from_yaml(SPLIT), config) as engine:
         outputs = await speak(engine, 60, seed=7)
@@ -111,7 +140,9 @@ async def test_llm_and_codec_in_separate_processes(dirs: dict[str, str]) -> None
 async def test_invalid_audio_tokens_fail_the_request_clearly(dirs: dict[str, str]) -> None:
     model = OrpheusModel("orpheus-tiny", **dirs, constrained=False)
     async with await AsyncEngine.start(model) as engine:
-        with pytest.raises(WalkExecutionError, match=r"node 'snac_decoder', walk 'snac_chunk'") as info:
+        with pytest.raises(
+            WalkExecutionError, match=r"node 'snac_decoder', walk 'snac_chunk'"
+        ) as info:
             await speak(engine, 80, seed=0)
         assert "AudioTokenError" in str(info.value)
         with pytest.raises(ValueError, match="unknown Orpheus voice"):
@@ -120,7 +151,9 @@ async def test_invalid_audio_tokens_fail_the_request_clearly(dirs: dict[str, str
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="does not exist"):
-        OrpheusModel("orpheus-3b", checkpoint=str(tmp_path / "nope"), snac_dir=str(tmp_path / "nope2"))
+        OrpheusModel(
+            "orpheus-3b", checkpoint=str(tmp_path / "nope"), snac_dir=str(tmp_path / "nope2")
+        )
 
 
 PD_SPLIT = """
@@ -133,6 +166,8 @@ node_groups:
 
 async def test_prefill_and_decode_on_different_ranks(dirs: dict[str, str]) -> None:
     _, audio = expected_audio(dirs, TEXT, 50, seed=3)
-    model = OrpheusModel("orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 64})
+    model = OrpheusModel(
+        "orpheus-tiny", **dirs, codec_batch_size=1, engine_config={"num_blocks": 64}
+    )
     async with await AsyncEngine.start(model, Placement.from_yaml(PD_SPLIT)) as engine:
         assert_audio_equal(await speak(engine, 50, seed=3), audio)

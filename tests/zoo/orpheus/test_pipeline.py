@@ -1,4 +1,5 @@
-"""The Orpheus pieces together, without the runtime: prompt, constrained LLM decode, streamed codec, WAV."""
+"""The Orpheus pieces together, without the runtime: prompt, constrained LLM decode, streamed codec,
+WAV."""
 
 from __future__ import annotations
 
@@ -29,13 +30,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> OrpheusConfig:
-    return make_random_checkpoint(get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("tiny"))
+    return make_random_checkpoint(
+        get_orpheus_config("orpheus-tiny"), tmp_path_factory.mktemp("tiny")
+    )
 
 
-def test_two_requests_speak_through_the_engine_and_codec(tiny: OrpheusConfig, tmp_path: Path) -> None:
+def test_two_requests_speak_through_the_engine_and_codec(
+    tiny: OrpheusConfig, tmp_path: Path
+) -> None:
     layout = tiny.layout
     tokenizer = OrpheusTokenizer(layout)
-    engine = KVCacheEngine(load_orpheus_llm(tiny), KVCacheEngineConfig(num_blocks=64, max_model_len=512))
+    engine = KVCacheEngine(
+        load_orpheus_llm(tiny), KVCacheEngineConfig(num_blocks=64, max_model_len=512)
+    )
     codec = load_orpheus_codec(tiny)
     texts = {"a": ("Hello there.", "tara", 47), "b": ("How are you today?", "leo", 30)}
     buffers: dict[str, StreamBuffer[int]] = {}
@@ -52,7 +59,9 @@ def test_two_requests_speak_through_the_engine_and_codec(tiny: OrpheusConfig, tm
             stop_token_ids=(layout.end_of_speech,),
             seed=len(rid),
         )
-        engine.add_request(rid, prompt, params, logits_processor=AudioLogitsProcessor(layout, len(prompt)))
+        engine.add_request(
+            rid, prompt, params, logits_processor=AudioLogitsProcessor(layout, len(prompt))
+        )
         buffers[rid] = StreamBuffer(SlidingWindowChunkPolicy(28, 7))
         states[rid] = AudioStreamState(noise_seed=len(rid))
         generated[rid], audio[rid] = [], []

@@ -30,7 +30,6 @@ SPF = 2048
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-
 @pytest.fixture(scope="module")
 def codec() -> SnacCodec:
     config = SnacConfig(encoder_dim=4, decoder_dim=64)
@@ -75,14 +74,18 @@ def _chunks(items: list[object], put_sizes: list[int]) -> list[Chunk[object]]:
     return chunks
 
 
-def _stream_windows(items: list[object], put_sizes: list[int], seed: int = 0) -> list[tuple[int, int, int, int]]:
+def _stream_windows(
+    items: list[object], put_sizes: list[int], seed: int = 0
+) -> list[tuple[int, int, int, int]]:
     state = AudioStreamState(noise_seed=seed)
     got = []
     for chunk in _chunks(items, put_sizes):
         state, windows = plan_chunk(state, chunk, LAYOUT)
         if not chunk.is_last:
             assert len(windows) <= 1  # the 28/7 window never needs two decodes before the end
-        got += [(w.first_frame, w.first_frame + w.num_frames, w.emit_start, w.emit_end) for w in windows]
+        got += [
+            (w.first_frame, w.first_frame + w.num_frames, w.emit_start, w.emit_end) for w in windows
+        ]
         for w in windows:
             assert w.seed == window_seed(seed, w.first_frame)
     assert state.is_done
@@ -151,7 +154,9 @@ def test_streamed_audio_is_the_windows_decoded_directly(codec: SnacCodec, num_fr
     assert streamed.shape == (SPF * num_frames,)
     frames = torch.tensor(codes[: 7 * num_frames]).view(1, num_frames, 7)
     direct = [
-        codec.decode(frames[:, first:end], [window_seed(11, first)])[0, (a - first) * SPF : (b - first) * SPF]
+        codec.decode(frames[:, first:end], [window_seed(11, first)])[
+            0, (a - first) * SPF : (b - first) * SPF
+        ]
         for first, end, a, b in _expected_windows(num_frames)
     ]
     assert torch.equal(streamed, torch.cat(direct) if direct else torch.empty(0))
@@ -175,15 +180,22 @@ def test_middle_frames_are_what_the_reference_streamer_emits(codec: SnacCodec) -
     ours = torch.cat(results)
     frames = torch.tensor(codes).view(1, num_frames, 7)
     reference = torch.cat(
-        [codec.decode(frames[:, k : k + 4], [window_seed(3, k)])[0, 2048:4096] for k in range(num_frames - 3)]
+        [
+            codec.decode(frames[:, k : k + 4], [window_seed(3, k)])[0, 2048:4096]
+            for k in range(num_frames - 3)
+        ]
     )
     assert torch.equal(ours[SPF : (num_frames - 2) * SPF], reference)
 
 
 @pytest.mark.parametrize("max_batch_size", [None, 1, 5])
-def test_concurrent_streams_in_one_batch_match_each_alone(codec: SnacCodec, max_batch_size: int | None) -> None:
+def test_concurrent_streams_in_one_batch_match_each_alone(
+    codec: SnacCodec, max_batch_size: int | None
+) -> None:
     lengths = [7 * (i % 7) + (3 * i) % 7 for i in range(16)]  # 0 to 6 frames, partial frames
-    streams = [_chunks(list(_tokens(_codes(n, seed=100 + i))), [7] * 40) for i, n in enumerate(lengths)]
+    streams = [
+        _chunks(list(_tokens(_codes(n, seed=100 + i))), [7] * 40) for i, n in enumerate(lengths)
+    ]
     states = [AudioStreamState(noise_seed=i) for i in range(16)]
     batched: list[list[torch.Tensor]] = [[] for _ in range(16)]
     step = 0
@@ -217,7 +229,9 @@ def test_a_bad_token_fails_only_its_request(codec: SnacCodec) -> None:
     bad_tokens = _tokens(_codes(28, seed=7))
     bad_tokens[9] = LAYOUT.audio_id(0, 1)  # position 2 expected
     bad = Chunk(tuple(bad_tokens), 0, 0, False)
-    ok, failed = decode_chunks(codec, LAYOUT, [(AudioStreamState(), good), (AudioStreamState(), bad)])
+    ok, failed = decode_chunks(
+        codec, LAYOUT, [(AudioStreamState(), good), (AudioStreamState(), bad)]
+    )
     assert ok.error is None and ok.audio.shape == (2 * SPF,)
     assert isinstance(failed.error, AudioTokenError)
     assert "audio token 9 (frame 1, position 2)" in str(failed.error)
@@ -259,7 +273,9 @@ def test_streamed_audio_against_one_decode_of_all_frames(num_frames: int) -> Non
     if num_frames <= 4:
         torch.testing.assert_close(streamed, full, rtol=0, atol=1e-5)
         return
-    per_frame = (streamed - full).view(num_frames, SPF).norm(dim=1) / full.view(num_frames, SPF).norm(dim=1)
+    per_frame = (streamed - full).view(num_frames, SPF).norm(dim=1) / full.view(
+        num_frames, SPF
+    ).norm(dim=1)
     assert per_frame[0] < 1e-5 and per_frame[-1] < 1e-5
     assert per_frame[1] < 1e-3 and per_frame[-2] < 1e-3
     assert float(per_frame.max()) < 2e-2

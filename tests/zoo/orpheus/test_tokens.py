@@ -31,7 +31,8 @@ def test_llama3_text_ids_are_the_published_ones(real: OrpheusTokenizer) -> None:
 
 def test_prompt_ids_are_pinned(real: OrpheusTokenizer) -> None:
     prompt = real.format_prompt("Hello world", voice="tara")
-    # start_of_human, BOS "t" "ara" ":" " Hello" " world", eot, end_of_human, start_of_ai, start_of_speech
+    # start_of_human, BOS "t" "ara" ":" " Hello" " world", eot, end_of_human, start_of_ai,
+    # start_of_speech
     assert prompt == [128259, 128000, 83, 5169, 25, 22691, 1917, 128009, 128260, 128261, 128257]
     assert real.decode(prompt) == (
         "<custom_token_3><|begin_of_text|>tara: Hello world<|eot_id|>"

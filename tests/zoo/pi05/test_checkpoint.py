@@ -59,10 +59,18 @@ def test_the_file_has_the_published_names_and_shapes(written: Path, config: Pi05
         names = set(f.keys())
         shape = {name: list(f.get_slice(name).get_shape()) for name in names}
     patch = VLM + "model.vision_tower.vision_model.embeddings.patch_embedding.weight"
-    assert shape[patch] == [config.vision.width, 3, config.vision.patch_size, config.vision.patch_size]
+    assert shape[patch] == [
+        config.vision.width,
+        3,
+        config.vision.patch_size,
+        config.vision.patch_size,
+    ]
     assert shape[EXPERT + "model.layers.0.input_layernorm.dense.weight"] == [3 * width, width]
     assert shape[EXPERT + "model.norm.dense.bias"] == [3 * width]
-    assert shape[VLM + "model.multi_modal_projector.linear.weight"] == [config.vlm.width, config.vision.width]
+    assert shape[VLM + "model.multi_modal_projector.linear.weight"] == [
+        config.vlm.width,
+        config.vision.width,
+    ]
     assert shape[LM_HEAD] == [config.vocab_size, config.vlm.width]
     assert shape[EXPERT_LM_HEAD] == [config.vocab_size, width]
     assert shape["time_mlp_in.weight"] == [width, width]
@@ -110,25 +118,42 @@ def test_round_trip(written: Path, config: Pi05Config) -> None:
     ids = model.vision_tower.embeddings.position_ids  # not in the file: refilled after to_empty
     assert torch.equal(ids, torch.arange(config.vision.num_patches)[None])
     # Random weights at sensible scales: distinct tensors, zero-centred Gemma norms.
-    assert len({float(t.float().std()) for t in loaded.values() if t.numel() > 1}) > 0.9 * len(loaded)
+    assert len({float(t.float().std()) for t in loaded.values() if t.numel() > 1}) > 0.9 * len(
+        loaded
+    )
     assert loaded["language_model.norm.weight"].abs().max() < 0.2
-    assert 0.5 < float(loaded["language_model.layers.0.mlp.down_proj.weight"].std() * config.vlm.mlp_dim**0.5) < 1.5
+    assert (
+        0.5
+        < float(
+            loaded["language_model.layers.0.mlp.down_proj.weight"].std() * config.vlm.mlp_dim**0.5
+        )
+        < 1.5
+    )
 
 
 def test_load_casts_and_is_deterministic(written: Path, config: Pi05Config, tmp_path: Path) -> None:
     model = load_pi05(written, config, dtype=torch.bfloat16)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["language_model.layers.0.mlp.up_proj.weight"] == torch.bfloat16
-    assert dtypes["language_model.layers.0.input_layernorm.weight"] == torch.float32  # openpi's mixed policy
-    assert dtypes["time_mlp_in.weight"] == dtypes["vision_tower.embeddings.patch_embedding.weight"] == torch.float32
+    # openpi's mixed policy
+    assert dtypes["language_model.layers.0.input_layernorm.weight"] == torch.float32
+    assert (
+        dtypes["time_mlp_in.weight"]
+        == dtypes["vision_tower.embeddings.patch_embedding.weight"]
+        == torch.float32
+    )
     stored = load_file(str(written / "model.safetensors"))
     for name, tensor in to_checkpoint_names(model.state_dict()).items():
         assert torch.equal(tensor, stored[name].to(tensor.dtype)), name
     assert model.vision_tower.embeddings.position_ids.dtype == torch.int64
     again = make_random_checkpoint(config, tmp_path / "again", seed=3)
-    assert (again / "model.safetensors").read_bytes() == (written / "model.safetensors").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == (
+        written / "model.safetensors"
+    ).read_bytes()
     other = make_random_checkpoint(config, tmp_path / "other", seed=4)
-    assert (other / "model.safetensors").read_bytes() != (written / "model.safetensors").read_bytes()
+    assert (other / "model.safetensors").read_bytes() != (
+        written / "model.safetensors"
+    ).read_bytes()
 
 
 def test_names_rename_both_ways() -> None:
@@ -153,7 +178,9 @@ def test_names_rename_both_ways() -> None:
     # Both embedding names present: embed_tokens wins, whatever the order.
     both = {LM_HEAD: 8, VLM + "model.language_model.embed_tokens.weight": 9}
     assert from_checkpoint_names(both) == {"language_model.embed_tokens.weight": 9}
-    assert from_checkpoint_names(dict(reversed(both.items()))) == {"language_model.embed_tokens.weight": 9}
+    assert from_checkpoint_names(dict(reversed(both.items()))) == {
+        "language_model.embed_tokens.weight": 9
+    }
     with pytest.raises(CheckpointError, match=r"model\.backbone"):
         from_checkpoint_names({"model.backbone.weight": 0})
     with pytest.raises(CheckpointError, match=r"lm_head\.weight"):
@@ -171,7 +198,9 @@ def test_embed_tokens_is_preferred_and_the_expert_lm_head_ignored(
     )
     assert torch.equal(load_pi05(edited, config).language_model.embed_tokens.weight, embed)
     only_embed = _copy(
-        written, tmp_path / "embed", {VLM + "model.language_model.embed_tokens.weight": embed, LM_HEAD: None}
+        written,
+        tmp_path / "embed",
+        {VLM + "model.language_model.embed_tokens.weight": embed, LM_HEAD: None},
     )
     assert torch.equal(load_pi05(only_embed, config).language_model.embed_tokens.weight, embed)
     no_junk = _copy(written, tmp_path / "no_junk", {EXPERT_LM_HEAD: None})
@@ -181,7 +210,10 @@ def test_embed_tokens_is_preferred_and_the_expert_lm_head_ignored(
 def test_missing_tensor(written: Path, config: Pi05Config, tmp_path: Path) -> None:
     name = EXPERT + "model.layers.1.post_attention_layernorm.dense.bias"
     edited = _copy(written, tmp_path / "missing", {name: None})
-    with pytest.raises(CheckpointError, match=r"missing 1 tensors \[.*layers\.1\.post_attention_layernorm\.dense\.bias"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing 1 tensors \[.*layers\.1\.post_attention_layernorm\.dense\.bias",
+    ):
         load_pi05(edited, config)
     edited = _copy(written, tmp_path / "no_embedding", {LM_HEAD: None})
     with pytest.raises(CheckpointError, match=r"missing 1 tensors .*lm_head\.weight"):
@@ -190,19 +222,26 @@ def test_missing_tensor(written: Path, config: Pi05Config, tmp_path: Path) -> No
 
 def test_unexpected_tensor(written: Path, config: Pi05Config, tmp_path: Path) -> None:
     edited = _copy(written, tmp_path / "unexpected", {"state_proj.weight": torch.zeros(4, 4)})
-    with pytest.raises(CheckpointError, match=r"missing 0 tensors .*unexpected 1 tensors \['state_proj\.weight'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"missing 0 tensors .*unexpected 1 tensors \['state_proj\.weight'\]"
+    ):
         load_pi05(edited, config)
     # In the layout's namespace but not a parameter of the model: still unexpected.
     extra = EXPERT + "model.embed_tokens.weight"
     edited = _copy(written, tmp_path / "expert_embed", {extra: torch.zeros(4, 4)})
-    with pytest.raises(CheckpointError, match=r"unexpected 1 tensors .*gemma_expert\.model\.embed_tokens"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected 1 tensors .*gemma_expert\.model\.embed_tokens"
+    ):
         load_pi05(edited, config)
 
 
 def test_wrong_shape(written: Path, config: Pi05Config, tmp_path: Path) -> None:
     name = "action_in_proj.weight"
     edited = _copy(written, tmp_path / "shape", {name: torch.zeros(config.expert.width, 7)})
-    with pytest.raises(CheckpointError, match=r"action_in_proj\.weight has shape \[64, 7\], the config expects \[64, 32\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"action_in_proj\.weight has shape \[64, 7\], the config expects \[64, 32\]",
+    ):
         load_pi05(edited, config)
 
 
@@ -223,7 +262,9 @@ def test_config_json_must_agree(written: Path, config: Pi05Config, tmp_path: Pat
     # no weight depends on it.
     shutil.copytree(written, tmp_path / "chunks")
     found = json.loads((tmp_path / "chunks" / "config.json").read_text())
-    (tmp_path / "chunks" / "config.json").write_text(json.dumps(found | {"chunk_size": 50, "n_action_steps": 50}))
+    (tmp_path / "chunks" / "config.json").write_text(
+        json.dumps(found | {"chunk_size": 50, "n_action_steps": 50})
+    )
     load_pi05(tmp_path / "chunks", config)
     # An unknown variant name cannot be checked: the shapes decide. No config.json is fine too.
     shutil.copytree(written, tmp_path / "custom")
@@ -244,12 +285,20 @@ def test_wrong_config_and_missing_directory(written: Path, tmp_path: Path) -> No
 
 
 def test_given_norm_stats_are_written(config: Pi05Config, tmp_path: Path) -> None:
-    stats = {"state": {"mean": [0.0, 1.0], "std": [1.0, 1.0], "q01": [-1.0, 0.0], "q99": [1.0, 2.0]}}
-    directory = make_random_checkpoint(config, tmp_path / "stats", norm_stats=stats, asset_id="libero")
-    assert json.loads((directory / "assets" / "libero" / "norm_stats.json").read_text()) == {"norm_stats": stats}
+    stats = {
+        "state": {"mean": [0.0, 1.0], "std": [1.0, 1.0], "q01": [-1.0, 0.0], "q99": [1.0, 2.0]}
+    }
+    directory = make_random_checkpoint(
+        config, tmp_path / "stats", norm_stats=stats, asset_id="libero"
+    )
+    assert json.loads((directory / "assets" / "libero" / "norm_stats.json").read_text()) == {
+        "norm_stats": stats
+    }
 
 
-def test_cached_random_checkpoint(config: Pi05Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cached_random_checkpoint(
+    config: Pi05Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
     first = cached_random_checkpoint(config)
     assert first.parent == tmp_path / "pi05" and first.name.startswith("pi05-tiny-seed0-")

@@ -28,7 +28,9 @@ def weights() -> Pi05Weights:
     model = Pi05Weights(CFG)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or (name.endswith("norm.weight") and "vision" not in name):
+            if name.endswith("layernorm.weight") or (
+                name.endswith("norm.weight") and "vision" not in name
+            ):
                 param.normal_(0.0, 0.1)  # Gemma norms are zero-centred: move them off zero
     return model.eval()
 
@@ -46,7 +48,9 @@ def request_inputs(weights: Pi05Weights, seed: int) -> tuple[dict[str, Any], tor
     return {"images": images, "image_mask": mask, "token_ids": tokens}, noise
 
 
-async def serve(engine: KVNodeEngine, rid: str, prefix: Mapping[str, Any], noise: torch.Tensor) -> torch.Tensor:
+async def serve(
+    engine: KVNodeEngine, rid: str, prefix: Mapping[str, Any], noise: torch.Tensor
+) -> torch.Tensor:
     """The walks: prefill once, then num_steps firings feeding the flow back (the Loop)."""
     out = await engine.submit(rid, {"prefix": prefix, "flow": {"x": noise, "step": 0}}, "prefill")
     flow = out["flow"]
@@ -59,23 +63,34 @@ async def serve(engine: KVNodeEngine, rid: str, prefix: Mapping[str, Any], noise
 
 @pytest.mark.parametrize("fused", [False, True], ids=["checkpoint-layout", "fused"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_cached_flow_equals_the_naive_recompute(weights: Pi05Weights, batch: int, fused: bool) -> None:
+def test_cached_flow_equals_the_naive_recompute(
+    weights: Pi05Weights, batch: int, fused: bool
+) -> None:
     vision = VisionNode(weights)
     requests = [request_inputs(weights, seed) for seed in range(batch)]
     prefixes = [p["prefix"] for p in vision([r for r, _ in requests])]
     served = weights
     if fused:  # the engine's products fused and re-laid out, the reference's as loaded
         served = copy.deepcopy(weights)
-        served.fuse_for_inference(prefix_rows=(CFG.prefix_len, 4 * CFG.prefix_len), action_rows=(CFG.action_horizon, 16 * CFG.action_horizon))
-        assert served.modulation is not None and served.gemma_expert.blocks[0].self_attn.qkv is not None
+        served.fuse_for_inference(
+            prefix_rows=(CFG.prefix_len, 4 * CFG.prefix_len),
+            action_rows=(CFG.action_horizon, 16 * CFG.action_horizon),
+        )
+        assert (
+            served.modulation is not None
+            and served.gemma_expert.blocks[0].self_attn.qkv is not None
+        )
 
     async def main() -> list[torch.Tensor]:
         engine = KVNodeEngine("llm", LLMNode(served), None, "cpu")
         engine.start()
         try:
-            outs = await asyncio.gather(*(serve(engine, f"r{i}", prefixes[i], requests[i][1]) for i in range(batch)))
+            outs = await asyncio.gather(
+                *(serve(engine, f"r{i}", prefixes[i], requests[i][1]) for i in range(batch))
+            )
             stats = engine.stats()
-            assert stats["steps"] == 1 + CFG.num_steps  # every robot's prefill, then each Euler step, batched
+            # every robot's prefill, then each Euler step, batched
+            assert stats["steps"] == 1 + CFG.num_steps
             assert stats["batched"] == batch * (1 + CFG.num_steps)
             return outs
         finally:
@@ -83,7 +98,9 @@ def test_cached_flow_equals_the_naive_recompute(weights: Pi05Weights, batch: int
 
     outs = asyncio.run(main())
     for (_inputs, noise), prefix, got in zip(requests, prefixes, outs, strict=True):
-        ref = naive_sample_actions(weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise)
+        ref = naive_sample_actions(
+            weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise
+        )
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
         assert not torch.allclose(got, noise)
 
@@ -116,9 +133,15 @@ def test_prefix_attention_is_bidirectional_and_the_cache_is_read_only(weights: P
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     num_prefix = PrefixInput(prefix["image_embeds"], prefix["token_ids"]).num_tokens
     assert used == -(-num_prefix // 16)  # only the prefix's blocks
-    changed = dict(prefix, token_ids=torch.cat([prefix["token_ids"][:-1], prefix["token_ids"][-1:] + 1]))
-    a = naive_sample_actions(weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise)
-    b = naive_sample_actions(weights, PrefixInput(changed["image_embeds"], changed["token_ids"]), noise)
+    changed = dict(
+        prefix, token_ids=torch.cat([prefix["token_ids"][:-1], prefix["token_ids"][-1:] + 1])
+    )
+    a = naive_sample_actions(
+        weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise
+    )
+    b = naive_sample_actions(
+        weights, PrefixInput(changed["image_embeds"], changed["token_ids"]), noise
+    )
     assert not torch.allclose(a, b)
 
 
@@ -127,7 +150,13 @@ def test_bad_flow_inputs_fail_clearly(weights: Pi05Weights) -> None:
     with pytest.raises(ValueError, match="flow 'x' must have shape"):
         node.forward("r", {"prefix": CACHED, "flow": {"x": torch.zeros(3, 3), "step": 0}})
     with pytest.raises(ValueError, match="flow 'step' must be in"):
-        node.forward("r", {"prefix": CACHED, "flow": {"x": torch.zeros(CFG.action_horizon, CFG.action_dim), "step": 10}})
+        node.forward(
+            "r",
+            {
+                "prefix": CACHED,
+                "flow": {"x": torch.zeros(CFG.action_horizon, CFG.action_dim), "step": 10},
+            },
+        )
 
 
 def test_bfloat16_runs_openpi_mixed_precision(weights: Pi05Weights) -> None:
@@ -137,8 +166,17 @@ def test_bfloat16_runs_openpi_mixed_precision(weights: Pi05Weights) -> None:
     mixed = copy.deepcopy(weights).to_precision(torch.bfloat16)
     islands = {n for n, p in mixed.named_parameters() if p.dtype == torch.float32}
     assert islands == {
-        n for n, _ in weights.named_parameters()
-        if n.startswith(("vision_tower.embeddings.", "action_", "time_mlp_", "language_model.norm.", "gemma_expert.norm."))
+        n
+        for n, _ in weights.named_parameters()
+        if n.startswith(
+            (
+                "vision_tower.embeddings.",
+                "action_",
+                "time_mlp_",
+                "language_model.norm.",
+                "gemma_expert.norm.",
+            )
+        )
         or (".input_layernorm." in n or ".post_attention_layernorm." in n)
     }
     assert "gemma_expert.layers.0.input_layernorm.dense.weight" in islands
@@ -152,7 +190,9 @@ def test_bfloat16_runs_openpi_mixed_precision(weights: Pi05Weights) -> None:
         try:
             prefixes = [p["prefix"] for p in VisionNode(mixed)([r for r, _ in requests])]
             assert {p["image_embeds"].dtype for p in prefixes} == {torch.bfloat16}
-            return await asyncio.gather(*(serve(engine, f"r{i}", prefixes[i], requests[i][1]) for i in range(3)))
+            return await asyncio.gather(
+                *(serve(engine, f"r{i}", prefixes[i], requests[i][1]) for i in range(3))
+            )
         finally:
             await engine.aclose()
 
@@ -161,9 +201,15 @@ def test_bfloat16_runs_openpi_mixed_precision(weights: Pi05Weights) -> None:
         assert got.dtype == torch.float32
         prefix32 = VisionNode(weights)([inputs])[0]["prefix"]
         prefix16 = VisionNode(mixed)([inputs])[0]["prefix"]
-        same = naive_sample_actions(mixed, PrefixInput(prefix16["image_embeds"], prefix16["token_ids"]), noise)
+        same = naive_sample_actions(
+            mixed, PrefixInput(prefix16["image_embeds"], prefix16["token_ids"]), noise
+        )
         scale = float(same.abs().max())
-        torch.testing.assert_close(got, same, rtol=0, atol=5e-3 * scale)  # bfloat16 products, other batching
-        full = naive_sample_actions(weights, PrefixInput(prefix32["image_embeds"], prefix32["token_ids"]), noise)
-        assert float((got - full).abs().max()) < 1e-2 * float(full.abs().max())  # measured: 1.1e-3 to 1.5e-3
+        # bfloat16 products, other batching
+        torch.testing.assert_close(got, same, rtol=0, atol=5e-3 * scale)
+        full = naive_sample_actions(
+            weights, PrefixInput(prefix32["image_embeds"], prefix32["token_ids"]), noise
+        )
+        # measured: 1.1e-3 to 1.5e-3
+        assert float((got - full).abs().max()) < 1e-2 * float(full.abs().max())
         assert not torch.equal(got, full)

@@ -1,4 +1,5 @@
-"""pi0.5's prompt and DROID policy transforms: binning, tokenizer, normalization, parsing, images."""
+"""pi0.5's prompt and DROID policy transforms: binning, tokenizer, normalization, parsing,
+images."""
 
 from __future__ import annotations
 
@@ -113,7 +114,12 @@ def tokenizer(tiny_model: Path) -> PromptTokenizer:
 def test_tiny_tokenizer_has_paligemma_special_ids(tiny_model: Path) -> None:
     processor = sentencepiece.SentencePieceProcessor(model_file=str(tiny_model))
     assert processor.get_piece_size() == 512
-    assert (processor.pad_id(), processor.eos_id(), processor.bos_id(), processor.unk_id()) == (0, 1, 2, 3)
+    assert (processor.pad_id(), processor.eos_id(), processor.bos_id(), processor.unk_id()) == (
+        0,
+        1,
+        2,
+        3,
+    )
     # Byte fallback: text the corpus never saw still round-trips.
     text = "Zürich 日本 ~ {x}"
     assert processor.decode(processor.encode(text)) == text
@@ -132,7 +138,9 @@ def test_tiny_tokenizer_rejects_untrainable_vocab(tmp_path: Path, vocab_size: in
         train_tiny_tokenizer(tmp_path / "x.model", vocab_size)
 
 
-def test_encode_prepends_bos_pads_with_zero_and_masks(tokenizer: PromptTokenizer, tiny_model: Path) -> None:
+def test_encode_prepends_bos_pads_with_zero_and_masks(
+    tokenizer: PromptTokenizer, tiny_model: Path
+) -> None:
     token_ids, mask = tokenizer.encode("pick up the red cup", DROID_STATE)
     assert token_ids.shape == mask.shape == (48,)
     assert token_ids.dtype == np.int64 and mask.dtype == np.bool_
@@ -175,7 +183,9 @@ def test_tokenizer_rejects_missing_or_garbage_files(tmp_path: Path) -> None:
         PromptTokenizer(garbage, 48)
 
 
-def test_cached_tokenizer_trains_once_per_vocab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cached_tokenizer_trains_once_per_vocab(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
     tiny, small = get_pi05_config("pi05-tiny"), get_pi05_config("pi05-small")
     tiny_path = cached_tokenizer(tiny)
@@ -188,7 +198,9 @@ def test_cached_tokenizer_trains_once_per_vocab(tmp_path: Path, monkeypatch: pyt
     assert tok.num_pieces == 1024 and tok.max_token_len == small.max_token_len
 
 
-def test_droid_config_needs_the_real_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_droid_config_needs_the_real_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path))
     droid = get_pi05_config("pi05-droid")
     with pytest.raises(CheckpointError, match="PaliGemma"):
@@ -223,7 +235,9 @@ def test_normalize_formula_and_round_trip() -> None:
     # q01 -> -1 and q99 -> 1 less the epsilon's share.
     span = stats8.q99 - stats8.q01
     np.testing.assert_allclose(quantile_normalize(stats8.q01, stats8), -1.0, atol=1e-12)
-    np.testing.assert_allclose(quantile_normalize(stats8.q99, stats8), span / (span + 1e-6) * 2 - 1, atol=1e-12)
+    np.testing.assert_allclose(
+        quantile_normalize(stats8.q99, stats8), span / (span + 1e-6) * 2 - 1, atol=1e-12
+    )
 
 
 def test_epsilon_keeps_a_constant_dimension_finite() -> None:
@@ -232,7 +246,9 @@ def test_epsilon_keeps_a_constant_dimension_finite() -> None:
     np.testing.assert_allclose(quantile_normalize(np.array([0.5 + 1e-6]), stats), [1.0], rtol=1e-9)
     # Unnormalize spans exactly the epsilon: -1 -> q01, 1 -> q01 + 1e-6.
     np.testing.assert_array_equal(quantile_unnormalize(np.array([-1.0]), stats), [0.5])
-    np.testing.assert_allclose(quantile_unnormalize(np.array([1.0]), stats), [0.5 + 1e-6], rtol=1e-12)
+    np.testing.assert_allclose(
+        quantile_unnormalize(np.array([1.0]), stats), [0.5 + 1e-6], rtol=1e-12
+    )
 
 
 def test_normalize_slices_stats_to_the_state() -> None:
@@ -252,7 +268,9 @@ def test_unnormalize_passes_dims_past_the_stats_through() -> None:
     out = quantile_unnormalize(actions, stats)
     assert out.shape == (15, 32) and out.dtype == np.float64
     np.testing.assert_array_equal(out[:, 8:], actions[:, 8:].astype(np.float64))
-    expected = (actions[:, :8].astype(np.float64) + 1) / 2 * (stats.q99 - stats.q01 + 1e-6) + stats.q01
+    expected = (actions[:, :8].astype(np.float64) + 1) / 2 * (
+        stats.q99 - stats.q01 + 1e-6
+    ) + stats.q01
     np.testing.assert_array_equal(out[:, :8], expected)
     # Stats longer than the actions are cut to them.
     np.testing.assert_array_equal(quantile_unnormalize(actions[:, :4], stats), expected[:, :4])
@@ -347,12 +365,16 @@ def test_parse_a_droid_observation() -> None:
 def test_parse_accepts_openpi_variants() -> None:
     floats = np.full((3, 16, 24), 0.5, dtype=np.float32)  # float [0, 1], channels first
     parsed = DroidObservation.parse(
-        _obs(**{WRIST_IMAGE_KEY: floats, GRIPPER_POSITION_KEY: 0.75, PROMPT_KEY: b"open the drawer"})
+        _obs(
+            **{WRIST_IMAGE_KEY: floats, GRIPPER_POSITION_KEY: 0.75, PROMPT_KEY: b"open the drawer"}
+        )
     )
     assert parsed.wrist_image.shape == (16, 24, 3) and parsed.wrist_image.dtype == np.uint8
     assert (parsed.wrist_image == 127).all()  # 0.5 * 255 = 127.5, truncated as openpi does
     assert parsed.state[-1] == 0.75 and parsed.prompt == "open the drawer"
-    assert DroidObservation.parse(_obs(**{JOINT_POSITION_KEY: list(range(7))})).state[:7].tolist() == list(range(7))
+    assert DroidObservation.parse(_obs(**{JOINT_POSITION_KEY: list(range(7))})).state[
+        :7
+    ].tolist() == list(range(7))
 
 
 MALFORMED = [
@@ -421,7 +443,11 @@ def test_resize_with_pad_geometry_100x200_to_224() -> None:
     assert (out[:, :56] == -1).all() and (out[:, 168:] == -1).all()
     assert (out[:, 56:168] == 1).all()
     tall = prepare_image(np.full((200, 100, 3), 255, dtype=np.uint8), 224)
-    assert (tall[:, :, :56] == -1).all() and (tall[:, :, 168:] == -1).all() and (tall[:, :, 56:168] == 1).all()
+    assert (
+        (tall[:, :, :56] == -1).all()
+        and (tall[:, :, 168:] == -1).all()
+        and (tall[:, :, 56:168] == 1).all()
+    )
 
 
 def test_resize_with_pad_puts_the_odd_pixel_after() -> None:
@@ -435,7 +461,9 @@ def test_resize_is_pil_bilinear() -> None:
     image = np.random.default_rng(4).integers(0, 256, (180, 320, 3), dtype=np.uint8)
     out = resize_with_pad(image, 224)
     # ratio 320/224: 126 x 224, 49 rows above.
-    reference = np.asarray(Image.fromarray(image).resize((224, 126), resample=Image.Resampling.BILINEAR))
+    reference = np.asarray(
+        Image.fromarray(image).resize((224, 126), resample=Image.Resampling.BILINEAR)
+    )
     np.testing.assert_array_equal(out[49:175], reference)
     assert (out[:49] == 0).all() and (out[175:] == 0).all()
 

@@ -74,7 +74,10 @@ def robot_observation(robot: str, seed: int) -> dict[str, Any]:
     state = g.uniform(-0.5, 0.5, 14)
     state[[6, 13]] = g.uniform(0.2, 0.8, 2)  # grippers: ALOHA's normalized linear position
     return {
-        "images": {"cam_high": image().transpose(2, 0, 1), "cam_left_wrist": image().transpose(2, 0, 1)},
+        "images": {
+            "cam_high": image().transpose(2, 0, 1),
+            "cam_left_wrist": image().transpose(2, 0, 1),
+        },
         "state": state,
         "prompt": "fold the towel",
         "seed": seed,
@@ -92,14 +95,17 @@ def run_model(model: Pi05Model, obs: dict[str, Any]) -> np.ndarray:
 
 @pytest.mark.parametrize("config_format", ["openpi", "lerobot"])
 @pytest.mark.parametrize("robot", ["droid", "libero", "aloha"])
-def test_the_config_reads_back_from_the_checkpoint(robot: str, config_format: str, tmp_path: Path) -> None:
+def test_the_config_reads_back_from_the_checkpoint(
+    robot: str, config_format: str, tmp_path: Path
+) -> None:
     config = custom(robot)
     if config_format == "lerobot":
         config = dataclasses.replace(config, prompt_state_dim=32, discrete_state_input=True)
     directory = make_random_checkpoint(config, tmp_path / "ckpt", config_format=config_format)
     found = config_from_checkpoint(directory, name=config.name)
-    for field in ("vision", "vlm", "expert", "vocab_size", "action_dim", "action_horizon", "num_steps",
-                  "max_token_len", "robot", "robot_dof", "discrete_state_input", "prompt_state_dim"):  # fmt: skip
+    fields = ("vision", "vlm", "expert", "vocab_size", "action_dim", "action_horizon", "num_steps")
+    fields += ("max_token_len", "robot", "robot_dof", "discrete_state_input", "prompt_state_dim")
+    for field in fields:
         assert getattr(found, field) == getattr(config, field), field
 
 
@@ -124,16 +130,26 @@ def test_a_checkpoint_serves_its_robot_by_path(robot: str, tmp_path: Path) -> No
 
 def test_libero_prompts_carry_no_state(tmp_path: Path) -> None:
     """pi05_libero sets discrete_state_input=False: the prompt is the task and a newline alone."""
-    model = Pi05Model(None, checkpoint=str(make_random_checkpoint(custom("libero"), tmp_path / "libero")))
+    model = Pi05Model(
+        None, checkpoint=str(make_random_checkpoint(custom("libero"), tmp_path / "libero"))
+    )
     a, b = robot_observation("libero", 1), robot_observation("libero", 2)
     b["prompt"] = a["prompt"]
-    ids = [model.preprocess(Request("act", obs)).inputs["vision"]["token_ids"].tolist() for obs in (a, b)]
+    ids = [
+        model.preprocess(Request("act", obs)).inputs["vision"]["token_ids"].tolist()
+        for obs in (a, b)
+    ]
     assert ids[0] == ids[1]  # different states, the same prompt
     assert ids[0] == model.tokenizer.token_ids(a["prompt"], None)
-    droid = Pi05Model(None, checkpoint=str(make_random_checkpoint(custom("droid"), tmp_path / "droid")))
+    droid = Pi05Model(
+        None, checkpoint=str(make_random_checkpoint(custom("droid"), tmp_path / "droid"))
+    )
     c, d = robot_observation("droid", 1), robot_observation("droid", 2)
     d["prompt"] = c["prompt"]
-    tokens = [droid.preprocess(Request("act", obs)).inputs["vision"]["token_ids"].tolist() for obs in (c, d)]
+    tokens = [
+        droid.preprocess(Request("act", obs)).inputs["vision"]["token_ids"].tolist()
+        for obs in (c, d)
+    ]
     assert tokens[0] != tokens[1]  # DROID bins its state into the prompt
 
 
@@ -142,7 +158,9 @@ class _NormalizedPi05(Pi05Model):
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:
         value = np.asarray(emission.value, dtype=np.float64)
-        return Output(request_id, emission.modality, emission.name, value, emission.node, emission.walk)
+        return Output(
+            request_id, emission.modality, emission.name, value, emission.node, emission.walk
+        )
 
 
 def test_aloha_actions_are_openpis_output_transforms(tmp_path: Path) -> None:
@@ -161,7 +179,8 @@ def test_aloha_actions_are_openpis_output_transforms(tmp_path: Path) -> None:
     reference = aloha_actions_from_pi(unnormalized + np.where(mask, state[:14], 0.0))
     assert actions.shape == (6, 14)
     np.testing.assert_allclose(actions, reference, rtol=1e-4, atol=1e-4)
-    assert not np.allclose(actions, aloha_actions_from_pi(unnormalized), atol=1e-3)  # the state was added
+    # the state was added
+    assert not np.allclose(actions, aloha_actions_from_pi(unnormalized), atol=1e-3)
 
 
 def test_lerobot_normalizer_stats_serve_as_norm_stats_json(tmp_path: Path) -> None:
@@ -177,8 +196,12 @@ def test_lerobot_normalizer_stats_serve_as_norm_stats_json(tmp_path: Path) -> No
         for name in ("q01", "q99")
     }
     # Stored in float32, as LeRobot does: compare against the same rounding.
-    rounded = {"norm_stats": {key: {n: np.asarray(getattr(q, n), dtype=np.float32).tolist() for n in ("q01", "q99")}
-                              for key, q in (("state", stats.state), ("actions", stats.actions))}}  # fmt: skip
+    rounded = {
+        "norm_stats": {
+            key: {n: np.asarray(getattr(q, n), dtype=np.float32).tolist() for n in ("q01", "q99")}
+            for key, q in (("state", stats.state), ("actions", stats.actions))
+        }
+    }
     stats_file.write_text(json.dumps(rounded))
     save_file(tensors, str(lerobot / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
     obs = robot_observation("libero", 4)
@@ -189,7 +212,9 @@ def test_lerobot_normalizer_stats_serve_as_norm_stats_json(tmp_path: Path) -> No
 
 def test_norm_stats_errors_name_what_was_looked_for(tmp_path: Path) -> None:
     directory = make_random_checkpoint(custom("libero"), tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match=r"asset ids in the checkpoint: physical-intelligence/libero"):
+    with pytest.raises(
+        CheckpointError, match=r"asset ids in the checkpoint: physical-intelligence/libero"
+    ):
         Pi05Model(None, checkpoint=str(directory), asset_id="droid")
     shutil.rmtree(directory / "assets")
     with pytest.raises(CheckpointError, match="has no norm stats; looked for"):
@@ -200,5 +225,7 @@ def test_norm_stats_errors_name_what_was_looked_for(tmp_path: Path) -> None:
 
 def test_an_unknown_robot_is_named(tmp_path: Path) -> None:
     directory = make_random_checkpoint(custom("droid"), tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"unknown robot 'ur5': pi0\.5 serves droid, libero, aloha"):
+    with pytest.raises(
+        ValueError, match=r"unknown robot 'ur5': pi0\.5 serves droid, libero, aloha"
+    ):
         Pi05Model(None, checkpoint=str(directory), robot="ur5")

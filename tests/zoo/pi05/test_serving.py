@@ -26,7 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def observation(seed: int, size: int = 48) -> dict[str, Any]:
     g = np.random.default_rng(seed)
     return {
-        "observation/exterior_image_1_left": g.integers(0, 256, (size, size + 16, 3), dtype=np.uint8),
+        "observation/exterior_image_1_left": g.integers(
+            0, 256, (size, size + 16, 3), dtype=np.uint8
+        ),
         "observation/wrist_image_left": g.integers(0, 256, (size, size, 3), dtype=np.uint8),
         "observation/joint_position": g.uniform(-1.5, 1.5, 7),
         "observation/gripper_position": g.uniform(0, 1, 1),
@@ -52,7 +54,9 @@ def reference_actions(model: Pi05Model, weights: Pi05Weights, data: dict[str, An
     prepared = model.preprocess(Request("act", data))
     prefix = VisionNode(weights)([prepared.inputs["vision"]])[0]["prefix"]
     noise = prepared.inputs["llm"]["flow"]["x"]
-    actions = naive_sample_actions(weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise)
+    actions = naive_sample_actions(
+        weights, PrefixInput(prefix["image_embeds"], prefix["token_ids"]), noise
+    )
     return droid_actions(actions, model.norm_stats, model.config.robot_dof).astype(np.float32)
 
 
@@ -67,9 +71,12 @@ async def test_robots_get_unnormalized_actions_equal_to_the_naive_loop(
     for d, outputs in zip(data, results, strict=True):
         (out,) = [o for o in outputs if o.name == "actions"]
         assert out.modality == "action" and out.data.shape == (model.config.action_horizon, 8)
-        np.testing.assert_allclose(out.data, reference_actions(model, reference_weights, d), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            out.data, reference_actions(model, reference_weights, d), rtol=1e-4, atol=1e-4
+        )
     llm = stats[0]["llm"]
-    assert llm["batched"] == 6 * (1 + model.config.num_steps) and llm["steps"] < llm["batched"]  # robots shared steps
+    # robots shared steps
+    assert llm["batched"] == 6 * (1 + model.config.num_steps) and llm["steps"] < llm["batched"]
     assert llm["kv_blocks_used"] == 0
 
 
@@ -80,7 +87,9 @@ async def test_the_seed_fixes_the_noise_and_bad_observations_fail_alone(model: P
         with pytest.raises((ValueError, MStarError), match="joint_position"):
             await engine.run(Request("act", bad))
         first = next(o for o in await good if o.name == "actions").data
-        again = next(o for o in await engine.run(Request("act", observation(2))) if o.name == "actions").data
+        again = next(
+            o for o in await engine.run(Request("act", observation(2))) if o.name == "actions"
+        ).data
         np.testing.assert_array_equal(first, again)
 
 
@@ -88,10 +97,17 @@ async def test_the_seed_fixes_the_noise_and_bad_observations_fail_alone(model: P
 async def test_vision_and_llm_on_separate_worker_processes(
     model: Pi05Model, reference_weights: Pi05Weights
 ) -> None:
-    placement = Placement.from_yaml("node_groups:\n  - {node_names: [vision], ranks: [0]}\n  - {node_names: [llm], ranks: [1]}\n")
+    placement = Placement.from_yaml(
+        "node_groups:\n  - {node_names: [vision], ranks: [0]}\n  - {node_names: [llm], "
+        "ranks: [1]}\n"
+    )
     spec = resolve_model("pi05-tiny")
-    async with await AsyncEngine.start(spec, placement, EngineConfig(worker_processes=True)) as engine:
+    async with await AsyncEngine.start(
+        spec, placement, EngineConfig(worker_processes=True)
+    ) as engine:
         data = observation(4)
         outputs = await engine.run(Request("act", data))
     (out,) = [o for o in outputs if o.name == "actions"]
-    np.testing.assert_allclose(out.data, reference_actions(model, reference_weights, data), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        out.data, reference_actions(model, reference_weights, data), rtol=1e-4, atol=1e-4
+    )

@@ -1,4 +1,5 @@
-"""Qwen3-Omni checkpoints: configs, the Hugging Face layout, per-expert or fused experts, clear errors."""
+"""Qwen3-Omni checkpoints: configs, the Hugging Face layout, per-expert or fused experts, clear
+errors."""
 
 from __future__ import annotations
 
@@ -189,7 +190,8 @@ def test_missing_unexpected_and_misshapen_tensors_are_checkpoint_errors(
     wide = _copy(written, tmp_path / "wide", {"talker.codec_head.weight": torch.zeros(7, 32)})
     with pytest.raises(
         CheckpointError,
-        match=r"'talker\.codec_head\.weight' .* shape \[7, 32\] but config 'qwen3-omni-tiny' needs \[1056, 32\]",
+        match=r"'talker\.codec_head\.weight' .* shape \[7, 32\] but config 'qwen3-omni-tiny' "
+        r"needs \[1056, 32\]",
     ):
         load_qwen3_omni(wide, config)
     with pytest.raises(CheckpointError, match="does not exist"):

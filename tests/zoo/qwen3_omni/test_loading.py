@@ -142,7 +142,8 @@ def test_each_rank_reads_only_its_nodes_tensors_once(
         assert names == want, (sorted(names - want)[:5], sorted(want - names)[:5])
         assert reads.num_bytes == sum(headers[n][1] for n in want)
         assert reads.paths == {headers[n][0] for n in want}  # the shards holding them, only
-        # What the rank's nodes do not read was never materialised; what they read is the full load's.
+        # What the rank's nodes do not read was never materialised; what they read is the full
+        # load's.
         weights = model.load_weights(CPU, nodes)
         reference = dict(full.named_parameters())
         loaded = {n for n, p in weights.named_parameters() if not p.is_meta}
@@ -165,7 +166,9 @@ def test_nodes_on_one_device_share_one_load(
     model.submodule("talker", CPU)
     model.submodule("thinker", CPU)  # the shared embedding is not read again
     weights = model.load_weights(CPU, ["talker"])  # nothing new
-    thinker = {n for n in headers if n.startswith("thinker.model.") or n.startswith("thinker.lm_head.")}
+    thinker = {
+        n for n in headers if n.startswith("thinker.model.") or n.startswith("thinker.lm_head.")
+    }
     talker = {n for n in headers if n.startswith("talker.")} | SHARED
     assert len(reads.names) == len(set(reads.names)) and set(reads.names) == thinker | talker
     assert model.load_weights(CPU, ["code2wav", "audio_encoder"]) is weights
@@ -177,7 +180,9 @@ def test_a_target_dtype_load_equals_the_full_float32_load_cast(
 ) -> None:
     # The old loader built float32, filled it, then cast every parameter and floating buffer.
     bf16 = load_qwen3_omni(sharded, dtype=torch.bfloat16)
-    cast = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in full.named_buffers()}
+    cast = {
+        n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in full.named_buffers()
+    }
     reference = dict(full.named_parameters())
     for name, param in bf16.named_parameters():
         assert param.dtype == torch.bfloat16, name
@@ -233,7 +238,14 @@ def _split(outputs: list[Output]) -> tuple[list[int], torch.Tensor, torch.Tensor
     return text, codes, audio
 
 
-REQUEST = {"text": "Hello there", "max_tokens": 8, "talker_temperature": 0.0, "seed": 1, "max_audio_frames": 40, "return_codes": True}  # fmt: skip
+REQUEST = {
+    "text": "Hello there",
+    "max_tokens": 8,
+    "talker_temperature": 0.0,
+    "seed": 1,
+    "max_audio_frames": 40,
+    "return_codes": True,
+}
 
 
 @pytest.mark.slow

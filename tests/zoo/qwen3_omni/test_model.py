@@ -1,4 +1,5 @@
-"""Qwen3-Omni served by the runtime: text, talker codes and audio equal the stage-by-stage pipeline and transformers.
+"""Qwen3-Omni served by the runtime: text, talker codes and audio equal the stage-by-stage pipeline
+and transformers.
 
 The pipeline (`mstar.zoo.qwen3_omni.pipeline`) is itself held to transformers by the parity
 tests; here the graph (streamed thinker -> talker -> Code2Wav, batched across requests, in
@@ -61,16 +62,29 @@ def _wave(seconds: float, seed: int) -> Any:
 REQUESTS: list[dict[str, Any]] = [
     {"text": "Hello there", "max_tokens": 10, "talker_temperature": 0.0, "seed": 1},
     {"text": "How are you today?", "max_tokens": 7, "ignore_eos": True, "seed": 2},  # seeded talker
-    {"messages": [{"role": "user", "content": [{"type": "audio", "audio": _wave(1.2, 3)}, {"type": "text", "text": "and this"}]}],
-     "max_tokens": 6, "talker_temperature": 0.0, "seed": 3},
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "audio", "audio": _wave(1.2, 3)},
+                    {"type": "text", "text": "and this"},
+                ],
+            }
+        ],
+        "max_tokens": 6,
+        "talker_temperature": 0.0,
+        "seed": 3,
+    },
     {"text": "Speak", "max_tokens": 9, "temperature": 0.8, "top_p": 0.9, "seed": 4},  # sampled text
-]  # fmt: skip
+]
 
 
 def expected(
     model: Qwen3OmniModel, weights: Qwen3OmniWeights, data: Mapping[str, Any]
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Run one request stage by stage: the thinker to the end, the talker, then Code2Wav in 25/25 chunks."""
+    """Run one request stage by stage: the thinker to the end, the talker, then Code2Wav in 25/25
+    chunks."""
     cfg = model.config
     ids, media = model._prompt(data)
     eos = () if data.get("ignore_eos") else (cfg.token_id("im_end_token_id"),)
@@ -145,7 +159,8 @@ async def test_batched_requests_equal_the_pipeline_in_any_placement(
 async def test_one_request_matches_transformers_generate(
     checkpoint: Path, model: Qwen3OmniModel
 ) -> None:
-    """An audio prompt, greedy thinker and talker: transformers' codes, and its Code2Wav on them in 25/25 chunks."""
+    """An audio prompt, greedy thinker and talker: transformers' codes, and its Code2Wav on them in
+    25/25 chunks."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeForConditionalGeneration,
     )
@@ -197,25 +212,45 @@ def reference_nodes(model: Qwen3OmniModel, request_id: str) -> dict[str, Any]:
         engine = KVCacheEngine(node.model, node.engine_config)
         answer: list[Mapping[str, Any]] = []
 
-        def walk(inputs: Mapping[str, Any], node: Any, engine: KVCacheEngine, answer: list[Any]) -> Mapping[str, Any]:
+        def walk(
+            inputs: Mapping[str, Any], node: Any, engine: KVCacheEngine, answer: list[Any]
+        ) -> Mapping[str, Any]:
             if not answer:
                 turn = node.turn(request_id, inputs, is_first=not engine.has_request(request_id))
                 args = {"logits_processor": turn.logits_processor, "return_rows": turn.return_rows}
                 if engine.has_request(request_id):
                     engine.resume(request_id, turn.new_token_ids, turn.sampling_params, **args)
                 else:
-                    engine.add_request(request_id, turn.new_token_ids, turn.sampling_params, keep_alive=True, **args)
+                    engine.add_request(
+                        request_id,
+                        turn.new_token_ids,
+                        turn.sampling_params,
+                        keep_alive=True,
+                        **args,
+                    )
                 while engine.has_unfinished():
                     for out in engine.step():
-                        history = list(engine.get_sequence(request_id).token_ids) if out.finished else None
+                        history = (
+                            list(engine.get_sequence(request_id).token_ids)
+                            if out.finished
+                            else None
+                        )
                         rows = {} if out.hidden is None else {"rows": out.hidden}
-                        answer.append(node.outputs(request_id, out.new_token_ids[0], history, **rows))
+                        answer.append(
+                            node.outputs(request_id, out.new_token_ids[0], history, **rows)
+                        )
             return answer.pop(0)
 
         def fire(
-            inputs: Mapping[str, Any], node: Any = node, engine: KVCacheEngine = engine, answer: list[Any] = answer
+            inputs: Mapping[str, Any],
+            node: Any = node,
+            engine: KVCacheEngine = engine,
+            answer: list[Any] = answer,
         ) -> Mapping[str, Any]:
-            if getattr(node, "token_walks", False) and int(inputs["cursor"]) == len(inputs["segments"]) - 1:
+            if (
+                getattr(node, "token_walks", False)
+                and int(inputs["cursor"]) == len(inputs["segments"]) - 1
+            ):
                 return walk(inputs, node, engine, answer)
             chunks = node.forward(request_id, inputs).chunks
             rows: list[torch.Tensor | None] = []
@@ -293,5 +328,9 @@ def test_audio_features_and_prompt_segments(model: Qwen3OmniModel) -> None:
     feats = audio_features(model.config, _wave(1.0, 5))
     assert feats.shape == (20, 100)
     prepared = model.preprocess(Request("generate", REQUESTS[2]))
-    # The last segment (the assistant opening) starts the answer's token walk: no prefill walk of its own.
-    assert prepared.state.prefills == ["prefill_text", "prefill_audio"] and prepared.state.num_segments == 3
+    # The last segment (the assistant opening) starts the answer's token walk: no prefill walk of
+    # its own.
+    assert (
+        prepared.state.prefills == ["prefill_text", "prefill_audio"]
+        and prepared.state.num_segments == 3
+    )

@@ -103,7 +103,8 @@ def test_thinker_logits_and_greedy_tokens_match(
 def test_the_talker_reads_the_output_of_layer_accept_minus_one(
     ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
 ) -> None:
-    """transformers' ``hidden_states[k]`` is layer k-1's output (0: the embeddings); the talker takes k = accept_hidden_layer."""
+    """transformers' ``hidden_states[k]`` is layer k-1's output (0: the embeddings); the talker
+    takes k = accept_hidden_layer."""
     prompt = _chat(config, [60, 61, 62])
     result = pipeline.run_thinker(ours, prompt, max_tokens=1)
     with torch.no_grad():
@@ -136,10 +137,15 @@ def test_audio_prompt_logits_match(
     result = pipeline.run_thinker(ours, embedded, prompt_ids=prompt, max_tokens=4)
     with torch.no_grad():
         ref = reference.thinker.generate(
-            input_ids=torch.tensor([prompt]), input_features=features[None],
+            input_ids=torch.tensor([prompt]),
+            input_features=features[None],
             feature_attention_mask=torch.ones(1, features.shape[1], dtype=torch.long),
-            max_new_tokens=4, do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     assert result.generated == ref.sequences[0, len(prompt) :].tolist()
     assert (torch.stack(result.logits) - torch.cat(ref.logits)).abs().max().item() < 1e-5
 
@@ -177,9 +183,15 @@ def test_image_prompt_with_mrope_and_deepstack_matches(
     result = pipeline.run_thinker(ours, embedded, prompt_ids=prompt, max_tokens=4)
     with torch.no_grad():
         ref = reference.thinker.generate(
-            input_ids=torch.tensor([prompt]), pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
-            max_new_tokens=4, do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            input_ids=torch.tensor([prompt]),
+            pixel_values=pixels,
+            image_grid_thw=torch.tensor([grid]),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     assert result.generated == ref.sequences[0, len(prompt) :].tolist()
     assert (torch.stack(result.logits) - torch.cat(ref.logits)).abs().max().item() < 1e-5
 
@@ -188,7 +200,8 @@ def test_image_prompt_with_mrope_and_deepstack_matches(
 def test_talker_codes_match_transformers(
     ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig, sample: bool
 ) -> None:
-    """Thinker text, then the talker's frames (audio in the user turn: hidden_projection is used)."""
+    """Thinker text, then the talker's frames (audio in the user turn: hidden_projection is
+    used)."""
     prompt, features, tokens = _audio_prompt(ours, config, frames=100)
     seen, restore = _captured_codes(reference)
     eos = config.token_id("im_end_token_id")
@@ -221,7 +234,8 @@ def test_talker_codes_match_transformers(
 
 
 def _stream_code2wav(node: Code2WavNode, codes: torch.Tensor) -> torch.Tensor:
-    """Stream ``codes`` ``[16, frames]`` through ``node`` in 25/25 chunks, frames arriving unevenly."""
+    """Stream ``codes`` ``[16, frames]`` through ``node`` in 25/25 chunks, frames arriving
+    unevenly."""
     frames = codes.shape[1]
     buffer = StreamBuffer(LeftContextChunkPolicy(25, 25))
     pieces = []
@@ -243,7 +257,8 @@ def _stream_code2wav(node: Code2WavNode, codes: torch.Tensor) -> torch.Tensor:
 def test_code2wav_streamed_in_left_context_chunks_equals_chunked_decode(
     ours: Qwen3OmniWeights, config: Qwen3OmniConfig, skip_context: bool
 ) -> None:
-    """Bit-equal decoding whole chunks; skipping the unread context, equal up to float32 rounding."""
+    """Bit-equal decoding whole chunks; skipping the unread context, equal up to float32
+    rounding."""
     frames = 60
     codes = torch.randint(
         0,
@@ -268,7 +283,8 @@ def test_code2wav_streamed_in_left_context_chunks_equals_chunked_decode(
 
 
 def test_code2wav_skips_only_context_no_kept_sample_reads(config: Qwen3OmniConfig) -> None:
-    """The ConvNet reads 10 frames back: with oneDNN off, skipping the rest is bit-exact; 9 is too few."""
+    """The ConvNet reads 10 frames back: with oneDNN off, skipping the rest is bit-exact; 9 is too
+    few."""
     torch.manual_seed(0)
     code2wav = make_code2wav(config).eval()
     with torch.no_grad():  # weights loud enough that every frame a sample reads shows
@@ -277,8 +293,11 @@ def test_code2wav_skips_only_context_no_kept_sample_reads(config: Qwen3OmniConfi
     lookback = conv_lookback(code2wav)
     assert lookback == 10  # [2, 2] x [8, 5, 4, 3]: 9.09 frames
     codes = torch.randint(
-        0, config.codebook_size, (2, config.num_code_groups, 50), generator=torch.Generator().manual_seed(5)
-    )  # fmt: skip
+        0,
+        config.codebook_size,
+        (2, config.num_code_groups, 50),
+        generator=torch.Generator().manual_seed(5),
+    )
     per_frame = config.samples_per_frame
     with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
         full = code2wav(codes)
@@ -309,10 +328,15 @@ def test_talker_codes_match_with_an_image_in_the_user_turn(
     try:
         with torch.no_grad():
             reference.generate(
-                input_ids=torch.tensor([prompt]), pixel_values=pixels, image_grid_thw=torch.tensor([grid]),
-                thinker_max_new_tokens=5, thinker_eos_token_id=eos, thinker_do_sample=False,
-                talker_max_new_tokens=12, talker_do_sample=False,
-            )  # fmt: skip
+                input_ids=torch.tensor([prompt]),
+                pixel_values=pixels,
+                image_grid_thw=torch.tensor([grid]),
+                thinker_max_new_tokens=5,
+                thinker_eos_token_id=eos,
+                thinker_do_sample=False,
+                talker_max_new_tokens=12,
+                talker_do_sample=False,
+            )
     finally:
         restore()
     embedded = embed_prompt(
@@ -365,17 +389,24 @@ def test_bfloat16_computes_what_transformers_computes_in_bfloat16(
     with torch.no_grad():
         theirs = reference16.thinker(input_ids=torch.tensor([prompt])).logits[0, -1]
     scale = float(full.abs().max())
-    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=2e-3 * scale)  # measured: equal
+    # measured: equal
+    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=2e-3 * scale)
     assert 1e-4 * scale < float((got.float() - full).abs().max()) < 3e-2 * scale  # measured: 0.9 %
     # The audio encoder and Code2Wav, against float32 (transformers' bfloat16 Code2Wav: 3.8 %).
     _, _, tokens = _audio_prompt(ours, config, frames=130)
     _, _, tokens16 = _audio_prompt(bf16, config, frames=130)
-    assert float((tokens16.float() - tokens).abs().max()) < 2e-2 * float(tokens.abs().max())  # 0.5 %
+    # 0.5 %
+    assert float((tokens16.float() - tokens).abs().max()) < 2e-2 * float(tokens.abs().max())
     codes = torch.randint(
-        0, config.codebook_size, (config.num_code_groups, 60), generator=torch.Generator().manual_seed(3)
+        0,
+        config.codebook_size,
+        (config.num_code_groups, 60),
+        generator=torch.Generator().manual_seed(3),
     )
     with torch.no_grad():
         wave = ours.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[0, 0]
-        wave16 = bf16.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[0, 0]
+        wave16 = bf16.code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25)[
+            0, 0
+        ]
     assert wave16.dtype == torch.bfloat16
     assert float((wave16.float() - wave).abs().max()) < 0.1 * float(wave.abs().max())  # 3.3 %

@@ -41,7 +41,9 @@ def _reference(
         drop[..., -1:] = False
         scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = scores.softmax(dim=-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    return torch.cat(
+        [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)]
+    )
 
 
 @pytest.mark.parametrize(

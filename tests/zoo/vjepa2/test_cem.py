@@ -33,11 +33,21 @@ def test_samples_respect_the_action_space_and_are_seeded() -> None:
     assert actions[..., 3:6].abs().sum() == 0
     assert actions[..., 6].abs().max() <= 0.75
     torch.testing.assert_close(sample_actions(state), actions)
-    assert not torch.equal(sample_actions(CEMState(state.mean, state.std, 1, state.params)), actions)
+    assert not torch.equal(
+        sample_actions(CEMState(state.mean, state.std, 1, state.params)), actions
+    )
 
 
 def test_refit_takes_the_topk_with_momentum() -> None:
-    p = params(samples=4, topk=2, rollout=1, momentum_mean=0.25, momentum_std=0.5, momentum_mean_gripper=0.1, momentum_std_gripper=0.0)
+    p = params(
+        samples=4,
+        topk=2,
+        rollout=1,
+        momentum_mean=0.25,
+        momentum_std=0.5,
+        momentum_mean_gripper=0.1,
+        momentum_std_gripper=0.0,
+    )
     state = CEMState.initial(p)
     actions = torch.zeros(4, 1, 7)
     actions[:, 0, 0] = torch.tensor([0.01, 0.03, -0.05, 0.02])
@@ -48,14 +58,18 @@ def test_refit_takes_the_topk_with_momentum() -> None:
     torch.testing.assert_close(new.mean[0], torch.tensor([0.025 * 0.75, 0.0, 0.0, 0.8 * 0.9]))
     x_std = torch.tensor([0.03, 0.02]).std()
     g_std = torch.tensor([0.6, 1.0]).std()
-    torch.testing.assert_close(new.std[0], torch.tensor([x_std * 0.5 + 0.05 * 0.5, 0.025, 0.025, g_std]))
+    torch.testing.assert_close(
+        new.std[0], torch.tensor([x_std * 0.5 + 0.05 * 0.5, 0.025, 0.025, g_std])
+    )
 
 
 def test_final_plan_zeroes_rotation_and_small_gripper_means() -> None:
     state = CEMState.initial(params(rollout=2))
     state.mean[:] = torch.tensor([[0.01, 0.02, 0.03, 0.2], [0.0, 0.0, 0.0, -0.5]])
     plan = final_plan(state)
-    torch.testing.assert_close(plan, torch.tensor([[0.01, 0.02, 0.03, 0, 0, 0, 0.0], [0, 0, 0, 0, 0, 0, -0.5]]))
+    torch.testing.assert_close(
+        plan, torch.tensor([[0.01, 0.02, 0.03, 0, 0, 0, 0.0], [0, 0, 0, 0, 0, 0, -0.5]])
+    )
 
 
 def test_settings_are_validated() -> None:
@@ -93,8 +107,12 @@ def test_nodes_run_one_iteration_as_values() -> None:
     assert sampled["latent"].shape == (6, 4, 3) and sampled["step"] == 0
     assert sampled["job"]["emit"] == "none" and sampled["job"]["actions"].shape == (6, 2, 7)
     final = toy_world(sampled["latent"], sampled["pose"], sampled["actions"])
-    (updated,) = cem_update_node([{"latent": final, "goal": goal, "actions": sampled["actions"], "cem": sampled["cem"]}])
+    (updated,) = cem_update_node(
+        [{"latent": final, "goal": goal, "actions": sampled["actions"], "cem": sampled["cem"]}]
+    )
     assert updated["planned"] is False and updated["cem"]["iteration"] == 1
     (sampled,) = cem_sample_node([{"context": context, "pose0": pose, "cem": updated["cem"]}])
-    (done,) = cem_update_node([{"latent": final, "goal": goal, "actions": sampled["actions"], "cem": sampled["cem"]}])
+    (done,) = cem_update_node(
+        [{"latent": final, "goal": goal, "actions": sampled["actions"], "cem": sampled["cem"]}]
+    )
     assert done["planned"] is True and done["action"].shape == (7,)

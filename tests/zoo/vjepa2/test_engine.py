@@ -54,14 +54,25 @@ def predictor(checkpoint: Path) -> ACPredictor:
 def inputs(seed: int, rows: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     z0 = F.layer_norm(torch.randn(rows, N, D, generator=g), (D,))
-    return z0, torch.rand(rows, 7, generator=g) * 0.2, torch.randn(rows, horizon, 7, generator=g) * 0.05
+    return (
+        z0,
+        torch.rand(rows, 7, generator=g) * 0.2,
+        torch.randn(rows, horizon, 7, generator=g) * 0.05,
+    )
 
 
-def firing(seed: int, horizon: int, step: int = 0, emit: str = "none", rows: int = 0) -> dict[str, Any]:
+def firing(
+    seed: int, horizon: int, step: int = 0, emit: str = "none", rows: int = 0
+) -> dict[str, Any]:
     z, pose, actions = inputs(seed, max(rows, 1), horizon)
     if rows:
         return {"latent": z, "pose": pose, "step": step, "job": {"actions": actions, "emit": emit}}
-    return {"latent": z[0], "pose": pose[0], "step": step, "job": {"actions": actions[0], "emit": emit}}
+    return {
+        "latent": z[0],
+        "pose": pose[0],
+        "step": step,
+        "job": {"actions": actions[0], "emit": emit},
+    }
 
 
 def make_engine(predictor: ACPredictor, num_blocks: int, backend: str = "torch") -> KVNodeEngine:
@@ -69,7 +80,9 @@ def make_engine(predictor: ACPredictor, num_blocks: int, backend: str = "torch")
     return KVNodeEngine("predictor", node, None, "cpu")
 
 
-async def roll(engine: KVNodeEngine, rid: str, data: Mapping[str, Any], abort_at: int = -1) -> Mapping[str, Any] | None:
+async def roll(
+    engine: KVNodeEngine, rid: str, data: Mapping[str, Any], abort_at: int = -1
+) -> Mapping[str, Any] | None:
     """Fire the predictor once per frame, feeding each output back (the rollout loop)."""
     x = dict(data)
     horizon = x["job"]["actions"].shape[-2]
@@ -84,13 +97,19 @@ async def roll(engine: KVNodeEngine, rid: str, data: Mapping[str, Any], abort_at
     raise AssertionError("the rollout never ended")
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     plan=st.lists(
-        st.tuples(st.integers(1, 31), st.integers(0, 3), st.integers(0, 6), st.integers(-1, 30)), min_size=1, max_size=5
+        st.tuples(st.integers(1, 31), st.integers(0, 3), st.integers(0, 6), st.integers(-1, 30)),
+        min_size=1,
+        max_size=5,
     )
 )
-def test_any_schedule_equals_the_native_recompute(predictor: ACPredictor, plan: list[tuple[int, int, int, int]]) -> None:
+def test_any_schedule_equals_the_native_recompute(
+    predictor: ACPredictor, plan: list[tuple[int, int, int, int]]
+) -> None:
     """Rollouts of any horizon and row count, started and aborted at any step, batched in any
     mix, give the upstream loop's latents and poses; every block comes back."""
     need = sum(max(rows, 1) * horizon for horizon, rows, _, _ in plan)
@@ -101,10 +120,17 @@ def test_any_schedule_equals_the_native_recompute(predictor: ACPredictor, plan: 
         try:
             first_done = asyncio.Event()
 
-            async def one(i: int, horizon: int, rows: int, start: int, abort_at: int) -> Mapping[str, Any] | None:
+            async def one(
+                i: int, horizon: int, rows: int, start: int, abort_at: int
+            ) -> Mapping[str, Any] | None:
                 if i and start % 2:
                     await first_done.wait()  # some start only once the first rollout ended
-                out = await roll(engine, f"r{i}", firing(i, horizon, emit="final", rows=rows), abort_at if 0 < abort_at < horizon else -1)
+                out = await roll(
+                    engine,
+                    f"r{i}",
+                    firing(i, horizon, emit="final", rows=rows),
+                    abort_at if 0 < abort_at < horizon else -1,
+                )
                 if i == 0:
                     first_done.set()
                 return out
@@ -126,7 +152,9 @@ def test_any_schedule_equals_the_native_recompute(predictor: ACPredictor, plan: 
         assert out is not None
         z0, pose0, actions = inputs(i, max(rows, 1), horizon)
         ref_latents, ref_poses = native_rollout(predictor, z0, pose0, actions)
-        got_latents, got_poses = (out["latents"], out["poses"]) if rows else (out["latents"][None], out["poses"][None])
+        got_latents, got_poses = (
+            (out["latents"], out["poses"]) if rows else (out["latents"][None], out["poses"][None])
+        )
         torch.testing.assert_close(got_latents, ref_latents, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_poses, ref_poses)
 
@@ -154,7 +182,9 @@ async def test_admission_reserves_whole_rollouts_and_waits_for_room(predictor: A
         out = await engine.submit("a", firing(0, 3))  # holds 1 block, reserves 2 more
         waiting = asyncio.ensure_future(engine.submit("b", firing(1, 3)))  # needs 3: must wait
         later = asyncio.ensure_future(engine.submit("c", firing(2, 1)))  # fits, but waits its turn
-        await engine.submit("a", {**firing(0, 3), "latent": out["latent"], "pose": out["pose"], "step": 1})
+        await engine.submit(
+            "a", {**firing(0, 3), "latent": out["latent"], "pose": out["pose"], "step": 1}
+        )
         assert not waiting.done() and not later.done()
         engine.abort("c")
         with pytest.raises(RequestAbortedError):
@@ -165,7 +195,8 @@ async def test_admission_reserves_whole_rollouts_and_waits_for_room(predictor: A
         with pytest.raises(KVCacheCapacityError, match="reserves 5 blocks"):
             await engine.submit("d", firing(3, 5))
         with pytest.raises(KVCacheCapacityError, match="reserves 6 blocks"):
-            await engine.submit("e", firing(3, 3, rows=2))  # rows of one firing are reserved together
+            # rows of one firing are reserved together
+            await engine.submit("e", firing(3, 3, rows=2))
     finally:
         await engine.aclose()
 
@@ -175,8 +206,12 @@ async def test_bad_firings_fail_alone(predictor: ACPredictor) -> None:
     engine = make_engine(predictor, 32)
     engine.start()
     try:
-        good = [asyncio.ensure_future(engine.submit(f"r{i}", firing(i, 3), "rollout")) for i in range(3)]
-        bad = asyncio.ensure_future(engine.submit("bad", {**firing(9, 3), "latent": torch.zeros(5, 5)}))
+        good = [
+            asyncio.ensure_future(engine.submit(f"r{i}", firing(i, 3), "rollout")) for i in range(3)
+        ]
+        bad = asyncio.ensure_future(
+            engine.submit("bad", {**firing(9, 3), "latent": torch.zeros(5, 5)})
+        )
         late = asyncio.ensure_future(engine.submit("late", firing(7, 2, step=1)))
         outs = await asyncio.gather(*good)
         with pytest.raises(ValueError, match=r"'latent' must have shape \[\.\.\., 16, 64\]"):
@@ -188,21 +223,29 @@ async def test_bad_firings_fail_alone(predictor: ACPredictor) -> None:
         assert [o["step"] for o in outs] == [1, 1, 1] and not any(o["done"] for o in outs)
         assert outs[0]["latent"].shape == (16, 64) and "frame" not in outs[0]
         engine.abort("r0")
-        nxt = await engine.submit("r1", {**firing(1, 3), "latent": outs[1]["latent"], "pose": outs[1]["pose"], "step": 1}, "rollout")
+        nxt = await engine.submit(
+            "r1",
+            {**firing(1, 3), "latent": outs[1]["latent"], "pose": outs[1]["pose"], "step": 1},
+            "rollout",
+        )
         assert nxt["step"] == 2
         assert engine.num_requests == 2  # r1 and r2 hold their rows; r0 was released
     finally:
         await engine.aclose()
 
 
-async def test_a_failing_forward_fails_only_its_request(predictor: ACPredictor, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failing_forward_fails_only_its_request(
+    predictor: ACPredictor, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A device fault in one request's frame fails that request; the step's others go on."""
     engine = make_engine(predictor, 16)
     paged = engine.kv_node.model
     assert isinstance(paged, PagedACPredictor)
     forward = PagedACPredictor.forward
 
-    def flaky(self: PagedACPredictor, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def flaky(
+        self: PagedACPredictor, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any
+    ) -> torch.Tensor:
         if any(bool((c.payload.latent == 0).all()) for c in ctx.step.chunks):
             raise RuntimeError("device fault")
         return forward(self, input_ids, positions, ctx)
@@ -211,7 +254,9 @@ async def test_a_failing_forward_fails_only_its_request(predictor: ACPredictor, 
     engine.start()
     try:
         ok = asyncio.ensure_future(engine.submit("ok", firing(0, 2)))
-        boom = asyncio.ensure_future(engine.submit("boom", {**firing(1, 2), "latent": torch.zeros(N, D)}))
+        boom = asyncio.ensure_future(
+            engine.submit("boom", {**firing(1, 2), "latent": torch.zeros(N, D)})
+        )
         assert (await ok)["step"] == 1
         with pytest.raises(RuntimeError, match="device fault"):
             await boom
@@ -237,7 +282,14 @@ def test_cuda_rollouts_equal_the_native_recompute(checkpoint: Path, backend: str
         try:
             plans = [(0, 31, 0), (1, 7, 3), (2, 12, 2)]
             return await asyncio.gather(
-                *(roll(engine, f"r{i}", {k: _cuda(v) for k, v in firing(seed, h, emit="final", rows=rows).items()}) for i, (seed, h, rows) in enumerate(plans))
+                *(
+                    roll(
+                        engine,
+                        f"r{i}",
+                        {k: _cuda(v) for k, v in firing(seed, h, emit="final", rows=rows).items()},
+                    )
+                    for i, (seed, h, rows) in enumerate(plans)
+                )
             )
         finally:
             await engine.aclose()

@@ -56,11 +56,18 @@ def rotate(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def rotate_3d(x: torch.Tensor, t: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     r = 2 * ((x.shape[-1] // 3) // 2)
-    parts = [rotate(x[..., :r], t), rotate(x[..., r : 2 * r], h), rotate(x[..., 2 * r : 3 * r], w), x[..., 3 * r :]]
+    parts = [
+        rotate(x[..., :r], t),
+        rotate(x[..., r : 2 * r], h),
+        rotate(x[..., 2 * r : 3 * r], w),
+        x[..., 3 * r :],
+    ]
     return torch.cat(parts, dim=-1)
 
 
-def reference_predictor(pred: ACPredictor, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+def reference_predictor(
+    pred: ACPredictor, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor
+) -> torch.Tensor:
     """Upstream's predictor forward: action/state tokens rotated by time only, merged per frame."""
     cfg = pred.config
     b, t = actions.shape[:2]
@@ -78,8 +85,13 @@ def reference_predictor(pred: ACPredictor, z: torch.Tensor, actions: torch.Tenso
     tt, hh, ww = ids // hw, (ids % hw) // g, ids % g
     for blk in pred.predictor_blocks:
         y = blk.norm1(x).view(b, t, n_t, -1)
-        qkv_c = blk.attn.qkv(y[:, :, :2]).unflatten(-1, (3, heads, -1)).permute(3, 0, 4, 1, 2, 5)  # 3,B,H,T,2,hd
-        qkv_p = blk.attn.qkv(y[:, :, 2:].flatten(1, 2)).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
+        # 3,B,H,T,2,hd
+        qkv_c = blk.attn.qkv(y[:, :, :2]).unflatten(-1, (3, heads, -1)).permute(3, 0, 4, 1, 2, 5)
+        qkv_p = (
+            blk.attn.qkv(y[:, :, 2:].flatten(1, 2))
+            .unflatten(-1, (3, heads, -1))
+            .permute(2, 0, 3, 1, 4)
+        )
         r = 2 * ((qkv_p.shape[-1] // 3) // 2)
         merged = []
         for i in range(3):
@@ -87,7 +99,9 @@ def reference_predictor(pred: ACPredictor, z: torch.Tensor, actions: torch.Tenso
             patch = qkv_p[i]  # [B, H, T*hw, hd]
             if i < 2:
                 rot = [rotate(cond[:, :, :, j][..., :r], torch.arange(t)) for j in range(2)]
-                cond = torch.stack([torch.cat([rot[j], cond[:, :, :, j][..., r:]], -1) for j in range(2)], dim=3)
+                cond = torch.stack(
+                    [torch.cat([rot[j], cond[:, :, :, j][..., r:]], -1) for j in range(2)], dim=3
+                )
                 patch = rotate_3d(patch, tt, hh, ww)
             merged.append(torch.cat([cond, patch.view(b, heads, t, hw, -1)], dim=3).flatten(2, 3))
         o = F.scaled_dot_product_attention(*merged, attn_mask=mask)
@@ -104,7 +118,12 @@ def test_predictor_matches_the_upstream_computation(checkpoint: Path) -> None:
     z = torch.randn(2, t * CFG.predictor.num_patches, CFG.predictor.embed_dim)
     actions, states = torch.randn(2, t, 7), torch.randn(2, t, 7)
     with torch.no_grad():
-        torch.testing.assert_close(pred(z, actions, states), reference_predictor(pred, z, actions, states), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            pred(z, actions, states),
+            reference_predictor(pred, z, actions, states),
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 def test_later_frames_do_not_change_earlier_predictions(checkpoint: Path) -> None:
@@ -130,7 +149,9 @@ def test_fused_layouts_compute_what_the_loaded_weights_do(
     plain_pred.load_state_dict(read_part(checkpoint, "predictor"))
     monkeypatch.setattr(layers, "choose_layout", lambda weight, rows=layers.DECODE_ROWS: layout)
     enc, pred = load_encoder(checkpoint, CFG), load_predictor(checkpoint, CFG)
-    fused = [m.fused for m in [*enc.modules(), *pred.modules()] if isinstance(m, layers.FusableLinear)]
+    fused = [
+        m.fused for m in [*enc.modules(), *pred.modules()] if isinstance(m, layers.FusableLinear)
+    ]
     assert len(fused) == 4 * (CFG.encoder.depth + CFG.predictor.depth)
     assert all(f is not None and f.layout == layout for f in fused)
     torch.manual_seed(5)
@@ -138,7 +159,9 @@ def test_fused_layouts_compute_what_the_loaded_weights_do(
     actions, states = torch.randn(3, 2, 7), torch.randn(3, 2, 7)
     with torch.no_grad():
         torch.testing.assert_close(enc(clip), plain_enc(clip), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(pred(z, actions, states), plain_pred(z, actions, states), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            pred(z, actions, states), plain_pred(z, actions, states), rtol=1e-4, atol=1e-5
+        )
 
 
 def test_encoder_rope_matches_per_axis_rotation(checkpoint: Path) -> None:
@@ -153,7 +176,9 @@ def test_encoder_rope_matches_per_axis_rotation(checkpoint: Path) -> None:
         tt, hh, ww = ids // hw, (ids % hw) // g, ids % g
         for blk in enc.blocks:
             q, k, v = blk.attn.qkv(blk.norm1(x)).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)
-            o = F.scaled_dot_product_attention(rotate_3d(q, tt, hh, ww), rotate_3d(k, tt, hh, ww), v)
+            o = F.scaled_dot_product_attention(
+                rotate_3d(q, tt, hh, ww), rotate_3d(k, tt, hh, ww), v
+            )
             x = x + blk.attn.proj(o.transpose(1, 2).flatten(2))
             x = x + blk.mlp(blk.norm2(x))
         torch.testing.assert_close(got, enc.norm(x), rtol=1e-4, atol=1e-5)
@@ -179,7 +204,12 @@ def test_euler_round_trip_and_composition() -> None:
     angles = (torch.rand(64, 3) * 2 - 1) * torch.tensor([math.pi, math.pi / 2 * 0.99, math.pi])
     torch.testing.assert_close(matrix_to_euler(euler_to_matrix(angles.double())), angles.double())
     rz = euler_to_matrix(torch.tensor([0.0, 0.0, 0.3], dtype=torch.float64))
-    torch.testing.assert_close(rz[:2, :2], torch.tensor([[math.cos(0.3), -math.sin(0.3)], [math.sin(0.3), math.cos(0.3)]], dtype=torch.float64))
+    torch.testing.assert_close(
+        rz[:2, :2],
+        torch.tensor(
+            [[math.cos(0.3), -math.sin(0.3)], [math.sin(0.3), math.cos(0.3)]], dtype=torch.float64
+        ),
+    )
     locked = euler_to_matrix(torch.tensor([0.4, math.pi / 2, 0.1], dtype=torch.float64))
     torch.testing.assert_close(euler_to_matrix(matrix_to_euler(locked)), locked)
 
@@ -191,8 +221,13 @@ def test_integrate_pose_moves_rotates_and_clips_the_gripper() -> None:
     torch.testing.assert_close(new[0, :3], torch.tensor([0.11, 0.18, 0.33]))
     torch.testing.assert_close(new[0, 3:6], torch.tensor([0.0, 0.0, 0.75]), atol=1e-6, rtol=0)
     assert new[0, 6].item() == 1.0  # clipped to [0, 1]
-    rotated = integrate_pose(torch.tensor([0.0, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2, -1.0]))
-    expected = euler_to_matrix(torch.tensor([0.0, 0.0, 0.2]).double()) @ euler_to_matrix(torch.tensor([0.3, 0.0, 0.0]).double())
+    rotated = integrate_pose(
+        torch.tensor([0.0, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0]),
+        torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.2, -1.0]),
+    )
+    expected = euler_to_matrix(torch.tensor([0.0, 0.0, 0.2]).double()) @ euler_to_matrix(
+        torch.tensor([0.3, 0.0, 0.0]).double()
+    )
     torch.testing.assert_close(euler_to_matrix(rotated[3:6].double()), expected, atol=1e-6, rtol=0)
     assert rotated[6].item() == 0.0
 
@@ -225,9 +260,16 @@ def test_checkpoint_has_the_upstream_layout(checkpoint: Path) -> None:
     raw = torch.load(checkpoint, weights_only=True)
     assert set(raw) == {"encoder", "predictor"}
     keys = {k.removeprefix("module.") for k in raw["predictor"]}
-    for key in ("predictor_embed.weight", "action_encoder.weight", "state_encoder.bias", "extrinsics_encoder.weight",
-                "predictor_blocks.1.attn.qkv.weight", "predictor_blocks.0.mlp.fc2.bias", "predictor_norm.weight",
-                "predictor_proj.weight"):
+    for key in (
+        "predictor_embed.weight",
+        "action_encoder.weight",
+        "state_encoder.bias",
+        "extrinsics_encoder.weight",
+        "predictor_blocks.1.attn.qkv.weight",
+        "predictor_blocks.0.mlp.fc2.bias",
+        "predictor_norm.weight",
+        "predictor_proj.weight",
+    ):
         assert key in keys
     assert raw["predictor"]["module.extrinsics_encoder.weight"].shape == (64, 6)
     enc = {k.removeprefix("module.") for k in raw["encoder"]}
@@ -237,12 +279,16 @@ def test_checkpoint_has_the_upstream_layout(checkpoint: Path) -> None:
 
 def test_loading_strips_prefixes_and_ignores_pos_embed(tmp_path: Path) -> None:
     sd = random_state_dicts(CFG, seed=4)
-    enc = {f"backbone.{k}": v for k, v in sd["encoder"].items()} | {"pos_embed": torch.zeros(1, 16, 64)}
+    enc = {f"backbone.{k}": v for k, v in sd["encoder"].items()} | {
+        "pos_embed": torch.zeros(1, 16, 64)
+    }
     path = tmp_path / "ck.pt"
     torch.save({"encoder": enc, "predictor": sd["predictor"], "epoch": 3}, path)
     encoder = load_encoder(path, CFG)
     x = torch.randn(3, 64)
-    expected = F.linear(x, sd["encoder"]["blocks.1.attn.qkv.weight"], sd["encoder"]["blocks.1.attn.qkv.bias"])
+    expected = F.linear(
+        x, sd["encoder"]["blocks.1.attn.qkv.weight"], sd["encoder"]["blocks.1.attn.qkv.bias"]
+    )
     with torch.no_grad():  # the weight itself may live packed inside the fused layer
         torch.testing.assert_close(encoder.blocks[1].attn.qkv(x), expected, rtol=1e-5, atol=1e-5)
     assert isinstance(load_predictor(path, CFG), ACPredictor)
@@ -271,10 +317,22 @@ def test_checkpoint_errors_are_clear(tmp_path: Path, checkpoint: Path) -> None:
 
 def test_configs() -> None:
     vitg = get_vjepa2_config("vjepa2-ac-vitg")
-    assert (vitg.encoder.mlp_hidden, vitg.encoder.num_patches, vitg.predictor.frame_tokens) == (6144, 256, 258)
-    assert (vitg.predictor.max_frames, vitg.predictor.max_horizon, vitg.predictor.head_dim) == (32, 31, 64)
+    assert (vitg.encoder.mlp_hidden, vitg.encoder.num_patches, vitg.predictor.frame_tokens) == (
+        6144,
+        256,
+        258,
+    )
+    assert (vitg.predictor.max_frames, vitg.predictor.max_horizon, vitg.predictor.head_dim) == (
+        32,
+        31,
+        64,
+    )
     small = get_vjepa2_config("vjepa2-small")
-    assert (small.predictor.depth, small.predictor.pred_dim, small.predictor.num_patches) == (6, 256, 64)
+    assert (small.predictor.depth, small.predictor.pred_dim, small.predictor.num_patches) == (
+        6,
+        256,
+        64,
+    )
     with pytest.raises(UnsupportedModelError, match="vjepa2-tiny"):
         get_vjepa2_config("vjepa2-huge")
     assert isinstance(VJepa2Encoder(CFG.encoder), VJepa2Encoder)
@@ -289,7 +347,9 @@ def test_images_are_resized_cropped_and_normalised(tmp_path: Path) -> None:
     white = torch.full((48, 64, 3), 255, dtype=torch.uint8)
     image = prepare_image(white, CFG)
     assert image.shape == (3, 32, 32)
-    torch.testing.assert_close(image[:, 5, 5], (1 - torch.tensor(CFG.image_mean)) / torch.tensor(CFG.image_std))
+    torch.testing.assert_close(
+        image[:, 5, 5], (1 - torch.tensor(CFG.image_mean)) / torch.tensor(CFG.image_std)
+    )
     Image.fromarray(white.numpy()).save(tmp_path / "w.png")
     torch.testing.assert_close(prepare_image(str(tmp_path / "w.png"), CFG), image)
     torch.testing.assert_close(prepare_image(torch.ones(3, 32, 32), CFG), image)

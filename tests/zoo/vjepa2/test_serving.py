@@ -66,7 +66,9 @@ def by_name(outputs: list[Output]) -> dict[str, Any]:
     return {o.name: o.data for o in outputs}
 
 
-def expected_rollouts(checkpoint: str, data: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+def expected_rollouts(
+    checkpoint: str, data: list[dict[str, Any]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The native recompute of equal-horizon requests, as one batch."""
     predictor = load_predictor(checkpoint, CFG)
     stack = {k: torch.stack([d[k] for d in data]) for k in ("latent", "pose", "actions")}
@@ -83,7 +85,9 @@ async def test_cached_rollouts_equal_the_native_recompute(checkpoint: str, horiz
             latents, poses = expected_rollouts(checkpoint, data)
             for i, outputs in enumerate(results):
                 got = by_name(outputs)
-                assert {o.modality for o in outputs} == {"latent"} and {o.walk for o in outputs} == {"rollout_latent"}
+                assert {o.modality for o in outputs} == {"latent"} and {
+                    o.walk for o in outputs
+                } == {"rollout_latent"}
                 torch.testing.assert_close(got["latents"], latents[i], rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(got["poses"], poses[i])
         await wait_until_idle(engine)
@@ -103,19 +107,27 @@ async def test_different_horizons_share_steps_and_release_their_blocks(checkpoin
         d.assert_empty()
     predictor = load_predictor(checkpoint, CFG)
     for x, outputs in zip(data, results, strict=True):
-        latents, poses = native_rollout(predictor, x["latent"][None], x["pose"][None], x["actions"][None])
+        latents, poses = native_rollout(
+            predictor, x["latent"][None], x["pose"][None], x["actions"][None]
+        )
         torch.testing.assert_close(by_name(outputs)["latents"], latents[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(by_name(outputs)["poses"], poses[0])
 
 
-async def test_streamed_frames_equal_the_final_trajectory_and_abort_frees_the_cache(checkpoint: str) -> None:
+async def test_streamed_frames_equal_the_final_trajectory_and_abort_frees_the_cache(
+    checkpoint: str,
+) -> None:
     model = VJepa2Model("vjepa2-tiny", checkpoint=checkpoint, kv={"num_blocks": 64})
     async with Watched(model) as d:
         final = by_name(await d.run(Request("rollout", rollout_data(5, 6))))
         streamed = await d.run(Request("rollout", rollout_data(5, 6, stream=True)))
         assert [o.name for o in streamed] == ["frame", "frame_pose"] * 6
-        torch.testing.assert_close(torch.stack([o.data for o in streamed if o.name == "frame"]), final["latents"])
-        torch.testing.assert_close(torch.stack([o.data for o in streamed if o.name == "frame_pose"]), final["poses"])
+        torch.testing.assert_close(
+            torch.stack([o.data for o in streamed if o.name == "frame"]), final["latents"]
+        )
+        torch.testing.assert_close(
+            torch.stack([o.data for o in streamed if o.name == "frame_pose"]), final["poses"]
+        )
         engine = d.workers[0].engines["predictor"]
         request = Request("rollout", rollout_data(6, 31, stream=True))
         d.results[request.request_id] = asyncio.get_running_loop().create_future()
@@ -131,7 +143,9 @@ async def test_streamed_frames_equal_the_final_trajectory_and_abort_frees_the_ca
 
 
 async def test_rollout_from_an_image_encodes_first(checkpoint: str) -> None:
-    image = (torch.rand(40, 56, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8)
+    image = (torch.rand(40, 56, 3, generator=torch.Generator().manual_seed(0)) * 255).to(
+        torch.uint8
+    )
     actions = torch.randn(4, 7, generator=torch.Generator().manual_seed(1)) * 0.05
     async with await AsyncEngine.start(VJepa2Model("vjepa2-tiny", checkpoint=checkpoint)) as engine:
         encoded = by_name(await engine.run(Request("encode", {"images": [image, image]})))
@@ -139,46 +153,75 @@ async def test_rollout_from_an_image_encodes_first(checkpoint: str) -> None:
     frames = prepare_image(image, CFG)[None]
     latent = load_encoder(checkpoint, CFG).encode_frames(frames)
     torch.testing.assert_close(encoded["latents"], latent.expand(2, -1, -1))
-    latents, poses = native_rollout(load_predictor(checkpoint, CFG), latent, torch.zeros(1, 7), actions[None])
+    latents, poses = native_rollout(
+        load_predictor(checkpoint, CFG), latent, torch.zeros(1, 7), actions[None]
+    )
     torch.testing.assert_close(got["latents"], latents[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["poses"], poses[0])
 
 
-def reference_plan(checkpoint: str, context: torch.Tensor, goal: torch.Tensor, pose: torch.Tensor, **overrides: Any) -> torch.Tensor:
+def reference_plan(
+    checkpoint: str, context: torch.Tensor, goal: torch.Tensor, pose: torch.Tensor, **overrides: Any
+) -> torch.Tensor:
     predictor = load_predictor(checkpoint, CFG)
     params = CEMParams.make(CFG.cem, overrides)
-    return plan_with(lambda z, s, a: native_rollout(predictor, z, s, a)[0][:, -1], context, pose, goal, params)
+    return plan_with(
+        lambda z, s, a: native_rollout(predictor, z, s, a)[0][:, -1], context, pose, goal, params
+    )
 
 
 async def test_plans_equal_the_in_process_cem_and_batch_together(checkpoint: str) -> None:
     g = torch.Generator().manual_seed(4)
     context, goal = (F.layer_norm(torch.randn(N, D, generator=g), (D,)) for _ in range(2))
     pose = torch.rand(7, generator=g) * 0.2
-    settings = [{"seed": 1}, {"seed": 2, "rollout": 3, "samples": 12, "topk": 3}, {"seed": 3, "cem_steps": 2}]
+    settings = [
+        {"seed": 1},
+        {"seed": 2, "rollout": 3, "samples": 12, "topk": 3},
+        {"seed": 3, "cem_steps": 2},
+    ]
     async with await AsyncEngine.start(VJepa2Model("vjepa2-tiny", checkpoint=checkpoint)) as engine:
-        requests = [Request("plan", {"latent": context, "goal_latent": goal, "pose": pose, **s}) for s in settings]
+        requests = [
+            Request("plan", {"latent": context, "goal_latent": goal, "pose": pose, **s})
+            for s in settings
+        ]
         results = await asyncio.gather(*(engine.run(r) for r in requests))
         await wait_until_idle(engine)
     for s, outputs in zip(settings, results, strict=True):
-        assert [(o.name, o.modality, o.walk) for o in outputs] == [("action", "action", "plan_latent")]
+        assert [(o.name, o.modality, o.walk) for o in outputs] == [
+            ("action", "action", "plan_latent")
+        ]
         expected = reference_plan(checkpoint, context, goal, pose, **s)
         torch.testing.assert_close(outputs[0].data, expected[0], rtol=1e-4, atol=1e-5)
-        assert outputs[0].data[3:6].abs().sum() == 0 and outputs[0].data[:3].abs().max() <= CFG.cem.maxnorm
+        assert (
+            outputs[0].data[3:6].abs().sum() == 0
+            and outputs[0].data[:3].abs().max() <= CFG.cem.maxnorm
+        )
 
 
-PLAN_SPLIT = "node_groups:\n  - {node_names: [encoder, cem_sample, cem_update], ranks: [0]}\n  - {node_names: [predictor], ranks: [1]}\n"
+PLAN_SPLIT = (
+    "node_groups:\n  - {node_names: [encoder, cem_sample, cem_update], ranks: "
+    "[0]}\n  - {node_names: [predictor], ranks: [1]}\n"
+)
 
 
 async def test_plan_from_images_across_processes(checkpoint: str) -> None:
     g = torch.Generator().manual_seed(5)
-    image, goal_image = ((torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8) for _ in range(2))
-    spec = ModelSpec("mstar.zoo.vjepa2.model:VJepa2Model", {"config": "vjepa2-tiny", "checkpoint": checkpoint})
+    image, goal_image = (
+        (torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8) for _ in range(2)
+    )
+    spec = ModelSpec(
+        "mstar.zoo.vjepa2.model:VJepa2Model", {"config": "vjepa2-tiny", "checkpoint": checkpoint}
+    )
     config = EngineConfig(worker_processes=True)
     async with await AsyncEngine.start(spec, Placement.from_yaml(PLAN_SPLIT), config) as engine:
-        outputs = await engine.run(Request("plan", {"image": image, "goal_image": goal_image, "seed": 7}))
+        outputs = await engine.run(
+            Request("plan", {"image": image, "goal_image": goal_image, "seed": 7})
+        )
         await wait_until_idle(engine)
     encoder = load_encoder(checkpoint, CFG)
-    latents = encoder.encode_frames(torch.stack([prepare_image(image, CFG), prepare_image(goal_image, CFG)]))
+    latents = encoder.encode_frames(
+        torch.stack([prepare_image(image, CFG), prepare_image(goal_image, CFG)])
+    )
     expected = reference_plan(checkpoint, latents[0], latents[1], torch.zeros(7), seed=7)
     assert [o.name for o in outputs] == ["action"]
     torch.testing.assert_close(outputs[0].data, expected[0], rtol=1e-4, atol=1e-5)
@@ -192,17 +235,37 @@ async def test_bad_requests_fail_clearly(checkpoint: str) -> None:
             (Request("rollout", rollout_data(0, 32)), "1 to 31 frames"),
             (Request("rollout", {"actions": torch.zeros(2, 7)}), "needs the context frame"),
             (Request("plan", {"latent": torch.zeros(N, D)}), "goal_latent"),
-            (Request("plan", {"image": torch.zeros(3, 32, 32), "goal_image": torch.zeros(3, 32, 32), "topk": 99}), "topk must be in"),
-            (Request("plan", {"latent": torch.zeros(N, D), "goal_latent": torch.zeros(N, D), "iters": 2}), "unknown plan fields"),
+            (
+                Request(
+                    "plan",
+                    {
+                        "image": torch.zeros(3, 32, 32),
+                        "goal_image": torch.zeros(3, 32, 32),
+                        "topk": 99,
+                    },
+                ),
+                "topk must be in",
+            ),
+            (
+                Request(
+                    "plan",
+                    {"latent": torch.zeros(N, D), "goal_latent": torch.zeros(N, D), "iters": 2},
+                ),
+                "unknown plan fields",
+            ),
             (Request("dream", {}), "task must be one of"),
         ]
         for request, message in cases:
             with pytest.raises(ValueError, match=message):
                 await engine.run(request)
-        with pytest.raises(WalkExecutionError, match=r"reserves 9 blocks for its sequences but the KV cache of node 'predictor' has 8") as info:
+        with pytest.raises(
+            WalkExecutionError,
+            match=r"reserves 9 blocks for its sequences but the KV cache of node 'predictor' has 8",
+        ) as info:
             await engine.run(Request("rollout", rollout_data(1, 9)))
         assert info.value.node == "predictor"
-        ok = by_name(await engine.run(Request("rollout", rollout_data(2, 8))))  # the engine still serves
+        # the engine still serves
+        ok = by_name(await engine.run(Request("rollout", rollout_data(2, 8))))
         assert ok["latents"].shape == (8, N, D)
         await wait_until_idle(engine)
 
@@ -212,7 +275,10 @@ def test_model_contract(checkpoint: str, tmp_path: Path) -> None:
     assert model.tasks() == ("encode", "rollout", "plan")
     assert model.engine_types()["predictor"].value == "kv_cache"
     text = str(model.graph())
-    assert "DynamicLoop(max_iters=31, stop=done)" in text and "DynamicLoop(max_iters=100, stop=planned)" in text
+    assert (
+        "DynamicLoop(max_iters=31, stop=done)" in text
+        and "DynamicLoop(max_iters=100, stop=planned)" in text
+    )
     with pytest.raises(Exception, match="needs checkpoint="):
         VJepa2Model("vjepa2-ac-vitg")
     with pytest.raises(Exception, match="does not exist"):

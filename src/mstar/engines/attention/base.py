@@ -77,7 +77,9 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         """Whether every sequence contributes exactly one (causal) query token."""
-        return self.num_tokens == self.num_seqs and self.kv_limits is None and self.read_only is None
+        return (
+            self.num_tokens == self.num_seqs and self.kv_limits is None and self.read_only is None
+        )
 
 
 class AttentionBackend(Protocol):
@@ -89,7 +91,9 @@ class AttentionBackend(Protocol):
         workspace; None for backends without one)."""
         ...
 
-    def native_decode(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def native_decode(
+        self, k_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Return ``(slots, block tables, lengths)`` of a decode-only step for native decoder
         layers that read the cache themselves, or None where the backend offers none (only
         the CPU backend with the native kernels does; see `TorchPagedAttention`)."""
@@ -123,7 +127,10 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(
-    kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a step's keys and values into their cache slots; return the flat cache views.
 

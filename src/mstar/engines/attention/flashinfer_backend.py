@@ -176,7 +176,9 @@ class FlashInferAttention:
         common = {"q_data_type": q.dtype, "kv_data_type": k_cache.dtype, "sm_scale": scale}
         limits = row_limits(metadata)
         is_read_only = (
-            np.zeros(metadata.num_seqs, dtype=bool) if metadata.read_only is None else metadata.read_only
+            np.zeros(metadata.num_seqs, dtype=bool)
+            if metadata.read_only is None
+            else metadata.read_only
         )
         row_is_read_only = np.repeat(is_read_only, metadata.query_lens)
         self._written = self._read_only = None
@@ -212,8 +214,13 @@ class FlashInferAttention:
         masked = mask is not None
         wrapper = self._prefill("written", masked)
         wrapper.plan(
-            self._index(offsets(q_lens), masked), *(self._index(a, masked) for a in pages), *dims,
-            metadata.block_size, custom_mask=self._mask(mask), causal=causal, **common,
+            self._index(offsets(q_lens), masked),
+            *(self._index(a, masked) for a in pages),
+            *dims,
+            metadata.block_size,
+            custom_mask=self._mask(mask),
+            causal=causal,
+            **common,
         )
         return _WrittenPlan(wrapper, _Rows(rows, self.device))
 
@@ -245,13 +252,20 @@ class FlashInferAttention:
         tables = [metadata.block_tables[i] for i in cached_ids]
         pages = page_table(num_cached[has_cache], tables, metadata.block_size)
         mask, causal = mask_plan(
-            q_lens[has_cache], num_cached[has_cache], np.minimum(visible, cached_of_row)[row_has_cache]
+            q_lens[has_cache],
+            num_cached[has_cache],
+            np.minimum(visible, cached_of_row)[row_has_cache],
         )
         masked = mask is not None
         plan.context = self._prefill("context", masked)
         plan.context.plan(
-            self._index(offsets(q_lens[has_cache]), masked), *(self._index(a, masked) for a in pages),
-            *dims, metadata.block_size, custom_mask=self._mask(mask), causal=causal, **common,
+            self._index(offsets(q_lens[has_cache]), masked),
+            *(self._index(a, masked) for a in pages),
+            *dims,
+            metadata.block_size,
+            custom_mask=self._mask(mask),
+            causal=causal,
+            **common,
         )
         within_cached = np.cumsum(row_has_cache) - 1
         sees_own = own_visible > 0

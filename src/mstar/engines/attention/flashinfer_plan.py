@@ -15,7 +15,14 @@ import numpy as np
 
 from mstar.engines.attention.base import AttentionMetadata
 
-__all__ = ["decode_uses_tensor_cores", "mask_plan", "offsets", "padded_page_table", "page_table", "row_limits"]
+__all__ = [
+    "decode_uses_tensor_cores",
+    "mask_plan",
+    "offsets",
+    "padded_page_table",
+    "page_table",
+    "row_limits",
+]
 
 # The GQA group sizes FlashInfer's CUDA-core decode kernel is compiled for (v0.2.0: 1, 2, 3, 4,
 # 8; later 6 too). Wider groups (BAGEL-7B's Qwen2.5: 28 query heads over 4 KV heads, 7) raise
@@ -86,7 +93,11 @@ def mask_plan(
 
 
 def padded_page_table(
-    seq_lens: np.ndarray, block_tables: list[list[int]], block_size: int, batch_size: int, sink_block: int
+    seq_lens: np.ndarray,
+    block_tables: list[list[int]],
+    block_size: int,
+    batch_size: int,
+    sink_block: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Return a decode step's page table padded to `batch_size` rows (a CUDA graph's bucket):
     each padding row one page, the sink block, holding one key (its own)."""

@@ -59,7 +59,14 @@ class _Chunk:
 
     __slots__ = ("end", "is_read_only", "key_slots", "mask", "start")
 
-    def __init__(self, start: int, end: int, key_slots: torch.Tensor, mask: torch.Tensor | None, is_read_only: bool) -> None:
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        key_slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_read_only: bool,
+    ) -> None:
         self.start, self.end = start, end
         self.key_slots = key_slots  # cache slots of the keys read from the cache
         self.mask = mask  # [q_len, keys] bool, or None for plain causal
@@ -69,7 +76,16 @@ class _Chunk:
 class _Group:
     """Chunks of one shape that see all their keys: one batched attention without a mask."""
 
-    __slots__ = ("is_read_only", "key_slots", "length", "num_chunks", "q_len", "row_start", "rows", "stage")
+    __slots__ = (
+        "is_read_only",
+        "key_slots",
+        "length",
+        "num_chunks",
+        "q_len",
+        "row_start",
+        "rows",
+        "stage",
+    )
 
     def __init__(
         self,
@@ -109,11 +125,21 @@ class _GroupStage:
     last step did not run every layer, is gathered from it again.
     """
 
-    __slots__ = ("buffers", "capacity", "is_active", "is_read_only", "num_steps", "rebuild", "staged_len", "written")
+    __slots__ = (
+        "buffers",
+        "capacity",
+        "is_active",
+        "is_read_only",
+        "num_steps",
+        "rebuild",
+        "staged_len",
+        "written",
+    )
 
     def __init__(self, is_read_only: bool) -> None:
         self.is_read_only = is_read_only
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer (its cache's data_ptr)
+        # per layer (its cache's data_ptr)
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.written: set[int] = set()  # layers whose buffers got the last step's rows
         self.staged_len = 0  # keys per sequence kept, valid in every buffer
         self.capacity = 0
@@ -231,9 +257,7 @@ class _DecodeStaging:
             self.rows = torch.arange(len(lens), device=device)
             self.positions = torch.from_numpy(lens - 1).to(device)
 
-    def layer_buffers(
-        self, k_cache: torch.Tensor, batch: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_buffers(self, k_cache: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = k_cache.data_ptr()
         buffers = self.buffers.get(key)
         if buffers is None or buffers[0].shape[0] < batch:
@@ -376,7 +400,9 @@ class TorchPagedAttention:
             max_len = num_blocks * size
             self._decode_shape = (len(decode_ids), max_len)
             if not self._all_decode:
-                self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(self.device)
+                self._decode_rows = torch.from_numpy(starts[decode_ids].astype(np.int64)).to(
+                    self.device
+                )
             if staging is not None and self._native_used:
                 staging.deactivate()
             elif staging is not None and metadata.seq_keys is not None:
@@ -390,7 +416,9 @@ class TorchPagedAttention:
             elif staging is not None:
                 staging.deactivate()  # and break the append chain
             # Once decode rows go through the kernel, only its tables are needed.
-            gathers = not self._native_used and (staging is None or not staging.active or staging.rebuild)
+            gathers = not self._native_used and (
+                staging is None or not staging.active or staging.rebuild
+            )
             if gathers or self._kernels is not None:
                 tables = np.zeros((len(decode_ids), num_blocks), dtype=np.int64)
                 for row, i in enumerate(decode_ids):
@@ -445,15 +473,22 @@ class TorchPagedAttention:
                 stage = self._stages.get(keys)
                 if stage is None or stage.is_read_only != is_read_only:
                     stage = _GroupStage(is_read_only)
-                stage.plan(prior, length, len(members) * length * self._staged_row_bytes <= self._stage_budget_bytes)
+                stage.plan(
+                    prior,
+                    length,
+                    len(members) * length * self._staged_row_bytes <= self._stage_budget_bytes,
+                )
                 stages[keys] = stage
                 if not stage.is_active:
                     stage = None
                 elif not stage.rebuild:
                     self.num_staged_groups += 1
-            # Continued copies read nothing from the cache; new ones (and gathers) read all its keys.
+            # Continued copies read nothing from the cache; new ones (and gathers) read all its
+            # keys.
             if stage is None or stage.rebuild:
-                slots = np.concatenate([_slots_of(metadata.block_tables[i], num_cached, size) for i in members])
+                slots = np.concatenate(
+                    [_slots_of(metadata.block_tables[i], num_cached, size) for i in members]
+                )
             else:
                 slots = np.zeros(0, dtype=np.int64)
             rows = np.concatenate([np.arange(starts[i], starts[i] + q_len) for i in members])
@@ -485,7 +520,9 @@ class TorchPagedAttention:
         k_flat, v_flat = write_kv(kv_cache, self._slot_mapping, k, v)
         if k_cache.data_ptr() not in self._layers_seen:
             self._layers_seen.add(k_cache.data_ptr())
-            self._staged_row_bytes = 2 * len(self._layers_seen) * k_cache[0, 0].numel() * k_cache.element_size()
+            self._staged_row_bytes = (
+                2 * len(self._layers_seen) * k_cache[0, 0].numel() * k_cache.element_size()
+            )
         gqa = q.shape[1] != k_cache.shape[-2]
         if self._all_decode:
             return self._decode(q, k, v, k_cache, v_cache, scale)
@@ -502,8 +539,13 @@ class TorchPagedAttention:
                 ks = torch.cat([ks, k[start:end]])
                 vs = torch.cat([vs, v[start:end]])
             o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=gqa,
+                qs,
+                ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=scale,
+                enable_gqa=gqa,
             )
             out[start:end] = o[0].transpose(0, 1)
         for group in self._groups:
@@ -511,7 +553,11 @@ class TorchPagedAttention:
             heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
             if group.row_start is not None:
                 lo = group.row_start
-                qs, k_own, v_own = q[lo : lo + n * q_len], k[lo : lo + n * q_len], v[lo : lo + n * q_len]
+                qs, k_own, v_own = (
+                    q[lo : lo + n * q_len],
+                    k[lo : lo + n * q_len],
+                    v[lo : lo + n * q_len],
+                )
             else:
                 qs, k_own, v_own = q[group.rows], k[group.rows], v[group.rows]
             stage = group.stage
@@ -524,20 +570,32 @@ class TorchPagedAttention:
                     ks = torch.cat([ks, k_own.view(n, q_len, kv_heads, dim)], dim=1)
                     vs = torch.cat([vs, v_own.view(n, q_len, kv_heads, dim)], dim=1)
                 ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qs.view(n, q_len, heads, dim).transpose(1, 2), ks, vs, scale=scale, enable_gqa=gqa,
-            ).transpose(1, 2).reshape(n * q_len, heads, dim)
+            o = (
+                F.scaled_dot_product_attention(
+                    qs.view(n, q_len, heads, dim).transpose(1, 2),
+                    ks,
+                    vs,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+                .transpose(1, 2)
+                .reshape(n * q_len, heads, dim)
+            )
             if group.row_start is not None:
                 out[group.row_start : group.row_start + n * q_len] = o
             else:
                 out[group.rows] = o
         return out
 
-    def native_decode(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Return the step's `(slots, block tables, lengths)` where the native kernel takes all of it.
+    def native_decode(
+        self, k_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Return the step's `(slots, block tables, lengths)` where the native kernel takes all of
+        it.
 
         For a model that runs whole decoder layers in native calls (`cpu_kernels.cpp`'s
-        `decode_layer`, `DecodeStack`): it writes the keys and values and attends itself, as `forward` would
+        `decode_layer`, `DecodeStack`): it writes the keys and values and attends itself, as
+        `forward` would
         through the kernel. None unless every row of the planned step decodes and the kernel
         takes caches like `k_cache`; then the model calls `forward` as usual.
         """
@@ -573,14 +631,18 @@ class TorchPagedAttention:
         kernels = self._kernels
         if kernels is not None and _fits_native(q, k_cache):
             self._use_native()  # keys and values read in place through the block tables
-            return kernels.decode_attention(q, k_cache, v_cache, self._native_tables, self._native_lens, scale)
+            return kernels.decode_attention(
+                q, k_cache, v_cache, self._native_tables, self._native_lens, scale
+            )
         if self._native_used:  # a layer the kernel does not take, after ones it did (no staging)
             self._native_used = False
             assert self._native_tables is not None and self._native_lens is not None
             self._decode_blocks = self._native_tables.reshape(-1)
             width = self._native_tables.shape[1] * k_cache.shape[1]
             lens = self._native_lens.numpy()
-            self._decode_mask = None if (lens == width).all() else _padding_mask(lens, width, self.device)
+            self._decode_mask = (
+                None if (lens == width).all() else _padding_mask(lens, width, self.device)
+            )
         batch, max_len = self._decode_shape
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
         shape = (batch, max_len, num_kv_heads, head_dim)
@@ -612,7 +674,10 @@ class TorchPagedAttention:
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
         o = F.scaled_dot_product_attention(
-            q.reshape(batch, num_kv_heads, group, head_dim).to(keys.dtype), keys, values,
-            attn_mask=mask, scale=scale,
+            q.reshape(batch, num_kv_heads, group, head_dim).to(keys.dtype),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scale,
         )
         return o.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -1,4 +1,5 @@
-"""`assistant`: SmolLM2-135M-Instruct streaming its answer, sentence by sentence, to a Piper voice."""
+"""`assistant`: SmolLM2-135M-Instruct streaming its answer, sentence by sentence, to a Piper
+voice."""
 
 from __future__ import annotations
 

@@ -50,7 +50,14 @@ from mstar.zoo.llama import load_llama
 from mstar.zoo.llm import LlamaKVNode, TextLLM
 from mstar.zoo.requests import speech_text, speech_voice
 
-__all__ = ["VOICE", "AssistantLLMNode", "AssistantModel", "ReaderNode", "VoiceNode", "make_assistant_graph"]
+__all__ = [
+    "VOICE",
+    "AssistantLLMNode",
+    "AssistantModel",
+    "ReaderNode",
+    "VoiceNode",
+    "make_assistant_graph",
+]
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer in a few short, clear sentences."
 VOICE = "joe"
@@ -76,7 +83,12 @@ def make_assistant_graph(policy: SentenceChunkPolicy) -> ModelGraph:
     reader = GraphNode("reader", {"text"}, [GraphEdge(EMIT, "audio", modality="audio")])
     return ModelGraph(
         name="assistant",
-        walks={"prefill": llm, "decode": DynamicLoop(llm, stop="stop"), "speak": voice, "read": reader},
+        walks={
+            "prefill": llm,
+            "decode": DynamicLoop(llm, stop="stop"),
+            "speak": voice,
+            "read": reader,
+        },
         partitions={"LLM": ["prefill", "decode"], "Voice": ["speak"], "Reader": ["read"]},
         connections=[Connection("LLM", "Voice", "say", policy)],
         inputs={"llm": {"history", "params", "prefix_group"}, "reader": {"text"}},
@@ -112,9 +124,7 @@ class VoiceNode:
 
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """Return each chunk's samples; a chunk that cannot be spoken fails its request alone."""
-        return [
-            {"audio": torch.from_numpy(self.speaker.speak(self.text(x["say"])))} for x in batch
-        ]
+        return [{"audio": torch.from_numpy(self.speaker.speak(self.text(x["say"])))} for x in batch]
 
 
 class ReaderNode:
@@ -185,17 +195,24 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
 
     def engine_types(self) -> dict[str, EngineType]:
         """Return KV_CACHE for the LLM, STATELESS for the voice."""
-        return {"llm": EngineType.KV_CACHE, "voice": EngineType.STATELESS, "reader": EngineType.STATELESS}
+        return {
+            "llm": EngineType.KV_CACHE,
+            "voice": EngineType.STATELESS,
+            "reader": EngineType.STATELESS,
+        }
 
     def tasks(self) -> tuple[str, ...]:
-        """Return ``generate`` (an answer, written and spoken) and ``speech`` (a text read aloud)."""
+        """Return ``generate`` (an answer, written and spoken) and ``speech`` (a text read
+        aloud)."""
         return ("generate", "speech")
 
     def default_placement(self) -> Placement | None:
         """Put the voice and the reader on rank 1 (their own step thread), unless ``colocated``."""
         if self.colocated:
             return None
-        return Placement((NodeGroup(["llm"], [0]), NodeGroup(["voice", "reader"], [1])), self._graph.name)
+        return Placement(
+            (NodeGroup(["llm"], [0]), NodeGroup(["voice", "reader"], [1])), self._graph.name
+        )
 
     def submodule(self, node: str, device: torch.device) -> Any:
         """Load SmolLM2 or the voice."""
@@ -210,11 +227,15 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:
-        """Put the question in a conversation with the system prompt; tokenize it with the chat template."""
+        """Put the question in a conversation with the system prompt; tokenize it with the chat
+        template."""
         if request.task == "speech":
             voice = speech_voice(request.data, VOICE)
             if voice != VOICE:
-                raise ValueError(f"unknown voice {voice!r}: the assistant speaks with one voice, {VOICE!r} (or 'default')")
+                raise ValueError(
+                    f"unknown voice {voice!r}: the assistant speaks with one voice, "
+                    f"{VOICE!r} (or 'default')"
+                )
             return PreparedRequest({"reader": {"text": speech_text(request.data)}}, state=_READ)
         if request.task != "generate":
             raise ValueError(f"task must be 'generate' or 'speech', got {request.task!r}")
@@ -241,13 +262,17 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
             and not any(isinstance(m, Mapping) and m.get("role") == "system" for m in messages)
         ):
             data["messages"] = [{"role": "system", "content": self.system_prompt}, *messages]
-        # Sampling the request leaves unset is SmolLM2's own (its checkpoint's generation_config.json).
+        # Sampling the request leaves unset is SmolLM2's own (its checkpoint's
+        # generation_config.json).
         params = request.params.with_defaults({"max_tokens": self.max_tokens})
         prepared = self.llm.preprocess(Request("generate", data, request.request_id, params=params))
-        return PreparedRequest(prepared.inputs, state=_SPOKEN if "audio" in modalities else _WRITTEN)
+        return PreparedRequest(
+            prepared.inputs, state=_SPOKEN if "audio" in modalities else _WRITTEN
+        )
 
     def first_walk(self, partition: str, state: Any) -> str | None:
-        """LLM: prefill; Voice: speak, when audio was asked for; Reader: read, for a speech request."""
+        """LLM: prefill; Voice: speak, when audio was asked for; Reader: read, for a speech
+        request."""
         if state == _READ:
             return "read" if partition == "Reader" else None
         if partition == "LLM":
@@ -255,7 +280,8 @@ class AssistantModel(Model, SupportsTextOutput, SupportsAudioOutput):
         return "speak" if partition == "Voice" and state == _SPOKEN else None
 
     def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
-        """LLM: decode after prefill, then done; Voice: one walk per chunk until the stream ends; Reader: done."""
+        """LLM: decode after prefill, then done; Voice: one walk per chunk until the stream ends;
+        Reader: done."""
         if partition == "LLM":
             return "decode" if finished == "prefill" else None
         return "speak" if partition == "Voice" else None

@@ -52,7 +52,8 @@ class SentenceChunkPolicy:
             raise ValueError(f"SentenceChunkPolicy max_tokens must be >= 1, got {self.max_tokens}")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
-                f"SentenceChunkPolicy min_tokens must be in [1, max_tokens={self.max_tokens}], got {self.min_tokens}"
+                "SentenceChunkPolicy min_tokens must be in [1, "
+                f"max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
 
     @classmethod
@@ -82,7 +83,8 @@ class SentenceChunkPolicy:
     def next_window(
         self, items: Sequence[Any], num_delivered: int, num_chunks: int
     ) -> tuple[int, int] | None:
-        """End the chunk at the first sentence boundary, or at ``max_tokens`` (see the module doc)."""
+        """End the chunk at the first sentence boundary, or at ``max_tokens`` (see the module
+        doc)."""
         start, num_items = num_delivered, len(items)
         last = min(
             num_items - 1, start + self.max_tokens

@@ -5,7 +5,8 @@ The published checkpoint (``ByteDance-Seed/BAGEL-7B-MoT``) is a directory::
     checkpoint/
       llm_config.json    Qwen2 config (hidden_size, num_hidden_layers, ...)
       vit_config.json    SigLIP config (num_hidden_layers counts the dropped last layer)
-      ema.safetensors    language_model.*, time_embedder.*, vae2llm.*, llm2vae.*, latent_pos_embed.*,
+      ema.safetensors    language_model.*, time_embedder.*, vae2llm.*, llm2vae.*,
+      latent_pos_embed.*,
                          vit_model.vision_model.*, connector.*, vit_pos_embed.*
       ae.safetensors     the FLUX autoencoder (BFL names)
 
@@ -19,7 +20,8 @@ loaded)::
 
     latent_patch_size      vae2llm.weight               [hidden, p * p * z_channels]
     max_latent_size        latent_pos_embed.pos_embed   [max_latent_size^2, hidden]
-    vit max patches/side   vit_pos_embed.pos_embed      [side^2, hidden]  (= image_size / patch_size)
+    vit max patches/side   vit_pos_embed.pos_embed      [side^2, hidden]  (= image_size /
+    patch_size)
     timestep_frequencies   time_embedder.mlp.0.weight   [hidden, frequencies]
     VAE ch, ch_mult,       ae.safetensors' encoder.conv_in, encoder.down.{i}.block.{j},
       num_res_blocks,      decoder.conv_in [.., z_channels, 3, 3]
@@ -91,7 +93,11 @@ _IMAGE_SIDE, _VAE_MIN, _VIT_MAX, _VIT_MIN, _MAX_TEXT_TOKENS = 1024, 512, 980, 22
 
 def to_checkpoint_name(name: str) -> str:
     """Return the checkpoint's name of one of ours."""
-    return "vit_model.vision_model." + name.removeprefix("vit_model.") if name.startswith("vit_model.") else name
+    return (
+        "vit_model.vision_model." + name.removeprefix("vit_model.")
+        if name.startswith("vit_model.")
+        else name
+    )
 
 
 def from_checkpoint_name(name: str) -> str:
@@ -106,7 +112,9 @@ def _checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
-def _from_checkpoint_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def _from_checkpoint_tensor(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
     if name == _PATCH:  # linear over (row, col, channel) -> conv [out, c, p, p]
         out, c, p, _ = shape
         return tensor.reshape(out, p, p, c).permute(0, 3, 1, 2)
@@ -186,7 +194,8 @@ def config_from_checkpoint(path: str | Path) -> BagelConfig:
     patch = math.isqrt(token_width // vae.z_channels)
     if patch < 1 or patch * patch * vae.z_channels != token_width:
         raise CheckpointError(
-            f"{ema_path}: vae2llm.weight takes latent tokens of {token_width} values, not p * p * {vae.z_channels} "
+            f"{ema_path}: vae2llm.weight takes latent tokens of {token_width} values, not p "
+            f"* p * {vae.z_channels} "
             f"(ae.safetensors' z_channels) for any latent_patch_size p"
         )
     max_latent = side_of(ema, "latent_pos_embed.pos_embed", ema_path)
@@ -204,13 +213,16 @@ def config_from_checkpoint(path: str | Path) -> BagelConfig:
             max_latent_size=max_latent,
             image_size=(side, side),
             vae_image=ImageSizing(side, _min_side(_VAE_MIN, side, down), down),
-            vit_image=ImageSizing(vit_max, _min_side(_VIT_MIN, vit_max, vit.patch_size), vit.patch_size),
+            vit_image=ImageSizing(
+                vit_max, _min_side(_VIT_MIN, vit_max, vit.patch_size), vit.patch_size
+            ),
             timestep_frequencies=shape_of(ema, "time_embedder.mlp.0.weight", ema_path, 2)[1],
             max_text_tokens=min(_MAX_TEXT_TOKENS, llm.max_position // 2),
         )
     except UnsupportedModelError as exc:
         raise CheckpointError(f"BAGEL checkpoint {str(directory)!r}: {exc}") from None
-    _check_files(directory, config)  # every tensor of ema.safetensors at the shape the config gives it
+    # every tensor of ema.safetensors at the shape the config gives it
+    _check_files(directory, config)
     return config
 
 
@@ -220,12 +232,15 @@ def _min_side(upstream: int, max_side: int, stride: int) -> int:
 
 
 def _tokens(directory: Path, vocab_size: int) -> SpecialTokens:
-    """The tokenizer's ids of the four tokens, or the toy vocabulary's where there is no tokenizer."""
+    """The tokenizer's ids of the four tokens, or the toy vocabulary's where there is no
+    tokenizer."""
     if not has_tokenizer(directory):
         if vocab_size < 256 + 4:
             raise CheckpointError(
-                f"BAGEL checkpoint {str(directory)!r} has no tokenizer (vocab.json + merges.txt, or tokenizer.json), and "
-                f"{LLM_CONFIG}'s vocab_size {vocab_size} is too small for the toy byte vocabulary (256 bytes + 4 specials)"
+                f"BAGEL checkpoint {str(directory)!r} has no tokenizer (vocab.json + "
+                "merges.txt, or tokenizer.json), and "
+                f"{LLM_CONFIG}'s vocab_size {vocab_size} is too small for the toy byte "
+                "vocabulary (256 bytes + 4 specials)"
             )
         return toy_tokens(vocab_size)
     tokens = special_tokens_of(load_tokenizer(directory))
@@ -251,7 +266,9 @@ def _token_ids(tokens: SpecialTokens) -> tuple[int, int, int, int]:
     return tokens.bos, tokens.eos, tokens.start_of_image, tokens.end_of_image
 
 
-def _check_json(directory: Path, filename: str, want: Mapping[str, Any], config: BagelConfig) -> None:
+def _check_json(
+    directory: Path, filename: str, want: Mapping[str, Any], config: BagelConfig
+) -> None:
     path = directory / filename
     found = read_json(directory, filename)
     for key, value in want.items():
@@ -259,7 +276,8 @@ def _check_json(directory: Path, filename: str, want: Mapping[str, Any], config:
             continue
         if key in found and found[key] != value:
             raise CheckpointError(
-                f"{path}: {key} is {found[key]!r} but config {config.name!r} has {value!r} (wrong config for this checkpoint?)"
+                f"{path}: {key} is {found[key]!r} but config {config.name!r} has {value!r} "
+                "(wrong config for this checkpoint?)"
             )
 
 
@@ -276,8 +294,11 @@ def check_checkpoint(checkpoint_dir: str | Path, config: BagelConfig) -> None:
     _check_files(Path(checkpoint_dir), config)
 
 
-def _check_files(directory: Path, config: BagelConfig) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
-    """Check the directory; return ``ema.safetensors``' tensors (ours -> the checkpoint's name, shape) and our shapes."""
+def _check_files(
+    directory: Path, config: BagelConfig
+) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
+    """Check the directory; return ``ema.safetensors``' tensors (ours -> the checkpoint's name,
+    shape) and our shapes."""
     if not directory.is_dir():
         raise CheckpointError(f"BAGEL checkpoint directory {str(directory)!r} does not exist")
     _check_json(directory, LLM_CONFIG, llm_config_json(config), config)
@@ -289,16 +310,21 @@ def _check_files(directory: Path, config: BagelConfig) -> tuple[dict[str, tuple[
         weights = BagelWeights(config)
     expected = {name: tuple(t.shape) for name, t in weights.state_dict().items()}
     ema = directory / EMA_FILE
-    found = {from_checkpoint_name(name): (name, shape) for name, shape in read_header(ema)[0].items()}
+    found = {
+        from_checkpoint_name(name): (name, shape) for name, shape in read_header(ema)[0].items()
+    }
     missing = sorted(to_checkpoint_name(n) for n in expected if n not in found)
     unexpected = sorted(ckpt for mine, (ckpt, _) in found.items() if mine not in expected)
     if missing or unexpected:
         raise CheckpointError(
-            f"{ema} does not match config {config.name!r}: missing {len(missing)} tensors {_some(missing)}, "
-            f"unexpected {len(unexpected)} {_some(unexpected)} (wrong config, or not a BAGEL checkpoint?)"
+            f"{ema} does not match config {config.name!r}: missing {len(missing)} tensors "
+            f"{_some(missing)}, "
+            f"unexpected {len(unexpected)} {_some(unexpected)} (wrong config, or not a BAGEL "
+            "checkpoint?)"
         )
     wrong = [
-        f"{ckpt} has shape {list(shape)}, the config expects {list(_checkpoint_shape(mine, expected[mine]))}"
+        f"{ckpt} has shape {list(shape)}, the config expects "
+        f"{list(_checkpoint_shape(mine, expected[mine]))}"
         for mine, (ckpt, shape) in found.items()
         if shape != _checkpoint_shape(mine, expected[mine])
     ]
@@ -324,7 +350,8 @@ def load_bagel(
     parts: Iterable[str] | None = None,
     into: tuple[BagelWeights, FluxVAE] | None = None,
 ) -> tuple[BagelWeights, FluxVAE]:
-    """Load a checkpoint directory: `BagelWeights` from ``ema.safetensors``, the VAE from ``ae.safetensors``.
+    """Load a checkpoint directory: `BagelWeights` from ``ema.safetensors``, the VAE from
+    ``ae.safetensors``.
 
     Both JSON configs, every name and every shape are checked before weights are allocated.
     Only ``parts`` (default: all of `PARTS`) are read; the others stay on the meta device.
@@ -344,7 +371,9 @@ def load_bagel(
             weights, vae = BagelWeights(config).to(dtype=dtype), FluxVAE(config.vae).to(dtype=dtype)
     else:
         weights, vae = into
-    todo = [p for p in PARTS if p in wanted and _on_meta(vae if p == "vae" else getattr(weights, p))]
+    todo = [
+        p for p in PARTS if p in wanted and _on_meta(vae if p == "vae" else getattr(weights, p))
+    ]
     from_ema = [p for p in todo if p != "vae"]
     for part in from_ema:
         getattr(weights, part).to_empty(device=device)
@@ -354,7 +383,9 @@ def load_bagel(
     with torch.no_grad(), safe_open(str(directory / EMA_FILE), framework="pt") as f:
         for mine, (ckpt, _) in found.items():
             if mine.split(".", 1)[0] in from_ema:
-                targets[mine].copy_(_from_checkpoint_tensor(mine, f.get_tensor(ckpt), expected[mine]))
+                targets[mine].copy_(
+                    _from_checkpoint_tensor(mine, f.get_tensor(ckpt), expected[mine])
+                )
     if "vae" in todo:
         vae.to_empty(device=device)
         with safe_open(str(directory / AE_FILE), framework="pt") as f:
@@ -367,15 +398,19 @@ def _on_meta(module: torch.nn.Module) -> bool:
 
 
 def _reset_buffers(weights: BagelWeights) -> None:
-    """Refill the non-persistent buffers that `to_empty` left uninitialised (the ViT's position ids)."""
+    """Refill the non-persistent buffers that `to_empty` left uninitialised (the ViT's position
+    ids)."""
     persistent = set(weights.state_dict())
     transient = {name for name, _ in weights.named_buffers() if name not in persistent}
-    assert transient <= {"vit_model.embeddings.position_ids"}, transient  # a new one needs a value here
+    # a new one needs a value here
+    assert transient <= {"vit_model.embeddings.position_ids"}, transient
     ids = weights.vit_model.embeddings.position_ids
     ids.copy_(torch.arange(ids.shape[-1], device=ids.device).expand_as(ids))
 
 
-def random_tensors(config: BagelConfig, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def random_tensors(
+    config: BagelConfig, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Return seeded random ``ema`` and ``ae`` tensors under the checkpoint's names (fp32).
 
     Norms are near one, the position tables are their sin-cos values, the velocity head is
@@ -390,13 +425,21 @@ def random_tensors(config: BagelConfig, seed: int = 0) -> tuple[dict[str, torch.
             tensor = sincos_2d(config.llm.hidden_size, config.max_latent_size)
         elif name == "vit_pos_embed.pos_embed":
             tensor = sincos_2d(config.llm.hidden_size, config.vit.max_patches_per_side)
-        elif "norm" in name.rsplit(".", 2)[-2] or name.endswith(("layer_norm1.weight", "layer_norm2.weight")):
-            tensor = 1.0 + 0.1 * torch.randn(shape, generator=generator) if name.endswith("weight") else 0.02 * torch.randn(shape, generator=generator)
+        elif "norm" in name.rsplit(".", 2)[-2] or name.endswith(
+            ("layer_norm1.weight", "layer_norm2.weight")
+        ):
+            tensor = (
+                1.0 + 0.1 * torch.randn(shape, generator=generator)
+                if name.endswith("weight")
+                else 0.02 * torch.randn(shape, generator=generator)
+            )
         elif len(shape) == 1:
             tensor = 0.02 * torch.randn(shape, generator=generator)
         else:
             fan_in = shape[1] if len(shape) == 2 else int(torch.tensor(shape[1:]).prod())
-            std = 1.0 if "embed" in name and len(shape) == 2 and "patch" not in name else fan_in**-0.5
+            std = (
+                1.0 if "embed" in name and len(shape) == 2 and "patch" not in name else fan_in**-0.5
+            )
             tensor = std * torch.randn(shape, generator=generator)
         ema[to_checkpoint_name(name)] = _to_checkpoint_tensor(name, tensor)
     ae: dict[str, torch.Tensor] = {}
@@ -411,11 +454,18 @@ def random_tensors(config: BagelConfig, seed: int = 0) -> tuple[dict[str, torch.
 
 
 def make_random_checkpoint(config: BagelConfig, directory: str | Path, *, seed: int = 0) -> Path:
-    """Write seeded random weights in the published layout (both JSON configs, both files); return the directory."""
+    """Write seeded random weights in the published layout (both JSON configs, both files); return
+    the directory."""
     directory = Path(directory)
     ema, ae = random_tensors(config, seed)
-    _write(directory / LLM_CONFIG, lambda p: p.write_text(json.dumps(llm_config_json(config), indent=2)))
-    _write(directory / VIT_CONFIG, lambda p: p.write_text(json.dumps(vit_config_json(config), indent=2)))
+    _write(
+        directory / LLM_CONFIG,
+        lambda p: p.write_text(json.dumps(llm_config_json(config), indent=2)),
+    )
+    _write(
+        directory / VIT_CONFIG,
+        lambda p: p.write_text(json.dumps(vit_config_json(config), indent=2)),
+    )
     ae_metadata = {"format": "pt"}
     if config.vae.norm_groups != 32:
         ae_metadata[NORM_GROUPS_KEY] = str(config.vae.norm_groups)
@@ -425,7 +475,8 @@ def make_random_checkpoint(config: BagelConfig, directory: str | Path, *, seed: 
 
 
 def cached_random_checkpoint(config: BagelConfig, seed: int = 0) -> Path:
-    """Return a random checkpoint of ``config`` under the mstar cache, writing it once (small configs)."""
+    """Return a random checkpoint of ``config`` under the mstar cache, writing it once (small
+    configs)."""
     digest = hashlib.sha256(f"{_RANDOM_FORMAT}:{config!r}".encode()).hexdigest()[:12]
     return written_once(
         mstar_cache_dir() / "bagel" / f"{config.name}-seed{seed}-{digest}",

@@ -46,12 +46,14 @@ class LLMConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     max_position: int = 32_768
-    torch_dtype: str | None = None  # the checkpoint's own dtype (``llm_config.json``), for dtype "auto"
+    # the checkpoint's own dtype (``llm_config.json``), for dtype "auto"
+    torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"hidden_size {self.hidden_size}, num_heads {self.num_heads} and num_kv_heads {self.num_kv_heads} "
+                f"hidden_size {self.hidden_size}, num_heads {self.num_heads} and "
+                f"num_kv_heads {self.num_kv_heads} "
                 "must divide evenly"
             )
 
@@ -99,7 +101,10 @@ class VAEConfig:
 
     def __post_init__(self) -> None:
         if any((self.ch * m) % self.norm_groups for m in self.ch_mult):
-            raise UnsupportedModelError(f"VAE widths {[self.ch * m for m in self.ch_mult]} must be multiples of {self.norm_groups}")
+            raise UnsupportedModelError(
+                f"VAE widths {[self.ch * m for m in self.ch_mult]} must be multiples of "
+                f"{self.norm_groups}"
+            )
 
     @property
     def downsample(self) -> int:
@@ -141,7 +146,9 @@ class GenDefaults:
 
 
 T2I_DEFAULTS = GenDefaults()
-EDIT_DEFAULTS = GenDefaults(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel")
+EDIT_DEFAULTS = GenDefaults(
+    cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,12 +182,21 @@ class BagelConfig:
 
     def __post_init__(self) -> None:
         if self.vit_image.stride != self.vit.patch_size:
-            raise UnsupportedModelError("the ViT's images must be resized to multiples of its patch size")
+            raise UnsupportedModelError(
+                "the ViT's images must be resized to multiples of its patch size"
+            )
         if self.vae_image.stride % self.latent_downsample:
-            raise UnsupportedModelError(f"VAE images must be resized to multiples of {self.latent_downsample}")
+            raise UnsupportedModelError(
+                f"VAE images must be resized to multiples of {self.latent_downsample}"
+            )
         for side in self.image_size:
-            if side % self.latent_downsample or side // self.latent_downsample > self.max_latent_size:
-                raise UnsupportedModelError(f"default image side {side} does not fit the latent grid")
+            if (
+                side % self.latent_downsample
+                or side // self.latent_downsample > self.max_latent_size
+            ):
+                raise UnsupportedModelError(
+                    f"default image side {side} does not fit the latent grid"
+                )
 
     @property
     def latent_downsample(self) -> int:
@@ -203,15 +219,23 @@ _QWEN_TOKENS = SpecialTokens(bos=151_644, eos=151_645, start_of_image=151_652, e
 
 
 def toy_tokens(vocab: int) -> SpecialTokens:
-    """The four specials at the top of a toy vocabulary (its first ``vocab - 4`` ids are bytes + text)."""
-    return SpecialTokens(bos=vocab - 4, eos=vocab - 3, start_of_image=vocab - 2, end_of_image=vocab - 1)
+    """The four specials at the top of a toy vocabulary (its first ``vocab - 4`` ids are bytes +
+    text)."""
+    return SpecialTokens(
+        bos=vocab - 4, eos=vocab - 3, start_of_image=vocab - 2, end_of_image=vocab - 1
+    )
 
 
 BAGEL_CONFIGS: dict[str, BagelConfig] = {
     "bagel-7b-mot": BagelConfig(
         name="bagel-7b-mot",
         llm=LLMConfig(
-            hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18_944, vocab_size=152_064
+            hidden_size=3584,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            intermediate_size=18_944,
+            vocab_size=152_064,
         ),
         vit=ViTConfig(),
         vae=VAEConfig(),
@@ -220,9 +244,23 @@ BAGEL_CONFIGS: dict[str, BagelConfig] = {
     # Meaningful on a CPU: 256 px images are 16 x 16 latent tokens; hidden 256, 4 layers.
     "bagel-small": BagelConfig(
         name="bagel-small",
-        llm=LLMConfig(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, vocab_size=1024,
-                      max_position=4096),
-        vit=ViTConfig(hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4, patch_size=14, max_patches_per_side=16),
+        llm=LLMConfig(
+            hidden_size=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=1024,
+            vocab_size=1024,
+            max_position=4096,
+        ),
+        vit=ViTConfig(
+            hidden_size=128,
+            intermediate_size=512,
+            num_layers=4,
+            num_heads=4,
+            patch_size=14,
+            max_patches_per_side=16,
+        ),
         vae=VAEConfig(ch=32, ch_mult=(1, 2, 4, 4), num_res_blocks=1, norm_groups=32),
         tokens=toy_tokens(1024),
         max_latent_size=32,
@@ -234,9 +272,23 @@ BAGEL_CONFIGS: dict[str, BagelConfig] = {
     # Tests: 64 px images are 4 x 4 latent tokens of 16 values.
     "bagel-tiny": BagelConfig(
         name="bagel-tiny",
-        llm=LLMConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=520,
-                      max_position=1024),
-        vit=ViTConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, patch_size=8, max_patches_per_side=16),
+        llm=LLMConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=520,
+            max_position=1024,
+        ),
+        vit=ViTConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            patch_size=8,
+            max_patches_per_side=16,
+        ),
         vae=VAEConfig(ch=8, ch_mult=(1, 2, 2, 2), num_res_blocks=1, z_channels=4, norm_groups=4),
         tokens=toy_tokens(520),
         max_latent_size=8,
@@ -257,4 +309,6 @@ def get_bagel_config(name: str) -> BagelConfig:
     try:
         return BAGEL_CONFIGS[name]
     except KeyError:
-        raise UnsupportedModelError(f"unknown BAGEL config {name!r} (known: {', '.join(BAGEL_CONFIGS)})") from None
+        raise UnsupportedModelError(
+            f"unknown BAGEL config {name!r} (known: {', '.join(BAGEL_CONFIGS)})"
+        ) from None

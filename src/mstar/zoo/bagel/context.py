@@ -102,8 +102,11 @@ def part_form(part: Part) -> dict[str, Any]:
     if isinstance(part, TextInput):
         return {"kind": "text", "tokens": part.token_ids, "rope": part.rope}
     return {
-        "kind": part.kind, "tokens": part.tokens, "rope": part.rope,
-        "latent_positions": part.latent_positions, "timestep": part.timestep,
+        "kind": part.kind,
+        "tokens": part.tokens,
+        "rope": part.rope,
+        "latent_positions": part.latent_positions,
+        "timestep": part.timestep,
     }
 
 
@@ -113,7 +116,13 @@ def part_of(value: Part | Mapping[str, Any]) -> Part:
         return value
     if value["kind"] == "text":
         return TextInput(value["tokens"], int(value["rope"]))
-    return ImageInput(value["kind"], value["tokens"], int(value["rope"]), value["latent_positions"], float(value["timestep"]))
+    return ImageInput(
+        value["kind"],
+        value["tokens"],
+        int(value["rope"]),
+        value["latent_positions"],
+        float(value["timestep"]),
+    )
 
 
 def branch_items(items: list[Item], think: Item | None = None) -> dict[str, list[Item]]:
@@ -123,12 +132,17 @@ def branch_items(items: list[Item], think: Item | None = None) -> dict[str, list
     """
     text_free = items[:-1] if items and isinstance(items[-1], TextItem) else list(items)
     cond = [*items, think] if think is not None else list(items)
-    return {"cond": cond, "cfg_text": text_free, "cfg_img": [i for i in items if isinstance(i, TextItem)]}
+    return {
+        "cond": cond,
+        "cfg_text": text_free,
+        "cfg_img": [i for i in items if isinstance(i, TextItem)],
+    }
 
 
 @dataclass(frozen=True, slots=True)
 class Context:
-    """One context on the paged cache: the first ``num_tokens`` of sequence ``seq``; RoPE goes on at ``rope``.
+    """One context on the paged cache: the first ``num_tokens`` of sequence ``seq``; RoPE goes on at
+    ``rope``.
 
     ``seq`` "" is the request's own sequence (a context that is a prefix of it); another name
     is a sequence of the context's own.
@@ -178,7 +192,8 @@ class ContextState:
         return ContextState(self.cursor + 1, cond, self.cond, cfg_img)
 
     def after_image(self, payload: ImageInput, *, is_last_part: bool) -> ContextState:
-        """Return the state after one path of an image (its tokens with their markers, one RoPE position).
+        """Return the state after one path of an image (its tokens with their markers, one RoPE
+        position).
 
         The item is done after its last path (VAE then ViT); the text-free context takes it in.
         """
@@ -199,7 +214,9 @@ class ContextState:
         """Return the state as plain data."""
         return {
             "cursor": self.cursor,
-            "contexts": [[c.seq, c.num_tokens, c.rope] for c in (self.cond, self.cfg_text, self.cfg_img)],
+            "contexts": [
+                [c.seq, c.num_tokens, c.rope] for c in (self.cond, self.cfg_text, self.cfg_img)
+            ],
             "think_ids": list(self.think_ids) if self.think_ids is not None else None,
             "has_think": self.has_think,
         }
@@ -209,11 +226,17 @@ class ContextState:
         """Read a state back (or pass one through)."""
         if isinstance(value, ContextState):
             return value
-        cond, cfg_text, cfg_img = (Context(str(c[0]), int(c[1]), int(c[2])) for c in value["contexts"])
+        cond, cfg_text, cfg_img = (
+            Context(str(c[0]), int(c[1]), int(c[2])) for c in value["contexts"]
+        )
         think = value.get("think_ids")
         return cls(
-            int(value["cursor"]), cond, cfg_text, cfg_img,
-            tuple(int(t) for t in think) if think is not None else None, bool(value.get("has_think", False)),
+            int(value["cursor"]),
+            cond,
+            cfg_text,
+            cfg_img,
+            tuple(int(t) for t in think) if think is not None else None,
+            bool(value.get("has_think", False)),
         )
 
 
@@ -247,7 +270,8 @@ class Parts:
 
 
 def branch_parts(state: ContextState, parts: Parts, branch: str) -> Parts:
-    """Return the inputs a branch's context is made of, at the RoPE positions that context gives them.
+    """Return the inputs a branch's context is made of, at the RoPE positions that context gives
+    them.
 
     ``parts`` are the full context's inputs (`ContextState` says how far each context goes).
     """
@@ -261,7 +285,9 @@ def branch_parts(state: ContextState, parts: Parts, branch: str) -> Parts:
                 break
             out.append(part)
             count += part.num_tokens
-        assert count == state.cfg_text.num_tokens, "the text-free context is a prefix of the full one"
+        assert count == state.cfg_text.num_tokens, (
+            "the text-free context is a prefix of the full one"
+        )
         return Parts(tuple(out))
     texts: list[Part] = []
     rope = 0

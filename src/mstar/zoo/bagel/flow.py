@@ -1,4 +1,5 @@
-"""BAGEL's rectified-flow sampling: the shifted schedule, which CFG branches a step needs, the guidance.
+"""BAGEL's rectified-flow sampling: the shifted schedule, which CFG branches a step needs, the
+guidance.
 
 ```
 t    = linspace(1, 0, num_timesteps);  t = s*t / (1 + (s-1)*t)      (s = timestep_shift)
@@ -90,7 +91,8 @@ class FlowSpec:
         return s * t / (1 + (s - 1) * t)
 
     def step(self, k: int) -> tuple[float, torch.Tensor]:
-        """Return step ``k``'s time (as a float32 value) and its ``dt`` (a float32 scalar tensor)."""
+        """Return step ``k``'s time (as a float32 value) and its ``dt`` (a float32 scalar
+        tensor)."""
         t = self.timesteps()
         return float(t[k]), t[k] - t[k + 1]
 
@@ -103,7 +105,8 @@ class FlowSpec:
         return (COND, CFG_TEXT, CFG_IMG) if self.cfg_img_scale > 1.0 else (COND, CFG_TEXT)
 
     def branches_run(self, k: int) -> tuple[str, ...]:
-        """Return the branches step ``k`` queries: those it needs, or all of them (``run_all_branches``)."""
+        """Return the branches step ``k`` queries: those it needs, or all of them
+        (``run_all_branches``)."""
         return BRANCHES if self.run_all_branches else self.branches(k)
 
     def num_passes(self) -> int:
@@ -111,7 +114,9 @@ class FlowSpec:
         return sum(len(self.branches_run(k)) for k in range(self.num_steps))
 
 
-def guidance(spec: FlowSpec, v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | None) -> torch.Tensor:
+def guidance(
+    spec: FlowSpec, v: torch.Tensor, v_text: torch.Tensor | None, v_img: torch.Tensor | None
+) -> torch.Tensor:
     """Combine one image's branch velocities ``[n, p*p*z]`` as upstream's ``_forward_flow`` does.
 
     ``v_text`` (and ``v_img``) are None on steps that do not run those branches.
@@ -121,7 +126,9 @@ def guidance(spec: FlowSpec, v: torch.Tensor, v_text: torch.Tensor | None, v_img
     s_text, s_img = spec.cfg_text_scale, spec.cfg_img_scale
     if spec.cfg_renorm_type == "text_channel":
         guided = v_text + s_text * (v - v_text)
-        scale = (v.norm(dim=-1, keepdim=True) / (guided.norm(dim=-1, keepdim=True) + 1e-8)).clamp(min=spec.cfg_renorm_min, max=1.0)
+        scale = (v.norm(dim=-1, keepdim=True) / (guided.norm(dim=-1, keepdim=True) + 1e-8)).clamp(
+            min=spec.cfg_renorm_min, max=1.0
+        )
         guided = guided * scale
         return guided if v_img is None else v_img + s_img * (guided - v_img)
     guided = v_text + s_text * (v - v_text)

@@ -70,7 +70,10 @@ class Routing:
         return cls(und, gen, only)
 
     def apply(
-        self, x: torch.Tensor, und: Callable[[torch.Tensor], torch.Tensor], gen: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        x: torch.Tensor,
+        und: Callable[[torch.Tensor], torch.Tensor],
+        gen: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """Return ``und(x[und rows])`` and ``gen(x[gen rows])`` put back in row order."""
         if self.only == UND:
@@ -87,7 +90,8 @@ class Routing:
 
 @dataclass(frozen=True, slots=True)
 class Repeats:
-    """Rows of a batch whose inputs repeat earlier rows' (the CFG branches' queries of one flow step).
+    """Rows of a batch whose inputs repeat earlier rows' (the CFG branches' queries of one flow
+    step).
 
     Until attention (which reads each row's own context and RoPE position) such rows are the
     same: the first layer's norm and q/k/v products run on the distinct rows alone.
@@ -103,7 +107,13 @@ class _Attention(nn.Module):
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
-        h, d, kv, heads, eps = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.num_heads, cfg.rms_norm_eps
+        h, d, kv, heads, eps = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_kv_heads,
+            cfg.num_heads,
+            cfg.rms_norm_eps,
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv, d
         self.q_proj, self.q_proj_moe_gen = nn.Linear(h, heads * d), nn.Linear(h, heads * d)
         self.k_proj, self.k_proj_moe_gen = nn.Linear(h, kv * d), nn.Linear(h, kv * d)
@@ -117,7 +127,8 @@ class _Attention(nn.Module):
         self.fused_o: dict[str, FusedLinear] = {}
 
     def fuse(self, suffix: str, rows: tuple[int, ...]) -> None:
-        """Store one expert's q/k/v as one product and o in their fastest layouts at ``rows`` rows."""
+        """Store one expert's q/k/v as one product and o in their fastest layouts at ``rows``
+        rows."""
         names = [f"{p}_proj{suffix}" for p in "qkv"]
         self.fused_qkv[suffix] = FusedLinear.of([getattr(self, n) for n in names], rows=rows)
         self.fused_o[suffix] = FusedLinear.of([getattr(self, f"o_proj{suffix}")], rows=rows)
@@ -131,7 +142,10 @@ class _Attention(nn.Module):
             k = getattr(self, f"k_proj{suffix}")(h)
             v = getattr(self, f"v_proj{suffix}")(h)
         else:
-            q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
+            q_end, k_end = (
+                self.num_heads * self.head_dim,
+                (self.num_heads + self.num_kv_heads) * self.head_dim,
+            )
             packed = fused(h)
             q, k, v = packed[:, :q_end], packed[:, q_end:k_end], packed[:, k_end:]
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -142,7 +156,11 @@ class _Attention(nn.Module):
     def o(self, out: torch.Tensor, suffix: str) -> torch.Tensor:
         """Return one expert's output projection of attention rows ``out``."""
         fused = self.fused_o.get(suffix)
-        return fused(out) if fused is not None else cast(torch.Tensor, getattr(self, f"o_proj{suffix}")(out))
+        return (
+            fused(out)
+            if fused is not None
+            else cast(torch.Tensor, getattr(self, f"o_proj{suffix}")(out))
+        )
 
 
 class MoTLayer(nn.Module):
@@ -178,7 +196,9 @@ class MoTLayer(nn.Module):
         width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
 
         def qkv(suffix: str) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda rows: torch.cat([t.reshape(rows.shape[0], -1) for t in attn.qkv(rows, suffix)], dim=1)
+            return lambda rows: torch.cat(
+                [t.reshape(rows.shape[0], -1) for t in attn.qkv(rows, suffix)], dim=1
+            )
 
         def projections(rows: torch.Tensor, rows_routing: Routing) -> torch.Tensor:
             h = rows_routing.apply(rows, self.input_layernorm, self.input_layernorm_moe_gen)
@@ -187,7 +207,9 @@ class MoTLayer(nn.Module):
         if repeats is None:
             packed = projections(x, routing)
         else:
-            packed = projections(x.index_select(0, repeats.distinct), repeats.routing).index_select(0, repeats.expand)
+            packed = projections(x.index_select(0, repeats.distinct), repeats.routing).index_select(
+                0, repeats.expand
+            )
         assert packed.shape[1] == width
         q_end = attn.num_heads * attn.head_dim
         k_end = q_end + attn.num_kv_heads * attn.head_dim
@@ -197,11 +219,12 @@ class MoTLayer(nn.Module):
         q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
         out = attend(index, q, k, v).reshape(n, attn.num_heads * attn.head_dim)
-        x = x + routing.apply(out, lambda rows: attn.o(rows, ""), lambda rows: attn.o(rows, "_moe_gen"))
+        x = x + routing.apply(
+            out, lambda rows: attn.o(rows, ""), lambda rows: attn.o(rows, "_moe_gen")
+        )
         mlp_und = lambda rows: self.mlp(self.post_attention_layernorm(rows))  # noqa: E731
         mlp_gen = lambda rows: self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(rows))  # noqa: E731
         return x + routing.apply(x, mlp_und, mlp_gen)
-
 
     def fuse(self, und_rows: tuple[int, ...], gen_rows: tuple[int, ...]) -> None:
         """Store each expert's products in their fastest layouts for the rows it mostly sees."""
@@ -223,9 +246,15 @@ class Qwen2MoTModel(nn.Module):
         self.norm_moe_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, routing: Routing, attend: Attend, repeats: Repeats | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        routing: Routing,
+        attend: Attend,
+        repeats: Repeats | None = None,
     ) -> torch.Tensor:
-        """Run embedded rows at RoPE positions ``rope`` through every layer; return the normed states.
+        """Run embedded rows at RoPE positions ``rope`` through every layer; return the normed
+        states.
 
         ``repeats``: rows whose inputs repeat earlier rows' (the first layer projects them once).
         """
@@ -251,12 +280,16 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden: int, frequencies: int = 256) -> None:
         super().__init__()
         self.frequencies = frequencies
-        self.mlp = nn.Sequential(nn.Linear(frequencies, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(frequencies, hidden), nn.SiLU(), nn.Linear(hidden, hidden)
+        )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         """Embed times ``[n]`` (float32) as ``[n, hidden]``."""
         half = self.frequencies // 2
-        freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        freqs = torch.exp(
+            -math.log(10_000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+        )
         angles = t.float()[:, None] * freqs[None]
         emb = torch.cat([angles.cos(), angles.sin()], dim=-1)
         first = cast(nn.Linear, self.mlp[0])
@@ -277,8 +310,13 @@ class PositionEmbedding(nn.Module):
 
 
 def sincos_2d(dim: int, side: int) -> torch.Tensor:
-    """Return the ``[side * side, dim]`` table: the column's 1D sin-cos, then the row's (float64 math)."""
-    rows, cols = torch.meshgrid(torch.arange(side, dtype=torch.float64), torch.arange(side, dtype=torch.float64), indexing="ij")
+    """Return the ``[side * side, dim]`` table: the column's 1D sin-cos, then the row's (float64
+    math)."""
+    rows, cols = torch.meshgrid(
+        torch.arange(side, dtype=torch.float64),
+        torch.arange(side, dtype=torch.float64),
+        indexing="ij",
+    )
 
     def one_d(d: int, pos: torch.Tensor) -> torch.Tensor:
         omega = 1.0 / 10_000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2))
@@ -288,9 +326,13 @@ def sincos_2d(dim: int, side: int) -> torch.Tensor:
     return torch.cat([one_d(dim // 2, cols), one_d(dim // 2, rows)], dim=1).float()
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(cos, sin)`` ``[rows, 1, head_dim]`` (float32) for half-split rotary embedding."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]
     return angles.cos(), angles.sin()

@@ -18,7 +18,7 @@ inputs of each branch's context (`Parts`, to that branch's node, and the full on
 prefilling nodes, which append to them): only a branch placed on a rank of its own reads
 them, to rebuild its context. A query of None is a branch this step does not need: its
 firing runs nothing (no chunk) and returns a velocity of None.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -66,7 +66,13 @@ class LLMNode:
     forward_walks: ClassVar[Literal[True]] = True
     token_walks: ClassVar[Literal[True]] = True
 
-    def __init__(self, weights: BagelWeights, engine_config: KVCacheEngineConfig | None = None, *, branch: str | None = None) -> None:
+    def __init__(
+        self,
+        weights: BagelWeights,
+        engine_config: KVCacheEngineConfig | None = None,
+        *,
+        branch: str | None = None,
+    ) -> None:
         self.model = _EngineView(weights)
         self.weights = weights
         self.config = weights.config
@@ -80,7 +86,8 @@ class LLMNode:
             cuda_graphs=False,
         )
         self._full = AttentionMask.full()
-        self._built: set[str] = set()  # requests whose branch context this engine holds (``branch`` set)
+        # requests whose branch context this engine holds (``branch`` set)
+        self._built: set[str] = set()
         self._decoding: dict[str, ContextState] = {}  # requests decoding a planning text
 
     # -- forward firings -----------------------------------------------------------------
@@ -96,43 +103,86 @@ class LLMNode:
             return self._text(state, Segments.of(inputs["segments"]))
         if "vit_embeds" in inputs:
             payload = ImageInput("vit", inputs["vit_embeds"], state.cond.rope)
-            return KVForward([KVChunk(payload=payload, num_tokens=payload.num_tokens, mask=self._full, output="none")])
+            return KVForward(
+                [
+                    KVChunk(
+                        payload=payload,
+                        num_tokens=payload.num_tokens,
+                        mask=self._full,
+                        output="none",
+                    )
+                ]
+            )
         if "vae_latents" in inputs:
             latents = VaeLatents.of(inputs["vae_latents"])
             positions = latent_grid(self.weights, latents.height, latents.width)
             payload = ImageInput("vae", latents.tokens, state.cond.rope, positions, 0.0)
-            chunk = KVChunk(payload=payload, num_tokens=payload.num_tokens, mask=self._full, expert=GEN, output="none")
+            chunk = KVChunk(
+                payload=payload,
+                num_tokens=payload.num_tokens,
+                mask=self._full,
+                expert=GEN,
+                output="none",
+            )
             return KVForward([chunk])
         for branch in BRANCHES:
             if query_input(branch) in inputs:
                 flow = FlowState.of(inputs[query_input(branch)])
                 if self.branch is not None:
-                    return self._own_query(request_id, branch, state, flow, Parts.of(inputs[parts_input(branch)]))
+                    return self._own_query(
+                        request_id, branch, state, flow, Parts.of(inputs[parts_input(branch)])
+                    )
                 return self._query(branch, state, flow)
         raise ValueError(f"no LLM node of BAGEL takes inputs {sorted(inputs)}")
 
     def _text(self, state: ContextState, segments: Segments) -> KVForward:
-        if state.think_ids is not None:  # the planning text: the decode's tokens, recomputed as a text item
+        # the planning text: the decode's tokens, recomputed as a text item
+        if state.think_ids is not None:
             tokens = self.config.tokens
             ids = torch.tensor([tokens.bos, *state.think_ids, tokens.eos], dtype=torch.long)
             text = TextInput(ids, state.cond.rope)
-            return KVForward([KVChunk(payload=text, num_tokens=len(ids), output="none", truncate=state.cond.num_tokens)])
+            return KVForward(
+                [
+                    KVChunk(
+                        payload=text,
+                        num_tokens=len(ids),
+                        output="none",
+                        truncate=state.cond.num_tokens,
+                    )
+                ]
+            )
         item = segments.items[state.cursor]
         if not isinstance(item, TextItem):
             raise ValueError(f"item {state.cursor} is not text")
         ids = item.token_ids
-        chunks = [KVChunk(payload=TextInput(ids, state.cond.rope), num_tokens=len(ids), output="none")]
-        if not state.image_free_follows:  # the image-free context takes the text on a sequence of its own
+        chunks = [
+            KVChunk(payload=TextInput(ids, state.cond.rope), num_tokens=len(ids), output="none")
+        ]
+        # the image-free context takes the text on a sequence of its own
+        if not state.image_free_follows:
             own = state.cfg_img
             text = TextInput(ids, own.rope)
             if own.seq == "cfg_img":
-                chunks.append(KVChunk(seq="cfg_img", payload=text, num_tokens=len(ids), output="none"))
+                chunks.append(
+                    KVChunk(seq="cfg_img", payload=text, num_tokens=len(ids), output="none")
+                )
             elif own.num_tokens > 0:  # "" up to its first image, forked there
                 chunks.append(
-                    KVChunk(seq="cfg_img", payload=text, num_tokens=len(ids), output="none", fork_from="", fork_tokens=own.num_tokens)
+                    KVChunk(
+                        seq="cfg_img",
+                        payload=text,
+                        num_tokens=len(ids),
+                        output="none",
+                        fork_from="",
+                        fork_tokens=own.num_tokens,
+                    )
                 )
             else:
-                chunks.append(KVChunk(seq="cfg_img", payload=text, num_tokens=len(ids), output="none", reset=True))
+                chunks.append(
+                    KVChunk(
+                        seq="cfg_img", payload=text, num_tokens=len(ids), output="none", reset=True
+                    )
+                )
         return KVForward(chunks)
 
     def _flow_payload(self, ctx: Context, flow: FlowState) -> ImageInput:
@@ -147,20 +197,48 @@ class LLMNode:
         payload = self._flow_payload(ctx, flow)
         n = payload.num_tokens
         if ctx.num_tokens == 0:  # an empty context: the query alone, on a sequence dropped after it
-            chunk = KVChunk(seq=f"{branch}~", payload=payload, num_tokens=n, mask=self._full, expert=GEN, reset=True, release=True)
+            chunk = KVChunk(
+                seq=f"{branch}~",
+                payload=payload,
+                num_tokens=n,
+                mask=self._full,
+                expert=GEN,
+                reset=True,
+                release=True,
+            )
         elif ctx.seq == "" and ctx.num_tokens == state.cond.num_tokens:
-            chunk = KVChunk(payload=payload, num_tokens=n, mask=self._full, expert=GEN, read_only=True)
+            chunk = KVChunk(
+                payload=payload, num_tokens=n, mask=self._full, expert=GEN, read_only=True
+            )
         elif ctx.seq == "":  # a prefix of the full context: a fork of it (block tables only)
             chunk = KVChunk(
-                seq=branch, payload=payload, num_tokens=n, mask=self._full, expert=GEN, read_only=True,
-                fork_from="", fork_tokens=ctx.num_tokens,
+                seq=branch,
+                payload=payload,
+                num_tokens=n,
+                mask=self._full,
+                expert=GEN,
+                read_only=True,
+                fork_from="",
+                fork_tokens=ctx.num_tokens,
             )
         else:
-            chunk = KVChunk(seq=ctx.seq, payload=payload, num_tokens=n, mask=self._full, expert=GEN, read_only=True)
+            chunk = KVChunk(
+                seq=ctx.seq,
+                payload=payload,
+                num_tokens=n,
+                mask=self._full,
+                expert=GEN,
+                read_only=True,
+            )
         return KVForward([chunk])
 
     def _own_query(
-        self, request_id: str, branch: str, state: ContextState, flow: FlowState | None, parts: Parts
+        self,
+        request_id: str,
+        branch: str,
+        state: ContextState,
+        flow: FlowState | None,
+        parts: Parts,
     ) -> KVForward:
         """Query a branch's context on an engine of the branch's own (another rank than ``llm``'s).
 
@@ -168,7 +246,7 @@ class LLMNode:
         first query   own: [ part | part | ... | query ]     the context rebuilt, then the query (written)
         later ones    own~ = fork of own at the context's end, queried read-only
         ```
-        """
+        """  # noqa: E501 (a table or diagram)
         if flow is None:
             return KVForward([])
         ctx = state.context(branch)
@@ -179,13 +257,24 @@ class LLMNode:
         own = f"{branch}:own"
         if request_id in self._built:
             chunk = KVChunk(
-                seq=f"{own}~", payload=payload, num_tokens=n, mask=self._full, expert=GEN, read_only=True,
-                fork_from=own, fork_tokens=ctx.num_tokens,
+                seq=f"{own}~",
+                payload=payload,
+                num_tokens=n,
+                mask=self._full,
+                expert=GEN,
+                read_only=True,
+                fork_from=own,
+                fork_tokens=ctx.num_tokens,
             )
             return KVForward([chunk])
         if parts.num_tokens != ctx.num_tokens:
-            raise ValueError(f"the persisted inputs of context {branch!r} do not make its {ctx.num_tokens} tokens")
-        chunks = [self._part_chunk(own, p, output="none", reset=i == 0) for i, p in enumerate(parts.parts)]
+            raise ValueError(
+                f"the persisted inputs of context {branch!r} do not make its "
+                f"{ctx.num_tokens} tokens"
+            )
+        chunks = [
+            self._part_chunk(own, p, output="none", reset=i == 0) for i, p in enumerate(parts.parts)
+        ]
         chunks.append(KVChunk(seq=own, payload=payload, num_tokens=n, mask=self._full, expert=GEN))
         self._built.add(request_id)
         return KVForward(chunks)
@@ -194,7 +283,14 @@ class LLMNode:
         if isinstance(part, TextInput):
             return KVChunk(seq=seq, payload=part, num_tokens=part.num_tokens, **extra)
         expert = GEN if part.kind != "vit" else 0
-        return KVChunk(seq=seq, payload=part, num_tokens=part.num_tokens, mask=self._full, expert=expert, **extra)
+        return KVChunk(
+            seq=seq,
+            payload=part,
+            num_tokens=part.num_tokens,
+            mask=self._full,
+            expert=expert,
+            **extra,
+        )
 
     @torch.inference_mode()
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
@@ -213,11 +309,16 @@ class LLMNode:
                 out.append(exc)
         return out
 
-    def _outputs(self, inputs: Mapping[str, Any], velocity: torch.Tensor | None) -> Mapping[str, Any]:
+    def _outputs(
+        self, inputs: Mapping[str, Any], velocity: torch.Tensor | None
+    ) -> Mapping[str, Any]:
         state = ContextState.of(inputs["context"])
         if "segments" in inputs:
             if state.think_ids is not None:
-                ids = torch.tensor([self.config.tokens.bos, *state.think_ids, self.config.tokens.eos], dtype=torch.long)
+                ids = torch.tensor(
+                    [self.config.tokens.bos, *state.think_ids, self.config.tokens.eos],
+                    dtype=torch.long,
+                )
                 think = TextInput(ids, state.cond.rope)
                 return prefilled(inputs, state.after_think(think), think)
             item = Segments.of(inputs["segments"]).items[state.cursor]
@@ -231,7 +332,9 @@ class LLMNode:
             latents = VaeLatents.of(inputs["vae_latents"])
             positions = latent_grid(self.weights, latents.height, latents.width)
             payload = ImageInput("vae", latents.tokens, state.cond.rope, positions, 0.0)
-            return prefilled(inputs, state.after_image(payload, is_last_part=not latents.then_vit), payload)
+            return prefilled(
+                inputs, state.after_image(payload, is_last_part=not latents.then_vit), payload
+            )
         branch = next(b for b in BRANCHES if query_input(b) in inputs)
         return {velocity_output(branch): velocity}
 
@@ -246,23 +349,34 @@ class LLMNode:
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         """Decode from ``<|im_start|>`` after the request's context, until ``<|im_end|>``.
 
-        Greedily, unless the request's sampling says otherwise (answers only; a planning text is greedy).
+        Greedily, unless the request's sampling says otherwise (answers only; a planning text is
+        greedy).
         """
         if is_first:
-            raise ValueError("decode needs the request's context in this engine: prefill it first, on this rank")
+            raise ValueError(
+                "decode needs the request's context in this engine: prefill it first, on this rank"
+            )
         segments = Segments.of(inputs["segments"])
         state = ContextState.of(inputs["context"])
         if state.cursor >= len(segments.items) and segments.is_think:
             self._decoding[request_id] = state
         tokens = self.config.tokens
         sampling: dict[str, Any] = {"temperature": 0.0, **dict(segments.sampling)}
-        params = SamplingParams(**sampling, max_tokens=max(1, segments.max_tokens), stop_token_ids=(tokens.eos,))
+        params = SamplingParams(
+            **sampling, max_tokens=max(1, segments.max_tokens), stop_token_ids=(tokens.eos,)
+        )
         return KVTurn([tokens.bos], params, is_done=segments.max_tokens < 1)
 
     def outputs(
-        self, request_id: str, token_id: int, history: list[int] | None, *, logprobs: TokenLogprobs | None = None
+        self,
+        request_id: str,
+        token_id: int,
+        history: list[int] | None,
+        *,
+        logprobs: TokenLogprobs | None = None,
     ) -> Mapping[str, Any]:
-        """Emit each token but ``<|im_end|>`` (with its log-probabilities if asked); the walk's last token stops the loop.
+        """Emit each token but ``<|im_end|>`` (with its log-probabilities if asked); the walk's last
+        token stops the loop.
 
         After a planning text the context state takes its tokens (they are prefilled next).
         """
@@ -305,11 +419,15 @@ class _EngineView:
         """Return next-token logits of text rows."""
         return self.weights.compute_logits(hidden)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
         """Run a step over the paged cache."""
         return self.weights.step(input_ids, positions, ctx, self.rope_offsets)
 
     def forget(self, request_id: str) -> None:
         """Drop the offsets noted for a request's sequences."""
-        for key in [k for k in self.rope_offsets if k == request_id or k.startswith(f"{request_id}/")]:
+        for key in [
+            k for k in self.rope_offsets if k == request_id or k.startswith(f"{request_id}/")
+        ]:
             self.rope_offsets.pop(key, None)

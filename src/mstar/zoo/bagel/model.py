@@ -1,14 +1,19 @@
-"""BAGEL as an mstar model: prefills into one paged cache, then a flow loop with CFG branches, or decoding.
+"""BAGEL as an mstar model: prefills into one paged cache, then a flow loop with CFG branches, or
+decoding.
 
 One partition, ``bagel``. Walks::
 
     prefill_text  llm                              the next text item -> every context that takes it
-    prefill_vit   Sequential[vit, llm_vit]         an image's ViT tokens (understanding weights, full mask)
-    prefill_vae   Sequential[vae_encoder, llm_vae] an image's VAE tokens (generation weights, full mask)
-    decode        DynamicLoop(llm)                 greedy text until <|im_end|> (the engine's decode loop)
+    prefill_vit   Sequential[vit, llm_vit]         an image's ViT tokens (understanding weights,
+    full mask)
+    prefill_vae   Sequential[vae_encoder, llm_vae] an image's VAE tokens (generation weights, full
+    mask)
+    decode        DynamicLoop(llm)                 greedy text until <|im_end|> (the engine's decode
+    loop)
     image_gen     Sequential[
                     DynamicLoop(Sequential[
-                      Parallel[denoise, denoise_cfg_text, denoise_cfg_img],   read-only queries, each
+                      Parallel[denoise, denoise_cfg_text, denoise_cfg_img],   read-only queries,
+                      each
                       cfg_combine]),                                          over its own context
                     vae_decoder]                                              -> PNG
 
@@ -29,7 +34,8 @@ generator seeded by ``seed`` (fresh without one), in upstream's order: each inpu
 posterior sample, then the flow's initial noise (unless ``noise`` gives it).
 ``guidance_scale`` (the images routes' field) is the text scale, or ``[text, image]``; a
 multipart edit form sends one number, the text scale (the image scale keeps its default). An
-edit's ``width``/``height`` (the route's ``size``) must be the input's size after resizing, or absent.
+edit's ``width``/``height`` (the route's ``size``) must be the input's size after resizing, or
+absent.
 Answers (``understand``, ``generate``) are greedy unless ``temperature``, ``top_p``, ``top_k``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` or ``seed`` say otherwise;
 with ``logprobs`` (0-20 alternatives) each answer token is emitted as a `TokenLogprobs` dict, as
@@ -122,16 +128,24 @@ PARTITION = "bagel"
 # Think mode's system prompts (upstream's planning instructions; data, not code).
 GEN_THINK_PROMPT = (
     "You should first think about the planning process in the mind and then generate the image. \n"
-    "The planning process is enclosed within <think> </think> tags, i.e. <think> planning process here </think> image here"
+    "The planning process is enclosed within <think> </think> tags, i.e. <think> planning "
+    "process here </think> image here"
 )
 VLM_THINK_PROMPT = (
-    "You should first think about the reasoning process in the mind and then provide the user with the answer. \n"
-    "The reasoning process is enclosed within <think> </think> tags, i.e. <think> reasoning process here </think> answer here"
+    "You should first think about the reasoning process in the mind and then provide the "
+    "user with the answer. \n"
+    "The reasoning process is enclosed within <think> </think> tags, i.e. <think> reasoning "
+    "process here </think> answer here"
 )
 MAX_TIMESTEPS = 1000
 TASKS = ("image", "image_edit", "understand", "generate")
 # float64 runs the parity checks where one rounding step apart would flip a pixel.
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def denoise_node(branch: str) -> str:
@@ -159,14 +173,27 @@ _PARTS_READERS[parts_input(COND)] = [*_PREFILLS, denoise_node(COND)]
 def make_bagel_graph(config: BagelConfig) -> ModelGraph:
     """Return the graph and walks of a BAGEL model."""
     context = [GraphEdge(dst, "context", persist=True) for dst in _CONTEXT_READERS]
-    context += [GraphEdge(dst, name, persist=True) for name, dsts in _PARTS_READERS.items() for dst in dsts]
-    llm = GraphNode("llm", {"segments", "context", "parts"}, [*context, GraphEdge(EMIT, "token", modality="text")], signals={"stop"})
+    context += [
+        GraphEdge(dst, name, persist=True) for name, dsts in _PARTS_READERS.items() for dst in dsts
+    ]
+    llm = GraphNode(
+        "llm",
+        {"segments", "context", "parts"},
+        [*context, GraphEdge(EMIT, "token", modality="text")],
+        signals={"stop"},
+    )
     vit = GraphNode("vit", {"segments", "context"}, [GraphEdge("llm_vit", "vit_embeds")])
-    vae_encoder = GraphNode("vae_encoder", {"segments", "context"}, [GraphEdge("llm_vae", "vae_latents")])
+    vae_encoder = GraphNode(
+        "vae_encoder", {"segments", "context"}, [GraphEdge("llm_vae", "vae_latents")]
+    )
     llm_vit = GraphNode("llm_vit", {"vit_embeds", "context", "parts"}, context)
     llm_vae = GraphNode("llm_vae", {"vae_latents", "context", "parts"}, context)
     denoise = [
-        GraphNode(denoise_node(b), {query_input(b), "context", parts_input(b)}, [GraphEdge("cfg_combine", velocity_output(b))])
+        GraphNode(
+            denoise_node(b),
+            {query_input(b), "context", parts_input(b)},
+            [GraphEdge("cfg_combine", velocity_output(b))],
+        )
         for b in BRANCHES
     ]
     combine = GraphNode(
@@ -181,8 +208,12 @@ def make_bagel_graph(config: BagelConfig) -> ModelGraph:
         ],
         signals={"done"},
     )
-    vae_decoder = GraphNode("vae_decoder", {"latents", "flow"}, [GraphEdge(EMIT, "image", modality="image")])
-    flow = DynamicLoop(Sequential([Parallel(denoise), combine]), max_iters=MAX_TIMESTEPS - 1, stop="done")
+    vae_decoder = GraphNode(
+        "vae_decoder", {"latents", "flow"}, [GraphEdge(EMIT, "image", modality="image")]
+    )
+    flow = DynamicLoop(
+        Sequential([Parallel(denoise), combine]), max_iters=MAX_TIMESTEPS - 1, stop="done"
+    )
     walks: dict[str, Section] = {
         "prefill_text": llm,
         "prefill_vit": Sequential([vit, llm_vit]),
@@ -199,7 +230,9 @@ def make_bagel_graph(config: BagelConfig) -> ModelGraph:
     for b in BRANCHES:
         inputs[denoise_node(b)].add(query_input(b))
     inputs["cfg_combine"] = {"flow"}
-    return ModelGraph(walks=walks, partitions={PARTITION: list(walks)}, inputs=inputs, name=config.name)
+    return ModelGraph(
+        walks=walks, partitions={PARTITION: list(walks)}, inputs=inputs, name=config.name
+    )
 
 
 @dataclass
@@ -244,13 +277,18 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
         if config is None:
             if checkpoint is None:
-                raise CheckpointError("BAGEL with config=None reads its config from checkpoint=, a directory in the published layout")
+                raise CheckpointError(
+                    "BAGEL with config=None reads its config from checkpoint=, a directory "
+                    "in the published layout"
+                )
             cfg = config_from_checkpoint(checkpoint)
         else:
             cfg = get_bagel_config(config) if isinstance(config, str) else config
         if checkpoint is None:
             if cfg.name == "bagel-7b-mot":
-                raise CheckpointError("bagel-7b-mot needs checkpoint= a directory in the published layout")
+                raise CheckpointError(
+                    "bagel-7b-mot needs checkpoint= a directory in the published layout"
+                )
             checkpoint = str(cached_random_checkpoint(cfg, seed=seed))
         self.name = cfg.name
         self.config = cfg
@@ -262,18 +300,23 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         self.dtype = _DTYPES[dtype or "float32"]
         self.tokenizer: Any = self._tokenizer()
         # The byte tokenizer of random checkpoints takes raw prompts.
-        self.chat_prompts = not isinstance(self.tokenizer, ByteTokenizer) and self.tokenizer.chat_template is not None
+        self.chat_prompts = (
+            not isinstance(self.tokenizer, ByteTokenizer)
+            and self.tokenizer.chat_template is not None
+        )
         self._graph = make_bagel_graph(cfg)
         self._loaded: dict[torch.device, tuple[BagelWeights, FluxVAE]] = {}
         self._loading = threading.Lock()
 
     def _tokenizer(self) -> Any:
-        """Return the checkpoint's Qwen2 tokenizer (its special ids checked against the config), or the toy one."""
+        """Return the checkpoint's Qwen2 tokenizer (its special ids checked against the config), or
+        the toy one."""
         cfg = self.config
         if not has_tokenizer(self.checkpoint):
             if cfg.name == "bagel-7b-mot":
                 raise CheckpointError(
-                    f"BAGEL checkpoint {self.checkpoint!r} has no tokenizer: bagel-7b-mot needs Qwen2's "
+                    f"BAGEL checkpoint {self.checkpoint!r} has no tokenizer: bagel-7b-mot "
+                    "needs Qwen2's "
                     "vocab.json + merges.txt (+ tokenizer_config.json), or tokenizer.json"
                 )
             return ByteTokenizer(cfg.tokens)
@@ -282,8 +325,10 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         check_tokens(Path(self.checkpoint), tokens, cfg.llm.vocab_size)
         if tokens != cfg.tokens:
             raise CheckpointError(
-                f"BAGEL checkpoint {self.checkpoint!r}: its tokenizer's special ids {tokens} differ from config "
-                f"{cfg.name!r}'s {cfg.tokens} (serve it with config=None to read them from the tokenizer)"
+                f"BAGEL checkpoint {self.checkpoint!r}: its tokenizer's special ids {tokens} "
+                "differ from config "
+                f"{cfg.name!r}'s {cfg.tokens} (serve it with config=None to read them from "
+                "the tokenizer)"
             )
         return tokenizer
 
@@ -300,7 +345,8 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         return types
 
     def engine_hosts(self) -> dict[str, str]:
-        """Every LLM node runs on ``llm``'s engine: one paged cache for all contexts of a request."""
+        """Every LLM node runs on ``llm``'s engine: one paged cache for all contexts of a
+        request."""
         return {n: "llm" for n in LLM_NODES if n != "llm"}
 
     def tasks(self) -> tuple[str, ...]:
@@ -311,17 +357,30 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         """Every task takes `BagelOptions` (the flow's only where an image is drawn)."""
         return BagelOptions
 
-    def load(self, device: torch.device, nodes: Iterable[str] | None = None) -> tuple[BagelWeights, FluxVAE]:
+    def load(
+        self, device: torch.device, nodes: Iterable[str] | None = None
+    ) -> tuple[BagelWeights, FluxVAE]:
         """Load the weights ``nodes`` read onto ``device`` (default: every node's).
 
         Every node of a rank shares one copy; each call reads only the parts not loaded there
         yet (`NODE_PARTS`), and what no node there reads stays on the meta device.
         """
-        parts = PARTS if nodes is None else tuple(dict.fromkeys(p for n in nodes for p in NODE_PARTS[n]))
+        parts = (
+            PARTS
+            if nodes is None
+            else tuple(dict.fromkeys(p for n in nodes for p in NODE_PARTS[n]))
+        )
         with self._loading:  # ranks in one process build their engines on threads of their own
             loaded = self._loaded.get(device)
             needs_llm = loaded is None or loaded[0].vae2llm.weight.is_meta
-            weights, vae = load_bagel(self.checkpoint, self.config, device=device, dtype=self.dtype, parts=parts, into=loaded)
+            weights, vae = load_bagel(
+                self.checkpoint,
+                self.config,
+                device=device,
+                dtype=self.dtype,
+                parts=parts,
+                into=loaded,
+            )
             if needs_llm and "language_model" in parts:
                 weights.fuse_for_inference()
             self._loaded[device] = weights, vae
@@ -374,7 +433,9 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
 
     def _ids(self, value: Any, name: str) -> list[int]:
         vocab = self.config.llm.vocab_size
-        if not isinstance(value, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
             raise ValueError(f"{name} must be a list of token ids")
         if any(not 0 <= t < vocab for t in value):
             raise ValueError(f"{name} must be in [0, {vocab})")
@@ -388,7 +449,9 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         else:
             raise ValueError("a prompt is needed: 'prompt' (text) or 'token_ids'")
         if len(ids) > self.config.max_text_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens; at most {self.config.max_text_tokens}")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; at most {self.config.max_text_tokens}"
+            )
         return self._wrap(ids)
 
     def _image(self, data: Mapping[str, Any]) -> Image.Image:
@@ -405,24 +468,37 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
     def _chat_items(self, data: Mapping[str, Any]) -> list[Item]:
         """Return the items of a chat (``generate``): each message's images and text, in order.
 
-        ``prompt_token_ids`` (a chat rendered by the tokenizer's template) are one text item as they are.
+        ``prompt_token_ids`` (a chat rendered by the tokenizer's template) are one text item as they
+        are.
         """
         cfg = self.config
         if "messages" not in data:
             if "prompt_token_ids" not in data:
                 return [self._text_item(data)]
-            return [TextItem(torch.tensor(self._ids(data["prompt_token_ids"], "prompt_token_ids"), dtype=torch.long))]
+            return [
+                TextItem(
+                    torch.tensor(
+                        self._ids(data["prompt_token_ids"], "prompt_token_ids"), dtype=torch.long
+                    )
+                )
+            ]
         items: list[Item] = []
         messages = data["messages"]
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, message in enumerate(messages):
             content = message.get("content") if isinstance(message, Mapping) else None
-            parts = [{"type": "text", "text": content}] if isinstance(content, str) or content is None else content
+            parts = (
+                [{"type": "text", "text": content}]
+                if isinstance(content, str) or content is None
+                else content
+            )
             texts: list[str] = []
             for j, part in enumerate(parts):
                 if part.get("type") == "image":
-                    image = resize_for(_as_image(part.get("image"), f"messages.{i}.content.{j}"), cfg.vae_image)
+                    image = resize_for(
+                        _as_image(part.get("image"), f"messages.{i}.content.{j}"), cfg.vae_image
+                    )
                     items.append(ImageItem(None, image_tensor(resize_for(image, cfg.vit_image))))
                 elif isinstance(part.get("text"), str):
                     texts.append(part["text"])
@@ -444,8 +520,11 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         answers = request.task in ("understand", "generate")
         generator = _generator(request.params.seed)
         items: list[Item] = []
-        if options.think:  # the planning instruction comes first, as a text item of every context that takes text
-            items.append(self._wrap(self.tokenize(VLM_THINK_PROMPT if answers else GEN_THINK_PROMPT)))
+        # the planning instruction comes first, as a text item of every context that takes text
+        if options.think:
+            items.append(
+                self._wrap(self.tokenize(VLM_THINK_PROMPT if answers else GEN_THINK_PROMPT))
+            )
         if request.task == "generate":
             items.extend(self._chat_items(data))
             return self._prepare(request, items, None, answers=True)
@@ -455,34 +534,55 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             width = cfg.image_size[1] if options.width is None else options.width
             for name, side in (("height", height), ("width", width)):
                 if side % cfg.latent_downsample or not 0 < side <= cfg.max_image_side:
-                    raise ValueError(f"{name} must be a multiple of {cfg.latent_downsample} in (0, {cfg.max_image_side}], got {side}")
+                    raise ValueError(
+                        f"{name} must be a multiple of {cfg.latent_downsample} in (0, "
+                        f"{cfg.max_image_side}], got {side}"
+                    )
         else:
             image = resize_for(self._image(data), cfg.vae_image)
             width, height = image.size
-            if request.task == "image_edit" and (options.width is not None or options.height is not None):
+            if request.task == "image_edit" and (
+                options.width is not None or options.height is not None
+            ):
                 asked = options.width or width, options.height or height
                 if asked != (width, height):
                     raise ValueError(
-                        f"size: an edit keeps the input's size, {width}x{height} here (after resizing), "
+                        f"size: an edit keeps the input's size, {width}x{height} here (after "
+                        "resizing), "
                         f"not {asked[0]}x{asked[1]}: omit size or send 'auto'"
                     )
             vit = image_tensor(resize_for(image, cfg.vit_image))
             if request.task == "image_edit":
                 vae = image_tensor(image)
                 noise = None
-                if options.vae_posterior == "sample":  # upstream draws it as it encodes the image, before the flow's noise
-                    latent = (cfg.vae.z_channels, height // cfg.vae.downsample, width // cfg.vae.downsample)
+                # upstream draws it as it encodes the image, before the flow's noise
+                if options.vae_posterior == "sample":
+                    latent = (
+                        cfg.vae.z_channels,
+                        height // cfg.vae.downsample,
+                        width // cfg.vae.downsample,
+                    )
                     noise = torch.randn(latent, generator=generator)
                 items.append(ImageItem(vae, vit, noise))
             else:
                 items.append(ImageItem(None, vit))
         items.append(text)
         down = cfg.latent_downsample
-        spec = None if answers else _flow_spec(cfg, request.task, height // down, width // down, options)
+        spec = (
+            None
+            if answers
+            else _flow_spec(cfg, request.task, height // down, width // down, options)
+        )
         return self._prepare(request, items, spec, answers=answers, generator=generator)
 
     def _prepare(
-        self, request: Request, items: list[Item], spec: FlowSpec | None, *, answers: bool, generator: torch.Generator | None = None
+        self,
+        request: Request,
+        items: list[Item],
+        spec: FlowSpec | None,
+        *,
+        answers: bool,
+        generator: torch.Generator | None = None,
     ) -> PreparedRequest:
         """Make a request's walks and inputs from its items (and the flow of an image)."""
         cfg, data, params = self.config, request.data, request.params
@@ -490,7 +590,8 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         walks = [w for item in items for w in _prefill_walks(item)]
         walks.append("decode" if answers else "image_gen")
         max_tokens = 0
-        if request.task == "generate":  # a chat: as long as the route allows, up to the model's limit
+        # a chat: as long as the route allows, up to the model's limit
+        if request.task == "generate":
             max_tokens = min(params.max_tokens or cfg.max_text_tokens, cfg.max_text_tokens)
         elif answers:
             max_tokens = _at_most(params.max_tokens, cfg.max_text_tokens, "max_tokens")
@@ -500,7 +601,9 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             walks[-1:] = ["decode", "prefill_text", "image_gen"]
         sampling = _sampling(params) if answers else ()
         segments = Segments(tuple(items), max_tokens, is_think, sampling)
-        inputs: dict[str, dict[str, Any]] = {n: {"context": ContextState()} for n in _CONTEXT_READERS}
+        inputs: dict[str, dict[str, Any]] = {
+            n: {"context": ContextState()} for n in _CONTEXT_READERS
+        }
         for name, dsts in _PARTS_READERS.items():
             for dst in dsts:
                 inputs[dst][name] = Parts()
@@ -509,13 +612,19 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         flow = None
         if spec is not None:
             shape = (spec.num_tokens, cfg.patch_latent_dim)
-            noise = initial_noise(data, shape, params.seed) if "noise" in data or generator is None else torch.randn(shape, generator=generator)
+            noise = (
+                initial_noise(data, shape, params.seed)
+                if "noise" in data or generator is None
+                else torch.randn(shape, generator=generator)
+            )
             flow = initial_flow(spec, noise)
         first = queries(flow) if flow is not None else dict.fromkeys(map(query_input, BRANCHES))
         for b in BRANCHES:
             inputs[denoise_node(b)][query_input(b)] = first[query_input(b)]
         inputs["cfg_combine"] = {"flow": flow}
-        return PreparedRequest(inputs, BagelPlan(walks, task=request.task, spec=spec, items=items, is_think=is_think))
+        return PreparedRequest(
+            inputs, BagelPlan(walks, task=request.task, spec=spec, items=items, is_think=is_think)
+        )
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """Start with the first item's prefill."""
@@ -529,12 +638,21 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         return plan.walks[plan.index] if plan.index < len(plan.walks) else None
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:
-        """Pass values on: PNG bytes (``image``), token ids (``token``), latent tokens (``latents``)."""
-        return Output(request_id, emission.modality, emission.name, emission.value, emission.node, emission.walk)
+        """Pass values on: PNG bytes (``image``), token ids (``token``), latent tokens
+        (``latents``)."""
+        return Output(
+            request_id,
+            emission.modality,
+            emission.name,
+            emission.value,
+            emission.node,
+            emission.walk,
+        )
 
 
 def _as_image(value: Any, name: str) -> Image.Image:
-    """Return an input image as RGB: a PIL image, encoded bytes, or a uint8 array (grey, RGB or RGBA)."""
+    """Return an input image as RGB: a PIL image, encoded bytes, or a uint8 array (grey, RGB or
+    RGBA)."""
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, bytes | bytearray):
@@ -544,13 +662,22 @@ def _as_image(value: Any, name: str) -> Image.Image:
             raise ValueError(f"{name} is not an image: {exc}") from None
     if isinstance(value, torch.Tensor):
         value = value.numpy()
-    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and (value.ndim == 2 or (value.ndim == 3 and value.shape[2] in (1, 3, 4))):
-        return Image.fromarray(value[:, :, 0] if value.ndim == 3 and value.shape[2] == 1 else value).convert("RGB")
-    raise ValueError(f"{name} must be a PIL image, encoded image bytes or an H x W (x 3 or 4) uint8 array")
+    if (
+        isinstance(value, np.ndarray)
+        and value.dtype == np.uint8
+        and (value.ndim == 2 or (value.ndim == 3 and value.shape[2] in (1, 3, 4)))
+    ):
+        return Image.fromarray(
+            value[:, :, 0] if value.ndim == 3 and value.shape[2] == 1 else value
+        ).convert("RGB")
+    raise ValueError(
+        f"{name} must be a PIL image, encoded image bytes or an H x W (x 3 or 4) uint8 array"
+    )
 
 
 def _generator(seed: int | None) -> torch.Generator:
-    """Return the request's generator: seeded by ``seed`` (as `initial_noise` reads it), else fresh."""
+    """Return the request's generator: seeded by ``seed`` (as `initial_noise` reads it), else
+    fresh."""
     generator = torch.Generator()
     if seed is None:
         generator.seed()
@@ -560,30 +687,46 @@ def _generator(seed: int | None) -> torch.Generator:
 
 
 def _at_most(value: int | None, high: int, name: str) -> int:
-    """Return ``value`` (``high`` when not given), refusing one above ``high`` (the model's text limit)."""
+    """Return ``value`` (``high`` when not given), refusing one above ``high`` (the model's text
+    limit)."""
     if value is None:
         return high
     if value > high:
-        raise InvalidRequestError(f"{name}: at most {high} with this model, got {value}", param=name)
+        raise InvalidRequestError(
+            f"{name}: at most {high} with this model, got {value}", param=name
+        )
     return value
 
 
 _SAMPLING = (
-    "temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
 )
 
 
 def _sampling(params: GenerationParams) -> tuple[tuple[str, float | int], ...]:
     """Return an answer's sampling settings (none given: greedy)."""
     if params.ignore_eos:
-        raise InvalidRequestError("ignore_eos: BAGEL's answers do not support it (omit ignore_eos)", param="ignore_eos")
-    return tuple((name, value) for name in _SAMPLING if (value := getattr(params, name)) is not None)
+        raise InvalidRequestError(
+            "ignore_eos: BAGEL's answers do not support it (omit ignore_eos)", param="ignore_eos"
+        )
+    return tuple(
+        (name, value) for name in _SAMPLING if (value := getattr(params, name)) is not None
+    )
 
 
 def _prefill_walks(item: Item) -> list[str]:
     if isinstance(item, TextItem):
         return ["prefill_text"]
-    return (["prefill_vae"] if item.vae is not None else []) + (["prefill_vit"] if item.vit is not None else [])
+    return (["prefill_vae"] if item.vae is not None else []) + (
+        ["prefill_vit"] if item.vit is not None else []
+    )
 
 
 Scale = Annotated[float, Meta(ge=0.0)]
@@ -626,22 +769,47 @@ class BagelOptions(TaskOptions, frozen=True, kw_only=True):
     cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
 
     def __post_init__(self) -> None:
-        given = self.guidance_scale if isinstance(self.guidance_scale, list) else [self.guidance_scale]
-        others = [getattr(self, name) for name in ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min")]
-        if any(v is not None and not math.isfinite(v) for v in [*given, *others, *(self.cfg_interval or ())]):
+        given = (
+            self.guidance_scale if isinstance(self.guidance_scale, list) else [self.guidance_scale]
+        )
+        others = [
+            getattr(self, name)
+            for name in ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min")
+        ]
+        if any(
+            v is not None and not math.isfinite(v)
+            for v in [*given, *others, *(self.cfg_interval or ())]
+        ):
             raise ValueError("scales, shifts and intervals must be finite numbers")
 
 
-_FLOW_FIELDS = ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min", "num_timesteps", "cfg_renorm_type")
+_FLOW_FIELDS = (
+    "timestep_shift",
+    "cfg_text_scale",
+    "cfg_img_scale",
+    "cfg_renorm_min",
+    "num_timesteps",
+    "cfg_renorm_type",
+)
 
 
-def _flow_spec(cfg: BagelConfig, task: str, height: int, width: int, options: BagelOptions) -> FlowSpec:
-    overrides: dict[str, Any] = {name: value for name in _FLOW_FIELDS if (value := getattr(options, name)) is not None}
-    if options.guidance_scale is not None:  # the images routes' field: the text scale, or [text, image]
-        scales = options.guidance_scale if isinstance(options.guidance_scale, list) else [options.guidance_scale]
+def _flow_spec(
+    cfg: BagelConfig, task: str, height: int, width: int, options: BagelOptions
+) -> FlowSpec:
+    overrides: dict[str, Any] = {
+        name: value for name in _FLOW_FIELDS if (value := getattr(options, name)) is not None
+    }
+    # the images routes' field: the text scale, or [text, image]
+    if options.guidance_scale is not None:
+        scales = (
+            options.guidance_scale
+            if isinstance(options.guidance_scale, list)
+            else [options.guidance_scale]
+        )
         overrides |= dict(zip(("cfg_text_scale", "cfg_img_scale"), scales, strict=False))
     if options.cfg_interval is not None:
         overrides["cfg_interval"] = options.cfg_interval
-    if options.skip_branches is not None:  # False: every branch on every step (benchmarks what skipping saves)
+    # False: every branch on every step (benchmarks what skipping saves)
+    if options.skip_branches is not None:
         overrides["run_all_branches"] = not options.skip_branches
     return FlowSpec.of(height, width, cfg.t2i if task == "image" else cfg.edit, **overrides)

@@ -1,4 +1,5 @@
-"""BAGEL's values between nodes, and its nodes off the LLM: the image encoders, the CFG combine, the VAE decoder.
+"""BAGEL's values between nodes, and its nodes off the LLM: the image encoders, the CFG combine, the
+VAE decoder.
 
 The LLM nodes (one paged cache for all of them) are in `mstar.zoo.bagel.llm_node`.
 `CombineNode` decides, per request, which CFG branches the next step needs (the step's time
@@ -58,19 +59,22 @@ def velocity_output(branch: str) -> str:
 
 
 def parts_input(branch: str) -> str:
-    """Return the input name of a branch's context inputs (the full context's: ``parts``, the prefills' too)."""
+    """Return the input name of a branch's context inputs (the full context's: ``parts``, the
+    prefills' too)."""
     return "parts" if branch == COND else f"{branch}_parts"
 
 
 def prefilled(inputs: Mapping[str, Any], state: ContextState, part: Part) -> dict[str, Any]:
-    """Return a prefill's outputs: the new state, and each branch's context inputs with ``part`` taken in."""
+    """Return a prefill's outputs: the new state, and each branch's context inputs with ``part``
+    taken in."""
     parts = Parts.of(inputs["parts"]).then(part)
     return {"context": state, **{parts_input(b): branch_parts(state, parts, b) for b in BRANCHES}}
 
 
 @dataclass(frozen=True, slots=True)
 class Segments:
-    """A request's items and how many text tokens it may decode (the answer, or the planning text)."""
+    """A request's items and how many text tokens it may decode (the answer, or the planning
+    text)."""
 
     has_wire_form: ClassVar[Literal[True]] = True
 
@@ -83,7 +87,9 @@ class Segments:
     def wire_form(self) -> dict[str, Any]:
         """Return the segments as plain data."""
         return {
-            "items": [item_form(i) for i in self.items], "max_tokens": self.max_tokens, "is_think": self.is_think,
+            "items": [item_form(i) for i in self.items],
+            "max_tokens": self.max_tokens,
+            "is_think": self.is_think,
             "sampling": [list(kv) for kv in self.sampling],
         }
 
@@ -93,12 +99,18 @@ class Segments:
         if isinstance(value, Segments):
             return value
         sampling = tuple((str(k), v) for k, v in value.get("sampling", ()))
-        return cls(tuple(item_of(i) for i in value["items"]), int(value["max_tokens"]), bool(value["is_think"]), sampling)
+        return cls(
+            tuple(item_of(i) for i in value["items"]),
+            int(value["max_tokens"]),
+            bool(value["is_think"]),
+            sampling,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class VaeLatents:
-    """An input image's latent tokens ``[h*w, p*p*z]`` on an ``h x w`` grid; ``then_vit``: its ViT path follows."""
+    """An input image's latent tokens ``[h*w, p*p*z]`` on an ``h x w`` grid; ``then_vit``: its ViT
+    path follows."""
 
     has_wire_form: ClassVar[Literal[True]] = True
 
@@ -109,14 +121,21 @@ class VaeLatents:
 
     def wire_form(self) -> dict[str, Any]:
         """Return the latents as plain data."""
-        return {"tokens": self.tokens, "height": self.height, "width": self.width, "then_vit": self.then_vit}
+        return {
+            "tokens": self.tokens,
+            "height": self.height,
+            "width": self.width,
+            "then_vit": self.then_vit,
+        }
 
     @classmethod
     def of(cls, value: VaeLatents | Mapping[str, Any]) -> VaeLatents:
         """Read latents back (or pass them through)."""
         if isinstance(value, VaeLatents):
             return value
-        return cls(value["tokens"], int(value["height"]), int(value["width"]), bool(value["then_vit"]))
+        return cls(
+            value["tokens"], int(value["height"]), int(value["width"]), bool(value["then_vit"])
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +223,9 @@ class CombineNode:
         assert flow is not None
         spec = flow.spec
         needed = spec.branches(flow.step)
-        v_text, v_img = (inputs[velocity_output(b)] if b in needed else None for b in (CFG_TEXT, CFG_IMG))
+        v_text, v_img = (
+            inputs[velocity_output(b)] if b in needed else None for b in (CFG_TEXT, CFG_IMG)
+        )
         v = guidance(spec, inputs[velocity_output("cond")], v_text, v_img)
         _, dt = spec.step(flow.step)
         nxt = FlowState(flow.x - v * dt, flow.step + 1, spec)
@@ -216,7 +237,8 @@ class CombineNode:
 
 
 def queries(flow: FlowState) -> dict[str, FlowState | None]:
-    """Return each branch's query for the flow's step: the flow itself, or None where it is not needed."""
+    """Return each branch's query for the flow's step: the flow itself, or None where it is not
+    needed."""
     if flow.step >= flow.spec.num_steps:
         return dict.fromkeys(map(query_input, BRANCHES))
     run = flow.spec.branches_run(flow.step)
@@ -237,7 +259,9 @@ class VaeDecoderNode:
         """Return the uint8 pixels of a request's final latents."""
         flow = FlowState.of(inputs["flow"])
         assert flow is not None
-        return decode_image(self.weights, self.vae, inputs["latents"], flow.spec.height, flow.spec.width)
+        return decode_image(
+            self.weights, self.vae, inputs["latents"], flow.spec.height, flow.spec.width
+        )
 
 
 def png_bytes(pixels: np.ndarray) -> bytes:
@@ -250,5 +274,3 @@ def png_bytes(pixels: np.ndarray) -> bytes:
 def initial_flow(spec: FlowSpec, noise: torch.Tensor) -> FlowState:
     """Return a flow's state before its first step."""
     return FlowState(noise.float(), 0, spec)
-
-

@@ -35,7 +35,8 @@ _BPE_FILES = ("vocab.json", "merges.txt")
 
 
 def has_tokenizer(directory: str | Path) -> bool:
-    """Whether a checkpoint directory ships a tokenizer (``tokenizer.json``, or ``vocab.json`` / ``merges.txt``)."""
+    """Whether a checkpoint directory ships a tokenizer (``tokenizer.json``, or ``vocab.json`` /
+    ``merges.txt``)."""
     directory = Path(directory)
     return any((directory / name).is_file() for name in ("tokenizer.json", *_BPE_FILES))
 
@@ -56,13 +57,17 @@ def load_tokenizer(directory: str | Path) -> Any:
         missing = [name for name in _BPE_FILES if not (directory / name).is_file()]
         if missing:
             raise CheckpointError(
-                f"BAGEL checkpoint {str(directory)!r} has {' and '.join(n for n in _BPE_FILES if n not in missing)} "
-                f"but no {missing[0]} (Qwen2's tokenizer needs vocab.json and merges.txt, or tokenizer.json)"
+                f"BAGEL checkpoint {str(directory)!r} has "
+                f"{' and '.join(n for n in _BPE_FILES if n not in missing)} "
+                f"but no {missing[0]} (Qwen2's tokenizer needs vocab.json and merges.txt, or "
+                "tokenizer.json)"
             )
     try:
         tokenizer = Qwen2Tokenizer.from_pretrained(str(directory))
     except Exception as exc:  # transformers raises many types for unreadable files
-        raise CheckpointError(f"BAGEL checkpoint {str(directory)!r}: cannot read its Qwen2 tokenizer: {exc}") from None
+        raise CheckpointError(
+            f"BAGEL checkpoint {str(directory)!r}: cannot read its Qwen2 tokenizer: {exc}"
+        ) from None
     template_file = directory / "chat_template.json"
     if tokenizer.chat_template is None and template_file.is_file():
         try:
@@ -70,7 +75,9 @@ def load_tokenizer(directory: str | Path) -> Any:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{template_file}: no readable chat_template ({exc!r})") from None
         if not isinstance(template, str):
-            raise CheckpointError(f"{template_file}: chat_template must be a string (a jinja2 template)")
+            raise CheckpointError(
+                f"{template_file}: chat_template must be a string (a jinja2 template)"
+            )
         tokenizer.chat_template = template
     return tokenizer
 
@@ -90,7 +97,8 @@ def special_tokens_of(tokenizer: Any) -> SpecialTokens:
 
 
 class ByteTokenizer:
-    """Bytes as ids, and BAGEL's four special tokens (the subset of a Hugging Face tokenizer mstar uses)."""
+    """Bytes as ids, and BAGEL's four special tokens (the subset of a Hugging Face tokenizer mstar
+    uses)."""
 
     def __init__(self, tokens: SpecialTokens) -> None:
         ids = (tokens.bos, tokens.eos, tokens.start_of_image, tokens.end_of_image)
@@ -136,7 +144,10 @@ class ByteTokenizer:
         return self._names.get(token_id, f"[{token_id}]")
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
     ) -> str | list[int]:
         """Render each message's text as a BAGEL text item."""
         text = "".join(f"<|im_start|>{_text(m.get('content'))}<|im_end|>" for m in messages)

@@ -70,16 +70,21 @@ class FluxVAE(torch.nn.Module):
         extra = sorted(set(tensors) - set(expected))
         if missing or extra:
             raise CheckpointError(
-                f"ae.safetensors does not match the FLUX VAE of this config: missing {missing[:6]}, unexpected {extra[:6]}"
+                "ae.safetensors does not match the FLUX VAE of this config: missing "
+                f"{missing[:6]}, unexpected {extra[:6]}"
             )
         for name, shape in expected.items():
             if tuple(tensors[name].shape) != shape:
-                raise CheckpointError(f"ae.safetensors: {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+                raise CheckpointError(
+                    f"ae.safetensors: {name} has shape {list(tensors[name].shape)}, expected "
+                    f"{list(shape)}"
+                )
         converted = convert_ldm_vae_checkpoint(dict(tensors), self.ae.config)
         result = self.ae.load_state_dict(converted, strict=False)
         if result.missing_keys or result.unexpected_keys:
             raise CheckpointError(
-                f"ae.safetensors did not fill the VAE: missing {result.missing_keys[:6]}, unexpected {result.unexpected_keys[:6]}"
+                f"ae.safetensors did not fill the VAE: missing {result.missing_keys[:6]}, "
+                f"unexpected {result.unexpected_keys[:6]}"
             )
 
     @torch.inference_mode()
@@ -96,7 +101,9 @@ class FluxVAE(torch.nn.Module):
         x = posterior.mean
         if noise is not None:
             if tuple(noise.shape) != tuple(x.shape):
-                raise ValueError(f"posterior noise has shape {list(noise.shape)}, the latents {list(x.shape)}")
+                raise ValueError(
+                    f"posterior noise has shape {list(noise.shape)}, the latents {list(x.shape)}"
+                )
             x = x + posterior.std * noise.to(x.device, x.dtype)
         cfg = self.config
         return cast(torch.Tensor, (x - cfg.shift_factor) * cfg.scale_factor)

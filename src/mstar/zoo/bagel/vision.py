@@ -11,7 +11,7 @@ weights as one linear map, and each patch takes the learned position ``row * sid
 
 A full-size square image (``h = w = side``) takes positions ``0 .. side^2 - 1`` in order, exactly
 transformers' own forward: that is the parity check against the library.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -39,12 +39,16 @@ __all__ = [
 
 
 def resize_for(image: Image.Image, sizing: ImageSizing) -> Image.Image:
-    """Resize as upstream's ``MaxLongEdgeMinShortEdgeResize``: sides in range, multiples of the stride (bicubic)."""
+    """Resize as upstream's ``MaxLongEdgeMinShortEdgeResize``: sides in range, multiples of the
+    stride (bicubic)."""
     width, height = image.size
     stride = sizing.stride
 
     def scaled(w: float, h: float, scale: float) -> tuple[int, int]:
-        return (max(stride, int(round(round(w * scale) / stride) * stride)), max(stride, int(round(round(h * scale) / stride) * stride)))
+        return (
+            max(stride, int(round(round(w * scale) / stride) * stride)),
+            max(stride, int(round(round(h * scale) / stride) * stride)),
+        )
 
     scale = min(sizing.max_size / max(width, height), 1.0)
     scale = max(scale, sizing.min_size / min(width, height))
@@ -78,7 +82,8 @@ def unpatchify(tokens: torch.Tensor, h: int, w: int, p: int, c: int) -> torch.Te
 
 
 def flattened_positions(h: int, w: int, side: int) -> torch.Tensor:
-    """Return the table positions ``row * side + col`` of an ``h x w`` grid (upstream's "extrapolate")."""
+    """Return the table positions ``row * side + col`` of an ``h x w`` grid (upstream's
+    "extrapolate")."""
     return (torch.arange(h)[:, None] * side + torch.arange(w)[None, :]).flatten()
 
 
@@ -115,12 +120,14 @@ class NaViT(SiglipVisionModel):
         self.vit = cfg
 
     def patch_weight(self) -> torch.Tensor:
-        """Return the patch embedding as a linear map ``[hidden, p*p*3]`` over (row, col, channel)."""
+        """Return the patch embedding as a linear map ``[hidden, p*p*3]`` over (row, col,
+        channel)."""
         conv = self.embeddings.patch_embedding
         return conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
 
     def encode(self, patches: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Encode one image's patches ``[n, p*p*3]`` at table ``positions`` ``[n]``; return ``[n, hidden]``."""
+        """Encode one image's patches ``[n, p*p*3]`` at table ``positions`` ``[n]``; return ``[n,
+        hidden]``."""
         conv = self.embeddings.patch_embedding
         weight = self.patch_weight()
         x = F.linear(patches.to(weight.dtype), weight, conv.bias)
@@ -129,6 +136,11 @@ class NaViT(SiglipVisionModel):
         return cast(torch.Tensor, self.post_layernorm(out))[0]
 
 
-def connector_output(connector: MLPConnector, pos_embed: PositionEmbedding, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def connector_output(
+    connector: MLPConnector,
+    pos_embed: PositionEmbedding,
+    states: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """Return the LLM-width ViT tokens: the connector's projection plus the 2D sin-cos position."""
     return cast(torch.Tensor, connector(states)) + pos_embed(positions).to(states.dtype)

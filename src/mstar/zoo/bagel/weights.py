@@ -1,4 +1,5 @@
-"""All of ``ema.safetensors`` (the MoT LLM and the modules around it), and its step on the paged cache.
+"""All of ``ema.safetensors`` (the MoT LLM and the modules around it), and its step on the paged
+cache.
 
 ```
 language_model.*            Qwen2MoTForCausalLM (`mstar.zoo.bagel.llm`)
@@ -13,7 +14,8 @@ vit_pos_embed.pos_embed     2D sin-cos over the ViT's position grid
 Every cache input is a payload (`TextInput`, `ImageInput`) that names its first RoPE position:
 BAGEL's positions are not its cache positions (an image of n tokens takes one). Sampled tokens
 (text decoding) carry no payload; their RoPE position is their cache position less the
-sequence's offset, which each engine notes from every payload it writes (``rope_offsets`` of `step`).
+sequence's offset, which each engine notes from every payload it writes (``rope_offsets`` of
+`step`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ __all__ = ["BagelWeights", "ImageInput", "TextInput"]
 
 @dataclass(frozen=True, slots=True)
 class TextInput:
-    """Text tokens for the cache, the first at RoPE position ``rope`` (understanding weights, causal)."""
+    """Text tokens for the cache, the first at RoPE position ``rope`` (understanding weights,
+    causal)."""
 
     token_ids: torch.Tensor  # [n] int64
     rope: int
@@ -116,7 +119,9 @@ class BagelWeights(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         """Return the cache geometry (one joint attention for both experts)."""
         cfg = self.config.llm
-        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.vae2llm.weight.dtype)
+        return KVCacheSpec(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.vae2llm.weight.dtype
+        )
 
     @property
     def max_position(self) -> int:
@@ -137,10 +142,15 @@ class BagelWeights(nn.Module):
         cfg = self.config
         if not can_pack(self.vae2llm.weight):
             return
-        side = cfg.image_size[0] // cfg.latent_downsample, cfg.image_size[1] // cfg.latent_downsample
+        side = (
+            cfg.image_size[0] // cfg.latent_downsample,
+            cfg.image_size[1] // cfg.latent_downsample,
+        )
         image_rows = side[0] * side[1] + 2  # an image's latent tokens and its markers
         for layer in self.language_model.model.layers:
-            cast(MoTLayer, layer).fuse(und_rows=(1, image_rows), gen_rows=(image_rows, 3 * image_rows))
+            cast(MoTLayer, layer).fuse(
+                und_rows=(1, image_rows), gen_rows=(image_rows, 3 * image_rows)
+            )
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -155,16 +165,24 @@ class BagelWeights(nn.Module):
 
     @torch.inference_mode()
     def embed_vit(self, image: torch.Tensor) -> torch.Tensor:
-        """Return one image's LLM-width ViT tokens ``[h*w, hidden]`` for pixels ``[3, h*p, w*p]`` in [-1, 1]."""
+        """Return one image's LLM-width ViT tokens ``[h*w, hidden]`` for pixels ``[3, h*p, w*p]`` in
+        [-1, 1]."""
         cfg = self.config.vit
         p = cfg.patch_size
         h, w = image.shape[1] // p, image.shape[2] // p
-        positions = flattened_positions(h, w, cfg.max_patches_per_side).to(self.connector.fc1.weight.device)
-        states = self.vit_model.encode(patchify(image.to(positions.device, self._dtype), p), positions)
+        positions = flattened_positions(h, w, cfg.max_patches_per_side).to(
+            self.connector.fc1.weight.device
+        )
+        states = self.vit_model.encode(
+            patchify(image.to(positions.device, self._dtype), p), positions
+        )
         return connector_output(self.connector, self.vit_pos_embed, states, positions)
 
-    def embed_input(self, payload: TextInput | ImageInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return a payload's rows, their RoPE positions and which rows run the generation weights."""
+    def embed_input(
+        self, payload: TextInput | ImageInput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return a payload's rows, their RoPE positions and which rows run the generation
+        weights."""
         device = self.vae2llm.weight.device
         if isinstance(payload, TextInput):
             n = payload.num_tokens
@@ -172,9 +190,13 @@ class BagelWeights(nn.Module):
             rope = payload.rope + torch.arange(n, device=device)
             return x, rope, torch.zeros(n, dtype=torch.bool, device=device)
         if not isinstance(payload, ImageInput):
-            raise TypeError(f"BAGEL chunks carry a TextInput or an ImageInput, got {type(payload).__name__}")
+            raise TypeError(
+                f"BAGEL chunks carry a TextInput or an ImageInput, got {type(payload).__name__}"
+            )
         tokens = self.config.tokens
-        markers = self.embed_tokens(torch.tensor([tokens.start_of_image, tokens.end_of_image], device=device))
+        markers = self.embed_tokens(
+            torch.tensor([tokens.start_of_image, tokens.end_of_image], device=device)
+        )
         n = payload.num_tokens
         is_gen = torch.zeros(n, dtype=torch.bool, device=device)
         if payload.kind == "vit":
@@ -192,15 +214,27 @@ class BagelWeights(nn.Module):
         return x, torch.full((n,), payload.rope, device=device), is_gen
 
     def run(
-        self, x: torch.Tensor, rope: torch.Tensor, is_gen: torch.Tensor, attend: Attend, repeats: Repeats | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        is_gen: torch.Tensor,
+        attend: Attend,
+        repeats: Repeats | None = None,
     ) -> torch.Tensor:
-        """Run embedded rows through the decoder with ``attend`` over their caches; return final states."""
-        return cast(torch.Tensor, self.language_model.model(x, rope, Routing.of(is_gen), attend, repeats))
+        """Run embedded rows through the decoder with ``attend`` over their caches; return final
+        states."""
+        return cast(
+            torch.Tensor, self.language_model.model(x, rope, Routing.of(is_gen), attend, repeats)
+        )
 
     # -- the step --------------------------------------------------------------------------
 
     def step(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext, rope_offsets: dict[str, int]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: PagedKVContext,
+        rope_offsets: dict[str, int],
     ) -> torch.Tensor:
         """Run a step's chunks jointly over the paged cache; return every row's final state.
 
@@ -234,7 +268,9 @@ class BagelWeights(nn.Module):
                 rope = torch.full((x.shape[0],), payload.rope, device=x.device)
             firsts.append(len(xs) if first is None else first)
             if x.shape[0] != chunk.num_rows:
-                raise ValueError(f"a payload of {x.shape[0]} rows was scheduled as {chunk.num_rows}")
+                raise ValueError(
+                    f"a payload of {x.shape[0]} rows was scheduled as {chunk.num_rows}"
+                )
             if not chunk.is_read_only:
                 rope_offsets[chunk.seq_key] = chunk.position + chunk.num_rows - payload.rope_end
             xs.append(x)
@@ -246,22 +282,32 @@ class BagelWeights(nn.Module):
             return ctx.attend(i, q, k, v, scale)
 
         is_gen = torch.cat(gens)
-        repeats = _repeats(firsts, [x.shape[0] for x in xs], is_gen) if len(set(firsts)) < len(firsts) else None
+        repeats = (
+            _repeats(firsts, [x.shape[0] for x in xs], is_gen)
+            if len(set(firsts)) < len(firsts)
+            else None
+        )
         return self.run(torch.cat(xs), torch.cat(ropes), is_gen, attend, repeats)
 
 
 def _same_query(a: ImageInput, b: TextInput | ImageInput) -> bool:
-    """Whether two flow queries hold the same latents at the same time (their RoPE positions may differ)."""
+    """Whether two flow queries hold the same latents at the same time (their RoPE positions may
+    differ)."""
     if not isinstance(b, ImageInput) or b.kind != "flow" or a.timestep != b.timestep:
         return False
-    if a.tokens is not b.tokens and not (a.tokens.shape == b.tokens.shape and torch.equal(a.tokens, b.tokens)):
+    if a.tokens is not b.tokens and not (
+        a.tokens.shape == b.tokens.shape and torch.equal(a.tokens, b.tokens)
+    ):
         return False
     assert a.latent_positions is not None and b.latent_positions is not None
-    return a.latent_positions is b.latent_positions or torch.equal(a.latent_positions, b.latent_positions)
+    return a.latent_positions is b.latent_positions or torch.equal(
+        a.latent_positions, b.latent_positions
+    )
 
 
 def _repeats(firsts: list[int], sizes: list[int], is_gen: torch.Tensor) -> Repeats:
-    """Return which rows repeat which: chunk ``i`` repeats chunk ``firsts[i]`` (itself: computed)."""
+    """Return which rows repeat which: chunk ``i`` repeats chunk ``firsts[i]`` (itself:
+    computed)."""
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + size)

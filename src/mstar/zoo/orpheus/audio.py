@@ -43,7 +43,9 @@ def wav_bytes(audio: torch.Tensor | bytes, sample_rate: int = SAMPLE_RATE) -> by
     return buffer.getvalue()
 
 
-def write_wav(path: str | Path, audio: torch.Tensor | bytes, sample_rate: int = SAMPLE_RATE) -> Path:
+def write_wav(
+    path: str | Path, audio: torch.Tensor | bytes, sample_rate: int = SAMPLE_RATE
+) -> Path:
     """Write ``audio`` (float samples or PCM16 bytes) to a mono 16-bit WAV file; return its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ A checkpoint is two directories, laid out as the published ones are::
 
     llm/   config.json  model.safetensors       (transformers' LlamaForCausalLM.save_pretrained)
     snac/  config.json  pytorch_model.bin       (snac.SNAC's state dict, weight-norm
-                                                 parametrizations as ...parametrizations.weight.original0/1)
+                                                 parametrizations as
+                                                 ...parametrizations.weight.original0/1)
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def load_orpheus_llm(
     ]
     if diffs:
         raise CheckpointError(
-            f"{config.name}: the Llama checkpoint {str(llm_dir)!r} does not match: {', '.join(diffs)}"
+            f"{config.name}: the Llama checkpoint {str(llm_dir)!r} does not match: "
+            f"{', '.join(diffs)}"
         )
     return load_llama(llm_dir, device=device, dtype=dtype)
 

@@ -45,7 +45,8 @@ _LEVEL_2 = [2, 3, 5, 6]
 
 
 def frames_to_codes(frames: torch.Tensor) -> list[torch.Tensor]:
-    """Split codes ``[batch, frames, 7]`` into SNAC's three levels ``[batch, F]``, ``[batch, 2F]``, ``[batch, 4F]``."""
+    """Split codes ``[batch, frames, 7]`` into SNAC's three levels ``[batch, F]``, ``[batch, 2F]``,
+    ``[batch, 4F]``."""
     if frames.dim() != 3 or frames.shape[2] != FRAME_SIZE:
         raise ValueError(f"frames must have shape [batch, frames, 7], got {tuple(frames.shape)}")
     batch, num_frames, _ = frames.shape
@@ -156,7 +157,9 @@ class SnacCodec:
             for name, child in list(parent.named_children()):
                 if isinstance(child, NoiseBlock):
                     replacement: nn.Module = (
-                        _SeededNoiseBlock(child.linear, self._source) if noise == "seeded" else nn.Identity()
+                        _SeededNoiseBlock(child.linear, self._source)
+                        if noise == "seeded"
+                        else nn.Identity()
                     )
                     setattr(parent, name, replacement)
                 elif isinstance(child, Snake1d):
@@ -211,7 +214,10 @@ class SnacCodec:
                 self._source.generators = None
         expected = num_frames * self.samples_per_frame
         if audio.shape[-1] != expected:
-            raise RuntimeError(f"SNAC decoded {audio.shape[-1]} samples for {num_frames} frames, expected {expected}")
+            raise RuntimeError(
+                f"SNAC decoded {audio.shape[-1]} samples for {num_frames} frames, expected "
+                f"{expected}"
+            )
         return audio.reshape(batch, expected).float()
 
 
@@ -275,6 +281,8 @@ def load_snac(
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise CheckpointError(f"{str(weights_path)!r} does not match the SNAC config: {exc}") from exc
+        raise CheckpointError(
+            f"{str(weights_path)!r} does not match the SNAC config: {exc}"
+        ) from exc
     codec = SnacCodec(model, config, noise=noise, fold_weight_norm=fold_weight_norm)
     return codec.to(device, dtype)

@@ -125,7 +125,8 @@ class TokenLayout:
 
     @property
     def num_ids(self) -> int:
-        """Count the ids the layout uses (``T + 10 + 7K``); a model's vocab may be padded past it."""
+        """Count the ids the layout uses (``T + 10 + 7K``); a model's vocab may be padded past
+        it."""
         return self.audio_start + FRAME_SIZE * self.codebook_size
 
     def text_id(self, llama3_id: int) -> int:
@@ -195,7 +196,9 @@ class SnacConfig:
             )
         if any(rate % 2 for rate in self.decoder_rates):
             # Odd strides make transposed convs overshoot: decode length != codes * hop.
-            raise UnsupportedModelError(f"SNAC decoder_rates must be even, got {self.decoder_rates}")
+            raise UnsupportedModelError(
+                f"SNAC decoder_rates must be even, got {self.decoder_rates}"
+            )
 
     @property
     def hop_length(self) -> int:
@@ -307,7 +310,11 @@ class OrpheusConfig:
         snac_needs = ("config.json", "pytorch_model.bin")
         for directory, needs, what in (
             (self.llm_dir, llm_needs, "an HF Llama checkpoint (config.json + *.safetensors)"),
-            (self.snac_dir, snac_needs, "a SNAC 24 kHz checkpoint (config.json + pytorch_model.bin)"),
+            (
+                self.snac_dir,
+                snac_needs,
+                "a SNAC 24 kHz checkpoint (config.json + pytorch_model.bin)",
+            ),
         ):
             if not directory.is_dir():
                 raise CheckpointError(
@@ -366,7 +373,9 @@ ORPHEUS_CONFIGS: dict[str, OrpheusConfig] = {
     # Meaningful on a CPU: the real token scheme and codec with a narrow, shallow backbone.
     "orpheus-small": OrpheusConfig(
         name="orpheus-small",
-        llm=_llama(vocab=156940, hidden=512, layers=8, heads=8, kv_heads=4, mlp=1536, max_pos=16384),
+        llm=_llama(
+            vocab=156940, hidden=512, layers=8, heads=8, kv_heads=4, mlp=1536, max_pos=16384
+        ),
         snac=SnacConfig(),
         layout=_REAL_LAYOUT,
         constrained=True,
@@ -375,7 +384,15 @@ ORPHEUS_CONFIGS: dict[str, OrpheusConfig] = {
     "orpheus-tiny": OrpheusConfig(
         name="orpheus-tiny",
         llm=dataclasses.replace(
-            _llama(vocab=_TINY_LAYOUT.num_ids, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, max_pos=16384),
+            _llama(
+                vocab=_TINY_LAYOUT.num_ids,
+                hidden=64,
+                layers=2,
+                heads=4,
+                kv_heads=2,
+                mlp=128,
+                max_pos=16384,
+            ),
             torch_dtype="float32",
         ),
         snac=SnacConfig(encoder_dim=4, decoder_dim=64),
@@ -431,14 +448,23 @@ def config_from_checkpoint(llm_dir: str | Path, snac_dir: str | Path) -> Orpheus
     except UnsupportedModelError as exc:
         raise CheckpointError(f"{str(snac_file)!r}: {exc}") from exc
     audio_ids = _NUM_SPECIAL + FRAME_SIZE * snac.codebook_size
-    text_ids = LLAMA3_VOCAB_SIZE if llm.vocab_size >= LLAMA3_VOCAB_SIZE + audio_ids else llm.vocab_size - audio_ids
+    text_ids = (
+        LLAMA3_VOCAB_SIZE
+        if llm.vocab_size >= LLAMA3_VOCAB_SIZE + audio_ids
+        else llm.vocab_size - audio_ids
+    )
     if text_ids < 16:
         raise CheckpointError(
-            f"{str(llm_dir / 'config.json')!r}: vocab_size {llm.vocab_size} leaves no room for text ids beside "
+            f"{str(llm_dir / 'config.json')!r}: vocab_size {llm.vocab_size} leaves no room "
+            "for text ids beside "
             f"Orpheus's {audio_ids} special and audio ids (SNAC codebook_size {snac.codebook_size})"
         )
     layout = TokenLayout(tokeniser_length=text_ids, codebook_size=snac.codebook_size)
     try:
-        return OrpheusConfig(name=llm_dir.name, llm=llm, snac=snac, layout=layout, llm_dir=llm_dir, snac_dir=snac_dir)
+        return OrpheusConfig(
+            name=llm_dir.name, llm=llm, snac=snac, layout=layout, llm_dir=llm_dir, snac_dir=snac_dir
+        )
     except UnsupportedModelError as exc:
-        raise CheckpointError(f"the Orpheus checkpoint {str(llm_dir)!r} with SNAC {str(snac_dir)!r}: {exc}") from exc
+        raise CheckpointError(
+            f"the Orpheus checkpoint {str(llm_dir)!r} with SNAC {str(snac_dir)!r}: {exc}"
+        ) from exc

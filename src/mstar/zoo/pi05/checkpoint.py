@@ -7,15 +7,18 @@ directory::
       model.safetensors                 one fp32 file, openpi's parameter names
       config.json                       openpi's {action_dim, action_horizon, *_variant, ...}
                                         or LeRobot's {"type": "pi05", chunk_size, ...}
-      assets/<asset_id>/norm_stats.json {"norm_stats": {"state": {mean, std, q01, q99}, "actions": ...}}
+      assets/<asset_id>/norm_stats.json {"norm_stats": {"state": {mean, std, q01, q99}, "actions":
+      ...}}
 
 Our names (`Pi05Weights.state_dict()`) are the checkpoint's with prefixes taken off:
 
 ======================================  =======================================================
 ours                                    checkpoint
 ======================================  =======================================================
-``vision_tower.*``                      ``paligemma_with_expert.paligemma.model.vision_tower.vision_model.*``
-``multi_modal_projector.linear.*``      ``paligemma_with_expert.paligemma.model.multi_modal_projector.linear.*``
+``vision_tower.*``
+``paligemma_with_expert.paligemma.model.vision_tower.vision_model.*``
+``multi_modal_projector.linear.*``
+``paligemma_with_expert.paligemma.model.multi_modal_projector.linear.*``
 ``language_model.embed_tokens.weight``  ``paligemma_with_expert.paligemma.lm_head.weight`` (tied)
 ``language_model.*``                    ``paligemma_with_expert.paligemma.model.language_model.*``
 ``gemma_expert.*``                      ``paligemma_with_expert.gemma_expert.model.*``
@@ -73,7 +76,10 @@ DROID_ASSET_ID = "droid"
 # match wins, so the tied embedding comes before the language model's prefix.
 _NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("vision_tower.", "paligemma_with_expert.paligemma.model.vision_tower.vision_model."),
-    ("multi_modal_projector.linear.", "paligemma_with_expert.paligemma.model.multi_modal_projector.linear."),
+    (
+        "multi_modal_projector.linear.",
+        "paligemma_with_expert.paligemma.model.multi_modal_projector.linear.",
+    ),
     ("language_model.embed_tokens.weight", "paligemma_with_expert.paligemma.lm_head.weight"),
     ("language_model.", "paligemma_with_expert.paligemma.model.language_model."),
     ("gemma_expert.", "paligemma_with_expert.gemma_expert.model."),
@@ -133,7 +139,8 @@ def to_checkpoint_names(state_dict: Mapping[str, _T]) -> dict[str, _T]:
 
 
 def _from_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
-    """Map our names to the checkpoint names they come from; also return the names we do not know."""
+    """Map our names to the checkpoint names they come from; also return the names we do not
+    know."""
     ours: dict[str, str] = {}
     unknown: list[str] = []
     for name in names:
@@ -142,7 +149,8 @@ def _from_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
         renamed = _rename(name, ((ckpt, mine) for mine, ckpt in _NAME_TABLE))
         if renamed is None:
             unknown.append(name)
-        elif renamed not in ours or ours[renamed] == _TIED_EMBEDDING:  # embed_tokens wins over lm_head
+        # embed_tokens wins over lm_head
+        elif renamed not in ours or ours[renamed] == _TIED_EMBEDDING:
             ours[renamed] = name
     return ours, unknown
 
@@ -172,7 +180,8 @@ def load_pi05(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Pi05Weights:
-    """Load a checkpoint directory into `Pi05Weights` on ``device`` in ``dtype`` (see `Pi05Weights.to_precision`).
+    """Load a checkpoint directory into `Pi05Weights` on ``device`` in ``dtype`` (see
+    `Pi05Weights.to_precision`).
 
     Names, shapes and the ``config.json`` (when present) are checked before any weight is
     allocated; tensors are then read one at a time.
@@ -198,7 +207,8 @@ def load_pi05(
         raise CheckpointError(
             f"pi0.5 checkpoint {str(directory)!r} does not match config {config.name!r}: "
             f"missing {len(missing)} tensors {_some(missing_names)}, "
-            f"unexpected {len(unexpected)} tensors {_some(unexpected)} (wrong config, or not a pi0.5 checkpoint?)"
+            f"unexpected {len(unexpected)} tensors {_some(unexpected)} (wrong config, or not "
+            "a pi0.5 checkpoint?)"
         )
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for mine, ckpt in ours.items():
@@ -234,7 +244,9 @@ def _check_shapes(
     if wrong:
         raise CheckpointError(
             f"pi0.5 checkpoint {str(directory)!r} does not fit config {config.name!r} "
-            f"({len(wrong)} tensors; wrong config?): " + "; ".join(wrong[:8]) + ("; ..." if len(wrong) > 8 else "")
+            f"({len(wrong)} tensors; wrong config?): "
+            + "; ".join(wrong[:8])
+            + ("; ..." if len(wrong) > 8 else "")
         )
 
 
@@ -242,7 +254,8 @@ def _reset_position_ids(model: Pi05Weights) -> None:
     """Refill the non-persistent buffers that `to_empty` left uninitialised."""
     persistent = set(model.state_dict())
     transient = {name for name, _ in model.named_buffers() if name not in persistent}
-    assert transient == {"vision_tower.embeddings.position_ids"}, transient  # a new one needs a value here
+    # a new one needs a value here
+    assert transient == {"vision_tower.embeddings.position_ids"}, transient
     for module in model.modules():
         if isinstance(module, SiglipVisionEmbeddings):
             ids = module.position_ids
@@ -258,11 +271,14 @@ def _check_config_json(found: Mapping[str, Any], config: Pi05Config, directory: 
         gemma: GemmaConfig = getattr(config, part)
         known = GEMMA_VARIANTS.get(str(name).removesuffix("_lora"))  # LoRA variants keep the sizes
         declared = config.extra.get(key)
-        if (known is not None and known != gemma) or (known is None and declared not in (None, name)):
+        if (known is not None and known != gemma) or (
+            known is None and declared not in (None, name)
+        ):
             sizes = f" ({known})" if known is not None else ""
             raise CheckpointError(
                 f"{where} names {key} {name!r}{sizes}, but config {config.name!r} has {part} "
-                f"{_variant_name(config, key, gemma)!r} ({gemma}): load it with a config whose {part} matches"
+                f"{_variant_name(config, key, gemma)!r} ({gemma}): load it with a config "
+                f"whose {part} matches"
             )
     for key, field in _INT_KEYS.items():
         if key not in found:
@@ -276,7 +292,8 @@ def _check_config_json(found: Mapping[str, Any], config: Pi05Config, directory: 
 
 
 def _variant_name(config: Pi05Config, key: str, gemma: GemmaConfig) -> str:
-    """Return the expert's variant name: the config's ``extra[key]``, else the known sizes', else "custom"."""
+    """Return the expert's variant name: the config's ``extra[key]``, else the known sizes', else
+    "custom"."""
     if key in config.extra:
         return config.extra[key]
     return next((name for name, known in GEMMA_VARIANTS.items() if known == gemma), "custom")
@@ -320,14 +337,30 @@ def make_random_checkpoint(
     config_json = json.dumps(_config_json(config, config_format), indent=2)
     generator = torch.Generator().manual_seed(seed)
     tensors = to_checkpoint_names(_random_weights(config, generator))
-    tensors[_EXPERT_LM_HEAD] = _normal((config.vocab_size, config.expert.width), config.expert.width**-0.5, generator)
-    stats = _random_norm_stats(layout.state_dim, config.robot_dof, seed) if norm_stats is None else norm_stats
+    tensors[_EXPERT_LM_HEAD] = _normal(
+        (config.vocab_size, config.expert.width), config.expert.width**-0.5, generator
+    )
+    stats = (
+        _random_norm_stats(layout.state_dim, config.robot_dof, seed)
+        if norm_stats is None
+        else norm_stats
+    )
     asset_id = layout.asset_id if asset_id is None else asset_id
     _write_atomically(directory / "config.json", lambda path: path.write_text(config_json))
-    payload = {"norm_stats": {key: {f: _floats(v) for f, v in value.items()} for key, value in stats.items()}}
+    payload = {
+        "norm_stats": {
+            key: {f: _floats(v) for f, v in value.items()} for key, value in stats.items()
+        }
+    }
     stats_json = json.dumps(payload, indent=2)
-    _write_atomically(directory / "assets" / asset_id / "norm_stats.json", lambda path: path.write_text(stats_json))
-    _write_atomically(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+    _write_atomically(
+        directory / "assets" / asset_id / "norm_stats.json",
+        lambda path: path.write_text(stats_json),
+    )
+    _write_atomically(
+        directory / WEIGHTS_FILE,
+        lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
+    )
     return directory
 
 
@@ -378,7 +411,9 @@ def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> t
     return torch.randn(shape, generator=generator) * std
 
 
-def _random_norm_stats(state_width: int, action_width: int, seed: int) -> dict[str, dict[str, list[float]]]:
+def _random_norm_stats(
+    state_width: int, action_width: int, seed: int
+) -> dict[str, dict[str, list[float]]]:
     generator = torch.Generator().manual_seed(seed + 1)
     stats = {}
     for key, width in (("state", state_width), ("actions", action_width)):
@@ -398,20 +433,25 @@ def _floats(value: Any) -> list[float]:
 
 
 def _config_json(config: Pi05Config, config_format: str) -> dict[str, Any]:
-    """Return the ``config.json`` of ``config`` in one of `CONFIG_FORMATS`, plus our keys where needed."""
+    """Return the ``config.json`` of ``config`` in one of `CONFIG_FORMATS`, plus our keys where
+    needed."""
     if config_format == "lerobot":
         found = _lerobot_config_json(config)
     elif config_format == "openpi":
         found = _openpi_config_json(config)
     else:
-        raise UnsupportedModelError(f"config_format must be one of {', '.join(CONFIG_FORMATS)}, got {config_format!r}")
+        raise UnsupportedModelError(
+            f"config_format must be one of {', '.join(CONFIG_FORMATS)}, got {config_format!r}"
+        )
     return found | _size_blocks(config)
 
 
 def _openpi_config_json(config: Pi05Config) -> dict[str, Any]:
     """openpi's conversion script's keys, and the Pi0Config fields mstar reads when present."""
     if config.cameras != OPENPI_CAMERAS or config.prompt_state_dim is not None:
-        raise UnsupportedModelError("openpi's config.json names neither cameras nor a padded prompt state")
+        raise UnsupportedModelError(
+            "openpi's config.json names neither cameras nor a padded prompt state"
+        )
     found: dict[str, Any] = {
         "action_dim": config.action_dim,
         "action_horizon": config.action_horizon,
@@ -430,17 +470,28 @@ def _openpi_config_json(config: Pi05Config) -> dict[str, Any]:
 
 
 def _size_blocks(config: Pi05Config) -> dict[str, Any]:
-    """Our keys for the head counts no tensor shape gives, where no known variant or tower has them."""
+    """Our keys for the head counts no tensor shape gives, where no known variant or tower has
+    them."""
     blocks: dict[str, Any] = {}
     for key, block, gemma in (
         ("paligemma_variant", "paligemma_config", config.vlm),
         ("action_expert_variant", "action_expert_config", config.expert),
     ):
         if GEMMA_VARIANTS.get(_variant_name(config, key, gemma).removesuffix("_lora")) != gemma:
-            blocks[block] = {"num_heads": gemma.num_heads, "num_kv_heads": gemma.num_kv_heads, "head_dim": gemma.head_dim}
+            blocks[block] = {
+                "num_heads": gemma.num_heads,
+                "num_kv_heads": gemma.num_kv_heads,
+                "head_dim": gemma.head_dim,
+            }
     vision = config.vision
-    if known_vision_heads(vision.width, vision.depth, vision.mlp_dim) != vision.num_heads or vision.layer_norm_eps != 1e-6:
-        blocks["vision_config"] = {"num_heads": vision.num_heads, "layer_norm_eps": vision.layer_norm_eps}
+    if (
+        known_vision_heads(vision.width, vision.depth, vision.mlp_dim) != vision.num_heads
+        or vision.layer_norm_eps != 1e-6
+    ):
+        blocks["vision_config"] = {
+            "num_heads": vision.num_heads,
+            "layer_norm_eps": vision.layer_norm_eps,
+        }
     return blocks
 
 
@@ -469,8 +520,13 @@ def _lerobot_config_json(config: Pi05Config) -> dict[str, Any]:
     layout = get_robot_layout(config.robot)
     if config.cameras != OPENPI_CAMERAS or config.robot != "droid":
         # LeRobot's features: the cameras (in slot order), the robot's state and action widths.
-        cameras = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, size, size]} for c in config.cameras}
-        found["input_features"] = cameras | {"observation.state": {"type": "STATE", "shape": [layout.state_dim]}}
+        cameras = {
+            f"observation.images.{c}": {"type": "VISUAL", "shape": [3, size, size]}
+            for c in config.cameras
+        }
+        found["input_features"] = cameras | {
+            "observation.state": {"type": "STATE", "shape": [layout.state_dim]}
+        }
         found["output_features"] = {"action": {"type": "ACTION", "shape": [config.robot_dof]}}
     return found
 

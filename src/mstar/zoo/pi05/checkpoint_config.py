@@ -5,21 +5,29 @@
 from the safetensors headers only (no weight is loaded)::
 
     field                 config.json (openpi's / LeRobot's / ours)         else
-    vocab_size            -                                                 embed_tokens (lm_head) rows
-    vision                vision_config {num_heads} (or HF's                patch and position embeddings,
-                          num_attention_heads, layer_norm_eps);             layers counted, fc1; the heads
-                          image_resolution is checked                       of a known tower (So400m/14)
-    vlm, expert           paligemma_variant, action_expert_variant;         widths, depths, MLPs; heads
-                          paligemma_config / action_expert_config           from a known variant or the
+    vocab_size            -                                                 embed_tokens (lm_head)
+    rows
+    vision                vision_config {num_heads} (or HF's                patch and position
+    embeddings,
+                          num_attention_heads, layer_norm_eps);             layers counted, fc1; the
+                          heads
+                          image_resolution is checked                       of a known tower
+                          (So400m/14)
+    vlm, expert           paligemma_variant, action_expert_variant;         widths, depths, MLPs;
+    heads
+                          paligemma_config / action_expert_config           from a known variant or
+                          the
                           {num_heads, num_kv_heads, head_dim}               one of them given
     action_dim            action_dim, max_action_dim                        action_in_proj's columns
-    action_horizon        action_horizon, chunk_size                        the robot's openpi horizon
+    action_horizon        action_horizon, chunk_size                        the robot's openpi
+    horizon
     num_steps             num_inference_steps, num_steps                    10
     max_token_len         max_token_len, tokenizer_max_length               200 (openpi's for pi05)
     cameras               LeRobot's VISUAL input_features + empty_cameras   openpi's three slots
     robot                 robot= ; the assets/ folders ; LeRobot's action   "droid"
                           feature width (8 DROID, 7 LIBERO, 14 ALOHA)
-    discrete_state_input  discrete_state_input; LeRobot always bins         the robot's openpi config
+    discrete_state_input  discrete_state_input; LeRobot always bins         the robot's openpi
+    config
     prompt_state_dim      LeRobot: max_state_dim (it pads before binning)   None (openpi)
 
 A size that neither gives is a `CheckpointError` naming the file and the key to add.
@@ -71,8 +79,11 @@ def is_lerobot_config(found: Mapping[str, Any]) -> bool:
     return found.get("type") == "pi05"
 
 
-def config_from_checkpoint(path: str | Path, *, robot: str | None = None, name: str | None = None) -> Pi05Config:
-    """Read a pi0.5 config from a checkpoint directory (see the module doc for each field's sources).
+def config_from_checkpoint(
+    path: str | Path, *, robot: str | None = None, name: str | None = None
+) -> Pi05Config:
+    """Read a pi0.5 config from a checkpoint directory (see the module doc for each field's
+    sources).
 
     Args:
         path: The checkpoint directory (``model.safetensors``, optionally ``config.json``).
@@ -90,7 +101,9 @@ def config_from_checkpoint(path: str | Path, *, robot: str | None = None, name: 
     config_file = directory / "config.json"
     found = read_json_object(config_file) if config_file.is_file() else {}
     if found.get("pi05") is False:
-        raise CheckpointError(f"{str(config_file)!r} has pi05=false: a pi0 checkpoint, which mstar does not serve")
+        raise CheckpointError(
+            f"{str(config_file)!r} has pi05=false: a pi0 checkpoint, which mstar does not serve"
+        )
     sizes = _Sizes(found, config_file, _tensor_shapes(directory), directory)
     layout = get_robot_layout(robot if robot is not None else infer_robot(directory, found))
     lerobot = is_lerobot_config(found)
@@ -104,12 +117,18 @@ def config_from_checkpoint(path: str | Path, *, robot: str | None = None, name: 
     vision = sizes.vision()
     horizon = sizes.int_key("action_horizon", "chunk_size", default=layout.action_horizon)
     cameras = sizes.cameras()
-    max_token_len = sizes.int_key("max_token_len", "tokenizer_max_length", default=_DEFAULT_MAX_TOKEN_LEN)
+    max_token_len = sizes.int_key(
+        "max_token_len", "tokenizer_max_length", default=_DEFAULT_MAX_TOKEN_LEN
+    )
     discrete = found.get("discrete_state_input")
     if discrete is not None and not isinstance(discrete, bool):
         raise sizes.error("discrete_state_input", f"must be true or false, got {discrete!r}")
     prefix_len = len(cameras) * vision.num_patches + max_token_len
-    extra: dict[str, str] = {key: str(found[key]) for key in ("paligemma_variant", "action_expert_variant") if key in found}
+    extra: dict[str, str] = {
+        key: str(found[key])
+        for key in ("paligemma_variant", "action_expert_variant")
+        if key in found
+    }
     return Pi05Config(
         name=name or directory.resolve().name,
         vision=vision,
@@ -123,8 +142,12 @@ def config_from_checkpoint(path: str | Path, *, robot: str | None = None, name: 
         cameras=cameras,
         robot_dof=layout.action_dim,
         robot=layout.name,
-        discrete_state_input=discrete if discrete is not None else (lerobot or layout.discrete_state_input),
-        prompt_state_dim=sizes.int_key("max_state_dim", default=_LEROBOT_MAX_STATE_DIM) if lerobot else None,
+        discrete_state_input=discrete
+        if discrete is not None
+        else (lerobot or layout.discrete_state_input),
+        prompt_state_dim=sizes.int_key("max_state_dim", default=_LEROBOT_MAX_STATE_DIM)
+        if lerobot
+        else None,
         min_period=sizes.float_key("min_period", default=4e-3),
         max_period=sizes.float_key("max_period", default=4.0),
         max_position=max(2048, prefix_len + horizon),
@@ -138,7 +161,9 @@ def infer_robot(checkpoint_dir: str | Path, found: Mapping[str, Any]) -> str:
     openpi names it in its ``assets/`` folders (``droid``, ``physical-intelligence/libero``,
     ``trossen``); LeRobot in its action feature's width (8 DROID, 7 LIBERO, 14 ALOHA).
     """
-    robots = {robot for robot in map(_robot_of_asset, asset_ids(checkpoint_dir)) if robot is not None}
+    robots = {
+        robot for robot in map(_robot_of_asset, asset_ids(checkpoint_dir)) if robot is not None
+    }
     if len(robots) == 1:
         return robots.pop()
     features = found.get("output_features")
@@ -161,7 +186,8 @@ def _robot_of_asset(asset_id: str) -> str | None:
 
 
 def checkpoint_dtype_name(path: str | Path) -> str:
-    """Return the dtype a checkpoint's weights are in: config.json's ``torch_dtype``/``dtype``/``precision``, else the tensors'.
+    """Return the dtype a checkpoint's weights are in: config.json's
+    ``torch_dtype``/``dtype``/``precision``, else the tensors'.
 
     Raises:
         CheckpointError: The dtype is not one mstar runs pi0.5 in.
@@ -173,7 +199,8 @@ def checkpoint_dtype_name(path: str | Path) -> str:
         if key in found:
             if found[key] not in CHECKPOINT_DTYPES:
                 raise CheckpointError(
-                    f"{str(config_file)!r} has {key}={found[key]!r}; pi0.5 runs in {', '.join(CHECKPOINT_DTYPES)}"
+                    f"{str(config_file)!r} has {key}={found[key]!r}; pi0.5 runs in "
+                    f"{', '.join(CHECKPOINT_DTYPES)}"
                 )
             return str(found[key])
     files = safetensors_files(directory)
@@ -182,7 +209,10 @@ def checkpoint_dtype_name(path: str | Path) -> str:
     with safe_open(str(files[name]), framework="pt") as f:
         stored = f.get_slice(name).get_dtype()
     if stored not in _SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{str(files[name])!r} stores {name} as {stored}; pi0.5 runs in {', '.join(CHECKPOINT_DTYPES)}")
+        raise CheckpointError(
+            f"{str(files[name])!r} stores {name} as {stored}; pi0.5 runs in "
+            f"{', '.join(CHECKPOINT_DTYPES)}"
+        )
     return _SAFETENSORS_DTYPES[stored]
 
 
@@ -198,9 +228,16 @@ def _tensor_shapes(directory: Path) -> dict[str, list[int]]:
 
 
 class _Sizes:
-    """The sizes a checkpoint's config.json and tensor shapes give, with errors naming where to add one."""
+    """The sizes a checkpoint's config.json and tensor shapes give, with errors naming where to add
+    one."""
 
-    def __init__(self, found: Mapping[str, Any], config_file: Path, shapes: Mapping[str, list[int]], directory: Path) -> None:
+    def __init__(
+        self,
+        found: Mapping[str, Any],
+        config_file: Path,
+        shapes: Mapping[str, list[int]],
+        directory: Path,
+    ) -> None:
         self.found = found
         self.config_file = config_file
         self.shapes = shapes
@@ -212,13 +249,17 @@ class _Sizes:
         return CheckpointError(f"{str(self.config_file)!r}: {key} {problem}")
 
     def int_key(self, *keys: str, default: int | None = None, within: str | None = None) -> int:
-        """Return the first of ``keys`` config.json has (in its ``within`` block, if given), else ``default``."""
+        """Return the first of ``keys`` config.json has (in its ``within`` block, if given), else
+        ``default``."""
         block = self.block(within) if within is not None else self.found
         for key in keys:
             if key in block:
                 value = block[key]
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise self.error(f"{within}.{key}" if within else key, f"must be a positive integer, got {value!r}")
+                    raise self.error(
+                        f"{within}.{key}" if within else key,
+                        f"must be a positive integer, got {value!r}",
+                    )
                 return value
         if default is None:
             raise self.error(f"{within}.{keys[0]}" if within else keys[0], "is missing")
@@ -226,7 +267,12 @@ class _Sizes:
 
     def float_key(self, key: str, *, default: float) -> float:
         value = self.found.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
             raise self.error(key, f"must be a positive number, got {value!r}")
         return float(value)
 
@@ -245,7 +291,9 @@ class _Sizes:
     def shape(self, ours: str) -> list[int]:
         if ours not in self.shapes:
             theirs = next(iter(to_checkpoint_names({ours: None})))
-            raise CheckpointError(f"{str(self.weights)!r} has no tensor {theirs} (not a pi0.5 checkpoint?)")
+            raise CheckpointError(
+                f"{str(self.weights)!r} has no tensor {theirs} (not a pi0.5 checkpoint?)"
+            )
         return self.shapes[ours]
 
     def num_layers(self, prefix: str) -> int:
@@ -253,7 +301,9 @@ class _Sizes:
         indices = {int(m.group(1)) for name in self.shapes if (m := pattern.match(name))}
         if not indices or indices != set(range(len(indices))):
             theirs = next(iter(to_checkpoint_names({prefix: None})))
-            raise CheckpointError(f"{str(self.weights)!r} has layers {sorted(indices)} under {theirs}, not 0..n-1")
+            raise CheckpointError(
+                f"{str(self.weights)!r} has layers {sorted(indices)} under {theirs}, not 0..n-1"
+            )
         return len(indices)
 
     # -- the parts --------------------------------------------------------------------------
@@ -265,7 +315,9 @@ class _Sizes:
         action_dim = self.shape("action_in_proj.weight")[1]
         for key in ("action_dim", "max_action_dim"):
             if key in self.found and self.found[key] != action_dim:
-                raise self.error(key, f"is {self.found[key]!r}, but action_in_proj takes {action_dim} dims")
+                raise self.error(
+                    key, f"is {self.found[key]!r}, but action_in_proj takes {action_dim} dims"
+                )
         return action_dim
 
     def vision(self) -> VisionConfig:
@@ -273,11 +325,16 @@ class _Sizes:
         num_patches = self.shape("vision_tower.embeddings.position_embedding.weight")[0]
         side = math.isqrt(num_patches)
         if side * side != num_patches:
-            raise CheckpointError(f"{str(self.weights)!r}: SigLIP has {num_patches} positions, not a square grid")
+            raise CheckpointError(
+                f"{str(self.weights)!r}: SigLIP has {num_patches} positions, not a square grid"
+            )
         image_size = side * patch
         resolution = self.found.get("image_resolution")
         if resolution is not None and list(resolution) != [image_size, image_size]:
-            raise self.error("image_resolution", f"is {resolution!r}, but SigLIP's positions cover {image_size}x{image_size}")
+            raise self.error(
+                "image_resolution",
+                f"is {resolution!r}, but SigLIP's positions cover {image_size}x{image_size}",
+            )
         depth = self.num_layers("vision_tower.encoder.layers.")
         mlp_dim = self.shape("vision_tower.encoder.layers.0.mlp.fc1.weight")[0]
         heads = self.optional_int("vision_config", "num_heads", "num_attention_heads")
@@ -286,34 +343,53 @@ class _Sizes:
         if heads is None:
             raise self.error(
                 "vision_config.num_heads",
-                f"is missing: the SigLIP tower (width {width}, {depth} layers, MLP {mlp_dim}) is no known one, "
+                f"is missing: the SigLIP tower (width {width}, {depth} layers, MLP "
+                f"{mlp_dim}) is no known one, "
                 "and its head count is in no tensor's shape",
             )
         eps = self.block("vision_config").get("layer_norm_eps", 1e-6)
         return VisionConfig(
-            image_size=image_size, patch_size=patch, width=width, depth=depth, mlp_dim=mlp_dim, num_heads=heads, layer_norm_eps=float(eps)
+            image_size=image_size,
+            patch_size=patch,
+            width=width,
+            depth=depth,
+            mlp_dim=mlp_dim,
+            num_heads=heads,
+            layer_norm_eps=float(eps),
         )
 
     def gemmas(self) -> tuple[GemmaConfig, GemmaConfig]:
         """Return the VLM and the action expert; their attention geometry is shared."""
-        parts = (("language_model.", "paligemma_variant", "paligemma_config"), ("gemma_expert.", "action_expert_variant", "action_expert_config"))
+        parts = (
+            ("language_model.", "paligemma_variant", "paligemma_config"),
+            ("gemma_expert.", "action_expert_variant", "action_expert_config"),
+        )
         q_features = self.shape("language_model.layers.0.self_attn.q_proj.weight")[0]
         kv_features = self.shape("language_model.layers.0.self_attn.k_proj.weight")[0]
         if [q_features, kv_features] != [
             self.shape("gemma_expert.layers.0.self_attn.q_proj.weight")[0],
             self.shape("gemma_expert.layers.0.self_attn.k_proj.weight")[0],
         ]:
-            raise CheckpointError(f"{str(self.weights)!r}: the VLM's and the action expert's attention differ in shape")
+            raise CheckpointError(
+                f"{str(self.weights)!r}: the VLM's and the action expert's attention differ "
+                "in shape"
+            )
         given: dict[str, tuple[int, str]] = {}  # field -> (value, where it came from)
         for _, variant_key, block_key in parts:
-            for field, keys in (("num_heads", ("num_heads", "num_attention_heads")), ("num_kv_heads", ("num_kv_heads", "num_key_value_heads")), ("head_dim", ("head_dim",))):
+            for field, keys in (
+                ("num_heads", ("num_heads", "num_attention_heads")),
+                ("num_kv_heads", ("num_kv_heads", "num_key_value_heads")),
+                ("head_dim", ("head_dim",)),
+            ):
                 value = self.optional_int(block_key, *keys)
                 if value is not None:
                     given.setdefault(field, (value, f"{block_key}.{keys[0]}"))
             known = self._variant(variant_key)
             if known is not None:
                 for field in ("num_heads", "num_kv_heads", "head_dim"):
-                    given.setdefault(field, (getattr(known, field), f"{variant_key} {self.found[variant_key]!r}"))
+                    given.setdefault(
+                        field, (getattr(known, field), f"{variant_key} {self.found[variant_key]!r}")
+                    )
         heads, kv_heads, head_dim = self._attention(q_features, kv_features, given)
         out = []
         for prefix, variant_key, _ in parts:
@@ -328,16 +404,23 @@ class _Sizes:
             )
             known = self._variant(variant_key)
             if known is not None and known != gemma:
-                raise self.error(variant_key, f"is {self.found[variant_key]!r} ({known}), but the tensors have {gemma}")
+                raise self.error(
+                    variant_key,
+                    f"is {self.found[variant_key]!r} ({known}), but the tensors have {gemma}",
+                )
             out.append(gemma)
         return out[0], out[1]
 
     def _variant(self, key: str) -> GemmaConfig | None:
         name = self.found.get(key)
-        return GEMMA_VARIANTS.get(str(name).removesuffix("_lora")) if name is not None else None  # LoRA keeps the sizes
+        # LoRA keeps the sizes
+        return GEMMA_VARIANTS.get(str(name).removesuffix("_lora")) if name is not None else None
 
-    def _attention(self, q_features: int, kv_features: int, given: Mapping[str, tuple[int, str]]) -> tuple[int, int, int]:
-        """Return (heads, KV heads, head size) from the projections' widths and any one of them given."""
+    def _attention(
+        self, q_features: int, kv_features: int, given: Mapping[str, tuple[int, str]]
+    ) -> tuple[int, int, int]:
+        """Return (heads, KV heads, head size) from the projections' widths and any one of them
+        given."""
         if "head_dim" in given:
             head_dim = given["head_dim"][0]
         elif "num_heads" in given:
@@ -347,15 +430,27 @@ class _Sizes:
         else:
             raise self.error(
                 "paligemma_config.head_dim",
-                f"is missing (and no known paligemma_variant or action_expert_variant gives it): the queries' "
-                f"{q_features} and the keys' {kv_features} features do not tell heads from head size",
+                "is missing (and no known paligemma_variant or action_expert_variant gives "
+                "it): the queries' "
+                f"{q_features} and the keys' {kv_features} features do not tell heads from "
+                "head size",
             )
         if head_dim < 1 or q_features % head_dim or kv_features % head_dim:
-            raise CheckpointError(f"{str(self.config_file)!r}: head size {head_dim} does not divide the projections ({q_features} query, {kv_features} key features)")
-        resolved = {"num_heads": q_features // head_dim, "num_kv_heads": kv_features // head_dim, "head_dim": head_dim}
+            raise CheckpointError(
+                f"{str(self.config_file)!r}: head size {head_dim} does not divide the "
+                f"projections ({q_features} query, {kv_features} key features)"
+            )
+        resolved = {
+            "num_heads": q_features // head_dim,
+            "num_kv_heads": kv_features // head_dim,
+            "head_dim": head_dim,
+        }
         for field, (value, where) in given.items():
             if resolved[field] != value:
-                raise CheckpointError(f"{str(self.config_file)!r}: {where} gives {field} {value}, but the tensors give {resolved[field]}")
+                raise CheckpointError(
+                    f"{str(self.config_file)!r}: {where} gives {field} {value}, but the "
+                    f"tensors give {resolved[field]}"
+                )
         return resolved["num_heads"], resolved["num_kv_heads"], head_dim
 
     def cameras(self) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ expert, attending to the cached prefix read-only and to each other::
 
 Both experts share depth, head count, KV heads and head size (joint attention per layer);
 their widths differ.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ __all__ = [
 ]
 
 ROBOTS = ("droid", "libero", "aloha")
-"""The robots whose observations pi0.5 parses (openpi's ``*_policy.py``; see `mstar.zoo.pi05.robots`)."""
+"""The robots whose observations pi0.5 parses (openpi's ``*_policy.py``; see
+`mstar.zoo.pi05.robots`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +47,19 @@ class GemmaConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise UnsupportedModelError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
 
 GEMMA_VARIANTS: dict[str, GemmaConfig] = {
     "dummy": GemmaConfig(width=64, depth=4, mlp_dim=128, num_heads=8, num_kv_heads=1, head_dim=16),
-    "gemma_300m": GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256),
-    "gemma_2b": GemmaConfig(width=2048, depth=18, mlp_dim=16384, num_heads=8, num_kv_heads=1, head_dim=256),
+    "gemma_300m": GemmaConfig(
+        width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256
+    ),
+    "gemma_2b": GemmaConfig(
+        width=2048, depth=18, mlp_dim=16384, num_heads=8, num_kv_heads=1, head_dim=256
+    ),
 }
 
 
@@ -70,7 +77,9 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
-            raise UnsupportedModelError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+            raise UnsupportedModelError(
+                f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}"
+            )
 
     @property
     def num_patches(self) -> int:
@@ -133,16 +142,23 @@ class Pi05Config:
             expert.head_dim,
         ):
             raise UnsupportedModelError(
-                "the VLM and the action expert attend jointly: they need the same depth, heads, KV heads and head size"
+                "the VLM and the action expert attend jointly: they need the same depth, "
+                "heads, KV heads and head size"
             )
         if not 0 < self.robot_dof <= self.action_dim:
-            raise UnsupportedModelError(f"robot_dof must be in 1..{self.action_dim}, got {self.robot_dof}")
+            raise UnsupportedModelError(
+                f"robot_dof must be in 1..{self.action_dim}, got {self.robot_dof}"
+            )
         if self.robot not in ROBOTS:
-            raise UnsupportedModelError(f"unknown robot {self.robot!r}: pi0.5 serves {', '.join(ROBOTS)}")
+            raise UnsupportedModelError(
+                f"unknown robot {self.robot!r}: pi0.5 serves {', '.join(ROBOTS)}"
+            )
         if not self.cameras:
             raise UnsupportedModelError("a pi0.5 model needs at least one camera slot")
         if self.prompt_state_dim is not None and self.prompt_state_dim < 1:
-            raise UnsupportedModelError(f"prompt_state_dim must be positive, got {self.prompt_state_dim}")
+            raise UnsupportedModelError(
+                f"prompt_state_dim must be positive, got {self.prompt_state_dim}"
+            )
 
     @property
     def prefix_len(self) -> int:
@@ -160,16 +176,22 @@ PI05_CONFIGS: dict[str, Pi05Config] = {
     # Meaningful on a CPU: real prompt length and camera count, narrow and shallow experts.
     "pi05-small": Pi05Config(
         name="pi05-small",
-        vision=VisionConfig(image_size=112, patch_size=14, width=192, depth=4, mlp_dim=768, num_heads=4),
+        vision=VisionConfig(
+            image_size=112, patch_size=14, width=192, depth=4, mlp_dim=768, num_heads=4
+        ),
         vlm=GemmaConfig(width=256, depth=6, mlp_dim=1024, num_heads=8, num_kv_heads=1, head_dim=32),
-        expert=GemmaConfig(width=128, depth=6, mlp_dim=512, num_heads=8, num_kv_heads=1, head_dim=32),
+        expert=GemmaConfig(
+            width=128, depth=6, mlp_dim=512, num_heads=8, num_kv_heads=1, head_dim=32
+        ),
         vocab_size=1024,
         max_token_len=64,
     ),
     # openpi's ``dummy`` Gemma for both experts, a tiny SigLIP, a toy vocabulary (tests).
     "pi05-tiny": Pi05Config(
         name="pi05-tiny",
-        vision=VisionConfig(image_size=32, patch_size=8, width=32, depth=2, mlp_dim=64, num_heads=4),
+        vision=VisionConfig(
+            image_size=32, patch_size=8, width=32, depth=2, mlp_dim=64, num_heads=4
+        ),
         vlm=GEMMA_VARIANTS["dummy"],
         expert=GEMMA_VARIANTS["dummy"],
         vocab_size=512,
@@ -188,11 +210,14 @@ def get_pi05_config(name: str) -> Pi05Config:
     try:
         return PI05_CONFIGS[name]
     except KeyError:
-        raise UnsupportedModelError(f"unknown pi0.5 config {name!r} (known: {', '.join(PI05_CONFIGS)})") from None
+        raise UnsupportedModelError(
+            f"unknown pi0.5 config {name!r} (known: {', '.join(PI05_CONFIGS)})"
+        ) from None
 
 
 def known_vision_heads(width: int, depth: int, mlp_dim: int) -> int | None:
-    """Return the head count of a known SigLIP tower of these sizes (So400m/14, the presets'), else None.
+    """Return the head count of a known SigLIP tower of these sizes (So400m/14, the presets'), else
+    None.
 
     No tensor's shape holds it, so a checkpoint of another tower must name it.
     """

@@ -56,7 +56,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def make_pi05_graph(config: Pi05Config) -> ModelGraph:
     """Return the graph and walks of a pi0.5 model."""
-    vision = GraphNode("vision", {"images", "image_mask", "token_ids"}, [GraphEdge("llm", "prefix")])
+    vision = GraphNode(
+        "vision", {"images", "image_mask", "token_ids"}, [GraphEdge("llm", "prefix")]
+    )
     llm = GraphNode(
         "llm",
         {"prefix", "flow"},
@@ -68,7 +70,10 @@ def make_pi05_graph(config: Pi05Config) -> ModelGraph:
     )
     return ModelGraph(
         name=config.name,
-        walks={"prefill": Sequential([vision, llm]), "action_gen": Loop(llm, max_iters=config.num_steps)},
+        walks={
+            "prefill": Sequential([vision, llm]),
+            "action_gen": Loop(llm, max_iters=config.num_steps),
+        },
         partitions={PARTITION: ["prefill", "action_gen"]},
         inputs={"vision": {"images", "image_mask", "token_ids"}, "llm": {"flow"}},
     )
@@ -111,18 +116,26 @@ class Pi05Model(Model, SupportsActionPolicy):
         seed: int = 0,
     ) -> None:
         if dtype not in (*_DTYPES, "auto"):
-            raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}, got {dtype!r}")
+            raise ValueError(
+                f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}, got {dtype!r}"
+            )
         if config is None:
             if checkpoint is None:
-                raise CheckpointError("pi0.5 needs config= a preset or checkpoint= a directory to read it from")
+                raise CheckpointError(
+                    "pi0.5 needs config= a preset or checkpoint= a directory to read it from"
+                )
             cfg = config_from_checkpoint(checkpoint, robot=robot)
         else:
             cfg = get_pi05_config(config)
             if robot is not None and robot != cfg.robot:
-                cfg = dataclasses.replace(cfg, robot=robot, robot_dof=get_robot_layout(robot).action_dim)
+                cfg = dataclasses.replace(
+                    cfg, robot=robot, robot_dof=get_robot_layout(robot).action_dim
+                )
         if checkpoint is None:
             if config == "pi05-droid":
-                raise CheckpointError("pi05-droid needs checkpoint= a directory in openpi's PyTorch layout")
+                raise CheckpointError(
+                    "pi05-droid needs checkpoint= a directory in openpi's PyTorch layout"
+                )
             checkpoint = str(cached_random_checkpoint(cfg, seed=seed))
         path = Path(checkpoint)
         if not (path / "model.safetensors").is_file():
@@ -140,10 +153,13 @@ class Pi05Model(Model, SupportsActionPolicy):
         )
         if self.norm_stats.state.num_dims < self.layout.state_dim:
             raise CheckpointError(
-                f"norm stats {self.norm_stats_source} cover {self.norm_stats.state.num_dims} state dims, "
+                f"norm stats {self.norm_stats_source} cover {self.norm_stats.state.num_dims} "
+                "state dims, "
                 f"but a {self.layout.label} robot sends {self.layout.state_dim}"
             )
-        self.tokenizer = PromptTokenizer.from_config(cfg, tokenizer if tokenizer is not None else _shipped_tokenizer(path))
+        self.tokenizer = PromptTokenizer.from_config(
+            cfg, tokenizer if tokenizer is not None else _shipped_tokenizer(path)
+        )
         self._graph = make_pi05_graph(cfg)
         self._weights: dict[torch.device, Pi05Weights] = {}
 
@@ -153,7 +169,12 @@ class Pi05Model(Model, SupportsActionPolicy):
     def policy_metadata(self) -> dict[str, Any]:
         """Return what a robot client gets on connecting: the model and its chunk's shape."""
         cfg = self.config
-        return {"model": self.name, "robot": cfg.robot, "action_horizon": cfg.action_horizon, "action_dim": cfg.robot_dof}
+        return {
+            "model": self.name,
+            "robot": cfg.robot,
+            "action_horizon": cfg.action_horizon,
+            "action_dim": cfg.robot_dof,
+        }
 
     def graph(self) -> ModelGraph:
         """Return the policy graph."""
@@ -171,7 +192,9 @@ class Pi05Model(Model, SupportsActionPolicy):
         # Both nodes of a rank share one copy of the weights.
         weights = self._weights.get(device)
         if weights is None:
-            weights = self._weights[device] = load_pi05(self.checkpoint, self.config, device=device, dtype=self.dtype)
+            weights = self._weights[device] = load_pi05(
+                self.checkpoint, self.config, device=device, dtype=self.dtype
+            )
         return weights
 
     def submodule(self, node: str, device: torch.device) -> Any:
@@ -191,7 +214,8 @@ class Pi05Model(Model, SupportsActionPolicy):
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:
-        """Parse the robot's observation; normalize and bin the state into the prompt; draw the noise."""
+        """Parse the robot's observation; normalize and bin the state into the prompt; draw the
+        noise."""
         if request.task != "act":
             raise ValueError(f"task must be 'act', got {request.task!r}")
         data = request.data
@@ -199,14 +223,20 @@ class Pi05Model(Model, SupportsActionPolicy):
             data = {**data, "prompt": data["text"]}
         obs = self.layout.parse(data)
         cfg = self.config
-        state = prompt_state(obs, self.norm_stats, cfg.prompt_state_dim) if cfg.discrete_state_input else None
+        state = (
+            prompt_state(obs, self.norm_stats, cfg.prompt_state_dim)
+            if cfg.discrete_state_input
+            else None
+        )
         images, mask = obs.camera_images(cfg.cameras, cfg.vision.image_size)
         token_ids = torch.tensor(self.tokenizer.token_ids(obs.prompt, state), dtype=torch.long)
         noise = initial_noise(data, (cfg.action_horizon, cfg.action_dim), request.params.seed)
         flow: dict[str, Any] = {"x": noise, "step": 0}
         offset = self.layout.delta_offset(obs.state, cfg.action_dim)
         if offset is not None:  # the model's delta actions made absolute, in its normalized units
-            flow["offset"] = torch.from_numpy(quantile_shift(offset, self.norm_stats.actions)).to(torch.float32)
+            flow["offset"] = torch.from_numpy(quantile_shift(offset, self.norm_stats.actions)).to(
+                torch.float32
+            )
         return PreparedRequest(
             {
                 "vision": {"images": images, "image_mask": mask, "token_ids": token_ids},
@@ -224,12 +254,16 @@ class Pi05Model(Model, SupportsActionPolicy):
         return "action_gen" if finished == "prefill" else None
 
     def postprocess(self, request_id: str, emission: Emission) -> Output:
-        """Un-normalize the actions, cut them to the robot's dimensions, in its convention (float32 numpy)."""
+        """Un-normalize the actions, cut them to the robot's dimensions, in its convention (float32
+        numpy)."""
         value = emission.value
         if emission.name == "actions":
-            value = robot_actions(torch.as_tensor(value), self.norm_stats, self.layout).astype(np.float32)
-        return Output(request_id, emission.modality, emission.name, value, emission.node, emission.walk)
-
+            value = robot_actions(torch.as_tensor(value), self.norm_stats, self.layout).astype(
+                np.float32
+            )
+        return Output(
+            request_id, emission.modality, emission.name, value, emission.node, emission.walk
+        )
 
 
 def _shipped_tokenizer(checkpoint: Path) -> str | None:

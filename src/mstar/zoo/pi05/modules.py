@@ -34,7 +34,7 @@ SigLIP's encoder, the projector and the token embedding in bfloat16; SigLIP's pa
 embeddings, every RMSNorm (the adaptive norms' conditioning maps with them), the time MLP and the
 action projections in float32. Activations enter the blocks in bfloat16, the conditioning and
 the velocities stay float32.
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class AdaRMSNorm(nn.Module):
-    """The action expert's adaptive RMSNorm: a dense map of the conditioning gives scale, shift, gate."""
+    """The action expert's adaptive RMSNorm: a dense map of the conditioning gives scale, shift,
+    gate."""
 
     def __init__(self, width: int, eps: float) -> None:
         super().__init__()
@@ -133,11 +134,15 @@ class AdaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``rms(x) * (1 + scale) + shift`` and the gate, for rows ``x`` and their ``cond``."""
+        """Return ``rms(x) * (1 + scale) + shift`` and the gate, for rows ``x`` and their
+        ``cond``."""
         return self.modulate(x, self.dense(cond.to(self.dense.weight.dtype)))
 
-    def modulate(self, x: torch.Tensor, modulation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the normalised rows and the gate, given ``dense(cond)`` (``[rows, 3 * width]``)."""
+    def modulate(
+        self, x: torch.Tensor, modulation: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the normalised rows and the gate, given ``dense(cond)`` (``[rows, 3 *
+        width]``)."""
         scale, shift, gate = modulation.chunk(3, dim=-1)
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -173,8 +178,14 @@ class _Attention(nn.Module):
                 self.k_proj(h).view(n, kv_heads, head_dim),
                 self.v_proj(h).view(n, kv_heads, head_dim),
             )
-        q, k, v = self.qkv(h).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        return q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
+        q, k, v = self.qkv(h).split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        return (
+            q.view(n, heads, head_dim),
+            k.view(n, kv_heads, head_dim),
+            v.reshape(n, kv_heads, head_dim),
+        )
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """Project the attention's output ``[rows, heads * head_dim]`` back to the width."""
@@ -196,13 +207,17 @@ class GemmaLayer(nn.Module):
 class GemmaStack(nn.Module):
     """One expert's blocks and final norm (and, for the VLM, its token embedding)."""
 
-    def __init__(self, cfg: GemmaConfig, vocab_size: int | None, eps: float, *, adaptive: bool) -> None:
+    def __init__(
+        self, cfg: GemmaConfig, vocab_size: int | None, eps: float, *, adaptive: bool
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.adaptive = adaptive
         self.embed_tokens = nn.Embedding(vocab_size, cfg.width) if vocab_size else None
         self.layers = nn.ModuleList(GemmaLayer(cfg, eps, adaptive) for _ in range(cfg.depth))
-        self.norm: nn.Module = AdaRMSNorm(cfg.width, eps) if adaptive else GemmaRMSNorm(cfg.width, eps)
+        self.norm: nn.Module = (
+            AdaRMSNorm(cfg.width, eps) if adaptive else GemmaRMSNorm(cfg.width, eps)
+        )
 
     @property
     def blocks(self) -> list[GemmaLayer]:
@@ -216,8 +231,11 @@ class _Projector(nn.Module):
         self.linear = nn.Linear(vision_width, width)
 
 
-def time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
-    """Return the sinusoidal embedding ``[rows, width]`` of flow times ``t`` ``[rows]`` (float64 math).
+def time_embedding(
+    t: torch.Tensor, width: int, min_period: float, max_period: float
+) -> torch.Tensor:
+    """Return the sinusoidal embedding ``[rows, width]`` of flow times ``t`` ``[rows]`` (float64
+    math).
 
     Periods are geometric from ``min_period`` to ``max_period``; the sine half comes first.
     """
@@ -228,8 +246,12 @@ def time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: f
 
 
 def flow_times(num_steps: int) -> list[float]:
-    """Return the flow times of the Euler steps, as openpi accumulates them (float32, t += dt from 1)."""
-    t, dt = torch.tensor(1.0, dtype=torch.float32), torch.tensor(-1.0 / num_steps, dtype=torch.float32)
+    """Return the flow times of the Euler steps, as openpi accumulates them (float32, t += dt from
+    1)."""
+    t, dt = (
+        torch.tensor(1.0, dtype=torch.float32),
+        torch.tensor(-1.0 / num_steps, dtype=torch.float32),
+    )
     times = []
     for _ in range(num_steps):
         times.append(float(t))
@@ -237,9 +259,13 @@ def flow_times(num_steps: int) -> list[float]:
     return times
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(cos, sin)`` ``[rows, 1, head_dim]`` (float32) for half-split rotary embedding."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]
     return angles.cos(), angles.sin()
@@ -290,7 +316,9 @@ class Pi05Weights(nn.Module):
                     param.data = param.data.float()
         return self
 
-    def fuse_for_inference(self, prefix_rows: tuple[int, ...], action_rows: tuple[int, ...]) -> None:
+    def fuse_for_inference(
+        self, prefix_rows: tuple[int, ...], action_rows: tuple[int, ...]
+    ) -> None:
         """Fuse the blocks' products for the rows their experts see (see the module doc).
 
         Args:
@@ -302,7 +330,9 @@ class Pi05Weights(nn.Module):
                 layer.self_attn.fuse(rows)
                 layer.mlp.fuse(rows)
         chunks = tuple(sorted({max(1, r // self.config.action_horizon) for r in action_rows}))
-        self.modulation = FusedLinear.of([norm.dense for norm in self._adaptive_norms()], rows=chunks)
+        self.modulation = FusedLinear.of(
+            [norm.dense for norm in self._adaptive_norms()], rows=chunks
+        )
 
     def _adaptive_norms(self) -> list[AdaRMSNorm]:
         """Return the action expert's adaptive norms: two per block, then the final one."""
@@ -357,7 +387,8 @@ class Pi05Weights(nn.Module):
 
     @torch.inference_mode()
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Return projected image tokens ``[images, patches, vlm width]`` for ``[images, 3, S, S]`` in [-1, 1]."""
+        """Return projected image tokens ``[images, patches, vlm width]`` for ``[images, 3, S, S]``
+        in [-1, 1]."""
         tower = self.vision_tower
         patches = tower.embeddings(pixels.to(tower.embeddings.patch_embedding.weight.dtype))
         out = tower.encoder(inputs_embeds=patches.to(self.compute_dtype)).last_hidden_state
@@ -372,14 +403,19 @@ class Pi05Weights(nn.Module):
         return torch.cat([prefix.image_embeds.to(tokens.dtype), tokens])
 
     def condition(self, times: torch.Tensor) -> torch.Tensor:
-        """Return the adaptive norms' conditioning ``[rows, expert width]`` for flow times ``[rows]``."""
+        """Return the adaptive norms' conditioning ``[rows, expert width]`` for flow times
+        ``[rows]``."""
         cfg = self.config
-        emb = time_embedding(times, cfg.expert.width, cfg.min_period, cfg.max_period).to(self.time_mlp_in.weight.dtype)
+        emb = time_embedding(times, cfg.expert.width, cfg.min_period, cfg.max_period).to(
+            self.time_mlp_in.weight.dtype
+        )
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
 
     # -- the step --------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
         """Run a step's prefix and action chunks jointly; return each row's action velocity.
 
         Rows of prefix chunks get zeros (their product is the cache).
@@ -405,7 +441,10 @@ class Pi05Weights(nn.Module):
                 times.append(payload.time)
                 counts.append(chunk.num_rows)
             else:
-                raise TypeError(f"pi0.5 chunks carry a PrefixInput or an ActionInput, got {type(payload).__name__}")
+                raise TypeError(
+                    "pi0.5 chunks carry a PrefixInput or an ActionInput, got "
+                    f"{type(payload).__name__}"
+                )
         total = positions.shape[0]
         index0 = torch.tensor(rows0, dtype=torch.long, device=device)
         index1 = torch.tensor(rows1, dtype=torch.long, device=device)
@@ -414,7 +453,8 @@ class Pi05Weights(nn.Module):
         mods: list[torch.Tensor] = []
         if x1 is not None:
             mods = self.modulations(
-                torch.tensor(times, dtype=torch.float32, device=device), torch.tensor(counts, device=device)
+                torch.tensor(times, dtype=torch.float32, device=device),
+                torch.tensor(counts, device=device),
             )
         cos, sin = rope_tables(positions, cfg.vlm.head_dim, cfg.rope_theta)
         only = total == len(rows0) or total == len(rows1)  # one expert in the step: rows in order
@@ -443,8 +483,13 @@ class Pi05Weights(nn.Module):
             if x1 is not None:
                 assert gate1 is not None
                 layer1 = expert[i]
-                x1 = x1 + layer1.self_attn.output(out if only else out.index_select(0, index1)) * gate1
-                h, gate2 = cast(AdaRMSNorm, layer1.post_attention_layernorm).modulate(x1, mods[2 * i + 1])
+                x1 = (
+                    x1
+                    + layer1.self_attn.output(out if only else out.index_select(0, index1)) * gate1
+                )
+                h, gate2 = cast(AdaRMSNorm, layer1.post_attention_layernorm).modulate(
+                    x1, mods[2 * i + 1]
+                )
                 x1 = x1 + layer1.mlp(h) * gate2
         velocity = torch.zeros(total, cfg.action_dim, dtype=torch.float32, device=device)
         if x1 is not None:
@@ -457,7 +502,9 @@ class Pi05Weights(nn.Module):
 
 
 def _join(
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], total: int, only: bool
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    total: int,
+    only: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Put each expert's queries, keys and values at its rows of the flat batch."""
     if only:

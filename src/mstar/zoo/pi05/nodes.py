@@ -1,4 +1,5 @@
-"""pi0.5's two nodes: the SigLIP ``vision`` encoder and the ``llm`` (both Gemma experts on one cache).
+"""pi0.5's two nodes: the SigLIP ``vision`` encoder and the ``llm`` (both Gemma experts on one
+cache).
 
 ``vision`` (stateless, batched across robots) turns each request's camera images into projected
 image tokens, keeping only the cameras present. ``llm`` is a forward-fired KV-cache node:
@@ -42,7 +43,10 @@ class VisionNode:
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """Encode the present cameras of every request at once."""
         device = self.weights.action_in_proj.weight.device
-        present = [torch.as_tensor(x["images"])[torch.as_tensor(x["image_mask"], dtype=torch.bool)] for x in batch]
+        present = [
+            torch.as_tensor(x["images"])[torch.as_tensor(x["image_mask"], dtype=torch.bool)]
+            for x in batch
+        ]
         counts = [int(p.shape[0]) for p in present]
         out: list[Mapping[str, Any]] = []
         tokens = self.weights.embed_images(torch.cat(present).to(device)) if sum(counts) else None
@@ -53,7 +57,14 @@ class VisionNode:
             if embeds is None:
                 width = self.weights.config.vlm.width
                 embeds = torch.zeros(0, width, dtype=self.weights.compute_dtype, device=device)
-            out.append({"prefix": {"image_embeds": embeds, "token_ids": torch.as_tensor(x["token_ids"], dtype=torch.long)}})
+            out.append(
+                {
+                    "prefix": {
+                        "image_embeds": embeds,
+                        "token_ids": torch.as_tensor(x["token_ids"], dtype=torch.long),
+                    }
+                }
+            )
         return out
 
 
@@ -70,7 +81,9 @@ class LLMNode:
 
     forward_walks = True
 
-    def __init__(self, weights: Pi05Weights, engine_config: KVCacheEngineConfig | None = None) -> None:
+    def __init__(
+        self, weights: Pi05Weights, engine_config: KVCacheEngineConfig | None = None
+    ) -> None:
         cfg = weights.config
         self.model = weights
         self.config = cfg
@@ -80,7 +93,8 @@ class LLMNode:
             max_num_seqs=rows,
             max_num_batched_tokens=rows * max(cfg.action_horizon, 16) + cfg.prefix_len,
             max_model_len=cfg.prefix_len + cfg.action_horizon,
-            enable_prefix_caching=False,  # prefixes are payloads (images), never shared by token hash
+            # prefixes are payloads (images), never shared by token hash
+            enable_prefix_caching=False,
             cuda_graphs=False,
         )
         self._times = flow_times(cfg.num_steps)
@@ -97,14 +111,40 @@ class LLMNode:
         if not isinstance(prefix, Mapping):
             raise ValueError(f"llm input 'prefix' must be a mapping, got {type(prefix).__name__}")
         if not prefix.get("cached"):
-            payload = PrefixInput(torch.as_tensor(prefix["image_embeds"]), torch.as_tensor(prefix["token_ids"], dtype=torch.long))
+            payload = PrefixInput(
+                torch.as_tensor(prefix["image_embeds"]),
+                torch.as_tensor(prefix["token_ids"], dtype=torch.long),
+            )
             if payload.num_tokens + self.config.action_horizon > self.engine_config.max_model_len:  # type: ignore[operator]
-                raise ValueError(f"a prefix of {payload.num_tokens} tokens is longer than the model's {self.config.prefix_len}")
+                raise ValueError(
+                    f"a prefix of {payload.num_tokens} tokens is longer than the model's "
+                    f"{self.config.prefix_len}"
+                )
             # reset: a request's prefix is built once; a retried prefill starts clean.
-            return KVForward([KVChunk(payload=payload, num_tokens=payload.num_tokens, mask=self._full, output="none", reset=True)])
+            return KVForward(
+                [
+                    KVChunk(
+                        payload=payload,
+                        num_tokens=payload.num_tokens,
+                        mask=self._full,
+                        output="none",
+                        reset=True,
+                    )
+                ]
+            )
         x, step = self._flow(flow)
         action = ActionInput(x, self._times[step])
-        return KVForward([KVChunk(read_only=True, payload=action, num_tokens=x.shape[0], mask=self._full, expert=ACTION_EXPERT)])
+        return KVForward(
+            [
+                KVChunk(
+                    read_only=True,
+                    payload=action,
+                    num_tokens=x.shape[0],
+                    mask=self._full,
+                    expert=ACTION_EXPERT,
+                )
+            ]
+        )
 
     def _flow(self, flow: Any) -> tuple[torch.Tensor, int]:
         cfg = self.config
@@ -112,12 +152,18 @@ class LLMNode:
             raise ValueError("llm input 'flow' must be {'x': [horizon, action_dim], 'step': int}")
         x = torch.as_tensor(flow["x"], dtype=torch.float32)
         if tuple(x.shape) != (cfg.action_horizon, cfg.action_dim):
-            raise ValueError(f"flow 'x' must have shape [{cfg.action_horizon}, {cfg.action_dim}], got {list(x.shape)}")
+            raise ValueError(
+                f"flow 'x' must have shape [{cfg.action_horizon}, {cfg.action_dim}], got "
+                f"{list(x.shape)}"
+            )
         step = int(flow["step"])
         if not 0 <= step < cfg.num_steps:
             raise ValueError(f"flow 'step' must be in [0, {cfg.num_steps}), got {step}")
         if "offset" in flow and tuple(torch.as_tensor(flow["offset"]).shape) != (cfg.action_dim,):
-            raise ValueError(f"flow 'offset' must have shape [{cfg.action_dim}], got {list(torch.as_tensor(flow['offset']).shape)}")
+            raise ValueError(
+                f"flow 'offset' must have shape [{cfg.action_dim}], got "
+                f"{list(torch.as_tensor(flow['offset']).shape)}"
+            )
         return x, step
 
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
@@ -127,7 +173,9 @@ class LLMNode:
         updated: dict[int, tuple[torch.Tensor, int]] = {}
         if flows:
             # `forward` checked these inputs when the firing was made.
-            xs = torch.stack([torch.as_tensor(f.inputs["flow"]["x"], dtype=torch.float32) for f in flows])
+            xs = torch.stack(
+                [torch.as_tensor(f.inputs["flow"]["x"], dtype=torch.float32) for f in flows]
+            )
             vs = torch.stack([f.rows[0] for f in flows if f.rows[0] is not None]).to(xs.device)
             nxt = xs + self._dt * vs
             for i, f in enumerate(flows):
@@ -144,7 +192,11 @@ class LLMNode:
             out: dict[str, Any] = {"prefix": CACHED, "flow": flow}
             if step == self.config.num_steps:
                 actions = x.cpu()
-                out["actions"] = actions if offset is None else actions + torch.as_tensor(offset, dtype=actions.dtype)
+                out["actions"] = (
+                    actions
+                    if offset is None
+                    else actions + torch.as_tensor(offset, dtype=actions.dtype)
+                )
             results.append(out)
         return results
 

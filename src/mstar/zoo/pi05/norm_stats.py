@@ -1,4 +1,5 @@
-"""Where a pi0.5 checkpoint keeps its norm stats: openpi's ``norm_stats.json`` or LeRobot's normalizers.
+"""Where a pi0.5 checkpoint keeps its norm stats: openpi's ``norm_stats.json`` or LeRobot's
+normalizers.
 
 `find_norm_stats` looks, in order, and takes the first it finds::
 
@@ -9,7 +10,8 @@
     <ckpt>/norm_stats.json
     <ckpt>/policy_*processor_step_*_*normalizer_processor.safetensors
                                                      LeRobot: flat tensors "observation.state.q01",
-                                                     "action.q99", ... (the preprocessor's normalizer
+                                                     "action.q99", ... (the preprocessor's
+                                                     normalizer
                                                      holds both; the postprocessor's the actions)
 
 An asset id the user names is looked for alone: a checkpoint without it is an error, not a
@@ -37,7 +39,8 @@ __all__ = [
     "load_norm_stats",
 ]
 
-# LeRobot's pipelines save each (un)normalizer step as "<pipeline>_step_<i>_<step name>.safetensors".
+# LeRobot's pipelines save each (un)normalizer step as "<pipeline>_step_<i>_<step
+# name>.safetensors".
 LEROBOT_NORMALIZER_PATTERN = "policy_*processor_step_*_*normalizer_processor.safetensors"
 LEROBOT_STATE_KEY = "observation.state"
 LEROBOT_ACTION_KEY = "action"
@@ -77,9 +80,15 @@ def find_norm_stats(
         return load_norm_stats([named]), str(named)
     if is_asset_id_given:
         found = ", ".join(asset_ids(directory)) or "none"
-        raise CheckpointError(f"norm stats {str(named)!r} not found (asset ids in the checkpoint: {found})")
+        raise CheckpointError(
+            f"norm stats {str(named)!r} not found (asset ids in the checkpoint: {found})"
+        )
     looked = [str(named)]
-    assets = sorted((directory / "assets").rglob(NORM_STATS_FILE)) if (directory / "assets").is_dir() else []
+    assets = (
+        sorted((directory / "assets").rglob(NORM_STATS_FILE))
+        if (directory / "assets").is_dir()
+        else []
+    )
     looked.append(str(directory / "assets" / "**" / NORM_STATS_FILE))
     if len(assets) > 1:
         raise CheckpointError(
@@ -94,7 +103,10 @@ def find_norm_stats(
     if top.is_file():
         return load_norm_stats([top]), str(top)
     # The preprocessor's normalizer first: it holds the state, the postprocessor's only actions.
-    lerobot = sorted(directory.glob(LEROBOT_NORMALIZER_PATTERN), key=lambda p: ("postprocessor" in p.name, p.name))
+    lerobot = sorted(
+        directory.glob(LEROBOT_NORMALIZER_PATTERN),
+        key=lambda p: ("postprocessor" in p.name, p.name),
+    )
     looked.append(str(directory / LEROBOT_NORMALIZER_PATTERN))
     if lerobot:
         return load_norm_stats(lerobot), ", ".join(str(p) for p in lerobot)
@@ -105,7 +117,8 @@ def find_norm_stats(
 
 
 def asset_ids(checkpoint_dir: str | Path) -> list[str]:
-    """Return the asset ids under ``assets/`` that hold a ``norm_stats.json`` (e.g. ``physical-intelligence/libero``)."""
+    """Return the asset ids under ``assets/`` that hold a ``norm_stats.json`` (e.g.
+    ``physical-intelligence/libero``)."""
     assets = Path(checkpoint_dir) / "assets"
     if not assets.is_dir():
         return []
@@ -124,7 +137,8 @@ def load_norm_stats(files: Sequence[Path]) -> NormStats:
 
 
 def load_lerobot_normalizer(files: Sequence[Path]) -> NormStats:
-    """Read LeRobot's (un)normalizer files: ``observation.state.{q01,q99,mean,std}`` and ``action.*``.
+    """Read LeRobot's (un)normalizer files: ``observation.state.{q01,q99,mean,std}`` and
+    ``action.*``.
 
     A key's stats come from the first file that holds them.
 
@@ -137,19 +151,28 @@ def load_lerobot_normalizer(files: Sequence[Path]) -> NormStats:
         try:
             with safe_open(str(file), framework="np") as f:
                 for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
-                    if name.startswith((f"{LEROBOT_STATE_KEY}.", f"{LEROBOT_ACTION_KEY}.")) and name not in found:
+                    if (
+                        name.startswith((f"{LEROBOT_STATE_KEY}.", f"{LEROBOT_ACTION_KEY}."))
+                        and name not in found
+                    ):
                         found[name] = np.asarray(f.get_tensor(name), dtype=np.float64).reshape(-1)
         except (OSError, SafetensorError) as exc:
-            raise CheckpointError(f"LeRobot normalizer {str(file)!r} is not a readable safetensors file: {exc}") from None
+            raise CheckpointError(
+                f"LeRobot normalizer {str(file)!r} is not a readable safetensors file: {exc}"
+            ) from None
     where = ", ".join(repr(str(f)) for f in files)
-    return NormStats(state=_quantiles(found, LEROBOT_STATE_KEY, where), actions=_quantiles(found, LEROBOT_ACTION_KEY, where))
+    return NormStats(
+        state=_quantiles(found, LEROBOT_STATE_KEY, where),
+        actions=_quantiles(found, LEROBOT_ACTION_KEY, where),
+    )
 
 
 def _quantiles(found: dict[str, np.ndarray], key: str, where: str) -> QuantileStats:
     for name in ("q01", "q99"):
         if f"{key}.{name}" not in found:
             raise CheckpointError(
-                f"LeRobot normalizer {where} has no {f'{key}.{name}'!r}: pi0.5 normalizes with quantiles "
+                f"LeRobot normalizer {where} has no {f'{key}.{name}'!r}: pi0.5 normalizes "
+                "with quantiles "
                 "(LeRobot's augment_dataset_quantile_stats.py adds them)"
             )
     stats = {name: found.get(f"{key}.{name}") for name in _STAT_NAMES}

@@ -2,8 +2,10 @@
 
 A request runs, as in openpi's server (the robot's keys: `mstar.zoo.pi05.robots`)::
 
-    obs dict --RobotLayout.parse--> RobotObservation --quantile_normalize(state)--> bins in the prompt
-                                                     --prepare_image(each camera)--> [cams, 3, S, S] in [-1, 1]
+    obs dict --RobotLayout.parse--> RobotObservation --quantile_normalize(state)--> bins in the
+    prompt
+                                                     --prepare_image(each camera)--> [cams, 3, S, S]
+                                                     in [-1, 1]
     model actions [H, 32] --quantile_unnormalize--> [:, :robot dims] --> {"actions": [H, 8]} (DROID)
 
 `DroidObservation` is DROID's request with named fields. Everything here is plain numpy/torch on
@@ -90,7 +92,9 @@ class QuantileStats:
                 continue
             array = np.asarray(value, dtype=np.float64)
             if array.ndim != 1 or array.shape != np.shape(self.q01):
-                raise ValueError(f"{name} must be 1-D like q01 {np.shape(self.q01)}, got shape {array.shape}")
+                raise ValueError(
+                    f"{name} must be 1-D like q01 {np.shape(self.q01)}, got shape {array.shape}"
+                )
             if not np.isfinite(array).all():
                 raise ValueError(f"{name} holds non-finite values")
             # Frozen: bypass __setattr__ to store the validated float64 copy.
@@ -130,15 +134,21 @@ class NormStats:
         try:
             document = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"norm stats {str(file)!r} are not readable JSON: {exc}") from None
+            raise CheckpointError(
+                f"norm stats {str(file)!r} are not readable JSON: {exc}"
+            ) from None
         stats = document.get("norm_stats") if isinstance(document, dict) else None
         if not isinstance(stats, dict):
             raise CheckpointError(f"norm stats {str(file)!r} have no top-level 'norm_stats' object")
-        return cls(state=_key_stats(stats, "state", file), actions=_key_stats(stats, "actions", file))
+        return cls(
+            state=_key_stats(stats, "state", file), actions=_key_stats(stats, "actions", file)
+        )
 
     def to_json(self) -> dict[str, Any]:
         """Return the stats in openpi's ``norm_stats.json`` layout."""
-        return {"norm_stats": {"state": _stats_json(self.state), "actions": _stats_json(self.actions)}}
+        return {
+            "norm_stats": {"state": _stats_json(self.state), "actions": _stats_json(self.actions)}
+        }
 
 
 def _key_stats(stats: dict[str, Any], key: str, file: Path) -> QuantileStats:
@@ -159,7 +169,9 @@ def _key_stats(stats: dict[str, Any], key: str, file: Path) -> QuantileStats:
         try:
             return np.asarray(entry[name], dtype=np.float64)
         except (TypeError, ValueError):
-            raise CheckpointError(f"norm stats {str(file)!r}: 'norm_stats.{key}.{name}' is not a list of numbers") from None
+            raise CheckpointError(
+                f"norm stats {str(file)!r}: 'norm_stats.{key}.{name}' is not a list of numbers"
+            ) from None
 
     try:
         q01, q99 = vector("q01"), vector("q99")
@@ -221,7 +233,8 @@ def quantile_unnormalize(x: np.ndarray | Sequence[float], stats: QuantileStats) 
     Returns:
         float64, the shape of ``x``.
     """
-    values = np.array(x, dtype=np.float64)  # a copy: the tail passes through, the head is overwritten
+    # a copy: the tail passes through, the head is overwritten
+    values = np.array(x, dtype=np.float64)
     num_dims = min(values.shape[-1], stats.num_dims)
     q01, q99 = stats.q01[:num_dims], stats.q99[:num_dims]
     values[..., :num_dims] = (values[..., :num_dims] + 1.0) / 2.0 * (q99 - q01 + _EPS) + q01
@@ -240,7 +253,9 @@ def quantile_shift(delta: np.ndarray | Sequence[float], stats: QuantileStats) ->
     return values
 
 
-def droid_actions(actions: np.ndarray | torch.Tensor, stats: NormStats, robot_dof: int = 8) -> np.ndarray:
+def droid_actions(
+    actions: np.ndarray | torch.Tensor, stats: NormStats, robot_dof: int = 8
+) -> np.ndarray:
     """Turn the model's actions ``[H, action_dim]`` into DROID's ``[H, robot_dof]`` (float64).
 
     openpi unnormalizes all of them, then keeps the robot's dims (7 joint velocities, gripper).
@@ -250,15 +265,20 @@ def droid_actions(actions: np.ndarray | torch.Tensor, stats: NormStats, robot_do
     return quantile_unnormalize(actions, stats.actions)[..., :robot_dof]
 
 
-def robot_actions(actions: np.ndarray | torch.Tensor, stats: NormStats, layout: RobotLayout) -> np.ndarray:
-    """Turn the model's (absolute) actions ``[H, action_dim]`` into the robot's ``[H, layout.action_dim]`` (float64).
+def robot_actions(
+    actions: np.ndarray | torch.Tensor, stats: NormStats, layout: RobotLayout
+) -> np.ndarray:
+    """Turn the model's (absolute) actions ``[H, action_dim]`` into the robot's ``[H,
+    layout.action_dim]`` (float64).
 
     openpi's output transforms: unnormalize, keep the robot's dims, map them to its convention.
     """
     return layout.encode_actions(droid_actions(actions, stats, layout.action_dim))
 
 
-def prompt_state(observation: RobotObservation, stats: NormStats, width: int | None = None) -> np.ndarray:
+def prompt_state(
+    observation: RobotObservation, stats: NormStats, width: int | None = None
+) -> np.ndarray:
     """Return the state the prompt bins: quantile-normalized, zero-padded to ``width`` if given.
 
     openpi bins the robot's own dims (``width`` None); LeRobot pads to its ``max_state_dim``

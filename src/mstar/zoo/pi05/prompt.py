@@ -121,7 +121,9 @@ class PromptTokenizer:
             pieces than ``vocab_size``.
     """
 
-    def __init__(self, model_file: str | Path, max_token_len: int, *, vocab_size: int | None = None) -> None:
+    def __init__(
+        self, model_file: str | Path, max_token_len: int, *, vocab_size: int | None = None
+    ) -> None:
         path = Path(model_file)
         if not path.is_file():
             raise CheckpointError(f"SentencePiece model {str(path)!r} is not a file")
@@ -137,15 +139,19 @@ class PromptTokenizer:
         self.num_pieces: int = self._processor.get_piece_size()
         if vocab_size is not None and self.num_pieces > vocab_size:
             raise CheckpointError(
-                f"SentencePiece model {str(path)!r} has {self.num_pieces} pieces but the model embeds "
+                f"SentencePiece model {str(path)!r} has {self.num_pieces} pieces but the "
+                "model embeds "
                 f"only {vocab_size}: use the tokenizer the checkpoint was trained with"
             )
         self.max_token_len = max_token_len
         self.path = path
 
     @classmethod
-    def from_config(cls, config: Pi05Config, tokenizer_path: str | Path | None = None) -> PromptTokenizer:
-        """Open the tokenizer of a config (see `cached_tokenizer`), sized by its ``max_token_len``."""
+    def from_config(
+        cls, config: Pi05Config, tokenizer_path: str | Path | None = None
+    ) -> PromptTokenizer:
+        """Open the tokenizer of a config (see `cached_tokenizer`), sized by its
+        ``max_token_len``."""
         path = cached_tokenizer(config, tokenizer_path)
         return cls(path, config.max_token_len, vocab_size=config.vocab_size)
 
@@ -167,7 +173,9 @@ class PromptTokenizer:
             del ids[self.max_token_len :]
         return ids
 
-    def encode(self, task: str, state: np.ndarray | Sequence[float] | None) -> tuple[np.ndarray, np.ndarray]:
+    def encode(
+        self, task: str, state: np.ndarray | Sequence[float] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Tokenize a prompt into fixed-length arrays, as openpi's tokenizer returns them.
 
         Args:
@@ -256,7 +264,8 @@ def train_tiny_tokenizer(path: str | Path, vocab_size: int, *, seed: int = 0) ->
     """
     if not MIN_TRAINED_VOCAB <= vocab_size <= MAX_TRAINED_VOCAB:
         raise UnsupportedModelError(
-            f"a tiny pi0.5 tokenizer has {MIN_TRAINED_VOCAB}..{MAX_TRAINED_VOCAB} pieces, got {vocab_size}"
+            f"a tiny pi0.5 tokenizer has {MIN_TRAINED_VOCAB}..{MAX_TRAINED_VOCAB} pieces, "
+            f"got {vocab_size}"
         )
     model = io.BytesIO()
     # Gemma's normalization: text as is (identity, whitespace kept), so "\n" survives.
@@ -311,11 +320,14 @@ def cached_tokenizer(config: Pi05Config, tokenizer_path: str | Path | None = Non
         return path
     if config.vocab_size > MAX_TRAINED_VOCAB:
         raise CheckpointError(
-            f"{config.name} needs PaliGemma's SentencePiece tokenizer ({config.vocab_size} pieces), which "
+            f"{config.name} needs PaliGemma's SentencePiece tokenizer ({config.vocab_size} "
+            "pieces), which "
             "no pi0.5 checkpoint ships: download paligemma_tokenizer.model (gs://big_vision/, or "
             "tokenizer.model of google/paligemma-3b-pt-224) and pass its path"
         )
-    path = mstar_cache_dir() / "pi05" / f"tokenizer-bpe{config.vocab_size}-v{_TOKENIZER_VERSION}.model"
+    path = (
+        mstar_cache_dir() / "pi05" / f"tokenizer-bpe{config.vocab_size}-v{_TOKENIZER_VERSION}.model"
+    )
     if not path.is_file():
         train_tiny_tokenizer(path, config.vocab_size)
     return path

@@ -3,12 +3,17 @@
 openpi's ``src/openpi/policies/{droid,libero,aloha}_policy.py`` read these observations; every
 robot here is one `RobotLayout` row of `ROBOT_LAYOUTS`, and one parser reads them all::
 
-    robot   cameras (model slot <- key)                            state (dims)                    actions  asset id
-    droid   base_0_rgb       <- observation/exterior_image_1_left  observation/joint_position (7)  8        droid
-            left_wrist_0_rgb <- observation/wrist_image_left       + observation/gripper_position (1)
-    libero  base_0_rgb       <- observation/image                  observation/state (8)           7        physical-intelligence/libero
+    robot   cameras (model slot <- key)                            state (dims)
+    actions  asset id
+    droid   base_0_rgb       <- observation/exterior_image_1_left  observation/joint_position (7)  8
+    droid
+            left_wrist_0_rgb <- observation/wrist_image_left       + observation/gripper_position
+            (1)
+    libero  base_0_rgb       <- observation/image                  observation/state (8)           7
+    physical-intelligence/libero
             left_wrist_0_rgb <- observation/wrist_image
-    aloha   images: {cam_high -> base_0_rgb, cam_left_wrist ->     state (14)                      14       trossen
+    aloha   images: {cam_high -> base_0_rgb, cam_left_wrist ->     state (14)
+    14       trossen
             left_wrist_0_rgb, cam_right_wrist -> right_wrist_0_rgb; cam_low is accepted, unused}
 
 Every robot also sends ``prompt``. Slots a robot does not fill are absent (black, masked). ALOHA
@@ -139,7 +144,8 @@ class RobotLayout:
         """
         if not isinstance(obs, Mapping):
             raise ValueError(
-                f"a {self.label} observation is a mapping of keys to values, got {type(obs).__name__}"
+                f"a {self.label} observation is a mapping of keys to values, got "
+                f"{type(obs).__name__}"
             )
         vectors = [
             parse_vector(obs, f.key, f.size, self.label, allow_scalar=f.allow_scalar)
@@ -161,7 +167,8 @@ class RobotLayout:
             source = obs[key]
             if not isinstance(source, Mapping):
                 raise ValueError(
-                    f"{key!r} must be a mapping of camera names to images, got {type(source).__name__}"
+                    f"{key!r} must be a mapping of camera names to images, got "
+                    f"{type(source).__name__}"
                 )
             known = [c.key for c in self.cameras] + list(self.ignored_cameras)
             unknown = sorted(str(name) for name in source if name not in known)
@@ -198,7 +205,8 @@ class RobotObservation:
 
     Attributes:
         images: The cameras present, by model slot (uint8 ``[H, W, 3]``).
-        state: The state in the model's convention (ALOHA's mapped to pi's), float64, not normalized.
+        state: The state in the model's convention (ALOHA's mapped to pi's), float64, not
+            normalized.
         prompt: The instruction, non-empty.
     """
 
@@ -245,7 +253,8 @@ _ALOHA_GRIPPER_JOINT = (-0.6213, 1.4910)
 
 
 def aloha_state_to_pi(state: np.ndarray) -> np.ndarray:
-    """Map an ALOHA state ``[14]`` to pi's convention: flipped joints, grippers as normalized angles."""
+    """Map an ALOHA state ``[14]`` to pi's convention: flipped joints, grippers as normalized
+    angles."""
     out = np.asarray(state, dtype=np.float64) * _ALOHA_JOINT_SIGNS
     low, high = _GRIPPER_LINEAR
     linear = low + out[_ALOHA_GRIPPERS] * (high - low)
@@ -258,7 +267,8 @@ def aloha_state_to_pi(state: np.ndarray) -> np.ndarray:
 
 
 def aloha_actions_from_pi(actions: np.ndarray) -> np.ndarray:
-    """Map actions ``[..., 14]`` from pi's convention back to ALOHA's (joints flipped, gripper joint range)."""
+    """Map actions ``[..., 14]`` from pi's convention back to ALOHA's (joints flipped, gripper joint
+    range)."""
     out = np.asarray(actions, dtype=np.float64) * _ALOHA_JOINT_SIGNS
     lo, hi = _ALOHA_GRIPPER_JOINT
     out[..., _ALOHA_GRIPPERS] = (out[..., _ALOHA_GRIPPERS] + _PI_GRIPPER_ANGLE[0] - lo) / (hi - lo)
@@ -346,7 +356,8 @@ def missing_key(label: str, key: str, expected: str, within: str | None = None) 
 def parse_image(
     obs: Mapping[str, Any], key: str, label: str, *, within: str | None = None
 ) -> np.ndarray:
-    """Return ``obs[key]`` as a uint8 ``[H, W, 3]`` image (from HWC or CHW, uint8, ints or [0, 1] floats).
+    """Return ``obs[key]`` as a uint8 ``[H, W, 3]`` image (from HWC or CHW, uint8, ints or [0, 1]
+    floats).
 
     Raises:
         ValueError: The key is missing or not an image; the message names it.

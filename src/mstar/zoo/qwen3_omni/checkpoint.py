@@ -59,7 +59,8 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 RANDOM_INIT_VERSION = 2
-"""The version of `make_random_checkpoint`'s initialisation (cached random weights are keyed on it)."""
+"""The version of `make_random_checkpoint`'s initialisation (cached random weights are keyed on
+it)."""
 
 # (checkpoint prefix, our prefix); the first match wins.
 _PREFIXES: tuple[tuple[str, str], ...] = (
@@ -193,7 +194,8 @@ class _Target:
         return (rows, self.shape[2])
 
     def part(self, index: int) -> torch.Tensor:
-        """Return the slice of ``value`` checkpoint tensor ``index`` fills (gate rows before up rows)."""
+        """Return the slice of ``value`` checkpoint tensor ``index`` fills (gate rows before up
+        rows)."""
         assert self.value is not None
         if not self.is_stacked:
             return self.value
@@ -213,7 +215,8 @@ def load_qwen3_omni(
     nodes: Iterable[str] | None = None,
     into: Qwen3OmniWeights | None = None,
 ) -> Qwen3OmniWeights:
-    """Load the weights of ``nodes`` from a checkpoint directory onto ``device``, floats in ``dtype``.
+    """Load the weights of ``nodes`` from a checkpoint directory onto ``device``, floats in
+    ``dtype``.
 
     Only the tensors those nodes read (`NODE_WEIGHTS`) are read, from the shards that hold
     them; the other parameters stay on the meta device. Each parameter is allocated once, in
@@ -240,7 +243,11 @@ def load_qwen3_omni(
         raise CheckpointError(f"Qwen3-Omni checkpoint directory {str(directory)!r} does not exist")
     nodes = None if nodes is None else list(nodes)
     if config is None:
-        config = into.config if into is not None else Qwen3OmniConfig(name=directory.name, hf=load_hf_config(directory))
+        config = (
+            into.config
+            if into is not None
+            else Qwen3OmniConfig(name=directory.name, hf=load_hf_config(directory))
+        )
     device = torch.device(device)
     weights = into if into is not None else make_empty_weights(config, device=device, dtype=dtype)
     params = dict(weights.named_parameters())
@@ -254,7 +261,8 @@ def load_qwen3_omni(
         raise CheckpointError(
             f"Qwen3-Omni checkpoint {str(directory)!r} does not match config {config.name!r}: "
             f"missing {len(missing)} tensors {_some(checkpoint_name(n) for n in missing)}, "
-            f"unexpected {len(unknown)} tensors {_some(unknown)} (wrong config, or not a Qwen3-Omni checkpoint?)"
+            f"unexpected {len(unknown)} tensors {_some(unknown)} (wrong config, or not a "
+            "Qwen3-Omni checkpoint?)"
         )
     targets = [_Target(n, params[n].shape, sources[n], n in stacked) for n in wanted]
     by_shard: dict[Path, list[tuple[_Target, int, str]]] = {}
@@ -268,11 +276,14 @@ def load_qwen3_omni(
         for target, _, name in parts:
             entry = header.get(name)
             if entry is None:
-                raise CheckpointError(f"tensor {name!r} is not in {str(path)!r}, though the index places it there")
+                raise CheckpointError(
+                    f"tensor {name!r} is not in {str(path)!r}, though the index places it there"
+                )
             if entry.shape != target.part_shape():
                 raise CheckpointError(
                     f"tensor {name!r} in {str(path)!r} has shape {list(entry.shape)} but config "
-                    f"{config.name!r} needs {list(target.part_shape())} for {checkpoint_name(target.name)!r}"
+                    f"{config.name!r} needs {list(target.part_shape())} for "
+                    f"{checkpoint_name(target.name)!r}"
                 )
             num_bytes += entry.nbytes
     started = time.perf_counter()
@@ -286,7 +297,9 @@ def load_qwen3_omni(
                     if target.value is None:
                         is_float = params[target.name].is_floating_point()
                         target.value = torch.empty(
-                            target.shape, dtype=dtype if is_float else params[target.name].dtype, device=device
+                            target.shape,
+                            dtype=dtype if is_float else params[target.name].dtype,
+                            device=device,
                         )
                         target.num_left = len(target.sources)
                     reader.copy_into(path, name, target.part(index))
@@ -297,9 +310,13 @@ def load_qwen3_omni(
                     update(advance=1)
             reader.close(path)
     log.info(
-        "loaded Qwen3-Omni weights", checkpoint=str(directory), nodes=None if nodes is None else sorted(nodes),
-        num_tensors=len(wanted), num_bytes=reader.num_bytes_read, seconds=round(time.perf_counter() - started, 3),
-    )  # fmt: skip
+        "loaded Qwen3-Omni weights",
+        checkpoint=str(directory),
+        nodes=None if nodes is None else sorted(nodes),
+        num_tensors=len(wanted),
+        num_bytes=reader.num_bytes_read,
+        seconds=round(time.perf_counter() - started, 3),
+    )
     return weights.to_device_tables()
 
 

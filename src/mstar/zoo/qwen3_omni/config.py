@@ -78,15 +78,18 @@ class MoETextConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
             )
         if sum(self.mrope_section) != self.head_dim // 2:
             raise UnsupportedModelError(
-                f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 = {self.head_dim // 2}"
+                f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 = "
+                f"{self.head_dim // 2}"
             )
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
-                f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+                f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
+                f"{self.num_experts_per_tok}"
             )
 
     def is_moe_layer(self, index: int) -> bool:
@@ -206,7 +209,8 @@ class Qwen3OmniConfig:
             )
         if self.accept_hidden_layer > self.thinker_text.num_layers:
             raise UnsupportedModelError(
-                f"accept_hidden_layer {self.accept_hidden_layer} exceeds the thinker's {self.thinker_text.num_layers} layers"
+                f"accept_hidden_layer {self.accept_hidden_layer} exceeds the thinker's "
+                f"{self.thinker_text.num_layers} layers"
             )
 
     # -- sub-dicts ---------------------------------------------------------------------------------
@@ -226,7 +230,8 @@ class Qwen3OmniConfig:
         """Return the ``code2wav_config`` dict."""
         return dict(self.hf["code2wav_config"])
 
-    # -- typed parts --------------------------------------------------------------------------------
+    # -- typed parts
+    # --------------------------------------------------------------------------------
 
     @property
     def thinker_text(self) -> MoETextConfig:
@@ -243,10 +248,12 @@ class Qwen3OmniConfig:
         """Return the code predictor."""
         return CodePredictorConfig.from_hf(self.talker_hf["code_predictor_config"])
 
-    # -- token ids ----------------------------------------------------------------------------------
+    # -- token ids
+    # ----------------------------------------------------------------------------------
 
     def token_id(self, name: str) -> int:
-        """Return a top-level or thinker token id (``im_start_token_id``, ``audio_token_id``, ...)."""
+        """Return a top-level or thinker token id (``im_start_token_id``, ``audio_token_id``,
+        ...)."""
         if name in self.hf:
             return int(self.hf[name])
         thinker = self.hf["thinker_config"]
@@ -266,7 +273,8 @@ class Qwen3OmniConfig:
 
     @property
     def accept_hidden_layer(self) -> int:
-        """Return which captured thinker hidden state feeds the talker (0: the embeddings; k: layer k-1's output)."""
+        """Return which captured thinker hidden state feeds the talker (0: the embeddings; k: layer
+        k-1's output)."""
         return int(self.hf["talker_config"]["accept_hidden_layer"])
 
     @property
@@ -296,7 +304,8 @@ class Qwen3OmniConfig:
         return SAMPLE_RATE
 
     def make_hf_config(self) -> Any:
-        """Build transformers' `Qwen3OmniMoeConfig` from this config (for the reference and for saving)."""
+        """Build transformers' `Qwen3OmniMoeConfig` from this config (for the reference and for
+        saving)."""
         from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
             Qwen3OmniMoeConfig,
         )
@@ -730,7 +739,8 @@ def get_qwen3_omni_config(name: str, **overrides: Any) -> Qwen3OmniConfig:
 
 
 def config_from_checkpoint(path: str | Path) -> Qwen3OmniConfig:
-    """Return the config of a checkpoint directory: its own ``config.json``, named after the directory.
+    """Return the config of a checkpoint directory: its own ``config.json``, named after the
+    directory.
 
     The default voice is ``ethan`` when the talker has it, else its first ``speaker_id``.
 
@@ -742,7 +752,9 @@ def config_from_checkpoint(path: str | Path) -> Qwen3OmniConfig:
     hf = load_hf_config(path)
     where = repr(str(path / "config.json"))
     if hf.get("model_type") != "qwen3_omni_moe":
-        raise CheckpointError(f"{where} has model_type {hf.get('model_type')!r}, not 'qwen3_omni_moe'")
+        raise CheckpointError(
+            f"{where} has model_type {hf.get('model_type')!r}, not 'qwen3_omni_moe'"
+        )
     if not hf.get("enable_audio_output", True) or not isinstance(hf.get("talker_config"), dict):
         raise CheckpointError(
             f"{where} has no talker (enable_audio_output is false: a Thinking or Captioner "
@@ -752,8 +764,11 @@ def config_from_checkpoint(path: str | Path) -> Qwen3OmniConfig:
     if not speakers:
         raise CheckpointError(f"{where}: talker_config has no speaker_id")
     try:
-        config = Qwen3OmniConfig(name=path.name, hf=hf, speaker="ethan" if "ethan" in speakers else speakers[0])
-        _ = (config.thinker_text, config.talker_text, config.code_predictor)  # errors now, not at load
+        config = Qwen3OmniConfig(
+            name=path.name, hf=hf, speaker="ethan" if "ethan" in speakers else speakers[0]
+        )
+        # errors now, not at load
+        _ = (config.thinker_text, config.talker_text, config.code_predictor)
     except (UnsupportedModelError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: {exc}") from exc
     return config

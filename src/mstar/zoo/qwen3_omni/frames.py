@@ -7,8 +7,10 @@ frame's time, so it runs where the step runs: `TalkerStepModel` wraps the talker
 every `FrameInput` chunk of the step as one batch. The draws land in the request's
 `SpeechState`, which the node reads when the firing completes::
 
-    event loop   TalkerNode.forward: FrameInput(rows, state) ─┐            ┌─▶ forward_outputs: state.frame
-    step thread                       decoder(step) ─▶ draw_frames(last rows) ─▶ state.frame, state.pending
+    event loop   TalkerNode.forward: FrameInput(rows, state) ─┐            ┌─▶ forward_outputs:
+    state.frame
+    step thread                       decoder(step) ─▶ draw_frames(last rows) ─▶ state.frame,
+    state.pending
 
 A request has one firing in flight at a time, so its state is never touched by both threads
 at once; the step's hand-over to the event loop orders the writes before the reads.
@@ -41,7 +43,8 @@ class SpeechState:
     max_frames: int
     speaker: int
     texts: deque[torch.Tensor] = field(default_factory=deque)  # projected text rows not yet spoken
-    drawn: list[int] = field(default_factory=list)  # codebook-0 draws (the repetition penalty's history)
+    # codebook-0 draws (the repetition penalty's history)
+    drawn: list[int] = field(default_factory=list)
     pending: torch.Tensor | None = None  # summed embeddings of the last frame
     frame: torch.Tensor | None = None  # the last frame's 16 codes, until its firing completes
     is_started: bool = False  # the assistant prefill is in the cache
@@ -130,7 +133,9 @@ class TalkerStepModel:
         return self.decoder.max_position
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
         """Run the decoder over the step; draw the frame of every `FrameInput` chunk in it."""
         hidden = self.decoder(input_ids, positions, ctx)
         frames = [c for c in ctx.step.chunks if isinstance(c.payload, FrameInput)]

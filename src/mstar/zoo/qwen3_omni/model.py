@@ -1,4 +1,5 @@
-"""Qwen3-Omni as an mstar model: a thinker writing, a talker speaking as it writes, Code2Wav voicing it.
+"""Qwen3-Omni as an mstar model: a thinker writing, a talker speaking as it writes, Code2Wav voicing
+it.
 
 Three partitions run side by side for a request::
 
@@ -158,7 +159,8 @@ def make_qwen3_omni_graph(name: str = "qwen3-omni", chunk_frames: int = 25) -> M
 
 @dataclass
 class _Plan:
-    """A request's walk plan: its prefill walks, whether it speaks, and how far each partition got."""
+    """A request's walk plan: its prefill walks, whether it speaks, and how far each partition
+    got."""
 
     prefills: list[str]
     num_segments: int
@@ -210,14 +212,19 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
         if config is None:
             if checkpoint is None:
-                raise CheckpointError("Qwen3-Omni needs a config name or checkpoint= a directory in the Hugging Face layout")
+                raise CheckpointError(
+                    "Qwen3-Omni needs a config name or checkpoint= a directory in the "
+                    "Hugging Face layout"
+                )
             cfg = config_from_checkpoint(checkpoint)
         else:
             cfg = get_qwen3_omni_config(config) if isinstance(config, str) else config
         random = checkpoint is None
         if checkpoint is None:
             if cfg.name == "qwen3-omni-30b-a3b":
-                raise CheckpointError(f"{cfg.name} needs checkpoint= a directory in the Hugging Face layout")
+                raise CheckpointError(
+                    f"{cfg.name} needs checkpoint= a directory in the Hugging Face layout"
+                )
             checkpoint = str(_cached_random_checkpoint(cfg))
         path = Path(checkpoint)
         if not (path / "config.json").is_file():
@@ -237,7 +244,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         self.codec_skip_context = codec_skip_context
         self.tokenizer: Any = _load_tokenizer(cfg, path)
         # The character tokenizer of the random-weight configs takes raw prompts.
-        self.chat_prompts = not isinstance(self.tokenizer, CharTokenizer) and self.tokenizer.chat_template is not None
+        self.chat_prompts = (
+            not isinstance(self.tokenizer, CharTokenizer)
+            and self.tokenizer.chat_template is not None
+        )
         self._graph = make_qwen3_omni_graph(cfg.name, cfg.chunk_frames)
         self._weights: dict[torch.device, Qwen3OmniWeights] = {}
         self._loading: dict[torch.device, threading.Lock] = {}  # ranks load on worker threads
@@ -261,7 +271,8 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         return self._graph
 
     def engine_types(self) -> dict[str, EngineType]:
-        """Return KV_CACHE for the thinker and the talker, STATELESS for the encoders and Code2Wav."""
+        """Return KV_CACHE for the thinker and the talker, STATELESS for the encoders and
+        Code2Wav."""
         return {
             "thinker": EngineType.KV_CACHE,
             "talker": EngineType.KV_CACHE,
@@ -291,7 +302,9 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             self._graph.name,
         )
 
-    def load_weights(self, device: torch.device, nodes: Iterable[str] | None = None) -> Qwen3OmniWeights:
+    def load_weights(
+        self, device: torch.device, nodes: Iterable[str] | None = None
+    ) -> Qwen3OmniWeights:
         """Load the weights ``nodes`` read onto ``device`` (default: every node's).
 
         One `Qwen3OmniWeights` per device, shared by every node there: each call reads only
@@ -328,7 +341,8 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         raise KeyError(node)
 
     def preprocess(self, request: Request) -> PreparedRequest:
-        """Build the prompt (chat template, media placeholders), its segments and the sampling settings."""
+        """Build the prompt (chat template, media placeholders), its segments and the sampling
+        settings."""
         if request.task not in ("generate", "speech"):
             raise ValueError(f"task must be 'generate' or 'speech', got {request.task!r}")
         data, params = dict(request.data), request.params
@@ -341,9 +355,16 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
             ] + list(self.eos_token_ids)
             data = {**data, "messages": [{"role": "user", "content": text}]}
             data.pop("text", None)
-        modalities: list[str] = list(_MODALITIES) if request.task == "speech" else list(options.modalities or _MODALITIES)
+        modalities: list[str] = (
+            list(_MODALITIES)
+            if request.task == "speech"
+            else list(options.modalities or _MODALITIES)
+        )
         if "text" not in modalities:  # the options' type holds the rest: "text" and "audio" only
-            raise InvalidRequestError(f"modalities must be ['text'] or ['text', 'audio'], got {modalities!r}", param="modalities")
+            raise InvalidRequestError(
+                f"modalities must be ['text'] or ['text', 'audio'], got {modalities!r}",
+                param="modalities",
+            )
         speaks = "audio" in modalities
         ids, media = self._prompt(data)
         segments = make_segments(self.config, ids, media)
@@ -359,12 +380,15 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         if speaker.lower() not in speakers:
             raise ValueError(f"unknown speaker {speaker!r}; the model has {sorted(speakers)}")
         talker = {
-            "seed": int(seed) % 2**63, "speaker": speakers[speaker.lower()],
+            "seed": int(seed) % 2**63,
+            "speaker": speakers[speaker.lower()],
             "max_frames": options.max_audio_frames or self.max_audio_frames,
-            "talker_temperature": options.talker_temperature, "talker_top_k": options.talker_top_k,
-            "talker_top_p": options.talker_top_p, "talker_repetition_penalty": options.talker_repetition_penalty,
+            "talker_temperature": options.talker_temperature,
+            "talker_top_k": options.talker_top_k,
+            "talker_top_p": options.talker_top_p,
+            "talker_repetition_penalty": options.talker_repetition_penalty,
             "return_codes": options.return_codes,
-        }  # fmt: skip
+        }
         inputs: dict[str, dict[str, Any]] = {
             "thinker": {
                 "segments": segments,
@@ -378,7 +402,10 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         }
         # Every segment but the last is a prefill walk; the last starts the answer's token walk.
         plan = _Plan(
-            [_PREFILL[s["kind"]] for s in segments[:-1]], len(segments), speaks, extra={"prompt_len": len(ids)}
+            [_PREFILL[s["kind"]] for s in segments[:-1]],
+            len(segments),
+            speaks,
+            extra={"prompt_len": len(ids)},
         )
         return PreparedRequest(inputs, plan)
 
@@ -449,7 +476,8 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         return "talker_prefill" if partition == "Talker" else "code2wav_chunk"
 
     def next_walk(self, partition: str, state: Any, finished: str) -> str | None:
-        """Thinker: prefills in prompt order, then decode; Talker: a prefill per segment, then decode."""
+        """Thinker: prefills in prompt order, then decode; Talker: a prefill per segment, then
+        decode."""
         plan: _Plan = state
         if partition == "Thinker":
             if finished == "thinker_decode":
@@ -498,7 +526,8 @@ def _load_tokenizer(cfg: Qwen3OmniConfig, path: Path) -> Any:
 
 
 def _cached_random_checkpoint(cfg: Qwen3OmniConfig) -> Path:
-    """Return random weights for ``cfg`` under the cache, writing them once (keyed by its values)."""
+    """Return random weights for ``cfg`` under the cache, writing them once (keyed by its
+    values)."""
     digest = hashlib.sha256(json.dumps(cfg.hf, sort_keys=True).encode()).hexdigest()[:12]
     return written_once(
         mstar_cache_dir() / "qwen3_omni" / f"{cfg.name}-{RANDOM_INIT_VERSION}-{digest}",

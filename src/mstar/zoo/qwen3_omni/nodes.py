@@ -1,4 +1,5 @@
-"""Qwen3-Omni's graph nodes: the encoders, the thinker, the talker (with its code predictor), Code2Wav.
+"""Qwen3-Omni's graph nodes: the encoders, the thinker, the talker (with its code predictor),
+Code2Wav.
 
 The thinker appends the prompt's segments by forward firings (`ForwardKVNode`), then answers
 on the engine's token loop (`KVNode`): the engine samples, stops and reports log-probabilities
@@ -49,7 +50,8 @@ __all__ = [
 
 
 def draw_params(raw: Mapping[str, Any], prefix: str = "") -> DrawParams:
-    """Return the `DrawParams` of a request's sampling dict (keys ``temperature``, ``top_k``, ...)."""
+    """Return the `DrawParams` of a request's sampling dict (keys ``temperature``, ``top_k``,
+    ...)."""
     return DrawParams(
         temperature=float(raw.get(f"{prefix}temperature", 0.0)),
         top_k=int(raw.get(f"{prefix}top_k", 0) or 0),
@@ -91,7 +93,8 @@ class AudioEncoderNode:
 
 
 class VisionEncoderNode:
-    """``vision_encoder``: the current segment's image patches through the vision tower (with DeepStack)."""
+    """``vision_encoder``: the current segment's image patches through the vision tower (with
+    DeepStack)."""
 
     def __init__(self, weights: Qwen3OmniWeights) -> None:
         self.weights = weights
@@ -138,7 +141,8 @@ class ThinkerNode:
         self.model = weights.thinker_text
         self.hidden = self.model.hidden_size
         self.engine_config = _engine_config(max_model_len)
-        self._answers: dict[str, tuple[bool, Mapping[str, Any]]] = {}  # request -> (speaks, last segment)
+        # request -> (speaks, last segment)
+        self._answers: dict[str, tuple[bool, Mapping[str, Any]]] = {}
 
     # -- the prompt's segments: forward firings --------------------------------------------
 
@@ -152,11 +156,15 @@ class ThinkerNode:
         if not isinstance(media, Mapping):
             raise ValueError(f"a {seg['kind']} segment needs its encoder's output")
         payload = EmbedsInput(
-            torch.as_tensor(media["embeds"]), positions3=seg["positions3"], rope_delta=seg["rope_delta"],
+            torch.as_tensor(media["embeds"]),
+            positions3=seg["positions3"],
+            rope_delta=seg["rope_delta"],
             deepstack=media.get("deepstack"),
-        )  # fmt: skip
+        )
         if payload.num_rows != len(ids):
-            raise ValueError(f"the encoder made {payload.num_rows} tokens for {len(ids)} placeholders")
+            raise ValueError(
+                f"the encoder made {payload.num_rows} tokens for {len(ids)} placeholders"
+            )
         return KVForward([KVChunk(payload=payload, num_tokens=payload.num_rows)])
 
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
@@ -166,7 +174,9 @@ class ThinkerNode:
             cursor = int(f.inputs["cursor"])
             out: dict[str, Any] = {"cursor": cursor + 1}
             if f.inputs["sampling"]["speak"]:
-                out["thinker_states"] = self._prefill_item(f.inputs["segments"][cursor], f.rows[0], None)
+                out["thinker_states"] = self._prefill_item(
+                    f.inputs["segments"][cursor], f.rows[0], None
+                )
             results.append(out)
         return results
 
@@ -177,7 +187,9 @@ class ThinkerNode:
         segments, sampling = inputs["segments"], inputs["sampling"]
         last = segments[-1]
         if int(inputs["cursor"]) != len(segments) - 1 or last["kind"] != "text":
-            raise ValueError("the answer starts after every segment but the last (text) is in the cache")
+            raise ValueError(
+                "the answer starts after every segment but the last (text) is in the cache"
+            )
         speaks = bool(sampling["speak"])
         self._answers[request_id] = (speaks, last)
         forced = sampling["forced"]
@@ -194,7 +206,8 @@ class ThinkerNode:
         logprobs: TokenLogprobs | None = None,
         rows: torch.Tensor | None = None,
     ) -> Mapping[str, Any]:
-        """Emit the token; feed the talker (the opening's rows first); ``stop`` on the last token."""
+        """Emit the token; feed the talker (the opening's rows first); ``stop`` on the last
+        token."""
         is_end = history is not None
         text: Any = token_id if logprobs is None else logprobs.to_dict()
         out: dict[str, Any] = {"text": text, "stop": is_end}
@@ -203,7 +216,9 @@ class ThinkerNode:
             embed = None
             if not is_end:
                 with torch.inference_mode():
-                    embed = self.model.embedding(torch.tensor([token_id], device=self.model.embedding.weight.device))[0]
+                    embed = self.model.embedding(
+                        torch.tensor([token_id], device=self.model.embedding.weight.device)
+                    )[0]
             if rows is not None:
                 out["thinker_states"] = self._prefill_item(last, rows, embed)
             elif embed is not None:
@@ -257,7 +272,8 @@ class ForcedTokens:
 
 
 class TalkerNode:
-    """``talker`` (`ForwardKVNode`): the talker's prompt segment by segment, then one codec frame per firing.
+    """``talker`` (`ForwardKVNode`): the talker's prompt segment by segment, then one codec frame
+    per firing.
 
     Inputs: ``thinker_states`` (a chunk of the thinker's stream) and ``talker_params``
     (sampling, voice, frame cap, seed). Outputs: ``codes`` (a frame ``[16]``, streamed to
@@ -311,9 +327,12 @@ class TalkerNode:
             )
             device = self.weights.talker_text.embedding.weight.device
             state = self._speech[request_id] = SpeechState(
-                sampling, code_sampling, _generator(int(params["seed"]), device), int(params["max_frames"]),
+                sampling,
+                code_sampling,
+                _generator(int(params["seed"]), device),
+                int(params["max_frames"]),
                 int(params["speaker"]),
-            )  # fmt: skip
+            )
         return state
 
     @torch.no_grad()
@@ -375,7 +394,8 @@ class TalkerNode:
         return KVForward([KVChunk(payload=FrameInput(x, state=state), num_tokens=1, output="none")])
 
     def _assistant(self, opening: torch.Tensor, state: SpeechState) -> torch.Tensor:
-        """Return the 9 assistant positions: text ``A0 A1 A2 pad*4 bos A3`` plus codec ``0 0 0 nothink think_bos think_eos speaker pad bos``."""
+        """Return the 9 assistant positions: text ``A0 A1 A2 pad*4 bos A3`` plus codec ``0 0 0
+        nothink think_bos think_eos speaker pad bos``."""
         first = state.texts.popleft()
         text = torch.cat((opening, self.tts_pad.expand(4, -1), self.tts_bos[None], first[None]))
         speaker = self.weights.talker_text.embedding(
@@ -393,7 +413,8 @@ class TalkerNode:
         return text + codec
 
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
-        """Return each firing's frame (drawn in its step, see `TalkerStepModel`) and its stop signal."""
+        """Return each firing's frame (drawn in its step, see `TalkerStepModel`) and its stop
+        signal."""
         results: list[Mapping[str, Any] | BaseException] = []
         for f in firings:
             state = self._speech.get(f.request_id)

@@ -3,8 +3,10 @@
 A prompt (token ids with one placeholder per audio or image token) becomes a list of
 segments, each one prefill walk of the thinker and one ``talker_prefill`` of the talker::
 
-    ids       <|im_start|>system ... user\\n <audio_start> <audio>*n <audio_end> text <|im_start|>assistant\\n
-    segments  text ──────────────────────┘  audio ─────┘  text ────────────────────────────────┘ (last)
+    ids       <|im_start|>system ... user\\n <audio_start> <audio>*n <audio_end> text
+    <|im_start|>assistant\\n
+    segments  text ──────────────────────┘  audio ─────┘  text ────────────────────────────────┘
+    (last)
 
 A segment holds its ids, which of its positions belong to user turns (what the talker is fed),
 its MRoPE coordinates when the prompt holds images (the thinker's, and the talker's for its
@@ -33,14 +35,16 @@ AUDIO_RATE = 16_000
 
 @dataclass(frozen=True, eq=False)
 class MediaInputs:
-    """A prompt's media in prompt order: log-mel features ``[mel, frames]``; image patches and grids."""
+    """A prompt's media in prompt order: log-mel features ``[mel, frames]``; image patches and
+    grids."""
 
     audio: tuple[torch.Tensor, ...] = ()
     images: tuple[tuple[torch.Tensor, tuple[int, int, int]], ...] = ()
 
 
 def audio_features(config: Qwen3OmniConfig, waveform: Any) -> torch.Tensor:
-    """Return the log-mel features ``[mel, frames]`` of a 16 kHz mono waveform (Whisper's extractor)."""
+    """Return the log-mel features ``[mel, frames]`` of a 16 kHz mono waveform (Whisper's
+    extractor)."""
     from transformers import WhisperFeatureExtractor
 
     samples = np.asarray(waveform, dtype=np.float32).reshape(-1)
@@ -59,7 +63,8 @@ def audio_features(config: Qwen3OmniConfig, waveform: Any) -> torch.Tensor:
 def image_patches(
     config: Qwen3OmniConfig, image: Any, max_pixels: int = 256 * 28 * 28
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Return an RGB image's patches ``[patches, C*T*P*P]`` and grid ``(t, h, w)`` (Qwen2-VL's processor)."""
+    """Return an RGB image's patches ``[patches, C*T*P*P]`` and grid ``(t, h, w)`` (Qwen2-VL's
+    processor)."""
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -118,12 +123,15 @@ def make_segments(
     n_window = int(config.thinker_hf["audio_config"].get("n_window", 50))
     if len(audio_runs) != len(media.audio):
         raise ValueError(
-            f"the prompt has {len(audio_runs)} audio placeholders but {len(media.audio)} audio inputs"
+            f"the prompt has {len(audio_runs)} audio placeholders but {len(media.audio)} "
+            "audio inputs"
         )
     for (lo, hi), feats in zip(audio_runs, media.audio, strict=True):
         if hi - lo != audio_token_count(int(feats.shape[1]), n_window):
             raise ValueError(
-                f"an audio of {feats.shape[1]} frames takes {audio_token_count(int(feats.shape[1]), n_window)} placeholders, the prompt has {hi - lo}"
+                f"an audio of {feats.shape[1]} frames takes "
+                f"{audio_token_count(int(feats.shape[1]), n_window)} placeholders, the "
+                f"prompt has {hi - lo}"
             )
     vision = config.thinker_hf["vision_config"]
     merge = int(vision.get("spatial_merge_size", 2))

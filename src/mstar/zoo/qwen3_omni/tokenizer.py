@@ -115,7 +115,8 @@ class CharTokenizer:
         return {"input_ids": self.encode(text)}
 
     def encode(self, text: str) -> list[int]:
-        """Encode ``text``: specials by name, the role after ``<|im_start|>`` as its token, ASCII as itself."""
+        """Encode ``text``: specials by name, the role after ``<|im_start|>`` as its token, ASCII as
+        itself."""
         ids: list[int] = []
         for piece in self._split.split(text):
             if not piece:

@@ -72,7 +72,12 @@ class CEMParams:
             raise ValueError(f"topk must be in 2..samples ({self.samples}), got {self.topk}")
         if self.rollout < 1:
             raise ValueError(f"rollout must be >= 1, got {self.rollout}")
-        for name in ("momentum_mean", "momentum_std", "momentum_mean_gripper", "momentum_std_gripper"):
+        for name in (
+            "momentum_mean",
+            "momentum_std",
+            "momentum_mean_gripper",
+            "momentum_std_gripper",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.maxnorm <= 0 or self.gripper_clip <= 0:
@@ -84,7 +89,9 @@ class CEMParams:
         fields = set(cls.__dataclass_fields__)
         unknown = set(overrides) - fields
         if unknown:
-            raise ValueError(f"unknown planning settings {sorted(unknown)}; known: {sorted(fields)}")
+            raise ValueError(
+                f"unknown planning settings {sorted(unknown)}; known: {sorted(fields)}"
+            )
         values: dict[str, Any] = {**asdict(defaults), "seed": 0, **overrides}
         for name in ("rollout", "samples", "topk", "cem_steps", "seed"):
             if isinstance(values[name], bool) or not isinstance(values[name], int):
@@ -114,12 +121,19 @@ class CEMState:
 
     def to_value(self) -> dict[str, Any]:
         """Return the state as a node value (tensors, numbers and dicts)."""
-        return {"mean": self.mean, "std": self.std, "iteration": self.iteration, "params": asdict(self.params)}
+        return {
+            "mean": self.mean,
+            "std": self.std,
+            "iteration": self.iteration,
+            "params": asdict(self.params),
+        }
 
     @classmethod
     def from_value(cls, value: Mapping[str, Any]) -> CEMState:
         """Rebuild a state from `to_value`'s form."""
-        return cls(value["mean"], value["std"], int(value["iteration"]), CEMParams(**value["params"]))
+        return cls(
+            value["mean"], value["std"], int(value["iteration"]), CEMParams(**value["params"])
+        )
 
 
 def sample_actions(state: CEMState) -> torch.Tensor:
@@ -136,7 +150,8 @@ def sample_actions(state: CEMState) -> torch.Tensor:
 
 
 def l1_energy(final: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
-    """Return ``[S]`` energies ``mean |final - goal|`` of ``[S, N, D]`` latents and an ``[N, D]`` goal."""
+    """Return ``[S]`` energies ``mean |final - goal|`` of ``[S, N, D]`` latents and an ``[N, D]``
+    goal."""
     return (final.float() - goal.float().to(final.device)).abs().flatten(1).mean(dim=1)
 
 
@@ -154,7 +169,8 @@ def refit(state: CEMState, actions: torch.Tensor, energies: torch.Tensor) -> CEM
 
 
 def final_plan(state: CEMState) -> torch.Tensor:
-    """Return the planned ``[rollout, 7]`` trajectory: the mean, no rotation, small gripper means 0."""
+    """Return the planned ``[rollout, 7]`` trajectory: the mean, no rotation, small gripper means
+    0."""
     gripper = state.mean[:, 3:]
     gripper = torch.where(gripper.abs() < 0.25, torch.zeros_like(gripper), gripper)
     return torch.cat([state.mean[:, :3], torch.zeros(state.mean.shape[0], 3), gripper], dim=-1)
@@ -164,13 +180,23 @@ Rollout = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``rollout(latent [S, N, D], pose [S, 7], actions [S, R, 7]) -> final latent [S, N, D]``."""
 
 
-def plan_with(rollout: Rollout, context: torch.Tensor, pose: torch.Tensor, goal: torch.Tensor, params: CEMParams) -> torch.Tensor:
+def plan_with(
+    rollout: Rollout,
+    context: torch.Tensor,
+    pose: torch.Tensor,
+    goal: torch.Tensor,
+    params: CEMParams,
+) -> torch.Tensor:
     """Plan in-process: the CEM iterations around ``rollout``; return the ``[rollout, 7]`` plan."""
     state = CEMState.initial(params)
     for _ in range(params.cem_steps):
         actions = sample_actions(state)
         s = params.samples
-        final = rollout(context.reshape(1, *context.shape[-2:]).expand(s, -1, -1), pose.reshape(1, -1).expand(s, -1), actions)
+        final = rollout(
+            context.reshape(1, *context.shape[-2:]).expand(s, -1, -1),
+            pose.reshape(1, -1).expand(s, -1),
+            actions,
+        )
         state = refit(state, actions, l1_energy(final, goal))
     return final_plan(state)
 

@@ -62,7 +62,9 @@ def _upstream_init(module: nn.Module, blocks: nn.ModuleList, generator: torch.Ge
     for m in module.modules():
         if isinstance(m, nn.Linear | nn.Conv3d):
             with torch.no_grad():
-                m.weight.copy_(torch.randn(m.weight.shape, generator=generator).clamp_(-2.0, 2.0) * 0.02)
+                m.weight.copy_(
+                    torch.randn(m.weight.shape, generator=generator).clamp_(-2.0, 2.0) * 0.02
+                )
                 if m.bias is not None:
                     m.bias.zero_()
         elif isinstance(m, nn.LayerNorm):
@@ -121,7 +123,8 @@ def _part(payload: Mapping[str, Any], part: str, path: Path) -> dict[str, torch.
     if not isinstance(payload.get(part), Mapping):
         raise CheckpointError(
             f"{str(path)!r} is not a V-JEPA 2-AC checkpoint: expected a dict with "
-            f"'encoder' and 'predictor' state dicts, found {sorted(map(str, payload))} (no {part!r})"
+            f"'encoder' and 'predictor' state dicts, found {sorted(map(str, payload))} (no "
+            f"{part!r})"
         )
     out = {}
     for key, value in payload[part].items():
@@ -156,7 +159,8 @@ def read_parts(path: str | Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def is_vjepa2_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is an upstream V-JEPA 2-AC ``.pt``: a ``torch.save`` zip whose dict holds an
-    ``encoder`` with ``patch_embed.proj.weight`` and a ``predictor`` with ``predictor_embed.weight``.
+    ``encoder`` with ``patch_embed.proj.weight`` and a ``predictor`` with
+    ``predictor_embed.weight``.
 
     Cheap: only the zip directory and the pickle are read; the tensors stay memory-mapped.
     """
@@ -167,7 +171,10 @@ def is_vjepa2_checkpoint(path: str | Path) -> bool:
         parts = read_parts(path)
     except CheckpointError:
         return False
-    return "patch_embed.proj.weight" in parts["encoder"] and "predictor_embed.weight" in parts["predictor"]
+    return (
+        "patch_embed.proj.weight" in parts["encoder"]
+        and "predictor_embed.weight" in parts["predictor"]
+    )
 
 
 def _check_state(
@@ -180,7 +187,8 @@ def _check_state(
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
-            f"{str(path)!r} does not match this {part}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"{str(path)!r} does not match this {part}: missing "
+            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''} ({hint})"
         )
     for key, tensor in state.items():
@@ -199,9 +207,18 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], part: str, pat
 
 # --- sizes read from a checkpoint ---------------------------------------------------------------
 
-ENCODER_NUM_HEADS: dict[int, int] = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16, 1408: 22, 1664: 26}
+ENCODER_NUM_HEADS: dict[int, int] = {
+    192: 3,
+    384: 6,
+    768: 12,
+    1024: 16,
+    1280: 16,
+    1408: 22,
+    1664: 26,
+}
 """Upstream's encoder heads per width (``src/models/vision_transformer.py``: ``vit_tiny`` ...
-``vit_gigantic_xformers``; at 1408 and 1664 the ``_xformers`` variants, which V-JEPA 2 publishes)."""
+``vit_gigantic_xformers``; at 1408 and 1664 the ``_xformers`` variants, which V-JEPA 2
+publishes)."""
 
 PREDICTOR_NUM_HEADS: dict[int, int] = {1024: 16}
 """Upstream's AC-predictor heads per width (``configs/train/vitg16/droid-256px-8f.yaml``)."""
@@ -216,29 +233,41 @@ UPSTREAM_NUM_FRAMES = 64
 _MLP_RATIOS = (4.0, 48 / 11)  # upstream's ratios, kept exact when the hidden width matches one
 
 
-def _tensor(state: Mapping[str, torch.Tensor], key: str, ndim: int, part: str, path: Path) -> torch.Tensor:
+def _tensor(
+    state: Mapping[str, torch.Tensor], key: str, ndim: int, part: str, path: Path
+) -> torch.Tensor:
     tensor = state.get(key)
     if tensor is None:
         raise CheckpointError(f"{str(path)!r}: the {part} lacks {key!r}, which gives its sizes")
     if tensor.dim() != ndim:
-        raise CheckpointError(f"{str(path)!r}: {part} {key!r} has shape {list(tensor.shape)}, expected {ndim} dimensions")
+        raise CheckpointError(
+            f"{str(path)!r}: {part} {key!r} has shape {list(tensor.shape)}, expected {ndim} "
+            "dimensions"
+        )
     return tensor
 
 
 def _num_blocks(state: Mapping[str, torch.Tensor], prefix: str, part: str, path: Path) -> int:
     """Count the blocks ``{prefix}{i}.*``; they must be numbered 0 .. n-1."""
-    indices = {int(head) for key in state if key.startswith(prefix) and (head := key[len(prefix) :].split(".", 1)[0]).isdigit()}
+    indices = {
+        int(head)
+        for key in state
+        if key.startswith(prefix) and (head := key[len(prefix) :].split(".", 1)[0]).isdigit()
+    }
     if not indices:
         raise CheckpointError(f"{str(path)!r}: the {part} has no blocks ({prefix}0.* is missing)")
     gaps = sorted(set(range(max(indices) + 1)) - indices)
     if gaps:
         raise CheckpointError(
-            f"{str(path)!r}: the {part} has blocks up to {prefix}{max(indices)} but {prefix}{gaps[0]}.* is missing"
+            f"{str(path)!r}: the {part} has blocks up to {prefix}{max(indices)} but "
+            f"{prefix}{gaps[0]}.* is missing"
         )
     return max(indices) + 1
 
 
-def _num_heads(width: int, override: int | None, table: Mapping[int, int], part: str, argument: str, path: Path) -> int:
+def _num_heads(
+    width: int, override: int | None, table: Mapping[int, int], part: str, argument: str, path: Path
+) -> int:
     if override is not None:
         return override
     if width in table:
@@ -246,14 +275,16 @@ def _num_heads(width: int, override: int | None, table: Mapping[int, int], part:
     if width % UPSTREAM_HEAD_DIM == 0:
         return width // UPSTREAM_HEAD_DIM
     raise CheckpointError(
-        f"{str(path)!r}: the {part}'s heads cannot be read from its tensors and its width {width} is neither an "
+        f"{str(path)!r}: the {part}'s heads cannot be read from its tensors and its width "
+        f"{width} is neither an "
         f"upstream variant's ({sorted(table)}) nor a multiple of {UPSTREAM_HEAD_DIM}: pass "
         f"config_from_checkpoint(..., {argument}=N), or config= a VJepa2Config"
     )
 
 
 def _mlp_ratio(width: int, hidden: int) -> float:
-    """Return the ratio whose ``int(width * ratio)`` is ``hidden`` (upstream's own when one fits)."""
+    """Return the ratio whose ``int(width * ratio)`` is ``hidden`` (upstream's own when one
+    fits)."""
     for ratio in _MLP_RATIOS:
         if int(width * ratio) == hidden:
             return ratio
@@ -272,24 +303,33 @@ def config_from_parts(
     num_heads: int | None = None,
     pred_num_heads: int | None = None,
 ) -> VJepa2Config:
-    """Return the config of state dicts already read from ``path`` (see `config_from_checkpoint`)."""
+    """Return the config of state dicts already read from ``path`` (see
+    `config_from_checkpoint`)."""
     path = Path(path)
     enc, pred = parts["encoder"], parts["predictor"]
     patch_w = _tensor(enc, "patch_embed.proj.weight", 5, "encoder", path)
     embed_dim, in_chans, tubelet, patch, patch_cols = patch_w.shape
     if patch != patch_cols:
-        raise CheckpointError(f"{str(path)!r}: encoder 'patch_embed.proj.weight' has non-square patches {patch}x{patch_cols}")
+        raise CheckpointError(
+            f"{str(path)!r}: encoder 'patch_embed.proj.weight' has non-square patches "
+            f"{patch}x{patch_cols}"
+        )
     if in_chans != 3:
-        raise CheckpointError(f"{str(path)!r}: encoder 'patch_embed.proj.weight' takes {in_chans} channels; V-JEPA 2 encodes RGB (3)")
+        raise CheckpointError(
+            f"{str(path)!r}: encoder 'patch_embed.proj.weight' takes {in_chans} channels; "
+            "V-JEPA 2 encodes RGB (3)"
+        )
     if img_size % patch:
         raise CheckpointError(
-            f"{str(path)!r}: patch size {patch} (encoder 'patch_embed.proj.weight') does not divide the image size "
+            f"{str(path)!r}: patch size {patch} (encoder 'patch_embed.proj.weight') does not "
+            "divide the image size "
             f"{img_size}: pass config_from_checkpoint(..., img_size=a multiple of {patch})"
         )
     pred_dim, pred_in = _tensor(pred, "predictor_embed.weight", 2, "predictor", path).shape
     if pred_in != embed_dim:
         raise CheckpointError(
-            f"{str(path)!r}: predictor 'predictor_embed.weight' takes {pred_in} features but the encoder's width "
+            f"{str(path)!r}: predictor 'predictor_embed.weight' takes {pred_in} features but "
+            "the encoder's width "
             f"('patch_embed.proj.weight') is {embed_dim}"
         )
     action_dim = _tensor(pred, "action_encoder.weight", 2, "predictor", path).shape[1]
@@ -303,14 +343,18 @@ def config_from_parts(
             in_chans=in_chans,
             embed_dim=embed_dim,
             depth=_num_blocks(enc, "blocks.", "encoder", path),
-            num_heads=_num_heads(embed_dim, num_heads, ENCODER_NUM_HEADS, "encoder", "num_heads", path),
+            num_heads=_num_heads(
+                embed_dim, num_heads, ENCODER_NUM_HEADS, "encoder", "num_heads", path
+            ),
             mlp_ratio=_mlp_ratio(embed_dim, hidden),
         )
         predictor = PredictorConfig(
             embed_dim=embed_dim,
             pred_dim=pred_dim,
             depth=_num_blocks(pred, "predictor_blocks.", "predictor", path),
-            num_heads=_num_heads(pred_dim, pred_num_heads, PREDICTOR_NUM_HEADS, "predictor", "pred_num_heads", path),
+            num_heads=_num_heads(
+                pred_dim, pred_num_heads, PREDICTOR_NUM_HEADS, "predictor", "pred_num_heads", path
+            ),
             mlp_ratio=_mlp_ratio(pred_dim, pred_hidden),
             action_dim=action_dim,
             grid_size=encoder.grid_size,
@@ -319,7 +363,9 @@ def config_from_parts(
         )
         config = VJepa2Config(path.stem, encoder, predictor)
     except UnsupportedModelError as exc:
-        raise CheckpointError(f"{str(path)!r}: the sizes its tensors give are not a V-JEPA 2 model: {exc}") from exc
+        raise CheckpointError(
+            f"{str(path)!r}: the sizes its tensors give are not a V-JEPA 2 model: {exc}"
+        ) from exc
     # Every tensor of every block must fit the sizes read from the first ones.
     hint = "inconsistent with the sizes read from the checkpoint's first tensors"
     with torch.device("meta"):
@@ -372,27 +418,43 @@ def config_from_checkpoint(
             file and the tensor).
     """
     return config_from_parts(
-        read_parts(path), path, img_size=img_size, num_frames=num_frames, num_heads=num_heads, pred_num_heads=pred_num_heads
+        read_parts(path),
+        path,
+        img_size=img_size,
+        num_frames=num_frames,
+        num_heads=num_heads,
+        pred_num_heads=pred_num_heads,
     )
 
 
 def parts_dtype(parts: Mapping[str, Mapping[str, torch.Tensor]]) -> torch.dtype:
     """Return the floating dtype all weights share (float32 if they differ or are another one)."""
     dtypes = {
-        t.dtype for part, sd in parts.items() for k, t in sd.items() if t.is_floating_point() and k not in _IGNORED[part]
+        t.dtype
+        for part, sd in parts.items()
+        for k, t in sd.items()
+        if t.is_floating_point() and k not in _IGNORED[part]
     }
-    if len(dtypes) == 1 and (dtype := dtypes.pop()) in (torch.float32, torch.bfloat16, torch.float16):
+    if len(dtypes) == 1 and (dtype := dtypes.pop()) in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
         return dtype
     return torch.float32
 
 
 def checkpoint_dtype(path: str | Path) -> torch.dtype:
-    """Return the dtype of a checkpoint's weights (`parts_dtype`; no config is read: there is none)."""
+    """Return the dtype of a checkpoint's weights (`parts_dtype`; no config is read: there is
+    none)."""
     return parts_dtype(read_parts(path))
 
 
 def load_encoder(
-    path: str | Path, config: VJepa2Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    config: VJepa2Config,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> VJepa2Encoder:
     """Load the encoder of a checkpoint, fused for inference on ``device``.
 
@@ -408,7 +470,10 @@ def load_encoder(
 
 
 def load_predictor(
-    path: str | Path, config: VJepa2Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    config: VJepa2Config,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> ACPredictor:
     """Load the predictor of a checkpoint, fused for inference on ``device``.
 

@@ -51,11 +51,17 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if self.img_size % self.patch_size:
-            raise UnsupportedModelError(f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}")
+            raise UnsupportedModelError(
+                f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}"
+            )
         if self.embed_dim % self.num_heads:
-            raise UnsupportedModelError(f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}")
+            raise UnsupportedModelError(
+                f"embed_dim {self.embed_dim} is not a multiple of num_heads {self.num_heads}"
+            )
         if _rope_dim(self.head_dim) < 2:
-            raise UnsupportedModelError(f"head_dim {self.head_dim} is too small for 3D RoPE (need >= 6)")
+            raise UnsupportedModelError(
+                f"head_dim {self.head_dim} is too small for 3D RoPE (need >= 6)"
+            )
 
     @property
     def grid_size(self) -> int:
@@ -95,11 +101,17 @@ class PredictorConfig:
 
     def __post_init__(self) -> None:
         if self.pred_dim % self.num_heads:
-            raise UnsupportedModelError(f"pred_dim {self.pred_dim} is not a multiple of num_heads {self.num_heads}")
+            raise UnsupportedModelError(
+                f"pred_dim {self.pred_dim} is not a multiple of num_heads {self.num_heads}"
+            )
         if _rope_dim(self.head_dim) < 2:
-            raise UnsupportedModelError(f"head_dim {self.head_dim} is too small for 3D RoPE (need >= 6)")
+            raise UnsupportedModelError(
+                f"head_dim {self.head_dim} is too small for 3D RoPE (need >= 6)"
+            )
         if self.max_frames < 2:
-            raise UnsupportedModelError(f"num_frames {self.num_frames} leaves no room for a predicted frame")
+            raise UnsupportedModelError(
+                f"num_frames {self.num_frames} leaves no room for a predicted frame"
+            )
 
     @property
     def cond_tokens(self) -> int:
@@ -168,9 +180,13 @@ class VJepa2Config:
     def __post_init__(self) -> None:
         enc, pred = self.encoder, self.predictor
         if pred.embed_dim != enc.embed_dim:
-            raise UnsupportedModelError(f"predictor embed_dim {pred.embed_dim} != encoder embed_dim {enc.embed_dim}")
+            raise UnsupportedModelError(
+                f"predictor embed_dim {pred.embed_dim} != encoder embed_dim {enc.embed_dim}"
+            )
         if pred.grid_size != enc.grid_size:
-            raise UnsupportedModelError(f"predictor grid {pred.grid_size} != encoder grid {enc.grid_size}")
+            raise UnsupportedModelError(
+                f"predictor grid {pred.grid_size} != encoder grid {enc.grid_size}"
+            )
         if pred.tubelet_size != enc.tubelet_size:
             raise UnsupportedModelError("encoder and predictor must use the same tubelet size")
 
@@ -181,15 +197,23 @@ def _vitg() -> VJepa2Config:
 
 def _small() -> VJepa2Config:
     # Meaningful on a CPU: a 6-layer, 256-wide predictor over 64 patches (66 tokens) per frame.
-    encoder = EncoderConfig(img_size=128, patch_size=16, embed_dim=384, depth=6, num_heads=6, mlp_ratio=4.0)
+    encoder = EncoderConfig(
+        img_size=128, patch_size=16, embed_dim=384, depth=6, num_heads=6, mlp_ratio=4.0
+    )
     predictor = PredictorConfig(embed_dim=384, pred_dim=256, depth=6, num_heads=4, grid_size=8)
-    return VJepa2Config("vjepa2-small", encoder, predictor, CEMConfig(samples=64, topk=8, cem_steps=3))
+    return VJepa2Config(
+        "vjepa2-small", encoder, predictor, CEMConfig(samples=64, topk=8, cem_steps=3)
+    )
 
 
 def _tiny() -> VJepa2Config:
-    encoder = EncoderConfig(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, mlp_ratio=4.0)
+    encoder = EncoderConfig(
+        img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, mlp_ratio=4.0
+    )
     predictor = PredictorConfig(embed_dim=64, pred_dim=64, depth=2, num_heads=4, grid_size=4)
-    return VJepa2Config("vjepa2-tiny", encoder, predictor, CEMConfig(samples=16, topk=4, cem_steps=3))
+    return VJepa2Config(
+        "vjepa2-tiny", encoder, predictor, CEMConfig(samples=16, topk=4, cem_steps=3)
+    )
 
 
 VJEPA2_CONFIGS = {"vjepa2-ac-vitg": _vitg, "vjepa2-small": _small, "vjepa2-tiny": _tiny}
@@ -204,5 +228,7 @@ def get_vjepa2_config(name: str) -> VJepa2Config:
     """
     make = VJEPA2_CONFIGS.get(name)
     if make is None:
-        raise UnsupportedModelError(f"unknown V-JEPA 2 config {name!r}: use one of {', '.join(VJEPA2_CONFIGS)}")
+        raise UnsupportedModelError(
+            f"unknown V-JEPA 2 config {name!r}: use one of {', '.join(VJEPA2_CONFIGS)}"
+        )
     return make()

@@ -71,12 +71,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attend over all tokens (bidirectional)."""
         q, k, v = self.qkv_heads(x, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        )
         return self.proj(out.transpose(1, 2).flatten(2))
 
 
 def fuse_blocks(blocks: nn.Module, rows: tuple[int, ...]) -> None:
-    """Fuse every `Attention` and `MLP` under `blocks` for batches of `rows` tokens (see `FusedLinear`)."""
+    """Fuse every `Attention` and `MLP` under `blocks` for batches of `rows` tokens (see
+    `FusedLinear`)."""
     for module in blocks.modules():
         if isinstance(module, Attention | MLP):
             module.fuse_for_inference(rows)
@@ -107,7 +110,8 @@ class PatchEmbed3D(nn.Module):
         self.proj = nn.Conv3d(cfg.in_chans, cfg.embed_dim, kernel_size=kernel, stride=kernel)
 
     def forward(self, clip: torch.Tensor) -> torch.Tensor:
-        """Return ``[B, T' * H' * W', dim]`` tokens (time, row, column order) for ``[B, C, T, H, W]``."""
+        """Return ``[B, T' * H' * W', dim]`` tokens (time, row, column order) for ``[B, C, T, H,
+        W]``."""
         return self.proj(clip).flatten(2).transpose(1, 2)
 
 
@@ -119,12 +123,15 @@ class VJepa2Encoder(nn.Module):
         self.config = cfg
         self.patch_embed = PatchEmbed3D(cfg)
         self.blocks = nn.ModuleList(
-            Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_hidden, cfg.norm_eps) for _ in range(cfg.depth)
+            Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_hidden, cfg.norm_eps)
+            for _ in range(cfg.depth)
         )
         self.norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self._tables: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _rope(self, t: int, h: int, w: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, t: int, h: int, w: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (t, h, w)
         if key not in self._tables:
             ids = torch.arange(t * h * w)
@@ -144,7 +151,8 @@ class VJepa2Encoder(nn.Module):
         fuse_blocks(self.blocks, (self.config.num_patches,))
 
     def forward(self, clip: torch.Tensor) -> torch.Tensor:
-        """Encode ``[B, C, T, H, W]`` clips to normed ``[B, (T / tubelet) * H' * W', dim]`` tokens."""
+        """Encode ``[B, C, T, H, W]`` clips to normed ``[B, (T / tubelet) * H' * W', dim]``
+        tokens."""
         cfg = self.config
         _, _, t, h, w = clip.shape
         x = self.patch_embed(clip)

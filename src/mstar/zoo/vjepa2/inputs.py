@@ -36,7 +36,9 @@ def _load(value: Any, field: str) -> torch.Tensor:
         return torch.from_numpy(value)
     if isinstance(value, torch.Tensor):
         return value
-    raise ValueError(f"{field} must be an image tensor ([H, W, 3] uint8 or [3, H, W] float) or a file path")
+    raise ValueError(
+        f"{field} must be an image tensor ([H, W, 3] uint8 or [3, H, W] float) or a file path"
+    )
 
 
 def prepare_image(value: Any, config: VJepa2Config, field: str = "image") -> torch.Tensor:
@@ -52,7 +54,8 @@ def prepare_image(value: Any, config: VJepa2Config, field: str = "image") -> tor
         image = image.float()
     else:
         raise ValueError(
-            f"{field} must be [H, W, 3] uint8 or [3, H, W] float in [0, 1], got {list(image.shape)} {image.dtype}"
+            f"{field} must be [H, W, 3] uint8 or [3, H, W] float in [0, 1], got "
+            f"{list(image.shape)} {image.dtype}"
         )
     size = config.encoder.img_size
     h, w = image.shape[1:]
@@ -61,7 +64,9 @@ def prepare_image(value: Any, config: VJepa2Config, field: str = "image") -> tor
     if (h, w) != (size, size):
         scale = size / min(h, w)
         new = (max(size, round(h * scale)), max(size, round(w * scale)))
-        image = F.interpolate(image[None], size=new, mode="bilinear", antialias=True, align_corners=False)[0]
+        image = F.interpolate(
+            image[None], size=new, mode="bilinear", antialias=True, align_corners=False
+        )[0]
         top, left = (new[0] - size) // 2, (new[1] - size) // 2
         image = image[:, top : top + size, left : left + size]
     mean = torch.tensor(config.image_mean)[:, None, None]
@@ -71,7 +76,11 @@ def prepare_image(value: Any, config: VJepa2Config, field: str = "image") -> tor
 
 def _floats(value: Any, field: str) -> torch.Tensor:
     try:
-        tensor = torch.as_tensor(value, dtype=torch.float32) if not isinstance(value, torch.Tensor) else value.float()
+        tensor = (
+            torch.as_tensor(value, dtype=torch.float32)
+            if not isinstance(value, torch.Tensor)
+            else value.float()
+        )
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field} must be numbers (a tensor or nested lists)") from None
     if not bool(torch.isfinite(tensor).all()):
@@ -86,7 +95,10 @@ def as_pose(value: Any, config: VJepa2Config, field: str = "pose") -> torch.Tens
         return torch.zeros(dim)
     pose = _floats(value, field)
     if tuple(pose.shape) != (dim,):
-        raise ValueError(f"{field} must be {dim} numbers (xyz, roll-pitch-yaw, gripper), got shape {list(pose.shape)}")
+        raise ValueError(
+            f"{field} must be {dim} numbers (xyz, roll-pitch-yaw, gripper), got shape "
+            f"{list(pose.shape)}"
+        )
     return pose
 
 
@@ -110,5 +122,7 @@ def as_latent(value: Any, config: VJepa2Config, field: str = "latent") -> torch.
     if latent.dim() == 3 and latent.shape[0] == 1:
         latent = latent[0]
     if tuple(latent.shape) != shape:
-        raise ValueError(f"{field} must be {list(shape)} (patches x encoder width), got {list(latent.shape)}")
+        raise ValueError(
+            f"{field} must be {list(shape)} (patches x encoder width), got {list(latent.shape)}"
+        )
     return latent

@@ -69,7 +69,15 @@ from mstar.zoo.vjepa2.inputs import as_actions, as_latent, as_pose, prepare_imag
 from mstar.zoo.vjepa2.pose import POSE_DIM, integrate_pose
 from mstar.zoo.vjepa2.predictor import ACPredictor, FrameInput, PagedACPredictor
 
-__all__ = ["EMIT_MODES", "PARTITION", "EncoderNode", "FrameKVConfig", "PredictorNode", "VJepa2Model", "make_vjepa2_graph"]
+__all__ = [
+    "EMIT_MODES",
+    "PARTITION",
+    "EncoderNode",
+    "FrameKVConfig",
+    "PredictorNode",
+    "VJepa2Model",
+    "make_vjepa2_graph",
+]
 
 EMIT_MODES = ("final", "stream", "none")
 """What a rollout emits: all frames at the end, each frame as it is predicted, or nothing."""
@@ -162,7 +170,9 @@ def make_vjepa2_graph(config: VJepa2Config) -> ModelGraph:
     horizon = config.predictor.max_horizon
     rollout = DynamicLoop(predictor, max_iters=horizon, stop="done")
     planning = DynamicLoop(
-        Sequential([cem_sample, DynamicLoop(predictor, max_iters=horizon, stop="done"), cem_update]),
+        Sequential(
+            [cem_sample, DynamicLoop(predictor, max_iters=horizon, stop="done"), cem_update]
+        ),
         max_iters=MAX_CEM_STEPS,
         stop="planned",
     )
@@ -204,7 +214,9 @@ class EncoderNode:
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """Encode all frames of the batch at once; route each request's latents by purpose."""
         frames = [torch.as_tensor(x["frames"]) for x in batch]
-        latents = self.encoder.encode_frames(torch.cat(frames).to(self.device, self.dtype), normalize=self.normalize)
+        latents = self.encoder.encode_frames(
+            torch.cat(frames).to(self.device, self.dtype), normalize=self.normalize
+        )
         out: list[Mapping[str, Any]] = []
         start = 0
         for x, f in zip(batch, frames, strict=True):
@@ -218,7 +230,9 @@ class EncoderNode:
             elif purpose == "plan":
                 out.append({"context": mine[0], "goal": mine[1]})
             else:
-                raise ValueError(f"encoder purpose must be encode, rollout or plan, got {purpose!r}")
+                raise ValueError(
+                    f"encoder purpose must be encode, rollout or plan, got {purpose!r}"
+                )
         return out
 
 
@@ -243,7 +257,10 @@ class FrameKVConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise KVCacheCapacityError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
+            raise ValueError(
+                "attention_backend must be auto, torch or flashinfer, got "
+                f"{self.attention_backend!r}"
+            )
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
 
@@ -261,7 +278,9 @@ class FrameKVConfig:
         )
 
 
-def _tensor(value: Any, name: str, dims: tuple[int, ...], trailing: tuple[int, ...]) -> torch.Tensor:
+def _tensor(
+    value: Any, name: str, dims: tuple[int, ...], trailing: tuple[int, ...]
+) -> torch.Tensor:
     """Return ``value`` as a float tensor with one of ``dims`` dimensions ending in ``trailing``."""
     if not isinstance(value, torch.Tensor):
         try:
@@ -269,7 +288,10 @@ def _tensor(value: Any, name: str, dims: tuple[int, ...], trailing: tuple[int, .
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"predictor input {name!r} must be a tensor: {exc}") from None
     if value.dim() not in dims or tuple(value.shape[value.dim() - len(trailing) :]) != trailing:
-        raise ValueError(f"predictor input {name!r} must have shape [..., {', '.join(map(str, trailing))}] with {dims} dims, got {list(value.shape)}")
+        raise ValueError(
+            f"predictor input {name!r} must have shape [..., "
+            f"{', '.join(map(str, trailing))}] with {dims} dims, got {list(value.shape)}"
+        )
     if not value.is_floating_point():
         value = value.float()
     if not bool(torch.isfinite(value).all()):
@@ -335,25 +357,38 @@ class PredictorNode:
         batched = latent.dim() == 3
         latent = latent if batched else latent[None]
         rows = latent.shape[0]
-        pose = _tensor(inputs["pose"], "pose", (2,) if batched else (1,), (self.action_dim,)).reshape(-1, self.action_dim)
+        pose = _tensor(
+            inputs["pose"], "pose", (2,) if batched else (1,), (self.action_dim,)
+        ).reshape(-1, self.action_dim)
         job = inputs["job"]
         if not isinstance(job, Mapping) or "actions" not in job:
-            raise ValueError("predictor input 'job' must be a dict with 'actions' (and optionally 'emit')")
-        actions = _tensor(job["actions"], "job.actions", (3,) if batched else (2,), (self.action_dim,))
+            raise ValueError(
+                "predictor input 'job' must be a dict with 'actions' (and optionally 'emit')"
+            )
+        actions = _tensor(
+            job["actions"], "job.actions", (3,) if batched else (2,), (self.action_dim,)
+        )
         actions = actions if batched else actions[None]
         emit = job.get("emit", "final")
         if emit not in EMIT_MODES:
             raise ValueError(f"job emit must be one of {EMIT_MODES}, got {emit!r}")
         if pose.shape[0] != rows or actions.shape[0] != rows:
-            raise ValueError(f"latent, pose and actions disagree on the number of rows: {rows}, {pose.shape[0]}, {actions.shape[0]}")
+            raise ValueError(
+                f"latent, pose and actions disagree on the number of rows: {rows}, "
+                f"{pose.shape[0]}, {actions.shape[0]}"
+            )
         horizon = actions.shape[1]
         if not 1 <= horizon <= self.max_horizon:
-            raise ValueError(f"a rollout predicts 1 to {self.max_horizon} frames, got {horizon} actions")
+            raise ValueError(
+                f"a rollout predicts 1 to {self.max_horizon} frames, got {horizon} actions"
+            )
         step = inputs["step"]
         if isinstance(step, torch.Tensor) and step.numel() == 1:
             step = int(step.item())
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < horizon:
-            raise ValueError(f"predictor input 'step' must be an integer in [0, {horizon}), got {step!r}")
+            raise ValueError(
+                f"predictor input 'step' must be an integer in [0, {horizon}), got {step!r}"
+            )
         held = self._rollouts.get(request_id)
         if step == 0:
             held = self._rollouts[request_id] = _Rollout(rows, horizon, str(emit))
@@ -364,22 +399,26 @@ class PredictorNode:
             )
         elif held.num_frames != step or held.num_rows != rows or held.horizon != horizon:
             raise RolloutStateError(
-                f"step {step} ({rows} rows, horizon {horizon}) of request {request_id!r} does not continue "
-                f"its cached rollout ({held.num_frames} frames, {held.num_rows} rows, horizon {held.horizon})"
+                f"step {step} ({rows} rows, horizon {horizon}) of request {request_id!r} "
+                "does not continue "
+                f"its cached rollout ({held.num_frames} frames, {held.num_rows} rows, "
+                f"horizon {held.horizon})"
             )
         f = self.frame_tokens
-        return KVForward([
-            KVChunk(
-                seq=f"row{r}",
-                payload=FrameInput(latent[r], actions[r, step], pose[r], step),
-                num_tokens=f,
-                mask=self._mask,
-                reset=step == 0,
-                reserve_tokens=horizon * f if step == 0 else 0,
-                release=step == horizon - 1,
-            )
-            for r in range(rows)
-        ])
+        return KVForward(
+            [
+                KVChunk(
+                    seq=f"row{r}",
+                    payload=FrameInput(latent[r], actions[r, step], pose[r], step),
+                    num_tokens=f,
+                    mask=self._mask,
+                    reset=step == 0,
+                    reserve_tokens=horizon * f if step == 0 else 0,
+                    release=step == horizon - 1,
+                )
+                for r in range(rows)
+            ]
+        )
 
     def forward_outputs(self, firings: list[FiringRows]) -> list[Mapping[str, Any] | BaseException]:
         """Layer-normalise every row's predicted patches and integrate every pose, in one batch.
@@ -410,16 +449,26 @@ class PredictorNode:
         latents = F.layer_norm(pred, (pred.shape[-1],))
         device = latents.device
         poses = integrate_pose(
-            torch.cat(poses_in).to(device, torch.float32), torch.cat(actions_in).to(device, torch.float32)
+            torch.cat(poses_in).to(device, torch.float32),
+            torch.cat(actions_in).to(device, torch.float32),
         )
         start = 0
         for index, rollout, batched, num_rows in live:
             latent, pose = latents[start : start + num_rows], poses[start : start + num_rows]
             start += num_rows
-            results[index] = self._advance(firings[index].request_id, rollout, batched, latent, pose)
+            results[index] = self._advance(
+                firings[index].request_id, rollout, batched, latent, pose
+            )
         return results
 
-    def _advance(self, request_id: str, rollout: _Rollout, batched: bool, latent: torch.Tensor, pose: torch.Tensor) -> dict[str, Any]:
+    def _advance(
+        self,
+        request_id: str,
+        rollout: _Rollout,
+        batched: bool,
+        latent: torch.Tensor,
+        pose: torch.Tensor,
+    ) -> dict[str, Any]:
         """Record one predicted frame of a rollout; return the firing's outputs."""
         step = rollout.num_frames
         rollout.num_frames += 1
@@ -431,7 +480,12 @@ class PredictorNode:
         def shape(x: torch.Tensor) -> torch.Tensor:
             return x if batched else x[0]
 
-        out: dict[str, Any] = {"latent": shape(latent), "pose": shape(pose), "step": step + 1, "done": is_done}
+        out: dict[str, Any] = {
+            "latent": shape(latent),
+            "pose": shape(pose),
+            "step": step + 1,
+            "done": is_done,
+        }
         if rollout.emit == "stream":
             out["frame"] = shape(latent).cpu()
             out["frame_pose"] = shape(pose).cpu()
@@ -453,7 +507,8 @@ class PredictorNode:
 
 
 class VJepa2Model(Model):
-    """V-JEPA 2-AC (``vjepa2-ac-vitg``, ``vjepa2-small``, ``vjepa2-tiny``, or any checkpoint's sizes).
+    """V-JEPA 2-AC (``vjepa2-ac-vitg``, ``vjepa2-small``, ``vjepa2-tiny``, or any checkpoint's
+    sizes).
 
     Args:
         config: A config name, a `VJepa2Config` (custom sizes), or None: the sizes read from
@@ -485,11 +540,14 @@ class VJepa2Model(Model):
         seed: int = 0,
     ) -> None:
         if dtype != "auto" and dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}")
+            raise ValueError(
+                f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}"
+            )
         if config is None:
             if checkpoint is None:
                 raise CheckpointError(
-                    "V-JEPA 2 needs config= (a name or a VJepa2Config) or checkpoint= the upstream .pt to read the sizes from"
+                    "V-JEPA 2 needs config= (a name or a VJepa2Config) or checkpoint= the "
+                    "upstream .pt to read the sizes from"
                 )
             parts = read_parts(checkpoint)  # one memory-mapped load for the sizes and the dtype
             cfg = config_from_parts(parts, checkpoint)
@@ -500,10 +558,14 @@ class VJepa2Model(Model):
             elif isinstance(config, VJepa2Config):
                 cfg = config
             else:
-                raise TypeError(f"config must be a name, a VJepa2Config or None, got {type(config).__name__}")
+                raise TypeError(
+                    f"config must be a name, a VJepa2Config or None, got {type(config).__name__}"
+                )
             if checkpoint is None:
                 if cfg.name == "vjepa2-ac-vitg":
-                    raise CheckpointError("vjepa2-ac-vitg needs checkpoint= the path of vjepa2-ac-vitg.pt")
+                    raise CheckpointError(
+                        "vjepa2-ac-vitg needs checkpoint= the path of vjepa2-ac-vitg.pt"
+                    )
                 checkpoint = _cached_random_checkpoint(cfg, seed)
             elif not Path(checkpoint).is_file():
                 raise CheckpointError(f"V-JEPA 2 checkpoint {str(checkpoint)!r} does not exist")
@@ -520,7 +582,8 @@ class VJepa2Model(Model):
         return self._graph
 
     def engine_types(self) -> dict[str, EngineType]:
-        """Return KV_CACHE for the predictor (frame blocks over its paged cache), STATELESS otherwise."""
+        """Return KV_CACHE for the predictor (frame blocks over its paged cache), STATELESS
+        otherwise."""
         types = dict.fromkeys(self._graph.nodes, EngineType.STATELESS)
         types["predictor"] = EngineType.KV_CACHE
         return types
@@ -538,9 +601,14 @@ class VJepa2Model(Model):
     def submodule(self, node: str, device: torch.device) -> Any:
         """Load the encoder or predictor onto ``device``, or return a planning node."""
         if node == "encoder":
-            return EncoderNode(load_encoder(self.checkpoint, self.config, device, self.dtype), self.config.normalize_reps)
+            return EncoderNode(
+                load_encoder(self.checkpoint, self.config, device, self.dtype),
+                self.config.normalize_reps,
+            )
         if node == "predictor":
-            return PredictorNode(load_predictor(self.checkpoint, self.config, device, self.dtype), self.kv_config)
+            return PredictorNode(
+                load_predictor(self.checkpoint, self.config, device, self.dtype), self.kv_config
+            )
         if node == "cem_sample":
             return cem_sample_node
         if node == "cem_update":
@@ -554,14 +622,17 @@ class VJepa2Model(Model):
             raise ValueError(f"task must be one of {list(self.tasks())}, got {request.task!r}")
         if request.task not in self.tasks():
             raise ValueError(
-                f"{request.task} integrates 7-D poses [x, y, z, roll, pitch, yaw, gripper] but {self.name}'s "
+                f"{request.task} integrates 7-D poses [x, y, z, roll, pitch, yaw, gripper] "
+                f"but {self.name}'s "
                 f"actions are {self.config.predictor.action_dim}-D: this model serves encode only"
             )
         options = _OPTIONS.get(request.task)
         known = _INPUT_KEYS[request.task] | frozenset(options.__struct_fields__ if options else ())
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown {request.task} fields {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown {request.task} fields {sorted(unknown)}; known: {sorted(known)}"
+            )
         if request.task == "encode":
             images = data.get("images", [data["image"]] if "image" in data else None)
             if not isinstance(images, list | tuple) or not images:
@@ -585,22 +656,38 @@ class VJepa2Model(Model):
         if "image" not in data:
             raise ValueError("rollout needs the context frame: image (or latent)")
         frames = prepare_image(data["image"], self.config)[None]
-        return PreparedRequest({"encoder": {"frames": frames, "purpose": "rollout"}, "predictor": predictor}, "rollout")
+        return PreparedRequest(
+            {"encoder": {"frames": frames, "purpose": "rollout"}, "predictor": predictor}, "rollout"
+        )
 
     def _plan(self, data: Mapping[str, Any], options: PlanOptions, seed: int) -> PreparedRequest:
         given = {k: v for k in options.__struct_fields__ if (v := getattr(options, k)) is not None}
         params = CEMParams.make(self.config.cem, {**given, "seed": seed})
         if params.rollout > self.config.predictor.max_horizon:
-            raise ValueError(f"rollout must be at most {self.config.predictor.max_horizon}, got {params.rollout}")
-        sample: dict[str, Any] = {"pose0": as_pose(data.get("pose"), self.config), "cem": CEMState.initial(params).to_value()}
+            raise ValueError(
+                f"rollout must be at most {self.config.predictor.max_horizon}, got {params.rollout}"
+            )
+        sample: dict[str, Any] = {
+            "pose0": as_pose(data.get("pose"), self.config),
+            "cem": CEMState.initial(params).to_value(),
+        }
         if "latent" in data or "goal_latent" in data:
             sample["context"] = as_latent(data.get("latent"), self.config, "latent")
             goal = as_latent(data.get("goal_latent"), self.config, "goal_latent")
-            return PreparedRequest({"cem_sample": sample, "cem_update": {"goal": goal}}, "plan_latent")
+            return PreparedRequest(
+                {"cem_sample": sample, "cem_update": {"goal": goal}}, "plan_latent"
+            )
         if "image" not in data or "goal_image" not in data:
             raise ValueError("plan needs image and goal_image (or latent and goal_latent)")
-        frames = torch.stack([prepare_image(data["image"], self.config), prepare_image(data["goal_image"], self.config, "goal_image")])
-        return PreparedRequest({"encoder": {"frames": frames, "purpose": "plan"}, "cem_sample": sample}, "plan")
+        frames = torch.stack(
+            [
+                prepare_image(data["image"], self.config),
+                prepare_image(data["goal_image"], self.config, "goal_image"),
+            ]
+        )
+        return PreparedRequest(
+            {"encoder": {"frames": frames, "purpose": "plan"}, "cem_sample": sample}, "plan"
+        )
 
     def first_walk(self, partition: str, state: Any) -> str | None:
         """Return the walk preprocessing chose."""

@@ -31,14 +31,24 @@ from mstar.zoo.vjepa2.config import PredictorConfig
 from mstar.zoo.vjepa2.encoder import MLP, Attention, fuse_blocks
 from mstar.zoo.vjepa2.rope import token_tables
 
-__all__ = ["ACBlock", "ACPredictor", "Attend", "FrameInput", "PagedACPredictor", "block_causal_mask"]
+__all__ = [
+    "ACBlock",
+    "ACPredictor",
+    "Attend",
+    "FrameInput",
+    "PagedACPredictor",
+    "block_causal_mask",
+]
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer, q, k, v) -> out``, all ``[B, M, heads, head_dim]`` (q, k rotated)."""
 
 
-def block_causal_mask(num_frames: int, frame_tokens: int, device: torch.device | None = None) -> torch.Tensor:
-    """Return the ``[T*F, T*F]`` boolean mask: a token sees every token of its frame and earlier ones."""
+def block_causal_mask(
+    num_frames: int, frame_tokens: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Return the ``[T*F, T*F]`` boolean mask: a token sees every token of its frame and earlier
+    ones."""
     frame = torch.arange(num_frames * frame_tokens, device=device) // frame_tokens
     return frame[None, :] <= frame[:, None]
 
@@ -99,10 +109,14 @@ class ACPredictor(nn.Module):
     def _frame_tables(cfg: PredictorConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Return RoPE tables of every frame block: ``[max_frames, frame_tokens, 1, head_dim]``."""
         grid, cond = cfg.grid_size, cfg.cond_tokens
-        frames = torch.arange(cfg.max_frames, dtype=torch.float64)[:, None].expand(-1, cfg.frame_tokens)
+        frames = torch.arange(cfg.max_frames, dtype=torch.float64)[:, None].expand(
+            -1, cfg.frame_tokens
+        )
         patch = torch.arange(cfg.num_patches)
         cos_c, sin_c = token_tables(frames[:, :cond], None, None, cfg.head_dim)
-        cos_p, sin_p = token_tables(frames[:, cond:], (patch // grid).double(), (patch % grid).double(), cfg.head_dim)
+        cos_p, sin_p = token_tables(
+            frames[:, cond:], (patch // grid).double(), (patch % grid).double(), cfg.head_dim
+        )
         cos = torch.cat([cos_c, cos_p], dim=1)[:, :, None, :]
         sin = torch.cat([sin_c, sin_p], dim=1)[:, :, None, :]
         return cos, sin
@@ -116,7 +130,8 @@ class ACPredictor(nn.Module):
         return tables
 
     def embed(self, z: torch.Tensor, actions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """Return frame blocks ``[B, T, F, d]`` for latents ``[B, T, N, D]`` and ``[B, T, A]`` conditions."""
+        """Return frame blocks ``[B, T, F, d]`` for latents ``[B, T, N, D]`` and ``[B, T, A]``
+        conditions."""
         x = self.predictor_embed(z)
         a = self.action_encoder(actions).unsqueeze(2)
         s = self.state_encoder(states).unsqueeze(2)
@@ -229,7 +244,9 @@ class PagedACPredictor(nn.Module):
         cfg = self.predictor.config
         return cfg.max_frames * cfg.frame_tokens
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
+    ) -> torch.Tensor:
         """Run the step's frame blocks through every layer against the rows' cached frames."""
         p = self.predictor
         frames: list[FrameInput] = [chunk.payload for chunk in ctx.step.chunks]

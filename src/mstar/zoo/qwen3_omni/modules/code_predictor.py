@@ -128,7 +128,8 @@ class CodePredictor(nn.Module):
         self._sin = angles.sin()
 
     def embed_residuals(self, codes: torch.Tensor) -> torch.Tensor:
-        """Return ``sum_k codec_embedding[k-1](codes[:, k-1])`` over codebooks 1..G-1 (``codes`` ``[B, G-1]``)."""
+        """Return ``sum_k codec_embedding[k-1](codes[:, k-1])`` over codebooks 1..G-1 (``codes``
+        ``[B, G-1]``)."""
         embeddings = cast(list[nn.Embedding], list(self.model.codec_embedding))
         total = embeddings[0](codes[:, 0])
         for k in range(1, codes.shape[1]):

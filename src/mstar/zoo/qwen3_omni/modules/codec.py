@@ -26,7 +26,8 @@ __all__ = ["conv_lookback", "decode_chunk"]
 
 
 def conv_lookback(code2wav: Any) -> int:
-    """Return how many frames before a sample Code2Wav's ConvNet reads (whole frames, an upper bound).
+    """Return how many frames before a sample Code2Wav's ConvNet reads (whole frames, an upper
+    bound).
 
     Walks the upsampling and decoder convolutions in the order they run, at each one's rate
     (samples per codec frame): a causal convolution reads ``(kernel - 1) * dilation`` samples

@@ -32,14 +32,16 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class ImageInput:
-    """One image as the vision encoder takes it: ``pixels`` ``[patches, C*T*P*P]``, ``grid_thw`` ``(t, h, w)``."""
+    """One image as the vision encoder takes it: ``pixels`` ``[patches, C*T*P*P]``, ``grid_thw``
+    ``(t, h, w)``."""
 
     pixels: torch.Tensor
     grid_thw: tuple[int, int, int]
 
 
 def audio_token_count(num_frames: int, n_window: int = 50) -> int:
-    """Return the thinker tokens of ``num_frames`` mel frames (three stride-2 convs per 2*n_window chunk)."""
+    """Return the thinker tokens of ``num_frames`` mel frames (three stride-2 convs per 2*n_window
+    chunk)."""
     chunk = 2 * n_window
     tail = num_frames % chunk
     length = tail
@@ -53,7 +55,8 @@ def audio_token_count(num_frames: int, n_window: int = 50) -> int:
 
 @torch.no_grad()
 def encode_audio(audio_tower: nn.Module, features: torch.Tensor) -> torch.Tensor:
-    """Return the audio tokens ``[tokens, thinker_hidden]`` of log-mel ``features`` ``[mel, frames]``."""
+    """Return the audio tokens ``[tokens, thinker_hidden]`` of log-mel ``features`` ``[mel,
+    frames]``."""
     lengths = torch.tensor([features.shape[1]], dtype=torch.long)
     out = audio_tower(features.to(next(audio_tower.parameters()).dtype), feature_lens=lengths)
     return out.last_hidden_state
@@ -61,7 +64,8 @@ def encode_audio(audio_tower: nn.Module, features: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def encode_image(visual: nn.Module, image: ImageInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return an image's tokens ``[tokens, hidden]`` and DeepStack features ``[levels, tokens, hidden]``."""
+    """Return an image's tokens ``[tokens, hidden]`` and DeepStack features ``[levels, tokens,
+    hidden]``."""
     grid = torch.tensor([image.grid_thw], dtype=torch.long)
     out = visual(image.pixels.to(next(visual.parameters()).dtype), grid_thw=grid)
     return out.pooler_output, torch.stack(list(out.deepstack_features))
@@ -74,7 +78,8 @@ def mrope_positions(
     merge: int,
     per_second: int,
 ) -> tuple[torch.Tensor, int]:
-    """Return the prompt's MRoPE coordinates ``[3, len]`` and its ``rope_delta`` (images only move them).
+    """Return the prompt's MRoPE coordinates ``[3, len]`` and its ``rope_delta`` (images only move
+    them).
 
     Each run of ``image_token_id`` takes the next grid: its tokens sit at ``start + (t * per_second,
     row, col)`` on (time, height, width), and the text after it resumes at the run's largest
@@ -138,7 +143,8 @@ def embed_prompt(
         total = sum(int(p.shape[0]) for p in parts)
         if rows.numel() != total:
             raise ValueError(
-                f"the prompt has {rows.numel()} {what} placeholders but the {what} inputs make {total} tokens"
+                f"the prompt has {rows.numel()} {what} placeholders but the {what} inputs "
+                f"make {total} tokens"
             )
         if total:
             embeds[rows] = torch.cat(parts).to(embeds.dtype)

@@ -5,7 +5,8 @@ Every position has three coordinates (time, height, width). Text rows have all t
 ``head_dim / 2`` rotary channels reads one coordinate, interleaved::
 
     channel   0  1  2  3  4  5  6  7  ...      (mrope_section [t, h, w])
-    axis      T  H  W  T  H  W  T  H  ...      H while i % 3 == 1 and i < 3h; W while i % 3 == 2 and i < 3w; else T
+    axis      T  H  W  T  H  W  T  H  ...      H while i % 3 == 1 and i < 3h; W while i % 3 == 2 and
+    i < 3w; else T
 
 so ``angle[i] = position[axis[i]] * inv_freq[i]``, computed in float32 as transformers does,
 and the two halves of a head repeat the angles (half-split pairs, `apply_rotary`).
@@ -53,7 +54,8 @@ class MRoPE:
     def tables(
         self, positions: torch.Tensor, positions3: torch.Tensor | None, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``cos, sin`` ``[rows, 1, head_dim]`` for 1-D ``positions`` or 3-D ``positions3`` ``[3, rows]``."""
+        """Return ``cos, sin`` ``[rows, 1, head_dim]`` for 1-D ``positions`` or 3-D ``positions3``
+        ``[3, rows]``."""
         if positions3 is None:
             cos = self.cos_table.index_select(0, positions)
             sin = self.sin_table.index_select(0, positions)

@@ -58,6 +58,7 @@ TALKER_GREEDY = DrawParams(temperature=0.0, repetition_penalty=1.05)
 CODE_PREDICTOR_SAMPLING = DrawParams(temperature=1.0, top_k=50, top_p=0.8)
 """The code predictor's draws when the talker samples."""
 
+
 def _penalise(logits: torch.Tensor, history: list[list[int]], penalty: float) -> torch.Tensor:
     logits = logits.clone()
     for row, tokens in enumerate(history):
@@ -69,8 +70,11 @@ def _penalise(logits: torch.Tensor, history: list[list[int]], penalty: float) ->
     return logits
 
 
-def _top_p(scores: torch.Tensor, top_p: float, top: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Drop the least likely tokens outside the ``top_p`` mass (transformers' `TopPLogitsWarper`)."""
+def _top_p(
+    scores: torch.Tensor, top_p: float, top: tuple[torch.Tensor, torch.Tensor] | None
+) -> torch.Tensor:
+    """Drop the least likely tokens outside the ``top_p`` mass (transformers'
+    `TopPLogitsWarper`)."""
     rows, vocab = scores.shape
     if top is not None:
         values, indices = top  # descending
@@ -93,7 +97,9 @@ def _top_p(scores: torch.Tensor, top_p: float, top: tuple[torch.Tensor, torch.Te
 def _multinomial(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Return one draw per row, each ``torch.multinomial(probs[i], 1, generator=generators[i])``."""
     if probs.device.type != "cpu":
-        return torch.cat([torch.multinomial(probs[i], 1, generator=gen) for i, gen in enumerate(generators)])
+        return torch.cat(
+            [torch.multinomial(probs[i], 1, generator=gen) for i, gen in enumerate(generators)]
+        )
     race = torch.empty_like(probs)
     for i, gen in enumerate(generators):
         race[i].exponential_(generator=gen)
@@ -144,7 +150,8 @@ def draw(
 def talker_suppress_mask(
     config: Qwen3OmniConfig, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Return the codec ids the talker never draws: the top 1,024 but EOS (transformers' ``generate``)."""
+    """Return the codec ids the talker never draws: the top 1,024 but EOS (transformers'
+    ``generate``)."""
     vocab = config.talker_text.vocab_size
     mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     mask[max(0, vocab - 1024) :] = True

@@ -64,7 +64,8 @@ class TalkerPrompt:
 
 
 def user_positions(token_ids: list[int], config: Qwen3OmniConfig) -> list[int]:
-    """Return the positions of ``token_ids`` inside user turns (the role after the last ``<|im_start|>`` is ``user``)."""
+    """Return the positions of ``token_ids`` inside user turns (the role after the last
+    ``<|im_start|>`` is ``user``)."""
     im_start = config.token_id("im_start_token_id")
     user = config.token_id("user_token_id")
     kept: list[int] = []

@@ -66,7 +66,8 @@ class EmbedsInput:
 
 
 class QKNormAttention(nn.Module):
-    """Grouped-query attention with RMSNorm on each head's queries and keys, over the paged cache."""
+    """Grouped-query attention with RMSNorm on each head's queries and keys, over the paged
+    cache."""
 
     def __init__(self, config: MoETextConfig, layer_index: int) -> None:
         super().__init__()
@@ -216,7 +217,8 @@ class MoEDecoder(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: PagedKVContext
     ) -> torch.Tensor:
-        """Return hidden states ``[rows, hidden]`` (``[rows, 3 * hidden]`` with ``capture_layer``)."""
+        """Return hidden states ``[rows, hidden]`` (``[rows, 3 * hidden]`` with
+        ``capture_layer``)."""
         x = self.embedding(input_ids)
         positions3: torch.Tensor | None = None
         deepstack: list[tuple[int, int, torch.Tensor]] = []

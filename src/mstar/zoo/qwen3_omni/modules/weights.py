@@ -30,7 +30,7 @@ rows it projects (the thinker streams every other embedding it needs)::
     talker           talker_text.*  text_projection.*  hidden_projection.*  code_predictor.*
                      thinker_text.model.embed_tokens.weight
     code2wav         code2wav.*
-"""
+"""  # noqa: E501 (a table or diagram)
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def node_weight_names(weights: nn.Module, nodes: Iterable[str] | None = None) ->
     chosen = list(NODE_WEIGHTS) if nodes is None else list(nodes)
     unknown = [n for n in chosen if n not in NODE_WEIGHTS]
     if unknown:
-        raise KeyError(f"Qwen3-Omni has no node {unknown[0]!r}; its nodes: {', '.join(NODE_WEIGHTS)}")
+        raise KeyError(
+            f"Qwen3-Omni has no node {unknown[0]!r}; its nodes: {', '.join(NODE_WEIGHTS)}"
+        )
     prefixes = tuple(p for n in chosen for p in NODE_WEIGHTS[n])
     return [name for name, _ in weights.named_parameters() if name.startswith(prefixes)]
 
