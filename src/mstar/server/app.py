@@ -33,7 +33,7 @@ from mstar.runtime.async_engine import AsyncEngine
 from mstar.runtime.engine_config import EngineConfig
 from mstar.runtime.model import Model, ModelSpec
 from mstar.runtime.placement import Placement
-from mstar.server import native, openai_routes, openpi, text_routes
+from mstar.server import native, openai_routes, openpi, realtime, text_routes
 from mstar.server.admission import AdmissionQueue
 from mstar.server.config import ServerConfig
 from mstar.server.encoding import error_body
@@ -110,6 +110,7 @@ def make_app(
     app.include_router(text_routes.router)
     app.include_router(native.router)
     app.include_router(openpi.router)
+    app.include_router(realtime.router)
     _add_operational_routes(app)
     _add_error_handlers(app)
     # Starlette runs the last-added middleware first: context, then auth, then the body limit.

@@ -11,10 +11,16 @@ from collections.abc import Iterable
 import structlog
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from mstar.server.encoding import error_body
 
-__all__ = ["ApiKeyMiddleware", "BodyLimitMiddleware", "RequestContextMiddleware"]
+__all__ = [
+    "ApiKeyMiddleware",
+    "BodyLimitMiddleware",
+    "RequestContextMiddleware",
+    "websocket_authorized",
+]
 
 log = structlog.get_logger("mstar.server.access")
 
@@ -87,6 +93,19 @@ class RequestContextMiddleware:
                     status=status,
                     duration_ms=round(1000 * (time.perf_counter() - start), 3),
                 )
+
+
+def websocket_authorized(
+    websocket: WebSocket, api_key: str | None, *, schemes: tuple[str, ...] = ("bearer",)
+) -> bool:
+    """Whether a WebSocket upgrade carries the server's key (``Authorization: <scheme> <key>``,
+    the scheme one of ``schemes``, case-insensitive); any upgrade does without a key."""
+    if api_key is None:
+        return True
+    scheme, _, key = websocket.headers.get("authorization", "").partition(" ")
+    return scheme.lower() in schemes and secrets.compare_digest(
+        key.strip().encode(), api_key.encode()
+    )
 
 
 class ApiKeyMiddleware:

@@ -22,7 +22,6 @@ b"data": item, b"dtype": str}``).
 
 from __future__ import annotations
 
-import secrets
 import time
 import traceback
 from typing import Any
@@ -37,6 +36,7 @@ from starlette.types import Message
 
 from mstar.errors import MStarError
 from mstar.runtime.model import Request, supports_action_policy
+from mstar.server.middleware import websocket_authorized
 from mstar.server.session import RequestStream, status_of
 from mstar.server.state import ServerState
 
@@ -110,22 +110,12 @@ async def healthz(http: HttpRequest) -> PlainTextResponse:
     return PlainTextResponse("OK\n")
 
 
-def _authorized(websocket: WebSocket, api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    given = websocket.headers.get("authorization", "")
-    scheme, _, key = given.partition(" ")
-    return scheme.lower() in ("api-key", "bearer") and secrets.compare_digest(
-        key.strip().encode(), api_key.encode()
-    )
-
-
 @router.websocket("/")
 async def policy(websocket: WebSocket) -> None:
     """Serve one robot: metadata, then an action chunk per observation."""
     state: ServerState = websocket.app.state.server
     model = state.engine.model
-    if not _authorized(websocket, state.config.api_key):
+    if not websocket_authorized(websocket, state.config.api_key, schemes=("api-key", "bearer")):
         await websocket.close(code=POLICY_VIOLATION, reason="missing or invalid API key")
         return
     if not supports_action_policy(model):

@@ -340,7 +340,9 @@ def _text_model(state: ServerState) -> SupportsTextOutput:
     return text_model
 
 
-def _chat_prompt(text_model: SupportsTextOutput, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt(text_model: SupportsTextOutput, messages: list[dict[str, str]]) -> list[int]:
+    """Return the prompt ids of ``messages`` by the model's chat template (its system prompt
+    first)."""
     tokenizer = text_model.tokenizer
     if text_model.system_prompt and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": text_model.system_prompt}, *messages]
@@ -619,7 +621,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Re
             f'model {state.name!r} has no audio output: modalities can only be ["text"]',
             param="modalities",
         )
-    prompt_ids = _chat_prompt(text_model, body.chat())
+    prompt_ids = chat_prompt(text_model, body.chat())
     limit_param = (
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     )

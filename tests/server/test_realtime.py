@@ -1,0 +1,262 @@
+"""`/v1/realtime` with the official `openai` client: a conversation that hears and speaks.
+
+Qwen3-Omni (tiny, random weights) answers text and audio turns in speech and in text; a
+cancel stops an answer and frees what it held; bad events get error events naming them and
+the session goes on; a session idle past every timer on its path still answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import websockets
+
+from mstar.runtime import ModelSpec
+from mstar.server.config import ServerConfig
+from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
+from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
+from tests.helpers import wait_until_idle
+from tests.server.conftest import RunningServer, running_server
+
+NAME = "qwen3-omni-tiny"
+RATE = 24_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    checkpoint = make_random_checkpoint(
+        get_qwen3_omni_config(NAME), tmp_path_factory.mktemp("qwen3_omni") / "tiny"
+    )
+    spec = ModelSpec(
+        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
+        {"config": NAME, "checkpoint": str(checkpoint), "max_audio_frames": 30},
+    )
+    with running_server(spec, names=(NAME,)) as running:
+        yield running
+
+
+def _client(server: RunningServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+async def _until(conn: Any, kind: str) -> list[Any]:
+    """Every event up to and including the first of ``kind``."""
+    events = []
+    async for event in conn:
+        events.append(event)
+        if event.type == kind:
+            return events
+    raise AssertionError(f"the session ended before {kind}")
+
+
+def _tone(seconds: float) -> bytes:
+    t = np.arange(int(RATE * seconds)) / RATE
+    return (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
+
+
+def _b64(pcm: bytes) -> str:
+    return base64.b64encode(pcm).decode("ascii")
+
+
+async def test_a_spoken_answer_to_a_text_turn(server: RunningServer) -> None:
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        created = await conn.recv()
+        assert created.type == "session.created" and created.session.model == NAME
+        await conn.session.update(
+            session={"type": "realtime", "instructions": "Be brief.", "max_output_tokens": 6}
+        )
+        updated = (await _until(conn, "session.updated"))[-1]
+        assert updated.session.instructions == "Be brief."
+        assert updated.session.output_modalities == ["audio"]
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Hi"}],
+        }
+        await conn.conversation.item.create(item=item)
+        added = await _until(conn, "conversation.item.done")
+        assert [e.type for e in added] == ["conversation.item.added", "conversation.item.done"]
+        await conn.response.create()
+        events = await _until(conn, "response.done")
+    kinds = [e.type for e in events]
+    assert kinds[:3] == [
+        "response.created",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.done",
+    ]
+    audio = b"".join(
+        base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"
+    )
+    transcript = "".join(
+        e.delta for e in events if e.type == "response.output_audio_transcript.delta"
+    )
+    done = events[-1].response
+    assert done.status == "completed" and 1 <= done.usage.output_tokens <= 6
+    assert len(audio) > 0 and len(audio) % 2 == 0
+    assert done.output[0].content[0].transcript == transcript
+    # The same conversation through chat completions (greedy both): the same words.
+    chat = await _client(server).chat.completions.create(
+        model=NAME,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=6,
+    )
+    assert chat.choices[0].message.content == transcript
+
+
+async def test_an_audio_turn_answered_in_text(server: RunningServer) -> None:
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+        await _until(conn, "session.updated")
+        for start in range(0, RATE * 2, RATE // 2):  # one second of audio in 250 ms appends
+            await conn.input_audio_buffer.append(audio=_b64(_tone(1.0)[start : start + RATE // 2]))
+        await conn.input_audio_buffer.commit()
+        committed = await _until(conn, "conversation.item.done")
+        assert committed[0].type == "input_audio_buffer.committed"
+        assert committed[-1].item.content[0].type == "input_audio"
+        await conn.response.create(response={"max_output_tokens": 4})
+        events = await _until(conn, "response.done")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert not any(e.type == "response.output_audio.delta" for e in events)
+    done = events[-1].response
+    assert done.status == "completed" and done.output[0].content[0].text == text
+
+
+async def test_a_cancel_stops_the_answer_and_frees_it(server: RunningServer) -> None:
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        # The tiny random weights answer this one with 900 tokens and no end of turn.
+        text = "Tell me a long story about the sea"
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        }
+        await conn.conversation.item.create(item=item)
+        await conn.response.create(response={"max_output_tokens": 4096})  # past the model's length
+        error = (await _until(conn, "error"))[-1].error
+        assert error.param == "response.max_output_tokens" and "holds 1024 tokens" in error.message
+        await conn.response.create(
+            response={"max_output_tokens": 900, "output_modalities": ["text"]}
+        )
+        first = await _until(conn, "response.output_text.delta")
+        assert first[-1].delta
+        await conn.response.cancel()
+        events = await _until(conn, "response.done")
+        done = events[-1].response
+        assert done.status == "cancelled" and done.usage.output_tokens < 900
+        idle = asyncio.run_coroutine_threadsafe(wait_until_idle(server.state.engine), server.loop)
+        await asyncio.wrap_future(idle)  # the cancelled request holds nothing
+        # The session goes on: the partial answer is in the conversation, a new one starts.
+        await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
+        again = (await _until(conn, "response.done"))[-1].response
+        assert again.status == "completed" and again.usage.output_tokens == 2
+
+
+BAD_FORMAT = {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}
+BAD_EVENTS = [
+    ({"type": "session.bogus"}, "type", "unknown event type"),
+    (
+        {"type": "session.update", "session": {"output_modalities": ["video"]}},
+        "session.output_modalities",
+        "output_modalities",
+    ),
+    ({"type": "input_audio_buffer.append", "audio": "%%%"}, "audio", "base64"),
+    ({"type": "session.update", "session": BAD_FORMAT}, "session.audio.input.format", "PCM16"),
+    (
+        {"type": "conversation.item.create", "item": {"type": "message", "role": "robot"}},
+        "item.role",
+        "role",
+    ),
+    ({"type": "response.cancel"}, None, "no active response"),
+]
+
+
+@pytest.mark.parametrize(("event", "param", "words"), BAD_EVENTS)
+async def test_a_bad_event_gets_an_error_and_the_session_goes_on(
+    server: RunningServer, event: dict[str, Any], param: str | None, words: str
+) -> None:
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        await conn.send({**event, "event_id": "evt_bad"})  # type: ignore[arg-type]
+        error = (await _until(conn, "error"))[-1].error
+        assert error.event_id == "evt_bad" and error.param == param and words in error.message
+        await conn.input_audio_buffer.commit()  # too short: an error too, and still no close
+        assert "100 ms" in (await _until(conn, "error"))[-1].error.message
+        await conn.session.update(session={"type": "realtime", "instructions": "ok"})
+        assert (await _until(conn, "session.updated"))[-1].session.instructions == "ok"
+
+
+async def test_a_model_this_server_does_not_serve_is_refused(server: RunningServer) -> None:
+    async with _client(server).realtime.connect(model="gpt-4o-realtime") as conn:
+        error = await conn.recv()
+        assert error.type == "error" and error.error.param == "model"
+        assert "does not exist here" in error.error.message
+        with pytest.raises(websockets.ConnectionClosedError, match="1008"):
+            await conn.recv()
+
+
+def test_the_servers_key_is_required_and_a_text_model_answers_in_text(tiny_llama_dir: Path) -> None:
+    """A text-only model (the tiny chat Llama) behind a key: no key, no session; with it, the
+    session answers in text only (its chat template makes the prompt)."""
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "chat"})
+    with running_server(spec, ServerConfig(port=0, api_key="sesame"), names=("chat",)) as server:
+
+        async def session(key: str) -> list[Any]:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+            async with client.realtime.connect(model="chat") as conn:
+                created = await conn.recv()
+                assert created.session.output_modalities == ["text"]
+                await conn.session.update(
+                    session={"type": "realtime", "output_modalities": ["audio"]}
+                )
+                refused = (await _until(conn, "error"))[-1].error
+                assert (
+                    refused.param == "session.output_modalities"
+                    and "does not speak" in refused.message
+                )
+                item = {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Hi"}],
+                }
+                await conn.conversation.item.create(item=item)
+                await conn.response.create(response={"max_output_tokens": 3})
+                return await _until(conn, "response.done")
+
+        with pytest.raises(Exception, match="403"):
+            asyncio.run(session("wrong"))
+        events = asyncio.run(session("sesame"))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert events[-1].response.status == "completed"
+        assert events[-1].response.output[0].content[0].text == text
+
+
+@pytest.mark.slow
+async def test_a_session_idle_past_every_timer_still_answers(server: RunningServer) -> None:
+    """65 s of silence between turns: past uvicorn's 20 s ping interval and timeout and the
+    client's own keepalive."""
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        await asyncio.sleep(65)
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Hi"}],
+        }
+        await conn.conversation.item.create(item=item)
+        await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
+        assert (await _until(conn, "response.done"))[-1].response.status == "completed"
