@@ -260,3 +260,84 @@ async def test_a_session_idle_past_every_timer_still_answers(server: RunningServ
         await conn.conversation.item.create(item=item)
         await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
         assert (await _until(conn, "response.done"))[-1].response.status == "completed"
+
+
+def _spoken(text: str) -> bytes:
+    """Real speech (the assistant's Piper voice) as PCM16 at 24 kHz."""
+    import soxr
+
+    from mstar.zoo.assistant.voice import PiperSpeaker
+
+    speaker = PiperSpeaker()
+    speech = soxr.resample(speaker.speak(text), speaker.sample_rate, RATE)
+    return (np.clip(speech, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+async def _stream_audio(conn: Any, pcm: bytes, chunk_ms: int = 100) -> None:
+    step = RATE * chunk_ms // 1000 * 2
+    for start in range(0, len(pcm), step):
+        await conn.input_audio_buffer.append(audio=_b64(pcm[start : start + step]))
+
+
+async def test_server_vad_hears_a_turn_and_answers_it(server: RunningServer) -> None:
+    speech = _spoken("Hello there. How are you today?")
+    silence = bytes(RATE * 2)  # one second
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        detection = {"type": "server_vad", "silence_duration_ms": 400, "prefix_padding_ms": 200}
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "max_output_tokens": 3,
+                "audio": {"input": {"turn_detection": detection}},
+            }
+        )
+        updated = (await _until(conn, "session.updated"))[-1].session
+        assert updated.audio.input.turn_detection.type == "server_vad"
+        await _stream_audio(conn, silence[: len(silence) // 2] + speech + silence)
+        events = await _until(conn, "response.done")
+    kinds = [e.type for e in events]
+    started = events[kinds.index("input_audio_buffer.speech_started")]
+    stopped = events[kinds.index("input_audio_buffer.speech_stopped")]
+    speech_ms = len(speech) // 2 * 1000 // RATE
+    # Speech starts after the 500 ms of silence (reported 200 ms early, the padding) and stops
+    # 400 ms into the silence after it (Piper's own trailing quiet included).
+    assert 500 - 200 <= started.audio_start_ms <= 500 + 300
+    assert 500 + speech_ms // 2 + 400 <= stopped.audio_end_ms <= 500 + speech_ms + 400 + 100
+    assert stopped.item_id == started.item_id
+    assert kinds.index("input_audio_buffer.committed") > kinds.index(
+        "input_audio_buffer.speech_stopped"
+    )
+    committed = events[kinds.index("input_audio_buffer.committed")]
+    assert committed.item_id == started.item_id
+    assert events[-1].response.status == "completed"
+
+
+async def test_speech_over_an_answer_interrupts_it(server: RunningServer) -> None:
+    speech = _spoken("Wait, stop please.")
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        detection = {"type": "server_vad", "silence_duration_ms": 400, "create_response": False}
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+        )
+        await _until(conn, "session.updated")
+        text = "Tell me a long story about the sea"
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        }
+        await conn.conversation.item.create(item=item)
+        await conn.response.create(
+            response={"output_modalities": ["text"], "max_output_tokens": 900}
+        )
+        await _until(conn, "response.output_text.delta")
+        await _stream_audio(conn, speech + bytes(RATE * 2))
+        events = await _until(conn, "response.done")
+        done = events[-1].response
+        assert done.status == "cancelled" and done.status_details.reason == "turn_detected"
+        assert "input_audio_buffer.speech_started" in [e.type for e in events]
+        committed = await _until(conn, "conversation.item.done")
+        assert committed[-1].item.content[0].type == "input_audio"

@@ -7,7 +7,11 @@ with the beta names accepted where they differ (``modalities``, ``voice``,
 - ``session.update``: ``instructions``, ``output_modalities`` (``["text"]`` or ``["audio"]``:
   speech with its transcript), the voice, ``max_output_tokens``, audio formats (PCM16 at
   24 kHz in and out, ``{"type": "audio/pcm", "rate": 24000}`` or the beta ``"pcm16"``) and
-  ``turn_detection`` (none: the client commits turns and asks for responses).
+  ``turn_detection``: null (the client commits turns and asks for responses) or
+  ``server_vad`` (silero-vad hears the input: ``speech_started`` / ``speech_stopped``, the
+  turn committed and answered; speech over an answer cancels it), with OpenAI's
+  ``threshold``, ``prefix_padding_ms``, ``silence_duration_ms``, ``create_response`` and
+  ``interrupt_response``.
 - ``input_audio_buffer.append`` / ``commit`` / ``clear``; ``conversation.item.create`` (text or
   audio content), ``conversation.item.delete``; ``response.create``, ``response.cancel``.
 
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 import soxr
 import structlog
+import torch
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
@@ -46,7 +51,7 @@ from mstar.server.session import RequestStream
 from mstar.server.state import ServerState
 from mstar.server.text_routes import TextGeneration, chat_prompt
 
-__all__ = ["REALTIME_RATE", "RealtimeSession", "router"]
+__all__ = ["REALTIME_RATE", "RealtimeSession", "TurnDetector", "router"]
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +97,106 @@ def _check_format(value: Any, param: str) -> None:
     raise APIRequestError(f"only PCM16 at {REALTIME_RATE} Hz is served, got {value!r}", param=param)
 
 
+class TurnDetector:
+    """Server VAD: silero-vad over 16 kHz frames of 32 ms, with OpenAI's ``server_vad`` settings.
+
+    Speech starts at the first frame whose probability reaches ``threshold`` (reported
+    ``prefix_padding_ms`` earlier); it stops after ``silence_duration_ms`` of frames below it.
+    """
+
+    FRAME = 512  # samples at 16 kHz: the frame silero-vad reads
+
+    def __init__(
+        self,
+        threshold: float = 0.5,
+        prefix_padding_ms: int = 300,
+        silence_duration_ms: int = 500,
+        create_response: bool = True,
+        interrupt_response: bool = True,
+    ) -> None:
+        from silero_vad import load_silero_vad
+
+        self.threshold, self.prefix_padding_ms = threshold, prefix_padding_ms
+        self.silence_duration_ms = silence_duration_ms
+        self.create_response, self.interrupt_response = create_response, interrupt_response
+        self.model = load_silero_vad(onnx=True)  # its own recurrent state, for this session
+        self.resampler = soxr.ResampleStream(REALTIME_RATE, AUDIO_INPUT_RATE, 1, dtype="float32")
+        self.pending = np.zeros(0, dtype=np.float32)
+        self.num_frames = 0
+        self.is_speaking = False
+        self.silent_ms = 0
+
+    @classmethod
+    def of(cls, value: Any, param: str) -> TurnDetector:
+        """Build one from a ``turn_detection`` object, or raise naming the bad field."""
+        if not isinstance(value, dict) or value.get("type", "server_vad") != "server_vad":
+            kind = value.get("type") if isinstance(value, dict) else value
+            raise APIRequestError(
+                f"turn_detection serves type 'server_vad' (or null), got {kind!r}",
+                param=f"{param}.type",
+            )
+        settings: dict[str, Any] = {}
+        for key, kind, lo, hi in (
+            ("threshold", float, 0.0, 1.0),
+            ("prefix_padding_ms", int, 0, 10_000),
+            ("silence_duration_ms", int, 0, 10_000),
+        ):
+            given = value.get(key)
+            if given is None:
+                continue
+            if (
+                isinstance(given, bool)
+                or not isinstance(given, int | float)
+                or not lo <= given <= hi
+            ):
+                raise APIRequestError(
+                    f"{key} must be in [{lo}, {hi}], got {given!r}", param=f"{param}.{key}"
+                )
+            settings[key] = kind(given)
+        for key in ("create_response", "interrupt_response"):
+            if key in value and not isinstance(value[key], bool):
+                raise APIRequestError(f"{key} must be true or false", param=f"{param}.{key}")
+            if key in value:
+                settings[key] = value[key]
+        return cls(**settings)
+
+    def config(self) -> dict[str, Any]:
+        """Return the settings as the session shows them."""
+        return {
+            "type": "server_vad",
+            "threshold": self.threshold,
+            "prefix_padding_ms": self.prefix_padding_ms,
+            "silence_duration_ms": self.silence_duration_ms,
+            "create_response": self.create_response,
+            "interrupt_response": self.interrupt_response,
+        }
+
+    def feed(self, pcm: bytes) -> list[tuple[str, int]]:
+        """Hear PCM16 at `REALTIME_RATE`; return ``("started" | "stopped", ms)`` in stream time."""
+        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+        self.pending = np.concatenate([self.pending, self.resampler.resample_chunk(samples)])
+        events: list[tuple[str, int]] = []
+        frame_ms = self.FRAME * 1000 // AUDIO_INPUT_RATE
+        while self.pending.size >= self.FRAME:
+            frame, self.pending = self.pending[: self.FRAME], self.pending[self.FRAME :]
+            start_ms = self.num_frames * frame_ms
+            self.num_frames += 1
+            prob = float(
+                self.model(torch.from_numpy(np.ascontiguousarray(frame)), AUDIO_INPUT_RATE)
+            )
+            if prob >= self.threshold:
+                self.silent_ms = 0
+                if not self.is_speaking:
+                    self.is_speaking = True
+                    events.append(("started", max(0, start_ms - self.prefix_padding_ms)))
+            elif self.is_speaking:
+                self.silent_ms += frame_ms
+                if self.silent_ms >= self.silence_duration_ms:
+                    self.is_speaking = False
+                    events.append(("stopped", start_ms + frame_ms))
+        return events
+
+
 class RealtimeSession:
     """One client's conversation over its WebSocket (see the module docstring)."""
 
@@ -107,7 +212,10 @@ class RealtimeSession:
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees it
         self.audio: dict[str, np.ndarray] = {}  # item id -> its input audio, as the model reads it
         self.buffer = bytearray()
+        self.detector: TurnDetector | None = None  # server VAD, when the session asks for it
+        self.speech_item: str | None = None  # the item the speech being heard will become
         self.response: asyncio.Task[None] | None = None
+        self._cancel_reason = "client_cancelled"
         self._send_lock = asyncio.Lock()
         self._handlers: dict[str, Callable[[dict[str, Any]], Coroutine[Any, Any, None]]] = {
             "session.update": self._session_update,
@@ -201,7 +309,10 @@ class RealtimeSession:
             if self.max_output_tokens is None
             else self.max_output_tokens,
             "audio": {
-                "input": {"format": pcm, "turn_detection": None},
+                "input": {
+                    "format": pcm,
+                    "turn_detection": None if self.detector is None else self.detector.config(),
+                },
                 "output": {"format": pcm, "voice": self.voice or "default"},
             },
         }
@@ -223,16 +334,13 @@ class RealtimeSession:
         _check_format(session.get("input_audio_format"), "session.input_audio_format")
         _check_format(outputs.get("format"), "session.audio.output.format")
         _check_format(session.get("output_audio_format"), "session.output_audio_format")
-        for where, detection in (
-            ("session.audio.input.turn_detection", inputs.get("turn_detection")),
-            ("session.turn_detection", session.get("turn_detection")),
-        ):
-            if detection is not None:
-                raise APIRequestError(
-                    "turn detection is not served yet: set it to null, commit the input "
-                    "audio buffer and send response.create",
-                    param=where,
-                )
+        where = "session.audio.input.turn_detection"
+        if "turn_detection" in session:  # the beta name
+            where, inputs = "session.turn_detection", {"turn_detection": session["turn_detection"]}
+        detector = self.detector
+        if "turn_detection" in inputs:
+            detection = inputs["turn_detection"]
+            detector = None if detection is None else TurnDetector.of(detection, where)
         voice = outputs.get("voice", session.get("voice", self.voice))
         if voice is not None and not isinstance(voice, str):
             raise APIRequestError("voice must be a string", param="session.audio.output.voice")
@@ -241,6 +349,7 @@ class RealtimeSession:
         )
         limit = self._max_tokens(session.get(key, self.max_output_tokens), f"session.{key}")
         self.instructions, self.output_modalities = instructions, modalities
+        self.detector = detector
         self.voice, self.max_output_tokens = voice, limit
         await self.send({"type": "session.updated", "session": self.session()})
 
@@ -272,6 +381,31 @@ class RealtimeSession:
                 "the input audio buffer holds 15 MiB at most: commit or clear it", param="audio"
             )
         self.buffer += pcm
+        if self.detector is None:
+            return
+        for kind, ms in self.detector.feed(pcm):
+            if kind == "started":
+                self.speech_item = _new_id("item")
+                await self.send(
+                    {
+                        "type": "input_audio_buffer.speech_started",
+                        "audio_start_ms": ms,
+                        "item_id": self.speech_item,
+                    }
+                )
+                if self.detector.interrupt_response and self.response is not None:
+                    await self._stop_response("turn_detected")  # the user speaks over the answer
+                continue
+            await self.send(
+                {
+                    "type": "input_audio_buffer.speech_stopped",
+                    "audio_end_ms": ms,
+                    "item_id": self.speech_item,
+                }
+            )
+            await self._commit({})
+            if self.detector.create_response:
+                await self._response_create({})
 
     async def _commit(self, event: dict[str, Any]) -> None:
         ms = len(self.buffer) // 2 * 1000 // REALTIME_RATE
@@ -281,7 +415,7 @@ class RealtimeSession:
                 code="input_audio_buffer_commit_empty",
             )
         pcm, self.buffer = bytes(self.buffer), bytearray()
-        item_id = _new_id("item")
+        item_id, self.speech_item = self.speech_item or _new_id("item"), None
         item = {
             "id": item_id,
             "type": "message",
@@ -429,9 +563,10 @@ class RealtimeSession:
             )
         await self._stop_response()
 
-    async def _stop_response(self) -> None:
+    async def _stop_response(self, reason: str = "client_cancelled") -> None:
         task, self.response = self.response, None
         if task is not None and not task.done():
+            self._cancel_reason = reason
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -505,7 +640,7 @@ class RealtimeSession:
             piece = gen.finish()
             await self._deltas(piece.text, piece.pcm, base, text_event, texts)
         except asyncio.CancelledError:
-            status, details = "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
+            status, details = "cancelled", {"type": "cancelled", "reason": self._cancel_reason}
         except Exception as exc:  # the request failed: the session goes on
             status = "failed"
             details = {"type": "failed", "error": {"type": "server_error", "message": str(exc)}}
