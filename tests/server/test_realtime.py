@@ -369,3 +369,23 @@ async def test_a_socket_dropped_mid_answer_frees_everything(server: RunningServe
     idle = asyncio.run_coroutine_threadsafe(wait_until_idle(server.state.engine), server.loop)
     await asyncio.wrap_future(idle)
     assert server.state.running == set()
+
+
+def test_sessions_past_the_servers_limit_are_refused(tiny_llama_dir: Path) -> None:
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "chat"})
+    config = ServerConfig(port=0, max_realtime_sessions=1)
+    with running_server(spec, config, names=("chat",)) as server:
+
+        async def main() -> None:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            async with client.realtime.connect(model="chat") as first:
+                assert (await first.recv()).type == "session.created"
+                async with client.realtime.connect(model="chat") as second:
+                    error = await second.recv()
+                    assert error.type == "error" and error.error.code == "session_limit_reached"
+                    with pytest.raises(websockets.ConnectionClosedError, match="1013"):
+                        await second.recv()
+            async with client.realtime.connect(model="chat") as third:  # the first one left
+                assert (await third.recv()).type == "session.created"
+
+        asyncio.run(main())

@@ -135,6 +135,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests queued beyond that; more get 503 (default 256)",
     )
     parser.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=64,
+        help="/v1/realtime sessions open at once; one more is refused (default 64)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -195,6 +201,7 @@ def serve_command(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             admission=AdmissionLimits(args.max_running, args.max_waiting),
             graceful_shutdown_s=args.shutdown_grace,
+            max_realtime_sessions=args.max_realtime_sessions,
         )
         spec = _model_spec(args.model, args.allow_model_factory, model_kwargs(args))
         placement = Placement.from_yaml(args.config) if args.config else None

@@ -40,6 +40,8 @@ class ServerConfig:
             to finish (new ones get 503 meanwhile); those left then end with an error event.
         keep_alive_timeout_s: How long an idle keep-alive connection stays open.
         header_timeout_s: How long a connection may take to send a request's headers.
+        max_realtime_sessions: `/v1/realtime` sessions open at once; one more gets an
+            ``error`` event (``session_limit_reached``) and the socket closes (1013).
     """
 
     host: str = "127.0.0.1"
@@ -52,6 +54,7 @@ class ServerConfig:
     graceful_shutdown_s: float = 10.0
     keep_alive_timeout_s: float = 5.0
     header_timeout_s: float = 10.0
+    max_realtime_sessions: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,6 +69,10 @@ class ServerConfig:
             raise ServerConfigError(
                 f"connection timeouts must be > 0 s, got keep-alive {self.keep_alive_timeout_s}, "
                 f"headers {self.header_timeout_s}"
+            )
+        if self.max_realtime_sessions < 0:
+            raise ServerConfigError(
+                f"max_realtime_sessions must be >= 0, got {self.max_realtime_sessions}"
             )
         if self.max_text_chars < 1:
             raise ServerConfigError(f"max_text_chars must be >= 1, got {self.max_text_chars}")

@@ -60,6 +60,7 @@ router = APIRouter()
 REALTIME_RATE = 24_000
 """Sample rate of the PCM16 audio in and out (OpenAI's ``audio/pcm``)."""
 _POLICY_VIOLATION = 1008
+_TRY_AGAIN_LATER = 1013
 _MAX_BUFFER_BYTES = 15 * 2**20  # OpenAI's cap on one append
 _MIN_COMMIT_MS = 100
 
@@ -708,7 +709,8 @@ async def realtime(websocket: WebSocket, model: str | None = None) -> None:
     """Serve one Realtime session (see the module docstring).
 
     Without the server's key the upgrade is refused (HTTP 403); a model or task this server
-    does not serve gets an ``error`` event naming ``model``, then the socket closes (1008).
+    does not serve gets an ``error`` event naming ``model``, then the socket closes (1008);
+    a session past `ServerConfig.max_realtime_sessions` gets one too, then close 1013.
     """
     state: ServerState = websocket.app.state.server
     if not websocket_authorized(websocket, state.config.api_key, schemes=("bearer",)):
@@ -723,5 +725,17 @@ async def realtime(websocket: WebSocket, model: str | None = None) -> None:
         await session.error(str(exc), param="model", code=exc.code)
         await websocket.close(code=_POLICY_VIOLATION, reason=str(exc)[:120])
         return
+    if state.num_realtime_sessions >= state.config.max_realtime_sessions:
+        limit = state.config.max_realtime_sessions
+        await session.error(
+            f"this server holds {limit} realtime sessions at most: retry later",
+            code="session_limit_reached",
+        )
+        await websocket.close(code=_TRY_AGAIN_LATER, reason="session limit reached")
+        return
+    state.num_realtime_sessions += 1
     log.info("realtime_session_opened", model=state.name, session=session.id)
-    await session.run()
+    try:
+        await session.run()
+    finally:
+        state.num_realtime_sessions -= 1

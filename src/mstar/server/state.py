@@ -57,6 +57,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
     running: set[str] = field(default_factory=set)  # engine ids of the admitted requests
+    num_realtime_sessions: int = 0  # `/v1/realtime` sessions open
     _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     @property
