@@ -56,6 +56,16 @@ async def _until(conn: Any, kind: str) -> list[Any]:
     raise AssertionError(f"the session ended before {kind}")
 
 
+LONG = "Tell me a long story about the sea"
+"""The tiny random weights answer this one with 900 tokens and no end of turn."""
+
+
+async def _say(conn: Any, text: str) -> None:
+    """Add a user text turn to the conversation."""
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    await conn.conversation.item.create(item=item)
+
+
 def _tone(seconds: float) -> bytes:
     t = np.arange(int(RATE * seconds)) / RATE
     return (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
@@ -75,12 +85,7 @@ async def test_a_spoken_answer_to_a_text_turn(server: RunningServer) -> None:
         updated = (await _until(conn, "session.updated"))[-1]
         assert updated.session.instructions == "Be brief."
         assert updated.session.output_modalities == ["audio"]
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": "Hi"}],
-        }
-        await conn.conversation.item.create(item=item)
+        await _say(conn, "Hi")
         added = await _until(conn, "conversation.item.done")
         assert [e.type for e in added] == ["conversation.item.added", "conversation.item.done"]
         await conn.response.create()
@@ -146,14 +151,7 @@ async def test_an_audio_turn_answered_in_text(server: RunningServer) -> None:
 async def test_a_cancel_stops_the_answer_and_frees_it(server: RunningServer) -> None:
     async with _client(server).realtime.connect(model=NAME) as conn:
         await conn.recv()
-        # The tiny random weights answer this one with 900 tokens and no end of turn.
-        text = "Tell me a long story about the sea"
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": text}],
-        }
-        await conn.conversation.item.create(item=item)
+        await _say(conn, LONG)
         await conn.response.create(response={"max_output_tokens": 4096})  # past the model's length
         error = (await _until(conn, "error"))[-1].error
         assert error.param == "response.max_output_tokens" and "holds 1024 tokens" in error.message
@@ -236,12 +234,7 @@ def test_the_servers_key_is_required_and_a_text_model_answers_in_text(tiny_llama
                     refused.param == "session.output_modalities"
                     and "does not speak" in refused.message
                 )
-                item = {
-                    "type": "message",
-                    "role": "user",
-                    "content": [{"type": "input_text", "text": "Hi"}],
-                }
-                await conn.conversation.item.create(item=item)
+                await _say(conn, "Hi")
                 await conn.response.create(response={"max_output_tokens": 3})
                 return await _until(conn, "response.done")
 
@@ -260,12 +253,7 @@ async def test_a_session_idle_past_every_timer_still_answers(server: RunningServ
     async with _client(server).realtime.connect(model=NAME) as conn:
         await conn.recv()
         await asyncio.sleep(65)
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": "Hi"}],
-        }
-        await conn.conversation.item.create(item=item)
+        await _say(conn, "Hi")
         await conn.response.create(response={"max_output_tokens": 2, "output_modalities": ["text"]})
         assert (await _until(conn, "response.done"))[-1].response.status == "completed"
 
@@ -331,13 +319,7 @@ async def test_speech_over_an_answer_interrupts_it(server: RunningServer) -> Non
             session={"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
         )
         await _until(conn, "session.updated")
-        text = "Tell me a long story about the sea"
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": text}],
-        }
-        await conn.conversation.item.create(item=item)
+        await _say(conn, LONG)
         await conn.response.create(
             response={"output_modalities": ["text"], "max_output_tokens": 900}
         )
@@ -354,13 +336,7 @@ async def test_speech_over_an_answer_interrupts_it(server: RunningServer) -> Non
 async def test_a_socket_dropped_mid_answer_frees_everything(server: RunningServer) -> None:
     async with _client(server).realtime.connect(model=NAME) as conn:
         await conn.recv()
-        text = "Tell me a long story about the sea"
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": text}],
-        }
-        await conn.conversation.item.create(item=item)
+        await _say(conn, LONG)
         await conn.response.create(
             response={"output_modalities": ["text"], "max_output_tokens": 900}
         )
