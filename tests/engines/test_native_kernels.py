@@ -485,8 +485,8 @@ def test_native_decoder_layers_equal_the_layer_by_layer_path(
     calls = 0
 
     class CountedStack:
-        def __init__(self, *args):  # type: ignore[no-untyped-def]
-            self._stack = kernels.DecodeStack(*args)
+        def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self._stack = kernels.DecodeStack(*args, **kwargs)
 
         def add_layer(self, *args):  # type: ignore[no-untyped-def]
             self._stack.add_layer(*args)

@@ -135,6 +135,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests queued beyond that; more get 503 (default 256)",
     )
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="serve deterministically: a seeded request gives the same bytes whatever else "
+        "runs beside it (slower; see the README)",
+    )
+    parser.add_argument(
         "--max-realtime-sessions",
         type=int,
         default=64,
@@ -225,6 +231,7 @@ def serve_command(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         ray_num_cpus=args.ray_num_cpus,
         request_stall_timeout_s=args.request_stall_timeout or None,
+        deterministic=args.deterministic,
     )
     start = EngineStart()
     app = make_app(

@@ -42,6 +42,7 @@ from mstar.engines.interfaces import PagedModel
 from mstar.engines.kv_cache import allocate_kv_cache, budget_bytes, num_blocks_for_budget
 from mstar.engines.masks import AttentionMask
 from mstar.engines.model_runner import ModelRunner, StepResult
+from mstar.engines.sampler import Sampler
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import (
     BatchScheduler,
@@ -58,7 +59,12 @@ from mstar.engines.sequence import (
     SequenceStatus,
     StopCheck,
 )
-from mstar.errors import DuplicateRequestError, KVCacheCapacityError, RequestNotFoundError
+from mstar.errors import (
+    DuplicateRequestError,
+    KVCacheCapacityError,
+    MStarError,
+    RequestNotFoundError,
+)
 
 __all__ = ["KVCacheEngine", "KVCacheEngineConfig", "StepOutput"]
 
@@ -85,6 +91,10 @@ class KVCacheEngineConfig:
             graph attends over this many key positions; longer steps run eagerly).
         compile_backend: run the model through `torch.compile` with this backend
             (e.g. "inductor"); None runs it eagerly.
+        deterministic: compute each row of a step as it would be computed alone (attention
+            per row, sampling per row, no batched greedy head; see `EngineConfig.deterministic`
+            for what it guarantees). CPU only; the model's weights are fused for it when it
+            loads under `deterministic_products`.
     """
 
     block_size: int = 16
@@ -98,6 +108,7 @@ class KVCacheEngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_len: int = 4096
     compile_backend: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -168,7 +179,15 @@ class KVCacheEngine:
         )
         kv_cache = allocate_kv_cache(spec, num_blocks, config.block_size, self.device)
         self.kv_cache_bytes = kv_cache.numel() * kv_cache.element_size()
-        backend = _make_backend(config.attention_backend, self.device)
+        if config.deterministic and self.device.type != "cpu":
+            raise MStarError(
+                f"deterministic serving runs on CPU devices only for now, not {self.device}"
+            )
+        backend: AttentionBackend = (
+            TorchPagedAttention(self.device, deterministic=True)
+            if config.deterministic
+            else _make_backend(config.attention_backend, self.device)
+        )
         if config.compile_backend is not None:
             # Attention calls stay outside the compiled graphs (graph breaks): the
             # projections, norms and MLPs around them are what gets fused.
@@ -176,7 +195,12 @@ class KVCacheEngine:
                 PagedModel, torch.compile(model, backend=config.compile_backend, dynamic=True)
             )
         self.runner = ModelRunner(
-            model, kv_cache, backend, block_size=config.block_size, device=self.device
+            model,
+            kv_cache,
+            backend,
+            block_size=config.block_size,
+            device=self.device,
+            sampler=Sampler(deterministic=config.deterministic),
         )
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(

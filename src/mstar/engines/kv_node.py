@@ -123,6 +123,7 @@ class KVNodeEngine(StepLoop):
         device: str = "cpu",
         *,
         kv_cache_memory: int | float | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.node = node
@@ -130,6 +131,8 @@ class KVNodeEngine(StepLoop):
         config = kv_node.engine_config
         if kv_cache_memory is not None and config.num_blocks is None:
             config = replace(config, kv_cache_memory=kv_cache_memory)
+        if deterministic:
+            config = replace(config, deterministic=True)
         self.engine = KVCacheEngine(kv_node.model, config, device=device)
         self.executor = executor
         self.has_native_loop = supports_token_walks(kv_node)

@@ -28,6 +28,13 @@ without bfloat16 arithmetic (AVX2), where oneDNN cannot pack bfloat16 and torch'
 products crawl, the tiles widen each weight on load: a 2048 x 256 bfloat16 weight at 16
 rows took 0.26 ms, `F.linear` 2.1 ms.
 
+Deterministic serving (`deterministic_products`): while a model loads under it, every CPU
+weight takes `TILED` whatever the timing says (outputs padded to a whole tile), and bfloat16
+tiles multiply on one instruction path at every row count. A row's sums then run in one
+order, whatever the number of rows or threads in the product: the same row gives the same
+bits alone or in any batch. A weight the tiles cannot take (another dtype or device, or odd
+bfloat16 inputs) multiplies one row at a time.
+
 `FusedLinear` holds one or more linears that read the same input as one product in the
 chosen layout. `FusableLinear` is an `nn.Linear` that sends its own product through a
 `FusedLinear` once fused, for models that call their linears directly. Both are applied
@@ -42,8 +49,10 @@ the kernels, under autograd or inside `torch.compile`, the torch ops run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import cast
 
@@ -68,6 +77,9 @@ __all__ = [
     "apply_rotary_signed",
     "can_pack",
     "choose_layout",
+    "deterministic_products",
+    "make_linears_deterministic",
+    "products_are_deterministic",
     "route_experts",
     "signed_sin",
 ]
@@ -88,6 +100,30 @@ _LAYOUT_CHOICES: dict[tuple[int, int, torch.dtype, tuple[int, ...]], str] = {}
 _PACK_ROWS = 16
 
 
+_DETERMINISTIC = contextvars.ContextVar("mstar_deterministic_products", default=False)
+
+
+@contextlib.contextmanager
+def deterministic_products(enabled: bool = True) -> Iterator[None]:
+    """Within it, linears fused (`FusedLinear.of`, `.shared`, `choose_layout`) compute each row
+    the same way whatever else shares the product (see the module's notes).
+
+    Models load their weights under it when an engine serves deterministically
+    (`EngineConfig.deterministic`); it is a context variable, so other threads and
+    tasks are not affected.
+    """
+    token = _DETERMINISTIC.set(enabled)
+    try:
+        yield
+    finally:
+        _DETERMINISTIC.reset(token)
+
+
+def products_are_deterministic() -> bool:
+    """Whether linears fused now are deterministic (inside `deterministic_products`)."""
+    return _DETERMINISTIC.get()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """Return `weight` `[out, in]` reordered into oneDNN's blocked layout for linear."""
     return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS))
@@ -99,12 +135,13 @@ def _packed_linear(
     return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
 
 
-def _tiles(weight: torch.Tensor) -> ModuleType | None:
-    """The native kernels, where they can tile this `[out, in]` weight (see `TILED`)."""
+def _tiles(weight: torch.Tensor, *, pad: bool = False) -> ModuleType | None:
+    """The native kernels, where they can tile this `[out, in]` weight (see `TILED`); with
+    `pad`, outputs that are not a whole number of tiles are padded with zero weights."""
     out_features, in_features = weight.shape
     if (
         weight.device.type != "cpu"
-        or out_features % 16
+        or (out_features % 16 and not pad)
         or weight.dtype not in (torch.float32, torch.bfloat16)
     ):
         return None
@@ -119,7 +156,10 @@ def _stored(weight: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == PACKED:
         return _pack(weight)
     if layout == TILED:
-        return cast(torch.Tensor, cast(ModuleType, _tiles(weight)).pack_linear(weight))
+        kernels = cast(ModuleType, _tiles(weight, pad=True))
+        if weight.shape[0] % 16:
+            weight = F.pad(weight, (0, 0, 0, -weight.shape[0] % 16))
+        return cast(torch.Tensor, kernels.pack_linear(weight))
     return weight.t().contiguous() if layout == IN_OUT else weight.contiguous()
 
 
@@ -171,6 +211,8 @@ def choose_layout(weight: torch.Tensor, rows: tuple[int, ...] = DECODE_ROWS) -> 
         rows: The input row counts the layer mostly sees, for example decode batch sizes or
             a ViT's tokens per image. Packing pays off only once there are enough rows.
     """
+    if products_are_deterministic():
+        return TILED if _tiles(weight, pad=True) is not None else OUT_IN
     if weight.device.type != "cpu":
         return OUT_IN
     out_features, in_features = weight.shape
@@ -217,16 +259,29 @@ class FusedLinear:
     weight (it becomes `None`) rather than keep a second copy, so a model fused for
     inference is for inference only. The fused tensors are plain attributes, which
     `Module.to()` does not move: fuse after the model is on its device and in its dtype.
+
+    One fused under `deterministic_products` is `deterministic`: each row's outputs do not
+    depend on the other rows of the product.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, layout: str) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        layout: str,
+        out_features: int | None = None,
+    ) -> None:
         self.weight = weight  # [in, out] for IN_OUT; [out, in] (dense or packed) otherwise
-        self.bias = bias
         self.layout = layout
+        self.deterministic = products_are_deterministic()
         self.out_features = weight.shape[1] if layout == IN_OUT else weight.shape[0]
-        if layout == TILED:  # [out / 16, ...] tiles
-            self.out_features = 16 * weight.shape[0]
+        if layout == TILED:  # [out / 16, ...] tiles, the last one padded past `out_features`
+            self.out_features = out_features or 16 * weight.shape[0]
             self._kernels = cast(ModuleType, cpu_kernels())
+            if bias is not None and bias.shape[0] != 16 * weight.shape[0]:
+                bias = F.pad(bias, (0, 16 * weight.shape[0] - bias.shape[0]))
+        self.bias = bias
 
     @classmethod
     def of(
@@ -252,7 +307,7 @@ class FusedLinear:
                     lin.register_parameter("weight", None)
                     if bias is not None:
                         lin.register_parameter("bias", None)
-                return cls(weight, bias, layout=layout)
+                return cls(weight, bias, layout=layout, out_features=weights.shape[0])
             start = 0
             for lin in linears:
                 size = lin.out_features
@@ -273,12 +328,22 @@ class FusedLinear:
         with torch.no_grad():
             layout = choose_layout(weight, rows)
             if layout != OUT_IN:
-                return cls(_stored(weight.detach(), layout), None, layout=layout)
+                stored = _stored(weight.detach(), layout)
+                return cls(stored, None, layout=layout, out_features=weight.shape[0])
         return cls(weight.detach(), None, layout=OUT_IN)
+
+    @classmethod
+    def _deterministic_copy(cls, linear: nn.Linear) -> FusedLinear:
+        """A deterministic product of `linear`'s weight and bias, leaving them in place."""
+        with torch.no_grad():
+            weight = linear.weight.detach()
+            layout = choose_layout(weight)
+            bias = None if linear.bias is None else linear.bias.detach()
+            return cls(_stored(weight, layout), bias, layout=layout, out_features=weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Return `x @ W.T + b` for `x` `[..., in]`."""
-        if self.layout == OUT_IN:
+        if self.layout == OUT_IN and not self.deterministic:
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:
             # torch.mm takes only matrices, and oneDNN's kernel was timed on them. Fold the
@@ -288,12 +353,19 @@ class FusedLinear:
         if self.layout == PACKED:
             return _packed_linear(x, self.weight, self.bias)
         if self.layout == TILED:
-            return cast(
+            y = cast(
                 torch.Tensor,
                 self._kernels.linear(
-                    x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias
+                    x if x.stride(-1) == 1 else x.contiguous(),
+                    self.weight,
+                    self.bias,
+                    self.deterministic,
                 ),
             )
+            return y if y.shape[1] == self.out_features else y[:, : self.out_features]
+        if self.layout == OUT_IN:  # deterministic: one row at a time, the same product each
+            rows = [F.linear(row, self.weight, self.bias) for row in x.split(1)]
+            return torch.cat(rows) if rows else F.linear(x, self.weight, self.bias)
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
@@ -305,16 +377,55 @@ class FusedLinear:
         Tiles multiply and choose in one native call: the calling thread takes the GIL back
         once, not between the product and the choice.
         """
-        if self.layout == TILED and x.dim() == 2 and x.stride(-1) == 1:
+        if (
+            self.layout == TILED
+            and not self.deterministic
+            and self.out_features == 16 * self.weight.shape[0]
+            and x.dim() == 2
+            and x.stride(-1) == 1
+        ):
             return cast(torch.Tensor, self._kernels.linear_argmax(x, self.weight, self.bias))
         return argmax_rows(self(x))
 
     def native_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
         """Return `(weight, bias, transposed)` as native code multiplies them, or None (oneDNN's
-        packed layout, which only its own kernel reads). `transposed`: the weight is `[in, out]`."""
-        if self.layout == PACKED:
+        packed layout, which only its own kernel reads; padded tiles; a deterministic product
+        that is not tiled). `transposed`: the weight is `[in, out]`."""
+        if (
+            self.layout == PACKED
+            or (self.layout == TILED and self.out_features != 16 * self.weight.shape[0])
+            or (self.deterministic and self.layout != TILED)
+        ):
             return None
         return self.weight, self.bias, self.layout == IN_OUT
+
+
+def make_linears_deterministic(module: nn.Module) -> int:
+    """Send every `nn.Linear` in `module` that still multiplies through torch (not fused into a
+    `FusedLinear`) through a deterministic product (see `deterministic_products`); return how
+    many.
+
+    A deterministic engine applies it to each KV-cache node's modules after they load, so the
+    small projections a model calls directly (a time embedding, an action head) compute each
+    row as they would alone. The linears keep their weights (the product works on a copy).
+    """
+    count = 0
+    with deterministic_products():
+        for sub in module.modules():
+            if (
+                not isinstance(sub, nn.Linear)
+                or sub.weight is None
+                or sub.weight.device.type == "meta"  # another node's part, not loaded here
+                or "forward" in vars(sub)
+            ):
+                continue
+            if isinstance(sub, FusableLinear):
+                if sub.fused is None or not sub.fused.deterministic:
+                    sub.fused = FusedLinear._deterministic_copy(sub)
+            else:
+                sub.forward = FusedLinear._deterministic_copy(sub).__call__  # type: ignore[method-assign, assignment]
+            count += 1
+    return count
 
 
 class FusableLinear(nn.Linear):

@@ -298,7 +298,12 @@ class ModelRunner:
         rows = hidden.index_select(0, batch.logits_indices)
         if self.before_logits is not None:
             self.before_logits()
-        if self._greedy_tokens and not return_logits and all(_is_plain_greedy(s) for s in seqs):
+        if (
+            self._greedy_tokens
+            and not self.sampler.deterministic  # its own product, batched: not row-invariant
+            and not return_logits
+            and all(_is_plain_greedy(s) for s in seqs)
+        ):
             greedy = cast(SupportsGreedyTokens, self.model).greedy_tokens(rows)
             if greedy is not None:
                 return StepResult(greedy.tolist(), None, [])

@@ -91,7 +91,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Pick one token per row of a logits batch, honouring each row's `SamplingParams`."""
+    """Pick one token per row of a logits batch, honouring each row's `SamplingParams`.
+
+    A deterministic sampler (`deterministic=True`) takes each row on its own, so no reduction
+    over a row (softmax, cumulative sums, log-probabilities) depends on the others' widths
+    or count: a row's token and log-probabilities are those it would get alone.
+    """
+
+    def __init__(self, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     def __call__(
         self,
@@ -107,6 +115,20 @@ class Sampler:
             ranges: Each row's candidate id ranges (`vocab_ranges` of its processor),
                 when the caller has them already; computed here otherwise.
         """
+        if self.deterministic and len(seqs) > 1:
+            return torch.cat(
+                [
+                    self._sample(
+                        logits[row : row + 1], [seq], None if ranges is None else [ranges[row]]
+                    )
+                    for row, seq in enumerate(seqs)
+                ]
+            )
+        return self._sample(logits, seqs, ranges)
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], ranges: list[Ranges | None] | None
+    ) -> torch.Tensor:
         logits = logits.float()
         params = [s.params for s in seqs]
         logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]

@@ -167,6 +167,8 @@ class AsyncEngine:
         ray_address = placement.cluster_address(config.ray_address)
         if ray_address != config.ray_address:
             config = replace(config, ray_address=ray_address)
+        if placement.deterministic and not config.deterministic:
+            config = replace(config, deterministic=True)
         if config.is_distributed and spec is None:
             raise MStarError(
                 "worker processes rebuild the model: pass a ModelSpec (or a model with a .spec)"
@@ -213,6 +215,7 @@ class AsyncEngine:
             ranks=list(placement.ranks),
             worker_processes=config.worker_processes,
             ray=config.ray_address is not None,
+            deterministic=config.deterministic,
         )
         return engine
 

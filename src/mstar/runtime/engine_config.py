@@ -72,6 +72,13 @@ class EngineConfig:
         ray_connect_timeout_s: How long joining the Ray cluster may take before the start
             fails with `RayClusterUnreachableError` (an address where nothing listens fails
             at once).
+        deterministic: Serve deterministically: a request with a given seed produces the
+            same bytes (tokens, log-probabilities, audio, images, latents, actions) whatever
+            else shares its steps, however its prompt is chunked, whether it was preempted
+            or hit the prefix cache, on any placement and at any thread count (CPU ranks;
+            see the README's "Deterministic serving"). Each row of a step is computed as
+            it would be alone: tiled products, attention and sampling per row, stateless
+            nodes one input at a time. Off, the fast paths run (the default).
     """
 
     worker_processes: bool = False
@@ -99,6 +106,7 @@ class EngineConfig:
     ray_max_restarts: int = -1
     ray_placement_timeout_s: float = 60.0
     ray_connect_timeout_s: float = 60.0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         stall = self.request_stall_timeout_s
@@ -133,6 +141,7 @@ class EngineConfig:
             freeze_gc=self.freeze_gc and self.is_distributed,
             kv_cache_memory=self.kv_cache_memory,
             kv_cache_shares={**(kv_cache_shares or {}), **self.kv_cache_shares},
+            deterministic=self.deterministic,
         )
 
 

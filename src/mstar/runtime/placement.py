@@ -42,6 +42,9 @@ node_groups:
   - {node_names: [thinker], ranks: [0], kv_cache_share: 0.6}
   - {node_names: [talker, code_predictor], ranks: [0], kv_cache_share: 0.2}
 ```
+
+``deterministic: true`` serves deterministically, as ``EngineConfig(deterministic=True)`` and
+``mstar serve --deterministic`` do (either one turns it on).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     rank_resources: dict[int, dict[str, float]] | None = None
     backend: Literal["local", "ray"] | None = None
     ray_address: str | None = None
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,8 @@ class Placement:
     """A validated map from (node, walk) to the ranks that host it.
 
     ``backend`` is where the workers run (``"ray"``: on the Ray cluster at ``ray_address``;
-    ``"local"``: on this machine; None: as the engine's config says).
+    ``"local"``: on this machine; None: as the engine's config says). ``deterministic``: serve
+    deterministically (see `EngineConfig.deterministic`).
     """
 
     groups: tuple[NodeGroup, ...]
@@ -95,6 +100,7 @@ class Placement:
     rank_resources: dict[int, dict[str, float]] | None = None
     backend: Literal["local", "ray"] | None = None
     ray_address: str | None = None
+    deterministic: bool = False
 
     @classmethod
     def colocated(cls, graph: ModelGraph) -> Placement:
@@ -127,7 +133,12 @@ class Placement:
         if spec.ray_address is not None and spec.backend != "ray":
             raise PlacementError(f"{where}: ray_address needs backend: ray")
         return cls(
-            tuple(spec.node_groups), spec.model, spec.rank_resources, spec.backend, spec.ray_address
+            tuple(spec.node_groups),
+            spec.model,
+            spec.rank_resources,
+            spec.backend,
+            spec.ray_address,
+            spec.deterministic,
         )
 
     def resolve(
@@ -182,7 +193,12 @@ class Placement:
     def to_yaml(self) -> str:
         """Return this placement as YAML text (what `from_yaml` reads)."""
         spec = _PlacementFile(
-            list(self.groups), self.model, self.rank_resources, self.backend, self.ray_address
+            list(self.groups),
+            self.model,
+            self.rank_resources,
+            self.backend,
+            self.ray_address,
+            self.deterministic,
         )
         return msgspec.yaml.encode(spec).decode()
 

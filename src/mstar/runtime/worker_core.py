@@ -15,13 +15,14 @@ import gc
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
 from mstar.engines.kv_cache import budget_bytes
 from mstar.engines.kv_node import KVNodeEngine
+from mstar.engines.layers import deterministic_products, make_linears_deterministic
 from mstar.engines.limits import NodeLimits
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_loop import StepExecutor
@@ -143,6 +144,9 @@ class WorkerConfig:
             device default (0.8 of free memory on CUDA, min(1 GiB, 0.25) on a CPU).
         kv_cache_shares: Node -> fraction of the rank's budget (the rest is split evenly
             among the KV nodes not named); they must add up to at most 1.
+        deterministic: Serve deterministically (see `EngineConfig.deterministic`): weights
+            load under `deterministic_products`, KV-cache engines compute each row on its
+            own, stateless engines run one input at a time.
     """
 
     device: str = "cpu"
@@ -152,6 +156,7 @@ class WorkerConfig:
     freeze_gc: bool = False
     kv_cache_memory: int | float | None = None
     kv_cache_shares: dict[str, float] = field(default_factory=dict)
+    deterministic: bool = False
 
 
 EngineFactory = Callable[
@@ -167,7 +172,10 @@ def _make_stateless(
     config: WorkerConfig,
     _budget: int | float | None,
 ) -> NodeEngine:
-    return StatelessEngine(node, module, config.stateless, executor)
+    limits = (
+        replace(config.stateless, max_batch_size=1) if config.deterministic else config.stateless
+    )
+    return StatelessEngine(node, module, limits, executor)
 
 
 def _make_kv(
@@ -178,7 +186,14 @@ def _make_kv(
     budget: int | float | None,
 ) -> NodeEngine:
     try:
-        return KVNodeEngine(node, module, executor, device=config.device, kv_cache_memory=budget)
+        return KVNodeEngine(
+            node,
+            module,
+            executor,
+            device=config.device,
+            kv_cache_memory=budget,
+            deterministic=config.deterministic,
+        )
     except KVCacheCapacityError as exc:
         raise KVCacheCapacityError(f"KV-cache node {node!r}: {exc}") from exc
 
@@ -224,6 +239,13 @@ def kv_cache_budgets(
     rest = [n for n in kv_nodes if n not in shares]
     each_rest = (1.0 - total_share) / len(rest) if rest else 0.0
     return {n: int(num_bytes * shares.get(n, each_rest)) for n in kv_nodes}
+
+
+def _modules_of(submodule: Any) -> list[torch.nn.Module]:
+    """The torch modules a node's submodule is, or holds as attributes."""
+    if isinstance(submodule, torch.nn.Module):
+        return [submodule]
+    return [v for v in vars(submodule).values() if isinstance(v, torch.nn.Module)]
 
 
 class _Ports:
@@ -327,7 +349,12 @@ class WorkerCore:
         )
         for node in owned:
             # Loading weights takes seconds: off the event loop, which must keep heartbeating.
-            module = await asyncio.to_thread(self.model.submodule, node, device)
+            with deterministic_products(self.config.deterministic):
+                module = await asyncio.to_thread(self.model.submodule, node, device)
+            if self.config.deterministic and types[node] == EngineType.KV_CACHE:
+                # Stateless nodes run one input at a time; a KV node's rows share products.
+                for part in _modules_of(module):
+                    make_linears_deterministic(part)
             engine = ENGINE_FACTORIES[types[node]](
                 node, module, self._executor, self.config, budgets.get(node)
             )

@@ -124,7 +124,10 @@ def make_app(
 def _add_operational_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(http: HttpRequest) -> Response:
-        """Answer 200 while the engine serves; 503 while it starts, stops, or misses a worker."""
+        """Answer 200 while the engine serves; 503 while it starts, stops, or misses a worker.
+
+        The answer names the model and whether it serves deterministically.
+        """
         state: ServerState | None = getattr(http.app.state, "server", None)
         if state is None or state.engine.conductor is None:
             return JSONResponse({"status": "starting"}, status_code=503)
@@ -135,7 +138,13 @@ def _add_operational_routes(app: FastAPI) -> None:
             return JSONResponse(
                 {"status": "degraded", "model": state.name, "ranks_down": down}, status_code=503
             )
-        return JSONResponse({"status": "ok", "model": state.name})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": state.name,
+                "deterministic": state.engine.config.deterministic,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics(http: HttpRequest) -> Response:

@@ -29,7 +29,14 @@ from torch import nn
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary_signed, signed_sin
+from mstar.engines.layers import (
+    FusedLinear,
+    GatedMLP,
+    RMSNorm,
+    apply_rotary_signed,
+    deterministic_products,
+    signed_sin,
+)
 from mstar.engines.native import cpu_kernels
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
@@ -255,6 +262,8 @@ class LlamaCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         self._head: FusedLinear | None = None
         self._greedy: ScreenedArgmax | Literal[False] | None = None  # False: no screen here
+        # Deterministic head products over id ranges (`compute_logits_in`), by range.
+        self._head_slices: dict[tuple[int, int], FusedLinear] = {}
         # The decoder for the native decode step (`DecodeStack`; None: not built yet; False:
         # a layer that the native call cannot run, or no kernels).
         self._native_stack: Any = None
@@ -337,6 +346,7 @@ class LlamaCausalLM(nn.Module):
                     norm.eps,
                     attn.scale,
                     attn.num_heads,
+                    invariant=attn.qkv is not None and attn.qkv.deterministic,
                 )
                 for layer, products in layers:
                     assert products is not None
@@ -370,6 +380,7 @@ class LlamaCausalLM(nn.Module):
         else:
             self._head = FusedLinear.shared(self.model.embed_tokens.weight)
         self._greedy = None
+        self._head_slices = {}
         self._native_stack = None
 
     def compute_logits_in(
@@ -385,12 +396,26 @@ class LlamaCausalLM(nn.Module):
         groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for row, row_ranges in enumerate(ranges):
             groups.setdefault(tuple(row_ranges), []).append(row)
+        deterministic = self._head is not None and self._head.deterministic
         for key, rows in groups.items():
             index = torch.tensor(rows, device=hidden.device)
             part = hidden.index_select(0, index)
             for start, end in key:
-                logits[index, start:end] = F.linear(part, weight[start:end])
+                if deterministic:
+                    # The head's own per-row sums over just these ids: each logit equals the
+                    # full head's, whichever rows share the step.
+                    logits[index, start:end] = self._head_slice(start, end)(part)
+                else:
+                    logits[index, start:end] = F.linear(part, weight[start:end])
         return logits
+
+    def _head_slice(self, start: int, end: int) -> FusedLinear:
+        """The head's rows `[start, end)` as a deterministic product, made once per range."""
+        key = (start, end)
+        if key not in self._head_slices:
+            with deterministic_products():
+                self._head_slices[key] = FusedLinear.shared(self._dense_head()[start:end])
+        return self._head_slices[key]
 
     def _dense_head(self) -> torch.Tensor:
         """Return the head as a dense `[vocab, hidden]` matrix (rows can be sliced)."""

@@ -20,6 +20,13 @@ joins, leaves or did anything but decode one token):
                                                    row 1: s1 keys 0..L1-1 |
 ```
 
+Deterministic (`deterministic=True`, CPU): every query row that writes its keys, decode or
+prefill, attends through the native kernel as a row of its own (its keys up to its limit, in
+the cache's block order), so a row's result does not depend on the step's other rows, on
+where a prompt was split into chunks, or on the number of threads. Read-only chunks keep the
+torch paths above (each chunk attends over its own keys, however the step is made up).
+Nothing is staged.
+
 Native decode (CPU, on by default): where mstar's native kernels are built
 (`mstar.engines.native`), decode rows in float32 or bfloat16 with a head size of 16, 32, 64,
 128 or 256 attend in one C++ call that reads each row's keys and values in place from the
@@ -29,6 +36,8 @@ CUDA, a machine without a compiler).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import numpy as np
 import torch
@@ -319,14 +328,22 @@ class TorchPagedAttention:
         chunk_staging: bool = True,
         stage_budget_bytes: int = 256 << 20,
         native: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """Create the backend for tensors on `device` (see the module notes on staging).
 
         `stage_budget_bytes` caps the keys one layer of one staged group may copy (K and V);
         larger groups gather from the cache every step. `native`: on a CPU, decode rows go
         through the native kernel where it is built and fits (see the module notes).
+        `deterministic`: every writing row attends on its own (see the module notes).
         """
         self.device = torch.device(device)
+        self.deterministic = deterministic
+        if deterministic:
+            decode_staging = chunk_staging = False
+            native = True
+        # Deterministic rows of the step: their indices, block tables and key counts.
+        self._rows: torch.Tensor | None = None
         self.workspace: torch.Tensor | None = None  # no kernel scratch to share
         self._kernels = cpu_kernels() if native and self.device.type == "cpu" else None
         self._native_tables: torch.Tensor | None = None  # [decode rows, blocks] of the step
@@ -371,6 +388,9 @@ class TorchPagedAttention:
     def plan(self, metadata: AttentionMetadata) -> None:
         """Build gather indices and masks for the step."""
         self._slot_mapping = metadata.slot_mapping
+        if self.deterministic:
+            self._plan_rows(metadata)
+            return
         starts = metadata.query_start_loc
         seq_lens = metadata.seq_lens
         size = metadata.block_size
@@ -435,10 +455,58 @@ class TorchPagedAttention:
                     self._decode_mask = _padding_mask(lens, max_len, self.device)
         elif staging is not None:
             staging.deactivate()
-        decode_set = set(decode_ids)
+        self._plan_chunks(metadata, set(decode_ids))
+
+    def _plan_rows(self, metadata: AttentionMetadata) -> None:
+        """Plan a deterministic step: each writing row on its own, read-only chunks as usual."""
+        starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
+        limits, read_only = metadata.kv_limits, metadata.read_only
+        size = metadata.block_size
+        writing = [
+            i for i in range(metadata.num_seqs) if read_only is None or not bool(read_only[i])
+        ]
+        rows: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        seqs: list[int] = []
+        for i in writing:
+            start, end, length = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
+            rows.append(np.arange(start, end))
+            # Each row's keys end at its limit (causal: its own position, included).
+            lens.append(
+                limits[start:end].astype(np.int64)
+                if limits is not None
+                else np.arange(length - (end - start), length, dtype=np.int64) + 1
+            )
+            seqs.extend([i] * (end - start))
+        self._rows = self._decode_rows = None
+        self._all_decode = False
+        self._native_tables = self._native_lens = None
+        if seqs:
+            row_lens = np.concatenate(lens)
+            width = -(-int(row_lens.max()) // size)
+            tables = np.zeros((len(seqs), width), dtype=np.int64)
+            for row, i in enumerate(seqs):
+                table = metadata.block_tables[i][:width]
+                tables[row, : len(table)] = table
+            self._rows = torch.from_numpy(np.concatenate(rows)).to(self.device)
+            self._native_tables = torch.from_numpy(tables)
+            self._native_lens = torch.from_numpy(row_lens)
+            # One writing row per sequence, each seeing all its keys: the native decode step
+            # (`native_decode`) computes the same rows.
+            self._all_decode = len(seqs) == metadata.num_tokens == len(writing) and bool(
+                (row_lens == seq_lens[writing]).all()
+            )
+        self._plan_chunks(metadata, set(writing))
+
+    def _plan_chunks(self, metadata: AttentionMetadata, skip: set[int]) -> None:
+        """Plan the prefill chunks of the sequences not in `skip`."""
+        starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
+        limits, read_only = metadata.kv_limits, metadata.read_only
+        size = metadata.block_size
+        self._prefills = []
         groups: dict[tuple[int, int, bool], list[int]] = {}
         for i in range(metadata.num_seqs):
-            if i in decode_set:
+            if i in skip:
                 continue
             start, end = int(starts[i]), int(starts[i + 1])
             length = int(seq_lens[i])
@@ -524,9 +592,16 @@ class TorchPagedAttention:
                 2 * len(self._layers_seen) * k_cache[0, 0].numel() * k_cache.element_size()
             )
         gqa = q.shape[1] != k_cache.shape[-2]
-        if self._all_decode:
+        if self.deterministic:
+            if self._all_decode:
+                return self._attend_rows(q, k_cache, v_cache, scale)
+            out = torch.empty_like(q)
+            if self._rows is not None:
+                out[self._rows] = self._attend_rows(q[self._rows], k_cache, v_cache, scale)
+        elif self._all_decode:
             return self._decode(q, k, v, k_cache, v_cache, scale)
-        out = torch.empty_like(q)
+        else:
+            out = torch.empty_like(q)
         rows = self._decode_rows
         if rows is not None:
             out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale)
@@ -585,6 +660,33 @@ class TorchPagedAttention:
                 out[group.row_start : group.row_start + n * q_len] = o
             else:
                 out[group.rows] = o
+        return out
+
+    def _attend_rows(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attend each deterministic row on its own: through the kernel where it fits, else one
+        row at a time through torch."""
+        tables, lens = self._native_tables, self._native_lens
+        assert tables is not None and lens is not None
+        if self._kernels is not None and _fits_native(q, k_cache):
+            attend = self._kernels.decode_attention
+            return cast(torch.Tensor, attend(q, k_cache, v_cache, tables, lens, scale))
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[-2]
+        out = torch.empty_like(q)
+        for row in range(q.shape[0]):
+            length = int(lens[row])
+            blocks = tables[row, : -(-length // block_size)].to(self.device)
+            keys = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
+            values = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
+            group = q.shape[1] // kv_heads
+            o = F.scaled_dot_product_attention(
+                q[row].view(kv_heads, group, -1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                scale=scale,
+            )
+            out[row] = o[0].reshape(q.shape[1], -1)
         return out
 
     def native_decode(

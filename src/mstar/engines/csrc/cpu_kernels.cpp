@@ -24,10 +24,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up (see the source).", release());
   m.def("screened_argmax", &screened_argmax, "ScreenedArgmax's candidates and exact choice (see the source).",
         release());
-  m.def("decode_layer", &decode_layer, "One Llama decoder layer over decode rows (see the source).", release());
+  m.def("decode_layer", &decode_layer, "One Llama decoder layer over decode rows (see the source).", py::arg("x"),
+        py::arg("delta"), py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("weights"),
+        py::arg("biases"), py::arg("transposed"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("tables"), py::arg("lens"), py::arg("scale"), py::arg("heads"),
+        py::arg("invariant") = false, release());
   // Module-local: builds for other CPUs (native.build_for) load beside this one in a process.
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(), "A Llama decoder's decode step in one call (see the source).")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t>())
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, int64_t, bool>(), py::arg("embed"),
+           py::arg("rope_cos"), py::arg("rope_sin"), py::arg("final_norm"), py::arg("eps"), py::arg("scale"),
+           py::arg("heads"), py::arg("invariant") = false)
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, release());
   m.def("linear_argmax", &linear_argmax, "argmax_rows(linear(x, tiles, bias)) (see the source).", py::arg("x"),
@@ -37,5 +43,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
   m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none(), release());
+        py::arg("bias") = py::none(), py::arg("invariant") = false, release());
 }

@@ -12,9 +12,10 @@
 namespace {
 
 // x @ W + b in the layout FusedLinear stored W in: tiles (pack_linear's, 3 or 4 dimensions),
-// [in, out] (`transposed`) or [out, in].
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool transposed) {
-  if (w.dim() > 2) return ::linear(x, w, bias);
+// [in, out] (`transposed`) or [out, in]. `invariant`: see linear.
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool transposed,
+                   bool invariant) {
+  if (w.dim() > 2) return ::linear(x, w, bias, invariant);
   if (transposed) return bias.has_value() ? at::addmm(*bias, x, w) : at::mm(x, w);
   return at::linear(x, w, bias);
 }
@@ -26,14 +27,16 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional
 // on q and k, the keys and values written to their cache slots, decode_attention, the output
 // product, add_rms_norm, gate/up, silu_mul, down), with no Python between them. `delta` is
 // the previous layer's MLP output, added to `x` before the input norm (the add the torch
-// path makes at the end of a layer). Returns {the residual after attention, the MLP's output}.
+// path makes at the end of a layer). `invariant`: the products' (see linear). Returns {the
+// residual after attention, the MLP's output}.
 std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
                                      const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                                      const std::vector<at::Tensor>& weights,
                                      const std::vector<c10::optional<at::Tensor>>& biases,
                                      const std::vector<bool>& transposed, const at::Tensor& cos, const at::Tensor& sin,
                                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-                                     const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t heads) {
+                                     const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t heads,
+                                     bool invariant) {
   TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && transposed.size() == 4,
               "decode_layer: the q/k/v, output, gate/up and down products expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -52,7 +55,7 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
   } else {
     h = ::rms_norm(x, input_norm, eps);
   }
-  const at::Tensor qkv = product(h, weights[0], biases[0], transposed[0]);
+  const at::Tensor qkv = product(h, weights[0], biases[0], transposed[0], invariant);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "decode_layer: the q/k/v product's width is not "
               "(heads + 2 kv_heads) x dim");
   const at::Tensor qk = ::rotary(qkv.narrow(1, 0, (heads + kv_heads) * dim).view({rows, heads + kv_heads, dim}),
@@ -71,10 +74,10 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
     std::memcpy(vc + sp[r] * token_bytes, vp + r * v_row, token_bytes);
   }
   const at::Tensor attended = ::decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables, lens, scale);
-  const at::Tensor o = product(attended.view({rows, heads * dim}), weights[1], biases[1], transposed[1]);
+  const at::Tensor o = product(attended.view({rows, heads * dim}), weights[1], biases[1], transposed[1], invariant);
   auto after = ::add_rms_norm(residual, o, post_norm, eps);
-  const at::Tensor gate_up = product(after[1], weights[2], biases[2], transposed[2]);
-  return {after[0], product(::silu_mul(gate_up), weights[3], biases[3], transposed[3])};
+  const at::Tensor gate_up = product(after[1], weights[2], biases[2], transposed[2], invariant);
+  return {after[0], product(::silu_mul(gate_up), weights[3], biases[3], transposed[3], invariant)};
 }
 
 // A Llama decoder's decode step in one call: the embedding rows of the step's tokens, the
@@ -83,13 +86,13 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
 // residual add and norm. Built once per model with its weights; `forward` takes the step's
 // tokens, positions, each layer's key and value caches (in layer order), slots, block tables
 // and lengths, and returns the final hidden states [rows, hidden]. The GIL is released for
-// the whole step, not taken back between layers.
+// the whole step, not taken back between layers. `invariant`: the products' (see linear).
 class DecodeStack {
  public:
   DecodeStack(at::Tensor embed, at::Tensor rope_cos, at::Tensor rope_sin, at::Tensor final_norm, double eps,
-              double scale, int64_t heads)
+              double scale, int64_t heads, bool invariant)
       : embed_(std::move(embed)), cos_(std::move(rope_cos)), sin_(std::move(rope_sin)),
-        final_norm_(std::move(final_norm)), eps_(eps), scale_(scale), heads_(heads) {
+        final_norm_(std::move(final_norm)), eps_(eps), scale_(scale), heads_(heads), invariant_(invariant) {
     TORCH_CHECK(embed_.dim() == 2 && cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.size(1) % 2 == 0,
                 "DecodeStack: an embedding [vocab, hidden] and rotary tables [positions, head_dim] expected");
   }
@@ -117,7 +120,7 @@ class DecodeStack {
       const Layer& layer = layers_[i];
       auto out = ::decode_layer(x, delta, layer.input_norm, layer.post_norm, layer.eps, layer.weights, layer.biases,
                                 layer.transposed, cos, sin, caches[2 * i], caches[2 * i + 1], slots, tables, lens,
-                                scale_, heads_);
+                                scale_, heads_, invariant_);
       x = out[0];
       delta = out[1];
     }
@@ -135,5 +138,6 @@ class DecodeStack {
   at::Tensor embed_, cos_, sin_, final_norm_;
   double eps_, scale_;  // the final norm's epsilon, the attention's scale
   int64_t heads_;
+  bool invariant_;
   std::vector<Layer> layers_;
 };

@@ -216,8 +216,12 @@ constexpr int64_t kAmxTileGroup = 2;
 // Below 4 rows the tile products lose to AVX-512 BF16's (1.3-1.5x slower at 1 row; level at 2-3).
 constexpr int64_t kAmxMinRows = 4;
 
-// Whether linear's bfloat16 product of `rows` rows by K features runs on AMX.
-bool amx_takes(int64_t rows, int64_t K) { return rows >= kAmxMinRows && K % 32 == 0 && amx_permitted(); }
+// Whether linear's bfloat16 product of `rows` rows by K features runs on AMX. `invariant`
+// (deterministic serving): from one row, so a row's sums never depend on how many rows share
+// the product (AMX and AVX-512 BF16 add a row's products in different orders).
+bool amx_takes(int64_t rows, int64_t K, bool invariant = false) {
+  return (invariant || rows >= kAmxMinRows) && K % 32 == 0 && amx_permitted();
+}
 
 // linear's bfloat16 product on AMX: rows in blocks of 16, weight tiles in pairs. With
 // `tokens`, each row's first maximum goes there instead of the outputs to y (linear_argmax):
@@ -524,7 +528,10 @@ Tiled check_tiled(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 }  // namespace
 
 // x [rows, K] (strided rows) @ W.T + bias, W tiled by pack_linear: [rows, N] in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+// Each output is one thread's sum over the inputs in order, whatever the number of rows or
+// threads; with `invariant`, bfloat16 rows also take one instruction path at every row count.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  bool invariant) {
   const auto [N, K, b] = check_tiled(x, packed, bias);
   const bool f32 = packed.dim() == 3;
   auto y = at::empty({x.size(0), N}, x.options());
@@ -543,7 +550,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   const u16* bias_bits = b.defined() ? reinterpret_cast<const u16*>(b.data_ptr()) : nullptr;
   u16* out = reinterpret_cast<u16*>(y.data_ptr());
 #if defined(MSTAR_AMX)
-  if (amx_takes(x.size(0), K)) {
+  if (amx_takes(x.size(0), K, invariant)) {
     linear_amx(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, w, N, K, bias_bits, out);
     return y;
   }
@@ -586,12 +593,12 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& tiles, const c10
     }
   }
 #endif
-  return ::argmax_rows(::linear(x, tiles, bias));
+  return ::argmax_rows(::linear(x, tiles, bias, false));
 }
 
 at::Tensor screened_tokens(const at::Tensor& x, const at::Tensor& screen, const at::Tensor& weight, double dw_max,
                            double accum, double sum_max, double safety, double unit, int64_t max_candidates) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "screened_tokens: float32 x [rows, in] expected");
-  const at::Tensor approx = ::linear(x.to(at::kBFloat16), screen, c10::nullopt);
+  const at::Tensor approx = ::linear(x.to(at::kBFloat16), screen, c10::nullopt, false);
   return ::screened_argmax(approx, x, weight, dw_max, accum, sum_max, safety, unit, max_candidates);
 }
