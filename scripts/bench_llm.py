@@ -41,12 +41,19 @@ compares sides measured under different conditions; the rounds show how far that
 
 Models: `tiny` (Llama, hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 512,
 vocab 32000, random weights) and `smollm2` (SmolLM2-135M-Instruct, real weights).
+With `--deterministic`, a second mstar engine serving deterministically
+(`EngineConfig(deterministic=True)`: every row computed as it would be alone) runs beside
+the default one as `mstar-det`; the table gives its TPOT and the ratio to the default's.
+
 Targets: at concurrency 16, at least 1.5x transformers' throughput (issue #4); with the
 peer, at least 1.3x vLLM's throughput at every concurrency and 80 % of the roofline floor
-at concurrency 16 (issue #21).
+at concurrency 16 (issue #21); with `--deterministic`, a TPOT at most 1.3x the default's at
+concurrency 16 (issue #35).
 
     python scripts/bench_llm.py                      # the default sweep
     python scripts/bench_llm.py --models tiny --concurrency 1,16 --new-tokens 64
+    python scripts/bench_llm.py --models tiny --concurrency 1,16 --dtypes float32,bfloat16 \
+        --deterministic --rounds 3
     scripts/setup_vllm_peer.sh && python scripts/bench_llm.py --models tiny,smollm2 \
         --concurrency 1,4,16 --prompt-len 16 --dtypes float32,bfloat16 --peer vllm --rounds 3
 """
@@ -92,6 +99,7 @@ TARGET_RATIO = 1.5
 TARGET_CONCURRENCY = 16
 PEER_TARGET_RATIO = 1.3  # mstar / vLLM throughput, at every concurrency
 FLOOR_TARGET_PCT = 80.0  # of the roofline floor (bandwidth or arithmetic), at TARGET_CONCURRENCY
+DETERMINISTIC_TARGET_RATIO = 1.3  # deterministic TPOT / default TPOT, at TARGET_CONCURRENCY
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = REPO / "scripts" / "vllm_peer.py"
@@ -484,6 +492,13 @@ async def bench_model(
     }
     model = TextLLM(checkpoint, name=name, engine_config=kv, dtype=dtype_name)
     engine = await AsyncEngine.start(model, config=EngineConfig(devices={0: str(device)}))
+    det_engine = (
+        await AsyncEngine.start(
+            model, config=EngineConfig(devices={0: str(device)}, deterministic=True)
+        )
+        if args.deterministic
+        else None
+    )
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).to(device).eval()
@@ -507,19 +522,22 @@ async def bench_model(
         )
         await peer.start()
 
-    async def mstar_fn(request: BenchRequest) -> AsyncIterator[Output]:
-        memory.start("mstar")
-        try:
-            data = {
-                "prompt_token_ids": request.params["prompt_token_ids"],
-                "max_tokens": request.max_tokens,
-                "ignore_eos": True,
-                "temperature": 0.0,
-            }
-            async for out in engine.generate(Request("generate", data)):
-                yield out
-        finally:
-            memory.stop("mstar", request.request_id)
+    def served_by(served: AsyncEngine, side: str) -> Any:
+        async def mstar_fn(request: BenchRequest) -> AsyncIterator[Output]:
+            memory.start(side)
+            try:
+                data = {
+                    "prompt_token_ids": request.params["prompt_token_ids"],
+                    "max_tokens": request.max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                }
+                async for out in served.generate(Request("generate", data)):
+                    yield out
+            finally:
+                memory.stop(side, request.request_id)
+
+        return mstar_fn
 
     async def hf_fn(request: BenchRequest) -> AsyncIterator[int]:
         memory.start("transformers")
@@ -538,9 +556,13 @@ async def bench_model(
             yield token
 
     targets = {
-        "mstar": CallableTarget(mstar_fn, name="mstar", to_events=_token_event),
+        "mstar": CallableTarget(served_by(engine, "mstar"), name="mstar", to_events=_token_event),
         "transformers": CallableTarget(hf_fn, name="transformers", to_events=_token_event),
     }
+    if det_engine is not None:
+        targets["mstar-det"] = CallableTarget(
+            served_by(det_engine, "mstar-det"), name="mstar-det", to_events=_token_event
+        )
     if peer is not None:
         targets["vllm"] = CallableTarget(vllm_fn, name="vllm", to_events=_token_event)
     gen = torch.Generator().manual_seed(1)
@@ -603,6 +625,17 @@ async def bench_model(
             "step_bytes": step_bytes,
             "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
         }
+        if det_engine is not None:
+            det = result.result("mstar-det", float(conc)).summary
+            det_tpot_ms = det.tpot_s.mean * 1e3 if det.tpot_s else float("nan")
+            row.update(
+                {
+                    "det_tokens_per_s": det.output_tokens_per_s,
+                    "det_tpot_ms": det_tpot_ms,
+                    "det_tpot_ratio": det_tpot_ms / tpot_ms,
+                }
+            )
+            row["failed"] += det.num_failed
         if peer is not None:
             peer_summary = result.result("vllm", float(conc)).summary
             row.update(
@@ -646,6 +679,8 @@ async def bench_model(
             rounds.append([point_row(result, conc) for conc in levels])
     finally:
         await engine.shutdown()
+        if det_engine is not None:
+            await det_engine.shutdown()
         baseline.executor.shutdown()
         if peer is not None:
             await peer.close()
@@ -666,6 +701,9 @@ _MEDIAN_FIELDS = (
     "vllm_tpot_ms",
     "vllm_ttft_ms",
     "vllm_ratio",
+    "det_tokens_per_s",
+    "det_tpot_ms",
+    "det_tpot_ratio",
 )
 
 
@@ -679,7 +717,7 @@ def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
         combined[field] = max(r[field] for r in rows)
     combined["failed"] = sum(r["failed"] for r in rows)
     combined["rounds"] = len(rows)
-    for field in ("ratio", "vllm_ratio"):
+    for field in ("ratio", "vllm_ratio", "det_tpot_ratio"):
         if field in combined:
             combined[f"{field}_min"] = min(r[field] for r in rows)
             combined[f"{field}_max"] = max(r[field] for r in rows)
@@ -689,6 +727,7 @@ def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def report(rows: list[dict[str, Any]], console: Console) -> bool:
     """Print the summary table and the target checks; return whether every target is met."""
     has_peer = any("vllm_tokens_per_s" in r for r in rows)
+    has_det = any("det_tpot_ms" in r for r in rows)
     title = (
         "LLM decode: mstar vs transformers generate"
         + (" and vLLM" if has_peer else "")
@@ -707,6 +746,7 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
         "hf tok/s",
     ]
     columns += ["vllm tok/s", "TPOT ms"] if has_peer else []
+    columns += ["det TPOT ms", "det ÷ TPOT"] if has_det else []
     columns += (
         ["÷hf"] + (["÷vllm"] if has_peer else []) + ["floor ms", "% floor", "flop ms", "% roofline"]
     )
@@ -729,6 +769,8 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
                 f"{r.get('vllm_tokens_per_s', float('nan')):.1f}",
                 f"{r.get('vllm_tpot_ms', float('nan')):.2f}",
             ]
+        if has_det:
+            cells += [f"{r.get('det_tpot_ms', float('nan')):.2f}", _ratio_cell(r, "det_tpot_ratio")]
         cells.append(_ratio_cell(r, "ratio"))
         if has_peer:
             cells.append(_ratio_cell(r, "vllm_ratio"))
@@ -753,6 +795,12 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
             check(
                 r["ratio"] >= TARGET_RATIO and r["failed"] == 0,
                 f"{where}: >= {TARGET_RATIO}x transformers' throughput -> {r['ratio']:.2f}x",
+            )
+        if "det_tpot_ratio" in r and r["concurrency"] == TARGET_CONCURRENCY:
+            check(
+                r["det_tpot_ratio"] <= DETERMINISTIC_TARGET_RATIO and r["failed"] == 0,
+                f"{where}: deterministic TPOT <= {DETERMINISTIC_TARGET_RATIO}x the default's -> "
+                f"{r['det_tpot_ratio']:.2f}x",
             )
         if "vllm_ratio" in r:
             check(
@@ -824,6 +872,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=DEFAULT_PEER_PYTHON,
         help="the interpreter of the vLLM environment",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run a deterministic mstar engine beside the default one (mstar-det)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results/llm"))
     args = parser.parse_args(argv)

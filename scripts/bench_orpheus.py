@@ -26,6 +26,12 @@ point's measured requests; the baseline and the floor time their own calls).
     python scripts/bench_orpheus.py                          # the full run (c = 1, 4, 16)
     python scripts/bench_orpheus.py --quick                  # c = 1, 4; short requests
     python scripts/bench_orpheus.py --config orpheus-tiny --concurrency 1,2 --max-tokens 35
+    python scripts/bench_orpheus.py --deterministic --skip-baseline --skip-floor
+
+With ``--deterministic`` a second engine serving deterministically
+(``EngineConfig(deterministic=True)``) runs as ``mstar-det`` beside the default one, point
+after point; the summary gives its audio seconds per second over the default's (target: at
+least 0.8 at the largest concurrency).
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ PROMPTS = (
 )
 
 TARGETS = {"audio_s_per_s": 2.0, "ttfa_p50": 0.2, "floor_efficiency": 0.85}
+DETERMINISTIC_TARGET = 0.8  # deterministic audio s/s over the default's, at the top concurrency
 """At the largest concurrency: mstar/baseline audio s/s >= 2, TTFA p50 <= 1/5 of the
 baseline's, and mstar audio s/s >= 85 % of the floor's."""
 
@@ -132,6 +139,7 @@ class Settings:
     out: str = "results/bench_orpheus"
     skip_baseline: bool = False
     skip_floor: bool = False
+    deterministic: bool = False  # also run a deterministic engine (mstar-det)
     samples_per_frame: int = 2048  # set from the codec's config
 
     @property
@@ -670,6 +678,7 @@ class Run:
     trackers: dict[str, PhaseTracker]
     baseline: TransformersBaseline | None
     floor: Floor | None
+    det_engine: AsyncEngine | None = None
     results: list[BenchResult] = dataclasses.field(default_factory=list)
     floors: list[FloorResult] = dataclasses.field(default_factory=list)
     breakdowns: list[PointBreakdown] = dataclasses.field(default_factory=list)
@@ -680,6 +689,9 @@ class Run:
         targets: dict[str, Any] = {
             "mstar": self.trackers["mstar"].wrap(mstar_target(self.engine, s))
         }
+        if self.det_engine is not None:
+            det = mstar_target(self.det_engine, s)
+            targets["mstar-det"] = self.trackers["mstar-det"].wrap(det)
         if self.baseline is not None:
             targets["transformers"] = self.trackers["transformers"].wrap(self.baseline.stream)
         load = ClosedLoop((c,), num_requests=s.num_requests, warmup=s.warmup)
@@ -764,9 +776,13 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         floor.warm_up()
     placement = PLACEMENTS[settings.placement]
     layout = Placement.from_yaml(placement) if placement else None
-    engine = await AsyncEngine.start(
-        model, layout, EngineConfig(devices=rank_devices(settings.device, layout))
-    )
+    devices = rank_devices(settings.device, layout)
+    engine = await AsyncEngine.start(model, layout, EngineConfig(devices=devices))
+    det_engine = None
+    if settings.deterministic:
+        det_engine = await AsyncEngine.start(
+            model, layout, EngineConfig(devices=devices, deterministic=True)
+        )
     templates = make_requests(
         list(PROMPTS),
         max_tokens=settings.max_tokens,
@@ -783,12 +799,17 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
         },
         baseline,
         floor,
+        det_engine,
     )
+    if det_engine is not None:
+        bench.trackers["mstar-det"] = PhaseTracker(lambda: engine_figures(det_engine))
     try:
         for c in settings.concurrency:
             await bench.point(c, console)
     finally:
         await engine.shutdown()
+        if det_engine is not None:
+            await det_engine.shutdown()
     merged = merge_results(bench.results, config)
     print_table(merged, console)
     console.print(_breakdown_table(bench.breakdowns))
@@ -974,6 +995,26 @@ def _summary(
     for value, ok, text in verdicts.values():
         status = "n/a " if math.isnan(value) else ("MET " if ok else "MISS")
         console.print(f"  {status} {text}: {value:.3f}", highlight=False, markup=False)
+    if "mstar-det" in result.targets:
+        for point in result.load_points:
+            det = result.result("mstar-det", point).summary.audio_s_per_s
+            ours = result.result("mstar", point).summary.audio_s_per_s
+            checks[str(int(point))]["det_audio_ratio"] = det / ours
+            console.print(
+                f"  c={int(point)} deterministic: {det:.3f} audio s/s, {det / ours:.2f}x the "
+                "default's",
+                highlight=False,
+                markup=False,
+            )
+        det_ratio = checks[str(c_max)]["det_audio_ratio"]
+        verdicts["deterministic"] = (det_ratio, det_ratio >= DETERMINISTIC_TARGET, "")
+        status = "MET " if det_ratio >= DETERMINISTIC_TARGET else "MISS"
+        console.print(
+            f"  {status} deterministic audio s/s >= {DETERMINISTIC_TARGET}x the default's at "
+            f"c={c_max}: {det_ratio:.3f}",
+            highlight=False,
+            markup=False,
+        )
     checks["verdicts"] = {k: {"value": v, "met": ok} for k, (v, ok, _) in verdicts.items()}
     return checks
 
@@ -1016,6 +1057,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     )
     p.add_argument("--skip-floor", action="store_true", help="run without the floor")
     p.add_argument("--quick", action="store_true", help="concurrency 1,4 and 42-token requests")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run a deterministic engine beside the default one (mstar-det)",
+    )
     args = p.parse_args(argv)
     concurrency = "1,4" if args.quick else args.concurrency
     max_tokens = 42 if args.quick else args.max_tokens
@@ -1049,6 +1095,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         out=args.out,
         skip_baseline=args.skip_baseline,
         skip_floor=args.skip_floor,
+        deterministic=args.deterministic,
     )
 
 

@@ -112,10 +112,11 @@ def _is_healthy(url: str) -> bool:
         return False
 
 
-def test_serve_runs_a_real_server_until_interrupted() -> None:
+def test_serve_runs_a_real_deterministic_server_until_interrupted() -> None:
     env = {**os.environ, "MSTAR_API_KEY": KEY}
+    command = [sys.executable, "-m", "mstar.cli", "serve", "toy-composite", "--port", "0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mstar.cli", "serve", "toy-composite", "--port", "0"],
+        [*command, "--deterministic"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -136,6 +137,7 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
         while not _is_healthy(url):  # the model loads in the background
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
+        assert httpx.get(f"{url}/health").json()["deterministic"] is True
         assert httpx.post(f"{url}/v1/audio/speech", json={"input": "hi"}).status_code == 401
         oa = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         with oa.audio.speech.with_streaming_response.create(
@@ -164,6 +166,8 @@ def test_serve_runs_a_real_server_until_interrupted() -> None:
     mine = {e["event"] for e in events if e.get("request_id") == request_id}
     assert {"request_started", "request_finished"} <= mine
     assert {"model_ready", "engine_stopping", "server_stopped"} <= {e["event"] for e in events}
+    (started,) = [e for e in events if e["event"] == "engine_started"]
+    assert started["deterministic"] is True  # the startup log says which mode runs
 
 
 # --- mstar run -------------------------------------------------------------------------------

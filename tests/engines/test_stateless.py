@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -136,3 +138,44 @@ def test_config_is_validated() -> None:
         StatelessEngineConfig(max_batch_size=0)
     with pytest.raises(ValueError, match="max_wait_s must be >= 0"):
         StatelessEngineConfig(max_wait_s=-1)
+
+
+class ThreadRecorder(Recorder):
+    """A `Recorder` that also notes each call's thread and torch thread count."""
+
+    def __init__(self, concurrent: bool) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self.supports_concurrent_calls = concurrent
+
+    def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        self.calls.append((threading.current_thread().name, torch.get_num_threads()))
+        time.sleep(0.01)  # long enough for the calls of a step to overlap on two workers
+        return super().__call__(batch)
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+async def test_a_deterministic_engine_computes_each_input_alone_on_one_thread(
+    concurrent: bool,
+) -> None:
+    """Deterministic serving: one input per call on one torch thread, whatever the batch; a
+    node that allows concurrent calls takes a step's inputs side by side."""
+    node = ThreadRecorder(concurrent)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = StatelessEngineConfig(max_batch_size=8, deterministic=True)
+        with ThreadPoolExecutor(1) as step_thread:
+            async with StatelessEngine("enc", node, config, step_thread) as engine:
+                outs = await asyncio.gather(
+                    *(engine.submit(f"r{i}", {"x": torch.full((3,), float(i))}) for i in range(6))
+                )
+    finally:
+        torch.set_num_threads(before)
+    assert [o["y"][0].item() for o in outs] == [2 * i + 1 for i in range(6)]
+    assert node.sizes == [1] * 6
+    assert {threads for _, threads in node.calls} == {1}
+    assert engine.num_batched == 6 and engine.num_steps < 6  # still batched across requests
+    names = {name for name, _ in node.calls}
+    assert len(names) == (2 if concurrent else 1)
+    assert torch.get_num_threads() == before

@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from mstar.errors import PlacementError, WorkerLostError
 from mstar.graph import Emission, run_reference
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.model import Output
+from mstar.zoo import resolve_model
 from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs, prepare_toy_images
 from tests.multinode.conftest import LocalCluster, ray
 
@@ -279,3 +281,58 @@ async def test_a_placement_the_cluster_cannot_satisfy_fails_fast(
 def test_ray_is_left_running_for_the_application(ray_cluster: LocalCluster) -> None:
     """An engine that found Ray initialised leaves it so (the application owns it)."""
     assert ray.is_initialized()
+
+
+# Orpheus' speech LM on node A, SNAC on a node_b node.
+ORPHEUS_ACROSS = """
+model: orpheus
+deterministic: true
+node_groups:
+  - {node_names: [LLM], ranks: [0], ray_resources: {node_a: 1}}
+  - {node_names: [snac_decoder], ranks: [1], ray_resources: {node_b: 1}}
+"""
+ORPHEUS_SPLIT = (
+    "\n".join(line for line in ORPHEUS_ACROSS.splitlines() if "deterministic" not in line)
+    .replace(", ray_resources: {node_a: 1}", "")
+    .replace(", ray_resources: {node_b: 1}", "")
+)
+
+
+@pytest.mark.timeout(400)
+async def test_deterministic_audio_is_the_same_bytes_on_every_placement(
+    ray_cluster: LocalCluster,
+) -> None:
+    """orpheus-small, seeded and sampled, three requests at once: co-located on two threads,
+    in two worker processes (one thread each) and over two Ray nodes give the same audio
+    bytes, each equal to the request served alone on one thread."""
+    spec = resolve_model("orpheus-small")
+    requests = [
+        Request("speech", {"text": text, "max_tokens": 84, "seed": i, "ignore_eos": True})
+        for i, text in enumerate(["hello there", "deterministic bytes", "a b c"])
+    ]
+
+    async def serve(
+        placement: Placement | None, config: EngineConfig, together: bool = True
+    ) -> list[bytes]:
+        async with await AsyncEngine.start(spec, placement, config) as engine:
+            if together:
+                results = await asyncio.gather(*(engine.run(r) for r in requests))
+            else:
+                results = [await engine.run(r) for r in requests]
+        return [
+            b"".join(np.asarray(o.data, dtype=np.float32).tobytes() for o in out) for out in results
+        ]
+
+    alone = await serve(
+        None, EngineConfig(deterministic=True, cpu_threads=1, offload_steps=False), False
+    )
+    assert all(len(a) > 0 for a in alone)
+    colocated = await serve(None, EngineConfig(deterministic=True, cpu_threads=2))
+    processes = await serve(
+        Placement.from_yaml(ORPHEUS_SPLIT),
+        EngineConfig(deterministic=True, worker_processes=True, cpu_threads=1),
+    )
+    across = await serve(Placement.from_yaml(ORPHEUS_ACROSS), ray_config())  # the file says so
+    assert colocated == alone
+    assert processes == alone
+    assert across == alone

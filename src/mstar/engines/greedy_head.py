@@ -21,6 +21,10 @@ bfloat16 at most 2**-8 of the logit. The bound is the maximum of those over the 
 survives the screen, so the token equals the float32 argmax (ties: the smallest id);
 rows the screen cannot decide (non-finite values, too many candidates) fall back to the
 full float32 product.
+
+Made under `deterministic_products`, the screen multiplies each row as it would alone, and
+rows it cannot decide fall back one by one (the others keep the exact choice): a row's token
+is then the same whatever rows share its step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from mstar.engines.layers import TILED, FusedLinear, can_pack
 from mstar.engines.native import cpu_kernels
+from mstar.engines.sampler import argmax_rows
 
 __all__ = ["ScreenedArgmax", "can_screen"]
 
@@ -69,6 +74,9 @@ class ScreenedArgmax:
             self.weight = w
             self._weight_np = w.numpy()
             self._screen = FusedLinear.shared(wb)  # packed where that is faster (timed)
+            self.deterministic = self._screen.deterministic
+            # the float32 fallback of a row the screen cannot decide, deterministic
+            self._full = FusedLinear.shared(w) if self.deterministic else None
             self._dw_max = float(dw_norm.max())
             self._sum_max = float((wb_norm + dw_norm).max())
             self._accum = _SAFETY * 2 * w.shape[1] * _FP32_UNIT * float(wb_norm.max())
@@ -77,10 +85,20 @@ class ScreenedArgmax:
         """Return `[rows]` int64 token ids for `x` `[rows, in]` float32, or None if undecided.
 
         None means the screen could not decide some row (non-finite values, a nearly flat
-        row): the caller computes the logits in full.
+        row): the caller computes the logits in full. A deterministic screen never returns
+        None: such rows take the argmax of their own full product.
         """
         with torch.no_grad():
-            return self._tokens(x)
+            tokens = self._tokens(x)
+            if tokens is not None or self._full is None:
+                return tokens
+            rows = [self._tokens(x[i : i + 1]) for i in range(x.shape[0])]
+            return torch.cat(
+                [
+                    t if t is not None else argmax_rows(self._full(x[i : i + 1]))
+                    for i, t in enumerate(rows)
+                ]
+            )
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         kernels = cpu_kernels()
@@ -102,6 +120,7 @@ class ScreenedArgmax:
                 _SAFETY,
                 _BF16_UNIT,
                 _MAX_CANDIDATES_PER_ROW,
+                self.deterministic,
             )
             return tokens if tokens.numel() else None
         xb = x.to(torch.bfloat16)

@@ -13,6 +13,7 @@ contract are declared, never probed, each with its check:
 | `SupportsStepChunks` | payload chunks and experts in one batch (`StepInputs`) | `supports_step_chunks` | here |
 | `SupportsNarrowLogits` | logits of chosen vocabulary ranges only | `supports_narrow_logits` | here |
 | `SupportsGreedyTokens` | a greedy step's token ids in one call (no full logits) | `supports_greedy_tokens` | here |
+| `SupportsConcurrentCalls` | a stateless node callable from several threads at once | `supports_concurrent_calls` | `mstar.engines.stateless` |
 | `SupportsTextOutput` | a tokenizer: text routes, detokenized output | `supports_text_output` | `mstar.runtime.model` |
 | `SupportsAudioOutput` | audio at a sample rate: the speech routes | `supports_audio_output` | `mstar.runtime.model` |
 | `SupportsActionPolicy` | a robot policy: the openpi protocol | `supports_action_policy` | `mstar.runtime.model` |

@@ -298,28 +298,56 @@ class ModelRunner:
         rows = hidden.index_select(0, batch.logits_indices)
         if self.before_logits is not None:
             self.before_logits()
-        if (
-            self._greedy_tokens
-            and not self.sampler.deterministic  # its own product, batched: not row-invariant
-            and not return_logits
-            and all(_is_plain_greedy(s) for s in seqs)
+        plain = (
+            [i for i, s in enumerate(seqs) if _is_plain_greedy(s)]
+            if self._greedy_tokens and not return_logits
+            else []
+        )
+        # Plain greedy rows take the model's greedy head when the whole step is greedy; in a
+        # deterministic engine always (it decides each row as alone), whatever the others do.
+        if plain and (len(plain) == len(seqs) or self.sampler.deterministic):
+            picked = self._greedy_rows(rows, seqs, plain)
+            if picked is not None:
+                return StepResult(picked, None, [])
+        if return_logits:
+            logits = self.model.compute_logits(rows)
+            raw = logits.clone()
+            tokens = self.sampler(logits, seqs)
+            return StepResult([int(t) for t in tokens.tolist()], raw, [])
+        return StepResult(self._sample_rows(rows, seqs), None, [])
+
+    def _greedy_rows(
+        self, rows: torch.Tensor, seqs: list[Sequence], plain: list[int]
+    ) -> list[int] | None:
+        """The step's tokens with rows `plain` from the model's greedy head (the rest sampled),
+        or None where the head does not decide them."""
+        model = cast(SupportsGreedyTokens, self.model)
+        if len(plain) == len(seqs):
+            greedy = model.greedy_tokens(rows)
+            return None if greedy is None else [int(t) for t in greedy.tolist()]
+        greedy = model.greedy_tokens(rows[plain])
+        if greedy is None:
+            return None
+        rest = sorted(set(range(len(seqs))) - set(plain))
+        tokens = [0] * len(seqs)
+        for i, token in zip(plain, greedy.tolist(), strict=True):
+            tokens[i] = int(token)
+        for i, token in zip(
+            rest, self._sample_rows(rows[rest], [seqs[i] for i in rest]), strict=True
         ):
-            greedy = cast(SupportsGreedyTokens, self.model).greedy_tokens(rows)
-            if greedy is not None:
-                return StepResult(greedy.tolist(), None, [])
+            tokens[i] = token
+        return tokens
+
+    def _sample_rows(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Project `rows` to logits (only onto the ids they may take, where every row's
+        processor names them) and sample each one's token."""
         ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
-        if (
-            not return_logits
-            and supports_narrow_logits(self.model)
-            and all(r is not None for r in ranges)
-        ):
+        if supports_narrow_logits(self.model) and all(r is not None for r in ranges):
             # Constrained rows: project onto the ids they may take only (the rest is -inf).
             logits = self.model.compute_logits_in(rows, cast(list[list[tuple[int, int]]], ranges))
         else:
             logits = self.model.compute_logits(rows)
-        raw = logits.clone() if return_logits else None
-        tokens = self.sampler(logits, seqs, ranges)
-        return StepResult([int(t) for t in tokens.tolist()], raw, [])
+        return [int(t) for t in self.sampler(logits, seqs, ranges).tolist()]
 
 
 def _is_plain_greedy(seq: Sequence) -> bool:

@@ -17,15 +17,24 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
+
+import torch
 
 from mstar.engines.step_loop import StepLoop
 from mstar.engines.step_times import WalkStepTimes
 from mstar.errors import EngineClosedError, RequestAbortedError
 
-__all__ = ["BatchedNode", "StatelessEngine", "StatelessEngineConfig", "batched"]
+__all__ = [
+    "BatchedNode",
+    "StatelessEngine",
+    "StatelessEngineConfig",
+    "SupportsConcurrentCalls",
+    "batched",
+    "supports_concurrent_calls",
+]
 
 
 class BatchedNode(Protocol):
@@ -45,6 +54,41 @@ def batched(fn: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> BatchedNode
     return run
 
 
+@runtime_checkable
+class SupportsConcurrentCalls(Protocol):
+    """A `BatchedNode` that may be called from several threads at once (no per-call state
+    shared between calls): a deterministic engine then runs a batch's inputs side by side,
+    one thread each."""
+
+    supports_concurrent_calls: ClassVar[Literal[True]]
+
+
+def supports_concurrent_calls(module: object) -> TypeGuard[SupportsConcurrentCalls]:
+    """Whether `module` declares `SupportsConcurrentCalls`."""
+    return getattr(module, "supports_concurrent_calls", False) is True
+
+
+def _each_alone(module: BatchedNode, workers: Executor | None) -> BatchedNode:
+    """`module` called once per input, on one torch intra-op thread (side by side on `workers`
+    where given): each input's outputs as it gets them alone, at any thread count."""
+
+    def one(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            (out,) = module([inputs])
+        finally:
+            torch.set_num_threads(threads)
+        return out
+
+    def run(batch: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        if workers is None or len(batch) == 1:
+            return [one(inputs) for inputs in batch]
+        return list(workers.map(one, batch))
+
+    return run
+
+
 @dataclass(frozen=True)
 class StatelessEngineConfig:
     """Batching limits of a `StatelessEngine`.
@@ -52,10 +96,16 @@ class StatelessEngineConfig:
     Attributes:
         max_batch_size: Most inputs run in one step.
         max_wait_s: How long a short batch waits for more inputs (0: run at once).
+        deterministic: Compute each input of a step on its own, on one torch thread
+            (deterministic serving: an input's outputs then depend neither on the others nor
+            on the thread count, whatever kernels the node's ops pick); a node that supports
+            concurrent calls (`SupportsConcurrentCalls`) takes a step's inputs side by side,
+            on as many threads as the engine's steps have.
     """
 
     max_batch_size: int = 32
     max_wait_s: float = 0.0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -93,8 +143,19 @@ class StatelessEngine(StepLoop):
     ) -> None:
         super().__init__()
         self.node = node
-        self.module = module
         self.config = config or StatelessEngineConfig()
+        self.module = module
+        self._workers: ThreadPoolExecutor | None = None
+        if self.config.deterministic:
+            threads = torch.get_num_threads()
+            if threads > 1 and supports_concurrent_calls(module):
+                self._workers = ThreadPoolExecutor(
+                    threads,
+                    thread_name_prefix=f"mstar-{node}",
+                    initializer=torch.set_num_threads,
+                    initargs=(1,),
+                )
+            self.module = _each_alone(module, self._workers)
         self.executor = executor
         self.num_steps = 0
         self.num_batched = 0  # inputs run, over all steps
@@ -114,6 +175,12 @@ class StatelessEngine(StepLoop):
             self._loop = asyncio.get_running_loop()
             if self._queue:
                 self._schedule_step()
+
+    async def aclose(self) -> None:
+        """Stop stepping (see `StepLoop.aclose`) and stop the side-by-side call threads."""
+        await super().aclose()
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
 
     async def __aenter__(self) -> StatelessEngine:
         self.start()

@@ -173,7 +173,7 @@ def _make_stateless(
     _budget: int | float | None,
 ) -> NodeEngine:
     limits = (
-        replace(config.stateless, max_batch_size=1) if config.deterministic else config.stateless
+        replace(config.stateless, deterministic=True) if config.deterministic else config.stateless
     )
     return StatelessEngine(node, module, limits, executor)
 

@@ -39,7 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_argmax", &linear_argmax, "argmax_rows(linear(x, tiles, bias)) (see the source).", py::arg("x"),
         py::arg("tiles"), py::arg("bias") = py::none(), release());
   m.def("screened_tokens", &screened_tokens, "ScreenedArgmax's screen and choice in one call (see the source).",
-        release());
+        py::arg("x"), py::arg("screen"), py::arg("weight"), py::arg("dw_max"), py::arg("accum"), py::arg("sum_max"),
+        py::arg("safety"), py::arg("unit"), py::arg("max_candidates"), py::arg("invariant") = false, release());
   m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
   m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),

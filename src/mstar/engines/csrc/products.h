@@ -596,9 +596,12 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& tiles, const c10
   return ::argmax_rows(::linear(x, tiles, bias, false));
 }
 
+// (`invariant`: the screen's product is linear's invariant one, so whether a row is decided
+// does not depend on the other rows.)
 at::Tensor screened_tokens(const at::Tensor& x, const at::Tensor& screen, const at::Tensor& weight, double dw_max,
-                           double accum, double sum_max, double safety, double unit, int64_t max_candidates) {
+                           double accum, double sum_max, double safety, double unit, int64_t max_candidates,
+                           bool invariant) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "screened_tokens: float32 x [rows, in] expected");
-  const at::Tensor approx = ::linear(x.to(at::kBFloat16), screen, c10::nullopt, false);
+  const at::Tensor approx = ::linear(x.to(at::kBFloat16), screen, c10::nullopt, invariant);
   return ::screened_argmax(approx, x, weight, dw_max, accum, sum_max, safety, unit, max_candidates);
 }

@@ -57,8 +57,9 @@ def frames_to_codes(frames: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-class _NoiseSource:
-    """Per-row generators shared by a decoder's noise blocks for the duration of one call."""
+class _NoiseSource(threading.local):
+    """Per-row generators shared by a decoder's noise blocks for the duration of one call (each
+    thread's own: calls on several threads at once do not mix their noise)."""
 
     def __init__(self) -> None:
         self.generators: list[torch.Generator] | None = None
@@ -149,7 +150,6 @@ class SnacCodec:
         self.config = config
         self.noise = noise
         self._source = _NoiseSource()
-        self._lock = threading.Lock()  # the noise source is per call
         module = _SnacDecoder(snac.quantizer, snac.decoder)  # type: ignore[arg-type]
         if fold_weight_norm:
             _fold_weight_norm(module)
@@ -204,7 +204,7 @@ class SnacCodec:
         if self.has_noise and (seeds is None or len(seeds) != batch):
             raise ValueError(f"seeded SNAC noise needs one seed per row ({batch}), got {seeds!r}")
         codes = [c.to(device=self.device, dtype=torch.long) for c in frames_to_codes(frames)]
-        with self._lock, torch.inference_mode():
+        with torch.inference_mode():
             if self.has_noise:
                 assert seeds is not None
                 self._source.generators = [torch.Generator().manual_seed(s) for s in seeds]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import structlog
 import torch
@@ -119,7 +119,10 @@ class OrpheusLLMNode:
 
 
 class SnacNode:
-    """The ``snac_decoder`` node: one batched codec call for every request's chunk."""
+    """The ``snac_decoder`` node: one batched codec call for every request's chunk
+    (`SupportsConcurrentCalls`: the codec keeps no state between calls)."""
+
+    supports_concurrent_calls: ClassVar[Literal[True]] = True
 
     def __init__(self, codec: SnacCodec, layout: TokenLayout, max_batch_size: int | None) -> None:
         self.codec, self.layout, self.max_batch_size = codec, layout, max_batch_size
