@@ -72,7 +72,6 @@ from mstar.bench import (
     run_benchmark,
 )
 from mstar.engines import KVCacheEngine, SamplingParams
-from mstar.engines.interfaces import KVTurn
 from mstar.runtime import AsyncEngine, EngineConfig, Placement, Request
 from mstar.streaming import Chunk
 from mstar.zoo.orpheus import (
@@ -89,7 +88,7 @@ from mstar.zoo.orpheus import (
     plan_chunk,
     plan_tokens,
 )
-from mstar.zoo.orpheus.model import OrpheusLLMNode, OrpheusModel
+from mstar.zoo.orpheus.model import OrpheusModel
 
 PROMPTS = (
     "Hey there, my name is Tara, and I'm a speech generation model that can sound like a person.",
@@ -240,41 +239,6 @@ def _add(figures: Figures, name: str, seconds: float, count: int) -> None:
 # --- equal work: fixed-length audio ------------------------------------------------------------
 
 
-class FixedLengthAudioProcessor(AudioLogitsProcessor):
-    """Orpheus' constrained decoding without end of speech: every request runs to max_tokens."""
-
-    __slots__ = ()
-
-    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Allow only the position's audio ids."""
-        super().__call__(token_ids, logits)
-        logits[self.layout.end_of_speech] = float("-inf")
-        return logits
-
-
-class FixedLengthLLMNode(OrpheusLLMNode):
-    """Orpheus' LLM node with `FixedLengthAudioProcessor` on the first walk."""
-
-    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Return Orpheus' turn, end of speech masked."""
-        turn = super().turn(request_id, inputs, is_first=is_first)
-        if not is_first:
-            return turn
-        processor = FixedLengthAudioProcessor(self.layout, len(turn.new_token_ids))
-        return dataclasses.replace(turn, logits_processor=processor)
-
-
-class FixedLengthOrpheus(OrpheusModel):
-    """Orpheus whose requests all run to max_tokens (`FixedLengthLLMNode`)."""
-
-    def submodule(self, node: str, device: torch.device) -> Any:
-        """Return Orpheus' submodules, the LLM node swapped for `FixedLengthLLMNode`."""
-        module = super().submodule(node, device)
-        if node == "LLM":
-            return FixedLengthLLMNode(module.model, module.engine_config, self.config)
-        return module
-
-
 # --- targets -----------------------------------------------------------------------------------
 
 
@@ -377,7 +341,7 @@ class TransformersBaseline:
             TopPLogitsWarper,
         )
 
-        constraint = FixedLengthAudioProcessor(self.layout, len(prompt))
+        constraint = AudioLogitsProcessor(self.layout, len(prompt), allow_end=False)
 
         class AudioConstraint(LogitsProcessor):  # the same mask as mstar's, row by row
             def __call__(
@@ -578,7 +542,7 @@ class Floor:
             params = s.sampling(
                 r.max_tokens or s.max_tokens, request_seed(r.request_id), (layout.end_of_speech,)
             )
-            processor = FixedLengthAudioProcessor(layout, len(prompt))
+            processor = AudioLogitsProcessor(layout, len(prompt), allow_end=False)
             engine.add_request(r.request_id, prompt, params, logits_processor=processor)
             tokens[r.request_id] = []
         num_steps = 0
@@ -759,7 +723,7 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     meter = Meter()
-    model = FixedLengthOrpheus(
+    model = OrpheusModel(
         settings.config,
         engine_config=_kv_config(settings),
         codec_batch_size=settings.codec_batch_size,
@@ -998,10 +962,10 @@ def _summary(
     if "mstar-det" in result.targets:
         for point in result.load_points:
             det = result.result("mstar-det", point).summary.audio_s_per_s
-            ours = result.result("mstar", point).summary.audio_s_per_s
-            checks[str(int(point))]["det_audio_ratio"] = det / ours
+            default = result.result("mstar", point).summary.audio_s_per_s
+            checks[str(int(point))]["det_audio_ratio"] = det / default
             console.print(
-                f"  c={int(point)} deterministic: {det:.3f} audio s/s, {det / ours:.2f}x the "
+                f"  c={int(point)} deterministic: {det:.3f} audio s/s, {det / default:.2f}x the "
                 "default's",
                 highlight=False,
                 markup=False,

@@ -482,7 +482,7 @@ class TransformersTarget:
         self.lock = asyncio.Lock()
 
     def _generate(self, data: dict[str, Any]) -> tuple[int, int]:
-        ids, _ = self.model._prompt(data)
+        ids, _ = self.model.prompt(data)
         torch.manual_seed(int(data["seed"]))
         with torch.inference_mode():
             sequences, wav = self.reference.generate(

@@ -9,7 +9,10 @@ sampler each keep a row's arithmetic independent of the other rows and of the th
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
+from mstar.engines.interfaces import KVTurn
+from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.layers import (
     TILED,
     FusedLinear,
@@ -261,3 +266,52 @@ def test_the_fast_path_stays_the_default() -> None:
     fused = FusedLinear.of([torch.nn.Linear(16, 32)])
     assert not fused.deterministic
     assert not KVCacheEngineConfig().deterministic
+
+
+class _GroupNode:
+    """A token node whose requests share their prompt's blocks (a prefix group) when asked."""
+
+    def __init__(self, model: LlamaCausalLM) -> None:
+        self.model = model
+        self.engine_config = KVCacheEngineConfig(block_size=4, num_blocks=64)
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        return KVTurn(
+            list(inputs["prompt"]) if is_first else [],
+            inputs["params"],
+            prefix_group=inputs.get("group"),
+        )
+
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None, **extra: Any
+    ) -> Mapping[str, Any]:
+        return {"token": token_id, "logprobs": extra.get("logprobs")}
+
+
+async def test_forked_samples_give_the_bytes_of_lone_requests(model: LlamaCausalLM) -> None:
+    """Parallel samples of one prompt fork its blocks copy-on-write: each sample's tokens and
+    log-probabilities are those of the same request alone."""
+    prompt = [(5 * i + 3) % VOCAB for i in range(14)]
+    params = {
+        f"s{i}": SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=i, logprobs=2)
+        for i in range(3)
+    }
+
+    async def sample(inputs: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
+        engine = KVNodeEngine("llm", _GroupNode(model), None, "cpu", deterministic=True)
+        got: dict[str, list[Any]] = {r: [] for r in inputs}
+        engine.start()
+        try:
+            await asyncio.gather(*(engine.run(r, x, 1, got[r].append) for r, x in inputs.items()))
+            await asyncio.gather(*(engine.run(r, x, 7, got[r].append) for r, x in inputs.items()))
+        finally:
+            await engine.aclose()
+        return got
+
+    grouped = await sample(
+        {r: {"prompt": prompt, "params": p, "group": "g"} for r, p in params.items()}
+    )
+    for r, p in params.items():
+        alone = await sample({r: {"prompt": prompt, "params": p}})
+        assert grouped[r] == alone[r]
+    assert len({tuple(o["token"] for o in out) for out in grouped.values()}) > 1

@@ -365,3 +365,77 @@ def test_sessions_past_the_servers_limit_are_refused(tiny_llama_dir: Path) -> No
                 assert (await third.recv()).type == "session.created"
 
         asyncio.run(main())
+
+
+def test_an_idle_session_and_a_too_large_event_get_an_error_then_the_close(
+    tiny_llama_dir: Path,
+) -> None:
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "chat"})
+    config = ServerConfig(port=0, realtime_idle_timeout_s=2.0, max_realtime_event_bytes=4096)
+    with running_server(spec, config, names=("chat",)) as server:
+
+        async def main() -> None:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            async with client.realtime.connect(model="chat") as idle:
+                assert (await idle.recv()).type == "session.created"
+                error = await idle.recv()  # nothing sent for 2 s
+                assert error.type == "error" and error.error.code == "session_idle_timeout"
+                with pytest.raises(websockets.ConnectionClosedOK):
+                    await idle.recv()
+            async with client.realtime.connect(model="chat") as big:
+                assert (await big.recv()).type == "session.created"
+                await _say(big, "hello")  # a small event is served
+                assert (await big.recv()).type == "conversation.item.added"
+                assert (await big.recv()).type == "conversation.item.done"
+                await big.input_audio_buffer.append(audio=_b64(_tone(0.2)))  # 12.8 kB
+                error = await big.recv()
+                assert error.type == "error" and error.error.code == "event_too_large"
+                with pytest.raises(websockets.ConnectionClosedError, match="1009"):
+                    await big.recv()
+            assert server.state.num_realtime_sessions == 0
+
+        asyncio.run(main())
+
+
+async def test_a_spoken_answer_is_truncated_where_the_client_stopped_playing(
+    server: RunningServer,
+) -> None:
+    async with _client(server).realtime.connect(model=NAME) as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 8})
+        await _until(conn, "session.updated")
+        await _say(conn, "Hi")
+        user = (await _until(conn, "conversation.item.done"))[-1].item.id
+        for _ in range(12):  # until the random talker says something (see above)
+            await conn.response.create()
+            events = await _until(conn, "response.done")
+            audio = sum(
+                len(base64.b64decode(e.delta))
+                for e in events
+                if e.type == "response.output_audio.delta"
+            )
+            if audio:
+                break
+        answer = events[-1].response.output[0].id
+        spoken_ms = audio * 1000 // (2 * RATE)
+        await conn.conversation.item.truncate(item_id=answer, content_index=0, audio_end_ms=1)
+        truncated = await conn.recv()
+        assert truncated.type == "conversation.item.truncated"
+        assert (truncated.item_id, truncated.audio_end_ms) == (answer, 1)
+        bad = [
+            {"item_id": answer, "content_index": 0, "audio_end_ms": spoken_ms + 1},  # past it
+            {"item_id": user, "content_index": 0, "audio_end_ms": 0},  # not an answer
+            {"item_id": "item_nope", "content_index": 0, "audio_end_ms": 0},
+        ]
+        for event in bad:
+            await conn.conversation.item.truncate(**event)
+            error = await conn.recv()
+            assert error.type == "error"
+            assert error.error.param == (
+                "audio_end_ms" if event["item_id"] == answer else "item_id"
+            )
+        # The truncated answer's transcript left the conversation; the session answers on.
+        await _say(conn, "And then?")
+        await _until(conn, "conversation.item.done")
+        await conn.response.create()
+        assert (await _until(conn, "response.done"))[-1].response.status == "completed"

@@ -147,6 +147,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="/v1/realtime sessions open at once; one more is refused (default 64)",
     )
     parser.add_argument(
+        "--realtime-idle-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a /v1/realtime session may send nothing (no answer running) before it "
+        "is closed (default 600)",
+    )
+    parser.add_argument(
+        "--max-realtime-event-bytes",
+        type=int,
+        default=24 * 1024 * 1024,
+        help="largest /v1/realtime client event (default 24 MiB: a 15 MiB audio append)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -208,6 +221,8 @@ def serve_command(args: argparse.Namespace) -> int:
             admission=AdmissionLimits(args.max_running, args.max_waiting),
             graceful_shutdown_s=args.shutdown_grace,
             max_realtime_sessions=args.max_realtime_sessions,
+            realtime_idle_timeout_s=args.realtime_idle_timeout,
+            max_realtime_event_bytes=args.max_realtime_event_bytes,
         )
         spec = _model_spec(args.model, args.allow_model_factory, model_kwargs(args))
         placement = Placement.from_yaml(args.config) if args.config else None

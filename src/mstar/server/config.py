@@ -42,6 +42,13 @@ class ServerConfig:
         header_timeout_s: How long a connection may take to send a request's headers.
         max_realtime_sessions: `/v1/realtime` sessions open at once; one more gets an
             ``error`` event (``session_limit_reached``) and the socket closes (1013).
+        realtime_idle_timeout_s: How long a `/v1/realtime` session may go without a client
+            event while no response runs; then it gets an ``error`` event
+            (``session_idle_timeout``) and the socket closes (1000).
+        max_realtime_event_bytes: Largest client event of a `/v1/realtime` session (the
+            default holds a 15 MiB audio append, base64-encoded); a larger one gets an
+            ``error`` event (``event_too_large``) and the socket closes (1009). Frames over
+            twice this size are refused by the WebSocket layer itself (close 1009, no event).
     """
 
     host: str = "127.0.0.1"
@@ -55,8 +62,18 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0
     header_timeout_s: float = 10.0
     max_realtime_sessions: int = 64
+    realtime_idle_timeout_s: float = 600.0
+    max_realtime_event_bytes: int = 24 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if not self.realtime_idle_timeout_s > 0:
+            raise ServerConfigError(
+                f"realtime_idle_timeout_s must be > 0 s, got {self.realtime_idle_timeout_s}"
+            )
+        if self.max_realtime_event_bytes < 1024:
+            raise ServerConfigError(
+                f"max_realtime_event_bytes must be >= 1024, got {self.max_realtime_event_bytes}"
+            )
         if not 0 <= self.port <= 65535:
             raise ServerConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1:

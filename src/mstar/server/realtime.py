@@ -13,7 +13,9 @@ with the beta names accepted where they differ (``modalities``, ``voice``,
   ``threshold``, ``prefix_padding_ms``, ``silence_duration_ms``, ``create_response`` and
   ``interrupt_response``.
 - ``input_audio_buffer.append`` / ``commit`` / ``clear``; ``conversation.item.create`` (text or
-  audio content), ``conversation.item.delete``; ``response.create``, ``response.cancel``.
+  audio content), ``conversation.item.delete``, ``conversation.item.truncate`` (a spoken
+  answer cut where the client stopped playing it: the rest of its audio and its transcript
+  leave the conversation); ``response.create``, ``response.cancel``.
 
 A response runs the conversation (the instructions as its system turn, every item after) as
 one request of the model's ``generate`` task, streaming ``response.output_text.delta`` or
@@ -59,7 +61,9 @@ router = APIRouter()
 
 REALTIME_RATE = 24_000
 """Sample rate of the PCM16 audio in and out (OpenAI's ``audio/pcm``)."""
+_NORMAL = 1000
 _POLICY_VIOLATION = 1008
+_TOO_BIG = 1009
 _TRY_AGAIN_LATER = 1013
 _MAX_BUFFER_BYTES = 15 * 2**20  # OpenAI's cap on one append
 _MIN_COMMIT_MS = 100
@@ -212,6 +216,7 @@ class RealtimeSession:
         self.max_output_tokens: int | None = None
         self.items: list[dict[str, Any]] = []  # the conversation, as the client sees it
         self.audio: dict[str, np.ndarray] = {}  # item id -> its input audio, as the model reads it
+        self.spoken_ms: dict[str, int] = {}  # assistant item id -> the audio it sent, in ms
         self.buffer = bytearray()
         self.detector: TurnDetector | None = None  # server VAD, when the session asks for it
         self.speech_item: str | None = None  # the item the speech being heard will become
@@ -225,6 +230,7 @@ class RealtimeSession:
             "input_audio_buffer.clear": self._clear,
             "conversation.item.create": self._item_create,
             "conversation.item.delete": self._item_delete,
+            "conversation.item.truncate": self._item_truncate,
             "response.create": self._response_create,
             "response.cancel": self._response_cancel,
         }
@@ -253,18 +259,47 @@ class RealtimeSession:
         await self.send({"type": "error", "error": {**error, "event_id": event_id}})
 
     async def run(self) -> None:
-        """Serve the session until the client leaves; then stop its response."""
+        """Serve the session until the client leaves, idles past the server's timeout or sends
+        an event past its size limit; then stop its response."""
+        config = self.state.config
         await self.send({"type": "session.created", "session": self.session()})
         try:
             while True:
-                message = await self.websocket.receive()
+                try:
+                    async with asyncio.timeout(config.realtime_idle_timeout_s):
+                        message = await self.websocket.receive()
+                except TimeoutError:
+                    if self.response is not None and not self.response.done():
+                        continue  # the client listens to an answer: not idle
+                    await self.error(
+                        f"no event for {config.realtime_idle_timeout_s:g} s: the session ends",
+                        code="session_idle_timeout",
+                    )
+                    await self._close(_NORMAL, "idle timeout")
+                    return
                 if message["type"] == "websocket.disconnect":
                     return
-                await self.handle(message.get("text"))
+                text = message.get("text")
+                size = len(text.encode()) if text is not None else len(message.get("bytes") or b"")
+                if size > config.max_realtime_event_bytes:
+                    await self.error(
+                        f"the event has {size} bytes, more than this server's "
+                        f"{config.max_realtime_event_bytes}: send audio in smaller appends",
+                        code="event_too_large",
+                    )
+                    await self._close(_TOO_BIG, "event too large")
+                    return
+                await self.handle(text)
         except WebSocketDisconnect:
             return
         finally:
             await self._stop_response()
+
+    async def _close(self, code: int, reason: str) -> None:
+        async with self._send_lock:
+            if self.websocket.client_state is WebSocketState.CONNECTED:
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                    await self.websocket.close(code=code, reason=reason)
 
     async def handle(self, text: str | None) -> None:
         """Dispatch one client event; a bad one gets an ``error`` event, the session goes on."""
@@ -493,7 +528,44 @@ class RealtimeSession:
             raise APIRequestError(f"no item {item_id!r} in the conversation", param="item_id")
         self.items = [i for i in self.items if i["id"] != item_id]
         self.audio.pop(item_id, None)  # type: ignore[arg-type]
+        self.spoken_ms.pop(item_id, None)  # type: ignore[arg-type]
         await self.send({"type": "conversation.item.deleted", "item_id": item_id})
+
+    async def _item_truncate(self, event: dict[str, Any]) -> None:
+        """Cut an assistant's spoken answer where the client stopped playing it: the rest of its
+        audio and its transcript leave the conversation (as OpenAI's server does, the text
+        the user may not have heard goes)."""
+        item_id = event.get("item_id")
+        item = next((i for i in self.items if i["id"] == item_id), None)
+        if item is None:
+            raise APIRequestError(f"no item {item_id!r} in the conversation", param="item_id")
+        if item["role"] != "assistant" or item_id not in self.spoken_ms:
+            raise APIRequestError(
+                f"item {item_id!r} is not a spoken assistant answer: only those are truncated",
+                param="item_id",
+            )
+        if event.get("content_index", 0) != 0:
+            raise APIRequestError(
+                "an answer has one content part: content_index must be 0", param="content_index"
+            )
+        end = event.get("audio_end_ms")
+        spoken = self.spoken_ms[item_id]
+        if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= spoken:
+            raise APIRequestError(
+                f"audio_end_ms must be an integer in [0, {spoken}] (the answer's audio), "
+                f"got {end!r}",
+                param="audio_end_ms",
+            )
+        self.spoken_ms[item_id] = end
+        item["content"] = [{"type": "output_audio", "transcript": ""}]
+        await self.send(
+            {
+                "type": "conversation.item.truncated",
+                "item_id": item_id,
+                "content_index": 0,
+                "audio_end_ms": end,
+            }
+        )
 
     def messages(self, instructions: str) -> list[dict[str, Any]]:
         """Return the conversation as the model's messages (audio as float samples)."""
@@ -505,8 +577,8 @@ class RealtimeSession:
             for part in item["content"]:
                 if part["type"] == "input_audio":
                     parts.append({"type": "audio", "audio": self.audio[item["id"]]})
-                elif part.get("text"):
-                    parts.append({"type": "text", "text": part["text"]})
+                elif part.get("text") or part.get("transcript"):
+                    parts.append({"type": "text", "text": part.get("text") or part["transcript"]})
             if item["role"] != "user" or not any(p["type"] == "audio" for p in parts):
                 parts = [{"type": "text", "text": "".join(p.get("text", "") for p in parts)}]
                 out.append({"role": item["role"], "content": parts[0]["text"]})
@@ -626,6 +698,7 @@ class RealtimeSession:
         await self.send({"type": "response.content_part.added", **base, "part": part})
         text_event = "response.output_audio_transcript" if speaks else "response.output_text"
         texts: list[str] = []
+        spoken_bytes = 0
         status = "completed"
         details: dict[str, Any] | None = None
         stream = RequestStream(
@@ -637,8 +710,10 @@ class RealtimeSession:
             await stream.start()
             async for out in stream.outputs():
                 piece = gen.feed(out)
+                spoken_bytes += len(piece.pcm)
                 await self._deltas(piece.text, piece.pcm, base, text_event, texts)
             piece = gen.finish()
+            spoken_bytes += len(piece.pcm)
             await self._deltas(piece.text, piece.pcm, base, text_event, texts)
         except asyncio.CancelledError:
             status, details = "cancelled", {"type": "cancelled", "reason": self._cancel_reason}
@@ -676,13 +751,10 @@ class RealtimeSession:
         )
         # The answer (as far as it got) is the conversation's next turn.
         self.items.append(
-            {
-                "id": item_id,
-                "type": "message",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": text}],
-            }
+            {"id": item_id, "type": "message", "role": "assistant", "content": [part]}
         )
+        if speaks:
+            self.spoken_ms[item_id] = spoken_bytes * 1000 // (2 * REALTIME_RATE)
         usage = {"output_tokens": gen.num_tokens, "total_tokens": gen.num_tokens}
         response = {
             **response,

@@ -92,6 +92,9 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> uvicorn.Config:
         # does. uvicorn's "auto" ws picks a websockets-based protocol, which honours both.
         ws_ping_interval=WS_PING_INTERVAL_S,
         ws_ping_timeout=WS_PING_TIMEOUT_S,
+        # Room past the realtime event limit, so the session can answer a larger event with
+        # an error event before it closes (beyond this, the protocol closes with 1009).
+        ws_max_size=2 * config.max_realtime_event_bytes,
         # Draining ends every request within the grace (and a few seconds for their error
         # events); uvicorn then waits a little for their connections to close.
         timeout_graceful_shutdown=int(config.graceful_shutdown_s + 10),

@@ -35,20 +35,26 @@ def test_real_layout_has_the_published_ids() -> None:
     prompt_len=st.integers(1, 40),
     generated=st.integers(0, 60),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    allow_end=st.booleans(),
 )
 def test_only_the_positions_audio_ids_survive(
-    prompt_len: int, generated: int, dtype: torch.dtype
+    prompt_len: int, generated: int, dtype: torch.dtype, allow_end: bool
 ) -> None:
-    processor = AudioLogitsProcessor(MICRO, prompt_len)
+    """End of speech too between frames, unless the request ignores it (``ignore_eos``)."""
+    processor = AudioLogitsProcessor(MICRO, prompt_len, allow_end=allow_end)
     logits = torch.randn(MICRO.num_ids + 3, dtype=dtype)  # a padded vocab too
     before = logits.clone()
-    out = processor([0] * (prompt_len + generated), logits)
+    tokens = [0] * (prompt_len + generated)
+    out = processor(tokens, logits)
     assert out is logits  # in place: the engine's row is masked without a copy
     position = generated % FRAME_SIZE
     start, end = MICRO.audio_range(position)
-    allowed = set(range(start, end)) | ({MICRO.end_of_speech} if position == 0 else set())
+    ends = position == 0 and allow_end
+    allowed = set(range(start, end)) | ({MICRO.end_of_speech} if ends else set())
     finite = set(torch.isfinite(out).nonzero().flatten().tolist())
     assert finite == allowed
+    ranges = processor.vocab_ranges(tokens)
+    assert {i for a, b in ranges for i in range(a, b)} == allowed
     kept = sorted(allowed)
     assert torch.equal(out[kept], before[kept])
 

@@ -112,6 +112,21 @@ async def test_streamed_audio_equals_the_pieces_and_keeps_every_frame(
     assert sum(o.data.numel() for o in outputs) == 2048 * frames  # every complete frame, once
 
 
+def test_ignore_eos_masks_end_of_speech(dirs: dict[str, str]) -> None:
+    """End of speech may close a request's audio only where it stops the request: with
+    ``ignore_eos`` the constrained decoding masks it, so every request runs to ``max_tokens``
+    (what a benchmark needs for equal work)."""
+    model = OrpheusModel("orpheus-tiny", **dirs)
+    node = model.submodule("LLM", torch.device("cpu"))
+    eos = model.config.layout.end_of_speech
+    for ignore in (False, True):
+        request = Request("speech", {"text": TEXT, "ignore_eos": ignore})
+        turn = node.turn("r", model.preprocess(request).inputs["LLM"], is_first=True)
+        assert turn.logits_processor is not None
+        ranges = turn.logits_processor.vocab_ranges(list(turn.new_token_ids))  # a frame boundary
+        assert any(a <= eos < b for a, b in ranges) is not ignore
+
+
 async def test_concurrent_requests_batch_and_stay_independent(dirs: dict[str, str]) -> None:
     runs = [(30, 1), (64, 2), (45, 3), (90, 4)]
     expected = [expected_audio(dirs, TEXT, n, s)[1] for n, s in runs]

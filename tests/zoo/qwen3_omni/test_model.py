@@ -86,7 +86,7 @@ def expected(
     """Run one request stage by stage: the thinker to the end, the talker, then Code2Wav in 25/25
     chunks."""
     cfg = model.config
-    ids, media = model._prompt(data)
+    ids, media = model.prompt(data)
     eos = () if data.get("ignore_eos") else (cfg.token_id("im_end_token_id"),)
     max_tokens = int(data["max_tokens"])
     if "temperature" in data:  # sampled text: the thinker's own draws, from the engine's answer
@@ -167,7 +167,7 @@ async def test_one_request_matches_transformers_generate(
 
     reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint)).eval()
     data = {**REQUESTS[2], "max_audio_frames": 30}
-    ids, media = model._prompt(data)
+    ids, media = model.prompt(data)
     seen: dict[str, torch.Tensor] = {}
     original = reference.code2wav.chunked_decode
 

@@ -2,7 +2,8 @@
 
 Generated audio is a run of frames of 7 tokens; the ``i``-th audio token (counting from 0
 after the prompt) sits at frame position ``p = i % 7`` and must be one of the ``K`` ids
-``[T + 10 + p*K, T + 10 + (p+1)*K)``. End of speech may close the run.
+``[T + 10 + p*K, T + 10 + (p+1)*K)``. End of speech may close the run (unless the request
+ignores it: ``ignore_eos`` runs every request to its ``max_tokens``).
 
 * `AudioLogitsProcessor` masks a request's logits each step so that only those ids can be
   sampled, plus end of speech at frame boundaries (``p == 0``), so that random weights
@@ -35,17 +36,19 @@ class AudioLogitsProcessor:
     Args:
         layout: The id layout.
         prompt_len: How many of the request's tokens are the prompt.
+        allow_end: Whether end of speech may close the run (False: every request runs to its
+            ``max_tokens``, as ``ignore_eos`` asks).
     """
 
     __slots__ = ("_audio_ranges", "_eos", "layout", "prompt_len")
     narrows_vocab: ClassVar[Literal[True]] = True  # `NarrowingLogitsProcessor`
 
-    def __init__(self, layout: TokenLayout, prompt_len: int) -> None:
+    def __init__(self, layout: TokenLayout, prompt_len: int, *, allow_end: bool = True) -> None:
         if prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
         self.layout = layout
         self.prompt_len = prompt_len
-        self._eos = layout.end_of_speech
+        self._eos = layout.end_of_speech if allow_end else None
         self._audio_ranges = [layout.audio_range(p) for p in range(FRAME_SIZE)]
 
     def position(self, num_tokens: int) -> int:
@@ -61,7 +64,7 @@ class AudioLogitsProcessor:
         """Return the id ranges this processor leaves finite for the next token (sorted)."""
         position = self.position(len(token_ids))
         ranges = [self._audio_ranges[position]]
-        if position == 0:
+        if position == 0 and self._eos is not None:
             ranges.append((self._eos, self._eos + 1))
         return sorted(ranges)
 
@@ -69,12 +72,13 @@ class AudioLogitsProcessor:
         """Set every forbidden logit to ``-inf`` in place and return ``logits``."""
         position = self.position(len(token_ids))
         start, end = self._audio_ranges[position]
-        eos_logit = logits[self._eos].clone() if position == 0 else None
+        eos = self._eos if position == 0 else None
+        eos_logit = logits[eos].clone() if eos is not None else None
         # Two slice fills instead of a vocab-sized mask: no allocation on the hot path.
         logits[:start] = float("-inf")
         logits[end:] = float("-inf")
-        if eos_logit is not None:
-            logits[self._eos] = eos_logit
+        if eos is not None and eos_logit is not None:
+            logits[eos] = eos_logit
         return logits
 
 

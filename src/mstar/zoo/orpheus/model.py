@@ -101,10 +101,20 @@ class OrpheusLLMNode:
         self.constrained = config.constrained
 
     def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        """Generate what is left of ``max_tokens`` (the history rebuilds an empty cache)."""
-        prompt_len = inputs["params"].prompt_len
+        """Generate what is left of ``max_tokens`` (the history rebuilds an empty cache).
+
+        End of speech may close the run only where it stops the request: with ``ignore_eos``
+        (no stop ids) it is masked, so the request runs to ``max_tokens``.
+        """
+        params = inputs["params"]
         processor = (
-            AudioLogitsProcessor(self.layout, prompt_len) if self.constrained and is_first else None
+            AudioLogitsProcessor(
+                self.layout,
+                params.prompt_len,
+                allow_end=self.layout.end_of_speech in params.stop_token_ids,
+            )
+            if self.constrained and is_first
+            else None
         )
         return history_turn(inputs, is_first, logits_processor=processor)
 

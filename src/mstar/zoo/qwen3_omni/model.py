@@ -366,7 +366,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
                 param="modalities",
             )
         speaks = "audio" in modalities
-        ids, media = self._prompt(data)
+        ids, media = self.prompt(data)
         segments = make_segments(self.config, ids, media)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         thinker_params = params.with_defaults({"temperature": 0.0, "seed": seed})
@@ -409,7 +409,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
         )
         return PreparedRequest(inputs, plan)
 
-    def _prompt(self, data: Mapping[str, Any]) -> tuple[list[int], MediaInputs]:
+    def prompt(self, data: Mapping[str, Any]) -> tuple[list[int], MediaInputs]:
         """Return the prompt ids (placeholders expanded) and its media, in prompt order."""
         audio = [audio_features(self.config, a) for a in data.get("audio") or ()]
         images = [image_patches(self.config, im) for im in data.get("images") or ()]
