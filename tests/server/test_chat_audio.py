@@ -7,6 +7,7 @@ chunks the speech; a whole answer comes as a WAV; bad audio options are 400s nam
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -236,3 +237,43 @@ def test_the_speech_route_reads_a_text_aloud_at_24_khz(server: RunningServer) ->
         timeout=30,
     )
     assert bad.status_code == 400 and "unknown voice" in bad.text
+
+
+def test_a_realtime_session_gets_a_spoken_answer_and_no_audio_in(server: RunningServer) -> None:
+    """The assistant over /v1/realtime: a text turn is answered in speech with its transcript;
+    audio input is an error event naming the missing audio encoder."""
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        async with client.realtime.connect(model="assistant") as conn:
+            assert (await conn.recv()).session.output_modalities == ["audio"]
+            silence = base64.b64encode(bytes(4800)).decode("ascii")
+            await conn.input_audio_buffer.append(audio=silence)
+            assert (await conn.recv()).error.code == "audio_input_not_supported"
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 24})
+            item = {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Why do we need sleep?"}],
+            }
+            await conn.conversation.item.create(item=item)
+            async for event in conn:
+                if event.type == "conversation.item.done":
+                    break
+            await conn.response.create()
+            events = []
+            async for event in conn:
+                events.append(event)
+                if event.type == "response.done":
+                    break
+        audio = b"".join(
+            base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"
+        )
+        transcript = "".join(
+            e.delta for e in events if e.type == "response.output_audio_transcript.delta"
+        )
+        done = events[-1].response
+        assert done.status == "completed" and done.output[0].content[0].transcript == transcript
+        assert len(transcript.split()) >= 3 and len(audio) > 24_000  # words, and half a second
+
+    asyncio.run(main())

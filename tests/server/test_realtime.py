@@ -20,6 +20,7 @@ import websockets
 
 from mstar.runtime import ModelSpec
 from mstar.server.config import ServerConfig
+from mstar.zoo import resolve_model
 from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
 from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
 from tests.helpers import wait_until_idle
@@ -439,3 +440,57 @@ async def test_a_spoken_answer_is_truncated_where_the_client_stopped_playing(
         await _until(conn, "conversation.item.done")
         await conn.response.create()
         assert (await _until(conn, "response.done"))[-1].response.status == "completed"
+
+
+def test_a_text_to_speech_model_reads_each_turn_aloud_and_takes_no_audio() -> None:
+    """Orpheus answers nothing: a response speaks the latest user text (its transcript is that
+    text). Audio input gets an error event naming the missing audio encoder, and so does
+    server VAD; text output is refused."""
+    with running_server(resolve_model("orpheus-tiny"), names=("orpheus-tiny",)) as server:
+
+        async def main() -> None:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            async with client.realtime.connect(model="orpheus-tiny") as conn:
+                created = await conn.recv()
+                assert created.session.output_modalities == ["audio"]
+                await conn.input_audio_buffer.append(audio=_b64(_tone(0.2)))
+                error = await conn.recv()
+                assert error.error.code == "audio_input_not_supported"
+                assert "audio encoder" in error.error.message
+                vad = {"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
+                await conn.session.update(session={"type": "realtime", **vad})
+                assert (await conn.recv()).error.code == "audio_input_not_supported"
+                await conn.session.update(
+                    session={"type": "realtime", "output_modalities": ["text"]}
+                )
+                assert (await conn.recv()).error.param == "session.output_modalities"
+                await _say(conn, "Hello from the realtime route")
+                await _until(conn, "conversation.item.done")
+                await conn.response.create()
+                events = await _until(conn, "response.done")
+            audio = b"".join(
+                base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta"
+            )
+            transcript = "".join(
+                e.delta for e in events if e.type == "response.output_audio_transcript.delta"
+            )
+            assert events[-1].response.status == "completed"
+            assert transcript == "Hello from the realtime route"
+            assert len(audio) > 2 * RATE // 10  # speech, at 24 kHz
+
+        asyncio.run(main())
+
+
+def test_a_model_that_neither_answers_nor_speaks_is_refused_with_400() -> None:
+    with running_server(resolve_model("vjepa2-tiny"), names=("vjepa2-tiny",)) as server:
+
+        async def main() -> None:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                async with client.realtime.connect(model="vjepa2-tiny") as conn:
+                    await conn.recv()
+            response = refused.value.response
+            assert response.status_code == 400
+            assert b"does not serve it" in response.body
+
+        asyncio.run(main())

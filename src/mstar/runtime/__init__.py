@@ -14,9 +14,11 @@ from mstar.runtime.model import (
     PreparedRequest,
     Request,
     SupportsActionPolicy,
+    SupportsAudioInput,
     SupportsAudioOutput,
     SupportsTextOutput,
     supports_action_policy,
+    supports_audio_input,
     supports_audio_output,
     supports_text_output,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "PreparedRequest",
     "Request",
     "SupportsActionPolicy",
+    "SupportsAudioInput",
     "SupportsAudioOutput",
     "SupportsTextOutput",
     "TaskOptions",
@@ -51,6 +54,7 @@ __all__ = [
     "WorkerCore",
     "parse_options",
     "supports_action_policy",
+    "supports_audio_input",
     "supports_audio_output",
     "supports_text_output",
 ]

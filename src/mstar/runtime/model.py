@@ -14,6 +14,7 @@ The capabilities, in one place:
 |---|---|---|
 | a tokenizer and text output | `SupportsTextOutput` (the model) | `supports_text_output` |
 | audio output | `SupportsAudioOutput` (the model) | `supports_audio_output` |
+| audio input (user turns that speak) | `SupportsAudioInput` (the model) | `supports_audio_input` |
 | an action policy (openpi's WebSocket protocol) | `SupportsActionPolicy` (the model) | `supports_action_policy` |
 | several nodes on one engine (one KV cache) | `SupportsSharedEngines` (the model) | `supports_shared_engines` |
 | narrowed logits | `SupportsNarrowLogits` (a node's `PagedModel`) | `supports_narrow_logits` |
@@ -72,12 +73,14 @@ __all__ = [
     "PreparedRequest",
     "Request",
     "SupportsActionPolicy",
+    "SupportsAudioInput",
     "SupportsAudioOutput",
     "SupportsNarrowLogits",
     "SupportsSharedEngines",
     "SupportsStepChunks",
     "SupportsTextOutput",
     "supports_action_policy",
+    "supports_audio_input",
     "supports_audio_output",
     "supports_forward_walks",
     "supports_narrow_logits",
@@ -294,6 +297,15 @@ class SupportsAudioOutput(Protocol):
 
 
 @runtime_checkable
+class SupportsAudioInput(Protocol):
+    """A model that hears: its ``generate`` task takes ``messages`` whose user turns carry
+    ``{"type": "audio", "audio": samples}`` parts (mono float samples at 16 kHz), as the
+    chat and realtime routes send them. A model without it answers text turns only."""
+
+    supports_audio_input: ClassVar[Literal[True]] = True
+
+
+@runtime_checkable
 class SupportsActionPolicy(Protocol):
     """A model that maps an observation to an action chunk (a robot policy).
 
@@ -348,3 +360,8 @@ def supports_text_output(model: object) -> TypeGuard[SupportsTextOutput]:
 def supports_audio_output(model: object) -> TypeGuard[SupportsAudioOutput]:
     """Return whether ``model`` declares `SupportsAudioOutput`."""
     return isinstance(model, SupportsAudioOutput)
+
+
+def supports_audio_input(model: object) -> TypeGuard[SupportsAudioInput]:
+    """Return whether ``model`` declares `SupportsAudioInput`."""
+    return getattr(model, "supports_audio_input", False) is True

@@ -17,13 +17,21 @@ with the beta names accepted where they differ (``modalities``, ``voice``,
   answer cut where the client stopped playing it: the rest of its audio and its transcript
   leave the conversation); ``response.create``, ``response.cancel``.
 
+Which models: one that answers (a ``generate`` task and a tokenizer) answers the
+conversation; a text-to-speech model (a ``speech`` task and audio output, no ``generate``)
+speaks the latest user text turn, its transcript that text; any other is refused with HTTP
+400. Audio input (the buffer, ``input_audio`` parts, server VAD) takes a model that hears
+(`SupportsAudioInput`); elsewhere it is an ``error`` event naming the missing audio encoder.
+
 A response runs the conversation (the instructions as its system turn, every item after) as
 one request of the model's ``generate`` task, streaming ``response.output_text.delta`` or
 ``response.output_audio.delta`` (base64 PCM16, 24 kHz) with
 ``response.output_audio_transcript.delta``, then ``response.done`` with its usage. A cancel
 stops it within an engine step and frees what it held (the request is aborted); the answer so
 far stays in the conversation. A bad event gets an ``error`` event naming it (its
-``event_id``) and the field; the session goes on.
+``event_id``) and the field; the session goes on. The server's limits (sessions at once, a
+session's idle time with no response running, the largest event) end a session with an
+``error`` event, then the close.
 """
 
 from __future__ import annotations
@@ -42,16 +50,17 @@ import soxr
 import structlog
 import torch
 from fastapi import APIRouter, WebSocket
+from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from mstar.errors import APIRequestError
-from mstar.runtime.model import Request, SupportsTextOutput
+from mstar.runtime.model import Output, Request, supports_audio_input
 from mstar.server.audio import PcmResampler
 from mstar.server.middleware import websocket_authorized
 from mstar.server.protocol import AUDIO_INPUT_RATE
 from mstar.server.session import RequestStream
 from mstar.server.state import ServerState
-from mstar.server.text_routes import TextGeneration, chat_prompt
+from mstar.server.text_routes import Piece, TextGeneration, chat_prompt
 
 __all__ = ["REALTIME_RATE", "RealtimeSession", "TurnDetector", "router"]
 
@@ -205,9 +214,13 @@ class TurnDetector:
 class RealtimeSession:
     """One client's conversation over its WebSocket (see the module docstring)."""
 
-    def __init__(self, state: ServerState, websocket: WebSocket) -> None:
+    def __init__(
+        self, state: ServerState, websocket: WebSocket, *, reads_aloud: bool = False
+    ) -> None:
         self.state = state
         self.websocket = websocket
+        self.reads_aloud = reads_aloud  # a text-to-speech model: it speaks the user's text
+        self.hears = supports_audio_input(state.model)
         speaks = state.sample_rate is not None
         self.id = _new_id("sess")
         self.instructions = ""
@@ -376,6 +389,8 @@ class RealtimeSession:
         detector = self.detector
         if "turn_detection" in inputs:
             detection = inputs["turn_detection"]
+            if detection is not None:
+                self._check_hears(where)
             detector = None if detection is None else TurnDetector.of(detection, where)
         voice = outputs.get("voice", session.get("voice", self.voice))
         if voice is not None and not isinstance(voice, str):
@@ -396,7 +411,21 @@ class RealtimeSession:
             )
         if "audio" in value and self.state.sample_rate is None:
             raise APIRequestError(f"model {self.state.name!r} does not speak", param=param)
+        if "audio" not in value and self.reads_aloud:
+            raise APIRequestError(
+                f'model {self.state.name!r} reads text aloud: output_modalities must be ["audio"]',
+                param=param,
+            )
         return ["audio"] if "audio" in value else ["text"]
+
+    def _check_hears(self, param: str) -> None:
+        if not self.hears:
+            raise APIRequestError(
+                f"model {self.state.name!r} has no audio encoder: it takes text turns "
+                "(input_text) only",
+                param=param,
+                code="audio_input_not_supported",
+            )
 
     @staticmethod
     def _max_tokens(value: Any, param: str) -> int | None:
@@ -411,6 +440,7 @@ class RealtimeSession:
     # -- the input audio buffer --------------------------------------------------------------
 
     async def _append(self, event: dict[str, Any]) -> None:
+        self._check_hears("audio")
         pcm = _pcm16(event.get("audio"), "audio")
         if len(self.buffer) + len(pcm) > _MAX_BUFFER_BYTES:
             raise APIRequestError(
@@ -495,6 +525,7 @@ class RealtimeSession:
             if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
                 parts.append({"type": kind, "text": part["text"]})
             elif kind == "input_audio" and role == "user":
+                self._check_hears(f"{where}.type")
                 audio.append(_speech_input(_pcm16(part.get("audio"), f"{where}.audio")))
                 parts.append({"type": "input_audio", "transcript": part.get("transcript")})
             else:
@@ -606,12 +637,13 @@ class RealtimeSession:
             "max_output_tokens" if "max_output_tokens" in options else "max_response_output_tokens"
         )
         limit = self._max_tokens(options.get(key, self.max_output_tokens), f"response.{key}")
-        await self.state.check_length(
-            limit, param=f"response.{key}"
-        )  # the model's published length
         if not any(i["role"] == "user" for i in self.items):
             raise APIRequestError("the conversation has no user turn to answer", param="response")
         state = self.state
+        if self.reads_aloud:
+            await self._read_aloud(modalities)
+            return
+        await state.check_length(limit, param=f"response.{key}")  # the model's published length
         text_model = state.text_model
         if text_model is None:
             raise APIRequestError(f"model {state.name!r} has no tokenizer to answer with text")
@@ -627,7 +659,33 @@ class RealtimeSession:
             data["voice"] = self.voice
         if limit is not None:
             data["max_tokens"] = limit
-        self.response = asyncio.create_task(self._respond(text_model, data, modalities, limit))
+        resampler = (
+            PcmResampler(state.sample_rate, REALTIME_RATE) if speaks and state.sample_rate else None
+        )
+        gen = TextGeneration(text_model, 0, [], limit, 0, resampler)
+        self.response = asyncio.create_task(self._respond("generate", data, gen, modalities))
+
+    async def _read_aloud(self, modalities: list[str]) -> None:
+        """Speak the latest user text turn (a text-to-speech model's response)."""
+        text = next(
+            (
+                "".join(p.get("text") or "" for p in item["content"])
+                for item in reversed(self.items)
+                if item["role"] == "user"
+            ),
+            "",
+        )
+        if not text.strip():
+            raise APIRequestError(
+                f"model {self.state.name!r} reads the latest user turn aloud: it has no text",
+                param="response",
+            )
+        data: dict[str, Any] = {"text": text}
+        if self.voice is not None:
+            data["voice"] = self.voice
+        assert self.state.sample_rate is not None
+        reader = _ReadAloud(text, PcmResampler(self.state.sample_rate, REALTIME_RATE))
+        self.response = asyncio.create_task(self._respond("speech", data, reader, modalities))
 
     async def _response_cancel(self, event: dict[str, Any]) -> None:
         if self.response is None or self.response.done():
@@ -646,19 +704,15 @@ class RealtimeSession:
 
     async def _respond(
         self,
-        text_model: SupportsTextOutput,
+        task: str,
         data: dict[str, Any],
+        gen: TextGeneration | _ReadAloud,
         modalities: list[str],
-        limit: int | None,
     ) -> None:
         """Run one response: stream its deltas, then ``response.done`` (also when cancelled)."""
         state = self.state
         speaks = modalities == ["audio"]
         response_id, item_id = _new_id("resp"), _new_id("item")
-        resampler = (
-            PcmResampler(state.sample_rate, REALTIME_RATE) if speaks and state.sample_rate else None
-        )
-        gen = TextGeneration(text_model, 0, [], limit, 0, resampler)
         base = {
             "response_id": response_id,
             "item_id": item_id,
@@ -703,7 +757,7 @@ class RealtimeSession:
         details: dict[str, Any] | None = None
         stream = RequestStream(
             state,
-            Request("generate", data, f"realtime-{response_id}"),
+            Request(task, data, f"realtime-{response_id}"),
             sample_rate=state.sample_rate,
         )
         try:
@@ -776,6 +830,24 @@ class RealtimeSession:
             await self.send({"type": f"{text_event}.delta", **base, "delta": text})
 
 
+class _ReadAloud:
+    """A read-aloud response's pieces, as `TextGeneration` gives an answer's: the text itself
+    as the transcript (at once), then its speech."""
+
+    num_tokens = 0  # no text is generated
+
+    def __init__(self, text: str, audio: PcmResampler) -> None:
+        self._text, self._audio = text, audio
+
+    def feed(self, out: Output) -> Piece:
+        text, self._text = self._text, ""
+        return Piece(text, pcm=self._audio.feed(out.data) if out.modality == "audio" else b"")
+
+    def finish(self) -> Piece:
+        text, self._text = self._text, ""
+        return Piece(text, pcm=self._audio.finish())
+
+
 @router.websocket("/v1/realtime")
 async def realtime(websocket: WebSocket, model: str | None = None) -> None:
     """Serve one Realtime session (see the module docstring).
@@ -788,11 +860,23 @@ async def realtime(websocket: WebSocket, model: str | None = None) -> None:
     if not websocket_authorized(websocket, state.config.api_key, schemes=("bearer",)):
         await websocket.close(code=_POLICY_VIOLATION, reason="missing or invalid API key")
         return
+    answers = "generate" in state.tasks and state.text_model is not None
+    reads_aloud = not answers and "speech" in state.tasks and state.sample_rate is not None
+    if not (answers or reads_aloud):
+        message = (
+            f"model {state.name!r} neither answers (a generate task with text output) nor "
+            "speaks text (a speech task with audio output): /v1/realtime does not serve it"
+        )
+        error = {"message": message, "type": "invalid_request_error", "code": "unsupported_model"}
+        with contextlib.suppress(RuntimeError):  # a server without denial responses: 403
+            await websocket.send_denial_response(JSONResponse({"error": error}, status_code=400))
+            return
+        await websocket.close(code=_POLICY_VIOLATION, reason=message[:120])
+        return
     await websocket.accept()
-    session = RealtimeSession(state, websocket)
+    session = RealtimeSession(state, websocket, reads_aloud=reads_aloud)
     try:
         state.check_model(model)
-        state.check_task("generate")
     except APIRequestError as exc:
         await session.error(str(exc), param="model", code=exc.code)
         await websocket.close(code=_POLICY_VIOLATION, reason=str(exc)[:120])

@@ -60,6 +60,7 @@ from mstar.runtime.model import (
     Model,
     PreparedRequest,
     Request,
+    SupportsAudioInput,
     SupportsAudioOutput,
     SupportsTextOutput,
 )
@@ -170,7 +171,7 @@ class _Plan:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput):
+class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput, SupportsAudioInput):
     """Qwen3-Omni (``qwen3-omni-30b-a3b``, ``qwen3-omni-small`` or ``qwen3-omni-tiny``).
 
     Args:
