@@ -34,6 +34,15 @@ from mstar.bench.metrics import (
     request_metrics,
     summarize,
 )
+from mstar.bench.phases import (
+    Figures,
+    Meter,
+    PhaseTracker,
+    PointBreakdown,
+    breakdown_table,
+    engine_figures,
+    figures_delta,
+)
 from mstar.bench.records import BenchRequest, OutputEvent, RequestRecord, Usage
 from mstar.bench.report import json_safe, plot_png, print_table, result_to_dict, write_json
 from mstar.bench.runner import BenchResult, PointResult, Ratio, merge_results, run_benchmark
@@ -49,14 +58,18 @@ __all__ = [
     "CallableTarget",
     "ChatTarget",
     "ClosedLoop",
+    "Figures",
     "GenerateTarget",
     "HttpTarget",
     "ImagesTarget",
     "LoadPattern",
+    "Meter",
     "OfflineWaves",
     "OpenLoop",
     "OutputEvent",
     "PcmFrameCounter",
+    "PhaseTracker",
+    "PointBreakdown",
     "PointResult",
     "Ratio",
     "RequestMetrics",
@@ -68,9 +81,12 @@ __all__ = [
     "Usage",
     "WavStreamReader",
     "arrival_offsets",
+    "breakdown_table",
     "chunk_on_time",
     "compute_stats",
     "draw_requests",
+    "engine_figures",
+    "figures_delta",
     "is_streaming_viable",
     "json_safe",
     "make_requests",
