@@ -9,6 +9,9 @@ the compute floors (the same work as bare engine steps). None of it serves throu
 - `mstar.baselines.bagel`: BAGEL with a dense cache per CFG context (`reference_generate`,
   `reference_understand`); `mstar.baselines.bagel_walks`: BAGEL's graph nodes on those dense
   caches, for the reference interpreter (`mstar.graph.run_reference`).
+- `mstar.baselines.llm`: the LLM decode peers: transformers ``generate`` on each batch of
+  waiting requests (`TransformersBatches`), vLLM's CPU build in a subprocess (`VllmPeer`), and
+  the decode step's bandwidth and arithmetic floor (`decode_step_cost`, `add_floors`).
 - `mstar.baselines.orpheus`: Orpheus TTS served by transformers ``generate`` one request at a
   time with SNAC on each window (`TransformersOrpheus`), and its compute floor, bare
   `KVCacheEngine` steps then codec calls (`OrpheusFloor`); `FixedLengthOrpheus` masks end of
@@ -22,6 +25,7 @@ the compute floors (the same work as bare engine steps). None of it serves throu
 """
 
 from mstar.baselines.bagel import reference_generate, reference_understand
+from mstar.baselines.llm import TransformersBatches, VllmPeer
 from mstar.baselines.orpheus import FixedLengthOrpheus, OrpheusFloor, TransformersOrpheus
 from mstar.baselines.pi05 import naive_sample_actions, naive_velocity
 from mstar.baselines.streaming import QueueStreamer
@@ -31,7 +35,9 @@ __all__ = [
     "FixedLengthOrpheus",
     "OrpheusFloor",
     "QueueStreamer",
+    "TransformersBatches",
     "TransformersOrpheus",
+    "VllmPeer",
     "naive_sample_actions",
     "naive_velocity",
     "native_rollout",

@@ -1,6 +1,10 @@
 """Benchmark harness: load patterns, client-side metrics, baselines, table/JSON/PNG reports.
 
 Every speed claim in mstar comes from here, measured as the field measures (DESIGN §7).
+
+Besides the harness itself: where a speech target's time goes (`mstar.bench.phases`), the
+machine's measured limits for floors (`mstar.bench.machine`) and the peak memory a target adds
+(`mstar.bench.memory`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from mstar.bench.loadgen import (
     draw_requests,
     make_requests,
 )
+from mstar.bench.machine import best_seconds, measure_bandwidth, measure_flops, measure_machine
+from mstar.bench.memory import PeakMemory
 from mstar.bench.metrics import (
     METRIC_DEFINITIONS,
     RequestMetrics,
@@ -68,6 +74,7 @@ __all__ = [
     "OpenLoop",
     "OutputEvent",
     "PcmFrameCounter",
+    "PeakMemory",
     "PhaseTracker",
     "PointBreakdown",
     "PointResult",
@@ -81,6 +88,7 @@ __all__ = [
     "Usage",
     "WavStreamReader",
     "arrival_offsets",
+    "best_seconds",
     "breakdown_table",
     "chunk_on_time",
     "compute_stats",
@@ -90,6 +98,9 @@ __all__ = [
     "is_streaming_viable",
     "json_safe",
     "make_requests",
+    "measure_bandwidth",
+    "measure_flops",
+    "measure_machine",
     "merge_results",
     "plot_png",
     "print_table",
