@@ -54,8 +54,8 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers.generation.streamers import BaseStreamer
 
+from mstar.baselines.streaming import QueueStreamer
 from mstar.bench import (
     BenchRequest,
     BenchResult,
@@ -140,27 +140,6 @@ class Answer:
 # --- the plain pipeline ------------------------------------------------------------------------
 
 
-class _TokenStreamer(BaseStreamer):
-    """A transformers streamer handing each generated token id to an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[int | None]) -> None:
-        super().__init__()
-        self.loop, self.queue = loop, queue
-        self._is_prompt = True
-
-    def put(self, value: torch.Tensor) -> None:
-        """Forward new token ids (``generate`` first puts the prompt, which is skipped)."""
-        if self._is_prompt:
-            self._is_prompt = False
-            return
-        for token in value.reshape(-1).tolist():
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, int(token))
-
-    def end(self) -> None:
-        """Mark the end of the tokens (``generate`` calls it; so does the pipeline, always)."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
-
-
 class PlainPipeline:
     """The assistant without mstar: ``generate`` to the end, then the voice on the whole text.
 
@@ -190,7 +169,7 @@ class PlainPipeline:
         self.lock = asyncio.Lock()
         self.timings: dict[str, tuple[float, float]] = {}  # request id -> (generate s, speak s)
 
-    def generate(self, prompt: list[int], max_tokens: int, streamer: _TokenStreamer) -> list[int]:
+    def generate(self, prompt: list[int], max_tokens: int, streamer: QueueStreamer) -> list[int]:
         """Return the answer's token ids (greedy, to the end of turn); stream them meanwhile."""
         ids = torch.tensor([prompt])
         try:
@@ -217,7 +196,7 @@ class PlainPipeline:
             prompt = prompt_ids(self.tokenizer, request.prompt)
             start = time.perf_counter()
             generating = loop.run_in_executor(
-                self.executor, self.generate, prompt, max_tokens, _TokenStreamer(loop, queue)
+                self.executor, self.generate, prompt, max_tokens, QueueStreamer(loop, [queue])
             )
             while await queue.get() is not None:
                 yield text_event()

@@ -15,6 +15,9 @@ work):
   `load_format="dummy"`; the real ones for SmolLM2), eager, token-id prompts, streaming each
   step's tokens back; it gets the same torch threads.
 
+The transformers and vLLM sides and the floor arithmetic are `mstar.baselines.llm`; the
+machine's limits `mstar.bench.machine`, the peak memory `mstar.bench.memory`.
+
 The harness (`mstar.bench`) times every side identically on the client side and reports
 throughput (output tokens/s), TTFT, TPOT, ITL and E2E (DESIGN §7), the ratios, a JSON file
 and a PNG per model. Peak memory added while mstar or transformers runs a point (CPU: peak
@@ -62,17 +65,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +78,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mstar.baselines.llm import (
+    PeerStartError,
+    TransformersBatches,
+    VllmPeer,
+    add_floors,
+    decode_step_cost,
+)
 from mstar.bench import (
     BenchRequest,
     CallableTarget,
@@ -90,6 +95,8 @@ from mstar.bench import (
     run_benchmark,
     write_json,
 )
+from mstar.bench.machine import measure_bandwidth, measure_machine
+from mstar.bench.memory import PeakMemory
 from mstar.runtime import AsyncEngine, EngineConfig, Output, Request
 from mstar.server.encoding import token_ids
 from mstar.zoo.hf_checkpoint import save_state_dict
@@ -141,316 +148,6 @@ def checkpoint_for(name: str, scratch: Path) -> Path:
 
         return smollm2_checkpoint_dir()
     raise SystemExit(f"unknown model {name!r} (choose tiny, smollm2)")
-
-
-class PeakMemory:
-    """Peak memory added while a side runs one load point, keyed by (side, point)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peaks: dict[tuple[str, str], float] = {}
-        self._active: dict[str, int] = {}
-        self._base: dict[str, int] = {}
-
-    @staticmethod
-    def _status(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def start(self, side: str) -> None:
-        """Note a request of `side` starting; the first of a burst resets the high-water mark."""
-        if self._active.get(side, 0) == 0:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(self.device)
-                self._base[side] = torch.cuda.memory_allocated(self.device)
-            else:
-                # Linux: "5" resets the VmHWM high-water mark of this process.
-                with contextlib.suppress(OSError):
-                    Path("/proc/self/clear_refs").write_text("5")
-                self._base[side] = self._status("VmRSS:")
-        self._active[side] = self._active.get(side, 0) + 1
-
-    def stop(self, side: str, request_id: str) -> None:
-        """Note a request of `side` ending; keep the largest peak of its point.
-
-        The harness names requests `<kind>-<point>-<i>` (`warmup-<point>-<i>` for warm-up).
-        """
-        self._active[side] -= 1
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) - self._base[side]
-        else:
-            peak = self._status("VmHWM:") - self._base[side]
-        key = (side, request_id.rsplit("-", 1)[0])
-        self.peaks[key] = max(self.peaks.get(key, 0.0), peak / 2**20)
-
-
-class _Streamer:
-    """A transformers streamer that hands each step's tokens of a batch to its requests."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, queues: list[asyncio.Queue[int | None]]
-    ) -> None:
-        self.loop = loop
-        self.queues = queues
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # generate() first puts the prompt itself
-            self.prompt_seen = True
-            return
-        for queue, token in zip(self.queues, value.reshape(-1).tolist(), strict=True):
-            self.loop.call_soon_threadsafe(queue.put_nowait, int(token))
-
-    def end(self) -> None:
-        for queue in self.queues:
-            self.loop.call_soon_threadsafe(queue.put_nowait, None)
-
-
-@dataclass
-class _Waiting:
-    prompt: list[int]
-    new_tokens: int
-    queue: asyncio.Queue[int | None]
-
-
-class TransformersBatches:
-    """transformers' `generate` as a service: requests waiting together run as one batch."""
-
-    def __init__(self, hf: Any, device: torch.device) -> None:
-        self.hf = hf
-        self.device = device
-        # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
-        self.executor = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="hf-generate",
-            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
-        )
-        self.waiting: list[_Waiting] = []
-        self.draining = False
-
-    async def generate(self, prompt: list[int], new_tokens: int) -> AsyncIterator[int]:
-        """Yield the request's tokens as the batch it joined produces them."""
-        item = _Waiting(prompt, new_tokens, asyncio.Queue())
-        self.waiting.append(item)
-        if not self.draining:
-            self.draining = True
-            asyncio.get_running_loop().create_task(self._drain())
-        while (token := await item.queue.get()) is not None:
-            yield token
-
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self.waiting:
-                batch, self.waiting = self.waiting, []
-                streamer = _Streamer(loop, [w.queue for w in batch])
-                try:
-                    await loop.run_in_executor(self.executor, self._run, batch, streamer)
-                except Exception:
-                    streamer.end()
-                    raise
-        finally:
-            self.draining = False
-
-    def _run(self, batch: list[_Waiting], streamer: _Streamer) -> None:
-        if len({len(w.prompt) for w in batch}) != 1 or len({w.new_tokens for w in batch}) != 1:
-            raise ValueError("a batch needs equal prompt lengths and output lengths")
-        ids = torch.tensor([w.prompt for w in batch], device=self.device)
-        n = batch[0].new_tokens
-        with torch.inference_mode():
-            self.hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=streamer,
-            )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        streamer.end()
-
-
-class VllmPeer:
-    """vLLM's CPU build in a subprocess of its own environment, serving token streams.
-
-    `scripts/vllm_peer.py` speaks JSON lines (see its docstring): a request per line in, a
-    line per engine step out (each request's new tokens). One reader task routes them.
-    """
-
-    def __init__(self, python: Path, config: dict[str, Any], *, threads: int, log: Path) -> None:
-        self.python, self.config, self.threads, self.log = python, config, threads, log
-        self.proc: asyncio.subprocess.Process | None = None
-        self.queues: dict[str, asyncio.Queue[int | None]] = {}
-        self.info: dict[str, Any] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._ids = iter(range(1 << 62))
-
-    async def start(self) -> None:
-        """Start the peer and wait until its engine is loaded."""
-        if not self.python.exists():
-            raise SystemExit(
-                f"--peer vllm needs {self.python}: run scripts/setup_vllm_peer.sh first"
-            )
-        env = dict(
-            os.environ,
-            VLLM_CPU_KVCACHE_SPACE="2",
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            OMP_NUM_THREADS=str(self.threads),
-        )
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("w") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                str(self.python),
-                str(PEER_SCRIPT),
-                json.dumps(self.config),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                env=env,
-            )
-        assert self.proc.stdout is not None
-        line = await self.proc.stdout.readline()
-        if not line:
-            await self.proc.wait()
-            raise SystemExit(
-                f"the vLLM peer exited while loading (status {self.proc.returncode}); see "
-                f"{self.log}"
-            )
-        self.info = json.loads(line)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        async for line in self.proc.stdout:
-            for request_id, tokens, done in json.loads(line)["step"]:
-                queue = self.queues.get(request_id)
-                if queue is None:
-                    continue
-                for token in tokens:
-                    queue.put_nowait(int(token))
-                if done:
-                    queue.put_nowait(None)
-        for queue in self.queues.values():  # the peer died: nobody waits forever
-            queue.put_nowait(None)
-
-    async def generate(self, prompt: list[int], new_tokens: int) -> AsyncIterator[int]:
-        """Yield the request's tokens as the peer's steps produce them."""
-        assert self.proc is not None and self.proc.stdin is not None
-        request_id = f"r{next(self._ids)}"
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
-        self.queues[request_id] = queue
-        try:
-            line = json.dumps({"id": request_id, "prompt": prompt, "max_tokens": new_tokens})
-            self.proc.stdin.write(line.encode() + b"\n")
-            await self.proc.stdin.drain()
-            count = 0
-            while (token := await queue.get()) is not None:
-                count += 1
-                yield token
-            if count < new_tokens:
-                raise RuntimeError(
-                    f"the vLLM peer ended a request after {count} of {new_tokens} tokens; "
-                    f"see {self.log}"
-                )
-        finally:
-            del self.queues[request_id]
-
-    async def close(self) -> None:
-        """Ask the peer to exit; kill it if it does not."""
-        if self.proc is None:
-            return
-        if self.proc.returncode is None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.write(b'{"exit": true}\n')
-                await self.proc.stdin.drain()
-                self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 60)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        if self._reader is not None:
-            await self._reader
-
-
-def _best_seconds(fn: Any, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def measure_bandwidth(num_bytes: int = 256 << 20) -> float:
-    """Return memory read bandwidth (bytes/s) of this thread's torch threads: a large tensor summed,
-    best of 5."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return x.numel() * 4 / _best_seconds(lambda: x.sum())
-
-
-def measure_flops(dtype: torch.dtype) -> float:
-    """Return the floating-point rate (FLOP/s) of a large matrix product in `dtype`, best of 5."""
-    a = torch.randn(256, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
-    return 2 * 256 * 2048 * 2048 / _best_seconds(lambda: torch.mm(a, b))
-
-
-def measure_machine(dtypes: list[str]) -> dict[str, float]:
-    """Return the memory bandwidth and each dtype's FLOP rate (`<dtype>_flop_per_s`).
-
-    bfloat16's rate is the faster of its own product and float32's: a CPU without bfloat16
-    arithmetic (where torch's bfloat16 product crawls) still multiplies bfloat16 weights at
-    float32's rate once they are widened, as mstar's tiled products do.
-    """
-    machine = {
-        "bandwidth_bytes_per_s": measure_bandwidth(),
-        "float32_flop_per_s": measure_flops(torch.float32),
-    }
-    if "bfloat16" in dtypes:
-        machine["bfloat16_flop_per_s"] = max(
-            measure_flops(torch.bfloat16), machine["float32_flop_per_s"]
-        )
-    return machine
-
-
-def decode_step_cost(
-    config: dict[str, Any], element_size: int, concurrency: int, context: float
-) -> tuple[float, float]:
-    """Return the bytes a decode step of `concurrency` sequences must read and its FLOPs.
-
-    Bytes: every weight the step multiplies (layers, norms, head) once, the embedding rows
-    of its tokens, and each sequence's cached keys and values at `context` tokens.
-    """
-    hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
-    layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    products = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner  # per layer
-    weights = layers * (products + 2 * hidden) + hidden + vocab * hidden + concurrency * hidden
-    kv = concurrency * context * layers * 2 * kv_heads * head_dim
-    flops = (
-        2 * concurrency * (layers * products + vocab * hidden)
-        + 4 * concurrency * context * heads * head_dim * layers
-    )
-    return (weights + kv) * element_size, flops
-
-
-def add_floors(row: dict[str, Any], bandwidth_bytes_per_s: float) -> None:
-    """Add a point's bandwidth floor, its roofline floor (the larger of that and the arithmetic
-    floor: a step can go no faster than either allows) and mstar's TPOT as a % of each."""
-    row["bandwidth_bytes_per_s"] = bandwidth_bytes_per_s
-    row["floor_ms"] = row["step_bytes"] / bandwidth_bytes_per_s * 1e3
-    row["floor_pct"] = 100 * row["floor_ms"] / row["mstar_tpot_ms"]
-    row["roofline_ms"] = max(row["floor_ms"], row["flop_ms"])
-    row["roofline_pct"] = 100 * row["roofline_ms"] / row["mstar_tpot_ms"]
 
 
 _ONE_TOKEN = (OutputEvent("text", num_tokens=1),)  # events are immutable: one serves every token
@@ -516,11 +213,15 @@ async def bench_model(
         }
         peer = VllmPeer(
             args.peer_python,
+            PEER_SCRIPT,
             peer_config,
             threads=torch.get_num_threads(),
             log=args.out / f"vllm_peer_{name}_{dtype_name}.log",
         )
-        await peer.start()
+        try:
+            await peer.start()
+        except PeerStartError as exc:
+            raise SystemExit(str(exc)) from exc
 
     def served_by(served: AsyncEngine, side: str) -> Any:
         async def mstar_fn(request: BenchRequest) -> AsyncIterator[Output]:

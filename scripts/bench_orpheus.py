@@ -15,7 +15,9 @@ Three systems do the same work, side by side in the same run, point after point:
   time for the same audio (= mstar audio s/s / floor audio s/s).
 
 Equal work: every request produces exactly ``--max-tokens`` audio tokens (a multiple of 7):
-all three mask end of speech (``ignore_eos``) on top of Orpheus' constrained decoding.
+all three mask end of speech (``ignore_eos``) on top of Orpheus' constrained decoding. The
+baseline, the floor and the equal-work model are `mstar.baselines.orpheus`; the time
+accounting is `mstar.bench.phases`.
 
 Reported: TTFA, RTF (client E2E latency / audio duration) p50 and p95, streaming viability,
 audio seconds per second, ratios against the baseline, and where the time goes: LLM steps
@@ -42,19 +44,26 @@ import dataclasses
 import json
 import math
 import os
-import threading
 import time
-import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers.generation.streamers import BaseStreamer
 
+from mstar.baselines.orpheus import (
+    FloorResult,
+    OrpheusFloor,
+    SpeechWork,
+    TransformersOrpheus,
+    audio_event,
+    check_num_samples,
+    request_seed,
+)
 from mstar.bench import (
     BenchRequest,
     BenchResult,
@@ -71,23 +80,15 @@ from mstar.bench import (
     result_to_dict,
     run_benchmark,
 )
-from mstar.engines import KVCacheEngine, SamplingParams
-from mstar.runtime import AsyncEngine, EngineConfig, Placement, Request
-from mstar.streaming import Chunk
-from mstar.zoo.orpheus import (
-    FRAME_SIZE,
-    SAMPLE_RATE,
-    AudioLogitsProcessor,
-    AudioStreamState,
-    AudioWindow,
-    OrpheusConfig,
-    OrpheusTokenizer,
-    decode_windows,
-    load_orpheus_codec,
-    load_orpheus_llm,
-    plan_chunk,
-    plan_tokens,
+from mstar.bench.phases import (
+    Meter,
+    PhaseTracker,
+    PointBreakdown,
+    breakdown_table,
+    engine_figures,
 )
+from mstar.runtime import AsyncEngine, EngineConfig, Placement, Request
+from mstar.zoo.orpheus import FRAME_SIZE, SAMPLE_RATE
 from mstar.zoo.orpheus.model import OrpheusModel
 
 PROMPTS = (
@@ -123,14 +124,9 @@ class Settings:
 
     config: str = "orpheus-small"
     concurrency: tuple[int, ...] = (1, 4, 16)
-    max_tokens: int = 56
+    work: SpeechWork = field(default_factory=SpeechWork)  # samples per frame: from the codec
     num_requests: int | None = None
     warmup: int = 1
-    voice: str = "tara"
-    temperature: float = 0.6
-    top_p: float = 0.8
-    repetition_penalty: float = 1.3
-    codec_batch_size: int = 4
     placement: str = "one-rank"
     threads: int = 0
     device: str = "cpu"
@@ -139,135 +135,31 @@ class Settings:
     skip_baseline: bool = False
     skip_floor: bool = False
     deterministic: bool = False  # also run a deterministic engine (mstar-det)
-    samples_per_frame: int = 2048  # set from the codec's config
 
     @property
     def num_frames(self) -> int:
         """Return the frames each request produces."""
-        return self.max_tokens // FRAME_SIZE
+        return self.work.num_frames
 
     @property
     def samples_per_request(self) -> int:
         """Return the audio samples each request produces (2048 per frame)."""
-        return self.num_frames * self.samples_per_frame
-
-    def sampling(
-        self, max_tokens: int, seed: int, stop_token_ids: tuple[int, ...]
-    ) -> SamplingParams:
-        """Return the engine's sampling parameters for one request."""
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            repetition_penalty=self.repetition_penalty,
-            max_tokens=max_tokens,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-        )
-
-
-def request_seed(request_id: str) -> int:
-    """Return a request's sampling (and codec noise) seed: the same in every system."""
-    return zlib.crc32(request_id.encode()) & 0x7FFFFFFF
-
-
-# --- timing ------------------------------------------------------------------------------------
-
-
-Figures = dict[str, tuple[float, int]]
-"""Seconds and counts per named activity: ``llm_step`` (seconds, steps), ``llm_forward``
-(seconds), ``llm_generate`` (seconds, tokens), ``codec`` (seconds, windows)."""
-
-
-class Meter:
-    """Seconds and counts per named activity, for the baseline (``llm_generate``, ``codec``).
-
-    Written by one thread at a time, read by the event loop between requests.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-
-    def add(self, name: str, seconds: float, count: int = 1) -> None:
-        """Account ``seconds`` and ``count`` units to ``name``."""
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.counts[name] = self.counts.get(name, 0) + count
-
-    def snapshot(self) -> Figures:
-        """Return the totals so far."""
-        return {k: (v, self.counts[k]) for k, v in list(self.seconds.items())}
-
-    async def read(self) -> Figures:
-        """Return the totals so far (the `PhaseTracker` interface; it does not suspend)."""
-        return self.snapshot()
-
-    @staticmethod
-    def delta(
-        before: Mapping[str, tuple[float, int]], after: Mapping[str, tuple[float, int]]
-    ) -> Figures:
-        """Return what was accounted between two snapshots."""
-        return {
-            k: (s - before.get(k, (0.0, 0))[0], n - before.get(k, (0.0, 0))[1])
-            for k, (s, n) in after.items()
-        }
-
-
-async def engine_figures(engine: AsyncEngine) -> Figures:
-    """Return mstar's figures so far, from the engines' own counters (summed over ranks).
-
-    The LLM node's steps are whole `KVCacheEngine` steps (schedule, forward, sampling,
-    update); its forward is the model's forward pass plus the LM head and sampling. The codec
-    is the ``snac_decoder`` node's steps, one input per 28/7 window.
-    """
-    figures: Figures = {}
-    for nodes in (await engine.stats()).values():
-        llm, codec = nodes.get("LLM"), nodes.get("snac_decoder")
-        if llm is not None:
-            forward = llm.get("phase_forward_seconds", 0.0) + llm.get("phase_logits_seconds", 0.0)
-            _add(figures, "llm_step", llm["step_seconds"], int(llm["steps"]))
-            _add(figures, "llm_forward", forward, 0)
-        if codec is not None:
-            _add(figures, "codec", codec["step_seconds"], int(codec["batched"]))
-    return figures
-
-
-def _add(figures: Figures, name: str, seconds: float, count: int) -> None:
-    total, num = figures.get(name, (0.0, 0))
-    figures[name] = (total + seconds, num + count)
-
-
-# --- equal work: fixed-length audio ------------------------------------------------------------
-
-
-# --- targets -----------------------------------------------------------------------------------
-
-
-def audio_event(num_samples: int) -> OutputEvent:
-    """Return the harness event of one audio chunk."""
-    return OutputEvent("audio", num_samples=num_samples, sample_rate=SAMPLE_RATE)
-
-
-def check_length(total: int, settings: Settings, system: str) -> None:
-    """Fail the request unless it produced every frame it was asked for (equal work)."""
-    if total != settings.samples_per_request:
-        raise RuntimeError(
-            f"{system} produced {total} samples, expected {settings.samples_per_request}"
-        )
+        return self.work.samples_per_request
 
 
 def mstar_target(
-    engine: AsyncEngine, settings: Settings
+    engine: AsyncEngine, work: SpeechWork
 ) -> Callable[[BenchRequest], AsyncIterator[OutputEvent]]:
     """Return the harness target that sends requests to the engine."""
 
     async def run(request: BenchRequest) -> AsyncIterator[OutputEvent]:
         data = {
             "text": request.prompt,
-            "voice": settings.voice,
+            "voice": work.voice,
             "max_tokens": request.max_tokens,
-            "temperature": settings.temperature,
-            "top_p": settings.top_p,
-            "repetition_penalty": settings.repetition_penalty,
+            "temperature": work.temperature,
+            "top_p": work.top_p,
+            "repetition_penalty": work.repetition_penalty,
             "seed": request_seed(request.request_id),
         }
         total = 0
@@ -276,388 +168,39 @@ def mstar_target(
             if num_samples:
                 total += num_samples
                 yield audio_event(num_samples)
-        check_length(total, settings, "mstar")
+        check_num_samples(total, work.samples_per_request, "mstar")
 
     return run
 
 
-class _TokenStreamer(BaseStreamer):
-    """A transformers streamer handing each generated token id to an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> None:
-        super().__init__()
-        self.loop, self.queue = loop, queue
-        self._is_prompt = True
-
-    def put(self, value: torch.Tensor) -> None:
-        """Forward new token ids (``generate`` first puts the prompt, which is skipped)."""
-        if self._is_prompt:
-            self._is_prompt = False
-            return
-        for token in value.reshape(-1).tolist():
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, int(token))
-
-    def end(self) -> None:
-        """Mark the end of generation."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
-
-
-class TransformersBaseline:
-    """Orpheus the way a user serves it without mstar: transformers ``generate`` plus SNAC.
-
-    One request at a time (a lock); ``generate`` runs in a thread and streams token ids;
-    each 28/7 window is decoded with SNAC as soon as its tokens are in (same windows, same
-    emitted frames, same codec noise seeds as mstar), in a worker thread so the event
-    loop keeps receiving tokens.
-    """
-
-    def __init__(self, cfg: OrpheusConfig, settings: Settings, meter: Meter) -> None:
-        from transformers import LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        self.cfg, self.settings, self.meter = cfg, settings, meter
-        self.layout = cfg.layout
-        self.model = LlamaForCausalLM.from_pretrained(str(cfg.llm_dir), dtype=torch.float32).eval()
-        self.codec = load_orpheus_codec(cfg)
-        self.tokenizer = OrpheusTokenizer(cfg.layout)
-        self.lock = asyncio.Lock()
-
-    def _generate(
-        self,
-        prompt: list[int],
-        seed: int,
-        max_tokens: int,
-        streamer: _TokenStreamer,
-        cancel: threading.Event,
-    ) -> None:
-        from transformers import (
-            LogitsProcessor,
-            LogitsProcessorList,
-            RepetitionPenaltyLogitsProcessor,
-            StoppingCriteria,
-            StoppingCriteriaList,
-            TemperatureLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        constraint = AudioLogitsProcessor(self.layout, len(prompt), allow_end=False)
-
-        class AudioConstraint(LogitsProcessor):  # the same mask as mstar's, row by row
-            def __call__(
-                self, input_ids: torch.LongTensor, scores: torch.FloatTensor
-            ) -> torch.FloatTensor:
-                for row in range(scores.shape[0]):
-                    constraint(input_ids[row].tolist(), scores[row])
-                return scores
-
-        class Cancelled(StoppingCriteria):
-            def __call__(
-                self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
-            ) -> Any:
-                return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool)
-
-        s = self.settings
-        # generate() appends custom processors after its own warpers; pass them all here, in
-        # Orpheus' order (penalty, constraint, temperature, top-p), and disable the built-in ones.
-        processors: list[Any] = []
-        if s.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty))
-        processors.append(AudioConstraint())
-        do_sample = s.temperature > 0
-        if do_sample:
-            processors.append(TemperatureLogitsWarper(s.temperature))
-            if s.top_p < 1.0:
-                processors.append(TopPLogitsWarper(s.top_p))
-        ids = torch.tensor([prompt])
-        start = time.perf_counter()
-        try:
-            torch.manual_seed(seed)
-            with torch.inference_mode():
-                self.model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=do_sample,
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=0,
-                    max_new_tokens=max_tokens,
-                    logits_processor=LogitsProcessorList(processors),
-                    stopping_criteria=StoppingCriteriaList([Cancelled()]),
-                    streamer=streamer,
-                    eos_token_id=self.layout.end_of_speech,
-                    pad_token_id=self.layout.pad,
-                )
-        except BaseException as exc:  # surfaced to the request, not lost in the thread
-            streamer.loop.call_soon_threadsafe(streamer.queue.put_nowait, exc)
-        finally:
-            self.meter.add("llm_generate", time.perf_counter() - start, max_tokens)
-
-    def _decode(self, windows: Sequence[AudioWindow]) -> list[torch.Tensor]:
-        start = time.perf_counter()
-        pieces = decode_windows(self.codec, windows)
-        self.meter.add("codec", time.perf_counter() - start, len(windows))
-        return pieces
-
-    async def stream(self, request: BenchRequest) -> AsyncIterator[OutputEvent]:
-        """Serve one request (after the ones before it): stream its audio chunks."""
-        s = self.settings
-        async with self.lock:
-            seed = request_seed(request.request_id)
-            prompt = self.tokenizer.format_prompt(request.prompt, s.voice)
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[Any] = asyncio.Queue()
-            cancel = threading.Event()
-            thread = threading.Thread(
-                target=self._generate,
-                args=(
-                    prompt,
-                    seed,
-                    request.max_tokens or s.max_tokens,
-                    _TokenStreamer(loop, queue),
-                    cancel,
-                ),
-                name="hf-generate",
-                daemon=True,
-            )
-            thread.start()
-            state = AudioStreamState(noise_seed=self.cfg.noise_seed + seed)
-            total = 0
-            try:
-                while not state.is_done:
-                    item = await queue.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    is_last = item is None
-                    chunk = Chunk(() if is_last else (item,), state.num_items, 0, is_last)
-                    state, windows = plan_chunk(state, chunk, self.layout)
-                    if windows:
-                        pieces = await asyncio.to_thread(self._decode, windows)
-                        num_samples = sum(int(p.numel()) for p in pieces)
-                        total += num_samples
-                        yield audio_event(num_samples)
-                check_length(total, s, "transformers")
-            finally:
-                cancel.set()
-                await asyncio.to_thread(thread.join)
-
-
-class PhaseTracker:
-    """Read a target's figures around each point's measured requests (warm-up excluded).
-
-    The harness names measured requests ``{kind}-{point}-{i}`` and warm-up ones
-    ``warmup-...``; in a closed loop every warm-up request ends before the first measured one.
-    The first measured request of a point reads the figures before any of the point's
-    requests is sent; each one that ends reads them again, and the read begun last (after
-    the point's last request ended) is the point's end.
-    """
-
-    def __init__(self, read: Callable[[], Awaitable[Figures]]) -> None:
-        self.read = read
-        self.begin: dict[str, asyncio.Task[Figures]] = {}
-        self.end: dict[str, tuple[int, Figures]] = {}
-        self._num_reads = 0
-
-    def wrap(
-        self, fn: Callable[[BenchRequest], AsyncIterator[OutputEvent]]
-    ) -> Callable[[BenchRequest], AsyncIterator[OutputEvent]]:
-        """Return ``fn`` with reads at the first start and the last end of each point."""
-
-        async def run(request: BenchRequest) -> AsyncIterator[OutputEvent]:
-            phase = (
-                None
-                if request.request_id.startswith("warmup-")
-                else request.request_id.rsplit("-", 1)[0]
-            )
-            if phase is not None:
-                if phase not in self.begin:
-                    self.begin[phase] = asyncio.ensure_future(self.read())
-                await self.begin[phase]  # the point's other first requests wait for it too
-            try:
-                async for event in fn(request):
-                    yield event
-            finally:
-                if phase is not None:
-                    self._num_reads += 1
-                    order, figures = self._num_reads, await self.read()
-                    if order > self.end.get(phase, (0, {}))[0]:
-                        self.end[phase] = (order, figures)
-
-        return run
-
-    def spent(self, phase: str) -> Figures:
-        """Return what the target accounted during a point's measured requests."""
-        begin = self.begin[phase].result() if phase in self.begin else {}
-        return Meter.delta(begin, self.end.get(phase, (0, {}))[1])
-
-
-# --- the floor ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FloorResult:
-    """Pure compute for one point's requests: batched LLM steps, then codec windows."""
-
-    concurrency: int
-    num_requests: int
-    llm_s: float
-    llm_forward_s: float
-    num_steps: int
-    codec_s: float
-    num_windows: int
-    audio_s: float
-
-    @property
-    def seconds(self) -> float:
-        """Return the floor's time: LLM steps plus codec calls."""
-        return self.llm_s + self.codec_s
-
-    @property
-    def audio_s_per_s(self) -> float:
-        """Return the audio seconds per second of pure compute."""
-        return self.audio_s / self.seconds
-
-
-class Floor:
-    """The same work with no serving around it: `KVCacheEngine` steps and codec calls."""
-
-    def __init__(self, model: OrpheusModel, settings: Settings) -> None:
-        self.cfg, self.settings = model.config, settings
-        self.engine_config = model.engine_config
-        self.llm = load_orpheus_llm(model.config)
-        self.codec = load_orpheus_codec(model.config)
-        self.tokenizer = OrpheusTokenizer(model.config.layout)
-
-    def run(self, requests: Sequence[BenchRequest], concurrency: int) -> FloorResult:
-        """Generate every request c at a time, then decode all their windows; time both."""
-        s, layout = self.settings, self.cfg.layout
-        engine = KVCacheEngine(
-            self.llm,
-            dataclasses.replace(self.engine_config, max_num_seqs=concurrency),
-            device="cpu",
-        )
-        tokens: dict[str, list[int]] = {}
-        for r in requests:
-            prompt = self.tokenizer.format_prompt(r.prompt, s.voice)
-            params = s.sampling(
-                r.max_tokens or s.max_tokens, request_seed(r.request_id), (layout.end_of_speech,)
-            )
-            processor = AudioLogitsProcessor(layout, len(prompt), allow_end=False)
-            engine.add_request(r.request_id, prompt, params, logits_processor=processor)
-            tokens[r.request_id] = []
-        num_steps = 0
-        start = time.perf_counter()
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            num_steps += 1
-        llm_s = time.perf_counter() - start
-        windows = [
-            w
-            for rid, ids in tokens.items()
-            for w in plan_tokens(ids, layout, self.cfg.noise_seed + request_seed(rid))
-        ]
-        start = time.perf_counter()
-        audio = decode_windows(self.codec, windows, max_batch_size=s.codec_batch_size)
-        codec_s = time.perf_counter() - start
-        phases = engine.runner.phases.seconds  # the engine's own timers (a new engine per run)
-        num_samples = sum(int(a.numel()) for a in audio)
-        if num_samples != len(requests) * s.samples_per_request:
-            raise RuntimeError(
-                f"the floor produced {num_samples} samples, expected "
-                f"{len(requests) * s.samples_per_request}"
-            )
-        return FloorResult(
-            concurrency,
-            len(requests),
-            llm_s,
-            phases["forward"] + phases["logits"],
-            num_steps,
-            codec_s,
-            len(windows),
-            num_samples / SAMPLE_RATE,
-        )
-
-    def warm_up(self) -> None:
-        """Run one short request through both halves (allocator, kernels)."""
-        warm = make_requests([PROMPTS[0]], max_tokens=4 * FRAME_SIZE, ignore_eos=True)
-        settings, self.settings = (
-            self.settings,
-            dataclasses.replace(self.settings, max_tokens=4 * FRAME_SIZE),
-        )
-        try:
-            self.run(warm, 1)
-        finally:
-            self.settings = settings
-
-
 # --- the run -----------------------------------------------------------------------------------
 
-
-@dataclass
-class PointBreakdown:
-    """Where one target's time went at one point."""
-
-    target: str
-    concurrency: int
-    wall_s: float
-    audio_s: float
-    llm_s: float
-    llm_forward_s: float | None
-    num_steps: int
-    codec_s: float
-    num_windows: int
-
-    @property
-    def other_s(self) -> float:
-        """Return wall time not spent in LLM steps or codec calls (may be < 0 when they overlap)."""
-        return self.wall_s - self.llm_s - self.codec_s
-
-
-def _breakdown(
-    target: str, c: int, wall_s: float, audio_s: float, spent: Mapping[str, tuple[float, int]]
-) -> PointBreakdown:
-    llm_key = "llm_step" if "llm_step" in spent else "llm_generate"
-    forward = spent.get("llm_forward")
-    return PointBreakdown(
-        target,
-        c,
-        wall_s,
-        audio_s,
-        spent.get(llm_key, (0.0, 0))[0],
-        None if forward is None else forward[0],
-        spent.get(llm_key, (0.0, 0))[1],
-        spent.get("codec", (0.0, 0))[0],
-        spent.get("codec", (0.0, 0))[1],
-    )
+BREAKDOWN_CAPTION = (
+    "mstar/floor: LLM = KVCacheEngine steps (schedule + forward + sampling), forward = "
+    "model + LM head "
+    "and sampling; mstar: from the engines' own timers, codec = snac_decoder node steps; "
+    "transformers: LLM = generate() per request (runs alongside the codec); steps = "
+    "tokens there"
+)
 
 
 @dataclass
 class Run:
-    """Everything one run holds: the engine, the baseline, the floor and what they measured."""
+    """Everything one run holds: the targets, the floor and what they measured."""
 
     settings: Settings
-    engine: AsyncEngine
     templates: list[BenchRequest]
+    targets: dict[str, Callable[[BenchRequest], AsyncIterator[OutputEvent]]]
     trackers: dict[str, PhaseTracker]
-    baseline: TransformersBaseline | None
-    floor: Floor | None
-    det_engine: AsyncEngine | None = None
-    results: list[BenchResult] = dataclasses.field(default_factory=list)
-    floors: list[FloorResult] = dataclasses.field(default_factory=list)
-    breakdowns: list[PointBreakdown] = dataclasses.field(default_factory=list)
+    floor: OrpheusFloor | None
+    results: list[BenchResult] = field(default_factory=list)
+    floors: list[FloorResult] = field(default_factory=list)
+    breakdowns: list[PointBreakdown] = field(default_factory=list)
 
     async def point(self, c: int, console: Console) -> None:
-        """Measure mstar and the baseline at concurrency c (the harness), then the floor."""
+        """Measure every target at concurrency c (the harness), then the floor."""
         s = self.settings
-        targets: dict[str, Any] = {
-            "mstar": self.trackers["mstar"].wrap(mstar_target(self.engine, s))
-        }
-        if self.det_engine is not None:
-            det = mstar_target(self.det_engine, s)
-            targets["mstar-det"] = self.trackers["mstar-det"].wrap(det)
-        if self.baseline is not None:
-            targets["transformers"] = self.trackers["transformers"].wrap(self.baseline.stream)
+        targets = {name: self.trackers[name].wrap(fn) for name, fn in self.targets.items()}
         load = ClosedLoop((c,), num_requests=s.num_requests, warmup=s.warmup)
         seed = s.seed * 1000 + c
         started, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -674,13 +217,10 @@ class Run:
         done = []
         for p in result.points:
             spent = self.trackers[p.target].spent(f"concurrency-{c}")
-            self.breakdowns.append(
-                _breakdown(p.target, c, p.summary.duration_s, p.summary.audio_s, spent)
-            )
+            wall_s, audio_s = p.summary.duration_s, p.summary.audio_s
+            self.breakdowns.append(PointBreakdown.from_spent(p.target, c, wall_s, audio_s, spent))
             ok = p.summary.num_requests - p.summary.num_failed
-            done.append(
-                f"{p.target} {ok}/{p.summary.num_requests} ok in {p.summary.duration_s:.1f} s"
-            )
+            done.append(f"{p.target} {ok}/{p.summary.num_requests} ok in {wall_s:.1f} s")
             errors = sorted({r.error for r in p.records if r.error})
             if errors:
                 console.print(f"  {p.target} errors: {errors[:3]}", highlight=False, markup=False)
@@ -695,19 +235,7 @@ class Run:
             )
             fr = self.floor.run(measured, c)
             self.floors.append(fr)
-            self.breakdowns.append(
-                PointBreakdown(
-                    "floor",
-                    c,
-                    fr.seconds,
-                    fr.audio_s,
-                    fr.llm_s,
-                    fr.llm_forward_s,
-                    fr.num_steps,
-                    fr.codec_s,
-                    fr.num_windows,
-                )
-            )
+            self.breakdowns.append(fr.breakdown())
             done.append(f"floor {fr.seconds:.1f} s")
         took = time.perf_counter() - started
         console.print(
@@ -722,61 +250,52 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     """Run every point (mstar, baseline, floor side by side); print and write the results."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    meter = Meter()
     model = OrpheusModel(
         settings.config,
         engine_config=_kv_config(settings),
-        codec_batch_size=settings.codec_batch_size,
+        codec_batch_size=settings.work.codec_batch_size,
     )
-    cfg = model.config
-    settings = dataclasses.replace(settings, samples_per_frame=cfg.snac.samples_per_frame)
+    work = dataclasses.replace(settings.work, samples_per_frame=model.config.snac.samples_per_frame)
+    settings = dataclasses.replace(settings, work=work)
     config = _describe(settings, model)
     console.print("[bold]bench_orpheus[/bold]: configuration")
     for key, value in config.items():
         console.print(f"  {key}: {value}", highlight=False, markup=False)
-    baseline = None if settings.skip_baseline else TransformersBaseline(cfg, settings, meter)
-    floor = None if settings.skip_floor else Floor(model, settings)
+    meter = Meter()
+    baseline = None if settings.skip_baseline else TransformersOrpheus(model.config, work, meter)
+    floor = None if settings.skip_floor else OrpheusFloor(model, work)
     if floor is not None:
-        floor.warm_up()
+        floor.warm_up(PROMPTS[0])
     placement = PLACEMENTS[settings.placement]
     layout = Placement.from_yaml(placement) if placement else None
     devices = rank_devices(settings.device, layout)
-    engine = await AsyncEngine.start(model, layout, EngineConfig(devices=devices))
-    det_engine = None
+    engines = {"mstar": await AsyncEngine.start(model, layout, EngineConfig(devices=devices))}
     if settings.deterministic:
-        det_engine = await AsyncEngine.start(
-            model, layout, EngineConfig(devices=devices, deterministic=True)
-        )
+        det = EngineConfig(devices=devices, deterministic=True)
+        engines["mstar-det"] = await AsyncEngine.start(model, layout, det)
     templates = make_requests(
-        list(PROMPTS),
-        max_tokens=settings.max_tokens,
-        ignore_eos=True,
-        params={"voice": settings.voice},
+        list(PROMPTS), max_tokens=work.max_tokens, ignore_eos=True, params={"voice": work.voice}
     )
-    bench = Run(
-        settings,
-        engine,
-        templates,
-        {
-            "mstar": PhaseTracker(lambda: engine_figures(engine)),
-            "transformers": PhaseTracker(meter.read),
-        },
-        baseline,
-        floor,
-        det_engine,
-    )
-    if det_engine is not None:
-        bench.trackers["mstar-det"] = PhaseTracker(lambda: engine_figures(det_engine))
+    targets = {name: mstar_target(engine, work) for name, engine in engines.items()}
+    trackers = {
+        name: PhaseTracker(
+            partial(engine_figures, engine, llm_node="LLM", codec_node="snac_decoder")
+        )
+        for name, engine in engines.items()
+    }
+    if baseline is not None:
+        targets["transformers"] = baseline.stream
+        trackers["transformers"] = PhaseTracker(meter.read)
+    bench = Run(settings, templates, targets, trackers, floor)
     try:
         for c in settings.concurrency:
             await bench.point(c, console)
     finally:
-        await engine.shutdown()
-        if det_engine is not None:
-            await det_engine.shutdown()
+        for engine in engines.values():
+            await engine.shutdown()
     merged = merge_results(bench.results, config)
     print_table(merged, console)
-    console.print(_breakdown_table(bench.breakdowns))
+    console.print(breakdown_table(bench.breakdowns, BREAKDOWN_CAPTION))
     checks = _summary(merged, bench.floors, console)
     data = result_to_dict(merged)
     data["orpheus"] = json_safe(
@@ -802,11 +321,11 @@ def _kv_config(settings: Settings) -> dict[str, Any]:
     # Cache for the largest concurrency at the longest prompt plus the generation, not the
     # 1 GiB default: the benchmark shares its machine.
     longest = max(len(p) for p in PROMPTS) + 64  # a generous bound on a prompt's tokens
-    blocks_per_seq = -(-(longest + settings.max_tokens) // 16)
+    blocks_per_seq = -(-(longest + settings.work.max_tokens) // 16)
     return {
         "max_num_seqs": max(settings.concurrency),
         "num_blocks": blocks_per_seq * max(settings.concurrency) + 8,
-        "max_model_len": 1024 + settings.max_tokens,
+        "max_model_len": 1024 + settings.work.max_tokens,
     }
 
 
@@ -821,13 +340,13 @@ def _describe(settings: Settings, model: OrpheusModel) -> dict[str, Any]:
         "load": f"closed loop, concurrency {list(settings.concurrency)}, "
         f"measured requests per point max({settings.num_requests or 0}, 5 x c), warm-up "
         f"{settings.warmup}",
-        "request": f"{settings.max_tokens} audio tokens = {settings.num_frames} frames = "
+        "request": f"{settings.work.max_tokens} audio tokens = {settings.num_frames} frames = "
         f"{settings.samples_per_request / SAMPLE_RATE:.3f} s of audio (end of speech masked: "
         "equal work)",
-        "sampling": f"temperature {settings.temperature}, top_p {settings.top_p}, "
-        f"repetition_penalty {settings.repetition_penalty}, seed per request id",
+        "sampling": f"temperature {settings.work.temperature}, top_p {settings.work.top_p}, "
+        f"repetition_penalty {settings.work.repetition_penalty}, seed per request id",
         "mstar": f"AsyncEngine co-located ({settings.placement}), codec batch <= "
-        f"{settings.codec_batch_size} "
+        f"{settings.work.codec_batch_size} "
         f"windows per call, KV {model.engine_config}",
         "transformers": "one request at a time; LlamaForCausalLM.generate (fp32) in a thread "
         "with a "
@@ -844,38 +363,6 @@ def _describe(settings: Settings, model: OrpheusModel) -> dict[str, Any]:
             if skip
         ],
     }
-
-
-def _breakdown_table(rows: Sequence[PointBreakdown]) -> Table:
-    table = Table(title="where the time goes (seconds during each point's measured phase)")
-    headers = (
-        "c|target|wall s|audio s|LLM s|(forward s)|steps|ms/step|codec s|windows|ms/window|other s"
-    )
-    for header in headers.split("|"):
-        table.add_column(header, justify="left" if header == "target" else "right")
-    for b in rows:
-        table.add_row(
-            str(b.concurrency),
-            b.target,
-            f"{b.wall_s:.1f}",
-            f"{b.audio_s:.1f}",
-            f"{b.llm_s:.1f}",
-            "-" if b.llm_forward_s is None else f"{b.llm_forward_s:.1f}",
-            str(b.num_steps),
-            f"{1e3 * b.llm_s / b.num_steps:.1f}" if b.num_steps else "-",
-            f"{b.codec_s:.1f}",
-            str(b.num_windows),
-            f"{1e3 * b.codec_s / b.num_windows:.0f}" if b.num_windows else "-",
-            f"{b.other_s:.1f}",
-        )
-    table.caption = (
-        "mstar/floor: LLM = KVCacheEngine steps (schedule + forward + sampling), forward = "
-        "model + LM head "
-        "and sampling; mstar: from the engines' own timers, codec = snac_decoder node steps; "
-        "transformers: LLM = generate() per request (runs alongside the codec); steps = "
-        "tokens there"
-    )
-    return table
 
 
 def _summary(
@@ -1045,13 +532,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     return Settings(
         config=args.config,
         concurrency=levels,
-        max_tokens=max_tokens,
+        work=SpeechWork(
+            max_tokens=max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            repetition_penalty=args.repetition_penalty,
+            codec_batch_size=args.codec_batch_size,
+        ),
         num_requests=args.num_requests,
         warmup=args.warmup,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        codec_batch_size=args.codec_batch_size,
         placement=args.placement,
         threads=args.threads,
         device=args.device,

@@ -1,8 +1,7 @@
-"""scripts/bench_llm.py: the floor arithmetic, the vLLM peer's stream protocol, a tiny run."""
+"""scripts/bench_llm.py: a missing peer environment, tiny runs, rounds combined."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import sys
@@ -12,19 +11,6 @@ from types import ModuleType
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_llm.py"
-
-# Speaks the peer's protocol without vLLM: each request gets tokens 0, 1, ... one per step.
-FAKE_PEER = """
-import json, sys
-print(json.dumps({"ready": True, "torch_threads": 1}), flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    if request.get("exit"):
-        break
-    n = request["max_tokens"]
-    for i in range(n):
-        print(json.dumps({"step": [[request["id"], [i], i == n - 1]]}), flush=True)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -38,54 +24,6 @@ def bench() -> ModuleType:
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def test_step_cost_counts_weights_once_and_every_cached_key(bench: ModuleType) -> None:
-    config = dict(bench.TINY_CONFIG)
-    one, flops_one = bench.decode_step_cost(config, 4, 1, 0)
-    # Layers (q, k, v, o, gate, up, down, two norms), the final norm, the head, one embedding row.
-    per_layer = 256 * 32 * (2 * 8 + 2 * 4) + 3 * 256 * 512 + 2 * 256
-    assert one == 4 * (4 * per_layer + 256 + 32000 * 256 + 256)
-    sixteen, flops_sixteen = bench.decode_step_cost(config, 4, 16, 100)
-    kv = 16 * 100 * 4 * 2 * 4 * 32 * 4
-    assert sixteen == one + 15 * 256 * 4 + kv
-    assert flops_sixteen > 16 * flops_one
-
-
-def test_floors_are_the_step_bytes_over_the_bandwidth_and_the_larger_of_it_and_the_arithmetic(
-    bench: ModuleType,
-) -> None:
-    # Bound by arithmetic (the tiny model at c = 16 on one thread) ...
-    row = {"step_bytes": 1.31e7, "flop_ms": 3.17, "mstar_tpot_ms": 4.0}
-    bench.add_floors(row, 1e10)
-    assert (row["floor_ms"], row["floor_pct"]) == pytest.approx((1.31, 32.75))
-    assert (row["roofline_ms"], row["roofline_pct"]) == pytest.approx((3.17, 79.25))
-    # ... or by bandwidth (one row).
-    row = {"step_bytes": 1.09e7, "flop_ms": 0.20, "mstar_tpot_ms": 2.0}
-    bench.add_floors(row, 1e10)
-    assert (row["roofline_ms"], row["roofline_pct"]) == pytest.approx((1.09, 54.5))
-
-
-def test_peer_streams_each_request_its_tokens(
-    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = tmp_path / "fake_peer.py"
-    fake.write_text(FAKE_PEER)
-    monkeypatch.setattr(bench, "PEER_SCRIPT", fake)
-
-    async def run() -> list[list[int]]:
-        peer = bench.VllmPeer(Path(sys.executable), {}, threads=1, log=tmp_path / "peer.log")
-        await peer.start()
-        try:
-
-            async def one(n: int) -> list[int]:
-                return [t async for t in peer.generate([1, 2, 3], n)]
-
-            return list(await asyncio.gather(one(3), one(5)))
-        finally:
-            await peer.close()
-
-    assert asyncio.run(run()) == [[0, 1, 2], [0, 1, 2, 3, 4]]
 
 
 def test_a_missing_peer_environment_says_how_to_make_it(bench: ModuleType, tmp_path: Path) -> None:

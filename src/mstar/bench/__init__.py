@@ -1,6 +1,10 @@
 """Benchmark harness: load patterns, client-side metrics, baselines, table/JSON/PNG reports.
 
 Every speed claim in mstar comes from here, measured as the field measures (DESIGN §7).
+
+Besides the harness itself: where a speech target's time goes (`mstar.bench.phases`), the
+machine's measured limits for floors (`mstar.bench.machine`) and the peak memory a target adds
+(`mstar.bench.memory`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from mstar.bench.loadgen import (
     draw_requests,
     make_requests,
 )
+from mstar.bench.machine import best_seconds, measure_bandwidth, measure_flops, measure_machine
+from mstar.bench.memory import PeakMemory
 from mstar.bench.metrics import (
     METRIC_DEFINITIONS,
     RequestMetrics,
@@ -33,6 +39,15 @@ from mstar.bench.metrics import (
     is_streaming_viable,
     request_metrics,
     summarize,
+)
+from mstar.bench.phases import (
+    Figures,
+    Meter,
+    PhaseTracker,
+    PointBreakdown,
+    breakdown_table,
+    engine_figures,
+    figures_delta,
 )
 from mstar.bench.records import BenchRequest, OutputEvent, RequestRecord, Usage
 from mstar.bench.report import json_safe, plot_png, print_table, result_to_dict, write_json
@@ -49,14 +64,19 @@ __all__ = [
     "CallableTarget",
     "ChatTarget",
     "ClosedLoop",
+    "Figures",
     "GenerateTarget",
     "HttpTarget",
     "ImagesTarget",
     "LoadPattern",
+    "Meter",
     "OfflineWaves",
     "OpenLoop",
     "OutputEvent",
     "PcmFrameCounter",
+    "PeakMemory",
+    "PhaseTracker",
+    "PointBreakdown",
     "PointResult",
     "Ratio",
     "RequestMetrics",
@@ -68,12 +88,19 @@ __all__ = [
     "Usage",
     "WavStreamReader",
     "arrival_offsets",
+    "best_seconds",
+    "breakdown_table",
     "chunk_on_time",
     "compute_stats",
     "draw_requests",
+    "engine_figures",
+    "figures_delta",
     "is_streaming_viable",
     "json_safe",
     "make_requests",
+    "measure_bandwidth",
+    "measure_flops",
+    "measure_machine",
     "merge_results",
     "plot_png",
     "print_table",
