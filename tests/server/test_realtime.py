@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -244,6 +245,8 @@ def test_the_servers_key_is_required_and_a_text_model_answers_in_text(tiny_llama
         events = asyncio.run(session("sesame"))
         text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert events[-1].response.status == "completed"
+        usage = events[-1].response.usage
+        assert usage.input_tokens > 2 and usage.total_tokens == usage.input_tokens + 3
         assert events[-1].response.output[0].content[0].text == text
 
 
@@ -494,3 +497,38 @@ def test_a_model_that_neither_answers_nor_speaks_is_refused_with_400() -> None:
             assert b"does not serve it" in response.body
 
         asyncio.run(main())
+
+
+def _prefix_hits(server: RunningServer) -> float:
+    stats = asyncio.run_coroutine_threadsafe(server.state.engine.engine_stats(), server.loop)
+    return sum(
+        n.get("prefix_hit_tokens", 0.0) for r in stats.result().nodes.values() for n in r.values()
+    )
+
+
+def test_each_turn_reuses_the_conversations_cached_prefix(tiny_llama_dir: Path) -> None:
+    """A response's request holds the whole conversation; the turns before it are found in
+    the prefix cache (not computed again), and the metrics count them."""
+    spec = ModelSpec("mstar.zoo.llm:TextLLM", {"checkpoint": str(tiny_llama_dir), "name": "chat"})
+    with running_server(spec, names=("chat",)) as server:
+
+        async def main() -> list[float]:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            hits = [_prefix_hits(server)]
+            async with client.realtime.connect(model="chat") as conn:
+                await conn.recv()
+                await conn.session.update(
+                    session={"type": "realtime", "instructions": "You are terse. " * 20}
+                )
+                for turn in ("Hi", "Tell me more", "And then?"):
+                    await _say(conn, turn)
+                    await conn.response.create(response={"max_output_tokens": 8})
+                    await _until(conn, "response.done")
+                    hits.append(_prefix_hits(server))
+            return hits
+
+        hits = asyncio.run(main())
+        # The second and third turns find at least the instructions (80 tokens, 5 blocks).
+        assert hits[2] - hits[1] >= 64 and hits[3] - hits[2] >= hits[2] - hits[1]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert "mstar_prefix_cache_hit_tokens" in metrics

@@ -57,6 +57,9 @@ class BlockManager:
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self.num_reserved_blocks = 0  # sum of the sequences' `reserved_blocks`
+        # Prefix-cache lookups (cumulative): tokens of new sequences looked up, and found.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -157,6 +160,8 @@ class BlockManager:
             seq.block_table.append(block)
             parent = block_hash
         seq.num_computed_tokens = len(seq.block_table) * size
+        self.prefix_queried_tokens += seq.num_tokens
+        self.prefix_hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:

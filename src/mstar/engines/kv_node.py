@@ -185,6 +185,8 @@ class KVNodeEngine(StepLoop):
             "kv_blocks_total": self.engine.num_blocks,
             "kv_blocks_used": self.engine.num_blocks - blocks.num_free_blocks,
             "max_seq_len": self.engine.max_seq_len,
+            "prefix_queried_tokens": blocks.prefix_queried_tokens,
+            "prefix_hit_tokens": blocks.prefix_hit_tokens,
             **self.engine.runner.phases.snapshot(),
         }
 

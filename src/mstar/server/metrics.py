@@ -216,6 +216,18 @@ class ServerMetrics:
         self.kv_usage = Gauge(
             "mstar_kv_cache_usage", "Fraction of the KV cache in use.", e, registry=r
         )
+        self.prefix_queried = Gauge(
+            "mstar_prefix_cache_queried_tokens",
+            "Tokens of new sequences looked up in the prefix cache, per node (cumulative).",
+            e,
+            registry=r,
+        )
+        self.prefix_hits = Gauge(
+            "mstar_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache (not computed again), per node (cumulative).",
+            e,
+            registry=r,
+        )
         self._engine_families = _EngineFamilies(model)
         r.register(self._engine_families)
 
@@ -254,6 +266,9 @@ class ServerMetrics:
                     self.kv_blocks_total.labels(*labels).set(total)
                     self.kv_blocks_used.labels(*labels).set(used)
                     self.kv_usage.labels(*labels).set(used / total if total else 0.0)
+                if "prefix_queried_tokens" in values:
+                    self.prefix_queried.labels(*labels).set(values["prefix_queried_tokens"])
+                    self.prefix_hits.labels(*labels).set(values.get("prefix_hit_tokens", 0.0))
 
     def watch_admission(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         """Read the running and waiting gauges from these functions at each scrape."""

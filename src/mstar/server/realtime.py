@@ -655,6 +655,7 @@ class RealtimeSession:
             data["modalities"] = ["text", "audio"] if speaks else ["text"]
         else:
             data["prompt_token_ids"] = chat_prompt(text_model, messages)
+        num_prompt = len(data.get("prompt_token_ids", ()))
         if self.voice is not None and speaks:
             data["voice"] = self.voice
         if limit is not None:
@@ -662,7 +663,7 @@ class RealtimeSession:
         resampler = (
             PcmResampler(state.sample_rate, REALTIME_RATE) if speaks and state.sample_rate else None
         )
-        gen = TextGeneration(text_model, 0, [], limit, 0, resampler)
+        gen = TextGeneration(text_model, num_prompt, [], limit, 0, resampler)
         self.response = asyncio.create_task(self._respond("generate", data, gen, modalities))
 
     async def _read_aloud(self, modalities: list[str]) -> None:
@@ -809,7 +810,12 @@ class RealtimeSession:
         )
         if speaks:
             self.spoken_ms[item_id] = spoken_bytes * 1000 // (2 * REALTIME_RATE)
+        # Input tokens are counted where the server made the prompt (a text model's chat
+        # template); a model that takes the messages itself counts its own.
         usage = {"output_tokens": gen.num_tokens, "total_tokens": gen.num_tokens}
+        if isinstance(gen, TextGeneration) and gen.prompt_tokens:
+            usage["input_tokens"] = gen.prompt_tokens
+            usage["total_tokens"] += gen.prompt_tokens
         response = {
             **response,
             "status": status,
