@@ -151,6 +151,19 @@ async def _cancel(client: openai.AsyncOpenAI, model: str) -> tuple[float, int] |
     return done, late
 
 
+def _step_counters(port: int) -> dict[str, tuple[float, float]]:
+    """Each KV-cache node's cumulative (steps, step seconds), from the server's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    got: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for index, name in enumerate(("mstar_engine_steps{", "mstar_engine_step_seconds{")):
+            if line.startswith(name):
+                labels, value = line[len(name) :].rsplit("} ", 1)
+                node = labels.split('node="', 1)[1].split('"', 1)[0]
+                got.setdefault(node, [0.0, 0.0])[index] = float(value)
+    return {node: (v[0], v[1]) for node, v in got.items()}
+
+
 def _ms(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -193,7 +206,9 @@ async def main(args: argparse.Namespace) -> None:
                 f"{_ms(sse, 0.95):.0f} | {ratio:.2f}x |"
                 + (f"  ({silent} said nothing)" if silent else "")
             )
+        before = _step_counters(port)
         results = [await _cancel(client, args.model) for _ in range(args.cancels)]
+        after = _step_counters(port)
         cancels = [r for r in results if r is not None]
         if cancels:
             done = [d for d, _ in cancels]
@@ -201,6 +216,16 @@ async def main(args: argparse.Namespace) -> None:
             print(
                 f"\ncancel: response.cancel -> response.done p50 {_ms(done, 0.5):.1f} ms, "
                 f"max {1e3 * max(done):.1f} ms over {len(done)} cancels; deltas after done: {late}"
+            )
+            # A cancel lands within one step of the node that runs: its steps meanwhile.
+            steps = {
+                node: 1e3 * (after[node][1] - before.get(node, (0.0, 0.0))[1]) / n
+                for node in after
+                if (n := after[node][0] - before.get(node, (0.0, 0.0))[0]) > 0
+            }
+            print(
+                "  mean step meanwhile: "
+                + ", ".join(f"{node} {ms:.1f} ms" for node, ms in sorted(steps.items()))
             )
     finally:
         proc.terminate()
