@@ -196,6 +196,70 @@ def test_kernel_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyp
         isa_kernels.decode_attention(q.transpose(0, 1), k_cache, k_cache, tables, lens, 1.0)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "dim", "heads", "kv_heads", "block_size"),
+    [
+        (torch.float32, 16, 4, 2, 4),
+        (torch.float32, 32, 8, 4, 16),
+        (torch.float32, 64, 9, 3, 16),
+        (torch.float32, 128, 8, 2, 16),
+        (torch.float32, 256, 2, 1, 8),
+        (torch.bfloat16, 32, 8, 4, 16),
+        (torch.bfloat16, 128, 4, 4, 16),
+    ],
+)
+def test_prefill_attention_equals_the_reference_for_every_mask(
+    isa_kernels,
+    dtype: torch.dtype,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+    block_size: int,  # type: ignore[no-untyped-def]
+) -> None:
+    """Chunks of three sequences in one call (shuffled blocks): causal rows that continue a
+    cached prefix, block-causal frames, a full chunk and a one-row chunk. Each row equals
+    attention over its first `lens[row]` keys, within 1e-5 (float32) or bfloat16's rounding."""
+    seq_lens = [150, 97, 64]
+    k_cache, v_cache, tables, _, per_seq = _paged(seq_lens, kv_heads, dim, block_size, dtype, 3)
+    row_lens = [
+        torch.arange(150 - 70, 150) + 1,  # the last 70 positions of a prompt, causal
+        ((torch.arange(97) // 16) + 1).clamp(max=97 // 16 + 1) * 16,  # frames of 16
+        torch.full((64,), 64),  # bidirectional
+    ]
+    row_lens[1] = row_lens[1].clamp(max=97)
+    lens = torch.cat(row_lens).long()
+    seqs = torch.cat([torch.full((len(r),), i) for i, r in enumerate(row_lens)]).long()
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    scale = dim**-0.5
+    out = isa_kernels.prefill_attention(q, k_cache, v_cache, tables, seqs, lens, scale)
+    group = heads // kv_heads
+    for row in range(len(lens)):
+        n, s = int(lens[row]), int(seqs[row])
+        k = per_seq[s][0][:, :n].double().repeat_interleave(group, 0)
+        v = per_seq[s][1][:, :n].double().repeat_interleave(group, 0)
+        weights = torch.softmax((q[row].double()[:, None, :] @ k.transpose(1, 2))[:, 0] * scale, -1)
+        want = (weights[:, None, :] @ v)[:, 0]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[row].double(), want, atol=tol, rtol=tol)
+
+
+def test_prefill_attention_rejects_bad_tables(kernels) -> None:  # type: ignore[no-untyped-def]
+    k_cache = torch.zeros(4, 16, 2, 32)
+    q = torch.zeros(2, 4, 32)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    seqs, lens = torch.tensor([0, 1]), torch.tensor([20, 3])
+    kernels.prefill_attention(q, k_cache, k_cache, tables, seqs, lens, 1.0)  # valid
+    with pytest.raises(RuntimeError, match="outside its table"):
+        kernels.prefill_attention(q, k_cache, k_cache, tables, seqs, torch.tensor([33, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="names sequence 2"):
+        kernels.prefill_attention(q, k_cache, k_cache, tables, torch.tensor([0, 2]), lens, 1.0)
+    with pytest.raises(RuntimeError, match="names block 9"):
+        kernels.prefill_attention(
+            q, k_cache, k_cache, torch.tensor([[0, 9], [2, 3]]), seqs, lens, 1.0
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """Requests joining, leaving and preempted (a small cache): the same logits and tokens

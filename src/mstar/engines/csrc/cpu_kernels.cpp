@@ -3,12 +3,14 @@
 //
 //   simd.h          the 16-lane vectors (one AVX-512 register, or two AVX2 halves), exp, sums
 //   attention.h     decode_attention over the paged KV cache
+//   prefill.h       prefill_attention: prefill chunks' rows over the paged cache, in tiles
 //   norms.h         rms_norm, add_rms_norm, rotary, silu_mul with torch's roundings
 //   products.h      tiled products (float32, AVX-512 BF16, AMX) and the greedy head's argmax
 //   llama_decode.h  the Llama decoder's decode layer and step in one call (model-specific)
 
 #include "simd.h"
 #include "attention.h"
+#include "prefill.h"
 #include "norms.h"
 #include "products.h"
 #include "llama_decode.h"
@@ -18,6 +20,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (see the source).", release());
+  m.def("prefill_attention", &prefill_attention, "Prefill attention over a paged KV cache (see the source).",
+        release());
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (see the source).", release());
   m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).", release());
   m.def("rotary", &rotary, "Rotary embedding of heads (see the source).", release());
