@@ -2,7 +2,8 @@
 
 Every speed claim in mstar comes from here, measured as the field measures (DESIGN §7).
 
-Besides the harness itself: where a speech target's time goes (`mstar.bench.phases`), the
+Besides the harness itself: where a target's time goes (`mstar.bench.phases`: a speech
+target's LLM steps and codec windows, or any model's engine counters per node and walk), the
 machine's measured limits for floors (`mstar.bench.machine`) and the peak memory a target adds
 (`mstar.bench.memory`).
 """
@@ -41,17 +42,27 @@ from mstar.bench.metrics import (
     summarize,
 )
 from mstar.bench.phases import (
+    Counters,
+    CounterWindow,
     Figures,
     Meter,
     PhaseTracker,
     PointBreakdown,
     breakdown_table,
+    engine_counters,
     engine_figures,
     figures_delta,
 )
 from mstar.bench.records import BenchRequest, OutputEvent, RequestRecord, Usage
 from mstar.bench.report import json_safe, plot_png, print_table, result_to_dict, write_json
-from mstar.bench.runner import BenchResult, PointResult, Ratio, merge_results, run_benchmark
+from mstar.bench.runner import (
+    BenchResult,
+    PointResult,
+    Ratio,
+    is_warmup,
+    merge_results,
+    run_benchmark,
+)
 from mstar.bench.targets import CallableTarget, Target
 
 __all__ = [
@@ -64,6 +75,8 @@ __all__ = [
     "CallableTarget",
     "ChatTarget",
     "ClosedLoop",
+    "CounterWindow",
+    "Counters",
     "Figures",
     "GenerateTarget",
     "HttpTarget",
@@ -93,9 +106,11 @@ __all__ = [
     "chunk_on_time",
     "compute_stats",
     "draw_requests",
+    "engine_counters",
     "engine_figures",
     "figures_delta",
     "is_streaming_viable",
+    "is_warmup",
     "json_safe",
     "make_requests",
     "measure_bandwidth",
