@@ -21,6 +21,10 @@ the compute floors (the same work as bare engine steps). None of it serves throu
   (`OpenpiServer`, `DenseKVSampler`).
 - `mstar.baselines.qwen3_omni`: Qwen3-Omni one component after another (the thinker to its
   end, then the talker, then Code2Wav), sampling as transformers' ``generate`` does.
+- `mstar.baselines.qwen3_omni_serving`: Qwen3-Omni served without streaming between its
+  components: a stage pipeline on mstar's kernels, each stage running its batch to the end
+  (`StagePipeline`), and transformers' ``generate`` one request at a time
+  (`TransformersQwen3Omni`).
 - `mstar.baselines.vjepa2`: V-JEPA 2-AC's upstream rollout, every frame re-run at every step.
 - `mstar.baselines.streaming`: a transformers streamer feeding asyncio queues, the way a server
   without mstar streams ``generate``'s tokens (`QueueStreamer`).
@@ -35,6 +39,7 @@ from mstar.baselines.pi05 import (
     naive_sample_actions,
     naive_velocity,
 )
+from mstar.baselines.qwen3_omni_serving import StagePipeline, TransformersQwen3Omni
 from mstar.baselines.streaming import QueueStreamer
 from mstar.baselines.vjepa2 import native_rollout, native_step
 
@@ -43,8 +48,10 @@ __all__ = [
     "OpenpiServer",
     "OrpheusFloor",
     "QueueStreamer",
+    "StagePipeline",
     "TransformersBatches",
     "TransformersOrpheus",
+    "TransformersQwen3Omni",
     "VllmPeer",
     "naive_sample_actions",
     "naive_velocity",

@@ -4,13 +4,15 @@ Every speed claim in mstar comes from here, measured as the field measures (DESI
 
 Besides the harness itself: where a target's time goes (`mstar.bench.phases`: a speech
 target's LLM steps and codec windows, or any model's engine counters per node and walk), the
-machine's measured limits for floors (`mstar.bench.machine`) and the peak memory a target adds
+CPU each component of a target spends per audio second (`mstar.bench.cpu`), the machine's
+measured limits for floors (`mstar.bench.machine`) and the peak memory a target adds
 (`mstar.bench.memory`).
 """
 
 from __future__ import annotations
 
 from mstar.bench.audio import AudioFormat, PcmFrameCounter, WavStreamReader
+from mstar.bench.cpu import CpuAccount, thread_cpu_seconds
 from mstar.bench.device import add_device_argument, rank_devices
 from mstar.bench.http_targets import (
     ChatTarget,
@@ -76,6 +78,7 @@ __all__ = [
     "ChatTarget",
     "ClosedLoop",
     "CounterWindow",
+    "CpuAccount",
     "Counters",
     "Figures",
     "GenerateTarget",
@@ -123,5 +126,6 @@ __all__ = [
     "result_to_dict",
     "run_benchmark",
     "summarize",
+    "thread_cpu_seconds",
     "write_json",
 ]
