@@ -25,6 +25,9 @@ the compute floors (the same work as bare engine steps). None of it serves throu
   components: a stage pipeline on mstar's kernels, each stage running its batch to the end
   (`StagePipeline`), and transformers' ``generate`` one request at a time
   (`TransformersQwen3Omni`).
+- `mstar.baselines.transport`: the actor transports' raw floors: a bare asyncio-queue
+  ping-pong, bare pyzmq sockets to a peer process, one copy into shared memory
+  (`queue_floor`, `zmq_floor`, `zmq_blocking_floor`, `shm_copy_floors`).
 - `mstar.baselines.vjepa2`: V-JEPA 2-AC's upstream rollout, every frame re-run at every step.
 - `mstar.baselines.streaming`: a transformers streamer feeding asyncio queues, the way a server
   without mstar streams ``generate``'s tokens (`QueueStreamer`).
@@ -41,6 +44,12 @@ from mstar.baselines.pi05 import (
 )
 from mstar.baselines.qwen3_omni_serving import StagePipeline, TransformersQwen3Omni
 from mstar.baselines.streaming import QueueStreamer
+from mstar.baselines.transport import (
+    queue_floor,
+    shm_copy_floors,
+    zmq_blocking_floor,
+    zmq_floor,
+)
 from mstar.baselines.vjepa2 import native_rollout, native_step
 
 __all__ = [
@@ -55,8 +64,12 @@ __all__ = [
     "VllmPeer",
     "naive_sample_actions",
     "naive_velocity",
+    "queue_floor",
     "native_rollout",
     "native_step",
     "reference_generate",
     "reference_understand",
+    "shm_copy_floors",
+    "zmq_blocking_floor",
+    "zmq_floor",
 ]

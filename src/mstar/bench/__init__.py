@@ -4,7 +4,8 @@ Every speed claim in mstar comes from here, measured as the field measures (DESI
 
 Besides the harness itself: where a target's time goes (`mstar.bench.phases`: a speech
 target's LLM steps and codec windows, or any model's engine counters per node and walk), the
-CPU each component of a target spends per audio second (`mstar.bench.cpu`), the machine's
+CPU each component of a target spends per audio second (`mstar.bench.cpu`), awaited calls
+timed one by one or in bursts on the harness (`mstar.bench.calls`), the machine's
 measured limits for floors (`mstar.bench.machine`) and the peak memory a target adds
 (`mstar.bench.memory`).
 """
@@ -12,6 +13,7 @@ measured limits for floors (`mstar.bench.machine`) and the peak memory a target 
 from __future__ import annotations
 
 from mstar.bench.audio import AudioFormat, PcmFrameCounter, WavStreamReader
+from mstar.bench.calls import burst, per_round_trip, percentiles, time_calls
 from mstar.bench.cpu import CpuAccount, thread_cpu_seconds
 from mstar.bench.device import add_device_argument, rank_devices
 from mstar.bench.http_targets import (
@@ -105,6 +107,7 @@ __all__ = [
     "WavStreamReader",
     "arrival_offsets",
     "best_seconds",
+    "burst",
     "breakdown_table",
     "chunk_on_time",
     "compute_stats",
@@ -120,6 +123,8 @@ __all__ = [
     "measure_flops",
     "measure_machine",
     "merge_results",
+    "per_round_trip",
+    "percentiles",
     "plot_png",
     "print_table",
     "request_metrics",
@@ -127,5 +132,6 @@ __all__ = [
     "run_benchmark",
     "summarize",
     "thread_cpu_seconds",
+    "time_calls",
     "write_json",
 ]
