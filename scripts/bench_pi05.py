@@ -14,11 +14,11 @@ point, on the same requests:
   the ten Euler steps of all robots in flight run as one batch per step.
 - ``openpi``: what openpi's policy server does. One request at a time (an asyncio lock around
   a one-thread executor, as its synchronous websocket server serves one ``infer`` after the
-  other); the same `Pi05Model.preprocess`; then a plain-torch sampler with batch 1, written
-  here (`DenseKVSampler`): the prefix once through the VLM layers keeping every layer's K/V in
-  dense tensors (openpi's ``sample_actions`` with ``use_cache``), then ten Euler steps in which
-  the action expert attends to [cached prefix K/V ; its own K/V]; the same postprocessing
-  (`Pi05Model.postprocess`).
+  other); the same `Pi05Model.preprocess`; then a plain-torch sampler with batch 1
+  (`mstar.baselines.pi05.DenseKVSampler`): the prefix once through the VLM layers keeping
+  every layer's K/V in dense tensors (openpi's ``sample_actions`` with ``use_cache``), then
+  ten Euler steps in which the action expert attends to [cached prefix K/V ; its own K/V];
+  the same postprocessing (`Pi05Model.postprocess`).
 
 A request is a DROID observation drawn from a seed (two uint8 cameras at the model's image
 size, 7 joint positions, the gripper, one of a few task prompts) and the ``seed`` that fixes
@@ -47,23 +47,27 @@ import math
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from mstar.baselines.pi05 import OpenpiServer, chunk_flops
 from mstar.bench import (
     BenchRequest,
     BenchResult,
     ClosedLoop,
+    Counters,
+    CounterWindow,
     OutputEvent,
     add_device_argument,
+    engine_counters,
+    figures_delta,
+    is_warmup,
     json_safe,
     merge_results,
     print_table,
@@ -71,18 +75,10 @@ from mstar.bench import (
     result_to_dict,
     run_benchmark,
 )
-from mstar.engines.layers import apply_rotary
-from mstar.graph import Emission
+from mstar.bench.machine import measure_flops
 from mstar.runtime import AsyncEngine, EngineConfig, Request
-from mstar.zoo.pi05.model import PARTITION, Pi05Model
-from mstar.zoo.pi05.modules import (
-    AdaRMSNorm,
-    GemmaLayer,
-    Pi05Weights,
-    PrefixInput,
-    flow_times,
-    rope_tables,
-)
+from mstar.zoo.pi05.model import Pi05Model
+from mstar.zoo.pi05.modules import Pi05Weights
 from mstar.zoo.pi05.policy import (
     EXTERIOR_IMAGE_KEY,
     GRIPPER_POSITION_KEY,
@@ -119,11 +115,6 @@ class Settings:
     out: str = "results/pi05"
 
 
-def is_warmup(request_id: str) -> bool:
-    """Return whether the harness sent this request to warm a target up (it names them so)."""
-    return request_id.startswith("warmup-")
-
-
 def make_observation(seed: int, size: int) -> dict[str, Any]:
     """Return a DROID observation drawn from ``seed``; its ``seed`` fixes the flow's noise."""
     g = np.random.default_rng(seed)
@@ -137,272 +128,6 @@ def make_observation(seed: int, size: int) -> dict[str, Any]:
     }
 
 
-# --- the openpi baseline -----------------------------------------------------------------------
-
-
-LayerKV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [kv_heads, n, head_dim]
-
-
-class DenseKVSampler:
-    """openpi's ``sample_actions`` with ``use_cache``, batch 1, on dense tensors (no paging).
-
-    The prefix runs once through the VLM layers, keeping each layer's (rotated) keys and values;
-    every Euler step runs the action tokens through the action expert, attending to
-    [prefix K/V ; their own K/V] (the prefix never sees the actions). The per-layer math is
-    `mstar.baselines.pi05.naive_velocity`'s, split at the cache.
-    """
-
-    def __init__(self, weights: Pi05Weights) -> None:
-        self.weights = weights
-        cfg = weights.config
-        self.heads, self.kv_heads, self.head_dim = (
-            cfg.vlm.num_heads,
-            cfg.vlm.num_kv_heads,
-            cfg.vlm.head_dim,
-        )
-        self.times = flow_times(cfg.num_steps)
-        self.dt = -1.0 / cfg.num_steps
-
-    @torch.inference_mode()
-    def embed_images(self, images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Return the present cameras' projected image tokens ``[tokens, vlm width]``."""
-        present = images[mask.bool()]
-        width = self.weights.config.vlm.width
-        if not present.shape[0]:
-            return torch.zeros(0, width, dtype=self.weights.action_in_proj.weight.dtype)
-        return self.weights.embed_images(present).flatten(0, 1)
-
-    def _qkv(
-        self, layer: GemmaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        n = h.shape[0]
-        attn = layer.self_attn
-        q = attn.q_proj(h).view(n, self.heads, self.head_dim)
-        k = attn.k_proj(h).view(n, self.kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
-        q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
-        k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q[None],
-            k[None],
-            v[None],
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.heads != self.kv_heads,
-        )
-        return out[0].transpose(0, 1).reshape(q.shape[1], self.heads * self.head_dim)
-
-    @torch.inference_mode()
-    def prefill(self, prefix: PrefixInput) -> list[LayerKV]:
-        """Run the prefix through the VLM expert (bidirectional); return every layer's K/V."""
-        w, cfg = self.weights, self.weights.config
-        x = w.embed_prefix(prefix)
-        cos, sin = rope_tables(torch.arange(x.shape[0]), cfg.vlm.head_dim, cfg.rope_theta)
-        cache: list[LayerKV] = []
-        blocks = w.language_model.blocks
-        for i, layer in enumerate(blocks):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
-            cache.append((k, v))
-            x = x + layer.self_attn.o_proj(self._attend(q, k, v))
-            # The last block's MLP feeds nothing but the VLM's (unused) final norm; openpi computes
-            # it, mstar does not: it is left out here too, so both do the same work.
-            if i < len(blocks) - 1:
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return cache
-
-    @torch.inference_mode()
-    def velocity(
-        self, cache: Sequence[LayerKV], actions: torch.Tensor, time: float
-    ) -> torch.Tensor:
-        """Return the velocity ``[H, action_dim]`` of the noisy actions at flow ``time``."""
-        w, cfg = self.weights, self.weights.config
-        num_prefix = cache[0][0].shape[1]
-        x = w.action_in_proj(actions.to(w.action_in_proj.weight.dtype))
-        h_len = x.shape[0]
-        cond = w.condition(torch.tensor([time], dtype=torch.float32)).expand(h_len, -1)
-        positions = torch.arange(num_prefix, num_prefix + h_len)
-        cos, sin = rope_tables(positions, cfg.vlm.head_dim, cfg.rope_theta)
-        for layer, (k_prefix, v_prefix) in zip(w.gemma_expert.blocks, cache, strict=True):
-            h, gate1 = cast(AdaRMSNorm, layer.input_layernorm)(x, cond)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            out = self._attend(q, torch.cat([k_prefix, k], dim=1), torch.cat([v_prefix, v], dim=1))
-            x = x + layer.self_attn.o_proj(out) * gate1
-            h, gate2 = cast(AdaRMSNorm, layer.post_attention_layernorm)(x, cond)
-            x = x + layer.mlp(h) * gate2
-        final, _gate = cast(AdaRMSNorm, w.gemma_expert.norm)(x, cond)
-        return cast(torch.Tensor, w.action_out_proj(final)).float()
-
-    @torch.inference_mode()
-    def flow(self, cache: Sequence[LayerKV], noise: torch.Tensor) -> torch.Tensor:
-        """Integrate from ``noise`` (t = 1) to the actions (t = 0) in ``num_steps`` Euler steps."""
-        x = noise.float()
-        for t in self.times:
-            x = x + self.dt * self.velocity(cache, x, t)
-        return x
-
-
-class Meter:
-    """Seconds and counts per named phase (written by the executor's thread, read between
-    points)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        """Account ``seconds`` to ``name``."""
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.counts[name] = self.counts.get(name, 0) + 1
-
-    def snapshot(self) -> dict[str, float]:
-        """Return the seconds so far."""
-        return dict(self.seconds)
-
-
-class OpenpiServer:
-    """openpi's policy server in process: one ``infer`` at a time, in a worker thread.
-
-    ``infer`` is the policy's: input transforms (`Pi05Model.preprocess`), the sampler
-    (`DenseKVSampler`), output transforms (`Pi05Model.postprocess`).
-    """
-
-    def __init__(self, model: Pi05Model, weights: Pi05Weights) -> None:
-        self.model = model
-        self.sampler = DenseKVSampler(weights)
-        self.meter = Meter()
-        self.lock = asyncio.Lock()
-        # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
-        self.executor = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="openpi",
-            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
-        )
-        self.thread_torch_threads = 0
-
-    async def act(self, request_id: str, obs: Mapping[str, Any]) -> np.ndarray:
-        """Serve one observation after those before it; return its actions ``[H, robot_dof]``."""
-        async with self.lock:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.infer, request_id, obs
-            )
-
-    def infer(self, request_id: str, obs: Mapping[str, Any]) -> np.ndarray:
-        """Run one request start to end (the worker thread)."""
-        self.thread_torch_threads = torch.get_num_threads()
-        clock, meter = time.perf_counter, self.meter
-        t0 = clock()
-        prepared = self.model.preprocess(Request("act", dict(obs)))
-        vision, noise = prepared.inputs["vision"], prepared.inputs["llm"]["flow"]["x"]
-        t1 = clock()
-        embeds = self.sampler.embed_images(vision["images"], vision["image_mask"])
-        t2 = clock()
-        cache = self.sampler.prefill(PrefixInput(embeds, vision["token_ids"]))
-        t3 = clock()
-        actions = self.sampler.flow(cache, noise)
-        t4 = clock()
-        emission = Emission(PARTITION, "action_gen", "llm", "actions", "action", actions)
-        out = self.model.postprocess(request_id, emission).data
-        t5 = clock()
-        if not is_warmup(request_id):  # the figures cover the measured requests only
-            for name, seconds in (
-                ("preprocess", t1 - t0),
-                ("vision", t2 - t1),
-                ("prefix", t3 - t2),
-                ("flow", t4 - t3),
-                ("postprocess", t5 - t4),
-            ):
-                meter.add(name, seconds)
-        return cast(np.ndarray, out)
-
-    def close(self) -> None:
-        """Stop the worker thread."""
-        self.executor.shutdown()
-
-
-def chunk_flops(server: OpenpiServer, seeds: Sequence[int], size: int) -> float:
-    """Return the mean FLOPs of one action chunk, counted on the baseline's ``infer``.
-
-    Matmuls and convolutions (torch's `FlopCounterMode`); attention's ``softmax(QK^T) V`` is
-    not counted (on CPU it is not a registered op), nor are norms and activations.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    total = 0
-    for seed in seeds:
-        with FlopCounterMode(display=False) as counter:
-            server.infer("warmup-flops", make_observation(seed, size))  # "warmup": not metered
-        total += counter.get_total_flops()
-    return total / len(seeds)
-
-
-def gemm_peak_flops(rows: int = 256, width: int = 1024, repeats: int = 20) -> float:
-    """Return this machine's float32 matmul rate at the run's torch threads: the compute ceiling."""
-    a, b = torch.randn(rows, width), torch.randn(width, width)
-    for _ in range(3):
-        a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * rows * width * width * repeats / (time.perf_counter() - start)
-
-
-# --- mstar's figures ---------------------------------------------------------------------------
-
-
-async def engine_figures(engine: AsyncEngine) -> dict[str, float]:
-    """Return mstar's cumulative step figures (summed over ranks), flat.
-
-    ``vision_*`` and ``llm_*`` are the nodes' engine steps (``llm_phase_*``: a KV step's
-    schedule / prepare / forward / logits / update); ``walk_<walk>_*`` the llm steps that
-    served each walk (a step mixing prefixes and Euler steps counts under both).
-    """
-    stats = await engine.engine_stats()
-    figures: dict[str, float] = {}
-
-    def add(key: str, value: float) -> None:
-        figures[key] = figures.get(key, 0.0) + float(value)
-
-    for nodes in stats.nodes.values():
-        for node in ("vision", "llm"):
-            for key, value in nodes.get(node, {}).items():
-                if key in ("steps", "batched", "step_seconds") or key.startswith("phase_"):
-                    add(f"{node}_{key}", value)
-    for walks in stats.walks.values():
-        for walk, times in walks.get("llm", {}).items():
-            add(f"walk_{walk}_steps", times.steps)
-            add(f"walk_{walk}_inputs", times.inputs)
-            add(f"walk_{walk}_seconds", times.seconds)
-    return figures
-
-
-class FigureWindow:
-    """mstar's figures over each point's measured requests.
-
-    After every warm-up request the engine's counters are read (unmeasured: the read follows
-    the request's last output); counters only grow, so their element-wise maximum is the state
-    when the measured requests start. The point ends with the engine idle (openpi runs next).
-    """
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.start: dict[str, float] = {}
-
-    async def after_warmup(self) -> None:
-        """Fold the counters now into the start of the window."""
-        now = await engine_figures(self.engine)
-        for key, value in now.items():
-            self.start[key] = max(self.start.get(key, 0.0), value)
-
-    async def spent(self) -> dict[str, float]:
-        """Return what the engine counted since the window started; reset it."""
-        now = await engine_figures(self.engine)
-        out = {key: value - self.start.get(key, 0.0) for key, value in now.items()}
-        self.start = {}
-        return out
-
-
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -414,7 +139,7 @@ class Run:
     model: Pi05Model
     engine: AsyncEngine
     openpi: OpenpiServer
-    window: FigureWindow
+    window: CounterWindow
     actions: dict[tuple[str, str], np.ndarray] = dataclasses.field(default_factory=dict)
     results: list[BenchResult] = dataclasses.field(default_factory=list)
     breakdowns: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -452,7 +177,10 @@ class Run:
         )
         spent_mstar = await self.window.spent()
         spent_openpi = {
-            k: v - openpi_before.get(k, 0.0) for k, v in self.openpi.meter.snapshot().items()
+            k: seconds
+            for k, (seconds, _num) in figures_delta(
+                openpi_before, self.openpi.meter.snapshot()
+            ).items()
         }
         num_measured = load.requests_at(c)
         self.results.append(result)
@@ -486,7 +214,7 @@ class Run:
         )
 
 
-def _mstar_breakdown(c: int, wall: float, num: int, f: Mapping[str, float]) -> dict[str, Any]:
+def _mstar_breakdown(c: int, wall: float, num: int, f: Counters) -> dict[str, Any]:
     vision, llm = f.get("vision_step_seconds", 0.0), f.get("llm_step_seconds", 0.0)
     steps = f.get("llm_steps", 0.0)
     phases = {
@@ -555,14 +283,17 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     openpi = OpenpiServer(model, weights)
     flops = chunk_flops(
         openpi,
-        [settings.seed * 100_000 + i for i in range(min(4, settings.num_templates))],
-        cfg.vision.image_size,
+        [
+            make_observation(settings.seed * 100_000 + i, cfg.vision.image_size)
+            for i in range(min(4, settings.num_templates))
+        ],
     )
-    peak = gemm_peak_flops()
+    peak = measure_flops(torch.float32, rows=256, width=1024)  # the compute ceiling
     engine = await AsyncEngine.start(
         model, None, EngineConfig(devices=rank_devices(settings.device))
     )
-    bench = Run(settings, model, engine, openpi, FigureWindow(engine))
+    counters = functools.partial(engine_counters, engine, nodes=("vision", "llm"), walk_node="llm")
+    bench = Run(settings, model, engine, openpi, CounterWindow(counters))
     templates = [
         BenchRequest(f"obs{i}", "", params={"seed": settings.seed * 100_000 + i})
         for i in range(settings.num_templates)

@@ -20,14 +20,16 @@ codec EOS or the shape's ``max_frames``. Shapes (`SHAPES`): ``reference``, the M
 - ``mstar``: `AsyncEngine` serving `Qwen3OmniModel` in this process, default placement
   (Thinker, Talker, Code2Wav on ranks 0, 1, 2, each stepping on its own thread): each answer
   token streams to the talker, each 25 frames to Code2Wav, and every step batches all users.
-- ``stage``: what a stage DAG without streaming does, on mstar's own kernels and batching,
-  with the same three step threads: each stage takes the requests waiting for it when it is
-  free and runs them to its end, the thinker (its nodes on one `KVCacheEngine`, every step
-  batched), then the talker (batched steps, one code-predictor batch per step), then Code2Wav
-  (transformers' ``chunked_decode``, 300-frame chunks, 25 of context); stages overlap across
-  batches. Its text and audio arrive when their stage ends.
-- ``transformers`` (``--transformers``): ``Qwen3OmniMoeForConditionalGeneration.generate``
-  one request at a time (all codes, then Code2Wav), its output when it returns.
+- ``stage`` (`mstar.baselines.qwen3_omni_serving.StagePipeline`): what a stage DAG without
+  streaming does, on mstar's own kernels and batching, with the same three step threads: each
+  stage takes the requests waiting for it when it is free and runs them to its end, the
+  thinker (its nodes on one `KVCacheEngine`, every step batched), then the talker (batched
+  steps, one code-predictor batch per step), then Code2Wav (transformers' ``chunked_decode``,
+  300-frame chunks, 25 of context); stages overlap across batches. Its text and audio arrive
+  when their stage ends.
+- ``transformers`` (``--transformers``, `TransformersQwen3Omni` there):
+  ``Qwen3OmniMoeForConditionalGeneration.generate`` one request at a time (all codes, then
+  Code2Wav), its output when it returns.
 
 Reported per shape, c and target: TTFT, TTFA p50 / p95, RTF p50 / p95 (client E2E latency /
 audio duration), audio seconds per second, streaming viability; the ratios stage / mstar of
@@ -42,15 +44,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import json
 import math
 import os
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mstar.baselines.qwen3_omni_serving import StagePipeline, TransformersQwen3Omni
 from mstar.bench import (
     BenchRequest,
     BenchResult,
@@ -73,10 +73,9 @@ from mstar.bench import (
     result_to_dict,
     run_benchmark,
 )
-from mstar.engines.interfaces import FiringRows
-from mstar.engines.kv_engine import KVCacheEngine
+from mstar.bench.cpu import CpuAccount
 from mstar.runtime import AsyncEngine, EngineConfig, Request
-from mstar.streaming import Chunk
+from mstar.zoo.qwen3_omni.config import SAMPLE_RATE
 from mstar.zoo.qwen3_omni.model import Qwen3OmniModel
 
 PROMPTS = (
@@ -135,7 +134,7 @@ class Loop(ClosedLoop):
         return self.num_requests or super().requests_at(point)
 
 
-# --- where the CPU goes ----------------------------------------------------------------------
+# --- where the CPU goes ---------------------------------------------------------------------
 
 COMPONENTS = {
     "mstar": (("mstar-rank0", "thinker"), ("mstar-rank1", "talker"), ("mstar-rank2", "code2wav")),
@@ -152,88 +151,8 @@ walks, the stage pipeline's hand-offs, the load generator) is ``loop``; any othe
 (prompt preprocessing, ...) is ``other``."""
 
 
-def _thread_cpu() -> dict[int, tuple[str, float]]:
-    """Return every live thread's CPU seconds so far, by thread id."""
-    out: dict[int, tuple[str, float]] = {}
-    for thread in threading.enumerate():
-        if thread.ident is None:
-            continue
-        try:
-            clock = time.pthread_getcpuclockid(thread.ident)
-            out[thread.ident] = (thread.name, time.clock_gettime(clock))
-        except (OSError, ProcessLookupError):  # the thread just ended
-            continue
-    return out
-
-
-class CpuAccount:
-    """CPU seconds per component while a target has requests in flight, and the audio it made.
-
-    The load generator runs one target at a time, so a target's windows (first request in
-    flight to last one out, warmup included) hold only its own work; the threads of the
-    targets not running stay idle and are not counted, nor is a thread that ends inside a
-    window (every step thread lives for the whole run).
-    """
-
-    def __init__(self) -> None:
-        self.active: dict[str, int] = {}
-        self.since: dict[str, tuple[float, dict[int, tuple[str, float]]]] = {}
-        self.cpu: dict[str, dict[str, float]] = {}
-        self.wall: dict[str, float] = {}
-        self.samples: dict[str, int] = {}
-
-    def wrap(self, target: str, fn: Any) -> Any:
-        async def stream(request: BenchRequest) -> AsyncIterator[OutputEvent]:
-            self._enter(target)
-            try:
-                async for event in fn(request):
-                    if event.num_samples:
-                        self.samples[target] = self.samples.get(target, 0) + event.num_samples
-                    yield event
-            finally:
-                self._exit(target)
-
-        return stream
-
-    def _enter(self, target: str) -> None:
-        if not self.active.get(target):
-            self.since[target] = (time.perf_counter(), _thread_cpu())
-        self.active[target] = self.active.get(target, 0) + 1
-
-    def _exit(self, target: str) -> None:
-        self.active[target] -= 1
-        if self.active[target]:
-            return
-        started, before = self.since.pop(target)
-        self.wall[target] = self.wall.get(target, 0.0) + time.perf_counter() - started
-        cpu = self.cpu.setdefault(target, {})
-        prefixes = COMPONENTS.get(target, ())
-        for ident, (name, now) in _thread_cpu().items():
-            used = now - before.get(ident, (name, 0.0))[1]
-            if name == "MainThread":
-                component = "loop"
-            else:
-                component = next((c for p, c in prefixes if name.startswith(p)), None) or (
-                    "other"
-                    if not any(name.startswith(p) for ps in COMPONENTS.values() for p, _ in ps)
-                    else ""
-                )
-            if component:  # another target's threads: idle now, not this target's
-                cpu[component] = cpu.get(component, 0.0) + used
-
-    def take(self) -> dict[str, dict[str, float]]:
-        """Return per target: ms of CPU per audio second per component, the total, and cores busy;
-        reset."""
-        out: dict[str, dict[str, float]] = {}
-        for target, cpu in self.cpu.items():
-            audio_s = self.samples.get(target, 0) / 24_000
-            row = {k: 1e3 * v / audio_s if audio_s else math.nan for k, v in sorted(cpu.items())}
-            row["total"] = 1e3 * sum(cpu.values()) / audio_s if audio_s else math.nan
-            wall = self.wall.get(target, 0.0)
-            row["cores_busy"] = sum(cpu.values()) / wall if wall else math.nan
-            out[target] = row
-        self.cpu, self.wall, self.samples = {}, {}, {}
-        return out
+Answer = Callable[[str, Mapping[str, Any]], AsyncIterator[OutputEvent]]
+"""A baseline's answer to one request: (request id, request data) -> its output events."""
 
 
 def _text() -> OutputEvent:
@@ -241,7 +160,7 @@ def _text() -> OutputEvent:
 
 
 def _audio(num_samples: int) -> OutputEvent:
-    return OutputEvent("audio", num_samples=num_samples, sample_rate=24_000)
+    return OutputEvent("audio", num_samples=num_samples, sample_rate=SAMPLE_RATE)
 
 
 def request_data(settings: Settings, request: BenchRequest) -> dict[str, Any]:
@@ -258,256 +177,15 @@ def request_data(settings: Settings, request: BenchRequest) -> dict[str, Any]:
     }
 
 
-# --- the stage pipeline ------------------------------------------------------------------------
+def answers(
+    settings: Settings, stream: Answer
+) -> Callable[[BenchRequest], AsyncIterator[OutputEvent]]:
+    """Return the harness target asking a baseline's ``stream`` for each request's answer."""
 
+    def target(request: BenchRequest) -> AsyncIterator[OutputEvent]:
+        return stream(request.request_id, request_data(settings, request))
 
-class StagePipeline:
-    """Thinker, then talker, then Code2Wav, each stage over its whole batch, nothing streamed
-    between them.
-
-    Each stage works on a thread of its own (the same three step threads and torch threads
-    as mstar's ranks), so stages overlap across batches as a stage DAG's do: while the talker
-    speaks one batch, the thinker answers the next. A stage takes every request waiting for
-    it when it is free.
-    """
-
-    STAGES = ("thinker", "talker", "codec")
-
-    def __init__(self, model: Qwen3OmniModel, settings: Settings) -> None:
-        self.model, self.settings = model, settings
-        device = torch.device("cpu")
-        self.thinker = model.submodule("thinker", device)
-        self.talker = model.submodule("talker", device)
-        self.weights = model.load_weights(device)
-        # One engine per stage for the whole run (its cache is allocated once, as mstar's is).
-        self.thinker_engine = KVCacheEngine(self.thinker.model, self.thinker.engine_config)
-        self.talker_engine = KVCacheEngine(self.talker.model, self.talker.engine_config)
-        self.executors = {
-            stage: ThreadPoolExecutor(
-                1,
-                thread_name_prefix=f"stage-{stage}",
-                initializer=functools.partial(torch.set_num_threads, settings.threads),
-            )
-            for stage in self.STAGES
-        }
-        self.queues: dict[str, list[Any]] = {stage: [] for stage in self.STAGES}
-        self.wakeups = {stage: asyncio.Event() for stage in self.STAGES}
-        self.timings: list[tuple[str, int, float]] = []  # stage, batch size, wall s
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._serve(stage)) for stage in self.STAGES]
-
-    async def stream(self, settings: Settings, request: BenchRequest) -> AsyncIterator[OutputEvent]:
-        loop = asyncio.get_running_loop()
-        text, audio = loop.create_future(), loop.create_future()
-        self._put("thinker", (request.request_id, request_data(settings, request), text, audio))
-        for _ in range(len(await text)):
-            yield _text()
-        samples = await audio
-        if samples:
-            yield _audio(samples)
-
-    def _put(self, stage: str, item: Any) -> None:
-        self.queues[stage].append(item)
-        self.wakeups[stage].set()
-
-    async def _serve(self, stage: str) -> None:
-        loop = asyncio.get_running_loop()
-        run = {"thinker": self._think, "talker": self._talk, "codec": self._decode}[stage]
-        while True:
-            await self.wakeups[stage].wait()
-            self.wakeups[stage].clear()
-            for _ in range(8):  # let the requests arriving together join the batch
-                await asyncio.sleep(0)
-            batch, self.queues[stage] = self.queues[stage], []
-            if not batch:
-                continue
-            started = time.perf_counter()
-            try:
-                await loop.run_in_executor(self.executors[stage], run, loop, batch)
-            except Exception as exc:
-                for item in batch:
-                    for f in (item[2], item[3]):
-                        if not f.done():
-                            f.set_exception(exc)
-            self.timings.append((stage, len(batch), time.perf_counter() - started))
-            if self.queues[stage]:
-                self.wakeups[stage].set()
-
-    def _fire(
-        self, node: Any, engine: KVCacheEngine, work: dict[str, Mapping[str, Any]]
-    ) -> dict[str, Mapping[str, Any]]:
-        """Fire ``node`` once for every request of ``work`` in shared engine steps; return each
-        one's outputs."""
-        firings: dict[str, list[torch.Tensor | None]] = {}
-        for rid, inputs in work.items():
-            rows: list[torch.Tensor | None] = []
-            for chunk in node.forward(rid, inputs).chunks:
-                args = {
-                    "payload": chunk.payload,
-                    "num_tokens": chunk.num_tokens,
-                    "output_mode": chunk.output,
-                }
-                if engine.has_request(rid):
-                    engine.resume(rid, chunk.token_ids or [], **args)
-                else:
-                    engine.add_request(rid, chunk.token_ids or [], keep_alive=True, **args)
-                rows.append(None)
-            firings[rid] = rows
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.hidden is not None:
-                    firings[out.request_id][-1] = out.hidden
-        done = node.forward_outputs(
-            [FiringRows(rid, work[rid], rows) for rid, rows in firings.items()]
-        )
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
-        return dict(zip(firings, done, strict=True))
-
-    @torch.inference_mode()
-    def _think(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
-        """The thinker to the end of every answer of the batch; then the batch waits for the
-        talker."""
-        inputs: dict[str, dict[str, Any]] = {}
-        talker_params: dict[str, Any] = {}
-        for rid, data, _, _ in batch:
-            prepared = self.model.preprocess(Request("generate", data, rid))
-            inputs[rid] = dict(prepared.inputs["thinker"])
-            talker_params[rid] = prepared.inputs["talker"]["talker_params"]
-        texts: dict[str, list[int]] = {rid: [] for rid in inputs}
-        items: dict[str, list[Any]] = {rid: [] for rid in inputs}
-        # The prompt's segments but the last, as forward firings batched across requests.
-        active = {rid: x for rid, x in inputs.items() if len(x["segments"]) > 1}
-        while active:
-            outs = self._fire(self.thinker, self.thinker_engine, active)
-            for rid, out in outs.items():
-                if "thinker_states" in out:
-                    items[rid].append(out["thinker_states"])
-                inputs[rid]["cursor"] = out["cursor"]
-                if int(out["cursor"]) == len(inputs[rid]["segments"]) - 1:
-                    active.pop(rid)
-        # Then every answer as a token walk, in shared engine steps.
-        engine = self.thinker_engine
-        for rid, x in inputs.items():
-            turn = self.thinker.turn(rid, x, is_first=not engine.has_request(rid))
-            args = {"logits_processor": turn.logits_processor, "return_rows": turn.return_rows}
-            if engine.has_request(rid):
-                engine.resume(rid, turn.new_token_ids, turn.sampling_params, **args)
-            else:
-                engine.add_request(
-                    rid, turn.new_token_ids, turn.sampling_params, keep_alive=True, **args
-                )
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.error is not None:
-                    raise o.error
-                history = list(engine.get_sequence(o.request_id).token_ids) if o.finished else None
-                rows = {} if o.hidden is None else {"rows": o.hidden}
-                out = self.thinker.outputs(o.request_id, o.new_token_ids[0], history, **rows)
-                texts[o.request_id].append(int(out["text"]))
-                if "thinker_states" in out:
-                    items[o.request_id].append(out["thinker_states"])
-        for rid in inputs:
-            self.thinker.release(rid)
-            self.thinker_engine.abort(rid)
-        for rid, _, text, audio in batch:
-            loop.call_soon_threadsafe(text.set_result, texts[rid])
-            work = {
-                "thinker_states": Chunk(tuple(items[rid]), 0, 0, True),
-                "talker_params": talker_params[rid],
-            }
-            loop.call_soon_threadsafe(self._put, "talker", (rid, work, text, audio))
-
-    @torch.inference_mode()
-    def _talk(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
-        """The talker over all of each answer's text, every step batched; then Code2Wav's turn."""
-        frames: dict[str, list[torch.Tensor]] = {rid: [] for rid, *_ in batch}
-        work = {rid: inputs for rid, inputs, _, _ in batch}
-        while work:
-            outs = self._fire(self.talker, self.talker_engine, work)
-            for rid, out in outs.items():
-                if "codes" in out:
-                    frames[rid].append(out["codes"])
-                if out.get("stop"):
-                    work.pop(rid)
-        for rid, _, text, audio in batch:
-            self.talker.release(rid)
-            self.talker_engine.abort(rid)
-            loop.call_soon_threadsafe(self._put, "codec", (rid, frames[rid], text, audio))
-
-    @torch.inference_mode()
-    def _decode(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
-        """transformers' ``chunked_decode`` (300-frame chunks, 25 of context) of each request's
-        codes."""
-        code2wav = self.weights.code2wav
-        for _, frames, _, audio in batch:
-            samples = 0
-            if frames:
-                codes = torch.stack(frames, dim=1)[None]
-                samples = int(
-                    code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25).numel()
-                )
-            loop.call_soon_threadsafe(audio.set_result, samples)
-
-    def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for executor in self.executors.values():
-            executor.shutdown()
-
-
-class TransformersTarget:
-    """transformers' own ``generate``, one request at a time: all codes, then Code2Wav."""
-
-    def __init__(self, model: Qwen3OmniModel, settings: Settings) -> None:
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            Qwen3OmniMoeForConditionalGeneration,
-        )
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        self.model, self.settings = model, settings
-        self.reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-            model.checkpoint, dtype=torch.float32
-        ).eval()
-        self.executor = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="hf",
-            initializer=functools.partial(torch.set_num_threads, settings.threads),
-        )
-        self.lock = asyncio.Lock()
-
-    def _generate(self, data: dict[str, Any]) -> tuple[int, int]:
-        ids, _ = self.model.prompt(data)
-        torch.manual_seed(int(data["seed"]))
-        with torch.inference_mode():
-            sequences, wav = self.reference.generate(
-                input_ids=torch.tensor([ids]),
-                thinker_max_new_tokens=data["max_tokens"],
-                thinker_do_sample=False,
-                thinker_eos_token_id=self.model.eos_token_ids[0],
-                talker_max_new_tokens=data["max_audio_frames"],
-                talker_do_sample=True,
-            )
-        return int(sequences.shape[-1]) - len(ids), 0 if wav is None else int(wav.numel())
-
-    async def stream(self, settings: Settings, request: BenchRequest) -> AsyncIterator[OutputEvent]:
-        async with self.lock:
-            loop = asyncio.get_running_loop()
-            num_tokens, samples = await loop.run_in_executor(
-                self.executor, self._generate, request_data(settings, request)
-            )
-        for _ in range(num_tokens):
-            yield _text()
-        if samples:
-            yield _audio(samples)
-
-    def close(self) -> None:
-        self.executor.shutdown()
+    return target
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -527,8 +205,8 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
     model = Qwen3OmniModel(
         settings.config, max_tokens=settings.max_tokens, max_audio_frames=settings.max_frames
     )
-    stage = StagePipeline(Qwen3OmniModel(settings.config, colocated=True), settings)
-    reference = TransformersTarget(model, settings) if settings.transformers else None
+    stage = StagePipeline(Qwen3OmniModel(settings.config, colocated=True), settings.threads)
+    reference = TransformersQwen3Omni(model, settings.threads) if settings.transformers else None
     config = {
         "settings": dataclasses.asdict(settings),
         "model": f"{settings.config} (random weights): thinker {model.config.thinker_text}, "
@@ -559,7 +237,7 @@ async def _run(settings: Settings, console: Console) -> dict[str, Any]:
         EngineConfig(cpu_threads=settings.threads, devices=rank_devices(settings.device)),
     )
     stage.start()
-    account = CpuAccount()
+    account = CpuAccount(COMPONENTS, SAMPLE_RATE)
     shapes: dict[str, Any] = {}
     try:
         for name, max_tokens, max_frames in settings.shapes:
@@ -598,7 +276,7 @@ async def _run_shape(
     name: str,
     engine: AsyncEngine,
     stage: StagePipeline,
-    reference: TransformersTarget | None,
+    reference: TransformersQwen3Omni | None,
     account: CpuAccount,
     config: Mapping[str, Any],
     console: Console,
@@ -612,12 +290,10 @@ async def _run_shape(
 
     targets: dict[str, Any] = {
         "mstar": account.wrap("mstar", mstar_target),
-        "stage": account.wrap("stage", functools.partial(stage.stream, settings)),
+        "stage": account.wrap("stage", answers(settings, stage.stream)),
     }
     if reference is not None:
-        targets["transformers"] = account.wrap(
-            "transformers", functools.partial(reference.stream, settings)
-        )
+        targets["transformers"] = account.wrap("transformers", answers(settings, reference.stream))
     templates = make_requests(list(PROMPTS), max_tokens=settings.max_tokens)
     results: list[BenchResult] = []
     cpu: dict[str, Any] = {}

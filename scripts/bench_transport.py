@@ -10,7 +10,8 @@ For each transport (inproc, ipc, tcp):
   shared-memory arena and as ZeroMQ frames, next to a raw /dev/shm copy and a raw pyzmq
   16 MiB send.
 
-Peers of ipc/tcp runs live in processes started with `spawn`. Targets: ask within 2x of the
+The raw floors are `mstar.baselines.transport`'s. Peers of ipc/tcp runs live in processes
+started with `spawn`. Targets: ask within 2x of the
 floor (inproc) and 1.5x (ZeroMQ), p50; shared-memory handoff at least 10 GB/s.
 
 The ask round trip is also measured on the `mstar.bench` harness, once per transport: each
@@ -28,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import functools
 import json
-import mmap
 import multiprocessing
 import os
 import platform
@@ -40,19 +38,26 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
-import zmq.asyncio
 
 from mstar.actors import Actor, ActorSystem, SystemConfig
 from mstar.actors.process import SystemProcess
+from mstar.baselines.transport import (
+    queue_echo,
+    queue_floor,
+    raw_zmq_peer,
+    shm_copy_floors,
+    zmq_blocking_floor,
+    zmq_dealer,
+    zmq_floor,
+    zmq_ping,
+)
 from mstar.bench import (
-    BenchRequest,
-    BenchResult,
     ClosedLoop,
     make_requests,
     plot_png,
@@ -60,6 +65,7 @@ from mstar.bench import (
     run_benchmark,
     write_json,
 )
+from mstar.bench.calls import burst, per_round_trip, percentiles, time_calls
 from mstar.wire import Ack, Ping, Pong, TensorBundle
 
 TENSOR_BYTES = 16 << 20
@@ -100,258 +106,7 @@ async def setup_peer(system: ActorSystem) -> None:
     await system.spawn(Sink, name="sink", mailbox_size=1 << 20)
 
 
-# --------------------------------------------------------------------------------- raw peers
-
-
-def _raw_zmq_peer(endpoints: list[str], mode: str, ready: Any) -> None:
-    """Bare pyzmq ROUTERs: echo b"p", count b"t", report the count on b"c", ack anything else.
-
-    `mode` is "asyncio" or "uvloop" (zmq.asyncio sockets, one task per socket) or
-    "blocking" (plain sockets and a poller, no event loop at all).
-    """
-
-    def bind(ctx: zmq.Context[Any]) -> list[zmq.Socket[Any]]:
-        socks = []
-        for endpoint in endpoints:
-            sock = ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.bind(endpoint)
-            socks.append(sock)
-        ready.send_bytes(
-            json.dumps([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks]).encode()
-        )
-        return socks
-
-    counts: dict[int, int] = {}
-
-    def answer(index: int, frames: list[Any]) -> list[Any] | None:
-        kind = frames[1].bytes
-        if kind == b"p":
-            return [frames[0], frames[1], frames[2]]
-        if kind == b"t":
-            counts[index] = counts.get(index, 0) + 1
-            return None
-        if kind == b"c":
-            count, counts[index] = counts.get(index, 0), 0
-            return [frames[0], str(count).encode()]
-        return [frames[0], b"ok"]
-
-    if mode == "blocking":
-        socks = bind(zmq.Context.instance())
-        poller = zmq.Poller()
-        for sock in socks:
-            poller.register(sock, zmq.POLLIN)
-        while True:
-            for sock, _ in poller.poll():
-                out = answer(socks.index(sock), sock.recv_multipart(copy=False))
-                if out is not None:
-                    sock.send_multipart(out, copy=False)
-
-    async def serve() -> None:
-        socks = bind(zmq.asyncio.Context.instance())
-
-        async def run(index: int, sock: Any) -> None:
-            while True:
-                out = answer(index, await sock.recv_multipart(copy=False))
-                if out is not None:
-                    await sock.send_multipart(out, copy=False)
-
-        await asyncio.gather(*(run(i, s) for i, s in enumerate(socks)))
-
-    _run_loop(mode, serve())
-
-
-def _run_loop(loop_name: str, main: Awaitable[None]) -> None:
-    if loop_name == "uvloop":
-        import uvloop
-
-        uvloop.run(main)  # type: ignore[arg-type]
-    else:
-        asyncio.run(main)  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------------------- measurements
-
-
-def percentiles(samples_ns: list[int]) -> dict[str, float]:
-    ordered = sorted(samples_ns)
-    return {
-        "p50_us": ordered[len(ordered) // 2] / 1e3,
-        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] / 1e3,
-    }
-
-
-async def time_calls(call: Callable[[], Awaitable[Any]], n: int, warmup: int) -> list[int]:
-    for _ in range(warmup):
-        await call()
-    samples = []
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        await call()
-        samples.append(clock() - t0)
-    return samples
-
-
-@contextlib.asynccontextmanager
-async def queue_echo() -> AsyncIterator[Callable[[], Awaitable[None]]]:
-    """Run a task echoing an asyncio queue into another; yield one ping-pong with it."""
-    to_peer: asyncio.Queue[Any] = asyncio.Queue()
-    back: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def peer() -> None:
-        while True:
-            item = await to_peer.get()
-            if item is None:
-                return
-            back.put_nowait(item)
-
-    task = asyncio.create_task(peer())
-
-    async def ping() -> None:
-        to_peer.put_nowait(1)
-        await back.get()
-
-    try:
-        yield ping
-    finally:
-        to_peer.put_nowait(None)
-        await task
-
-
-@contextlib.contextmanager
-def zmq_dealer(endpoint: str) -> Any:
-    """Yield a zmq.asyncio DEALER connected to a raw peer's ROUTER; close it on exit."""
-    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(endpoint)
-    try:
-        yield sock
-    finally:
-        sock.close(linger=0)
-
-
-def zmq_ping(sock: Any) -> Callable[[], Awaitable[None]]:
-    """Return one raw round trip of a small message through `sock` to the echoing peer."""
-
-    async def ping() -> None:
-        await sock.send_multipart([b"p", SMALL_PAYLOAD])
-        await sock.recv_multipart(copy=False)
-
-    return ping
-
-
-async def queue_floor(n: int, warmup: int) -> tuple[list[int], float]:
-    """Bare asyncio-queue ping-pong between two tasks, and one-way queue throughput."""
-    async with queue_echo() as ping:
-        samples = await time_calls(ping, n, warmup)
-
-    counted = asyncio.Event()
-    sink: asyncio.Queue[Any] = asyncio.Queue()
-    total = n * 4
-
-    async def consumer() -> None:
-        for _ in range(total):
-            await sink.get()
-        counted.set()
-
-    task = asyncio.create_task(consumer())
-    t0 = time.perf_counter()
-    for i in range(total):
-        sink.put_nowait(i)
-        if i % 256 == 255:
-            await asyncio.sleep(0)  # let the consumer run, as a sender loop would
-    await counted.wait()
-    rate = total / (time.perf_counter() - t0)
-    await task
-    return samples, rate
-
-
-async def zmq_floor(endpoint: str, n: int, warmup: int, n_tensors: int) -> dict[str, Any]:
-    """Bare zmq.asyncio DEALER ping-pong, one-way throughput and 16 MiB sends to a raw peer."""
-    with zmq_dealer(endpoint) as sock:
-        return await _zmq_floor_runs(sock, n, warmup, n_tensors)
-
-
-async def _zmq_floor_runs(sock: Any, n: int, warmup: int, n_tensors: int) -> dict[str, Any]:
-    samples = await time_calls(zmq_ping(sock), n, warmup)
-    total = n * 4
-    t0 = time.perf_counter()
-    for _ in range(total):
-        await sock.send_multipart([b"t", SMALL_PAYLOAD])
-    await sock.send_multipart([b"c"])
-    got = int((await sock.recv_multipart())[0])
-    rate = total / (time.perf_counter() - t0)
-    assert got == total, (got, total)
-
-    buffer = torch.randn(TENSOR_BYTES // 4).view(torch.uint8).numpy()
-
-    async def send_tensor() -> None:
-        await sock.send_multipart([b"x", buffer], copy=False)
-        await sock.recv_multipart()
-
-    tensor_samples = await time_calls(send_tensor, n_tensors, 3)
-
-    async def send_window() -> None:
-        for _ in range(PIPELINE_DEPTH):
-            await sock.send_multipart([b"x", buffer], copy=False)
-        for _ in range(PIPELINE_DEPTH):
-            await sock.recv_multipart()
-
-    window_samples = await time_calls(send_window, max(2, n_tensors // PIPELINE_DEPTH), 1)
-    return {"rtt": samples, "rate": rate, "tensor": tensor_samples, "window": window_samples}
-
-
-def zmq_blocking_floor(endpoint: str, n: int, warmup: int) -> list[int]:
-    """Bare blocking pyzmq DEALER ping-pong to a blocking peer: no event loop on either side."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    samples = []
-    for i in range(n + warmup):
-        t0 = time.perf_counter_ns()
-        sock.send_multipart([b"p", SMALL_PAYLOAD])
-        sock.recv_multipart(copy=False)
-        if i >= warmup:
-            samples.append(time.perf_counter_ns() - t0)
-    sock.close()
-    return samples
-
-
-def shm_copy_floors(n: int) -> dict[str, list[int]]:
-    """Copy 16 MiB into a prefaulted /dev/shm mapping (the one copy an arena handoff makes).
-
-    Two raw methods, interleaved so that both see the same machine: torch's `copy_` over the
-    intra-op threads, and one `memmove` in this thread.
-    """
-    path = Path("/dev/shm") / f"mstar-bench-{os.getpid()}"
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, TENSOR_BYTES)
-        mapping = mmap.mmap(fd, TENSOR_BYTES, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-        path.unlink()
-    dst = torch.frombuffer(mapping, dtype=torch.uint8)
-    dst.zero_()
-    src = torch.randn(TENSOR_BYTES // 4).view(torch.uint8)
-    samples: dict[str, list[int]] = {"torch copy_": [], "memmove": []}
-    for i in range(n + 3):
-        t0 = time.perf_counter_ns()
-        dst.copy_(src)
-        t1 = time.perf_counter_ns()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), TENSOR_BYTES)
-        t2 = time.perf_counter_ns()
-        if i >= 3:
-            samples["torch copy_"].append(t1 - t0)
-            samples["memmove"].append(t2 - t1)
-    del dst
-    mapping.close()
-    return samples
+# --------------------------------------------------------------------------- measurements
 
 
 async def mstar_runs(
@@ -381,23 +136,6 @@ async def mstar_runs(
 
     window_samples = await time_calls(send_window, max(2, n_tensors // PIPELINE_DEPTH), 1)
     return {"rtt": samples, "rate": rate, "tensor": tensor_samples, "window": window_samples}
-
-
-def burst(
-    call: Callable[[], Awaitable[Any]], k: int
-) -> Callable[[BenchRequest], AsyncIterator[Any]]:
-    """Return a harness target whose every request is `k` calls of `call` in a row.
-
-    A burst streams nothing back: its E2E is the time of the `k` round trips.
-    """
-
-    async def run(request: BenchRequest) -> AsyncIterator[Any]:
-        for _ in range(k):
-            await call()
-        return
-        yield  # an async generator that yields nothing
-
-    return run
 
 
 async def burst_run(
@@ -431,19 +169,6 @@ async def burst_run(
     write_json(result, args.out / f"transport_{scheme}.json")
     plot_png(result, args.out / f"transport_{scheme}.png")
     return per_round_trip(result, k)
-
-
-def per_round_trip(result: BenchResult, k: int) -> dict[str, Any]:
-    """Derive the mean round trip inside a burst from the harness's E2E, per target."""
-    point = result.load_points[0]
-    out: dict[str, Any] = {"round_trips_per_burst": k}
-    for target in result.targets:
-        summary = result.result(target, point).summary
-        if summary.e2e_s is None or summary.num_failed:
-            raise RuntimeError(f"{result.name}: {target} bursts failed")
-        out[target] = {"p50_us": summary.e2e_s.p50 / k * 1e6, "p99_us": summary.e2e_s.p99 / k * 1e6}
-    out["ratio_p50"] = out["mstar"]["p50_us"] / out["floor"]["p50_us"]
-    return out
 
 
 def gbps(samples_ns: list[int]) -> float:
@@ -494,7 +219,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for mode in (args.loop, "blocking"):
         ours_end, theirs = context.Pipe()
         endpoints = ["ipc://" + _ipc_path(mode), "tcp://127.0.0.1:*"]
-        raw = context.Process(target=_raw_zmq_peer, args=(endpoints, mode, theirs), daemon=True)
+        raw = context.Process(target=raw_zmq_peer, args=(endpoints, mode, theirs), daemon=True)
         raw.start()
         raws.append(raw)
         raw_endpoints[mode] = dict(
@@ -509,10 +234,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         frames_eps = dict(
             zip(("ipc", "tcp"), await asyncio.to_thread(frames_peer.start), strict=True)
         )
-        shm_floors = shm_copy_floors(n_tensors)
+        shm_floors = shm_copy_floors(n_tensors, TENSOR_BYTES)
         for scheme in ("ipc", "tcp"):
-            floor = await zmq_floor(raw_endpoints[args.loop][scheme], n, warmup, n_tensors)
-            blocking = zmq_blocking_floor(raw_endpoints["blocking"][scheme], n, warmup)
+            floor = await zmq_floor(
+                raw_endpoints[args.loop][scheme],
+                n,
+                warmup,
+                n_tensors,
+                payload=SMALL_PAYLOAD,
+                tensor_bytes=TENSOR_BYTES,
+                depth=PIPELINE_DEPTH,
+            )
+            blocking = zmq_blocking_floor(
+                raw_endpoints["blocking"][scheme], n, warmup, payload=SMALL_PAYLOAD
+            )
             async with ActorSystem(config) as client:
                 await client.connect(shm_eps[scheme])
                 ours = await mstar_runs(client, shm_eps[scheme], n, warmup, n_tensors)
@@ -521,7 +256,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 with zmq_dealer(raw_endpoints[args.loop][scheme]) as sock:
                     bursts = await burst_run(
-                        scheme, ask, zmq_ping(sock), f"pyzmq {args.loop} ping-pong", args
+                        scheme,
+                        ask,
+                        zmq_ping(sock, SMALL_PAYLOAD),
+                        f"pyzmq {args.loop} ping-pong",
+                        args,
                     )
             async with ActorSystem(frames_config) as client:
                 await client.connect(frames_eps[scheme])

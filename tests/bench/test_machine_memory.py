@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.bench.machine import best_seconds
+from mstar.bench.machine import best_seconds, measure_flops
 from mstar.bench.memory import PeakMemory
 
 
@@ -26,3 +26,7 @@ def test_peak_memory_keeps_the_largest_peak_of_each_side_and_point() -> None:
     assert set(memory.peaks) == {("mstar", "concurrency-2"), ("hf", "warmup-2")}
     assert memory.num_active == {"mstar": 0, "hf": 0}
     del held
+
+
+def test_flops_are_measured_at_the_given_widths() -> None:
+    assert measure_flops(torch.float32, rows=8, width=64) > 0

@@ -1,21 +1,40 @@
-"""The naive pi0.5 sampler, kept as the reference: every flow step recomputes prefix and suffix.
+"""pi0.5 without mstar: the naive recompute reference and openpi's policy server.
 
-At step ``k`` the prefix (image and prompt tokens, VLM expert) and the noisy actions (action
-expert) run jointly through every layer with openpi's mask: prefix tokens see the prefix only,
-action tokens see the prefix and each other. Nothing is cached; the KV-cached node must give
-the same velocities at every step.
+- `naive_velocity` and `naive_sample_actions`, the reference: at flow step ``k`` the prefix
+  (image and prompt tokens, VLM expert) and the noisy actions (action expert) run jointly
+  through every layer with openpi's mask: prefix tokens see the prefix only, action tokens see
+  the prefix and each other. Nothing is cached; the KV-cached node must give the same
+  velocities at every step.
+- `DenseKVSampler`: openpi's ``sample_actions`` with ``use_cache``, batch 1: the prefix's
+  keys and values kept once per layer in dense tensors, then the Euler steps attend to them.
+- `OpenpiServer`: what openpi's policy server does, the baseline served pi0.5 is timed
+  against: one ``infer`` at a time (preprocess, `DenseKVSampler`, postprocess), each part
+  timed into a `mstar.bench.Meter`.
+- `chunk_flops`: one action chunk's matmul FLOPs, counted on the server's ``infer``.
 """
 
 from __future__ import annotations
 
-from typing import cast
+import asyncio
+import functools
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter
+from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mstar.bench.phases import Meter
+from mstar.bench.runner import is_warmup
 from mstar.engines.layers import apply_rotary
+from mstar.graph import Emission
+from mstar.runtime import Request
+from mstar.zoo.pi05.model import PARTITION, Pi05Model
 from mstar.zoo.pi05.modules import (
     AdaRMSNorm,
+    GemmaLayer,
     GemmaRMSNorm,
     Pi05Weights,
     PrefixInput,
@@ -23,7 +42,17 @@ from mstar.zoo.pi05.modules import (
     rope_tables,
 )
 
-__all__ = ["naive_sample_actions", "naive_velocity"]
+__all__ = [
+    "DenseKVSampler",
+    "LayerKV",
+    "OpenpiServer",
+    "chunk_flops",
+    "naive_sample_actions",
+    "naive_velocity",
+]
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+"""One layer's (rotated) keys and values, each ``[kv_heads, tokens, head_dim]``."""
 
 
 @torch.inference_mode()
@@ -96,3 +125,182 @@ def naive_sample_actions(
     for time in flow_times(steps):
         x = x + dt * naive_velocity(weights, prefix, x, time)
     return x
+
+
+class DenseKVSampler:
+    """openpi's ``sample_actions`` with ``use_cache``, batch 1, on dense tensors (no paging).
+
+    The prefix runs once through the VLM layers, keeping each layer's (rotated) keys and values;
+    every Euler step runs the action tokens through the action expert, attending to
+    [prefix K/V ; their own K/V] (the prefix never sees the actions). The per-layer math is
+    `naive_velocity`'s, split at the cache.
+    """
+
+    def __init__(self, weights: Pi05Weights) -> None:
+        self.weights = weights
+        cfg = weights.config
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.vlm.num_heads,
+            cfg.vlm.num_kv_heads,
+            cfg.vlm.head_dim,
+        )
+        self.times = flow_times(cfg.num_steps)
+        self.dt = -1.0 / cfg.num_steps
+
+    @torch.inference_mode()
+    def embed_images(self, images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Return the present cameras' projected image tokens ``[tokens, vlm width]``."""
+        present = images[mask.bool()]
+        width = self.weights.config.vlm.width
+        if not present.shape[0]:
+            return torch.zeros(0, width, dtype=self.weights.action_in_proj.weight.dtype)
+        return self.weights.embed_images(present).flatten(0, 1)
+
+    def _qkv(
+        self, layer: GemmaLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        n = h.shape[0]
+        attn = layer.self_attn
+        q = attn.q_proj(h).view(n, self.heads, self.head_dim)
+        k = attn.k_proj(h).view(n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
+        k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q[None],
+            k[None],
+            v[None],
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.heads != self.kv_heads,
+        )
+        return out[0].transpose(0, 1).reshape(q.shape[1], self.heads * self.head_dim)
+
+    @torch.inference_mode()
+    def prefill(self, prefix: PrefixInput) -> list[LayerKV]:
+        """Run the prefix through the VLM expert (bidirectional); return every layer's K/V."""
+        w, cfg = self.weights, self.weights.config
+        x = w.embed_prefix(prefix)
+        cos, sin = rope_tables(torch.arange(x.shape[0]), cfg.vlm.head_dim, cfg.rope_theta)
+        cache: list[LayerKV] = []
+        blocks = w.language_model.blocks
+        for i, layer in enumerate(blocks):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            cache.append((k, v))
+            x = x + layer.self_attn.o_proj(self._attend(q, k, v))
+            # The last block's MLP feeds nothing but the VLM's (unused) final norm; openpi computes
+            # it, mstar does not: it is left out here too, so both do the same work.
+            if i < len(blocks) - 1:
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return cache
+
+    @torch.inference_mode()
+    def velocity(
+        self, cache: Sequence[LayerKV], actions: torch.Tensor, time: float
+    ) -> torch.Tensor:
+        """Return the velocity ``[H, action_dim]`` of the noisy actions at flow ``time``."""
+        w, cfg = self.weights, self.weights.config
+        num_prefix = cache[0][0].shape[1]
+        x = w.action_in_proj(actions.to(w.action_in_proj.weight.dtype))
+        h_len = x.shape[0]
+        cond = w.condition(torch.tensor([time], dtype=torch.float32)).expand(h_len, -1)
+        positions = torch.arange(num_prefix, num_prefix + h_len)
+        cos, sin = rope_tables(positions, cfg.vlm.head_dim, cfg.rope_theta)
+        for layer, (k_prefix, v_prefix) in zip(w.gemma_expert.blocks, cache, strict=True):
+            h, gate1 = cast(AdaRMSNorm, layer.input_layernorm)(x, cond)
+            q, k, v = self._qkv(layer, h, cos, sin)
+            out = self._attend(q, torch.cat([k_prefix, k], dim=1), torch.cat([v_prefix, v], dim=1))
+            x = x + layer.self_attn.o_proj(out) * gate1
+            h, gate2 = cast(AdaRMSNorm, layer.post_attention_layernorm)(x, cond)
+            x = x + layer.mlp(h) * gate2
+        final, _gate = cast(AdaRMSNorm, w.gemma_expert.norm)(x, cond)
+        return cast(torch.Tensor, w.action_out_proj(final)).float()
+
+    @torch.inference_mode()
+    def flow(self, cache: Sequence[LayerKV], noise: torch.Tensor) -> torch.Tensor:
+        """Integrate from ``noise`` (t = 1) to the actions (t = 0) in ``num_steps`` Euler steps."""
+        x = noise.float()
+        for t in self.times:
+            x = x + self.dt * self.velocity(cache, x, t)
+        return x
+
+
+class OpenpiServer:
+    """openpi's policy server in process: one ``infer`` at a time, in a worker thread.
+
+    ``infer`` is the policy's: input transforms (`Pi05Model.preprocess`), the sampler
+    (`DenseKVSampler`), output transforms (`Pi05Model.postprocess`). Its `meter` accounts the
+    seconds of each part of every measured request (warm-up ones skipped), one count per
+    request: ``preprocess``, ``vision``, ``prefix``, ``flow``, ``postprocess``.
+    """
+
+    def __init__(self, model: Pi05Model, weights: Pi05Weights) -> None:
+        self.model = model
+        self.sampler = DenseKVSampler(weights)
+        self.meter = Meter()
+        self.lock = asyncio.Lock()
+        # The same torch threads as this thread (a new thread's OpenMP pool starts at every core).
+        self.executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="openpi",
+            initializer=functools.partial(torch.set_num_threads, torch.get_num_threads()),
+        )
+        self.thread_torch_threads = 0
+
+    async def act(self, request_id: str, obs: Mapping[str, Any]) -> np.ndarray:
+        """Serve one observation after those before it; return its actions ``[H, robot_dof]``."""
+        async with self.lock:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.infer, request_id, obs
+            )
+
+    def infer(self, request_id: str, obs: Mapping[str, Any]) -> np.ndarray:
+        """Run one request start to end (the worker thread)."""
+        self.thread_torch_threads = torch.get_num_threads()
+        clock, meter = perf_counter, self.meter
+        t0 = clock()
+        prepared = self.model.preprocess(Request("act", dict(obs)))
+        vision, noise = prepared.inputs["vision"], prepared.inputs["llm"]["flow"]["x"]
+        t1 = clock()
+        embeds = self.sampler.embed_images(vision["images"], vision["image_mask"])
+        t2 = clock()
+        cache = self.sampler.prefill(PrefixInput(embeds, vision["token_ids"]))
+        t3 = clock()
+        actions = self.sampler.flow(cache, noise)
+        t4 = clock()
+        emission = Emission(PARTITION, "action_gen", "llm", "actions", "action", actions)
+        out = self.model.postprocess(request_id, emission).data
+        t5 = clock()
+        if not is_warmup(request_id):  # the figures cover the measured requests only
+            for name, seconds in (
+                ("preprocess", t1 - t0),
+                ("vision", t2 - t1),
+                ("prefix", t3 - t2),
+                ("flow", t4 - t3),
+                ("postprocess", t5 - t4),
+            ):
+                meter.add(name, seconds)
+        return cast(np.ndarray, out)
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        self.executor.shutdown()
+
+
+def chunk_flops(server: OpenpiServer, observations: Sequence[Mapping[str, Any]]) -> float:
+    """Return the mean FLOPs of one action chunk over ``observations``, counted on ``infer``.
+
+    Matmuls and convolutions (torch's `FlopCounterMode`); attention's ``softmax(QK^T) V`` is
+    not counted (on CPU it is not a registered op), nor are norms and activations. The calls
+    are named as warm-up, so the server's meter does not account them.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    total = 0
+    for obs in observations:
+        with FlopCounterMode(display=False) as counter:
+            server.infer("warmup-flops", obs)
+        total += counter.get_total_flops()
+    return total / len(observations)

@@ -34,11 +34,15 @@ def measure_bandwidth(num_bytes: int = 256 << 20) -> float:
     return x.numel() * 4 / best_seconds(lambda: x.sum())
 
 
-def measure_flops(dtype: torch.dtype) -> float:
-    """Return the floating-point rate (FLOP/s) of a large matrix product in `dtype`, best of 5."""
-    a = torch.randn(256, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
-    return 2 * 256 * 2048 * 2048 / best_seconds(lambda: torch.mm(a, b))
+def measure_flops(dtype: torch.dtype, *, rows: int = 256, width: int = 2048) -> float:
+    """Return the floating-point rate (FLOP/s) of a matrix product in `dtype`, best of 5.
+
+    The product is ``[rows, width] @ [width, width]``: a model's layer applied to ``rows``
+    tokens, for a compute ceiling at the widths a benchmark's model multiplies.
+    """
+    a = torch.randn(rows, width).to(dtype)
+    b = torch.randn(width, width).to(dtype)
+    return 2 * rows * width * width / best_seconds(lambda: torch.mm(a, b))
 
 
 def measure_machine(dtypes: Sequence[str]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Where a target's time goes during a benchmark point: LLM steps against codec windows.
+"""Where a target's time goes during a benchmark point: engine steps against a baseline's timers.
 
 A speech system spends its time in two activities, generating tokens and decoding them to
 audio; these pieces account both, per system, over exactly one point's measured requests
@@ -10,6 +10,13 @@ audio; these pieces account both, per system, over exactly one point's measured 
 - `engine_figures`: the same figures for mstar, read from the engines' own step timers;
 - `PhaseTracker`: wraps a harness target to read the figures around each point;
 - `PointBreakdown` and `breakdown_table`: one row per target and point, and their table.
+
+Any other model's benchmark reads mstar's side in full, flat, per node and per walk:
+
+- `engine_counters`: the named nodes' cumulative step counters and phase timers, and the
+  steps each walk was served by, summed over ranks;
+- `CounterWindow`: those counters over one point's measured requests, started after the
+  point's warm-up.
 """
 
 from __future__ import annotations
@@ -22,16 +29,20 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from mstar.bench.records import BenchRequest, OutputEvent
+from mstar.bench.runner import is_warmup
 
 if TYPE_CHECKING:
     from mstar.runtime import AsyncEngine
 
 __all__ = [
+    "Counters",
+    "CounterWindow",
     "Figures",
     "Meter",
     "PhaseTracker",
     "PointBreakdown",
     "breakdown_table",
+    "engine_counters",
     "engine_figures",
     "figures_delta",
 ]
@@ -39,6 +50,9 @@ __all__ = [
 Figures = dict[str, tuple[float, int]]
 """Seconds and counts per named activity: ``llm_step`` (seconds, steps), ``llm_forward``
 (seconds), ``llm_generate`` (seconds, tokens), ``codec`` (seconds, windows)."""
+
+Counters = dict[str, float]
+"""Cumulative engine counters by flat name (`engine_counters`), e.g. ``llm_step_seconds``."""
 
 _Fn = Callable[[BenchRequest], AsyncIterator[OutputEvent]]
 
@@ -108,6 +122,59 @@ async def engine_figures(engine: AsyncEngine, *, llm_node: str, codec_node: str)
     return figures
 
 
+async def engine_counters(engine: AsyncEngine, *, nodes: Sequence[str], walk_node: str) -> Counters:
+    """Return the engines' cumulative counters (summed over ranks), flat.
+
+    For each node of ``nodes``: ``<node>_steps``, ``<node>_batched`` (inputs),
+    ``<node>_step_seconds`` and ``<node>_phase_*_seconds`` (a KV step's schedule / prepare /
+    forward / logits / update). For each walk served by ``walk_node``:
+    ``walk_<walk>_steps``, ``walk_<walk>_inputs`` and ``walk_<walk>_seconds`` (a step whose
+    batch mixes walks counts in full under each of them).
+    """
+    stats = await engine.engine_stats()
+    counters: Counters = {}
+
+    def add(key: str, value: float) -> None:
+        counters[key] = counters.get(key, 0.0) + float(value)
+
+    for by_node in stats.nodes.values():
+        for node in nodes:
+            for key, value in by_node.get(node, {}).items():
+                if key in ("steps", "batched", "step_seconds") or key.startswith("phase_"):
+                    add(f"{node}_{key}", value)
+    for walks in stats.walks.values():
+        for walk, times in walks.get(walk_node, {}).items():
+            add(f"walk_{walk}_steps", times.steps)
+            add(f"walk_{walk}_inputs", times.inputs)
+            add(f"walk_{walk}_seconds", times.seconds)
+    return counters
+
+
+class CounterWindow:
+    """Counters over each point's measured requests, for a target that runs alone.
+
+    Call `after_warmup` as each warm-up request ends (after its last output, so the read is
+    not measured); counters only grow, so the element-wise maximum of those reads is the state
+    when the measured requests start. Call `spent` once the point ended with the engine idle.
+    """
+
+    def __init__(self, read: Callable[[], Awaitable[Counters]]) -> None:
+        self.read = read
+        self.start: Counters = {}
+
+    async def after_warmup(self) -> None:
+        """Fold the counters now into the start of the window."""
+        for key, value in (await self.read()).items():
+            self.start[key] = max(self.start.get(key, 0.0), value)
+
+    async def spent(self) -> Counters:
+        """Return what was counted since the window started; start the next window empty."""
+        now = await self.read()
+        out = {key: value - self.start.get(key, 0.0) for key, value in now.items()}
+        self.start = {}
+        return out
+
+
 class PhaseTracker:
     """Read a target's figures around each point's measured requests (warm-up excluded).
 
@@ -128,11 +195,7 @@ class PhaseTracker:
         """Return ``fn`` with reads at the first start and the last end of each point."""
 
         async def run(request: BenchRequest) -> AsyncIterator[OutputEvent]:
-            phase = (
-                None
-                if request.request_id.startswith("warmup-")
-                else request.request_id.rsplit("-", 1)[0]
-            )
+            phase = None if is_warmup(request.request_id) else request.request_id.rsplit("-", 1)[0]
             if phase is not None:
                 if phase not in self.begin:
                     self.begin[phase] = asyncio.ensure_future(self.read())

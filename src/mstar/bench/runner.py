@@ -41,6 +41,7 @@ __all__ = [
     "PointResult",
     "Ratio",
     "collect_environment",
+    "is_warmup",
     "merge_results",
     "metric_value",
     "run_benchmark",
@@ -220,6 +221,14 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def is_warmup(request_id: str) -> bool:
+    """Return whether the harness sent this request to warm a target up (``warmup-<point>-<i>``).
+
+    Warm-up requests are never measured: a target that accounts its own time skips them.
+    """
+    return request_id.startswith("warmup-")
 
 
 def _label(point: float) -> str:
