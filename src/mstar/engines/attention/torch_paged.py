@@ -77,6 +77,7 @@ class _Chunk:
         "_mask",
         "_num_cached",
         "end",
+        "is_plain_causal",
         "is_read_only",
         "row_limits",
         "start",
@@ -97,15 +98,10 @@ class _Chunk:
         self.table = table  # the sequence's blocks
         self.row_limits = row_limits  # [q_len]: the keys each query row sees
         self.is_read_only = is_read_only  # its own keys are the step's rows, appended last
+        self.is_plain_causal = plain_causal  # a whole causal prompt: attention needs no mask
         self._key_slots: torch.Tensor | None = None
-        # [q_len, keys] bool, or None for plain causal
-        self._mask: torch.Tensor | None = None if plain_causal else torch.empty(0)
+        self._mask: torch.Tensor | None = None  # [q_len, keys] bool
         self._num_cached = length - (end - start) if is_read_only else length
-
-    @property
-    def is_plain_causal(self) -> bool:
-        """Whether the chunk is a whole causal prompt (attention needs no mask)."""
-        return self._mask is None
 
     def key_slots(self, block_size: int, device: torch.device) -> torch.Tensor:
         """Cache slots of the keys read from the cache."""
@@ -116,7 +112,9 @@ class _Chunk:
 
     def mask(self, length: int, device: torch.device) -> torch.Tensor | None:
         """The chunk's mask over its `length` keys, or None for plain causal."""
-        if self._mask is not None and self._mask.numel() == 0:
+        if self.is_plain_causal:
+            return None
+        if self._mask is None:
             visible = np.arange(length)[None, :] < self.row_limits[:, None]
             self._mask = torch.from_numpy(visible).to(device)
         return self._mask
