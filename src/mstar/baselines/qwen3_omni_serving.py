@@ -35,6 +35,9 @@ from mstar.zoo.qwen3_omni.model import Qwen3OmniModel
 
 __all__ = ["StagePipeline", "TransformersQwen3Omni"]
 
+_Results = list[tuple["asyncio.Future[Any]", Any]]
+"""What a stage finishes: futures and their values, set once the stage's step is timed."""
+
 
 def _text_event() -> OutputEvent:
     return OutputEvent("text", num_tokens=1)
@@ -111,14 +114,20 @@ class StagePipeline:
             if not batch:
                 continue
             started = time.perf_counter()
+            results: _Results = []
             try:
-                await loop.run_in_executor(self.executors[stage], run, loop, batch)
+                results = await loop.run_in_executor(self.executors[stage], run, loop, batch)
             except Exception as exc:
                 for item in batch:
                     for f in (item[2], item[3]):
                         if not f.done():
                             f.set_exception(exc)
+            # Timed before the answers it finishes are handed back: a caller that has them
+            # sees the stage's timing too.
             self.timings.append((stage, len(batch), time.perf_counter() - started))
+            for future, value in results:
+                if not future.done():
+                    future.set_result(value)
             if self.queues[stage]:
                 self.wakeups[stage].set()
 
@@ -155,7 +164,7 @@ class StagePipeline:
         return dict(zip(firings, done, strict=True))
 
     @torch.inference_mode()
-    def _think(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+    def _think(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> _Results:
         """The thinker to the end of every answer of the batch; then the batch waits for the
         talker."""
         inputs: dict[str, dict[str, Any]] = {}
@@ -201,15 +210,15 @@ class StagePipeline:
             self.thinker.release(rid)
             self.thinker_engine.abort(rid)
         for rid, _, text, audio in batch:
-            loop.call_soon_threadsafe(text.set_result, texts[rid])
             work = {
                 "thinker_states": Chunk(tuple(items[rid]), 0, 0, True),
                 "talker_params": talker_params[rid],
             }
             loop.call_soon_threadsafe(self._put, "talker", (rid, work, text, audio))
+        return [(text, texts[rid]) for rid, _, text, _ in batch]
 
     @torch.inference_mode()
-    def _talk(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+    def _talk(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> _Results:
         """The talker over all of each answer's text, every step batched; then Code2Wav's turn."""
         frames: dict[str, list[torch.Tensor]] = {rid: [] for rid, *_ in batch}
         work = {rid: inputs for rid, inputs, _, _ in batch}
@@ -224,12 +233,14 @@ class StagePipeline:
             self.talker.release(rid)
             self.talker_engine.abort(rid)
             loop.call_soon_threadsafe(self._put, "codec", (rid, frames[rid], text, audio))
+        return []  # handed to the next stage
 
     @torch.inference_mode()
-    def _decode(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> None:
+    def _decode(self, loop: asyncio.AbstractEventLoop, batch: list[Any]) -> _Results:
         """transformers' ``chunked_decode`` (300-frame chunks, 25 of context) of each request's
         codes."""
         code2wav: Any = self.weights.code2wav  # transformers' Qwen3OmniMoeCode2Wav
+        results: _Results = []
         for _, frames, _, audio in batch:
             samples = 0
             if frames:
@@ -237,7 +248,8 @@ class StagePipeline:
                 samples = int(
                     code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25).numel()
                 )
-            loop.call_soon_threadsafe(audio.set_result, samples)
+            results.append((audio, samples))
+        return results
 
     def close(self) -> None:
         """Stop the stages and their threads."""
