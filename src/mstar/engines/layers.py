@@ -72,6 +72,7 @@ __all__ = [
     "FusableLinear",
     "FusedLinear",
     "GatedMLP",
+    "OwnProducts",
     "RMSNorm",
     "apply_rotary",
     "apply_rotary_signed",
@@ -400,6 +401,15 @@ class FusedLinear:
         return self.weight, self.bias, self.layout == IN_OUT
 
 
+class OwnProducts:
+    """A module whose products are not `nn.Linear`s (fused expert tensors, a router's weight):
+    `make_linears_deterministic` asks it to make them deterministic itself."""
+
+    def make_products_deterministic(self) -> None:
+        """Compute every product as `deterministic_products` would (see the module notes)."""
+        raise NotImplementedError
+
+
 def make_linears_deterministic(module: nn.Module) -> int:
     """Send every `nn.Linear` in `module` that still multiplies through torch (not fused into a
     `FusedLinear`) through a deterministic product (see `deterministic_products`); return how
@@ -408,10 +418,16 @@ def make_linears_deterministic(module: nn.Module) -> int:
     A deterministic engine applies it to each KV-cache node's modules after they load, so the
     small projections a model calls directly (a time embedding, an action head) compute each
     row as they would alone. The linears keep their weights (the product works on a copy).
+    Modules declaring `OwnProducts` (MoE experts, routers) make theirs deterministic
+    themselves, and count once.
     """
     count = 0
     with deterministic_products():
         for sub in module.modules():
+            if isinstance(sub, OwnProducts):
+                sub.make_products_deterministic()
+                count += 1
+                continue
             if (
                 not isinstance(sub, nn.Linear)
                 or sub.weight is None

@@ -16,19 +16,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.layers import GatedMLP
+from mstar.engines.layers import FusedLinear, GatedMLP, OwnProducts, deterministic_products
 
 __all__ = ["Experts", "SparseMoE"]
 
 
-class Experts(nn.Module):
-    """``E`` SiLU-gated experts in two fused tensors."""
+class Experts(nn.Module, OwnProducts):
+    """``E`` SiLU-gated experts in two fused tensors.
+
+    Made deterministic (`OwnProducts`), each expert's two products move to tiled
+    `FusedLinear`s whose rows do not depend on how many rows the expert serves in a step; the
+    fused tensors then give up their storage (inference only, as `FusedLinear` does).
+    """
 
     def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self._tiled: list[tuple[FusedLinear, FusedLinear]] | None = None
+
+    def make_products_deterministic(self) -> None:
+        """Store each expert's products tiled, deterministic (see the class notes)."""
+        if self._tiled is not None or self.gate_up_proj.device.type == "meta":
+            return
+        with torch.no_grad(), deterministic_products():
+            self._tiled = [
+                (
+                    FusedLinear.shared(self.gate_up_proj[e].detach()),
+                    FusedLinear.shared(self.down_proj[e].detach()),
+                )
+                for e in range(self.num_experts)
+            ]
+        self.gate_up_proj.data = torch.empty(0, dtype=self.gate_up_proj.dtype)
+        self.down_proj.data = torch.empty(0, dtype=self.down_proj.dtype)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self._tiled is not None:
+            gate_up, down = self._tiled[expert]
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            return down(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
     def forward(
         self, x: torch.Tensor, top_index: torch.Tensor, top_weight: torch.Tensor
@@ -45,25 +74,35 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             sel = rows[start : start + count]
-            gate, up = F.linear(x.index_select(0, sel), self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            y = self._expert(expert, x.index_select(0, sel))
             out.index_add_(0, sel, y * weights[start : start + count, None].to(y.dtype))
             start += count
         return out
 
 
-class Router(nn.Module):
-    """Softmax router picking the top ``k`` experts (renormalised when ``norm_topk_prob``)."""
+class Router(nn.Module, OwnProducts):
+    """Softmax router picking the top ``k`` experts (renormalised when ``norm_topk_prob``).
+
+    Made deterministic (`OwnProducts`), its product is tiled: a row's expert choice then does
+    not depend on the rows beside it.
+    """
 
     def __init__(self, num_experts: int, hidden: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self._tiled: FusedLinear | None = None
+
+    def make_products_deterministic(self) -> None:
+        """Tile the router's product, deterministic (see the class notes)."""
+        if self._tiled is None and self.weight.device.type != "meta":
+            with torch.no_grad(), deterministic_products():
+                self._tiled = FusedLinear.shared(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(indices, weights)`` ``[rows, k]``, the weights in ``x``'s dtype."""
-        logits = F.linear(x, self.weight)
+        logits = self._tiled(x) if self._tiled is not None else F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top_weight, top_index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.interfaces import PagedKVContext
@@ -282,4 +281,4 @@ class MoEDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project (the first ``hidden`` columns of) hidden states to vocabulary logits."""
-        return F.linear(hidden[:, : self.config.hidden_size], self.head.weight)
+        return cast(torch.Tensor, self.head(hidden[:, : self.config.hidden_size]))
