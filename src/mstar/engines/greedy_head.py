@@ -61,9 +61,11 @@ class ScreenedArgmax:
     Args:
         weight: The head `[out, in]`, float32; kept by reference (not copied) for the exact
             products of the candidates. A bfloat16 copy (half its size) is packed for the screen.
+        full: The head's own deterministic product, for the rows a deterministic screen
+            cannot decide (made here, a copy, when not given).
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, *, full: FusedLinear | None = None) -> None:
         with torch.no_grad():
             w = weight.detach()
             wb = w.to(torch.bfloat16)
@@ -76,7 +78,9 @@ class ScreenedArgmax:
             self._screen = FusedLinear.shared(wb)  # packed where that is faster (timed)
             self.deterministic = self._screen.deterministic
             # the float32 fallback of a row the screen cannot decide, deterministic
-            self._full = FusedLinear.shared(w) if self.deterministic else None
+            if self.deterministic and (full is None or not full.deterministic):
+                full = FusedLinear.shared(w)
+            self._full = full if self.deterministic else None
             self._dw_max = float(dw_norm.max())
             self._sum_max = float((wb_norm + dw_norm).max())
             self._accum = _SAFETY * 2 * w.shape[1] * _FP32_UNIT * float(wb_norm.max())

@@ -431,8 +431,9 @@ class LlamaCausalLM(nn.Module):
             # A float32 head on a CPU with bfloat16 products: greedy rows screen in bfloat16
             # and stay exact (see `ScreenedArgmax`). Its copy (half the head's size) is made
             # at the first greedy step: models that always constrain their logits never pay it.
-            with deterministic_products(self._head.deterministic):
-                self._greedy = ScreenedArgmax(dense) if can_screen(dense) else False
+            head = self._head
+            with deterministic_products(head.deterministic):
+                self._greedy = ScreenedArgmax(dense, full=head) if can_screen(dense) else False
         if self._greedy is False:
             # The full product, then each row's first maximum: what sampling greedy rows gives,
             # without building the sampler's per-row state.
