@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
+from mstar.engines.greedy_head import ScreenedArgmax, can_screen
 from mstar.engines.interfaces import KVTurn
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.layers import (
@@ -315,3 +316,21 @@ async def test_forked_samples_give_the_bytes_of_lone_requests(model: LlamaCausal
         alone = await sample({r: {"prompt": prompt, "params": p}})
         assert grouped[r] == alone[r]
     assert len({tuple(o["token"] for o in out) for out in grouped.values()}) > 1
+
+
+def test_a_deterministic_greedy_screen_decides_every_row_as_alone() -> None:
+    """Rows the bfloat16 screen cannot decide (a flat head: too many candidates) take their own
+    full product's argmax, one by one: never None, and each row's token is its token alone."""
+    weight = torch.randn(600, 32, generator=torch.Generator().manual_seed(0))
+    weight[:300] = weight[0]  # 300 ids tie exactly: rows near them cannot be screened
+    if not can_screen(weight):
+        pytest.skip("no bfloat16 products for the screen on this CPU")
+    with deterministic_products():
+        head = FusedLinear.shared(weight)
+        screen = ScreenedArgmax(weight, full=head)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(1))
+    x[:4] = weight[0] * 3  # these rows favour the tied ids
+    tokens = screen(x)
+    assert tokens is not None
+    assert tokens.tolist() == [int(screen(x[i : i + 1])[0]) for i in range(9)]  # type: ignore[index]
+    assert tokens.tolist() == head(x).argmax(dim=1).tolist()
