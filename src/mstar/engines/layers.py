@@ -363,7 +363,8 @@ class FusedLinear:
                     self.deterministic,
                 ),
             )
-            return y if y.shape[1] == self.out_features else y[:, : self.out_features]
+            # A padded last tile: its extra outputs dropped (a copy, so views of it work)
+            return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
         if self.layout == OUT_IN:  # deterministic: one row at a time, the same product each
             rows = [F.linear(row, self.weight, self.bias) for row in x.split(1)]
             return torch.cat(rows) if rows else F.linear(x, self.weight, self.bias)
