@@ -21,9 +21,10 @@ joins, leaves or did anything but decode one token):
 ```
 
 Deterministic (`deterministic=True`, CPU): every query row that writes its keys, decode or
-prefill, attends through the native kernel as a row of its own (its keys up to its limit, in
-the cache's block order), so a row's result does not depend on the step's other rows, on
-where a prompt was split into chunks, or on the number of threads. Read-only chunks keep the
+prefill, attends through the native prefill kernel, whose sums for a row (its keys up to its
+limit, in the cache's block order) do not depend on the rows beside it: a row's result does
+not depend on the step's other rows, on where a prompt was split into chunks, or on the
+number of threads. Read-only chunks keep the
 torch paths above (each chunk attends over its own keys, however the step is made up).
 Nothing is staged.
 
@@ -390,6 +391,7 @@ class TorchPagedAttention:
         self._kernels = cpu_kernels() if native and self.device.type == "cpu" else None
         self._native_tables: torch.Tensor | None = None  # [decode rows, blocks] of the step
         self._native_lens: torch.Tensor | None = None
+        self._row_seqs: torch.Tensor | None = None  # deterministic: each row's table
         self._native_used = False  # the last decode went through the kernel: nothing is staged
         self._staging = _DecodeStaging() if decode_staging else None
         self._chunk_staging = chunk_staging
@@ -509,8 +511,8 @@ class TorchPagedAttention:
         ]
         rows: list[np.ndarray] = []
         lens: list[np.ndarray] = []
-        seqs: list[int] = []
-        for i in writing:
+        row_seqs: list[np.ndarray] = []
+        for n, i in enumerate(writing):
             start, end, length = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
             rows.append(np.arange(start, end))
             # Each row's keys end at its limit (causal: its own position, included).
@@ -519,23 +521,24 @@ class TorchPagedAttention:
                 if limits is not None
                 else np.arange(length - (end - start), length, dtype=np.int64) + 1
             )
-            seqs.extend([i] * (end - start))
+            row_seqs.append(np.full(end - start, n, dtype=np.int64))
         self._rows = self._decode_rows = None
         self._all_decode = False
-        self._native_tables = self._native_lens = None
-        if seqs:
+        self._native_tables = self._native_lens = self._row_seqs = None
+        if writing:
             row_lens = np.concatenate(lens)
             width = -(-int(row_lens.max()) // size)
-            tables = np.zeros((len(seqs), width), dtype=np.int64)
-            for row, i in enumerate(seqs):
+            tables = np.zeros((len(writing), width), dtype=np.int64)
+            for n, i in enumerate(writing):
                 table = metadata.block_tables[i][:width]
-                tables[row, : len(table)] = table
+                tables[n, : len(table)] = table
             self._rows = torch.from_numpy(np.concatenate(rows)).to(self.device)
             self._native_tables = torch.from_numpy(tables)
             self._native_lens = torch.from_numpy(row_lens)
+            self._row_seqs = torch.from_numpy(np.concatenate(row_seqs))
             # One writing row per sequence, each seeing all its keys: the native decode step
             # (`native_decode`) computes the same rows.
-            self._all_decode = len(seqs) == metadata.num_tokens == len(writing) and bool(
+            self._all_decode = len(row_lens) == metadata.num_tokens == len(writing) and bool(
                 (row_lens == seq_lens[writing]).all()
             )
         self._plan_chunks(metadata, set(writing))
@@ -757,18 +760,19 @@ class TorchPagedAttention:
     def _attend_rows(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Attend each deterministic row on its own: through the kernel where it fits, else one
-        row at a time through torch."""
-        tables, lens = self._native_tables, self._native_lens
-        assert tables is not None and lens is not None
+        """Attend each deterministic row on its own: through the prefill kernel where it fits
+        (a row's sums do not depend on the rows sharing its tile), else one row at a time
+        through torch."""
+        tables, lens, seqs = self._native_tables, self._native_lens, self._row_seqs
+        assert tables is not None and lens is not None and seqs is not None
         if self._kernels is not None and _fits_native(q, k_cache):
-            attend = self._kernels.decode_attention
-            return cast(torch.Tensor, attend(q, k_cache, v_cache, tables, lens, scale))
+            attend = self._kernels.prefill_attention
+            return cast(torch.Tensor, attend(q, k_cache, v_cache, tables, seqs, lens, scale))
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[-2]
         out = torch.empty_like(q)
         for row in range(q.shape[0]):
             length = int(lens[row])
-            blocks = tables[row, : -(-length // block_size)].to(self.device)
+            blocks = tables[int(seqs[row]), : -(-length // block_size)].to(self.device)
             keys = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
             values = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
             group = q.shape[1] // kv_heads

@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "norms.h"
+#include "prefill.h"
 #include "products.h"
 
 namespace {
@@ -27,8 +28,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional
 // on q and k, the keys and values written to their cache slots, decode_attention, the output
 // product, add_rms_norm, gate/up, silu_mul, down), with no Python between them. `delta` is
 // the previous layer's MLP output, added to `x` before the input norm (the add the torch
-// path makes at the end of a layer). `invariant`: the products' (see linear). Returns {the
-// residual after attention, the MLP's output}.
+// path makes at the end of a layer). `invariant`: the products' (see linear), and attention
+// through prefill_attention. Returns {the residual after attention, the MLP's output}.
 std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
                                      const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                                      const std::vector<at::Tensor>& weights,
@@ -73,7 +74,11 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
     std::memcpy(kc + sp[r] * token_bytes, kp + r * k_row, token_bytes);
     std::memcpy(vc + sp[r] * token_bytes, vp + r * v_row, token_bytes);
   }
-  const at::Tensor attended = ::decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables, lens, scale);
+  // Invariant (deterministic serving): the prefill kernel, as the step's prefill rows take it.
+  const at::Tensor attended =
+      invariant ? ::prefill_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables,
+                                      at::arange(rows, slots.options()), lens, scale)
+                : ::decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables, lens, scale);
   const at::Tensor o = product(attended.view({rows, heads * dim}), weights[1], biases[1], transposed[1], invariant);
   auto after = ::add_rms_norm(residual, o, post_norm, eps);
   const at::Tensor gate_up = product(after[1], weights[2], biases[2], transposed[2], invariant);

@@ -24,9 +24,10 @@ __all__ = ["Experts", "SparseMoE"]
 class Experts(nn.Module, OwnProducts):
     """``E`` SiLU-gated experts in two fused tensors.
 
-    Made deterministic (`OwnProducts`), each expert's two products move to tiled
-    `FusedLinear`s whose rows do not depend on how many rows the expert serves in a step; the
-    fused tensors then give up their storage (inference only, as `FusedLinear` does).
+    Made deterministic (`OwnProducts`), each expert's two products run through tiled copies
+    (`FusedLinear`s) whose rows do not depend on how many rows the expert serves in a step.
+    The fused tensors stay as they are (other nodes may load into or read the same weights),
+    so the experts' memory doubles in that mode.
     """
 
     def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
@@ -48,8 +49,6 @@ class Experts(nn.Module, OwnProducts):
                 )
                 for e in range(self.num_experts)
             ]
-        self.gate_up_proj.data = torch.empty(0, dtype=self.gate_up_proj.dtype)
-        self.down_proj.data = torch.empty(0, dtype=self.down_proj.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self._tiled is not None:
