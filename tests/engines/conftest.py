@@ -1,11 +1,15 @@
-"""Factories for KV-cache engine tests: tiny random Llama models."""
+"""Factories for KV-cache engine tests: tiny random Llama models and a token node over them."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
 
-from mstar.engines import KVCacheEngine, SamplingParams
+from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
+from mstar.engines.interfaces import KVTurn
 from mstar.zoo.llama import LlamaCausalLM, LlamaConfig
 
 
@@ -76,3 +80,23 @@ def run_join_leave_schedule(
         if not engine.has_unfinished() and step > 12:
             break
     return tokens, logits
+
+
+class GroupNode:
+    """A token node: prompt tokens and sampling from the inputs, the group from ``group``."""
+
+    def __init__(self, model: LlamaCausalLM, num_blocks: int = 64) -> None:
+        self.model = model
+        self.engine_config = KVCacheEngineConfig(block_size=4, num_blocks=num_blocks)
+
+    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
+        return KVTurn(
+            list(inputs["prompt"]) if is_first else [],
+            inputs["params"],
+            prefix_group=inputs.get("group"),
+        )
+
+    def outputs(
+        self, request_id: str, token_id: int, history: list[int] | None, **extra: Any
+    ) -> Mapping[str, Any]:
+        return {"token": token_id, "logprobs": extra.get("logprobs"), "done": history is not None}

@@ -10,7 +10,6 @@ sampler each keep a row's arithmetic independent of the other rows and of the th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,6 @@ from hypothesis import strategies as st
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
 from mstar.engines.greedy_head import ScreenedArgmax, can_screen
-from mstar.engines.interfaces import KVTurn
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.layers import (
     TILED,
@@ -33,7 +31,7 @@ from mstar.engines.native import cpu_kernels
 from mstar.engines.sampler import TokenLogprobs
 from mstar.zoo.llama import LlamaCausalLM
 
-from .conftest import make_tiny_llama
+from .conftest import GroupNode, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the native CPU kernels")
 
@@ -269,26 +267,6 @@ def test_the_fast_path_stays_the_default() -> None:
     assert not KVCacheEngineConfig().deterministic
 
 
-class _GroupNode:
-    """A token node whose requests share their prompt's blocks (a prefix group) when asked."""
-
-    def __init__(self, model: LlamaCausalLM) -> None:
-        self.model = model
-        self.engine_config = KVCacheEngineConfig(block_size=4, num_blocks=64)
-
-    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        return KVTurn(
-            list(inputs["prompt"]) if is_first else [],
-            inputs["params"],
-            prefix_group=inputs.get("group"),
-        )
-
-    def outputs(
-        self, request_id: str, token_id: int, history: list[int] | None, **extra: Any
-    ) -> Mapping[str, Any]:
-        return {"token": token_id, "logprobs": extra.get("logprobs")}
-
-
 async def test_forked_samples_give_the_bytes_of_lone_requests(model: LlamaCausalLM) -> None:
     """Parallel samples of one prompt fork its blocks copy-on-write: each sample's tokens and
     log-probabilities are those of the same request alone."""
@@ -299,7 +277,7 @@ async def test_forked_samples_give_the_bytes_of_lone_requests(model: LlamaCausal
     }
 
     async def sample(inputs: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
-        engine = KVNodeEngine("llm", _GroupNode(model), None, "cpu", deterministic=True)
+        engine = KVNodeEngine("llm", GroupNode(model), None, "cpu", deterministic=True)
         got: dict[str, list[Any]] = {r: [] for r in inputs}
         engine.start()
         try:

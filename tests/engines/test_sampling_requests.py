@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, Sampler, SamplingParams, Sequence
-from mstar.engines.interfaces import KVTurn
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.sampler import TokenLogprobs
 from mstar.errors import InvalidSamplingParamsError, KVCacheCapacityError
 from mstar.zoo.llama import LlamaCausalLM
 from tests.helpers import make_sequence
 
-from .conftest import make_tiny_llama
+from .conftest import GroupNode, make_tiny_llama
 
 # --- validation ------------------------------------------------------------------------------
 
@@ -130,26 +128,6 @@ def test_logprobs_are_the_raw_distribution_and_keep_greedy_picks() -> None:
 
 
 # --- parallel samples fork the prompt's blocks -----------------------------------------------
-
-
-class GroupNode:
-    """A token node: prompt tokens and sampling from the inputs, the group from ``group``."""
-
-    def __init__(self, model: LlamaCausalLM, num_blocks: int = 64) -> None:
-        self.model = model
-        self.engine_config = KVCacheEngineConfig(block_size=4, num_blocks=num_blocks)
-
-    def turn(self, request_id: str, inputs: Mapping[str, Any], *, is_first: bool) -> KVTurn:
-        return KVTurn(
-            list(inputs["prompt"]) if is_first else [],
-            inputs["params"],
-            prefix_group=inputs.get("group"),
-        )
-
-    def outputs(
-        self, request_id: str, token_id: int, history: list[int] | None, **extra: Any
-    ) -> Mapping[str, Any]:
-        return {"token": token_id, "logprobs": extra.get("logprobs"), "done": history is not None}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from fastapi import FastAPI
 from mstar.runtime.model import Model, ModelSpec
 from mstar.server import AdmissionLimits, ServerConfig, make_app
 from mstar.server.state import ServerState
+from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
+from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
 from tests.server.models import make_byte_tokenizer, save_tiny_chat_llama
 
 T = TypeVar("T")
@@ -154,3 +156,16 @@ def llama_server(tiny_llama_dir: Path) -> Iterator[RunningServer]:
     )
     with running_server(spec, names=("tiny-chat",)) as server:
         yield server
+
+
+def qwen3_omni_tiny_spec(directory: Path, max_audio_frames: int) -> ModelSpec:
+    """A spec of qwen3-omni-tiny on random weights freshly written under ``directory``."""
+    checkpoint = make_random_checkpoint(get_qwen3_omni_config("qwen3-omni-tiny"), directory)
+    return ModelSpec(
+        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
+        {
+            "config": "qwen3-omni-tiny",
+            "checkpoint": str(checkpoint),
+            "max_audio_frames": max_audio_frames,
+        },
+    )

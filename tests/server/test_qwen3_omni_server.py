@@ -12,7 +12,6 @@ import io
 import json
 import wave
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,10 +20,7 @@ import openai
 import pytest
 from PIL import Image
 
-from mstar.runtime.model import ModelSpec
-from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
-from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
-from tests.server.conftest import RunningServer, running_server
+from tests.server.conftest import RunningServer, qwen3_omni_tiny_spec, running_server
 
 NAME = "qwen3-omni-tiny"
 SETTINGS = {"temperature": 0.0, "max_tokens": 8, "seed": 1}
@@ -32,13 +28,7 @@ SETTINGS = {"temperature": 0.0, "max_tokens": 8, "seed": 1}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    checkpoint: Path = make_random_checkpoint(
-        get_qwen3_omni_config(NAME), tmp_path_factory.mktemp("qwen3_omni") / "tiny"
-    )
-    spec = ModelSpec(
-        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
-        {"config": NAME, "checkpoint": str(checkpoint), "max_audio_frames": 40},
-    )
+    spec = qwen3_omni_tiny_spec(tmp_path_factory.mktemp("qwen3_omni") / "tiny", 40)
     with running_server(spec, names=(NAME,)) as running:
         yield running
 

@@ -22,10 +22,8 @@ import websockets
 from mstar.runtime import ModelSpec
 from mstar.server.config import ServerConfig
 from mstar.zoo import resolve_model
-from mstar.zoo.qwen3_omni.checkpoint import make_random_checkpoint
-from mstar.zoo.qwen3_omni.config import get_qwen3_omni_config
 from tests.helpers import wait_until_idle
-from tests.server.conftest import RunningServer, running_server
+from tests.server.conftest import RunningServer, qwen3_omni_tiny_spec, running_server
 
 NAME = "qwen3-omni-tiny"
 RATE = 24_000
@@ -33,13 +31,7 @@ RATE = 24_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    checkpoint = make_random_checkpoint(
-        get_qwen3_omni_config(NAME), tmp_path_factory.mktemp("qwen3_omni") / "tiny"
-    )
-    spec = ModelSpec(
-        "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
-        {"config": NAME, "checkpoint": str(checkpoint), "max_audio_frames": 30},
-    )
+    spec = qwen3_omni_tiny_spec(tmp_path_factory.mktemp("qwen3_omni") / "tiny", 30)
     with running_server(spec, names=(NAME,)) as running:
         yield running
 

@@ -79,6 +79,7 @@ __all__ = [
     "can_pack",
     "choose_layout",
     "deterministic_products",
+    "make_deterministic",
     "make_linears_deterministic",
     "products_are_deterministic",
     "route_experts",
@@ -443,6 +444,16 @@ def make_linears_deterministic(module: nn.Module) -> int:
                 sub.forward = FusedLinear._deterministic_copy(sub).__call__  # type: ignore[method-assign, assignment]
             count += 1
     return count
+
+
+def make_deterministic(model: object) -> None:
+    """Make a KV-cache node's network compute each row as it would alone: one declaring
+    `OwnProducts` does it itself, a torch module has its linears routed
+    (`make_linears_deterministic`)."""
+    if isinstance(model, OwnProducts):
+        model.make_products_deterministic()
+    elif isinstance(model, nn.Module):
+        make_linears_deterministic(model)
 
 
 class FusableLinear(nn.Linear):

@@ -364,4 +364,4 @@ def supports_audio_output(model: object) -> TypeGuard[SupportsAudioOutput]:
 
 def supports_audio_input(model: object) -> TypeGuard[SupportsAudioInput]:
     """Return whether ``model`` declares `SupportsAudioInput`."""
-    return getattr(model, "supports_audio_input", False) is True
+    return isinstance(model, SupportsAudioInput)

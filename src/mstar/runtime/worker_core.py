@@ -22,7 +22,7 @@ import torch
 
 from mstar.engines.kv_cache import budget_bytes
 from mstar.engines.kv_node import KVNodeEngine
-from mstar.engines.layers import deterministic_products, make_linears_deterministic
+from mstar.engines.layers import deterministic_products, make_deterministic
 from mstar.engines.limits import NodeLimits
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_loop import StepExecutor
@@ -241,13 +241,6 @@ def kv_cache_budgets(
     return {n: int(num_bytes * shares.get(n, each_rest)) for n in kv_nodes}
 
 
-def _modules_of(submodule: Any) -> list[torch.nn.Module]:
-    """The torch modules a node's submodule is, or holds as attributes."""
-    if isinstance(submodule, torch.nn.Module):
-        return [submodule]
-    return [v for v in vars(submodule).values() if isinstance(v, torch.nn.Module)]
-
-
 class _Ports:
     """The `WalkPorts` of one walk instance."""
 
@@ -353,8 +346,7 @@ class WorkerCore:
                 module = await asyncio.to_thread(self.model.submodule, node, device)
             if self.config.deterministic and types[node] == EngineType.KV_CACHE:
                 # Stateless nodes run one input at a time; a KV node's rows share products.
-                for part in _modules_of(module):
-                    make_linears_deterministic(part)
+                make_deterministic(module.model)  # the network its engine steps
             engine = ENGINE_FACTORIES[types[node]](
                 node, module, self._executor, self.config, budgets.get(node)
             )

@@ -776,7 +776,9 @@ class RealtimeSession:
             status = "failed"
             details = {"type": "failed", "error": {"type": "server_error", "message": str(exc)}}
             log.warning("realtime_response_failed", error=str(exc), error_type=type(exc).__name__)
-            await self.error(str(exc), param=getattr(exc, "param", None))
+            await self.error(
+                str(exc), param=exc.param if isinstance(exc, APIRequestError) else None
+            )
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose("aborted" if status == "cancelled" else None)

@@ -26,6 +26,7 @@ import torch
 
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
+from mstar.engines.layers import OwnProducts, make_linears_deterministic
 from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw, talker_suppress_mask
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
@@ -110,8 +111,10 @@ def _groups(states: list[SpeechState], key: Any) -> dict[DrawParams, list[int]]:
     return groups
 
 
-class TalkerStepModel:
+class TalkerStepModel(OwnProducts):
     """The talker's `PagedModel` for its engine: the decoder, then the step's frames drawn.
+
+    Made deterministic (`OwnProducts`): the decoder's and the code predictor's products.
 
     Args:
         weights: The model's weights (the decoder is ``weights.talker_text``).
@@ -121,6 +124,11 @@ class TalkerStepModel:
         self.weights = weights
         self.decoder: MoEDecoder = weights.talker_text
         self.suppress = talker_suppress_mask(weights.config, self.decoder.embedding.weight.device)
+
+    def make_products_deterministic(self) -> None:
+        """Route the decoder's and the code predictor's products deterministically."""
+        make_linears_deterministic(self.decoder)
+        make_linears_deterministic(self.weights.code_predictor)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
