@@ -42,6 +42,7 @@ from mstar.engines.interfaces import PagedModel
 from mstar.engines.kv_cache import allocate_kv_cache, budget_bytes, num_blocks_for_budget
 from mstar.engines.masks import AttentionMask
 from mstar.engines.model_runner import ModelRunner, StepResult
+from mstar.engines.parallel import TensorParallelGroup, TensorParallelLeader
 from mstar.engines.sampler import Sampler
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.scheduler import (
@@ -154,9 +155,14 @@ class KVCacheEngine:
         config: KVCacheEngineConfig | None = None,
         *,
         device: torch.device | str = "cpu",
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """Size and allocate the cache on ``device`` (where the model's weights are), pick the
-        attention backend, and get ready."""
+        attention backend, and get ready.
+
+        ``tensor_parallel``: `model` is the leader's shard of that group (rank 0), whose
+        followers run every step beside this engine (see `mstar.engines.parallel`).
+        """
         self.config = config = config or KVCacheEngineConfig()
         self.device = torch.device(device)
         spec = model.kv_cache_spec
@@ -194,6 +200,10 @@ class KVCacheEngine:
             model = cast(
                 PagedModel, torch.compile(model, backend=config.compile_backend, dynamic=True)
             )
+        leader = None
+        if tensor_parallel is not None and tensor_parallel.world > 1:
+            leader = TensorParallelLeader(tensor_parallel)
+            leader.init_cache(num_blocks, config.block_size, config.deterministic)
         self.runner = ModelRunner(
             model,
             kv_cache,
@@ -201,6 +211,7 @@ class KVCacheEngine:
             block_size=config.block_size,
             device=self.device,
             sampler=Sampler(deterministic=config.deterministic),
+            tensor_parallel=leader,
         )
         if config.cuda_graphs and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(

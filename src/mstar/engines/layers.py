@@ -53,6 +53,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import cast
 
@@ -61,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.native import cpu_kernels
+from mstar.engines.parallel import TensorShard
 from mstar.engines.sampler import argmax_rows
 
 __all__ = [
@@ -84,6 +86,11 @@ __all__ = [
     "products_are_deterministic",
     "route_experts",
     "signed_sin",
+    "WeightSlice",
+    "column_parallel",
+    "row_parallel",
+    "shard_module_",
+    "slice_weight",
 ]
 
 # Weight layouts for `x @ W.T`.
@@ -491,6 +498,73 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# -- tensor parallelism: which part of each weight a rank keeps (see mstar.engines.parallel) ----
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlice:
+    """A rank's part of a weight: ``[start, stop)`` along ``dim``, zero-padded to ``size`` there;
+    ``zero``: the rank holds zeros of the weight's shape (a row-parallel bias off rank 0)."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+    zero: bool = False
+
+
+def slice_weight(full: torch.Tensor, part: WeightSlice) -> torch.Tensor:
+    """Return ``part`` of ``full`` as a tensor of its own (meta tensors stay meta)."""
+    if part.zero:
+        return torch.zeros_like(full)
+    shape = list(full.shape)
+    shape[part.dim] = part.size
+    out = torch.zeros(shape, dtype=full.dtype, device=full.device)
+    if full.device.type != "meta":
+        out.narrow(part.dim, 0, part.stop - part.start).copy_(
+            full.narrow(part.dim, part.start, part.stop - part.start)
+        )
+    return out
+
+
+def column_parallel(
+    prefix: str, linear: nn.Linear, start: int, stop: int
+) -> dict[str, WeightSlice]:
+    """Column-parallel slices of ``linear`` (output features ``[start, stop)``), by parameter
+    name under ``prefix``: the rank computes its outputs, no communication."""
+    out = {f"{prefix}.weight": WeightSlice(0, start, stop, stop - start)}
+    if linear.bias is not None:
+        out[f"{prefix}.bias"] = WeightSlice(0, start, stop, stop - start)
+    return out
+
+
+def row_parallel(
+    prefix: str, linear: nn.Linear, start: int, stop: int, shard: TensorShard
+) -> dict[str, WeightSlice]:
+    """Row-parallel slices of ``linear`` (input features ``[start, stop)``): the rank's output is
+    a partial sum the group adds up (`TensorShard.all_reduce_`); the bias stays on rank 0."""
+    out = {f"{prefix}.weight": WeightSlice(1, start, stop, stop - start)}
+    if linear.bias is not None:
+        size = linear.bias.shape[0]
+        out[f"{prefix}.bias"] = WeightSlice(0, 0, size, size, zero=shard.rank != 0)
+    return out
+
+
+def shard_module_(module: nn.Module, slices: dict[str, WeightSlice]) -> None:
+    """Replace the named parameters of ``module`` by their slices (before `fuse`), and set the
+    feature counts of the `nn.Linear` / `nn.Embedding` modules that hold them."""
+    params = dict(module.named_parameters())
+    for name, part in slices.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        full = params[name]
+        setattr(owner, attr, nn.Parameter(slice_weight(full.data, part), requires_grad=False))
+        if isinstance(owner, nn.Linear) and attr == "weight":
+            owner.out_features, owner.in_features = owner.weight.shape
+        elif isinstance(owner, nn.Embedding):
+            owner.num_embeddings = owner.weight.shape[0]
+
+
 class GatedMLP(nn.Module):
     """The gated feed-forward block: ``down(act(gate(x)) * up(x))``, under checkpoint names.
 
@@ -520,6 +594,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up: FusedLinear | None = None
         self.down: FusedLinear | None = None
+        self.shard: TensorShard | None = None
+
+    def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's slices of the block (by parameter name under ``prefix``): gate and up
+        column-parallel, down row-parallel."""
+        start, stop = shard.split(self.gate_proj.out_features, f"{prefix}'s width")
+        return {
+            **column_parallel(f"{prefix}.gate_proj", self.gate_proj, start, stop),
+            **column_parallel(f"{prefix}.up_proj", self.up_proj, start, stop),
+            **row_parallel(f"{prefix}.down_proj", self.down_proj, start, stop, shard),
+        }
 
     def fuse(self, rows: tuple[int, ...] = DECODE_ROWS) -> None:
         """Store gate/up as one product and down in their fastest layouts at ``rows`` input rows."""
@@ -528,6 +613,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[..., hidden]``."""
+        out = self._forward(x)
+        # A shard's down product is a partial sum: the group adds the ranks' up.
+        return out if self.shard is None else self.shard.all_reduce_(out.contiguous())
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
             return cast(torch.Tensor, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
         gate_up = self.gate_up(x)

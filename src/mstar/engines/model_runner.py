@@ -17,10 +17,12 @@ from mstar.engines.interfaces import (
     StepChunk,
     StepInputs,
     SupportsGreedyTokens,
+    SupportsNarrowLogits,
     supports_greedy_tokens,
     supports_narrow_logits,
     supports_step_chunks,
 )
+from mstar.engines.parallel import TensorParallelLeader
 from mstar.engines.sampler import Sampler
 from mstar.engines.scheduler import SchedulerOutput
 from mstar.engines.sequence import Sequence, vocab_ranges
@@ -88,8 +90,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler | None = None,
+        tensor_parallel: TensorParallelLeader | None = None,
     ) -> None:
-        """Create a runner; `kv_cache` comes from `allocate_kv_cache`."""
+        """Create a runner; `kv_cache` comes from `allocate_kv_cache`.
+
+        With ``tensor_parallel``, `model` is the leader's shard of a tensor-parallel group: each
+        step's block copies, forward pass and head calls go to the followers before they run
+        here (see `mstar.engines.parallel`).
+        """
         self.model = model
         # no decode fast path (see `SupportsStepChunks`)
         self._needs_chunks = supports_step_chunks(model)
@@ -99,6 +107,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler or Sampler()
+        self.tensor_parallel = tensor_parallel
         self.sink_slot = (kv_cache.shape[2] - 1) * block_size
         self.ctx = PagedKVContext(backend, [(layer[0], layer[1]) for layer in kv_cache])
         self.cuda_graphs: CudaGraphDecodeRunner | None = None
@@ -109,8 +118,8 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, *, max_batch_size: int, max_len: int) -> None:
         """Capture decode CUDA graphs (CUDA only); decode steps then replay them."""
-        if self.device.type != "cuda":
-            return  # eager execution everywhere else
+        if self.device.type != "cuda" or self.tensor_parallel is not None:
+            return  # eager execution everywhere else (and for a tensor-parallel group's steps)
         graphs = CudaGraphDecodeRunner(
             self.model,
             self.ctx.kv_caches,
@@ -124,7 +133,12 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
-    def _forward(self, batch: PreparedBatch) -> torch.Tensor:
+    def forward(self, batch: PreparedBatch) -> torch.Tensor:
+        """Run a prepared step's forward pass; return the hidden states of its rows."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.forward(
+                batch.input_ids, batch.positions, batch.metadata, batch.step
+            )
         graphs = self.cuda_graphs
         if graphs is not None and batch.step is None and graphs.can_run(batch.metadata):
             return graphs.run(batch.input_ids, batch.positions, batch.metadata)
@@ -267,6 +281,8 @@ class ModelRunner:
         """Copy whole blocks (all layers, K and V) for copy-on-write."""
         if not copies:
             return
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.copy_blocks(copies)
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
@@ -280,7 +296,7 @@ class ModelRunner:
         batch = self.prepare(out)
         t1 = time.perf_counter()
         phases.add("prepare", t1 - t0)
-        hidden = self._forward(batch)
+        hidden = self.forward(batch)
         t2 = time.perf_counter()
         phases.add("forward", t2 - t1)
         returned = [hidden[lo:hi] for lo, hi in batch.hidden_rows]
@@ -310,7 +326,7 @@ class ModelRunner:
             if picked is not None:
                 return StepResult(picked, None, [])
         if return_logits:
-            logits = self.model.compute_logits(rows)
+            logits = self._logits(rows)
             raw = logits.clone()
             tokens = self.sampler(logits, seqs)
             return StepResult([int(t) for t in tokens.tolist()], raw, [])
@@ -321,11 +337,10 @@ class ModelRunner:
     ) -> list[int] | None:
         """The step's tokens with rows `plain` from the model's greedy head (the rest sampled),
         or None where the head does not decide them."""
-        model = cast(SupportsGreedyTokens, self.model)
         if len(plain) == len(seqs):
-            greedy = model.greedy_tokens(rows)
+            greedy = self._greedy(rows)
             return None if greedy is None else [int(t) for t in greedy.tolist()]
-        greedy = model.greedy_tokens(rows[plain])
+        greedy = self._greedy(rows[plain])
         if greedy is None:
             return None
         rest = sorted(set(range(len(seqs))) - set(plain))
@@ -344,10 +359,26 @@ class ModelRunner:
         ranges = [vocab_ranges(s.logits_processor, s.token_ids) for s in seqs]
         if supports_narrow_logits(self.model) and all(r is not None for r in ranges):
             # Constrained rows: project onto the ids they may take only (the rest is -inf).
-            logits = self.model.compute_logits_in(rows, cast(list[list[tuple[int, int]]], ranges))
+            logits = self._logits(rows, cast(list[list[tuple[int, int]]], ranges))
         else:
-            logits = self.model.compute_logits(rows)
+            logits = self._logits(rows)
         return [int(t) for t in self.sampler(logits, seqs, ranges).tolist()]
+
+    # The model's head calls, told to a tensor-parallel group's followers first.
+
+    def _greedy(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.head("greedy", rows)
+        return cast(SupportsGreedyTokens, self.model).greedy_tokens(rows)
+
+    def _logits(
+        self, rows: torch.Tensor, ranges: list[list[tuple[int, int]]] | None = None
+    ) -> torch.Tensor:
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.head("logits" if ranges is None else "logits_in", rows, ranges)
+        if ranges is None:
+            return self.model.compute_logits(rows)
+        return cast(SupportsNarrowLogits, self.model).compute_logits_in(rows, ranges)
 
 
 def _is_plain_greedy(seq: Sequence) -> bool:

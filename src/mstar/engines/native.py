@@ -132,7 +132,6 @@ def cpu_kernels() -> ModuleType | None:
         return _loaded
     with _lock:
         if not _tried:
-            _tried = True
             start = time.perf_counter()
             try:
                 _loaded = _build()
@@ -142,4 +141,7 @@ def cpu_kernels() -> ModuleType | None:
                 )
             else:
                 _log.info("native_kernels_ready", seconds=round(time.perf_counter() - start, 2))
+            # Set once the build is over: a thread that reads it outside the lock must not
+            # take a build still running for a failed one.
+            _tried = True
         return _loaded

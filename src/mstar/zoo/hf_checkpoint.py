@@ -20,7 +20,7 @@ import contextlib
 import json
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.layers import WeightSlice
 from mstar.engines.sampling_params import SamplingParams
 from mstar.errors import CheckpointError, InvalidSamplingParamsError
 
@@ -184,6 +185,7 @@ def load_into_module(
     *,
     ignore: Iterable[str] = (),
     optional: Iterable[str] = (),
+    slices: Mapping[str, WeightSlice] | None = None,
 ) -> None:
     """Copy a checkpoint's tensors into `module`'s parameters and persistent buffers.
 
@@ -195,6 +197,8 @@ def load_into_module(
         checkpoint_dir: a Hugging Face checkpoint directory.
         ignore: checkpoint tensors to skip (e.g. a tied `lm_head.weight`).
         optional: module tensors the checkpoint may lack (they keep their values).
+        slices: the part of a tensor to read, by name (a tensor-parallel rank's shard, read
+            from the file's slice: the whole tensor is never loaded).
     """
     from safetensors import safe_open
 
@@ -218,6 +222,10 @@ def load_into_module(
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
                     target = targets[name]
+                    part = (slices or {}).get(name)
+                    if part is not None:
+                        _load_slice(f, name, part, target)
+                        continue
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise CheckpointError(
@@ -225,6 +233,25 @@ def load_into_module(
                             f"the model expects {tuple(target.shape)}"
                         )
                     target.copy_(tensor)
+
+
+def _load_slice(f: Any, name: str, part: WeightSlice, target: torch.Tensor) -> None:
+    """Read ``part`` of checkpoint tensor ``name`` into ``target`` (zeros past its end)."""
+    target.zero_()
+    if part.zero:
+        return
+    view = f.get_slice(name)
+    index = [slice(None)] * len(view.get_shape())
+    index[part.dim] = slice(part.start, part.stop)
+    tensor = view[tuple(index)]
+    expected = list(target.shape)
+    expected[part.dim] = part.stop - part.start
+    if list(tensor.shape) != expected:
+        raise CheckpointError(
+            f"tensor {name!r}: its slice has shape {tuple(tensor.shape)}, the shard expects "
+            f"{tuple(expected)}"
+        )
+    target.narrow(part.dim, 0, part.stop - part.start).copy_(tensor)
 
 
 def save_state_dict(

@@ -33,11 +33,16 @@ from mstar.engines.layers import (
     FusedLinear,
     GatedMLP,
     RMSNorm,
+    WeightSlice,
     apply_rotary_signed,
+    column_parallel,
     deterministic_products,
+    row_parallel,
+    shard_module_,
     signed_sin,
 )
 from mstar.engines.native import cpu_kernels
+from mstar.engines.parallel import ShmGroup, TensorParallelError, TensorShard, current_shard
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
 
@@ -161,6 +166,30 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.qkv: FusedLinear | None = None
         self.o: FusedLinear | None = None
+        self.shard: TensorShard | None = None
+
+    def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's heads (by parameter name under ``prefix``): q/k/v column-parallel, o
+        row-parallel. With fewer KV heads than ranks, each rank keeps the KV head its query
+        heads read."""
+        d = self.head_dim
+        q0, q1 = shard.split(self.num_heads, "num_attention_heads")
+        if self.num_kv_heads % shard.world == 0:
+            k0, k1 = shard.split(self.num_kv_heads, "num_key_value_heads")
+        elif shard.world % self.num_kv_heads == 0:
+            k0 = shard.rank // (shard.world // self.num_kv_heads)
+            k1 = k0 + 1
+        else:
+            raise TensorParallelError(
+                f"num_key_value_heads ({self.num_kv_heads}) and {shard.world} tensor-parallel "
+                "ranks: one must divide the other"
+            )
+        return {
+            **column_parallel(f"{prefix}.q_proj", self.q_proj, q0 * d, q1 * d),
+            **column_parallel(f"{prefix}.k_proj", self.k_proj, k0 * d, k1 * d),
+            **column_parallel(f"{prefix}.v_proj", self.v_proj, k0 * d, k1 * d),
+            **row_parallel(f"{prefix}.o_proj", self.o_proj, q0 * d, q1 * d, shard),
+        }
 
     def fuse(self) -> None:
         """Store q/k/v as one transposed matrix (the HF-named weights become views of it)."""
@@ -190,7 +219,9 @@ class LlamaAttention(nn.Module):
             k = apply_rotary_signed(k2.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v2.view(tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_index, q, k, v, self.scale).reshape(tokens, q_size)
-        return self.o(out) if self.o is not None else self.o_proj(out)
+        o = self.o(out) if self.o is not None else self.o_proj(out)
+        # A shard's output product is a partial sum: the group adds the ranks' up.
+        return o if self.shard is None else self.shard.all_reduce_(o.contiguous())
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -250,6 +281,7 @@ class LlamaCausalLM(nn.Module):
 
     supports_narrow_logits: ClassVar[Literal[True]] = True
     supports_greedy_tokens: ClassVar[Literal[True]] = True
+    supports_tensor_parallel: ClassVar[Literal[True]] = True
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -267,6 +299,8 @@ class LlamaCausalLM(nn.Module):
         # The decoder for the native decode step (`DecodeStack`; None: not built yet; False:
         # a layer that the native call cannot run, or no kernels).
         self._native_stack: Any = None
+        self.shard: TensorShard | None = None
+        self.vocab_start, self.vocab_stop = 0, config.vocab_size  # the ids this shard holds
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Rotary tables for every position, built once (float32, as transformers does).
@@ -278,11 +312,40 @@ class LlamaCausalLM(nn.Module):
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
     @property
+    def tensor_shard(self) -> TensorShard | None:
+        """The tensor-parallel shard this network holds (None: all of it)."""
+        return self.shard
+
+    def shard_slices(self, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's part of every weight, by Hugging Face name (the norms stay whole)."""
+        start, stop, rows = shard.vocab_range(self.config.vocab_size)
+        vocab = WeightSlice(0, start, stop, rows)
+        out = {"model.embed_tokens.weight": vocab}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = vocab
+        for i, layer in enumerate(self.decoder_layers):
+            out.update(layer.self_attn.shard_slices(f"model.layers.{i}.self_attn", shard))
+            out.update(layer.mlp.shard_slices(f"model.layers.{i}.mlp", shard))
+        return out
+
+    def shard_(self, shard: TensorShard) -> None:
+        """Keep this rank's shard of every weight (before `fuse_for_inference`; meta weights too):
+        its heads, its share of each MLP, its rows of the vocabulary."""
+        shard_module_(self, self.shard_slices(shard))
+        self.shard = shard
+        self.vocab_start, self.vocab_stop, _ = shard.vocab_range(self.config.vocab_size)
+        for layer in self.decoder_layers:
+            attn = layer.self_attn
+            attn.num_heads = attn.q_proj.out_features // attn.head_dim
+            attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            attn.shard = layer.mlp.shard = shard
+
+    @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """Return the cache geometry."""
+        """Return the cache geometry (a shard's: its KV heads)."""
         return KVCacheSpec(
             num_layers=self.config.num_hidden_layers,
-            num_kv_heads=self.config.num_key_value_heads,
+            num_kv_heads=self.decoder_layers[0].self_attn.num_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.model.embed_tokens.weight.dtype,
         )
@@ -311,7 +374,7 @@ class LlamaCausalLM(nn.Module):
                 return cast(
                     torch.Tensor, stack.forward(input_ids, positions, caches, slots, tables, lens)
                 )
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         # The step's rotary tables, once for every layer (the sine signed: see
         # `apply_rotary_signed`).
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1).to(dtype)
@@ -319,6 +382,15 @@ class LlamaCausalLM(nn.Module):
         for layer in self.decoder_layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``input_ids`` (a shard: its ids' rows, summed over the group)."""
+        if self.shard is None:
+            return cast(torch.Tensor, self.model.embed_tokens(input_ids))
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
+        x = self.model.embed_tokens(local.clamp(0, self.vocab_stop - self.vocab_start - 1))
+        return self.shard.all_reduce_(x.masked_fill_(outside.unsqueeze(1), 0))
 
     def _decode_stack(self) -> Any:
         """The native decode step (`cpu_kernels.cpp`'s `DecodeStack`), or None where it cannot run.
@@ -332,10 +404,13 @@ class LlamaCausalLM(nn.Module):
             layers = [(layer, layer.native_products()) for layer in self.decoder_layers]
             self._native_stack = False
             norm, embed = self.model.norm, self.model.embed_tokens.weight
+            group = self.shard.group if self.shard is not None else None
             if (
                 kernels is not None
                 and norm.weight.dtype == embed.dtype
                 and all(p is not None for _, p in layers)
+                # a shard's sums inside the call: only over shared memory
+                and (group is None or isinstance(group, ShmGroup))
             ):
                 attn = self.decoder_layers[0].self_attn
                 stack = kernels.DecodeStack(
@@ -348,6 +423,8 @@ class LlamaCausalLM(nn.Module):
                     attn.num_heads,
                     invariant=attn.qkv is not None and attn.qkv.deterministic,
                 )
+                if isinstance(group, ShmGroup) and group.world > 1:
+                    stack.set_group(group.native, self.vocab_start)
                 for layer, products in layers:
                     assert products is not None
                     stack.add_layer(
@@ -395,7 +472,15 @@ class LlamaCausalLM(nn.Module):
         logits = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"))
         groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for row, row_ranges in enumerate(ranges):
-            groups.setdefault(tuple(row_ranges), []).append(row)
+            # a shard's ids only, counted from its first
+            local = [
+                (
+                    max(a, self.vocab_start) - self.vocab_start,
+                    min(b, self.vocab_stop) - self.vocab_start,
+                )
+                for a, b in row_ranges
+            ]
+            groups.setdefault(tuple((a, b) for a, b in local if a < b), []).append(row)
         deterministic = self._head is not None and self._head.deterministic
         for key, rows in groups.items():
             index = torch.tensor(rows, device=hidden.device)
@@ -407,7 +492,15 @@ class LlamaCausalLM(nn.Module):
                     logits[index, start:end] = self._head_slice(start, end)(part)
                 else:
                     logits[index, start:end] = F.linear(part, weight[start:end])
-        return logits
+        return self._gather_logits(logits)
+
+    def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """A shard's logits `[rows, its rows of the vocabulary]` -> every id's, gathered."""
+        if self.shard is None or self.shard.group is None:
+            return local
+        parts = self.shard.group.all_gather(local.contiguous())  # [world, rows, vocab rows]
+        rows = local.shape[0]
+        return parts.permute(1, 0, 2).reshape(rows, -1)[:, : self.config.vocab_size]
 
     def _head_slice(self, start: int, end: int) -> FusedLinear:
         """The head's rows `[start, end)` as a deterministic product, made once per range."""
@@ -426,6 +519,8 @@ class LlamaCausalLM(nn.Module):
         `SupportsGreedyTokens`)."""
         if self._head is None:
             return None
+        if self.shard is not None and self.shard.group is not None:
+            return self._shard_greedy_tokens(hidden, self.shard.group)
         if self._greedy is None:
             dense = self._dense_head()
             # A float32 head on a CPU with bfloat16 products: greedy rows screen in bfloat16
@@ -440,12 +535,27 @@ class LlamaCausalLM(nn.Module):
             return self._head.argmax(hidden)
         return self._greedy(hidden)
 
+    def _shard_greedy_tokens(self, hidden: torch.Tensor, group: Any) -> torch.Tensor:
+        """Each row's argmax over the group: every rank's best id and logit (two numbers a row)
+        are gathered, and the highest wins (the lowest id on ties, as one argmax does)."""
+        assert self._head is not None
+        logits = self._head(hidden)[:, : self.vocab_stop - self.vocab_start]
+        best, index = logits.float().max(dim=1)
+        mine = torch.stack((best.double(), (index + self.vocab_start).double()), dim=1)
+        every = group.all_gather(mine)  # [world, rows, 2], ranks in id order
+        winner = every[:, :, 0].argmax(dim=0)  # the first rank holding the maximum
+        return every[winner, torch.arange(hidden.shape[0]), 1].long()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states to vocabulary logits."""
+        """Project hidden states to vocabulary logits (a shard's gathered over the group)."""
         if self._head is not None:
-            return self._head(hidden)
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight)
+            logits = self._head(hidden)
+        else:
+            weight = (
+                self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+            )
+            logits = F.linear(hidden, weight)
+        return self._gather_logits(logits)
 
 
 def load_llama(
@@ -469,10 +579,15 @@ def load_llama(
             dtype = getattr(torch, config.torch_dtype)
     with torch.device("meta"):
         model = LlamaCausalLM(config)
+    shard = current_shard()
+    slices = None
+    if shard is not None:  # a tensor-parallel rank reads its slices of the checkpoint only
+        slices = model.shard_slices(shard)
+        model.shard_(shard)
     model = model.to_empty(device=device).to(dtype=dtype)
     _fill_rope(model, config, device)  # derived tables are not in checkpoints
     ignore = ["lm_head.weight"] if config.tie_word_embeddings else []
-    load_into_module(model, checkpoint_dir, ignore=ignore)
+    load_into_module(model, checkpoint_dir, ignore=ignore, slices=slices)
     model.fuse_for_inference()
     return model.eval()
 

@@ -6,6 +6,8 @@
 //   prefill.h       prefill_attention: prefill chunks' rows over the paged cache, in tiles
 //   norms.h         rms_norm, add_rms_norm, rotary, silu_mul with torch's roundings
 //   products.h      tiled products (float32, AVX-512 BF16, AMX) and the greedy head's argmax
+//   collectives.h   ShmGroup: a tensor-parallel group's all-reduce, all-gather and commands
+//                   over shared memory
 //   llama_decode.h  the Llama decoder's decode layer and step in one call (model-specific)
 
 #include "simd.h"
@@ -13,6 +15,7 @@
 #include "prefill.h"
 #include "norms.h"
 #include "products.h"
+#include "collectives.h"
 #include "llama_decode.h"
 
 // Each call releases the GIL while it runs, as torch's own ops do: the event loop's Python
@@ -39,7 +42,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("rope_cos"), py::arg("rope_sin"), py::arg("final_norm"), py::arg("eps"), py::arg("scale"),
            py::arg("heads"), py::arg("invariant") = false)
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_group", &DecodeStack::set_group, py::arg("group"), py::arg("vocab_start"))
       .def("forward", &DecodeStack::forward, release());
+  py::class_<ShmGroup, std::shared_ptr<ShmGroup>>(m, "ShmGroup", py::module_local(),
+                                                   "A tensor-parallel group over shared memory (see the source).")
+      .def(py::init<at::Tensor, int64_t, int64_t, int64_t, int64_t, double>(), py::arg("region"), py::arg("rank"),
+           py::arg("world"), py::arg("slot_bytes"), py::arg("command_bytes"), py::arg("timeout_s"))
+      .def_static("region_bytes", &ShmGroup::region_bytes)
+      .def_property_readonly("rank", &ShmGroup::rank)
+      .def_property_readonly("world", &ShmGroup::world)
+      .def("all_reduce_", &ShmGroup::all_reduce_, release())
+      .def("all_gather", &ShmGroup::all_gather, release())
+      .def("send", &ShmGroup::send, release())
+      .def("receive", &ShmGroup::receive, release())
+      .def("abort", &ShmGroup::abort, release())
+      .def("is_broken", &ShmGroup::is_broken);
   m.def("linear_argmax", &linear_argmax, "argmax_rows(linear(x, tiles, bias)) (see the source).", py::arg("x"),
         py::arg("tiles"), py::arg("bias") = py::none(), release());
   m.def("screened_tokens", &screened_tokens, "ScreenedArgmax's screen and choice in one call (see the source).",

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "attention.h"
+#include "collectives.h"
 #include "norms.h"
 #include "prefill.h"
 #include "products.h"
@@ -30,14 +31,16 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::optional
 // the previous layer's MLP output, added to `x` before the input norm (the add the torch
 // path makes at the end of a layer). `invariant`: the products' (see linear), and attention
 // through prefill_attention. Returns {the residual after attention, the MLP's output}.
-std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
-                                     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                                     const std::vector<at::Tensor>& weights,
-                                     const std::vector<c10::optional<at::Tensor>>& biases,
-                                     const std::vector<bool>& transposed, const at::Tensor& cos, const at::Tensor& sin,
-                                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-                                     const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t heads,
-                                     bool invariant) {
+// With a tensor-parallel `group`, the layer is this rank's shard (its heads, its share of the
+// MLP): the output and down products' partial sums are summed over the group.
+std::vector<at::Tensor> decode_layer_in(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
+                                        const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                                        const std::vector<at::Tensor>& weights,
+                                        const std::vector<c10::optional<at::Tensor>>& biases,
+                                        const std::vector<bool>& transposed, const at::Tensor& cos,
+                                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
+                                        double scale, int64_t heads, bool invariant, ShmGroup* group) {
   TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && transposed.size() == 4,
               "decode_layer: the q/k/v, output, gate/up and down products expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -79,10 +82,25 @@ std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at
       invariant ? ::prefill_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables,
                                       at::arange(rows, slots.options()), lens, scale)
                 : ::decode_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables, lens, scale);
-  const at::Tensor o = product(attended.view({rows, heads * dim}), weights[1], biases[1], transposed[1], invariant);
+  at::Tensor o = product(attended.view({rows, heads * dim}), weights[1], biases[1], transposed[1], invariant);
+  if (group != nullptr) group->all_reduce_(o);
   auto after = ::add_rms_norm(residual, o, post_norm, eps);
   const at::Tensor gate_up = product(after[1], weights[2], biases[2], transposed[2], invariant);
-  return {after[0], product(::silu_mul(gate_up), weights[3], biases[3], transposed[3], invariant)};
+  at::Tensor down = product(::silu_mul(gate_up), weights[3], biases[3], transposed[3], invariant);
+  if (group != nullptr) group->all_reduce_(down);
+  return {after[0], down};
+}
+
+std::vector<at::Tensor> decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
+                                     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                                     const std::vector<at::Tensor>& weights,
+                                     const std::vector<c10::optional<at::Tensor>>& biases,
+                                     const std::vector<bool>& transposed, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                                     const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t heads,
+                                     bool invariant) {
+  return decode_layer_in(x, delta, input_norm, post_norm, eps, weights, biases, transposed, cos, sin, k_cache, v_cache,
+                         slots, tables, lens, scale, heads, invariant, nullptr);
 }
 
 // A Llama decoder's decode step in one call: the embedding rows of the step's tokens, the
@@ -102,6 +120,13 @@ class DecodeStack {
                 "DecodeStack: an embedding [vocab, hidden] and rotary tables [positions, head_dim] expected");
   }
 
+  // Run as one rank's shard of a tensor-parallel decoder: the embedding holds ids
+  // [vocab_start, vocab_start + its rows), the layers their heads and MLP share.
+  void set_group(std::shared_ptr<ShmGroup> group, int64_t vocab_start) {
+    group_ = std::move(group);
+    vocab_start_ = vocab_start;
+  }
+
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> weights,
                  std::vector<c10::optional<at::Tensor>> biases, std::vector<bool> transposed) {
     TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && transposed.size() == 4,
@@ -116,16 +141,25 @@ class DecodeStack {
                 "DecodeStack.forward: a key and a value cache per layer expected");
     TORCH_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes(),
                 "DecodeStack.forward: ids and positions [rows] expected");
-    at::Tensor x = embed_.index_select(0, ids);
+    at::Tensor x;
+    if (group_) {  // this rank's rows of a vocabulary-parallel embedding, summed over the group
+      const at::Tensor local = ids - vocab_start_;
+      const at::Tensor outside = (local < 0).logical_or_(local >= embed_.size(0));
+      x = embed_.index_select(0, local.clamp(0, embed_.size(0) - 1));
+      x.masked_fill_(outside.unsqueeze(1), 0);
+      group_->all_reduce_(x);
+    } else {
+      x = embed_.index_select(0, ids);
+    }
     const at::Tensor cos = cos_.index_select(0, positions).to(x.scalar_type());
     const at::Tensor sin = sin_.index_select(0, positions).to(x.scalar_type());
     sin.narrow(1, 0, sin.size(1) / 2).neg_();  // a fresh tensor either way (index_select's)
     c10::optional<at::Tensor> delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      auto out = ::decode_layer(x, delta, layer.input_norm, layer.post_norm, layer.eps, layer.weights, layer.biases,
-                                layer.transposed, cos, sin, caches[2 * i], caches[2 * i + 1], slots, tables, lens,
-                                scale_, heads_, invariant_);
+      auto out = ::decode_layer_in(x, delta, layer.input_norm, layer.post_norm, layer.eps, layer.weights,
+                                   layer.biases, layer.transposed, cos, sin, caches[2 * i], caches[2 * i + 1], slots,
+                                   tables, lens, scale_, heads_, invariant_, group_.get());
       x = out[0];
       delta = out[1];
     }
@@ -145,4 +179,6 @@ class DecodeStack {
   int64_t heads_;
   bool invariant_;
   std::vector<Layer> layers_;
+  std::shared_ptr<ShmGroup> group_;
+  int64_t vocab_start_ = 0;
 };
