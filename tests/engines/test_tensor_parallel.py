@@ -125,7 +125,9 @@ def _join_and_die(path: str) -> None:
 
 def test_a_rank_whose_process_died_fails_the_collective(shm_path: Path) -> None:
     leader = ShmGroup(shm_path, 0, 2, timeout_s=120)
-    child = multiprocessing.get_context("spawn").Process(target=_join_and_die, args=(str(shm_path),))
+    child = multiprocessing.get_context("spawn").Process(
+        target=_join_and_die, args=(str(shm_path),)
+    )
     child.start()
     x = torch.ones(4)
     leader.all_reduce_(x)
@@ -276,5 +278,7 @@ def test_each_rank_reads_its_slices_of_the_checkpoint(checkpoint: Path) -> None:
 
 def test_a_layout_that_cannot_split_is_refused(tmp_path: Path) -> None:
     model = make_tiny_llama(num_heads=4, num_kv_heads=2)
-    with pytest.raises(TensorParallelError, match="num_attention_heads \\(4\\) cannot be split over 3"):
+    with pytest.raises(
+        TensorParallelError, match="num_attention_heads \\(4\\) cannot be split over 3"
+    ):
         model.shard_(TensorShard(0, 3))

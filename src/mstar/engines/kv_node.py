@@ -46,6 +46,7 @@ from mstar.engines.interfaces import (
 )
 from mstar.engines.kv_engine import KVCacheEngine
 from mstar.engines.limits import NodeLimits
+from mstar.engines.parallel import TensorParallelGroup
 from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.engines.sequence import FinishReason, SequenceStatus
@@ -124,6 +125,7 @@ class KVNodeEngine(StepLoop):
         *,
         kv_cache_memory: int | float | None = None,
         deterministic: bool = False,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.node = node
@@ -133,7 +135,9 @@ class KVNodeEngine(StepLoop):
             config = replace(config, kv_cache_memory=kv_cache_memory)
         if deterministic:
             config = replace(config, deterministic=True)
-        self.engine = KVCacheEngine(kv_node.model, config, device=device)
+        self.engine = KVCacheEngine(
+            kv_node.model, config, device=device, tensor_parallel=tensor_parallel
+        )
         self.executor = executor
         self.has_native_loop = supports_token_walks(kv_node)
         self._forward_node = kv_node if supports_forward_walks(kv_node) else None

@@ -43,6 +43,21 @@ node_groups:
   - {node_names: [talker, code_predictor], ranks: [0], kv_cache_share: 0.2}
 ```
 
+``tensor_parallel: N`` shards the group's nodes over N ranks each (`mstar.engines.parallel`):
+its ranks, in order, form ``len(ranks) / N`` tensor-parallel groups (replicas of the sharded
+node); each group's first rank schedules and is the rank the conductor sends walks to. The
+other nodes keep their own placement (a sharded thinker beside an unsharded talker):
+
+```yaml
+node_groups:
+  - {node_names: [thinker], ranks: [0, 1], tensor_parallel: 2}
+  - {node_names: [talker, code_predictor, code2wav], ranks: [2]}
+```
+
+A tensor-parallel group's ranks share a machine (their collectives go through shared memory);
+on a Ray cluster they are placed together, unless ``allow_cross_node_tp: true`` lets them
+spread (collectives then go through ``torch.distributed``).
+
 ``deterministic: true`` serves deterministically, as ``EngineConfig(deterministic=True)`` and
 ``mstar serve --deterministic`` do (either one turns it on).
 """
@@ -61,7 +76,7 @@ import msgspec.yaml
 from mstar.errors import PlacementError
 from mstar.graph import ModelGraph
 
-__all__ = ["RAY_ADDRESS_ENV", "NodeGroup", "Placement"]
+__all__ = ["RAY_ADDRESS_ENV", "NodeGroup", "Placement", "TensorParallelRole"]
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 """The variable naming the Ray cluster of a ``backend: ray`` placement without ``ray_address``."""
@@ -75,6 +90,23 @@ class NodeGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     graph_walks: list[str] | None = None
     kv_cache_share: float | None = None
     ray_resources: dict[str, float] | None = None
+    tensor_parallel: int = 1
+    allow_cross_node_tp: bool = False
+
+    def tensor_parallel_groups(self) -> list[tuple[int, ...]]:
+        """Return the ranks of each tensor-parallel group (one group per rank without it)."""
+        n = max(1, self.tensor_parallel)
+        return [tuple(self.ranks[i : i + n]) for i in range(0, len(self.ranks), n)]
+
+
+class TensorParallelRole(msgspec.Struct, frozen=True):
+    """One tensor-parallel group a worker takes part in: its nodes, its ranks (the first leads),
+    and the name of the shared-memory file its collectives run through."""
+
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]
+    channel: str
+    source: str = "tensor_parallel"  # where the placement declares it ("node_groups[0]")
 
 
 class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -169,6 +201,7 @@ class Placement:
                     raise PlacementError(
                         f"{where}: unknown walk {walk!r} (walks: {', '.join(graph.walks)})"
                     )
+            leaders = _check_tensor_parallel(where, group)
             walks: Iterable[str] = (
                 group.graph_walks if group.graph_walks is not None else graph.walks
             )
@@ -183,7 +216,7 @@ class Placement:
                         raise PlacementError(
                             f"{where}: node {node!r} in walk {key[1]!r} is already placed"
                         )
-                    out[key] = tuple(group.ranks)
+                    out[key] = leaders
         for node, walk in sorted(uses - out.keys()):
             raise PlacementError(
                 f"node {node!r} in walk {walk!r} has no placement: add it to a node group"
@@ -276,10 +309,50 @@ class Placement:
                 out[name] = max(out.get(name, 0.0), float(amount))
         return out
 
+    def tensor_parallel_groups(self) -> list[tuple[int, tuple[str, ...], tuple[int, ...]]]:
+        """Return each tensor-parallel group: its node group's index, its nodes, its ranks.
+
+        Raises:
+            PlacementError: A rank is in two tensor-parallel groups, or in one and another group
+                of the same nodes.
+        """
+        out = []
+        seen: dict[int, str] = {}
+        for i, group in enumerate(self.groups):
+            if group.tensor_parallel <= 1:
+                continue
+            for ranks in group.tensor_parallel_groups():
+                for rank in ranks:
+                    if rank in seen:
+                        raise PlacementError(
+                            f"node_groups[{i}]: rank {rank} is already in the tensor-parallel "
+                            f"group of {seen[rank]}"
+                        )
+                    seen[rank] = f"node_groups[{i}]"
+                out.append((i, tuple(group.node_names), ranks))
+        return out
+
     @property
     def ranks(self) -> tuple[int, ...]:
         """Return every rank this placement uses, sorted."""
         return tuple(sorted({r for g in self.groups for r in g.ranks}))
+
+
+def _check_tensor_parallel(where: str, group: NodeGroup) -> tuple[int, ...]:
+    """Check a group's ``tensor_parallel``; return the ranks walks go to (each TP group's
+    first)."""
+    n = group.tensor_parallel
+    if n < 1:
+        raise PlacementError(f"{where}: tensor_parallel must be >= 1, got {n}")
+    if len(group.ranks) % n:
+        raise PlacementError(
+            f"{where}: tensor_parallel {n} needs a multiple of {n} ranks, got {group.ranks}"
+        )
+    if n > 1 and group.graph_walks is not None:
+        raise PlacementError(
+            f"{where}: a tensor-parallel group serves its nodes in every walk (no graph_walks)"
+        )
+    return tuple(ranks[0] for ranks in group.tensor_parallel_groups())
 
 
 def _check_ranks(where: str, ranks: list[int], num_ranks: int | None) -> None:

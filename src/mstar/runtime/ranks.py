@@ -14,21 +14,23 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import structlog
 
 from mstar.actors import ActorRef, ActorSystem
 from mstar.actors.process import SystemProcess
-from mstar.errors import MStarError, PeerLostError, WorkerLostError
+from mstar.errors import ActorDeadError, MStarError, PeerLostError, WorkerLostError
 from mstar.graph import ModelGraph
 from mstar.runtime.conductor import WorkerLost
 from mstar.runtime.engine_config import EngineConfig
 from mstar.runtime.messages import InitWorker, UpdatePeer, WorkerReady
 from mstar.runtime.model import Model, ModelSpec
-from mstar.runtime.placement import Placement
+from mstar.runtime.placement import Placement, TensorParallelRole
 from mstar.runtime.ray_launcher import RankInfo, RayLauncher
 from mstar.runtime.worker import HOST_NAME, Worker, worker_name
 from mstar.runtime.worker_core import WorkerConfig
+from mstar.transport.janitor import SHM_DIR, make_owned_name
 from mstar.wire import ActorId
 
 __all__ = ["CONDUCTOR", "Ranks"]
@@ -75,6 +77,11 @@ class Ranks:
         self._ray_watchers: list[asyncio.Task[None]] = []
         self._links_lost: dict[int, asyncio.Event] = {}  # rank -> the link to its Ray actor broke
         self._is_closed = False
+        # Tensor-parallel groups (node group index, nodes, ranks), each one's shared-memory
+        # channel (a fresh one each time the group restarts), and those restarting now.
+        self._tp_groups = placement.tensor_parallel_groups()
+        self._tp_channels = [make_owned_name() for _ in self._tp_groups]
+        self._tp_restarting: set[int] = set()
 
     def up(self) -> dict[int, bool]:
         """Return, per rank, whether its worker serves now (False while a lost one restarts)."""
@@ -125,9 +132,14 @@ class Ranks:
         ranks = self.placement.ranks
         if not self.config.is_distributed:
             for rank in ranks:
-                await self.system.spawn(
-                    self._worker_factory(rank, conductor), name=worker_name(rank)
-                )
+                try:
+                    await self.system.spawn(
+                        self._worker_factory(rank, conductor), name=worker_name(rank)
+                    )
+                except ActorDeadError as exc:
+                    if isinstance(exc.__cause__, MStarError):  # a typed error says it best
+                        raise exc.__cause__ from None
+                    raise
             return
         await asyncio.gather(*(self._init_worker(rank) for rank in ranks))
         self._start_s = dict.fromkeys(ranks, time.monotonic() - self._started_at)
@@ -170,6 +182,8 @@ class Ranks:
         if self.launcher is not None:
             with contextlib.suppress(Exception):
                 await self.launcher.stop()
+        for channel, (_, nodes, _) in zip(self._tp_channels, self._tp_groups, strict=True):
+            _remove_channel(channel, len(nodes))  # what a killed rank left
 
     def _make_process(self) -> SystemProcess:
         return SystemProcess(
@@ -240,10 +254,30 @@ class Ranks:
                     self._sentinels.discard(proc.sentinel)
                     asyncio.get_running_loop().remove_reader(proc.sentinel)
                 proc.kill()  # reap it (its sentinel closes)
+                self._restart_tensor_parallel_peers(rank)
                 try:
                     await self._restart(rank)
                 except Exception:
                     log.exception("worker_restart_failed", rank=rank)
+
+    def _restart_tensor_parallel_peers(self, rank: int) -> None:
+        """A tensor-parallel group restarts as a unit: when one of its ranks is lost, the others
+        are stopped too (their requests fail, as the lost one's) and the group comes back on a
+        fresh channel."""
+        for g, (_, nodes, ranks) in enumerate(self._tp_groups):
+            if rank not in ranks or g in self._tp_restarting:
+                continue
+            self._tp_restarting.add(g)
+            _remove_channel(self._tp_channels[g], len(nodes))
+            self._tp_channels[g] = make_owned_name()
+            for other in ranks:
+                proc = self.processes.get(other)
+                if other != rank and proc is not None and proc.is_alive:
+                    log.warning("tensor_parallel_group_restarts", rank=other, lost=rank)
+                    # Down from now on (the group restarts once all of it is back); the
+                    # watchdog reports and restarts it next (its sentinel fired).
+                    self._lost.add(other)
+                    proc.kill()
 
     async def _restart(self, rank: int) -> None:
         started = time.monotonic()
@@ -325,13 +359,28 @@ class Ranks:
                 peer.tell(update)
         self._lost.discard(rank)
         self.num_restarts += 1
+        self._tp_restarting -= {
+            g for g in self._tp_restarting if not self._lost & set(self._tp_groups[g][2])
+        }
 
     def _worker_config(self, rank: int) -> WorkerConfig:
         shares = self.placement.kv_cache_shares(rank)
-        return self.config.worker_config(rank, len(self.placement.ranks), shares)
+        config = self.config.worker_config(rank, len(self.placement.ranks), shares)
+        roles = tuple(
+            TensorParallelRole(nodes, ranks, self._tp_channels[g], f"node_groups[{i}]")
+            for g, (i, nodes, ranks) in enumerate(self._tp_groups)
+            if rank in ranks
+        )
+        return replace(config, tensor_parallel=roles) if roles else config
 
     def _worker_factory(self, rank: int, conductor: ActorRef) -> Callable[[], Worker]:
         config = self._worker_config(rank)
         return lambda: Worker(
             rank, self.model, self.graph, self.resolved, conductor, self.workers, config
         )
+
+
+def _remove_channel(channel: str, num_nodes: int) -> None:
+    """Remove a tensor-parallel group's shared-memory files (one per node)."""
+    for i in range(num_nodes):
+        (SHM_DIR / f"{channel}.{i}").unlink(missing_ok=True)

@@ -24,14 +24,25 @@ from mstar.engines.kv_cache import budget_bytes
 from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.layers import deterministic_products, make_deterministic
 from mstar.engines.limits import NodeLimits
+from mstar.engines.parallel import (
+    ShmGroup,
+    TensorParallelError,
+    TensorParallelFollower,
+    TensorParallelGroup,
+    TensorShard,
+    sharded,
+    supports_tensor_parallel,
+)
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_loop import StepExecutor
 from mstar.engines.step_times import WalkStepTimes
-from mstar.errors import KVCacheCapacityError, MStarError
+from mstar.errors import KVCacheCapacityError, MStarError, PlacementError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import EngineType, Model, supports_shared_engines
+from mstar.runtime.placement import TensorParallelRole
 from mstar.runtime.walk_runner import ValueKey, WalkRunner
+from mstar.transport.janitor import SHM_DIR
 
 __all__ = [
     "ENGINE_FACTORIES",
@@ -147,6 +158,9 @@ class WorkerConfig:
         deterministic: Serve deterministically (see `EngineConfig.deterministic`): weights
             load under `deterministic_products`, KV-cache engines compute each row on its
             own, stateless engines run one input at a time.
+        tensor_parallel: The tensor-parallel groups this rank is in (see
+            `mstar.engines.parallel`): it leads a group's nodes (their engines run here) or
+            follows them (it runs the leader's steps on its shard).
     """
 
     device: str = "cpu"
@@ -157,6 +171,7 @@ class WorkerConfig:
     kv_cache_memory: int | float | None = None
     kv_cache_shares: dict[str, float] = field(default_factory=dict)
     deterministic: bool = False
+    tensor_parallel: tuple[TensorParallelRole, ...] = ()
 
 
 EngineFactory = Callable[
@@ -184,6 +199,7 @@ def _make_kv(
     executor: Executor | None,
     config: WorkerConfig,
     budget: int | float | None,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> NodeEngine:
     try:
         return KVNodeEngine(
@@ -193,6 +209,7 @@ def _make_kv(
             device=config.device,
             kv_cache_memory=budget,
             deterministic=config.deterministic,
+            tensor_parallel=tensor_parallel,
         )
     except KVCacheCapacityError as exc:
         raise KVCacheCapacityError(f"KV-cache node {node!r}: {exc}") from exc
@@ -300,6 +317,9 @@ class WorkerCore:
         self.early: dict[_RunKey, list[tuple[ValueKey, Any]]] = {}
         self._released: OrderedDict[str, int] = OrderedDict()  # request -> last walk seq released
         self._executor: ThreadPoolExecutor | None = None
+        # node -> (its tensor-parallel group, its shard, where the placement declares it)
+        self._shards: dict[str, tuple[TensorParallelGroup, TensorShard, str]] = {}
+        self.followers: dict[str, TensorParallelFollower] = {}  # nodes this rank follows
 
     async def __aenter__(self) -> WorkerCore:
         await self.start()
@@ -340,31 +360,88 @@ class WorkerCore:
         budgets = kv_cache_budgets(
             [n for n in owned if types[n] == EngineType.KV_CACHE], self.config, device
         )
+        self._join_tensor_parallel(types)
         for node in owned:
-            # Loading weights takes seconds: off the event loop, which must keep heartbeating.
-            with deterministic_products(self.config.deterministic):
-                module = await asyncio.to_thread(self.model.submodule, node, device)
+            module = await self._load(node, device)
             if self.config.deterministic and types[node] == EngineType.KV_CACHE:
                 # Stateless nodes run one input at a time; a KV node's rows share products.
                 make_deterministic(module.model)  # the network its engine steps
-            engine = ENGINE_FACTORIES[types[node]](
-                node, module, self._executor, self.config, budgets.get(node)
-            )
+            if node in self._shards:
+                engine = _make_kv(
+                    node,
+                    module,
+                    self._executor,
+                    self.config,
+                    budgets.get(node),
+                    tensor_parallel=self._shards[node][0],
+                )
+            else:
+                engine = ENGINE_FACTORIES[types[node]](
+                    node, module, self._executor, self.config, budgets.get(node)
+                )
             engine.start()
             self.engines[node] = engine
+        for node, (group, _, _) in self._shards.items():
+            if group.rank == 0:
+                continue
+            module = await self._load(node, device)
+            if self.config.deterministic:
+                make_deterministic(module.model)
+            follower = TensorParallelFollower(
+                node, module.model, group, device, num_threads=self.config.num_threads
+            )
+            follower.start()
+            self.followers[node] = follower
         for node, host in self.hosted.items():
             self.engines[node] = self.engines[host]
         if self.config.freeze_gc:
             gc.collect()
             gc.freeze()
 
+    def _join_tensor_parallel(self, types: Mapping[str, EngineType]) -> None:
+        """Map the shared memory of the tensor-parallel groups this rank is in."""
+        for role in self.config.tensor_parallel:
+            if self.rank not in role.ranks:
+                continue
+            index, world = role.ranks.index(self.rank), len(role.ranks)
+            for i, node in enumerate(role.nodes):
+                if types.get(node) != EngineType.KV_CACHE:
+                    raise PlacementError(
+                        f"{role.source}: tensor_parallel shards KV-cache nodes; {node!r} is not one"
+                    )
+                group = ShmGroup(SHM_DIR / f"{role.channel}.{i}", index, world)
+                self._shards[node] = (group, TensorShard(index, world, group), role.source)
+
+    async def _load(self, node: str, device: torch.device) -> Any:
+        """Build a node's module (its shard, where the node is sharded)."""
+        part = self._shards.get(node)
+        shard = part[1] if part is not None else None
+        # Loading weights takes seconds: off the event loop, which must keep heartbeating.
+        with deterministic_products(self.config.deterministic), sharded(shard):
+            try:
+                module = await asyncio.to_thread(self.model.submodule, node, device)
+            except TensorParallelError as exc:
+                raise PlacementError(f"{part[2] if part else node}: {exc}") from None
+        if shard is not None:
+            model = module.model
+            if not supports_tensor_parallel(model) or model.tensor_shard != shard:
+                raise PlacementError(
+                    f"{part[2] if part else node}: node {node!r}'s network "
+                    f"({type(model).__name__}) does not support tensor parallelism"
+                )
+        return module
+
     async def aclose(self) -> None:
         """Cancel running walks and close the engines."""
         for task in list(self.tasks.values()):
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for follower in self.followers.values():
+            await asyncio.to_thread(follower.close)
         for engine in self.owned_engines.values():
             await engine.aclose()
+        for group, _, _ in self._shards.values():
+            group.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 

@@ -1,0 +1,123 @@
+"""A Llama node sharded over two ranks (``tensor_parallel: 2``) through the runtime: in one
+process and in worker processes it answers what one rank answers; a rank that dies fails the
+group's requests and the group comes back as a unit; layouts that cannot shard are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from mstar.engines.native import cpu_kernels
+from mstar.errors import PlacementError, WorkerUnavailableError
+from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the native kernels")
+
+TP2 = "node_groups:\n  - {node_names: [llm], ranks: [0, 1], tensor_parallel: 2}\n"
+PROMPTS = [[1, 5, 9, 22, 40], [1, 7], [1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69], [2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,  # odd: the second rank's vocabulary rows are padded
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama-tp")
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _spec(checkpoint: Path) -> ModelSpec:
+    engine_config = {"num_blocks": 64, "block_size": 8}
+    return ModelSpec(
+        "mstar.zoo.llm:TextLLM", {"checkpoint": str(checkpoint), "engine_config": engine_config}
+    )
+
+
+def _request(prompt: list[int], **extra: Any) -> Request:
+    data = {"prompt_token_ids": prompt, "max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
+    return Request("generate", {**data, **extra})
+
+
+async def _tokens(engine: AsyncEngine, requests: list[Request]) -> list[list[int]]:
+    results = await asyncio.gather(*(engine.run(r) for r in requests))
+    return [[int(o.data) for o in outs] for outs in results]
+
+
+def _requests() -> list[Request]:
+    greedy = [_request(p) for p in PROMPTS]
+    return greedy + [_request(PROMPTS[0], temperature=1.0, top_p=0.9, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    async def serve() -> list[list[int]]:
+        async with await AsyncEngine.start(_spec(checkpoint)) as engine:
+            return await _tokens(engine, _requests())
+
+    return asyncio.run(serve())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("processes", [False, True], ids=["in-process", "worker-processes"])
+async def test_two_ranks_answer_what_one_answers(
+    checkpoint: Path, expected: list[list[int]], processes: bool
+) -> None:
+    config = EngineConfig(worker_processes=processes, cpu_threads=1)
+    async with await AsyncEngine.start(
+        _spec(checkpoint), Placement.from_yaml(TP2), config
+    ) as engine:
+        assert await _tokens(engine, _requests()) == expected
+        # one at a time, then all at once again: the cache and both shards stay in step
+        for request, want in zip(_requests(), expected, strict=True):
+            assert await _tokens(engine, [request]) == [want]
+        assert await _tokens(engine, _requests()) == expected
+
+
+@pytest.mark.timeout(300)
+async def test_a_dead_rank_fails_its_groups_requests_and_the_group_restarts(
+    checkpoint: Path, expected: list[list[int]]
+) -> None:
+    config = EngineConfig(worker_processes=True, cpu_threads=1)
+    async with await AsyncEngine.start(
+        _spec(checkpoint), Placement.from_yaml(TP2), config
+    ) as engine:
+        long = _request(PROMPTS[0], max_tokens=200)
+        running = asyncio.ensure_future(engine.run(long))
+        leader, follower = engine.processes[0], engine.processes[1]
+        assert leader.pid is not None and follower.pid is not None
+        while (await engine.held_state())["rank0"]["runners"] == 0:
+            await asyncio.sleep(0.01)
+        os.kill(follower.pid, signal.SIGKILL)
+        with pytest.raises(WorkerUnavailableError):
+            await asyncio.wait_for(running, 60)
+        # Both ranks restart (the leader's shard cannot go on without the follower's).
+        async with asyncio.timeout(120):
+            while engine.num_restarts < 2 or not all(engine.ranks.up().values()):
+                await asyncio.sleep(0.05)
+        assert engine.processes[0].pid != leader.pid and engine.processes[1].pid != follower.pid
+        assert await _tokens(engine, _requests()) == expected
+
+
+async def test_layouts_that_cannot_shard_are_refused(checkpoint: Path) -> None:
+    three = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 3}\n"
+    with pytest.raises(PlacementError, match=r"node_groups\[0\]: num_attention_heads \(4\) cannot"):
+        await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(three))
+    odd = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 2}\n"
+    with pytest.raises(PlacementError, match="tensor_parallel 2 needs a multiple of 2 ranks"):
+        await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(odd))
