@@ -133,7 +133,7 @@ def test_a_rank_whose_process_died_fails_the_collective(shm_path: Path) -> None:
     leader.all_reduce_(x)
     assert torch.equal(x, torch.full((4,), 2.0))
     child.join(60)
-    with pytest.raises(TensorParallelError, match="rank 1 .* is gone"):
+    with pytest.raises(TensorParallelError, match=r"rank 1 .* is gone"):
         leader.all_reduce_(torch.ones(4))
 
 
@@ -230,7 +230,7 @@ def test_two_ranks_under_preemption_prefix_hits_and_sampling(
 ) -> None:
     # 20 blocks of 4 for five prompts of up to 16 tokens and 20 new ones: preemption and
     # recompute; the shared prefix hits the cache.
-    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] + p for p in PROMPTS]
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, *p] for p in PROMPTS]
     config = KVCacheEngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=12)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=7)
     want, _ = _run(KVCacheEngine(load_llama(checkpoint), config), params, prompts)

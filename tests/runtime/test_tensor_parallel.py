@@ -61,7 +61,7 @@ async def _tokens(engine: AsyncEngine, requests: list[Request]) -> list[list[int
 
 def _requests() -> list[Request]:
     greedy = [_request(p) for p in PROMPTS]
-    return greedy + [_request(PROMPTS[0], temperature=1.0, top_p=0.9, seed=3)]
+    return [*greedy, _request(PROMPTS[0], temperature=1.0, top_p=0.9, seed=3)]
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,12 @@
 minute keep their connections while a slow-loris HTTP client is cut off at the deadline and a
 peer that stops answering pings is dropped; a call that outlasts the ping timeout keeps its
 connection; every malformed frame gets openpi's answer (the error as a text frame, then close
-code 1011)."""
+code 1011). In the same minute an `openai` realtime session idles past every timer on its path
+and still answers (one wait for both long-lived protocols)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import select
@@ -19,6 +21,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import openai
 import pytest
 import uvicorn
 import websockets.sync.client
@@ -28,10 +31,16 @@ from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
+from mstar.runtime import ModelSpec
 from mstar.server import AdmissionLimits, ServerConfig, make_app
 from mstar.server.openpi import pack, unpack
 from mstar.server.runner import DrainingServer, uvicorn_config
-from tests.server.conftest import START_TIMEOUT_S, RunningServer, serve_in_thread
+from tests.server.conftest import (
+    START_TIMEOUT_S,
+    RunningServer,
+    qwen3_omni_tiny_spec,
+    serve_in_thread,
+)
 from tests.server.test_openpi_server import SPEC, observation
 
 pytestmark = pytest.mark.filterwarnings(
@@ -41,6 +50,8 @@ pytestmark = pytest.mark.filterwarnings(
 HEADER_TIMEOUT_S = ServerConfig().header_timeout_s  # the server's real default (10 s)
 WINDOW_S = 62.0  # the busy robots' session: six header deadlines, three ping intervals
 IDLE_S = 60.0  # the idle robot's pause between two calls
+REALTIME_IDLE_S = 65.0  # the realtime session's silence: past uvicorn's 20 s ping timers
+REALTIME_MODEL = "qwen3-omni-tiny"
 NUM_BUSY_ROBOTS = 16
 MAX_CALLS = 5_000  # a bound on each busy robot's loop besides the window
 MIN_CALLS = 10  # calls per busy robot that even a crowded machine makes in the window
@@ -50,13 +61,18 @@ HORIZON, ACTION_DIM = 10, 8
 
 @contextlib.contextmanager
 def serving_like_mstar(
-    config: ServerConfig, *, ping_s: float | None = None
+    config: ServerConfig,
+    *,
+    ping_s: float | None = None,
+    spec: ModelSpec = SPEC,
+    name: str = "pi05-tiny",
 ) -> Iterator[RunningServer]:
-    """Serve pi05-tiny with the uvicorn settings of `mstar serve`, in a thread; stop it on exit.
+    """Serve pi05-tiny (or ``spec``) with the uvicorn settings of `mstar serve`, in a thread;
+    stop it on exit.
 
     ``ping_s`` replaces both the WebSocket ping interval and the pong timeout.
     """
-    app = make_app(SPEC, config, names=("pi05-tiny",))
+    app = make_app(spec, config, names=(name,))
     uv = uvicorn_config(app, config)
     if ping_s is not None:
         uv.ws_ping_interval = uv.ws_ping_timeout = ping_s
@@ -68,6 +84,39 @@ def serving_like_mstar(
 def pi05_server() -> Iterator[RunningServer]:
     with serving_like_mstar(ServerConfig(port=0)) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def realtime_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    spec = qwen3_omni_tiny_spec(tmp_path_factory.mktemp("qwen3_omni") / "tiny", 30)
+    with serving_like_mstar(ServerConfig(port=0), spec=spec, name=REALTIME_MODEL) as server:
+        yield server
+
+
+def idle_realtime_session(server: RunningServer) -> str:
+    """Open a session with the `openai` realtime client, say nothing for `REALTIME_IDLE_S`, then
+    ask for an answer; return its status."""
+
+    async def session() -> str:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        async with client.realtime.connect(model=REALTIME_MODEL) as conn:
+            await conn.recv()
+            await asyncio.sleep(REALTIME_IDLE_S)
+            item = {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Hi"}],
+            }
+            await conn.conversation.item.create(item=item)
+            await conn.response.create(
+                response={"max_output_tokens": 2, "output_modalities": ["text"]}
+            )
+            async for event in conn:
+                if event.type == "response.done":
+                    return str(event.response.status)
+        return "closed"
+
+    return asyncio.run(session())
 
 
 def address(server: RunningServer) -> tuple[str, int]:
@@ -163,8 +212,10 @@ def dead_peer(server: RunningServer) -> tuple[list[Opcode], int | None]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_robot_sessions_outlast_the_header_deadline_and_slow_loris_does_not(
-    pi05_server: RunningServer,
+    pi05_server: RunningServer, realtime_server: RunningServer
 ) -> None:
+    """... and, in the same minute, an `openai` realtime session idle past every timer on its
+    path (uvicorn's 20 s ping interval and timeout, the client's keepalive) still answers."""
     completed_before = pi05_server.metric(
         "mstar_requests_finished_total", task="act", status="completed"
     )
@@ -177,11 +228,13 @@ def test_robot_sessions_outlast_the_header_deadline_and_slow_loris_does_not(
         loris = pool.submit(slow_loris, pi05_server)
         silent = pool.submit(silent_client, pi05_server)
         dead = pool.submit(dead_peer, pi05_server)
+        realtime = pool.submit(idle_realtime_session, realtime_server)
         logs = [f.result(timeout=4 * WINDOW_S) for f in busy]  # a closed connection raises here
         idle_log = idle.result(timeout=4 * WINDOW_S)
         loris_got, loris_s, loris_closed = loris.result(timeout=4 * WINDOW_S)
         silent_got = silent.result(timeout=4 * WINDOW_S)
         dead_opcodes, dead_code = dead.result(timeout=4 * WINDOW_S)
+        assert realtime.result(timeout=4 * WINDOW_S) == "completed"
 
     calls = [len(log.shapes) for log in logs]
     assert min(calls) > MIN_CALLS, calls
