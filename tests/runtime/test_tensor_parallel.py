@@ -116,7 +116,7 @@ async def test_a_dead_rank_fails_its_groups_requests_and_the_group_restarts(
 
 async def test_layouts_that_cannot_shard_are_refused(checkpoint: Path) -> None:
     three = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 3}\n"
-    with pytest.raises(PlacementError, match=r"node_groups\[0\]: num_attention_heads \(4\) cannot"):
+    with pytest.raises(PlacementError, match=r"node_groups\[0\]: 4 query heads over 2 KV heads"):
         await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(three))
     odd = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 2}\n"
     with pytest.raises(PlacementError, match="tensor_parallel 2 needs a multiple of 2 ranks"):

@@ -599,7 +599,7 @@ class GatedMLP(nn.Module):
     def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
         """This rank's slices of the block (by parameter name under ``prefix``): gate and up
         column-parallel, down row-parallel."""
-        start, stop = shard.split(self.gate_proj.out_features, f"{prefix}'s width")
+        start, stop = shard.split(self.gate_proj.out_features)
         return {
             **column_parallel(f"{prefix}.gate_proj", self.gate_proj, start, stop),
             **column_parallel(f"{prefix}.up_proj", self.up_proj, start, stop),

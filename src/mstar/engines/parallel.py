@@ -277,18 +277,10 @@ class TensorShard:
     world: int
     group: TensorParallelGroup | None = None  # None: shapes only (a model built to be loaded)
 
-    def split(self, total: int, what: str) -> tuple[int, int]:
-        """Return this rank's `[start, stop)` of ``total`` items split evenly.
-
-        Raises:
-            TensorParallelError: ``total`` is not a multiple of the group's size.
-        """
-        if total % self.world:
-            raise TensorParallelError(
-                f"{what} ({total}) cannot be split over {self.world} tensor-parallel ranks"
-            )
-        each = total // self.world
-        return self.rank * each, (self.rank + 1) * each
+    def split(self, total: int) -> tuple[int, int]:
+        """Return this rank's `[start, stop)` of ``total`` items split as evenly as they go (the
+        ranks' counts differ by one at most)."""
+        return self.rank * total // self.world, (self.rank + 1) * total // self.world
 
     def vocab_range(self, vocab: int) -> tuple[int, int, int]:
         """Return this rank's ids `[start, stop)` and its rows (`ceil(vocab / world)`: the last

@@ -170,19 +170,27 @@ class LlamaAttention(nn.Module):
 
     def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
         """This rank's heads (by parameter name under ``prefix``): q/k/v column-parallel, o
-        row-parallel. With fewer KV heads than ranks, each rank keeps the KV head its query
-        heads read."""
-        d = self.head_dim
-        q0, q1 = shard.split(self.num_heads, "num_attention_heads")
-        if self.num_kv_heads % shard.world == 0:
-            k0, k1 = shard.split(self.num_kv_heads, "num_key_value_heads")
-        elif shard.world % self.num_kv_heads == 0:
-            k0 = shard.rank // (shard.world // self.num_kv_heads)
+        row-parallel.
+
+        The KV heads are split over the ranks, each with the query heads that read it (as
+        evenly as they go: SmolLM2-135M's 3 KV heads of 3 query heads each over two ranks are
+        6 + 3 query heads). With fewer KV heads than ranks, the query heads are split evenly and
+        each rank keeps the KV head its query heads read (replicated).
+        """
+        d, kv, world = self.head_dim, self.num_kv_heads, shard.world
+        per_kv = self.num_heads // kv
+        if kv >= world:
+            k0, k1 = shard.split(kv)
+            q0, q1 = k0 * per_kv, k1 * per_kv
+        elif world % kv == 0 and self.num_heads % world == 0:
+            q0, q1 = shard.split(self.num_heads)
+            k0 = q0 // per_kv
             k1 = k0 + 1
         else:
             raise TensorParallelError(
-                f"num_key_value_heads ({self.num_kv_heads}) and {shard.world} tensor-parallel "
-                "ranks: one must divide the other"
+                f"{self.num_heads} query heads over {kv} KV heads cannot be split over {world} "
+                "tensor-parallel ranks (fewer KV heads than ranks: the ranks must be a multiple "
+                "of the KV heads, and divide the query heads)"
             )
         return {
             **column_parallel(f"{prefix}.q_proj", self.q_proj, q0 * d, q1 * d),
