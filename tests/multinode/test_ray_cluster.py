@@ -336,3 +336,40 @@ async def test_deterministic_audio_is_the_same_bytes_on_every_placement(
     assert colocated == alone
     assert processes == alone
     assert across == alone
+
+
+ORPHEUS_TP = """
+model: orpheus
+node_groups:
+  - {node_names: [LLM], ranks: [0, 1], tensor_parallel: 2, ray_resources: {node_b: 1}}
+  - {node_names: [snac_decoder], ranks: [2], ray_resources: {node_a: 1}}
+"""
+
+
+@pytest.mark.timeout(300)
+async def test_a_tensor_parallel_group_shares_a_node_and_speaks_as_one_rank(
+    ray_cluster: LocalCluster,
+) -> None:
+    """Orpheus' LM sharded over two ranks on the Ray cluster: the group's ranks are reserved as
+    one STRICT_PACK placement group (one node_b node, though the ranks' resources fit either),
+    SNAC on node A; the audio equals the co-located engine's."""
+    spec = resolve_model("orpheus-tiny")
+    requests = [
+        Request("speech", {"text": text, "max_tokens": 56, "seed": i, "ignore_eos": True})
+        for i, text in enumerate(["hello there", "tensor parallel"])
+    ]
+
+    async def serve(placement: Placement | None, config: EngineConfig) -> list[np.ndarray]:
+        async with await AsyncEngine.start(spec, placement, config) as engine:
+            if placement is not None:
+                assert node_of(engine, 0) == node_of(engine, 1) != node_of(engine, 2)
+                strict = [g for g in placement_groups("CREATED") if g["strategy"] == "STRICT_PACK"]
+                assert [len(g["bundles"]) for g in strict] == [2]
+            outs = await asyncio.gather(*(engine.run(r) for r in requests))
+        return [np.concatenate([np.asarray(o.data) for o in out]) for out in outs]
+
+    want = await serve(None, EngineConfig(cpu_threads=1))
+    got = await serve(Placement.from_yaml(ORPHEUS_TP), ray_config())
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.size > 0
+        np.testing.assert_allclose(a, b, atol=1e-5)

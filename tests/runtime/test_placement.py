@@ -103,6 +103,26 @@ def test_default_is_everything_on_rank_0(graph: ModelGraph) -> None:
             "Expected `int`, got `str` - at `\\$.node_groups\\[0\\].ranks\\[0\\]`",
         ),
         ("model: bagel\nnode_groups: []\n", "placement is for model 'bagel', not 'orpheus'"),
+        (
+            "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [0], tensor_parallel: 0}\n",
+            "node_groups\\[0\\]: tensor_parallel must be >= 1, got 0",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM, snac_decoder], ranks: [0, 1], "
+            "tensor_parallel: 4}\n",
+            "node_groups\\[0\\]: tensor_parallel 4 needs a multiple of 4 ranks, got \\[0, 1\\]",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM], ranks: [0, 1], tensor_parallel: 2, "
+            "graph_walks: [decode]}\n  - {node_names: [LLM, snac_decoder], ranks: [0], "
+            "graph_walks: [prefill, snac_chunk]}\n",
+            "serves its nodes in every walk",
+        ),
+        (
+            "node_groups:\n  - {node_names: [LLM], ranks: [0, 1], tensor_parallel: 2}\n  - "
+            "{node_names: [snac_decoder], ranks: [1, 0], tensor_parallel: 2}\n",
+            "node_groups\\[1\\]: rank 1 is already in the tensor-parallel group of node_groups",
+        ),
         ("node_groups: [\n", "not valid YAML"),
     ],
 )
@@ -137,3 +157,20 @@ def test_kv_cache_shares_come_from_the_groups_on_a_rank() -> None:
     )
     with pytest.raises(PlacementError, match=r"kv_cache_share must be in \(0, 1\]"):
         bad.kv_cache_shares(0)
+
+
+def test_tensor_parallel_groups_shard_a_node_and_replicate_the_shards(graph: ModelGraph) -> None:
+    text = (
+        "node_groups:\n  - {node_names: [LLM], ranks: [0, 1, 2, 3], tensor_parallel: 2}\n"
+        "  - {node_names: [snac_decoder], ranks: [1]}\n"
+    )
+    placement = Placement.from_yaml(text)
+    # Walks go to each group's first rank (two replicas of a two-rank shard).
+    assert placement.resolve(graph, num_ranks=4) == {
+        ("LLM", "prefill"): (0, 2),
+        ("LLM", "decode"): (0, 2),
+        ("snac_decoder", "snac_chunk"): (1,),
+    }
+    assert placement.tensor_parallel_groups() == [(0, ("LLM",), (0, 1)), (0, ("LLM",), (2, 3))]
+    assert placement.ranks == (0, 1, 2, 3)
+    assert Placement.from_yaml(placement.to_yaml()) == placement

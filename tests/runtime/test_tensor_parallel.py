@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -17,6 +18,7 @@ import transformers
 from mstar.engines.native import cpu_kernels
 from mstar.errors import PlacementError, WorkerUnavailableError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
+from mstar.zoo import resolve_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="needs the native kernels")
 
@@ -121,3 +123,35 @@ async def test_layouts_that_cannot_shard_are_refused(checkpoint: Path) -> None:
     odd = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 2}\n"
     with pytest.raises(PlacementError, match="tensor_parallel 2 needs a multiple of 2 ranks"):
         await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(odd))
+
+
+@pytest.mark.timeout(300)
+async def test_a_sharded_speech_lm_beside_an_unsharded_codec_speaks_the_same_audio() -> None:
+    """Orpheus: its LM sharded over two ranks (constrained audio-code logits gathered over
+    them), SNAC whole on the first: the audio of seeded sampled requests, batched, as on one
+    rank."""
+    sharded_lm = (
+        "node_groups:\n  - {node_names: [LLM], ranks: [0, 1], tensor_parallel: 2}\n"
+        "  - {node_names: [snac_decoder], ranks: [0]}\n"
+    )
+    texts = ["hello there", "a b c", "tensor parallel"]
+
+    async def speak(placement: Placement | None) -> list[np.ndarray]:
+        async with await AsyncEngine.start(
+            resolve_model("orpheus-tiny"), placement, EngineConfig(cpu_threads=1)
+        ) as engine:
+            requests = [
+                Request("speech", {"text": t, "max_tokens": 56, "seed": i, "ignore_eos": True})
+                for i, t in enumerate(texts)
+            ]
+            outs = await asyncio.gather(*(engine.run(r) for r in requests))
+        return [
+            np.concatenate([np.asarray(o.data) for o in out if o.modality == "audio"])
+            for out in outs
+        ]
+
+    for got, want in zip(
+        await speak(Placement.from_yaml(sharded_lm)), await speak(None), strict=True
+    ):
+        assert got.shape == want.shape and got.size > 0
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -217,6 +217,7 @@ class Placement:
                             f"{where}: node {node!r} in walk {key[1]!r} is already placed"
                         )
                     out[key] = leaders
+        self.tensor_parallel_groups()  # a rank in two of them
         for node, walk in sorted(uses - out.keys()):
             raise PlacementError(
                 f"node {node!r} in walk {walk!r} has no placement: add it to a node group"

@@ -20,7 +20,13 @@ import structlog
 
 from mstar.actors import ActorRef, ActorSystem
 from mstar.actors.process import SystemProcess
-from mstar.errors import ActorDeadError, MStarError, PeerLostError, WorkerLostError
+from mstar.errors import (
+    ActorDeadError,
+    MStarError,
+    PeerLostError,
+    PlacementError,
+    WorkerLostError,
+)
 from mstar.graph import ModelGraph
 from mstar.runtime.conductor import WorkerLost
 from mstar.runtime.engine_config import EngineConfig
@@ -106,12 +112,25 @@ class Ranks:
                 f"tcp://{'[' + host + ']' if ':' in host else host}:0"
             )
             self.rank_info = await launcher.start(
-                {r: self.placement.ray_resources(r) for r in ranks}
+                {r: self.placement.ray_resources(r) for r in ranks},
+                together=[
+                    group
+                    for i, _, group in self._tp_groups
+                    if not self.placement.groups[i].allow_cross_node_tp
+                ],
             )
             self.workers = {
                 r: self.system.ref(worker_name(r), info.addresses[0])
                 for r, info in self.rank_info.items()
             }
+            for i, _, group in self._tp_groups:
+                nodes = {self.rank_info[r].node_id for r in group}
+                if len(nodes) > 1:
+                    raise PlacementError(
+                        f"node_groups[{i}]: the tensor-parallel ranks {list(group)} landed on "
+                        f"{len(nodes)} Ray nodes; their collectives run over one machine's shared "
+                        "memory (collectives across machines are not supported yet)"
+                    )
         elif self.config.worker_processes:
             self._served = await self.system.serve("ipc://")
             for rank in ranks:

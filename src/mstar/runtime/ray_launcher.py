@@ -43,7 +43,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -334,7 +334,7 @@ class RayLauncher:
         self._max_restarts = max_restarts
         self._placement_timeout_s = placement_timeout_s
         self._actors: dict[int, Any] = {}
-        self._group: Any = None  # the placement group reserving every rank's bundle
+        self._groups: list[Any] = []  # the placement groups reserving the ranks' bundles
         self._remote = ray.remote(RankHost)
 
     async def connect(self, timeout_s: float = 60.0) -> None:
@@ -432,10 +432,16 @@ class RayLauncher:
             )
         return out
 
-    async def start(self, resources: Mapping[int, Mapping[str, float]]) -> dict[int, RankInfo]:
+    async def start(
+        self,
+        resources: Mapping[int, Mapping[str, float]],
+        together: Sequence[Sequence[int]] = (),
+    ) -> dict[int, RankInfo]:
         """Reserve a bundle per rank (``rank -> resources``), start each rank's actor on its own.
 
-        Returns where each rank serves.
+        The ranks of each set in ``together`` (a tensor-parallel group's) are reserved as a
+        placement group of their own with strategy ``STRICT_PACK``: on one node; the others
+        together with ``PACK``. Returns where each rank serves.
 
         Raises:
             PlacementError: The cluster did not reserve every bundle within the timeout.
@@ -444,14 +450,24 @@ class RayLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ranks = sorted(resources)
-        bundles = [self.bundle(r, resources[r]) for r in ranks]
-        self._group = group = placement_group(bundles, strategy="PACK")
-        try:
-            await asyncio.wait_for(_ray_call(group.ready()), self._placement_timeout_s)
-        except TimeoutError:
-            raise PlacementError(self._unplaced(ranks, bundles)) from None
-        log.info("ray_placed", ranks=ranks)
-        for index, rank in enumerate(ranks):
+        packed = {r for group in together for r in group}
+        sets = [("STRICT_PACK", sorted(g)) for g in together]
+        rest = [r for r in ranks if r not in packed]
+        if rest:
+            sets.append(("PACK", rest))
+        where: dict[int, tuple[Any, int]] = {}  # rank -> (its placement group, bundle index)
+        for strategy_name, members in sets:
+            bundles = [self.bundle(r, resources[r]) for r in members]
+            group = placement_group(bundles, strategy=strategy_name)
+            self._groups.append(group)
+            try:
+                await asyncio.wait_for(_ray_call(group.ready()), self._placement_timeout_s)
+            except TimeoutError:
+                raise PlacementError(self._unplaced(members, bundles, strategy_name)) from None
+            where.update({r: (group, i) for i, r in enumerate(members)})
+        log.info("ray_placed", ranks=ranks, together=[list(g) for g in together])
+        for rank in ranks:
+            group, index = where[rank]
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=index
             )
@@ -465,7 +481,9 @@ class RayLauncher:
         infos = await asyncio.gather(*(self.info(r) for r in ranks))
         return dict(zip(ranks, infos, strict=True))
 
-    def _unplaced(self, ranks: list[int], bundles: list[dict[str, float]]) -> str:
+    def _unplaced(
+        self, ranks: list[int], bundles: list[dict[str, float]], strategy: str = "PACK"
+    ) -> str:
         """Say why the placement group of ``bundles`` is not ready: what no node has, or is free
         now."""
         nodes = [n for n in self._ray.nodes() if n.get("Alive")]
@@ -483,6 +501,9 @@ class RayLauncher:
         what = (
             f"no node of the cluster offers {', '.join(never)}"
             if never
+            else f"no node offers ranks {ranks} all at once (a tensor-parallel group's share a "
+            "node)"
+            if strategy == "STRICT_PACK"
             else "every rank fits some node, but not all of them at once with what is free now"
         )
         return (
@@ -546,12 +567,13 @@ class RayLauncher:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(actor, no_restart=True)
         self._actors.clear()
-        if self._group is not None:
+        if self._groups:
             from ray.util.placement_group import remove_placement_group
 
-            with contextlib.suppress(ray.exceptions.RayError):
-                remove_placement_group(self._group)
-            self._group = None
+            for group in self._groups:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    remove_placement_group(group)
+            self._groups = []
         if self._owns_ray:
             ray.shutdown()
 
