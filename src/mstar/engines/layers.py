@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.native import cpu_kernels
-from mstar.engines.parallel import TensorShard
+from mstar.engines.parallel import TensorParallelError, TensorShard
 from mstar.engines.sampler import argmax_rows
 
 __all__ = [
@@ -87,6 +87,7 @@ __all__ = [
     "route_experts",
     "signed_sin",
     "WeightSlice",
+    "attention_slices",
     "column_parallel",
     "row_parallel",
     "shard_module_",
@@ -503,14 +504,28 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 @dataclass(frozen=True, slots=True)
 class WeightSlice:
-    """A rank's part of a weight: ``[start, stop)`` along ``dim``, zero-padded to ``size`` there;
-    ``zero``: the rank holds zeros of the weight's shape (a row-parallel bias off rank 0)."""
+    """A rank's part of a weight: ``[start, stop)`` along ``dim``, zero-padded to ``size`` there.
+
+    ``zero``: the rank holds zeros of the weight's shape (a row-parallel bias off rank 0).
+    ``halves``: ``dim`` holds two equal halves (a fused gate/up: gate rows, then up rows), each
+    sliced ``[start, stop)``; the part is the two slices, one after the other (``size`` in all).
+    """
 
     dim: int
     start: int
     stop: int
     size: int
     zero: bool = False
+    halves: bool = False
+
+    def pieces(self, full: int) -> list[tuple[int, int, int]]:
+        """Return ``(source start, length, destination start)`` of each piece along ``dim`` of a
+        weight ``full`` long there."""
+        n = self.stop - self.start
+        if not self.halves:
+            return [(self.start, n, 0)]
+        half = full // 2
+        return [(self.start, n, 0), (half + self.start, n, n)]
 
 
 def slice_weight(full: torch.Tensor, part: WeightSlice) -> torch.Tensor:
@@ -521,10 +536,53 @@ def slice_weight(full: torch.Tensor, part: WeightSlice) -> torch.Tensor:
     shape[part.dim] = part.size
     out = torch.zeros(shape, dtype=full.dtype, device=full.device)
     if full.device.type != "meta":
-        out.narrow(part.dim, 0, part.stop - part.start).copy_(
-            full.narrow(part.dim, part.start, part.stop - part.start)
-        )
+        for src, n, dst in part.pieces(full.shape[part.dim]):
+            out.narrow(part.dim, dst, n).copy_(full.narrow(part.dim, src, n))
     return out
+
+
+def attention_slices(
+    prefix: str,
+    projections: tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    shard: TensorShard,
+) -> dict[str, WeightSlice]:
+    """This rank's heads of grouped-query attention (``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj`` under ``prefix``): q/k/v column-parallel, o row-parallel.
+
+    The KV heads are split over the ranks, each with the query heads that read it (as evenly
+    as they go: SmolLM2-135M's 3 KV heads of 3 query heads each over two ranks are 6 + 3 query
+    heads). With fewer KV heads than ranks, the query heads are split evenly and each rank
+    keeps the KV head its query heads read (replicated).
+
+    Raises:
+        TensorParallelError: Fewer KV heads than ranks, and the ranks are not a multiple of
+            them or do not divide the query heads.
+    """
+    d, kv, world = head_dim, num_kv_heads, shard.world
+    per_kv = num_heads // kv
+    if kv >= world:
+        k0, k1 = shard.split(kv)
+        q0, q1 = k0 * per_kv, k1 * per_kv
+    elif world % kv == 0 and num_heads % world == 0:
+        q0, q1 = shard.split(num_heads)
+        k0 = q0 // per_kv
+        k1 = k0 + 1
+    else:
+        raise TensorParallelError(
+            f"{num_heads} query heads over {kv} KV heads cannot be split over {world} "
+            "tensor-parallel ranks (fewer KV heads than ranks: the ranks must be a multiple "
+            "of the KV heads, and divide the query heads)"
+        )
+    q, k, v, o = projections
+    return {
+        **column_parallel(f"{prefix}.q_proj", q, q0 * d, q1 * d),
+        **column_parallel(f"{prefix}.k_proj", k, k0 * d, k1 * d),
+        **column_parallel(f"{prefix}.v_proj", v, k0 * d, k1 * d),
+        **row_parallel(f"{prefix}.o_proj", o, q0 * d, q1 * d, shard),
+    }
 
 
 def column_parallel(
@@ -613,11 +671,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[..., hidden]``."""
-        out = self._forward(x)
+        out = self.unreduced(x)
         # A shard's down product is a partial sum: the group adds the ranks' up.
         return out if self.shard is None else self.shard.all_reduce_(out.contiguous())
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def unreduced(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output on this rank: a shard's partial sum, not yet summed over the
+        group (the whole output when not sharded)."""
         if self.gate_up is None or self.down is None:
             return cast(torch.Tensor, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
         gate_up = self.gate_up(x)

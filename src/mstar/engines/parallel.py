@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 import mmap
 import os
 import threading
@@ -43,7 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, TypeGuard, cast
+from typing import Any, ClassVar, Literal, Protocol, TypeGuard, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -65,11 +67,15 @@ __all__ = [
     "TensorParallelLeader",
     "TensorShard",
     "current_shard",
+    "mirrored",
     "sharded",
     "supports_tensor_parallel",
+    "tensor_payload",
 ]
 
 _log = structlog.get_logger(__name__)
+_P = TypeVar("_P")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 SLOT_BYTES = 1 << 20
 """Bytes of one rank's part of a shared-memory collective round (larger tensors take several)."""
@@ -104,8 +110,11 @@ class TensorParallelGroup(Protocol):
         """Return every rank's ``x`` (the same shape on each), stacked: `[world, *x.shape]`."""
         ...
 
+    leader: TensorParallelLeader | None
+    """Rank 0's side of the group once its engine runs (see `mirrored`)."""
+
     def send(self, data: bytes) -> None:
-        """Send a command to every other rank (rank 0 only)."""
+        """Send a command to every other rank (rank 0 only; one at a time, from any thread)."""
         ...
 
     def receive(self) -> bytes:
@@ -151,6 +160,8 @@ class ShmGroup:
         region = torch.frombuffer(self._map, dtype=torch.uint8)
         self.native = kernels.ShmGroup(region, rank, world, slot_bytes, command_bytes, timeout_s)
         self._region = region
+        self.leader: TensorParallelLeader | None = None  # rank 0's, once its engine runs
+        self._sending = threading.Lock()  # one command at a time (steps and mirrored calls)
 
     @property
     def rank(self) -> int:
@@ -172,7 +183,8 @@ class ShmGroup:
 
     def send(self, data: bytes) -> None:
         """Send a command to the followers."""
-        self._call(self.native.send, _byte_tensor(data))
+        with self._sending:
+            self._call(self.native.send, _byte_tensor(data))
 
     def receive(self) -> bytes:
         """Return the leader's next command."""
@@ -221,6 +233,8 @@ class GlooGroup:
         )
         self._dist = dist
         self._rank, self._world = rank, world
+        self.leader: TensorParallelLeader | None = None
+        self._sending = threading.Lock()
 
     @property
     def rank(self) -> int:
@@ -245,9 +259,10 @@ class GlooGroup:
     def send(self, data: bytes) -> None:
         """Send a command to the followers (its length, then its bytes)."""
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._dist.broadcast(size, 0)
         payload = _byte_tensor(data).to(self.device)
-        self._dist.broadcast(payload, 0)
+        with self._sending:
+            self._dist.broadcast(size, 0)
+            self._dist.broadcast(payload, 0)
 
     def receive(self) -> bytes:
         """Return the leader's next command."""
@@ -332,6 +347,24 @@ def supports_tensor_parallel(model: object) -> TypeGuard[SupportsTensorParallel]
     return getattr(model, "supports_tensor_parallel", False) is True  # compiled wrappers forward it
 
 
+def mirrored(method: _F) -> _F:
+    """Mark a model method that changes what the model keeps between steps (a sequence's state,
+    set by its node outside the steps): on a tensor-parallel leader, the followers' shards run it
+    too, in order with the steps."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any) -> Any:
+        shard: TensorShard | None = self.tensor_shard
+        if shard is not None and shard.rank == 0 and shard.group is not None:
+            leader = shard.group.leader
+            if leader is not None:
+                leader.call(method.__name__, args)
+        return method(self, *args)
+
+    call.mirrored = True  # type: ignore[attr-defined]
+    return cast(_F, call)
+
+
 # -- the leader's commands ----------------------------------------------------------------------
 
 
@@ -363,6 +396,55 @@ def _unpack_np(x: _Tensor | None) -> np.ndarray | None:
     return None if x is None else _unpack(x).numpy()
 
 
+_PAYLOAD_TYPES: dict[str, type] = {}
+
+
+def tensor_payload(cls: type[_P]) -> type[_P]:
+    """Register a dataclass payload type (a class decorator) that a tensor-parallel leader may
+    send its followers: its fields hold tensors, numbers, strings, None, registered payloads,
+    or lists, tuples and string-keyed dicts of those."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass")
+    _PAYLOAD_TYPES[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return cls
+
+
+def _encode_value(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return {"t": _pack(value), "np": isinstance(value, np.ndarray)}
+    if isinstance(value, list | tuple):
+        return {"seq": [_encode_value(v) for v in value], "tuple": isinstance(value, tuple)}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"map": {k: _encode_value(v) for k, v in value.items()}}
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    if name in _PAYLOAD_TYPES and dataclasses.is_dataclass(value):
+        fields = {f.name: _encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"payload": name, "fields": fields}
+    raise TensorParallelError(
+        f"a tensor-parallel node's payload cannot hold {type(value).__name__} (register its "
+        "dataclass with mstar.engines.parallel.tensor_payload)"
+    )
+
+
+def _decode_value(value: Any, device: torch.device) -> Any:
+    if not isinstance(value, dict):
+        return value
+    if "t" in value:
+        t = _unpack(msgspec.convert(value["t"], _Tensor))
+        return t.numpy() if value["np"] else t.to(device)
+    if "seq" in value:
+        items = [_decode_value(v, device) for v in value["seq"]]
+        return tuple(items) if value["tuple"] else items
+    if "map" in value:
+        return {k: _decode_value(v, device) for k, v in value["map"].items()}
+    cls = _PAYLOAD_TYPES.get(value["payload"])
+    if cls is None:
+        raise TensorParallelError(f"the leader sent an unknown payload type {value['payload']}")
+    return cls(**{k: _decode_value(v, device) for k, v in value["fields"].items()})
+
+
 class _Chunk(msgspec.Struct, array_like=True):
     seq_key: str
     row_start: int
@@ -370,7 +452,7 @@ class _Chunk(msgspec.Struct, array_like=True):
     position: int
     expert: int
     is_read_only: bool
-    payload: _Tensor | None
+    payload: Any  # `_encode_value`'s
 
 
 class InitCache(msgspec.Struct, tag=True, array_like=True):
@@ -412,11 +494,18 @@ class Head(msgspec.Struct, tag=True, array_like=True):
     ranges: list[list[tuple[int, int]]] | None = None
 
 
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """Call a `mirrored` method of the model with these arguments."""
+
+    method: str
+    args: list[Any]
+
+
 class Stop(msgspec.Struct, tag=True, array_like=True):
     """End the follower's loop."""
 
 
-Command = InitCache | Forward | CopyBlocks | Head | Stop
+Command = InitCache | Forward | CopyBlocks | Head | Call | Stop
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Command)
 
@@ -426,6 +515,7 @@ class TensorParallelLeader:
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
+        group.leader = self
 
     def _send(self, command: Command) -> None:
         self.group.send(_ENCODER.encode(command))
@@ -446,12 +536,7 @@ class TensorParallelLeader:
         if step is not None:
             chunks = []
             for c in step.chunks:
-                if c.payload is not None and not isinstance(c.payload, torch.Tensor):
-                    raise TensorParallelError(
-                        "a tensor-parallel node takes token ids or tensor payloads, not "
-                        f"{type(c.payload).__name__}"
-                    )
-                payload = _pack(c.payload) if c.payload is not None else None
+                payload = _encode_value(c.payload)
                 chunks.append(
                     _Chunk(
                         c.seq_key,
@@ -494,6 +579,10 @@ class TensorParallelLeader:
         """Send the head call the leader makes next."""
         self._send(Head(op, cast(_Tensor, _pack(rows)), ranges))
 
+    def call(self, method: str, args: tuple[Any, ...]) -> None:
+        """Have the followers call a `mirrored` method of their model."""
+        self._send(Call(method, [_encode_value(a) for a in args]))
+
     def stop(self) -> None:
         """End the followers' loops."""
         with contextlib.suppress(TensorParallelError):
@@ -524,6 +613,7 @@ class TensorParallelFollower:
         self.on_failure = on_failure
         self.runner: Any = None
         self.num_commands = 0
+        self.num_steps = 0  # forward passes run
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -539,6 +629,10 @@ class TensorParallelFollower:
         self.group.close()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stats(self) -> dict[str, float]:
+        """Return the follower's counters: the steps it ran, its rank in the group."""
+        return {"steps": float(self.num_steps), "tensor_parallel_rank": float(self.group.rank)}
 
     @property
     def is_running(self) -> bool:
@@ -613,7 +707,7 @@ class TensorParallelFollower:
                             c.row_start,
                             c.row_end,
                             c.position,
-                            None if c.payload is None else _unpack(c.payload, device),
+                            _decode_value(c.payload, device),
                             c.expert,
                             c.is_read_only,
                         )
@@ -630,6 +724,13 @@ class TensorParallelFollower:
                 step,
             )
             runner.forward(batch)
+            self.num_steps += 1
+        elif isinstance(command, Call):
+            method = getattr(self.model, command.method, None)
+            if getattr(method, "mirrored", False) is not True:
+                raise TensorParallelError(f"the leader called {command.method!r}, not mirrored")
+            assert method is not None
+            method(*[_decode_value(a, self.device) for a in command.args])
         elif isinstance(command, Head):
             rows = _unpack(command.rows, self.device)
             if command.op == "greedy":

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mstar.actors import Actor, ActorRef, ActorSystem
+from mstar.engines.parallel import TensorParallelFollower
 from mstar.errors import MStarError, WalkExecutionError
 from mstar.graph import Emission, ModelGraph
 from mstar.runtime.conductor_core import StartWalk
@@ -108,7 +109,7 @@ class Worker(Actor):
             await self.core.settle()  # released blocks are free by now, not at the next step
             return StateReport(self.core.held_state())
         elif isinstance(message, StatsQuery):
-            return stats_report(self.core.owned_engines, self.system)
+            return stats_report(self.core.owned_engines, self.system, self.core.followers)
         elif isinstance(message, LimitsQuery):
             engines = self.core.owned_engines.items()
             return LimitsReport(
@@ -202,8 +203,13 @@ class WorkerHost(Actor):
         return WorkerReady(rank, ActorId(ref.address, ref.name))
 
 
-def stats_report(engines: Mapping[str, NodeEngine], system: ActorSystem) -> StatsReport:
-    """Report the engines' counters, their step times per walk, and the system's tensor bytes."""
+def stats_report(
+    engines: Mapping[str, NodeEngine],
+    system: ActorSystem,
+    followers: Mapping[str, TensorParallelFollower] | None = None,
+) -> StatsReport:
+    """Report the engines' counters, their step times per walk, and the system's tensor bytes
+    (and the steps of the tensor-parallel shards this rank follows)."""
     walks = {
         name: {
             walk: WalkStepStats(t.steps, t.inputs, t.seconds, list(t.bucket_counts))
@@ -212,6 +218,7 @@ def stats_report(engines: Mapping[str, NodeEngine], system: ActorSystem) -> Stat
         for name, engine in engines.items()
     }
     stats = {name: dict(engine.stats()) for name, engine in engines.items()}
+    stats.update({name: f.stats() for name, f in (followers or {}).items()})
     return StatsReport(stats, walks, system.transport_tally.snapshot())
 
 

@@ -240,18 +240,29 @@ def _load_slice(f: Any, name: str, part: WeightSlice, target: torch.Tensor) -> N
     target.zero_()
     if part.zero:
         return
-    view = f.get_slice(name)
-    index = [slice(None)] * len(view.get_shape())
-    index[part.dim] = slice(part.start, part.stop)
-    tensor = view[tuple(index)]
-    expected = list(target.shape)
-    expected[part.dim] = part.stop - part.start
-    if list(tensor.shape) != expected:
-        raise CheckpointError(
-            f"tensor {name!r}: its slice has shape {tuple(tensor.shape)}, the shard expects "
-            f"{tuple(expected)}"
-        )
-    target.narrow(part.dim, 0, part.stop - part.start).copy_(tensor)
+    copy_slice(f.get_slice(name), name, part, target)
+
+
+def copy_slice(view: Any, name: str, part: WeightSlice, target: torch.Tensor) -> None:
+    """Copy ``part`` of a safetensors slice ``view`` (``safe_open(...).get_slice(name)``) into
+    ``target``, which holds the part's shape (its padding is left as it is).
+
+    Raises:
+        CheckpointError: The part does not fit the tensor or the target.
+    """
+    shape = list(view.get_shape())
+    for src, n, dst in part.pieces(shape[part.dim]):
+        index = [slice(None)] * len(shape)
+        index[part.dim] = slice(src, src + n)
+        tensor = view[tuple(index)]
+        expected = list(target.shape)
+        expected[part.dim] = n
+        if list(tensor.shape) != expected:
+            raise CheckpointError(
+                f"tensor {name!r}: its slice has shape {tuple(tensor.shape)}, the shard expects "
+                f"{tuple(expected)}"
+            )
+        target.narrow(part.dim, dst, n).copy_(tensor)
 
 
 def save_state_dict(
@@ -426,6 +437,14 @@ class ShardReader:
             out[lo : lo + step].copy_(block)
             self._count(path, block)
             del block
+
+    def copy_slice_into(self, path: Path, name: str, part: WeightSlice, out: torch.Tensor) -> None:
+        """Copy ``part`` of tensor ``name`` of shard ``path`` into ``out`` (a tensor-parallel
+        rank's share: only its rows or columns are read)."""
+        entry = self._entry(path, name)
+        view = self._open(path, entry.nbytes).get_slice(name)
+        copy_slice(view, name, part, out)
+        self._count(path, out)
 
     def close(self, path: Path | None = None) -> None:
         """Release one shard's mapping (default: every shard's)."""

@@ -35,14 +35,13 @@ from mstar.engines.layers import (
     RMSNorm,
     WeightSlice,
     apply_rotary_signed,
-    column_parallel,
+    attention_slices,
     deterministic_products,
-    row_parallel,
     shard_module_,
     signed_sin,
 )
 from mstar.engines.native import cpu_kernels
-from mstar.engines.parallel import ShmGroup, TensorParallelError, TensorShard, current_shard
+from mstar.engines.parallel import ShmGroup, TensorShard, current_shard
 from mstar.errors import UnsupportedModelError
 from mstar.zoo.hf_checkpoint import load_hf_config, load_into_module
 
@@ -169,35 +168,11 @@ class LlamaAttention(nn.Module):
         self.shard: TensorShard | None = None
 
     def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
-        """This rank's heads (by parameter name under ``prefix``): q/k/v column-parallel, o
-        row-parallel.
-
-        The KV heads are split over the ranks, each with the query heads that read it (as
-        evenly as they go: SmolLM2-135M's 3 KV heads of 3 query heads each over two ranks are
-        6 + 3 query heads). With fewer KV heads than ranks, the query heads are split evenly and
-        each rank keeps the KV head its query heads read (replicated).
-        """
-        d, kv, world = self.head_dim, self.num_kv_heads, shard.world
-        per_kv = self.num_heads // kv
-        if kv >= world:
-            k0, k1 = shard.split(kv)
-            q0, q1 = k0 * per_kv, k1 * per_kv
-        elif world % kv == 0 and self.num_heads % world == 0:
-            q0, q1 = shard.split(self.num_heads)
-            k0 = q0 // per_kv
-            k1 = k0 + 1
-        else:
-            raise TensorParallelError(
-                f"{self.num_heads} query heads over {kv} KV heads cannot be split over {world} "
-                "tensor-parallel ranks (fewer KV heads than ranks: the ranks must be a multiple "
-                "of the KV heads, and divide the query heads)"
-            )
-        return {
-            **column_parallel(f"{prefix}.q_proj", self.q_proj, q0 * d, q1 * d),
-            **column_parallel(f"{prefix}.k_proj", self.k_proj, k0 * d, k1 * d),
-            **column_parallel(f"{prefix}.v_proj", self.v_proj, k0 * d, k1 * d),
-            **row_parallel(f"{prefix}.o_proj", self.o_proj, q0 * d, q1 * d, shard),
-        }
+        """This rank's heads, by parameter name under ``prefix`` (see `attention_slices`)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        return attention_slices(
+            prefix, projections, self.num_heads, self.num_kv_heads, self.head_dim, shard
+        )
 
     def fuse(self) -> None:
         """Store q/k/v as one transposed matrix (the HF-named weights become views of it)."""

@@ -34,6 +34,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from mstar.engines.layers import WeightSlice
+from mstar.engines.parallel import current_shard
 from mstar.errors import CheckpointError
 from mstar.progress import progress
 from mstar.zoo.hf_checkpoint import (
@@ -177,21 +179,36 @@ def make_empty_weights(
 
 @dataclass
 class _Target:
-    """One of our parameters being filled: where each of its checkpoint tensors goes."""
+    """One of our parameters being filled: where each of its checkpoint tensors goes.
+
+    ``shape`` is the parameter's, ``full_shape`` the whole model's (they differ for a
+    tensor-parallel rank's share, ``part``, read from each checkpoint tensor's slice).
+    """
 
     name: str
     shape: torch.Size
     sources: list[str]
     is_stacked: bool
+    full_shape: torch.Size
+    share: WeightSlice | None = None
     value: torch.Tensor | None = None
     num_left: int = 0
 
     def part_shape(self) -> tuple[int, ...]:
         """Return the shape of each checkpoint tensor: one expert's projection when stacked."""
+        full = self.full_shape
         if not self.is_stacked:
-            return tuple(self.shape)
-        rows = self.shape[1] // 2 if self.name.endswith("gate_up_proj") else self.shape[1]
-        return (rows, self.shape[2])
+            return tuple(full)
+        rows = full[1] // 2 if self.name.endswith("gate_up_proj") else full[1]
+        return (rows, full[2])
+
+    def source_share(self) -> WeightSlice | None:
+        """Return the share of each checkpoint tensor this rank reads (None: all of it)."""
+        share = self.share
+        if share is None or not self.is_stacked:
+            return share
+        # one expert's gate, up or down: the fused tensor's dims less the expert's
+        return WeightSlice(share.dim - 1, share.start, share.stop, share.stop - share.start)
 
     def part(self, index: int) -> torch.Tensor:
         """Return the slice of ``value`` checkpoint tensor ``index`` fills (gate rows before up
@@ -250,13 +267,15 @@ def load_qwen3_omni(
         )
     device = torch.device(device)
     weights = into if into is not None else make_empty_weights(config, device=device, dtype=dtype)
+    full_shapes = {n: p.shape for n, p in weights.named_parameters()}
+    shares = _shard_thinker(weights, nodes)
     params = dict(weights.named_parameters())
     wanted = [n for n in node_weight_names(weights, nodes) if params[n].is_meta]
     if not wanted:
         return weights
     files = safetensors_files(directory)
     # The whole checkpoint must match the config, whichever part of it this rank reads.
-    sources, stacked, unknown, missing = _plan(files, {n: p.shape for n, p in params.items()})
+    sources, stacked, unknown, missing = _plan(files, full_shapes)
     if missing or unknown:
         raise CheckpointError(
             f"Qwen3-Omni checkpoint {str(directory)!r} does not match config {config.name!r}: "
@@ -264,7 +283,10 @@ def load_qwen3_omni(
             f"unexpected {len(unknown)} tensors {_some(unknown)} (wrong config, or not a "
             "Qwen3-Omni checkpoint?)"
         )
-    targets = [_Target(n, params[n].shape, sources[n], n in stacked) for n in wanted]
+    targets = [
+        _Target(n, params[n].shape, sources[n], n in stacked, full_shapes[n], shares.get(n))
+        for n in wanted
+    ]
     by_shard: dict[Path, list[tuple[_Target, int, str]]] = {}
     for target in targets:
         for index, name in enumerate(target.sources):
@@ -302,7 +324,11 @@ def load_qwen3_omni(
                             device=device,
                         )
                         target.num_left = len(target.sources)
-                    reader.copy_into(path, name, target.part(index))
+                    share = target.source_share()
+                    if share is None:
+                        reader.copy_into(path, name, target.part(index))
+                    else:
+                        reader.copy_slice_into(path, name, share, target.part(index))
                     target.num_left -= 1
                     if target.num_left == 0:
                         replace_parameter(weights, target.name, target.value)
@@ -318,6 +344,22 @@ def load_qwen3_omni(
         seconds=round(time.perf_counter() - started, 3),
     )
     return weights.to_device_tables()
+
+
+def _shard_thinker(weights: Qwen3OmniWeights, nodes: list[str] | None) -> dict[str, WeightSlice]:
+    """Under `sharded` (a tensor-parallel rank loading the thinker), keep the thinker's shard
+    only (still on meta, before anything is read); return each sharded tensor's share."""
+    shard = current_shard()
+    thinker = weights.thinker_text
+    if shard is None or (nodes is not None and "thinker" not in nodes):
+        return {}
+    if thinker.shard is not None or not thinker.head.weight.is_meta:
+        if thinker.shard != shard:
+            raise CheckpointError("the thinker is loaded here already, as another shard")
+        return {}
+    shares = {f"thinker_text.{k}": v for k, v in thinker.shard_slices(shard).items()}
+    thinker.shard_(shard)
+    return shares
 
 
 def make_random_checkpoint(

@@ -44,6 +44,7 @@ import structlog
 import torch
 from msgspec import Meta
 
+from mstar.engines.parallel import current_shard
 from mstar.errors import CheckpointError, InvalidRequestError
 from mstar.graph import (
     EMIT,
@@ -250,8 +251,9 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput, SupportsAud
             and self.tokenizer.chat_template is not None
         )
         self._graph = make_qwen3_omni_graph(cfg.name, cfg.chunk_frames)
-        self._weights: dict[torch.device, Qwen3OmniWeights] = {}
-        self._loading: dict[torch.device, threading.Lock] = {}  # ranks load on worker threads
+        # by device and tensor-parallel shard (rank, world)
+        self._weights: dict[tuple[torch.device, tuple[int, int] | None], Qwen3OmniWeights] = {}
+        self._loading: dict[Any, threading.Lock] = {}  # ranks load on worker threads
         self._loading_lock = threading.Lock()
 
     # --- capabilities ------------------------------------------------------------------------
@@ -312,14 +314,18 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput, SupportsAud
         the tensors not loaded there yet (`NODE_WEIGHTS`), so a rank holds the union of its
         nodes' parts, once, and what no node there reads stays on the meta device.
         """
+        # A tensor-parallel rank's thinker is its shard (`sharded`): ranks of one process on one
+        # device keep weights of their own.
+        shard = current_shard()
+        key = (device, None if shard is None else (shard.rank, shard.world))
         with self._loading_lock:
-            lock = self._loading.setdefault(device, threading.Lock())
+            lock = self._loading.setdefault(key, threading.Lock())
         with lock:
             weights = load_qwen3_omni(
                 self.checkpoint, self.config, device=device, dtype=self.dtype, nodes=nodes,
-                into=self._weights.get(device),
+                into=self._weights.get(key),
             )  # fmt: skip
-            self._weights[device] = weights
+            self._weights[key] = weights
         return weights
 
     def submodule(self, node: str, device: torch.device) -> Any:

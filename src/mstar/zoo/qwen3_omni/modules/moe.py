@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.layers import FusedLinear, GatedMLP, OwnProducts, deterministic_products
+from mstar.engines.layers import (
+    FusedLinear,
+    GatedMLP,
+    OwnProducts,
+    WeightSlice,
+    deterministic_products,
+)
+from mstar.engines.parallel import TensorShard
 
 __all__ = ["Experts", "SparseMoE"]
 
@@ -129,11 +136,36 @@ class SparseMoE(nn.Module):
         if shared_inner:
             self.shared_expert = GatedMLP(hidden, shared_inner)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shard: TensorShard | None = None
+
+    def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's share of the block, by parameter name under ``prefix``.
+
+        Tensor parallel within the experts: every rank holds every expert's columns
+        ``[start, stop)`` of its inner width (gate and up rows, down columns), so each rank
+        does its share of every routed row whatever the router picks, and the block's output
+        is one sum over the ranks. (Splitting by expert instead would leave a rank idle when the
+        step's rows pick the other's experts.) The router stays whole on every rank: each
+        picks the same experts. The shared expert is split as a dense MLP.
+        """
+        experts = self.experts
+        inner = experts.down_proj.shape[2]
+        start, stop = shard.split(inner)
+        n = stop - start
+        out = {
+            f"{prefix}.experts.gate_up_proj": WeightSlice(1, start, stop, 2 * n, halves=True),
+            f"{prefix}.experts.down_proj": WeightSlice(2, start, stop, n),
+        }
+        if self.shared_expert is not None:
+            out.update(self.shared_expert.shard_slices(f"{prefix}.shared_expert", shard))
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` ``[rows, hidden]``."""
         top_index, top_weight = self.gate(x)
         out = self.experts(x, top_index, top_weight)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            # a shard's shared expert is a partial sum too (its gate is whole): summed below
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.unreduced(x)
+        # A shard's experts give partial sums: the group adds the ranks' up.
+        return out if self.shard is None else self.shard.all_reduce_(out.contiguous())

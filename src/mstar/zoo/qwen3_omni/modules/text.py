@@ -25,14 +25,22 @@ read the first ``hidden`` columns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from torch import nn
 
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import GatedMLP, RMSNorm, apply_rotary
+from mstar.engines.layers import (
+    GatedMLP,
+    RMSNorm,
+    WeightSlice,
+    apply_rotary,
+    attention_slices,
+    shard_module_,
+)
+from mstar.engines.parallel import TensorShard, mirrored, tensor_payload
 from mstar.zoo.qwen3_omni.config import MoETextConfig
 from mstar.zoo.qwen3_omni.modules.moe import SparseMoE
 from mstar.zoo.qwen3_omni.modules.rope import MRoPE
@@ -40,6 +48,7 @@ from mstar.zoo.qwen3_omni.modules.rope import MRoPE
 __all__ = ["EmbedsInput", "MoEDecoder", "MoEDecoderLayer", "QKNormAttention"]
 
 
+@tensor_payload
 @dataclass(frozen=True, eq=False)
 class EmbedsInput:
     """A payload chunk of a thinker or talker sequence: its rows' input embeddings.
@@ -82,6 +91,7 @@ class QKNormAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.shard: TensorShard | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedKVContext
@@ -93,7 +103,9 @@ class QKNormAttention(nn.Module):
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attend(self.layer_index, q, k, v, self.scale)
-        return cast(torch.Tensor, self.o_proj(out.reshape(rows, self.num_heads * self.head_dim)))
+        o = self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        # A shard's output product is a partial sum: the group adds the ranks' up.
+        return cast(torch.Tensor, o if self.shard is None else self.shard.all_reduce_(o))
 
 
 class MoEDecoderLayer(nn.Module):
@@ -142,7 +154,11 @@ class _Backbone(nn.Module):
 
 
 class MoEDecoder(nn.Module):
-    """A Qwen3-MoE decoder for `KVCacheEngine` (`PagedModel`).
+    """A Qwen3-MoE decoder for `KVCacheEngine` (`PagedModel`, `SupportsTensorParallel`).
+
+    Sharded (`shard_`), it holds its heads, its share of every expert and dense MLP, and its
+    rows of the head (`mstar.engines.parallel`); the embedding stays whole on every rank (the
+    nodes look tokens up in it themselves).
 
     Args:
         config: The text model.
@@ -170,6 +186,47 @@ class MoEDecoder(nn.Module):
             config.head_dim, config.rope_theta, config.mrope_section, config.max_position
         )
         self._rope_deltas: dict[str, int] = {}
+        self.shard: TensorShard | None = None
+
+    supports_tensor_parallel: ClassVar[Literal[True]] = True
+
+    @property
+    def tensor_shard(self) -> TensorShard | None:
+        """The tensor-parallel shard this network holds (None: all of it)."""
+        return self.shard
+
+    def shard_slices(self, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's part of every weight (names of this module; norms, router and embedding
+        stay whole)."""
+        start, stop, rows = shard.vocab_range(self.config.vocab_size)
+        out = {f"{self.head_name}.weight": WeightSlice(0, start, stop, rows)}
+        for i, layer in enumerate(cast(list[MoEDecoderLayer], list(self.model.layers))):
+            attn = layer.self_attn
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+            prefix = f"model.layers.{i}"
+            out.update(
+                attention_slices(
+                    f"{prefix}.self_attn",
+                    projections,
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                    shard,
+                )
+            )
+            out.update(cast(Any, layer.mlp).shard_slices(f"{prefix}.mlp", shard))
+        return out
+
+    def shard_(self, shard: TensorShard) -> None:
+        """Keep this rank's shard of every weight (meta weights too; see `shard_slices`)."""
+        shard_module_(self, self.shard_slices(shard))
+        self.shard = shard
+        for layer in cast(list[MoEDecoderLayer], list(self.model.layers)):
+            attn = layer.self_attn
+            attn.num_heads = attn.q_proj.out_features // attn.head_dim
+            attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            attn.shard = shard
+            cast(Any, layer.mlp).shard = shard
 
     @property
     def head(self) -> nn.Linear:
@@ -186,7 +243,7 @@ class MoEDecoder(nn.Module):
         """Return the cache geometry."""
         return KVCacheSpec(
             num_layers=self.config.num_layers,
-            num_kv_heads=self.config.num_kv_heads,
+            num_kv_heads=cast(MoEDecoderLayer, self.model.layers[0]).self_attn.num_kv_heads,
             head_dim=self.config.head_dim,
             dtype=self.embedding.weight.dtype,
         )
@@ -205,6 +262,7 @@ class MoEDecoder(nn.Module):
         """Move the rotary tables next to the weights (after ``.to(device)``)."""
         self.rope.to(self.embedding.weight.device)
 
+    @mirrored
     def forget(self, seq_key: str) -> None:
         """Drop what the model keeps for a sequence (its MRoPE offset)."""
         self._rope_deltas.pop(seq_key, None)
@@ -280,5 +338,11 @@ class MoEDecoder(nn.Module):
         return torch.cat((final, embeds, captured), dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project (the first ``hidden`` columns of) hidden states to vocabulary logits."""
-        return cast(torch.Tensor, self.head(hidden[:, : self.config.hidden_size]))
+        """Project (the first ``hidden`` columns of) hidden states to vocabulary logits (a
+        shard's rows gathered over its group)."""
+        logits = cast(torch.Tensor, self.head(hidden[:, : self.config.hidden_size]))
+        if self.shard is None or self.shard.group is None:
+            return logits
+        parts = self.shard.group.all_gather(logits.contiguous())  # [world, rows, vocab rows]
+        full = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        return full[:, : self.config.vocab_size]
