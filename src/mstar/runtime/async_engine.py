@@ -216,6 +216,7 @@ class AsyncEngine:
             worker_processes=config.worker_processes,
             ray=config.ray_address is not None,
             deterministic=config.deterministic,
+            tensor_parallel=[list(ranks) for _, _, ranks in placement.tensor_parallel_groups()],
         )
         return engine
 
