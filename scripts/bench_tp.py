@@ -102,7 +102,7 @@ def _all_reduce_rank(
     else:
         from mstar.engines.parallel import GlooGroup
 
-        group = GlooGroup(where, rank, 2)
+        group = GlooGroup(rank, 2, init_method=where)
     x = torch.randn(rows, hidden)
     for _ in range(50):
         group.all_reduce_(x)

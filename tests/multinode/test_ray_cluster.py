@@ -373,3 +373,42 @@ async def test_a_tensor_parallel_group_shares_a_node_and_speaks_as_one_rank(
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and a.size > 0
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+ORPHEUS_TP_ACROSS = """
+model: orpheus
+node_groups:
+  - {node_names: [LLM], ranks: [0, 1], tensor_parallel: 2, allow_cross_node_tp: true}
+  - {node_names: [snac_decoder], ranks: [0]}
+rank_resources: {0: {node_a: 1}, 1: {node_b: 1}}
+"""
+
+
+@pytest.mark.timeout(300)
+async def test_a_tensor_parallel_group_across_nodes_sums_over_gloo(
+    ray_cluster: LocalCluster,
+) -> None:
+    """``allow_cross_node_tp``: the LM's two shards on node A and a node_b node meet over
+    torch.distributed (gloo, at a store the conductor serves) and speak as one rank; without
+    it the same ranks cannot be placed (a group's ranks share a node)."""
+    spec = resolve_model("orpheus-tiny")
+    request = Request("speech", {"text": "across", "max_tokens": 56, "seed": 5, "ignore_eos": True})
+
+    async def serve(placement: Placement | None, config: EngineConfig) -> np.ndarray:
+        async with await AsyncEngine.start(spec, placement, config) as engine:
+            if placement is not None:
+                assert node_of(engine, 0) != node_of(engine, 1)
+                assert (await engine.stats())[1]["LLM"]["steps"] == 0
+            out = await engine.run(request)
+            if placement is not None:
+                assert (await engine.stats())[1]["LLM"]["steps"] > 0
+        return np.concatenate([np.asarray(o.data) for o in out])
+
+    want = await serve(None, EngineConfig(cpu_threads=1))
+    got = await serve(Placement.from_yaml(ORPHEUS_TP_ACROSS), ray_config())
+    assert got.shape == want.shape and got.size > 0
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+    together = Placement.from_yaml(ORPHEUS_TP_ACROSS.replace(", allow_cross_node_tp: true", ""))
+    with pytest.raises(PlacementError, match=r"no node offers ranks \[0, 1\] all at once"):
+        await AsyncEngine.start(spec, together, ray_config(ray_placement_timeout_s=1.0))

@@ -24,8 +24,10 @@ the leader's rank.
 
 Collectives go through a `TensorParallelGroup`: `ShmGroup` for ranks on one machine (shared
 memory; the native kernels' spin-then-sleep waits, and the decoder's native decode step sums
-inside its own call), `GlooGroup` (``torch.distributed``: gloo on CPU, NCCL on CUDA) for ranks
-on several machines or on GPUs. ``scripts/bench_tp.py`` times both.
+inside its own call), `GlooGroup` (``torch.distributed``: gloo on CPU, NCCL on CUDA) for a group
+whose ranks a Ray placement spreads over machines (``allow_cross_node_tp``).
+``scripts/bench_tp.py`` times both (gloo's all-reduce took 150x shared memory's between two
+processes of one machine).
 
 A model that can be sharded declares `SupportsTensorParallel` and reads `current_shard()`
 while it builds (the worker loads it under `sharded`): it then builds, or loads from its
@@ -207,30 +209,48 @@ class ShmGroup:
 class GlooGroup:
     """A `TensorParallelGroup` over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
-    Each rank joins the process group at ``init_method`` (``tcp://host:port``); commands travel
-    as byte tensors through a broadcast. A process holds one such group (torch's default group).
+    Each rank joins the process group at ``init_method`` (``tcp://host:port``: rank 0 serves
+    there), or through the key-value store at ``store`` (``host:port`` of a ``TCPStore`` some
+    process serves; keys under ``prefix``, one per group incarnation). Commands travel as byte
+    tensors through a broadcast. A process holds one such group (torch's default group), which
+    lives until the process exits.
     """
 
     def __init__(
         self,
-        init_method: str,
         rank: int,
         world: int,
         *,
+        init_method: str | None = None,
+        store: str | None = None,
+        prefix: str = "",
         device: torch.device | str = "cpu",
         timeout_s: float = TIMEOUT_S,
     ) -> None:
         import torch.distributed as dist
 
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "this process is in a torch.distributed group already: a rank takes part in one "
+                "tensor-parallel group across machines"
+            )
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if store is not None:
+            host, _, port = store.rpartition(":")
+            client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(prefix, client),
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+            )
         self._dist = dist
         self._rank, self._world = rank, world
         self.leader: TensorParallelLeader | None = None
@@ -252,9 +272,10 @@ class GlooGroup:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Return every rank's ``x``, stacked."""
-        out = x.new_empty((self._world, *x.shape))
-        self._dist.all_gather_into_tensor(out, x.contiguous())
-        return out
+        flat = x.contiguous().reshape(-1)
+        out = flat.new_empty(self._world * flat.numel())
+        self._dist.all_gather_into_tensor(out, flat)
+        return out.view(self._world, *x.shape)
 
     def send(self, data: bytes) -> None:
         """Send a command to the followers (its length, then its bytes)."""
@@ -273,9 +294,8 @@ class GlooGroup:
         return bytes(payload.cpu().numpy())
 
     def close(self) -> None:
-        """Leave the process group."""
-        with contextlib.suppress(Exception):
-            self._dist.destroy_process_group()
+        """Nothing to do: the process group lives until the process exits (a follower's thread
+        may still wait in a broadcast, which destroying the group under it would crash)."""
 
 
 def _byte_tensor(data: bytes) -> torch.Tensor:

@@ -56,7 +56,8 @@ node_groups:
 
 A tensor-parallel group's ranks share a machine (their collectives go through shared memory);
 on a Ray cluster they are placed together, unless ``allow_cross_node_tp: true`` lets them
-spread (collectives then go through ``torch.distributed``).
+spread (collectives then go through ``torch.distributed``'s gloo; such a group shards one
+node).
 
 ``deterministic: true`` serves deterministically, as ``EngineConfig(deterministic=True)`` and
 ``mstar serve --deterministic`` do (either one turns it on).
@@ -107,6 +108,7 @@ class TensorParallelRole(msgspec.Struct, frozen=True):
     ranks: tuple[int, ...]
     channel: str
     source: str = "tensor_parallel"  # where the placement declares it ("node_groups[0]")
+    store: str | None = None  # host:port of the TCPStore of a group over machines (gloo)
 
 
 class _PlacementFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

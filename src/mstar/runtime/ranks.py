@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import structlog
 
@@ -88,6 +89,10 @@ class Ranks:
         self._tp_groups = placement.tensor_parallel_groups()
         self._tp_channels = [make_owned_name() for _ in self._tp_groups]
         self._tp_restarting: set[int] = set()
+        # Groups spread over machines (allow_cross_node_tp) meet at a TCPStore this process
+        # serves: group -> its address.
+        self._tp_stores: dict[int, str] = {}
+        self._store: Any = None
 
     def up(self) -> dict[int, bool]:
         """Return, per rank, whether its worker serves now (False while a lost one restarts)."""
@@ -123,14 +128,16 @@ class Ranks:
                 r: self.system.ref(worker_name(r), info.addresses[0])
                 for r, info in self.rank_info.items()
             }
-            for i, _, group in self._tp_groups:
+            for g, (i, _, group) in enumerate(self._tp_groups):
                 nodes = {self.rank_info[r].node_id for r in group}
-                if len(nodes) > 1:
+                if len(nodes) == 1:
+                    continue
+                if not self.placement.groups[i].allow_cross_node_tp:  # STRICT_PACK prevents it
                     raise PlacementError(
                         f"node_groups[{i}]: the tensor-parallel ranks {list(group)} landed on "
-                        f"{len(nodes)} Ray nodes; their collectives run over one machine's shared "
-                        "memory (collectives across machines are not supported yet)"
+                        f"{len(nodes)} Ray nodes without allow_cross_node_tp"
                     )
+                self._tp_stores[g] = self._store_address(host)
         elif self.config.worker_processes:
             self._served = await self.system.serve("ipc://")
             for rank in ranks:
@@ -279,6 +286,14 @@ class Ranks:
                 except Exception:
                     log.exception("worker_restart_failed", rank=rank)
 
+    def _store_address(self, host: str) -> str:
+        """Serve the TCPStore where groups over machines meet (once); return its address."""
+        if self._store is None:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return f"{host}:{self._store.port}"
+
     def _restart_tensor_parallel_peers(self, rank: int) -> None:
         """A tensor-parallel group restarts as a unit: when one of its ranks is lost, the others
         are stopped too (their requests fail, as the lost one's) and the group comes back on a
@@ -290,13 +305,20 @@ class Ranks:
             _remove_channel(self._tp_channels[g], len(nodes))
             self._tp_channels[g] = make_owned_name()
             for other in ranks:
+                if other == rank or other in self._lost:
+                    continue
                 proc = self.processes.get(other)
-                if other != rank and proc is not None and proc.is_alive:
-                    log.warning("tensor_parallel_group_restarts", rank=other, lost=rank)
-                    # Down from now on (the group restarts once all of it is back); the
-                    # watchdog reports and restarts it next (its sentinel fired).
-                    self._lost.add(other)
+                if proc is not None and not proc.is_alive:
+                    continue
+                log.warning("tensor_parallel_group_restarts", rank=other, lost=rank)
+                # Down from now on (the group restarts once all of it is back); its watcher
+                # reports and restarts it next (a process's sentinel fires; Ray restarts an
+                # actor it sees die).
+                self._lost.add(other)
+                if proc is not None:
                     proc.kill()
+                elif self.launcher is not None:
+                    self.launcher.kill(other)
 
     async def _restart(self, rank: int) -> None:
         started = time.monotonic()
@@ -344,6 +366,7 @@ class Ranks:
             log.error("worker_lost", rank=rank, pid=old.pid, ray_node=old.node_id)
             lost_at = time.monotonic()
             self._lost.add(rank)
+            self._restart_tensor_parallel_peers(rank)
             self.conductor.tell(WorkerLost(rank, self._start_s.get(rank, 0.0)))
             for address in old.addresses:
                 self.system.drop_link(address, PeerLostError(f"the worker of rank {rank} died"))
@@ -386,7 +409,9 @@ class Ranks:
         shares = self.placement.kv_cache_shares(rank)
         config = self.config.worker_config(rank, len(self.placement.ranks), shares)
         roles = tuple(
-            TensorParallelRole(nodes, ranks, self._tp_channels[g], f"node_groups[{i}]")
+            TensorParallelRole(
+                nodes, ranks, self._tp_channels[g], f"node_groups[{i}]", self._tp_stores.get(g)
+            )
             for g, (i, nodes, ranks) in enumerate(self._tp_groups)
             if rank in ranks
         )

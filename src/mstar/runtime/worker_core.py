@@ -25,6 +25,7 @@ from mstar.engines.kv_node import KVNodeEngine
 from mstar.engines.layers import deterministic_products, make_deterministic
 from mstar.engines.limits import NodeLimits
 from mstar.engines.parallel import (
+    GlooGroup,
     ShmGroup,
     TensorParallelError,
     TensorParallelFollower,
@@ -360,7 +361,7 @@ class WorkerCore:
         budgets = kv_cache_budgets(
             [n for n in owned if types[n] == EngineType.KV_CACHE], self.config, device
         )
-        self._join_tensor_parallel(types)
+        self._join_tensor_parallel(types, device)
         for node in owned:
             module = await self._load(node, device)
             if self.config.deterministic and types[node] == EngineType.KV_CACHE:
@@ -398,18 +399,28 @@ class WorkerCore:
             gc.collect()
             gc.freeze()
 
-    def _join_tensor_parallel(self, types: Mapping[str, EngineType]) -> None:
-        """Map the shared memory of the tensor-parallel groups this rank is in."""
+    def _join_tensor_parallel(self, types: Mapping[str, EngineType], device: torch.device) -> None:
+        """Join the tensor-parallel groups this rank is in (their shared memory, or gloo)."""
         for role in self.config.tensor_parallel:
             if self.rank not in role.ranks:
                 continue
             index, world = role.ranks.index(self.rank), len(role.ranks)
+            if role.store is not None and len(role.nodes) > 1:
+                raise PlacementError(
+                    f"{role.source}: a tensor-parallel group across machines shards one node"
+                )
             for i, node in enumerate(role.nodes):
                 if types.get(node) != EngineType.KV_CACHE:
                     raise PlacementError(
                         f"{role.source}: tensor_parallel shards KV-cache nodes; {node!r} is not one"
                     )
-                group = ShmGroup(SHM_DIR / f"{role.channel}.{i}", index, world)
+                group: TensorParallelGroup
+                if role.store is not None:  # over machines: torch.distributed's gloo
+                    group = GlooGroup(
+                        index, world, store=role.store, prefix=role.channel, device=device
+                    )
+                else:
+                    group = ShmGroup(SHM_DIR / f"{role.channel}.{i}", index, world)
                 self._shards[node] = (group, TensorShard(index, world, group), role.source)
 
     async def _load(self, node: str, device: torch.device) -> Any:
@@ -441,6 +452,8 @@ class WorkerCore:
         for engine in self.owned_engines.values():
             await engine.aclose()
         for group, _, _ in self._shards.values():
+            if group.leader is not None:
+                group.leader.stop()  # the followers' loops end
             group.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
