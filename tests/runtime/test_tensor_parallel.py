@@ -91,28 +91,44 @@ async def test_two_ranks_answer_what_one_answers(
         assert await _tokens(engine, _requests()) == expected
 
 
+TWO_REPLICAS = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2, 3], tensor_parallel: 2}\n"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_dead_rank_fails_its_groups_requests_and_the_group_restarts(
     checkpoint: Path, expected: list[list[int]]
 ) -> None:
+    """Two sharded replicas (ranks 0 + 1 and 2 + 3): rank 1 killed mid-request fails the request
+    its group serves, the other replica's goes on; both ranks of the group come back."""
     config = EngineConfig(worker_processes=True, cpu_threads=1)
     async with await AsyncEngine.start(
-        _spec(checkpoint), Placement.from_yaml(TP2), config
+        _spec(checkpoint), Placement.from_yaml(TWO_REPLICAS), config
     ) as engine:
-        long = _request(PROMPTS[0], max_tokens=200)
-        running = asyncio.ensure_future(engine.run(long))
+        alone = await _tokens(engine, [_request(PROMPTS[0], max_tokens=120)])
+        running = [
+            asyncio.ensure_future(engine.run(_request(PROMPTS[0], max_tokens=120)))
+            for _ in range(2)
+        ]
         leader, follower = engine.processes[0], engine.processes[1]
         assert leader.pid is not None and follower.pid is not None
-        while (await engine.held_state())["rank0"]["runners"] == 0:
+        while True:  # one request on each replica
+            held = await engine.held_state()
+            if all(held[f"rank{r}"]["runners"] > 0 for r in (0, 2)):
+                break
             await asyncio.sleep(0.01)
         os.kill(follower.pid, signal.SIGKILL)
-        with pytest.raises(WorkerUnavailableError):
-            await asyncio.wait_for(running, 60)
-        # Both ranks restart (the leader's shard cannot go on without the follower's).
+        done = await asyncio.gather(*running, return_exceptions=True)
+        failed = [r for r in done if isinstance(r, BaseException)]
+        assert len(failed) == 1 and isinstance(failed[0], WorkerUnavailableError), done
+        served = [r for r in done if not isinstance(r, BaseException)]
+        assert [[int(o.data) for o in served[0]]] == alone
+        # Both ranks of the group restart (the leader's shard cannot go on without the other).
         async with asyncio.timeout(120):
             while engine.num_restarts < 2 or not all(engine.ranks.up().values()):
                 await asyncio.sleep(0.05)
         assert engine.processes[0].pid != leader.pid and engine.processes[1].pid != follower.pid
+        assert engine.processes[2].pid is not None
         assert await _tokens(engine, _requests()) == expected
 
 
