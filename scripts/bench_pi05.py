@@ -49,7 +49,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,7 +78,6 @@ from mstar.bench import (
 from mstar.bench.machine import measure_flops
 from mstar.runtime import AsyncEngine, EngineConfig, Request
 from mstar.zoo.pi05.model import Pi05Model
-from mstar.zoo.pi05.modules import Pi05Weights
 from mstar.zoo.pi05.policy import (
     EXTERIOR_IMAGE_KEY,
     GRIPPER_POSITION_KEY,
@@ -277,9 +276,7 @@ async def run(settings: Settings, console: Console) -> dict[str, Any]:
     model = Pi05Model(settings.config)
     cfg = model.config
     # A copy of the same weights in the checkpoint's layout (the engine fuses its own products).
-    weights = copy.deepcopy(
-        cast(Pi05Weights, model.submodule("vision", torch.device("cpu")).weights)
-    )
+    weights = copy.deepcopy(model.load_weights(torch.device("cpu")))
     openpi = OpenpiServer(model, weights)
     flops = chunk_flops(
         openpi,

@@ -36,9 +36,7 @@ def model() -> Pi05Model:
 
 
 def weights_of(model: Pi05Model) -> Pi05Weights:
-    weights = model.submodule("vision", torch.device("cpu")).weights
-    assert isinstance(weights, Pi05Weights)
-    return weights
+    return model.load_weights(torch.device("cpu"))
 
 
 def observation(seed: int, size: int) -> dict[str, Any]:

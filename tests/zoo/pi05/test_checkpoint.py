@@ -131,6 +131,19 @@ def test_round_trip(written: Path, config: Pi05Config) -> None:
     )
 
 
+def test_each_node_loads_only_its_weights(written: Path, config: Pi05Config) -> None:
+    whole = load_pi05(written, config, dtype=torch.bfloat16)
+    vision = load_pi05(written, config, dtype=torch.bfloat16, nodes=["vision"])
+    loaded = {n for n, p in vision.named_parameters() if not p.is_meta}
+    assert loaded and all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in loaded)
+    assert vision.vision_tower.embeddings.position_ids.device.type == "cpu"
+    both = load_pi05(written, config, dtype=torch.bfloat16, nodes=["llm"], into=vision)
+    assert both is vision
+    want = whole.state_dict()
+    for name, tensor in both.state_dict().items():
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+
+
 def test_load_casts_and_is_deterministic(written: Path, config: Pi05Config, tmp_path: Path) -> None:
     model = load_pi05(written, config, dtype=torch.bfloat16)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}

@@ -45,7 +45,7 @@ def model() -> Pi05Model:
 @pytest.fixture(scope="module")
 def reference_weights() -> Pi05Weights:
     """The same checkpoint loaded again, unfused (the engine fuses its own copy's products)."""
-    weights: Pi05Weights = Pi05Model("pi05-tiny").submodule("vision", torch.device("cpu")).weights
+    weights: Pi05Weights = Pi05Model("pi05-tiny").load_weights(torch.device("cpu"))
     return weights
 
 

@@ -30,6 +30,12 @@ ours                                    checkpoint
 The token embedding is tied to the VLM's ``lm_head``; saving keeps only ``lm_head``, so the
 published file has no ``...language_model.embed_tokens.weight``. Loading accepts either name
 and prefers ``embed_tokens``. The action expert's ``lm_head`` is random and unused upstream.
+
+`load_pi05` reads the parameters of the nodes it is given (`NODE_WEIGHTS`: SigLIP and the
+projector for ``vision``, both experts and the action and time projections for ``llm``), into
+weights loaded before for other nodes if given; the rest stay on the meta device. A
+tensor-parallel rank's ``llm`` (under `mstar.engines.parallel.sharded`) reads its share of each
+sharded tensor from the file's slice (`Pi05Weights.shard_slices`).
 """
 
 from __future__ import annotations
@@ -49,15 +55,23 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings
 
+from mstar.engines.layers import WeightSlice
+from mstar.engines.parallel import current_shard
 from mstar.errors import CheckpointError, UnsupportedModelError
 from mstar.zoo.cache import mstar_cache_dir, written_once
-from mstar.zoo.hf_checkpoint import load_hf_config, safetensors_files
+from mstar.zoo.hf_checkpoint import (
+    copy_slice,
+    load_hf_config,
+    replace_parameter,
+    safetensors_files,
+)
 from mstar.zoo.pi05.config import GEMMA_VARIANTS, GemmaConfig, Pi05Config, known_vision_heads
 from mstar.zoo.pi05.modules import Pi05Weights
 from mstar.zoo.pi05.robots import OPENPI_CAMERAS, get_robot_layout
 
 __all__ = [
     "CONFIG_FORMATS",
+    "NODE_WEIGHTS",
     "cached_random_checkpoint",
     "from_checkpoint_names",
     "load_pi05",
@@ -88,6 +102,19 @@ _NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("time_mlp_in.", "time_mlp_in."),
     ("time_mlp_out.", "time_mlp_out."),
 )
+NODE_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "vision": ("vision_tower.", "multi_modal_projector."),
+    "llm": (
+        "language_model.",
+        "gemma_expert.",
+        "action_in_proj.",
+        "action_out_proj.",
+        "time_mlp_in.",
+        "time_mlp_out.",
+    ),
+}
+"""The parameters (our name prefixes) each graph node reads."""
+
 _TIED_EMBEDDING = "paligemma_with_expert.paligemma.lm_head.weight"
 _EXPERT_LM_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"
 _IGNORED = frozenset({_EXPERT_LM_HEAD})
@@ -179,17 +206,38 @@ def load_pi05(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    nodes: Iterable[str] | None = None,
+    into: Pi05Weights | None = None,
 ) -> Pi05Weights:
     """Load a checkpoint directory into `Pi05Weights` on ``device`` in ``dtype`` (see
     `Pi05Weights.to_precision`).
 
     Names, shapes and the ``config.json`` (when present) are checked before any weight is
-    allocated; tensors are then read one at a time.
+    allocated; tensors are then read one at a time. Under `sharded` (a tensor-parallel rank
+    loading the ``llm`` node) the experts are this rank's shard (`Pi05Weights.shard_`), read
+    from the tensors' slices only.
+
+    Args:
+        checkpoint_dir: The directory.
+        config: The model.
+        device: Where the weights go.
+        dtype: Their dtype.
+        nodes: The graph nodes whose weights to read (`NODE_WEIGHTS`; default: every node's);
+            the other parameters stay on the meta device.
+        into: Weights loaded before onto the same device, in the same dtype, as the same shard
+            (for other nodes): add these nodes' parameters to them.
 
     Raises:
         CheckpointError: The directory lacks the weights, holds missing, unexpected or
-            misshapen tensors, or its ``config.json`` disagrees with ``config``.
+            misshapen tensors, its ``config.json`` disagrees with ``config``, or ``into`` holds
+            another shard.
+        KeyError: An unknown node.
     """
+    nodes = list(NODE_WEIGHTS if nodes is None else nodes)
+    prefixes = tuple(p for node in nodes for p in NODE_WEIGHTS[node])
+    if into is not None and not _unloaded(into, prefixes):
+        _shard_llm(into, nodes)  # checks the shard
+        return into
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise CheckpointError(f"pi0.5 checkpoint directory {str(directory)!r} does not exist")
@@ -213,18 +261,60 @@ def load_pi05(
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for mine, ckpt in ours.items():
         by_file.setdefault(files[ckpt], []).append((mine, ckpt))
+    # The whole checkpoint must fit the config, whichever part of it this rank reads.
     _check_shapes(by_file, expected, directory, config)
 
-    model = model.to_precision(dtype)  # on meta: only the dtypes change
-    model.to_empty(device=device)
-    _reset_position_ids(model)
-    targets = model.state_dict(keep_vars=True)
+    if into is None:
+        model = model.to_precision(dtype)  # on meta: only the dtypes change
+    else:
+        model = into
+    shares = _shard_llm(model, nodes)
+    wanted = set(_unloaded(model, prefixes))
+    params = dict(model.named_parameters())
+    device = torch.device(device)
     with torch.no_grad():
         for path, pairs in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for mine, ckpt in pairs:
-                    targets[mine].copy_(f.get_tensor(ckpt))
+                    if mine not in wanted:
+                        continue
+                    target = torch.empty_like(params[mine], device=device)
+                    share = shares.get(mine)
+                    if share is None:
+                        target.copy_(f.get_tensor(ckpt))
+                    else:  # a rank's share: its slice of the tensor (zeros past its end)
+                        target.zero_()
+                        if not share.zero:
+                            copy_slice(f.get_slice(ckpt), ckpt, share, target)
+                    replace_parameter(model, mine, target)
+    if "vision" in nodes:
+        _reset_position_ids(model, device)
     return model.eval().requires_grad_(False)
+
+
+def _unloaded(model: Pi05Weights, prefixes: tuple[str, ...]) -> list[str]:
+    """Return the names of the parameters under ``prefixes`` still on the meta device."""
+    return [n for n, p in model.named_parameters() if n.startswith(prefixes) and p.is_meta]
+
+
+def _shard_llm(model: Pi05Weights, nodes: list[str]) -> dict[str, WeightSlice]:
+    """Under `sharded` (a tensor-parallel rank loading the ``llm`` node), keep the experts'
+    shard only (on meta, before anything is read); return each sharded tensor's share.
+
+    Raises:
+        CheckpointError: ``model``'s experts are another shard (or whole) already.
+    """
+    if "llm" not in nodes:
+        return {}
+    shard = current_shard()
+    loaded = not model.language_model.blocks[0].self_attn.q_proj.weight.is_meta
+    if model.shard != shard and (model.shard is not None or loaded):
+        raise CheckpointError("pi0.5's llm is loaded here already, as another shard")
+    if shard is None or model.shard is not None:
+        return {}
+    shares = model.shard_slices(shard)
+    model.shard_(shard)
+    return shares
 
 
 def _check_shapes(
@@ -250,8 +340,8 @@ def _check_shapes(
         )
 
 
-def _reset_position_ids(model: Pi05Weights) -> None:
-    """Refill the non-persistent buffers that `to_empty` left uninitialised."""
+def _reset_position_ids(model: Pi05Weights, device: torch.device) -> None:
+    """Fill the non-persistent buffers (no checkpoint holds them) on ``device``."""
     persistent = set(model.state_dict())
     transient = {name for name, _ in model.named_buffers() if name not in persistent}
     # a new one needs a value here
@@ -259,7 +349,8 @@ def _reset_position_ids(model: Pi05Weights) -> None:
     for module in model.modules():
         if isinstance(module, SiglipVisionEmbeddings):
             ids = module.position_ids
-            ids.copy_(torch.arange(ids.shape[-1], device=ids.device).expand_as(ids))
+            fresh = torch.arange(ids.shape[-1], device=device).expand(ids.shape).contiguous()
+            module.register_buffer("position_ids", fresh, persistent=False)
 
 
 def _check_config_json(found: Mapping[str, Any], config: Pi05Config, directory: Path) -> None:

@@ -21,12 +21,15 @@ its convention: ``actions`` ``[horizon, 8]`` for DROID.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from mstar.engines.parallel import current_shard
 from mstar.errors import CheckpointError
 from mstar.graph import EMIT, Emission, GraphEdge, GraphNode, Loop, ModelGraph, Sequential
 from mstar.runtime.model import (
@@ -161,7 +164,10 @@ class Pi05Model(Model, SupportsActionPolicy):
             cfg, tokenizer if tokenizer is not None else _shipped_tokenizer(path)
         )
         self._graph = make_pi05_graph(cfg)
-        self._weights: dict[torch.device, Pi05Weights] = {}
+        # by device and tensor-parallel shard (rank, world)
+        self._weights: dict[tuple[torch.device, tuple[int, int] | None], Pi05Weights] = {}
+        self._loading: dict[Any, threading.Lock] = {}  # ranks load on worker threads
+        self._loading_lock = threading.Lock()
 
     policy_task = "act"
     policy_output = "actions"
@@ -188,28 +194,49 @@ class Pi05Model(Model, SupportsActionPolicy):
         """Return the one task: an action chunk for an observation."""
         return ("act",)
 
-    def _load(self, device: torch.device) -> Pi05Weights:
-        # Both nodes of a rank share one copy of the weights.
-        weights = self._weights.get(device)
-        if weights is None:
-            weights = self._weights[device] = load_pi05(
-                self.checkpoint, self.config, device=device, dtype=self.dtype
-            )
+    def load_weights(self, device: torch.device, nodes: Iterable[str] | None = None) -> Pi05Weights:
+        """Load the weights ``nodes`` read onto ``device`` (default: every node's).
+
+        One `Pi05Weights` per device, shared by the nodes there: each call reads only the
+        parameters not loaded there yet (`mstar.zoo.pi05.checkpoint.NODE_WEIGHTS`); the rest
+        stay on the meta device. A tensor-parallel rank's ``llm`` is its shard (`sharded`):
+        ranks of one process on one device keep weights of their own.
+        """
+        with self._lock(device):
+            return self._load(device, nodes)
+
+    def _lock(self, device: torch.device) -> threading.Lock:
+        with self._loading_lock:
+            return self._loading.setdefault(self._key(device), threading.Lock())
+
+    @staticmethod
+    def _key(device: torch.device) -> tuple[torch.device, tuple[int, int] | None]:
+        shard = current_shard()
+        return device, None if shard is None else (shard.rank, shard.world)
+
+    def _load(self, device: torch.device, nodes: Iterable[str] | None) -> Pi05Weights:
+        key = self._key(device)
+        weights = load_pi05(
+            self.checkpoint, self.config, device=device, dtype=self.dtype, nodes=nodes,
+            into=self._weights.get(key),
+        )  # fmt: skip
+        self._weights[key] = weights
         return weights
 
     def submodule(self, node: str, device: torch.device) -> Any:
-        """Load the weights onto ``device`` (once) and return the node."""
+        """Load the node's weights onto ``device`` (once) and return the node."""
         if node == "vision":
-            return VisionNode(self._load(device))
+            return VisionNode(self.load_weights(device, ["vision"]))
         if node == "llm":
-            weights = self._load(device)
-            if weights.modulation is None:  # fused once: the rank's vision node shares the weights
-                cfg = self.config
-                robots = (1, 16)
-                weights.fuse_for_inference(
-                    prefix_rows=tuple(r * cfg.prefix_len for r in robots),
-                    action_rows=tuple(r * cfg.action_horizon for r in robots),
-                )
+            with self._lock(device):
+                weights = self._load(device, ["llm"])
+                if weights.modulation is None:  # fused once (another node may share them)
+                    cfg = self.config
+                    robots = (1, 16)
+                    weights.fuse_for_inference(
+                        prefix_rows=tuple(r * cfg.prefix_len for r in robots),
+                        action_rows=tuple(r * cfg.action_horizon for r in robots),
+                    )
             return LLMNode(weights)
         raise KeyError(node)
 

@@ -23,6 +23,23 @@ differ); at every layer both project to queries, keys and values of one shape an
 through the cache. The model returns, per row, the velocity of an action row (zeros for prefix
 rows, whose only product is their cache).
 
+Tensor parallelism (`mstar.engines.parallel`; the ``llm`` node in a ``tensor_parallel`` group):
+`Pi05Weights.shard_` keeps a rank's part of both experts, Megatron's split per expert:
+
+```
+q, k, v          column-parallel: the rank's query heads; with fewer KV heads than ranks (the
+                 Gemma variants' 8 over 1) each rank keeps the KV head they read (replicated)
+o, down          row-parallel: a partial sum per expert, one all-reduce each
+gate, up         column-parallel (GeGLU: each rank its columns of both)
+embed_tokens     vocabulary-parallel: the rank's ids, the lookup summed over the group
+kept whole       the norms, every adaptive norm's conditioning map (one row per chunk), the
+                 time MLP and the action projections, SigLIP and the projector (the vision
+                 node's, never sharded)
+```
+
+Each rank runs every step on its shard; the leader returns the velocities. Nothing outside the
+steps changes the model (the node keeps its flow state in its inputs), so no method is mirrored.
+
 `Pi05Weights.fuse_for_inference` (called when the engine's node is built) stores each block's
 q/k/v, gate/up, output and down projections as `FusedLinear`s in the layout that multiplies
 fastest for the rows they see, and every adaptive norm's conditioning map as one product over
@@ -40,7 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +66,15 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
-from mstar.engines.layers import FusedLinear, GatedMLP, apply_rotary
+from mstar.engines.layers import (
+    FusedLinear,
+    GatedMLP,
+    WeightSlice,
+    apply_rotary,
+    attention_slices,
+    shard_module_,
+)
+from mstar.engines.parallel import TensorShard, tensor_payload
 from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
 
 __all__ = [
@@ -84,6 +109,7 @@ every block's ``input_layernorm`` and ``post_attention_layernorm``)."""
 _FLOAT32_NORMS = (".input_layernorm.", ".post_attention_layernorm.")
 
 
+@tensor_payload
 @dataclass(frozen=True, slots=True)
 class PrefixInput:
     """A request's prefix: its valid image tokens (already projected), then its prompt ids.
@@ -101,6 +127,7 @@ class PrefixInput:
         return int(self.image_embeds.shape[0] + self.token_ids.shape[0])
 
 
+@tensor_payload
 @dataclass(frozen=True, slots=True)
 class ActionInput:
     """One flow-matching step of a request: its noisy actions ``[H, action_dim]`` at time ``t``."""
@@ -155,13 +182,20 @@ class _Attention(nn.Module):
 
     def __init__(self, cfg: GemmaConfig) -> None:
         super().__init__()
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # a shard's: its heads
         self.q_proj = nn.Linear(cfg.width, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.width, bias=False)
         self.qkv: FusedLinear | None = None
         self.o: FusedLinear | None = None
+        self.shard: TensorShard | None = None
+
+    def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's heads, by parameter name under ``prefix`` (see `attention_slices`)."""
+        heads, kv_heads, head_dim = self.shape
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        return attention_slices(prefix, projections, heads, kv_heads, head_dim, shard)
 
     def fuse(self, rows: tuple[int, ...]) -> None:
         """Store q/k/v as one product and the output projection in their fastest layouts."""
@@ -188,8 +222,10 @@ class _Attention(nn.Module):
         )
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
-        """Project the attention's output ``[rows, heads * head_dim]`` back to the width."""
-        return self.o(attended) if self.o is not None else cast(torch.Tensor, self.o_proj(attended))
+        """Project the attention's output ``[rows, heads * head_dim]`` back to the width (a
+        shard's partial sums added up over the group)."""
+        o = self.o(attended) if self.o is not None else cast(torch.Tensor, self.o_proj(attended))
+        return o if self.shard is None else self.shard.all_reduce_(o.contiguous())
 
 
 class GemmaLayer(nn.Module):
@@ -272,11 +308,16 @@ def rope_tables(
 
 
 class Pi05Weights(nn.Module):
-    """All of pi0.5's weights, and its step on the paged cache (a `PagedModel`)."""
+    """All of pi0.5's weights, and its step on the paged cache (a `PagedModel`,
+    `SupportsTensorParallel`)."""
+
+    supports_tensor_parallel: ClassVar[Literal[True]] = True
 
     def __init__(self, config: Pi05Config) -> None:
         super().__init__()
         self.config = config
+        self.shard: TensorShard | None = None
+        self.vocab_start, self.vocab_stop = 0, config.vocab_size  # the ids this shard holds
         v = config.vision
         self.vision_tower = SiglipVisionModel(
             SiglipVisionConfig(
@@ -301,6 +342,49 @@ class Pi05Weights(nn.Module):
         self.time_mlp_in = nn.Linear(width, width)
         self.time_mlp_out = nn.Linear(width, width)
         self.modulation: FusedLinear | None = None  # every adaptive norm's dense, fused
+
+    # -- tensor parallelism ----------------------------------------------------------------
+
+    @property
+    def tensor_shard(self) -> TensorShard | None:
+        """The tensor-parallel shard this network holds (None: all of it)."""
+        return self.shard
+
+    def shard_slices(self, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's part of every sharded weight, by our parameter name: both experts' heads
+        and MLP columns, the token embedding's vocabulary rows (see the module doc)."""
+        start, stop, rows = shard.vocab_range(self.config.vocab_size)
+        out = {"language_model.embed_tokens.weight": WeightSlice(0, start, stop, rows)}
+        for name, stack in (
+            ("language_model", self.language_model),
+            ("gemma_expert", self.gemma_expert),
+        ):
+            for i, layer in enumerate(stack.blocks):
+                prefix = f"{name}.layers.{i}"
+                out.update(layer.self_attn.shard_slices(f"{prefix}.self_attn", shard))
+                out.update(layer.mlp.shard_slices(f"{prefix}.mlp", shard))
+        return out
+
+    def shard_(self, shard: TensorShard) -> None:
+        """Keep this rank's shard of every sharded weight (before `fuse_for_inference`; meta
+        weights too).
+
+        Raises:
+            TensorParallelError: The heads cannot be split over ``shard.world`` ranks.
+        """
+        shard_module_(self, self.shard_slices(shard))
+        self.shard = shard
+        self.vocab_start, self.vocab_stop, _ = shard.vocab_range(self.config.vocab_size)
+        for stack in (self.language_model, self.gemma_expert):
+            for layer in stack.blocks:
+                attn = layer.self_attn
+                head_dim = attn.shape[2]
+                attn.shape = (
+                    attn.q_proj.out_features // head_dim,
+                    attn.k_proj.out_features // head_dim,
+                    head_dim,
+                )
+                attn.shard = layer.mlp.shard = shard
 
     def to_precision(self, dtype: torch.dtype) -> Pi05Weights:
         """Cast the weights to ``dtype``; in bfloat16, openpi's float32 islands stay float32.
@@ -364,8 +448,8 @@ class Pi05Weights(nn.Module):
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         """Return the joint attention's cache geometry (the experts share it)."""
-        cfg = self.config.vlm
-        return KVCacheSpec(cfg.depth, cfg.num_kv_heads, cfg.head_dim, self.compute_dtype)
+        _, kv_heads, head_dim = self.language_model.blocks[0].self_attn.shape  # a shard's
+        return KVCacheSpec(self.config.vlm.depth, kv_heads, head_dim, self.compute_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -396,11 +480,31 @@ class Pi05Weights(nn.Module):
 
     def embed_prefix(self, prefix: PrefixInput) -> torch.Tensor:
         """Return a prefix's rows: image tokens as they are, prompt embeddings times sqrt(width)."""
+        return self.embed_prefixes([prefix])[0]
+
+    def embed_prefixes(self, prefixes: list[PrefixInput]) -> list[torch.Tensor]:
+        """Return each prefix's rows (`embed_prefix`), the prompts' embeddings looked up at once
+        (a shard's: one sum over the group)."""
         embed = self.language_model.embed_tokens
         assert embed is not None
         scale = math.sqrt(self.config.vlm.width)
-        tokens = embed(prefix.token_ids.to(embed.weight.device)) * scale
-        return torch.cat([prefix.image_embeds.to(tokens.dtype), tokens])
+        ids = torch.cat([p.token_ids for p in prefixes]).to(embed.weight.device)
+        tokens = self._embed(embed, ids) * scale
+        counts = [int(p.token_ids.shape[0]) for p in prefixes]
+        return [
+            torch.cat([p.image_embeds.to(t.dtype), t])
+            for p, t in zip(prefixes, tokens.split(counts), strict=True)
+        ]
+
+    def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``ids`` (a shard's: its ids' rows, the others zero, summed over
+        the group: each row is one rank's, exactly)."""
+        if self.shard is None:
+            return cast(torch.Tensor, embed(ids))
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
+        x = embed(local.clamp(0, self.vocab_stop - self.vocab_start - 1))
+        return self.shard.all_reduce_(x.masked_fill_(outside.unsqueeze(1), 0))
 
     def condition(self, times: torch.Tensor) -> torch.Tensor:
         """Return the adaptive norms' conditioning ``[rows, expert width]`` for flow times
@@ -425,7 +529,7 @@ class Pi05Weights(nn.Module):
         device = positions.device
         rows0: list[int] = []
         rows1: list[int] = []
-        x0_parts: list[torch.Tensor] = []
+        prefixes: list[PrefixInput] = []
         x1_parts: list[torch.Tensor] = []
         times: list[float] = []
         counts: list[int] = []
@@ -434,7 +538,7 @@ class Pi05Weights(nn.Module):
             payload = chunk.payload
             if isinstance(payload, PrefixInput):
                 rows0.extend(span)
-                x0_parts.append(self.embed_prefix(payload))
+                prefixes.append(payload)
             elif isinstance(payload, ActionInput):
                 rows1.extend(span)
                 x1_parts.append(payload.actions.to(device, self.action_in_proj.weight.dtype))
@@ -448,7 +552,7 @@ class Pi05Weights(nn.Module):
         total = positions.shape[0]
         index0 = torch.tensor(rows0, dtype=torch.long, device=device)
         index1 = torch.tensor(rows1, dtype=torch.long, device=device)
-        x0 = torch.cat(x0_parts) if x0_parts else None
+        x0 = torch.cat(self.embed_prefixes(prefixes)) if prefixes else None
         x1 = self.action_in_proj(torch.cat(x1_parts)).to(self.compute_dtype) if x1_parts else None
         mods: list[torch.Tensor] = []
         if x1 is not None:
@@ -459,7 +563,7 @@ class Pi05Weights(nn.Module):
         cos, sin = rope_tables(positions, cfg.vlm.head_dim, cfg.rope_theta)
         only = total == len(rows0) or total == len(rows1)  # one expert in the step: rows in order
         vlm, expert = self.language_model.blocks, self.gemma_expert.blocks
-        heads, head_dim = cfg.vlm.num_heads, cfg.vlm.head_dim
+        heads, _, head_dim = vlm[0].self_attn.shape  # a shard's: its query heads
         scale = head_dim**-0.5
         last = cfg.vlm.depth - 1
         for i in range(cfg.vlm.depth):

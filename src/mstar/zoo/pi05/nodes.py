@@ -42,7 +42,7 @@ class VisionNode:
     @torch.inference_mode()
     def __call__(self, batch: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """Encode the present cameras of every request at once."""
-        device = self.weights.action_in_proj.weight.device
+        device = self.weights.multi_modal_projector.linear.weight.device
         present = [
             torch.as_tensor(x["images"])[torch.as_tensor(x["image_mask"], dtype=torch.bool)]
             for x in batch
