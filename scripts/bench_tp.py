@@ -1,11 +1,14 @@
-"""Benchmark tensor parallelism: SmolLM2-135M decode sharded over two ranks against one rank.
+"""Benchmark tensor parallelism: decode sharded over two ranks against one rank.
 
 Side by side in one run, each in worker processes of one torch thread:
 
-- ``tp1``: the model on one rank (one process);
-- ``tp2``: the placement ``{node_names: [llm], ranks: [0, 1], tensor_parallel: 2}`` (two
-  processes: the leader schedules and samples, both compute their half of every layer and
-  sum the partial products over shared memory).
+- ``TP=1``: the LM on one rank (one process);
+- ``TP=2``: the LM in a group ``{ranks: [0, 1], tensor_parallel: 2}`` (two processes: the
+  leader schedules and samples, both compute their half of every layer and sum the partial
+  products over shared memory).
+
+Models: SmolLM2-135M (the ``llm`` node), and with ``--qwen3-omni`` also qwen3-omni-small's
+thinker (text answers: the talker and Code2Wav idle on a rank of their own in both runs).
 
 At each concurrency ``c``, ``c`` greedy requests of a 16-token prompt decode ``--new-tokens``
 tokens each (end of sequence ignored), ``--rounds`` times; decode tokens/s counts the tokens
@@ -15,7 +18,7 @@ two processes over mstar's shared memory and over gloo (``torch.distributed``), 
 per step (two per layer and one for the embedding), and each rank's weight bytes.
 
     python scripts/bench_tp.py                          # c = 1 and 4, float32
-    python scripts/bench_tp.py --dtype bfloat16 --concurrency 1,4,16
+    python scripts/bench_tp.py --dtype bfloat16 --concurrency 1,4,16 --qwen3-omni
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Reque
 
 TP2 = "node_groups:\n  - {node_names: [llm], ranks: [0, 1], tensor_parallel: 2}\n"
 TP1 = "node_groups:\n  - {node_names: [llm], ranks: [0]}\n"
+_QWEN3_REST = "  - {node_names: [audio_encoder, vision_encoder, talker, code2wav], ranks: [RANK]}\n"
+QWEN3_TP2 = (
+    "node_groups:\n  - {node_names: [thinker], ranks: [0, 1], tensor_parallel: 2}\n"
+    + _QWEN3_REST.replace("RANK", "2")
+)
+QWEN3_TP1 = "node_groups:\n  - {node_names: [thinker], ranks: [0]}\n" + _QWEN3_REST.replace(
+    "RANK", "1"
+)
 PROMPT = [1, 504, 3458, 314, 253, 1345, 282, 28, 2191, 30, 378, 2303, 314, 5457, 30, 198]
 
 
@@ -52,7 +63,9 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-async def _wave(engine: AsyncEngine, c: int, new_tokens: int) -> tuple[float, int]:
+async def _wave(
+    engine: AsyncEngine, c: int, new_tokens: int, extra: dict[str, Any]
+) -> tuple[float, int]:
     """Run ``c`` requests at once; return decode tokens/s and the tokens decoded."""
     firsts: list[float] = []
     lasts: list[float] = []
@@ -65,7 +78,11 @@ async def _wave(engine: AsyncEngine, c: int, new_tokens: int) -> tuple[float, in
             "max_tokens": new_tokens,
             "ignore_eos": True,
             "temperature": 0.0,
+            **extra,
         }
+        if "text" in extra:  # a chat model: its own prompt, one per request
+            data.pop("prompt_token_ids")
+            data["text"] = f"{extra['text']} {seed}"
         count = 0
         async for _ in engine.generate(Request("generate", data)):
             now = time.perf_counter()
@@ -80,14 +97,19 @@ async def _wave(engine: AsyncEngine, c: int, new_tokens: int) -> tuple[float, in
 
 
 async def _serve(
-    spec: ModelSpec, placement: str, concurrency: list[int], new_tokens: int, rounds: int
+    spec: ModelSpec,
+    placement: str,
+    concurrency: list[int],
+    new_tokens: int,
+    rounds: int,
+    extra: dict[str, Any],
 ) -> dict[int, float]:
     config = EngineConfig(worker_processes=True, cpu_threads=1)
     out: dict[int, float] = {}
     async with await AsyncEngine.start(spec, Placement.from_yaml(placement), config) as engine:
-        await _wave(engine, 1, 8)  # warm-up: first steps, layouts, greedy head
+        await _wave(engine, 1, 8, extra)  # warm-up: first steps, layouts, greedy head
         for c in concurrency:
-            out[c] = max([(await _wave(engine, c, new_tokens))[0] for _ in range(rounds)])
+            out[c] = max([(await _wave(engine, c, new_tokens, extra))[0] for _ in range(rounds)])
     return out
 
 
@@ -169,6 +191,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--all-reduce-calls", type=int, default=2000)
+    parser.add_argument("--qwen3-omni", action="store_true", help="also qwen3-omni-small's thinker")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -190,8 +213,19 @@ def main() -> None:
         f"{len(PROMPT)}-token prompt, c = {concurrency}, best of {args.rounds} rounds; every rank "
         f"a worker process of one torch thread; CPU {_cpu_name()} ({os.cpu_count()} cores)"
     )
-    tp1 = asyncio.run(_serve(spec, TP1, concurrency, args.new_tokens, args.rounds))
-    tp2 = asyncio.run(_serve(spec, TP2, concurrency, args.new_tokens, args.rounds))
+    tp1 = asyncio.run(_serve(spec, TP1, concurrency, args.new_tokens, args.rounds, {}))
+    tp2 = asyncio.run(_serve(spec, TP2, concurrency, args.new_tokens, args.rounds, {}))
+    thinker: dict[str, dict[int, float]] = {}
+    if args.qwen3_omni:
+        qwen = ModelSpec(
+            "mstar.zoo.qwen3_omni.model:Qwen3OmniModel",
+            {"config": "qwen3-omni-small", "dtype": args.dtype},
+        )
+        text = {"modalities": ["text"], "text": "Tell me about the sea, request"}
+        for name, placement in (("tp1", QWEN3_TP1), ("tp2", QWEN3_TP2)):
+            thinker[name] = asyncio.run(
+                _serve(qwen, placement, concurrency, args.new_tokens, args.rounds, text)
+            )
 
     hidden, layers = 576, 30
     reduce_rows = []
@@ -222,6 +256,12 @@ def main() -> None:
                 "all_reduces_per_step": per_step,
             }
         )
+    if thinker:
+        print("\n| c | qwen3-omni-small thinker TP=1 tok/s | TP=2 tok/s | TP=2 / TP=1 |")
+        print("|---|---|---|---|")
+        for c in concurrency:
+            one, two = thinker["tp1"][c], thinker["tp2"][c]
+            print(f"| {c} | {one:.1f} | {two:.1f} | {two / one:.2f}x |")
     print("\n| all-reduce of c x 576 float32, two processes | shm us | gloo us | gloo / shm |")
     print("|---|---|---|---|")
     for c, shm, gloo in reduce_rows:
@@ -240,6 +280,7 @@ def main() -> None:
             "config": vars(args) | {"json": str(args.json), "cpu": _cpu_name()},
             "rows": rows,
             "weights_bytes": {"whole": full, "ranks": shards},
+            "qwen3_omni_small_thinker": thinker,
         }
         args.json.write_text(json.dumps(result, indent=2, default=str))
     if not all(math.isfinite(v) for v in (*tp1.values(), *tp2.values())):

@@ -296,3 +296,36 @@ def test_a_layout_that_cannot_split_is_refused(tmp_path: Path) -> None:
     model = make_tiny_llama(num_heads=4, num_kv_heads=2)
     with pytest.raises(TensorParallelError, match="4 query heads over 2 KV heads cannot be split"):
         model.shard_(TensorShard(0, 3))
+
+
+def test_a_step_that_fails_on_the_leader_fails_the_group_not_silently(
+    checkpoint: Path, shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader's step that raises closes the group (the ranks may be out of step): the step's
+    requests fail, the follower ends and reports the failure (a worker process exits then)."""
+    failures: list[BaseException] = []
+    groups = [ShmGroup(shm_path, r, 2) for r in range(2)]
+    models = []
+    for rank, group in enumerate(groups):
+        with sharded(TensorShard(rank, 2, group)):
+            models.append(load_llama(checkpoint))
+    follower = TensorParallelFollower(
+        "llm", models[1], groups[1], "cpu", on_failure=failures.append
+    )
+    follower.start()
+    engine = KVCacheEngine(
+        models[0], KVCacheEngineConfig(num_blocks=32, block_size=4), tensor_parallel=groups[0]
+    )
+    engine.add_request("ok", PROMPTS[1], SamplingParams.greedy(3))
+    assert len(_run(engine, SamplingParams.greedy(3), [PROMPTS[0]])[0]["r0"]) == 3
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("a fault in the leader's forward pass")
+
+    monkeypatch.setattr(models[0], "forward", broken)
+    engine.add_request("bad", PROMPTS[2], SamplingParams.greedy(3))
+    with pytest.raises(RuntimeError, match="fault in the leader"):
+        engine.step()
+    follower._thread.join(30)  # type: ignore[union-attr]
+    assert not follower.is_running and len(failures) == 1
+    assert "stopped" in str(failures[0])

@@ -289,7 +289,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, *, return_logits: bool = False) -> StepResult:
-        """Run one step: copy blocks, prepare, forward, then sample or slice the returned rows."""
+        """Run one step: copy blocks, prepare, forward, then sample or slice the returned rows.
+
+        A tensor-parallel leader whose step raises closes its group: the ranks may be out of
+        step (a collective one ran and the other did not), and no step of the group is safe
+        after that (its ranks restart as a unit).
+        """
+        if self.tensor_parallel is None:
+            return self._execute(out, return_logits)
+        try:
+            return self._execute(out, return_logits)
+        except BaseException:
+            self.tensor_parallel.abort()
+            raise
+
+    def _execute(self, out: SchedulerOutput, return_logits: bool) -> StepResult:
         phases = self.phases
         t0 = time.perf_counter()
         self.copy_blocks(out.block_copies)

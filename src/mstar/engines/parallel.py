@@ -603,6 +603,11 @@ class TensorParallelLeader:
         """Have the followers call a `mirrored` method of their model."""
         self._send(Call(method, [_encode_value(a) for a in args]))
 
+    def abort(self) -> None:
+        """Close the group after a step failed here: the ranks may be out of step (the followers
+        fail, see `TensorParallelFollower`)."""
+        self.group.close()
+
     def stop(self) -> None:
         """End the followers' loops."""
         with contextlib.suppress(TensorParallelError):
@@ -612,9 +617,11 @@ class TensorParallelLeader:
 class TensorParallelFollower:
     """A follower rank's shard of a node: runs the leader's commands on a thread of its own.
 
-    ``on_failure`` is called (on that thread) when the loop ends with an error other than the
-    group being stopped: the group cannot go on without this rank, so a worker process exits
-    and its group restarts as a unit.
+    The loop ends at the leader's `Stop` or at `close`. Any other end is a failure: a command
+    that raised here (the group is closed: the leader's step fails), the group closed by the
+    leader (its step raised: the ranks may be out of step, which no rank can repair), or a rank
+    gone. ``on_failure`` is then called on that thread: the group cannot serve again, so a worker
+    in a process of its own exits and its group restarts as a unit.
     """
 
     def __init__(
@@ -636,6 +643,7 @@ class TensorParallelFollower:
         self.num_steps = 0  # forward passes run
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     def start(self) -> None:
         """Start serving commands."""
@@ -646,6 +654,7 @@ class TensorParallelFollower:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop serving: the group is closed (the leader's waits fail) and the loop ends."""
+        self._closing = True
         self.group.close()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -670,15 +679,12 @@ class TensorParallelFollower:
                     if isinstance(command, Stop):
                         return
                     self.run(command)
-        except TensorParallelError as exc:
-            self.error = exc
-            if "stopped" not in str(exc):
-                self._failed(exc)
         except BaseException as exc:  # a follower that cannot go on fails its group
             self.error = exc
             with contextlib.suppress(Exception):
                 self.group.close()
-            self._failed(exc)
+            if not self._closing:
+                self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
         _log.error("tensor_parallel_follower_failed", node=self.node, error=repr(exc))

@@ -142,6 +142,7 @@ class EngineConfig:
             kv_cache_memory=self.kv_cache_memory,
             kv_cache_shares={**(kv_cache_shares or {}), **self.kv_cache_shares},
             deterministic=self.deterministic,
+            own_process=self.is_distributed,
         )
 
 

@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import functools
 import gc
+import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import structlog
 import torch
 
 from mstar.engines.kv_cache import budget_bytes
@@ -54,6 +56,8 @@ __all__ = [
     "WorkerOutbox",
     "kv_cache_budgets",
 ]
+
+_log = structlog.get_logger(__name__)
 
 Slot = tuple[str, str]
 _RunKey = tuple[str, int]  # (request id, walk seq)
@@ -162,6 +166,9 @@ class WorkerConfig:
         tensor_parallel: The tensor-parallel groups this rank is in (see
             `mstar.engines.parallel`): it leads a group's nodes (their engines run here) or
             follows them (it runs the leader's steps on its shard).
+        own_process: The worker runs in a process of its own (a worker process, a Ray actor):
+            a failure it cannot serve past (a tensor-parallel group whose ranks fell out of
+            step) exits the process, and its supervisor restarts it.
     """
 
     device: str = "cpu"
@@ -173,6 +180,7 @@ class WorkerConfig:
     kv_cache_shares: dict[str, float] = field(default_factory=dict)
     deterministic: bool = False
     tensor_parallel: tuple[TensorParallelRole, ...] = ()
+    own_process: bool = False
 
 
 EngineFactory = Callable[
@@ -389,7 +397,12 @@ class WorkerCore:
             if self.config.deterministic:
                 make_deterministic(module.model)
             follower = TensorParallelFollower(
-                node, module.model, group, device, num_threads=self.config.num_threads
+                node,
+                module.model,
+                group,
+                device,
+                num_threads=self.config.num_threads,
+                on_failure=self._follower_failed,
             )
             follower.start()
             self.followers[node] = follower
@@ -422,6 +435,13 @@ class WorkerCore:
                 else:
                     group = ShmGroup(SHM_DIR / f"{role.channel}.{i}", index, world)
                 self._shards[node] = (group, TensorShard(index, world, group), role.source)
+
+    def _follower_failed(self, error: BaseException) -> None:
+        """A tensor-parallel group this rank follows cannot serve again: in a process of its own,
+        exit (the supervisor restarts the group as a unit); in-process, its leader's steps fail."""
+        if self.config.own_process:
+            _log.error("tensor_parallel_group_failed", rank=self.rank, error=repr(error))
+            os._exit(70)
 
     async def _load(self, node: str, device: torch.device) -> Any:
         """Build a node's module (its shard, where the node is sharded)."""
