@@ -344,37 +344,6 @@ node_groups:
   - {node_names: [LLM], ranks: [0, 1], tensor_parallel: 2, ray_resources: {node_b: 1}}
   - {node_names: [snac_decoder], ranks: [2], ray_resources: {node_a: 1}}
 """
-
-
-@pytest.mark.timeout(300)
-async def test_a_tensor_parallel_group_shares_a_node_and_speaks_as_one_rank(
-    ray_cluster: LocalCluster,
-) -> None:
-    """Orpheus' LM sharded over two ranks on the Ray cluster: the group's ranks are reserved as
-    one STRICT_PACK placement group (one node_b node, though the ranks' resources fit either),
-    SNAC on node A; the audio equals the co-located engine's."""
-    spec = resolve_model("orpheus-tiny")
-    requests = [
-        Request("speech", {"text": text, "max_tokens": 56, "seed": i, "ignore_eos": True})
-        for i, text in enumerate(["hello there", "tensor parallel"])
-    ]
-
-    async def serve(placement: Placement | None, config: EngineConfig) -> list[np.ndarray]:
-        async with await AsyncEngine.start(spec, placement, config) as engine:
-            if placement is not None:
-                assert node_of(engine, 0) == node_of(engine, 1) != node_of(engine, 2)
-                strict = [g for g in placement_groups("CREATED") if g["strategy"] == "STRICT_PACK"]
-                assert [len(g["bundles"]) for g in strict] == [2]
-            outs = await asyncio.gather(*(engine.run(r) for r in requests))
-        return [np.concatenate([np.asarray(o.data) for o in out]) for out in outs]
-
-    want = await serve(None, EngineConfig(cpu_threads=1))
-    got = await serve(Placement.from_yaml(ORPHEUS_TP), ray_config())
-    for a, b in zip(got, want, strict=True):
-        assert a.shape == b.shape and a.size > 0
-        np.testing.assert_allclose(a, b, atol=1e-5)
-
-
 ORPHEUS_TP_ACROSS = """
 model: orpheus
 node_groups:
@@ -384,31 +353,44 @@ rank_resources: {0: {node_a: 1}, 1: {node_b: 1}}
 """
 
 
-@pytest.mark.timeout(300)
-async def test_a_tensor_parallel_group_across_nodes_sums_over_gloo(
+@pytest.mark.timeout(400)
+async def test_tensor_parallel_groups_on_the_cluster_speak_as_one_rank(
     ray_cluster: LocalCluster,
 ) -> None:
-    """``allow_cross_node_tp``: the LM's two shards on node A and a node_b node meet over
-    torch.distributed (gloo, at a store the conductor serves) and speak as one rank; without
-    it the same ranks cannot be placed (a group's ranks share a node)."""
+    """Orpheus' LM sharded over two ranks: reserved as one STRICT_PACK placement group (one
+    node_b node, though the ranks' resources fit either) beside SNAC on node A; or, with
+    ``allow_cross_node_tp``, spread over node A and a node_b node, summing over gloo (at a store
+    the conductor serves). Both speak the co-located engine's audio; without the flag the
+    spread ranks cannot be placed (a group's ranks share a node)."""
     spec = resolve_model("orpheus-tiny")
-    request = Request("speech", {"text": "across", "max_tokens": 56, "seed": 5, "ignore_eos": True})
+    requests = [
+        Request("speech", {"text": text, "max_tokens": 56, "seed": i, "ignore_eos": True})
+        for i, text in enumerate(["hello there", "tensor parallel"])
+    ]
 
-    async def serve(placement: Placement | None, config: EngineConfig) -> np.ndarray:
+    async def serve(placement: Placement | None, config: EngineConfig) -> list[np.ndarray]:
         async with await AsyncEngine.start(spec, placement, config) as engine:
-            if placement is not None:
+            if placement is ORPHEUS_TP_PLACEMENT:
+                assert node_of(engine, 0) == node_of(engine, 1) != node_of(engine, 2)
+                strict = [g for g in placement_groups("CREATED") if g["strategy"] == "STRICT_PACK"]
+                assert [len(g["bundles"]) for g in strict] == [2]
+            elif placement is not None:
                 assert node_of(engine, 0) != node_of(engine, 1)
-                assert (await engine.stats())[1]["LLM"]["steps"] == 0
-            out = await engine.run(request)
+            outs = await asyncio.gather(*(engine.run(r) for r in requests))
             if placement is not None:
                 assert (await engine.stats())[1]["LLM"]["steps"] > 0
-        return np.concatenate([np.asarray(o.data) for o in out])
+        return [np.concatenate([np.asarray(o.data) for o in out]) for out in outs]
 
     want = await serve(None, EngineConfig(cpu_threads=1))
-    got = await serve(Placement.from_yaml(ORPHEUS_TP_ACROSS), ray_config())
-    assert got.shape == want.shape and got.size > 0
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    for placement in (ORPHEUS_TP_PLACEMENT, Placement.from_yaml(ORPHEUS_TP_ACROSS)):
+        got = await serve(placement, ray_config())
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and a.size > 0
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
     together = Placement.from_yaml(ORPHEUS_TP_ACROSS.replace(", allow_cross_node_tp: true", ""))
     with pytest.raises(PlacementError, match=r"no node offers ranks \[0, 1\] all at once"):
         await AsyncEngine.start(spec, together, ray_config(ray_placement_timeout_s=1.0))
+
+
+ORPHEUS_TP_PLACEMENT = Placement.from_yaml(ORPHEUS_TP)
