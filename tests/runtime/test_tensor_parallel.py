@@ -136,6 +136,9 @@ async def test_layouts_that_cannot_shard_are_refused(checkpoint: Path) -> None:
     three = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 3}\n"
     with pytest.raises(PlacementError, match=r"node_groups\[0\]: 4 query heads over 2 KV heads"):
         await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(three))
+    cuda = EngineConfig(devices={0: "cuda:0", 1: "cuda:1"})  # NCCL: a process per rank
+    with pytest.raises(PlacementError, match="over CUDA ranks takes a process per rank"):
+        await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(TP2), cuda)
     odd = "node_groups:\n  - {node_names: [llm], ranks: [0, 1, 2], tensor_parallel: 2}\n"
     with pytest.raises(PlacementError, match="tensor_parallel 2 needs a multiple of 2 ranks"):
         await AsyncEngine.start(_spec(checkpoint), Placement.from_yaml(odd))

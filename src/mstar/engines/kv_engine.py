@@ -134,7 +134,8 @@ def _walk_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
-def _make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The attention backend ``name`` ("torch", "flashinfer", "auto") on ``device``."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchPagedAttention(device)
     try:
@@ -192,7 +193,7 @@ class KVCacheEngine:
         backend: AttentionBackend = (
             TorchPagedAttention(self.device, deterministic=True)
             if config.deterministic
-            else _make_backend(config.attention_backend, self.device)
+            else make_attention_backend(config.attention_backend, self.device)
         )
         if config.compile_backend is not None:
             # Attention calls stay outside the compiled graphs (graph breaks): the
@@ -203,7 +204,9 @@ class KVCacheEngine:
         leader = None
         if tensor_parallel is not None and tensor_parallel.world > 1:
             leader = TensorParallelLeader(tensor_parallel)
-            leader.init_cache(num_blocks, config.block_size, config.deterministic)
+            leader.init_cache(
+                num_blocks, config.block_size, config.deterministic, config.attention_backend
+            )
         self.runner = ModelRunner(
             model,
             kv_cache,

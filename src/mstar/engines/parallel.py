@@ -481,6 +481,7 @@ class InitCache(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
     block_size: int
     deterministic: bool
+    attention_backend: str = "auto"
 
 
 class Forward(msgspec.Struct, tag=True, array_like=True):
@@ -540,9 +541,11 @@ class TensorParallelLeader:
     def _send(self, command: Command) -> None:
         self.group.send(_ENCODER.encode(command))
 
-    def init_cache(self, num_blocks: int, block_size: int, deterministic: bool) -> None:
-        """Have the followers allocate their caches."""
-        self._send(InitCache(num_blocks, block_size, deterministic))
+    def init_cache(
+        self, num_blocks: int, block_size: int, deterministic: bool, attention_backend: str
+    ) -> None:
+        """Have the followers allocate their caches (and attend as the leader's engine does)."""
+        self._send(InitCache(num_blocks, block_size, deterministic, attention_backend))
 
     def forward(
         self,
@@ -695,13 +698,18 @@ class TensorParallelFollower:
         """Run one command on this shard."""
         from mstar.engines.attention.torch_paged import TorchPagedAttention
         from mstar.engines.kv_cache import allocate_kv_cache
+        from mstar.engines.kv_engine import make_attention_backend
         from mstar.engines.model_runner import ModelRunner, PreparedBatch
 
         if isinstance(command, InitCache):
             cache = allocate_kv_cache(
                 self.model.kv_cache_spec, command.num_blocks, command.block_size, self.device
             )
-            backend = TorchPagedAttention(self.device, deterministic=command.deterministic)
+            backend = (
+                TorchPagedAttention(self.device, deterministic=True)
+                if command.deterministic
+                else make_attention_backend(command.attention_backend, self.device)
+            )
             self.runner = ModelRunner(
                 self.model, cache, backend, block_size=command.block_size, device=self.device
             )

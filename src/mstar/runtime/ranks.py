@@ -110,6 +110,7 @@ class Ranks:
         self.spec = spec
         self._started_at = time.monotonic()
         ranks = self.placement.ranks
+        self._cuda_groups()
         if self.launcher is not None:
             launcher = self.launcher
             host = launcher.node_ip()
@@ -285,6 +286,20 @@ class Ranks:
                     await self._restart(rank)
                 except Exception:
                     log.exception("worker_restart_failed", rank=rank)
+
+    def _cuda_groups(self) -> None:
+        """Tensor-parallel groups of CUDA ranks sum through torch.distributed (NCCL), a process
+        per rank, meeting at a store this process serves (shared memory holds CPU tensors)."""
+        host = self.launcher.node_ip() if self.launcher is not None else "127.0.0.1"
+        for g, (i, _, group) in enumerate(self._tp_groups):
+            if not any(self.config.devices.get(r, "cpu").startswith("cuda") for r in group):
+                continue
+            if not self.config.is_distributed:
+                raise PlacementError(
+                    f"node_groups[{i}]: tensor parallelism over CUDA ranks takes a process per "
+                    "rank (worker processes, or Ray)"
+                )
+            self._tp_stores[g] = self._store_address(host)
 
     def _store_address(self, host: str) -> str:
         """Serve the TCPStore where groups over machines meet (once); return its address."""
