@@ -12,6 +12,8 @@ embedding, head      vocabulary-parallel: this rank's ids; the lookup is summed 
                      rows gather the logits
 KV heads             split over the ranks, or, with fewer KV heads than ranks, each rank keeps
                      the one its query heads read (replicated)
+MoE experts          tensor parallel within the experts: every rank its columns of every
+                     expert, the router whole (no rank idles when the rows pick the other's)
 ```
 
 One scheduler serves the group. The leader (the group's first rank) runs the node's
@@ -22,16 +24,19 @@ ranks as a command (`TensorParallelLeader`) before the leader runs it itself; ea
 (block tables are the leader's) and its KV heads. The conductor sees the group as one node:
 the leader's rank.
 
-Collectives go through a `TensorParallelGroup`: `ShmGroup` for ranks on one machine (shared
-memory; the native kernels' spin-then-sleep waits, and the decoder's native decode step sums
-inside its own call), `GlooGroup` (``torch.distributed``: gloo on CPU, NCCL on CUDA) for a group
-whose ranks a Ray placement spreads over machines (``allow_cross_node_tp``).
-``scripts/bench_tp.py`` times both (gloo's all-reduce took 150x shared memory's between two
-processes of one machine).
+Collectives go through a `TensorParallelGroup`: `ShmGroup` for CPU ranks on one machine
+(shared memory; the native kernels' spin-then-sleep waits, and the decoder's native decode step
+sums inside its own call), `GlooGroup` (``torch.distributed``: gloo on CPU, NCCL on CUDA) for
+CUDA ranks and for a group whose ranks a Ray placement spreads over machines
+(``allow_cross_node_tp``). ``scripts/bench_tp.py`` times both (gloo's all-reduce took 150x
+shared memory's between two processes of one machine). A leader whose step raises closes its
+group: its ranks may be out of step, and the group restarts as a unit.
 
 A model that can be sharded declares `SupportsTensorParallel` and reads `current_shard()`
 while it builds (the worker loads it under `sharded`): it then builds, or loads from its
-checkpoint's slices, only its own shard.
+checkpoint's slices, only its own shard. Its payload types travel to the followers once
+registered (`tensor_payload`); a method its node calls between steps that changes what the
+model keeps for a sequence runs on the followers too (`mirrored`).
 """
 
 from __future__ import annotations
