@@ -372,6 +372,9 @@ def supports_tensor_parallel(model: object) -> TypeGuard[SupportsTensorParallel]
     return getattr(model, "supports_tensor_parallel", False) is True  # compiled wrappers forward it
 
 
+_MIRRORING = threading.local()
+
+
 def mirrored(method: _F) -> _F:
     """Mark a model method that changes what the model keeps between steps (a sequence's state,
     set by its node outside the steps): on a tensor-parallel leader, the followers' shards run it
@@ -379,12 +382,18 @@ def mirrored(method: _F) -> _F:
 
     @functools.wraps(method)
     def call(self: Any, *args: Any) -> Any:
+        if getattr(_MIRRORING, "active", False):  # inside another mirrored call: told already
+            return method(self, *args)
         shard: TensorShard | None = self.tensor_shard
         if shard is not None and shard.rank == 0 and shard.group is not None:
             leader = shard.group.leader
             if leader is not None:
                 leader.call(method.__name__, args)
-        return method(self, *args)
+        _MIRRORING.active = True
+        try:
+            return method(self, *args)
+        finally:
+            _MIRRORING.active = False
 
     call.mirrored = True  # type: ignore[attr-defined]
     return cast(_F, call)
@@ -424,14 +433,24 @@ def _unpack_np(x: _Tensor | None) -> np.ndarray | None:
 _PAYLOAD_TYPES: dict[str, type] = {}
 
 
-def tensor_payload(cls: type[_P]) -> type[_P]:
+_LOCAL_FIELDS: dict[str, tuple[str, ...]] = {}
+
+
+def tensor_payload(cls: type[_P] | None = None, *, local: tuple[str, ...] = ()) -> Any:
     """Register a dataclass payload type (a class decorator) that a tensor-parallel leader may
     send its followers: its fields hold tensors, numbers, strings, None, registered payloads,
-    or lists, tuples and string-keyed dicts of those."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is not a dataclass")
-    _PAYLOAD_TYPES[f"{cls.__module__}.{cls.__qualname__}"] = cls
-    return cls
+    or lists, tuples and string-keyed dicts of those. Fields named in ``local`` stay on the
+    leader (the followers get None: what only the leader's part of a step reads)."""
+
+    def register(cls: type[_P]) -> type[_P]:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} is not a dataclass")
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        _PAYLOAD_TYPES[name] = cls
+        _LOCAL_FIELDS[name] = local
+        return cls
+
+    return register if cls is None else register(cls)
 
 
 def _encode_value(value: Any) -> Any:
@@ -445,7 +464,11 @@ def _encode_value(value: Any) -> Any:
         return {"map": {k: _encode_value(v) for k, v in value.items()}}
     name = f"{type(value).__module__}.{type(value).__qualname__}"
     if name in _PAYLOAD_TYPES and dataclasses.is_dataclass(value):
-        fields = {f.name: _encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        local = _LOCAL_FIELDS[name]
+        fields = {
+            f.name: None if f.name in local else _encode_value(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+        }
         return {"payload": name, "fields": fields}
     raise TensorParallelError(
         f"a tensor-parallel node's payload cannot hold {type(value).__name__} (register its "

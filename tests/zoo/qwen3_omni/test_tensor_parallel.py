@@ -1,9 +1,11 @@
 """Qwen3-Omni with its thinker sharded over two ranks (``tensor_parallel: 2``: heads, each
-expert's columns, the head's vocabulary rows) beside an unsharded talker and Code2Wav: the
-answers, talker codes and audio of the one-rank thinker, for text and audio prompts."""
+expert's columns, the head's vocabulary rows) beside an unsharded talker and Code2Wav, and with
+the talker sharded too (its head whole: the leader draws the frames): the answers, talker codes
+and audio of the one-rank model, for text and audio prompts."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,14 @@ node_groups:
   - {node_names: [thinker], ranks: [0, 1], tensor_parallel: 2}
   - {node_names: [audio_encoder, vision_encoder, talker, code2wav], ranks: [0]}
 """
+# the talker sharded too: its leader draws the frames (codebook 0 from its whole head, the code
+# predictor's codebooks), both ranks run its decoder
+TP_BOTH = """
+node_groups:
+  - {node_names: [thinker], ranks: [0, 1], tensor_parallel: 2}
+  - {node_names: [talker], ranks: [2, 3], tensor_parallel: 2}
+  - {node_names: [audio_encoder, vision_encoder, code2wav], ranks: [0]}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +57,26 @@ async def _answers(
                 Request("generate", {"max_audio_frames": 40, **data, "return_codes": True})
             )
             results.append(split(out))
-        if placement is not None:  # rank 1 ran the thinker's steps on its shard
-            assert (await engine.stats())[1]["thinker"]["steps"] > 10
+        if placement is not None:  # the followers ran the steps on their shards
+            stats = await engine.stats()
+            assert stats[1]["thinker"]["steps"] > 10
+            assert "talker" not in stats.get(3, {}) or stats[3]["talker"]["steps"] > 10
     return results
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoint: Path) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    return asyncio.run(_answers(checkpoint, None))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_a_sharded_thinker_answers_and_speaks_as_one_rank(checkpoint: Path) -> None:
-    want = await _answers(checkpoint, None)
-    got = await _answers(checkpoint, Placement.from_yaml(TP_THINKER))
+@pytest.mark.parametrize("layout", [TP_THINKER, TP_BOTH], ids=["thinker", "thinker-and-talker"])
+async def test_sharded_decoders_answer_and_speak_as_one_rank(
+    checkpoint: Path, one_rank: list[tuple[list[int], torch.Tensor, torch.Tensor]], layout: str
+) -> None:
+    want = one_rank
+    got = await _answers(checkpoint, Placement.from_yaml(layout))
     for (text, codes, audio), (want_text, want_codes, want_audio) in zip(got, want, strict=True):
         assert text == want_text and len(text) > 0
         assert torch.equal(codes, want_codes) and codes.shape[1] > 0

@@ -268,7 +268,7 @@ def load_qwen3_omni(
     device = torch.device(device)
     weights = into if into is not None else make_empty_weights(config, device=device, dtype=dtype)
     full_shapes = {n: p.shape for n, p in weights.named_parameters()}
-    shares = _shard_thinker(weights, nodes)
+    shares = _shard_decoders(weights, nodes)
     params = dict(weights.named_parameters())
     wanted = [n for n in node_weight_names(weights, nodes) if params[n].is_meta]
     if not wanted:
@@ -346,19 +346,26 @@ def load_qwen3_omni(
     return weights.to_device_tables()
 
 
-def _shard_thinker(weights: Qwen3OmniWeights, nodes: list[str] | None) -> dict[str, WeightSlice]:
-    """Under `sharded` (a tensor-parallel rank loading the thinker), keep the thinker's shard
-    only (still on meta, before anything is read); return each sharded tensor's share."""
+def _shard_decoders(weights: Qwen3OmniWeights, nodes: list[str] | None) -> dict[str, WeightSlice]:
+    """Under `sharded` (a tensor-parallel rank loading the thinker or the talker), keep that
+    decoder's shard only (still on meta, before anything is read); return each sharded tensor's
+    share."""
     shard = current_shard()
-    thinker = weights.thinker_text
-    if shard is None or (nodes is not None and "thinker" not in nodes):
+    if shard is None:
         return {}
-    if thinker.shard is not None or not thinker.head.weight.is_meta:
-        if thinker.shard != shard:
-            raise CheckpointError("the thinker is loaded here already, as another shard")
-        return {}
-    shares = {f"thinker_text.{k}": v for k, v in thinker.shard_slices(shard).items()}
-    thinker.shard_(shard)
+    shares: dict[str, WeightSlice] = {}
+    for node, decoder, name in (
+        ("thinker", weights.thinker_text, "thinker_text"),
+        ("talker", weights.talker_text, "talker_text"),
+    ):
+        if nodes is not None and node not in nodes:
+            continue
+        if decoder.shard is not None or not decoder.model.norm.weight.is_meta:
+            if decoder.shard != shard:
+                raise CheckpointError(f"the {node} is loaded here already, as another shard")
+            continue
+        shares.update({f"{name}.{k}": v for k, v in decoder.shard_slices(shard).items()})
+        decoder.shard_(shard)
     return shares
 
 

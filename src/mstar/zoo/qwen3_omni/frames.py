@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import OwnProducts, make_linears_deterministic
+from mstar.engines.parallel import TensorShard, mirrored, tensor_payload
 from mstar.zoo.qwen3_omni.modules.sampling import DrawParams, draw, talker_suppress_mask
 from mstar.zoo.qwen3_omni.modules.text import EmbedsInput, MoEDecoder
 from mstar.zoo.qwen3_omni.modules.weights import Qwen3OmniWeights
@@ -55,6 +56,7 @@ class SpeechState:
     num_seen: int = 0  # stream items taken (a looped firing sees its chunk again)
 
 
+@tensor_payload(local=("state",))  # a tensor-parallel talker's leader draws the frames
 @dataclass(frozen=True, eq=False)
 class FrameInput(EmbedsInput):
     """A talker payload whose last row draws the request's next frame (into ``state``)."""
@@ -115,6 +117,9 @@ class TalkerStepModel(OwnProducts):
     """The talker's `PagedModel` for its engine: the decoder, then the step's frames drawn.
 
     Made deterministic (`OwnProducts`): the decoder's and the code predictor's products.
+    Sharded (`SupportsTensorParallel`: the decoder's heads and experts, its head whole), every
+    rank runs the decoder and the leader alone draws the frames (its hidden states are every
+    rank's).
 
     Args:
         weights: The model's weights (the decoder is ``weights.talker_text``).
@@ -124,6 +129,13 @@ class TalkerStepModel(OwnProducts):
         self.weights = weights
         self.decoder: MoEDecoder = weights.talker_text
         self.suppress = talker_suppress_mask(weights.config, self.decoder.embedding.weight.device)
+
+    supports_tensor_parallel: ClassVar[Literal[True]] = True
+
+    @property
+    def tensor_shard(self) -> TensorShard | None:
+        """The decoder's tensor-parallel shard (None: all of it)."""
+        return self.decoder.shard
 
     def make_products_deterministic(self) -> None:
         """Route the decoder's and the code predictor's products deterministically."""
@@ -146,8 +158,9 @@ class TalkerStepModel(OwnProducts):
     ) -> torch.Tensor:
         """Run the decoder over the step; draw the frame of every `FrameInput` chunk in it."""
         hidden = self.decoder(input_ids, positions, ctx)
+        shard = self.decoder.shard
         frames = [c for c in ctx.step.chunks if isinstance(c.payload, FrameInput)]
-        if frames:
+        if frames and (shard is None or shard.rank == 0):  # the leader draws, alone
             rows = torch.tensor([c.row_end - 1 for c in frames], device=hidden.device)
             states = [c.payload.state for c in frames]
             draw_frames(self.weights, hidden.index_select(0, rows), states, self.suppress)
@@ -157,6 +170,7 @@ class TalkerStepModel(OwnProducts):
         """Return the decoder's codebook-0 logits."""
         return self.decoder.compute_logits(hidden)
 
+    @mirrored
     def forget(self, seq_key: str) -> None:
         """Drop what the decoder keeps for a sequence (its MRoPE offset)."""
         self.decoder.forget(seq_key)

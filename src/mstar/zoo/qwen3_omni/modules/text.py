@@ -166,6 +166,9 @@ class MoEDecoder(nn.Module):
         head_name: ``lm_head`` (thinker) or ``codec_head`` (talker).
         capture_layer: Also return each row's input embedding and this captured hidden
             state (see the module docstring); None returns the final hidden states only.
+        shard_head: Sharded, split the head by vocabulary rows (the thinker's); False keeps it
+            whole on every rank (the talker's: the leader draws its frames inside the step,
+            alone).
     """
 
     def __init__(
@@ -175,10 +178,12 @@ class MoEDecoder(nn.Module):
         embedding_name: str = "embed_tokens",
         head_name: str = "lm_head",
         capture_layer: int | None = None,
+        shard_head: bool = True,
     ) -> None:
         super().__init__()
         self.config = config
         self.head_name = head_name
+        self.shard_head = shard_head
         self.capture_layer = capture_layer
         self.model = _Backbone(config, embedding_name)
         self.add_module(head_name, nn.Linear(config.hidden_size, config.vocab_size, bias=False))
@@ -198,8 +203,10 @@ class MoEDecoder(nn.Module):
     def shard_slices(self, shard: TensorShard) -> dict[str, WeightSlice]:
         """This rank's part of every weight (names of this module; norms, router and embedding
         stay whole)."""
-        start, stop, rows = shard.vocab_range(self.config.vocab_size)
-        out = {f"{self.head_name}.weight": WeightSlice(0, start, stop, rows)}
+        out: dict[str, WeightSlice] = {}
+        if self.shard_head:
+            start, stop, rows = shard.vocab_range(self.config.vocab_size)
+            out[f"{self.head_name}.weight"] = WeightSlice(0, start, stop, rows)
         for i, layer in enumerate(cast(list[MoEDecoderLayer], list(self.model.layers))):
             attn = layer.self_attn
             projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
@@ -341,7 +348,7 @@ class MoEDecoder(nn.Module):
         """Project (the first ``hidden`` columns of) hidden states to vocabulary logits (a
         shard's rows gathered over its group)."""
         logits = cast(torch.Tensor, self.head(hidden[:, : self.config.hidden_size]))
-        if self.shard is None or self.shard.group is None:
+        if self.shard is None or self.shard.group is None or not self.shard_head:
             return logits
         parts = self.shard.group.all_gather(logits.contiguous())  # [world, rows, vocab rows]
         full = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)

@@ -120,7 +120,7 @@ class Qwen3OmniWeights(nn.Module):
         self.audio_tower = make_audio_encoder(config)
         self.visual = make_vision_encoder(config)
         self.talker_text = MoEDecoder(
-            talker, embedding_name="codec_embedding", head_name="codec_head"
+            talker, embedding_name="codec_embedding", head_name="codec_head", shard_head=False
         )
         inner = talker.intermediate_size
         self.text_projection = ResizeMLP(thinker.hidden_size, inner, talker.hidden_size)
