@@ -399,7 +399,12 @@ class WorkerCore:
             gc.freeze()
 
     def _join_tensor_parallel(self, types: Mapping[str, EngineType]) -> None:
-        """Map the shared memory of the tensor-parallel groups this rank is in."""
+        """Map the shared memory of the tensor-parallel groups this rank is in.
+
+        A node whose host is in the same group (`SupportsSharedEngines`) steps on the host's
+        sharded engine: it takes no group (nor shard, nor follower) of its own.
+        """
+        hosts = self.model.engine_hosts() if supports_shared_engines(self.model) else {}
         for role in self.config.tensor_parallel:
             if self.rank not in role.ranks:
                 continue
@@ -409,6 +414,8 @@ class WorkerCore:
                     raise PlacementError(
                         f"{role.source}: tensor_parallel shards KV-cache nodes; {node!r} is not one"
                     )
+                if hosts.get(node) in role.nodes:
+                    continue
                 group = ShmGroup(SHM_DIR / f"{role.channel}.{i}", index, world)
                 self._shards[node] = (group, TensorShard(index, world, group), role.source)
 
