@@ -57,7 +57,7 @@ def _on_ranks(world: int, path: Path, fn: Callable[[ShmGroup], Any], **kw: Any) 
     return results
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_reduce_sums_in_rank_order_on_every_rank(
     shm_path: Path, dtype: torch.dtype, world: int
@@ -75,7 +75,8 @@ def test_all_reduce_sums_in_rank_order_on_every_rank(
 
     results = _on_ranks(world, shm_path, fn, slot_bytes=1024)
     for i in range(5):
-        expected = sum((p * (i + 1)).to(dtype).float() for p in parts).to(dtype)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32  # halves: in float32
+        expected = sum((p * (i + 1)).to(dtype).to(acc) for p in parts).to(dtype)
         for rank in range(world):
             assert torch.equal(results[rank][i], expected)  # the same bits everywhere
 

@@ -413,12 +413,18 @@ class WorkerCore:
             gc.freeze()
 
     def _join_tensor_parallel(self, types: Mapping[str, EngineType], device: torch.device) -> None:
-        """Join the tensor-parallel groups this rank is in (their shared memory, or gloo)."""
+        """Join the tensor-parallel groups this rank is in (their shared memory, or gloo).
+
+        A node whose host is in the same group (`SupportsSharedEngines`) steps on the host's
+        sharded engine: it takes no group (nor shard, nor follower) of its own.
+        """
+        hosts = self.model.engine_hosts() if supports_shared_engines(self.model) else {}
         for role in self.config.tensor_parallel:
             if self.rank not in role.ranks:
                 continue
             index, world = role.ranks.index(self.rank), len(role.ranks)
-            if role.store is not None and len(role.nodes) > 1:
+            owned = [n for n in role.nodes if hosts.get(n) not in role.nodes]
+            if role.store is not None and len(owned) > 1:
                 raise PlacementError(
                     f"{role.source}: a tensor-parallel group across machines shards one node"
                 )
@@ -427,6 +433,8 @@ class WorkerCore:
                     raise PlacementError(
                         f"{role.source}: tensor_parallel shards KV-cache nodes; {node!r} is not one"
                     )
+                if hosts.get(node) in role.nodes:
+                    continue
                 group: TensorParallelGroup
                 if role.store is not None:  # over machines: torch.distributed's gloo
                     group = GlooGroup(

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 class ShmGroup {
@@ -68,11 +69,13 @@ class ShmGroup {
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
 
-  // Sum `x` over the ranks, in place (every rank gets the same bits). float32, bfloat16.
+  // Sum `x` over the ranks, in place (every rank gets the same bits): float32, float64, and
+  // bfloat16 or float16 summed in float32 and rounded once.
   void all_reduce_(at::Tensor x) {
+    const auto type = x.scalar_type();
     TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() &&
-                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-                "ShmGroup.all_reduce_: a contiguous CPU float32 or bfloat16 tensor expected");
+                    (type == at::kFloat || type == at::kDouble || type == at::kBFloat16 || type == at::kHalf),
+                "ShmGroup.all_reduce_: a contiguous CPU float32, float64, bfloat16 or float16 tensor expected");
     if (world_ == 1) return;
     const int64_t item = x.element_size();
     const int64_t per_round = slot_ / item;
@@ -81,10 +84,14 @@ class ShmGroup {
       const int64_t n = std::min(per_round, x.numel() - start);
       char* part = data + start * item;
       const int64_t round = publish(part, n * item);
-      if (x.scalar_type() == at::kFloat) {
+      if (type == at::kFloat) {
         sum_slots(reinterpret_cast<float*>(part), round, n);
-      } else {
+      } else if (type == at::kDouble) {
+        sum_slots(reinterpret_cast<double*>(part), round, n);
+      } else if (type == at::kBFloat16) {
         sum_slots(reinterpret_cast<c10::BFloat16*>(part), round, n);
+      } else {
+        sum_slots(reinterpret_cast<c10::Half*>(part), round, n);
       }
     }
   }
@@ -184,9 +191,10 @@ class ShmGroup {
   void sum_slots(T* out, uint32_t round, int64_t n) const {
     std::vector<const T*> parts(world_);
     for (int64_t r = 0; r < world_; ++r) parts[r] = reinterpret_cast<const T*>(slot(round, r));
+    using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
     for (int64_t i = 0; i < n; ++i) {
-      float acc = static_cast<float>(parts[0][i]);
-      for (int64_t r = 1; r < world_; ++r) acc += static_cast<float>(parts[r][i]);
+      Acc acc = static_cast<Acc>(parts[0][i]);
+      for (int64_t r = 1; r < world_; ++r) acc += static_cast<Acc>(parts[r][i]);
       out[i] = static_cast<T>(acc);
     }
   }

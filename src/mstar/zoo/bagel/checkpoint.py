@@ -48,6 +48,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mstar.engines.layers import WeightSlice
+from mstar.engines.parallel import current_shard
 from mstar.errors import CheckpointError, UnsupportedModelError
 from mstar.zoo.bagel.checkpoint_files import (
     NORM_GROUPS_KEY,
@@ -65,6 +67,7 @@ from mstar.zoo.bagel.tokenizer import TOKEN_NAMES, has_tokenizer, load_tokenizer
 from mstar.zoo.bagel.vae import FluxVAE, bfl_vae_shapes
 from mstar.zoo.bagel.weights import BagelWeights
 from mstar.zoo.cache import mstar_cache_dir, written_once
+from mstar.zoo.hf_checkpoint import copy_slice
 
 __all__ = [
     "cached_random_checkpoint",
@@ -355,7 +358,9 @@ def load_bagel(
 
     Both JSON configs, every name and every shape are checked before weights are allocated.
     Only ``parts`` (default: all of `PARTS`) are read; the others stay on the meta device.
-    ``into`` is a pair an earlier call returned: the parts it lacks are added to it.
+    ``into`` is a pair an earlier call returned: the parts it lacks are added to it. Under
+    `mstar.engines.parallel.sharded` the language model is that shard, read from its slices of
+    the checkpoint's tensors (`Qwen2MoTForCausalLM.shard_slices`).
 
     Raises:
         CheckpointError: A file is missing or disagrees with ``config``; tensors are missing,
@@ -375,6 +380,7 @@ def load_bagel(
         p for p in PARTS if p in wanted and _on_meta(vae if p == "vae" else getattr(weights, p))
     ]
     from_ema = [p for p in todo if p != "vae"]
+    shares = _shard_llm(weights, wanted, dtype)
     for part in from_ema:
         getattr(weights, part).to_empty(device=device)
     if "vit_model" in from_ema:
@@ -382,15 +388,45 @@ def load_bagel(
     targets = weights.state_dict(keep_vars=True)
     with torch.no_grad(), safe_open(str(directory / EMA_FILE), framework="pt") as f:
         for mine, (ckpt, _) in found.items():
-            if mine.split(".", 1)[0] in from_ema:
+            if mine.split(".", 1)[0] not in from_ema:
+                continue
+            share = shares.get(mine)
+            if share is None:
                 targets[mine].copy_(
                     _from_checkpoint_tensor(mine, f.get_tensor(ckpt), expected[mine])
                 )
+                continue
+            targets[mine].zero_()  # padding (the vocabulary's last rows) and zero shares
+            if not share.zero:
+                copy_slice(f.get_slice(ckpt), ckpt, share, targets[mine])
     if "vae" in todo:
         vae.to_empty(device=device)
         with safe_open(str(directory / AE_FILE), framework="pt") as f:
             vae.load_bfl({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
     return weights.eval().requires_grad_(False), vae.eval().requires_grad_(False)
+
+
+def _shard_llm(
+    weights: BagelWeights, parts: set[str], dtype: torch.dtype
+) -> dict[str, WeightSlice]:
+    """Under `sharded` (a tensor-parallel rank loading the LLM), keep the language model's shard
+    only (still on meta, before anything is read); return each sharded tensor's share, by our
+    name.
+
+    Raises:
+        CheckpointError: The language model is loaded here already, as another shard.
+    """
+    shard = current_shard()
+    llm = weights.language_model
+    if shard is None or "language_model" not in parts:
+        return {}
+    if not _on_meta(llm):
+        if llm.shard != shard:
+            raise CheckpointError("BAGEL's language model is loaded here already, as another shard")
+        return {}
+    shares = {f"language_model.{k}": v for k, v in llm.shard_slices(shard).items()}
+    llm.shard_(shard)
+    return shares
 
 
 def _on_meta(module: torch.nn.Module) -> bool:

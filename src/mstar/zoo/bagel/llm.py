@@ -14,6 +14,19 @@ RoPE pos   | r r+1 .. | q     q      q    ...   q      q     |   one position pe
 
 Module names are upstream's (``language_model.model.layers.{i}.self_attn.q_proj_moe_gen``...), so
 ``state_dict()`` is the checkpoint's ``language_model.*`` part as it is.
+
+Tensor parallelism (`Qwen2MoTForCausalLM.shard_`, `mstar.engines.parallel`): both experts split
+alike, each rank holding the same heads and MLP columns of either copy, so a row's partial
+sums are summed once whichever copy made them:
+
+```
+q/k/v (both experts)       column-parallel: this rank's heads (q_norm/k_norm whole: per head)
+o, MLP down (both)         row-parallel: one all-reduce per layer site, after the experts'
+                           rows are merged
+MLP gate/up (both)         column-parallel
+embedding, head            vocabulary-parallel: lookups summed once per step, logits gathered
+norms                      whole
+```
 """
 
 from __future__ import annotations
@@ -21,12 +34,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, Literal, cast
 
 import torch
 from torch import nn
 
-from mstar.engines.layers import FusedLinear, GatedMLP, RMSNorm, apply_rotary
+from mstar.engines.layers import (
+    FusedLinear,
+    GatedMLP,
+    RMSNorm,
+    WeightSlice,
+    apply_rotary,
+    attention_slices,
+    shard_module_,
+)
+from mstar.engines.parallel import TensorShard
 from mstar.zoo.bagel.config import LLMConfig
 
 __all__ = [
@@ -126,6 +148,24 @@ class _Attention(nn.Module):
         self.fused_qkv: dict[str, FusedLinear] = {}
         self.fused_o: dict[str, FusedLinear] = {}
 
+    def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's heads of both experts, by parameter name under ``prefix`` (see
+        `attention_slices`): the same heads of either copy."""
+        out: dict[str, WeightSlice] = {}
+        for suffix in ("", "_moe_gen"):
+            projections = cast(
+                tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear],
+                tuple(getattr(self, f"{p}_proj{suffix}") for p in "qkvo"),
+            )
+            slices = attention_slices(
+                prefix, projections, self.num_heads, self.num_kv_heads, self.head_dim, shard
+            )
+            # attention_slices names the understanding copy's projections: rename for the other
+            out.update(
+                {name.replace("_proj.", f"_proj{suffix}."): part for name, part in slices.items()}
+            )
+        return out
+
     def fuse(self, suffix: str, rows: tuple[int, ...]) -> None:
         """Store one expert's q/k/v as one product and o in their fastest layouts at ``rows``
         rows."""
@@ -176,6 +216,20 @@ class MoTLayer(nn.Module):
         self.input_layernorm_moe_gen = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm_moe_gen = RMSNorm(cfg.hidden_size, eps)
+        self.shard: TensorShard | None = None
+
+    def shard_slices(self, prefix: str, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's slices of the layer (by parameter name under ``prefix``): both experts'
+        heads and MLP columns; the norms stay whole."""
+        return {
+            **self.self_attn.shard_slices(f"{prefix}.self_attn", shard),
+            **self.mlp.shard_slices(f"{prefix}.mlp", shard),
+            **self.mlp_moe_gen.shard_slices(f"{prefix}.mlp_moe_gen", shard),
+        }
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a shard's partial products (both experts' rows, merged) over its group."""
+        return x if self.shard is None else self.shard.all_reduce_(x.contiguous())
 
     def forward(
         self,
@@ -219,12 +273,16 @@ class MoTLayer(nn.Module):
         q = apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
         out = attend(index, q, k, v).reshape(n, attn.num_heads * attn.head_dim)
-        x = x + routing.apply(
-            out, lambda rows: attn.o(rows, ""), lambda rows: attn.o(rows, "_moe_gen")
+        # A shard's o and down products are partial sums: one all-reduce each, after the
+        # experts' rows are merged.
+        x = x + self._reduce(
+            routing.apply(out, lambda rows: attn.o(rows, ""), lambda rows: attn.o(rows, "_moe_gen"))
         )
-        mlp_und = lambda rows: self.mlp(self.post_attention_layernorm(rows))  # noqa: E731
-        mlp_gen = lambda rows: self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(rows))  # noqa: E731
-        return x + routing.apply(x, mlp_und, mlp_gen)
+        mlp_und = lambda rows: self.mlp.unreduced(self.post_attention_layernorm(rows))  # noqa: E731
+        mlp_gen = lambda rows: self.mlp_moe_gen.unreduced(  # noqa: E731
+            self.post_attention_layernorm_moe_gen(rows)
+        )
+        return x + self._reduce(routing.apply(x, mlp_und, mlp_gen))
 
     def fuse(self, und_rows: tuple[int, ...], gen_rows: tuple[int, ...]) -> None:
         """Store each expert's products in their fastest layouts for the rows it mostly sees."""
@@ -266,12 +324,79 @@ class Qwen2MoTModel(nn.Module):
 
 
 class Qwen2MoTForCausalLM(nn.Module):
-    """``language_model``: the decoder and its (untied) head."""
+    """``language_model``: the decoder and its (untied) head (`SupportsTensorParallel`).
+
+    Sharded (`shard_`), it holds its heads and MLP columns of both experts and its rows of the
+    embedding and the head; `embed` then gives this rank's part of each lookup (the caller sums
+    a step's rows over the group once, `reduce`), `compute_logits` every id's logits.
+    """
+
+    supports_tensor_parallel: ClassVar[Literal[True]] = True
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
+        self.config = cfg
         self.model = Qwen2MoTModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.shard: TensorShard | None = None
+        self.vocab_start, self.vocab_stop = 0, cfg.vocab_size  # the ids this shard holds
+
+    @property
+    def tensor_shard(self) -> TensorShard | None:
+        """The tensor-parallel shard this network holds (None: all of it)."""
+        return self.shard
+
+    @property
+    def decoder_layers(self) -> list[MoTLayer]:
+        """Return the decoder layers, typed."""
+        return cast(list[MoTLayer], list(self.model.layers))
+
+    def shard_slices(self, shard: TensorShard) -> dict[str, WeightSlice]:
+        """This rank's part of every weight, by parameter name of this module (the norms stay
+        whole)."""
+        start, stop, rows = shard.vocab_range(self.config.vocab_size)
+        vocab = WeightSlice(0, start, stop, rows)
+        out = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
+        for i, layer in enumerate(self.decoder_layers):
+            out.update(layer.shard_slices(f"model.layers.{i}", shard))
+        return out
+
+    def shard_(self, shard: TensorShard) -> None:
+        """Keep this rank's shard of every weight (meta weights too; before `fuse`): its heads
+        and MLP columns of both experts, its rows of the vocabulary."""
+        shard_module_(self, self.shard_slices(shard))
+        self.shard = shard
+        self.vocab_start, self.vocab_stop, _ = shard.vocab_range(self.config.vocab_size)
+        for layer in self.decoder_layers:
+            attn = layer.self_attn
+            attn.num_heads = attn.q_proj.out_features // attn.head_dim
+            attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            layer.shard = shard
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Return the embedding rows of ``token_ids`` (a shard: its ids' rows, zeros for the
+        others' ids; `reduce` sums them)."""
+        embed = self.model.embed_tokens
+        if self.shard is None:
+            return cast(torch.Tensor, embed(token_ids))
+        local = token_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
+        x = embed(local.clamp(0, self.vocab_stop - self.vocab_start - 1))
+        return x.masked_fill_(outside.unsqueeze(1), 0)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a shard's partial rows over its group (the rows themselves when whole)."""
+        return x if self.shard is None else self.shard.all_reduce_(x.contiguous())
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Return every id's logits of ``hidden`` (a shard's rows of the head gathered over its
+        group)."""
+        logits = cast(torch.Tensor, self.lm_head(hidden))
+        if self.shard is None or self.shard.group is None:
+            return logits
+        parts = self.shard.group.all_gather(logits.contiguous())  # [world, rows, vocab rows]
+        full = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        return full[:, : self.config.vocab_size]
 
 
 class TimestepEmbedder(nn.Module):

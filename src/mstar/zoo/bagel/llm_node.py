@@ -31,6 +31,7 @@ from mstar.engines.interfaces import FiringRows, KVChunk, KVForward, KVTurn, Pag
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.kv_engine import KVCacheEngineConfig
 from mstar.engines.masks import AttentionMask
+from mstar.engines.parallel import TensorShard, mirrored
 from mstar.engines.sampler import TokenLogprobs
 from mstar.engines.sampling_params import SamplingParams
 from mstar.zoo.bagel.context import Context, ContextState, Part, Parts, TextItem
@@ -397,13 +398,22 @@ class _EngineView:
     """The weights' paged step as one engine sees it: the RoPE offsets of its own sequences.
 
     Ranks in one process share the weights; each engine notes the offsets of its sequences.
+    A tensor-parallel rank's weights hold its shard (`SupportsTensorParallel`): a follower's
+    view notes the same offsets from the same steps, and forgets a request when the leader's
+    does (`mirrored`).
     """
 
     supports_step_chunks: ClassVar[Literal[True]] = True
+    supports_tensor_parallel: ClassVar[Literal[True]] = True
 
     def __init__(self, weights: BagelWeights) -> None:
         self.weights = weights
         self.rope_offsets: dict[str, int] = {}
+
+    @property
+    def tensor_shard(self) -> TensorShard | None:
+        """The tensor-parallel shard the LLM's weights hold (None: all of them)."""
+        return self.weights.language_model.tensor_shard
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -425,8 +435,10 @@ class _EngineView:
         """Run a step over the paged cache."""
         return self.weights.step(input_ids, positions, ctx, self.rope_offsets)
 
+    @mirrored
     def forget(self, request_id: str) -> None:
-        """Drop the offsets noted for a request's sequences."""
+        """Drop the offsets noted for a request's sequences (on a tensor-parallel group's every
+        rank)."""
         for key in [
             k for k in self.rope_offsets if k == request_id or k.startswith(f"{request_id}/")
         ]:

@@ -62,6 +62,7 @@ import torch
 from msgspec import Meta
 from PIL import Image
 
+from mstar.engines.parallel import TensorShard, current_shard
 from mstar.errors import CheckpointError, InvalidRequestError
 from mstar.graph import (
     EMIT,
@@ -305,7 +306,10 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             and self.tokenizer.chat_template is not None
         )
         self._graph = make_bagel_graph(cfg)
-        self._loaded: dict[torch.device, tuple[BagelWeights, FluxVAE]] = {}
+        # by device and tensor-parallel shard (`sharded`): each rank of a group its own
+        self._loaded: dict[
+            tuple[torch.device, TensorShard | None], tuple[BagelWeights, FluxVAE]
+        ] = {}
         self._loading = threading.Lock()
 
     def _tokenizer(self) -> Any:
@@ -363,15 +367,18 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
         """Load the weights ``nodes`` read onto ``device`` (default: every node's).
 
         Every node of a rank shares one copy; each call reads only the parts not loaded there
-        yet (`NODE_PARTS`), and what no node there reads stays on the meta device.
+        yet (`NODE_PARTS`), and what no node there reads stays on the meta device. Under
+        `mstar.engines.parallel.sharded` (a tensor-parallel rank's LLM) the copy is that shard's
+        own: ranks of one process keep weights of their own.
         """
         parts = (
             PARTS
             if nodes is None
             else tuple(dict.fromkeys(p for n in nodes for p in NODE_PARTS[n]))
         )
+        key = (device, current_shard())
         with self._loading:  # ranks in one process build their engines on threads of their own
-            loaded = self._loaded.get(device)
+            loaded = self._loaded.get(key)
             needs_llm = loaded is None or loaded[0].vae2llm.weight.is_meta
             weights, vae = load_bagel(
                 self.checkpoint,
@@ -383,7 +390,7 @@ class BagelModel(Model, SupportsSharedEngines, SupportsTextOutput):
             )
             if needs_llm and "language_model" in parts:
                 weights.fuse_for_inference()
-            self._loaded[device] = weights, vae
+            self._loaded[key] = weights, vae
             return weights, vae
 
     def submodule(self, node: str, device: torch.device) -> Any:

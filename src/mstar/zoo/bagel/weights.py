@@ -16,6 +16,10 @@ BAGEL's positions are not its cache positions (an image of n tokens takes one). 
 (text decoding) carry no payload; their RoPE position is their cache position less the
 sequence's offset, which each engine notes from every payload it writes (``rope_offsets`` of
 `step`).
+
+A tensor-parallel shard (`Qwen2MoTForCausalLM.shard_`) embeds its ids' rows of a step (the
+image rows around them on rank 0 alone) and sums the step's rows over its group once; the
+payloads travel to the followers as they are (`tensor_payload`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 from mstar.engines.interfaces import PagedKVContext
 from mstar.engines.kv_cache import KVCacheSpec
 from mstar.engines.layers import can_pack
+from mstar.engines.parallel import tensor_payload
 from mstar.zoo.bagel.config import BagelConfig
 from mstar.zoo.bagel.llm import (
     Attend,
@@ -50,6 +55,7 @@ from mstar.zoo.bagel.vision import (
 __all__ = ["BagelWeights", "ImageInput", "TextInput"]
 
 
+@tensor_payload
 @dataclass(frozen=True, slots=True)
 class TextInput:
     """Text tokens for the cache, the first at RoPE position ``rope`` (understanding weights,
@@ -69,6 +75,7 @@ class TextInput:
         return self.rope + self.num_tokens
 
 
+@tensor_payload
 @dataclass(frozen=True, slots=True)
 class ImageInput:
     """``[<soi>, n image tokens, <eoi>]``, all at RoPE position ``rope`` (full attention).
@@ -117,11 +124,11 @@ class BagelWeights(nn.Module):
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """Return the cache geometry (one joint attention for both experts)."""
+        """Return the cache geometry (one joint attention for both experts; a shard's KV
+        heads)."""
         cfg = self.config.llm
-        return KVCacheSpec(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.vae2llm.weight.dtype
-        )
+        kv_heads = self.language_model.decoder_layers[0].self_attn.num_kv_heads
+        return KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, self.vae2llm.weight.dtype)
 
     @property
     def max_position(self) -> int:
@@ -129,8 +136,8 @@ class BagelWeights(nn.Module):
         return self.config.llm.max_position
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Return next-token logits of text rows."""
-        return cast(torch.Tensor, self.language_model.lm_head(hidden))
+        """Return next-token logits of text rows (a shard's gathered over its group)."""
+        return self.language_model.compute_logits(hidden)
 
     def fuse_for_inference(self) -> None:
         """Store the LLM's products in their fastest layouts (inference only; see `FusedLinear`).
@@ -159,9 +166,13 @@ class BagelWeights(nn.Module):
         return self.vae2llm.weight.dtype
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Return token embeddings."""
+        """Return token embeddings (a shard's summed over its group)."""
+        return self.language_model.reduce(self._embed_tokens(token_ids))
+
+    def _embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Return token embeddings (a shard's part, not yet summed)."""
         embed = self.language_model.model.embed_tokens
-        return cast(torch.Tensor, embed(token_ids.to(embed.weight.device)))
+        return self.language_model.embed(token_ids.to(embed.weight.device))
 
     @torch.inference_mode()
     def embed_vit(self, image: torch.Tensor) -> torch.Tensor:
@@ -183,10 +194,18 @@ class BagelWeights(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return a payload's rows, their RoPE positions and which rows run the generation
         weights."""
+        x, rope, is_gen = self._embed_input(payload)
+        return self.language_model.reduce(x), rope, is_gen
+
+    def _embed_input(
+        self, payload: TextInput | ImageInput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`embed_input`, a shard's part of the rows (not yet summed over its group): its ids'
+        embeddings, and the image's own rows on rank 0 only (zeros elsewhere)."""
         device = self.vae2llm.weight.device
         if isinstance(payload, TextInput):
             n = payload.num_tokens
-            x = self.embed_tokens(payload.token_ids)
+            x = self._embed_tokens(payload.token_ids)
             rope = payload.rope + torch.arange(n, device=device)
             return x, rope, torch.zeros(n, dtype=torch.bool, device=device)
         if not isinstance(payload, ImageInput):
@@ -194,12 +213,17 @@ class BagelWeights(nn.Module):
                 f"BAGEL chunks carry a TextInput or an ImageInput, got {type(payload).__name__}"
             )
         tokens = self.config.tokens
-        markers = self.embed_tokens(
+        markers = self._embed_tokens(
             torch.tensor([tokens.start_of_image, tokens.end_of_image], device=device)
         )
         n = payload.num_tokens
         is_gen = torch.zeros(n, dtype=torch.bool, device=device)
-        if payload.kind == "vit":
+        if payload.kind != "vit":
+            is_gen[1:-1] = True
+        shard = self.language_model.tensor_shard
+        if shard is not None and shard.rank != 0:  # rank 0 adds the image's rows to the sum
+            middle = markers.new_zeros((n - 2, markers.shape[1]))
+        elif payload.kind == "vit":
             middle = payload.tokens.to(device, self._dtype)
         else:
             assert payload.latent_positions is not None
@@ -209,7 +233,6 @@ class BagelWeights(nn.Module):
                 + self.time_embedder(t)
                 + self.latent_pos_embed(payload.latent_positions.to(device))
             )
-            is_gen[1:-1] = True
         x = torch.cat([markers[:1], middle.to(markers.dtype), markers[1:]])
         return x, torch.full((n,), payload.rope, device=device), is_gen
 
@@ -253,14 +276,14 @@ class BagelWeights(nn.Module):
             payload = chunk.payload
             if payload is None:  # sampled tokens: RoPE follows the sequence's last payload
                 rows = slice(chunk.row_start, chunk.row_end)
-                xs.append(self.embed_tokens(input_ids[rows]))
+                xs.append(self._embed_tokens(input_ids[rows]))
                 ropes.append(positions[rows] - rope_offsets.get(chunk.seq_key, 0))
                 gens.append(torch.zeros(chunk.num_rows, dtype=torch.bool, device=positions.device))
                 firsts.append(len(xs) - 1)
                 continue
             first = next((j for j, q in queries if _same_query(q, payload)), None)
             if first is None:
-                x, rope, is_gen = self.embed_input(payload)
+                x, rope, is_gen = self._embed_input(payload)
                 if isinstance(payload, ImageInput) and payload.kind == "flow":
                     queries.append((len(xs), payload))
             else:
@@ -287,7 +310,9 @@ class BagelWeights(nn.Module):
             if len(set(firsts)) < len(firsts)
             else None
         )
-        return self.run(torch.cat(xs), torch.cat(ropes), is_gen, attend, repeats)
+        # a shard's rows summed over its group: one all-reduce for the step's embeddings
+        x = self.language_model.reduce(torch.cat(xs))
+        return self.run(x, torch.cat(ropes), is_gen, attend, repeats)
 
 
 def _same_query(a: ImageInput, b: TextInput | ImageInput) -> bool:

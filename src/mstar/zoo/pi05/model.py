@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar.engines.parallel import current_shard
+from mstar.engines.parallel import TensorShard, current_shard
 from mstar.errors import CheckpointError
 from mstar.graph import EMIT, Emission, GraphEdge, GraphNode, Loop, ModelGraph, Sequential
 from mstar.runtime.model import (
@@ -165,7 +165,7 @@ class Pi05Model(Model, SupportsActionPolicy):
         )
         self._graph = make_pi05_graph(cfg)
         # by device and tensor-parallel shard (rank, world)
-        self._weights: dict[tuple[torch.device, tuple[int, int] | None], Pi05Weights] = {}
+        self._weights: dict[tuple[torch.device, TensorShard | None], Pi05Weights] = {}
         self._loading: dict[Any, threading.Lock] = {}  # ranks load on worker threads
         self._loading_lock = threading.Lock()
 
@@ -210,9 +210,9 @@ class Pi05Model(Model, SupportsActionPolicy):
             return self._loading.setdefault(self._key(device), threading.Lock())
 
     @staticmethod
-    def _key(device: torch.device) -> tuple[torch.device, tuple[int, int] | None]:
-        shard = current_shard()
-        return device, None if shard is None else (shard.rank, shard.world)
+    def _key(device: torch.device) -> tuple[torch.device, TensorShard | None]:
+        # the shard with its group: two replicas' rank 0s are two models (each sums over its own)
+        return device, current_shard()
 
     def _load(self, device: torch.device, nodes: Iterable[str] | None) -> Pi05Weights:
         key = self._key(device)

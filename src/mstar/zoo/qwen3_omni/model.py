@@ -44,7 +44,7 @@ import structlog
 import torch
 from msgspec import Meta
 
-from mstar.engines.parallel import current_shard
+from mstar.engines.parallel import TensorShard, current_shard
 from mstar.errors import CheckpointError, InvalidRequestError
 from mstar.graph import (
     EMIT,
@@ -252,7 +252,7 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput, SupportsAud
         )
         self._graph = make_qwen3_omni_graph(cfg.name, cfg.chunk_frames)
         # by device and tensor-parallel shard (rank, world)
-        self._weights: dict[tuple[torch.device, tuple[int, int] | None], Qwen3OmniWeights] = {}
+        self._weights: dict[tuple[torch.device, TensorShard | None], Qwen3OmniWeights] = {}
         self._loading: dict[Any, threading.Lock] = {}  # ranks load on worker threads
         self._loading_lock = threading.Lock()
 
@@ -314,10 +314,9 @@ class Qwen3OmniModel(Model, SupportsTextOutput, SupportsAudioOutput, SupportsAud
         the tensors not loaded there yet (`NODE_WEIGHTS`), so a rank holds the union of its
         nodes' parts, once, and what no node there reads stays on the meta device.
         """
-        # A tensor-parallel rank's thinker is its shard (`sharded`): ranks of one process on one
-        # device keep weights of their own.
-        shard = current_shard()
-        key = (device, None if shard is None else (shard.rank, shard.world))
+        # A tensor-parallel rank's decoder is its shard (`sharded`, with its group): ranks of one
+        # process on one device keep weights of their own.
+        key = (device, current_shard())
         with self._loading_lock:
             lock = self._loading.setdefault(key, threading.Lock())
         with lock:
