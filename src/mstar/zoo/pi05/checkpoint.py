@@ -307,7 +307,10 @@ def _shard_llm(model: Pi05Weights, nodes: list[str]) -> dict[str, WeightSlice]:
     if "llm" not in nodes:
         return {}
     shard = current_shard()
-    loaded = not model.language_model.blocks[0].self_attn.q_proj.weight.is_meta
+    # (its products may have left their modules once fused: look at whatever is left)
+    loaded = any(
+        not p.is_meta for n, p in model.named_parameters() if n.startswith("language_model.")
+    )
     if model.shard != shard and (model.shard is not None or loaded):
         raise CheckpointError("pi0.5's llm is loaded here already, as another shard")
     if shard is None or model.shard is not None:
