@@ -13,7 +13,8 @@ the kernel is faster), and the largest difference between them.
 
 The caches of a case are allocated `--pool-mib` deep and cycled through call by call, as a
 model's layers are: a case whose keys fit in the CPU's caches would otherwise be timed from
-them, not from memory.
+them, not from memory. They are advised into huge pages as the engine's cache is
+(`mstar.engines.kv_cache.advise_huge_pages`; `--small-pages` leaves them in 4 KiB pages).
 
 Layouts: `tiny` (bench_llm's tiny Llama: 8 query heads, 4 KV heads, head_dim 32) and
 `smollm2` (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64).
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.bench.machine import measure_bandwidth
+from mstar.engines.kv_cache import advise_huge_pages
 from mstar.engines.native import cpu_kernels
 
 BLOCK = 16
@@ -56,6 +58,7 @@ def run_case(
     rows: int,
     repeats: int,
     pool_bytes: int,
+    huge_pages: bool = True,
 ) -> dict[str, object]:
     """Time one case both ways; return its row."""
     kernels = cpu_kernels()
@@ -68,13 +71,15 @@ def run_case(
     kv_bytes = 2 * rows * keys * kv_heads * dim * element  # what one call must read
     cache_bytes = 2 * num_blocks * BLOCK * kv_heads * dim * element
     copies = max(1, min(64, pool_bytes // cache_bytes))
-    caches = [
-        (
-            torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype),
-            torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype),
-        )
-        for _ in range(copies)
-    ]
+
+    def cache() -> torch.Tensor:
+        shape = (num_blocks, BLOCK, kv_heads, dim)
+        out = torch.empty(shape, dtype=dtype)
+        if huge_pages:  # as the engine allocates its cache (advised before it is touched)
+            advise_huge_pages(out)
+        return out.copy_(torch.randn(shape, generator=gen))
+
+    caches = [(cache(), cache()) for _ in range(copies)]
     tables = torch.randperm(num_blocks, generator=gen).view(rows, per_row).contiguous()
     lens = torch.full((rows,), keys, dtype=torch.long)
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
@@ -127,6 +132,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pool-mib", type=int, default=512, help="caches cycled per case")
+    parser.add_argument(
+        "--small-pages", action="store_true", help="caches in 4 KiB pages, not huge pages"
+    )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -139,7 +147,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 for count in map(int, args.rows.split(",")):
                     dtype = getattr(torch, dtype_name)
                     pool = args.pool_mib << 20
-                    rows.append(run_case(layout, dtype, keys, count, args.repeats, pool))
+                    rows.append(
+                        run_case(
+                            layout, dtype, keys, count, args.repeats, pool, not args.small_pages
+                        )
+                    )
                     # The machine's bandwidth drifts: the fastest it showed is the strictest.
                     bandwidth = max(bandwidth, measure_bandwidth())
     print(
