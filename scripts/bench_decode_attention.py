@@ -70,7 +70,7 @@ def run_case(
     element = torch.empty(0, dtype=dtype).element_size()
     kv_bytes = 2 * rows * keys * kv_heads * dim * element  # what one call must read
     cache_bytes = 2 * num_blocks * BLOCK * kv_heads * dim * element
-    copies = max(1, min(64, pool_bytes // cache_bytes))
+    copies = max(1, min(4096, pool_bytes // cache_bytes))
 
     def cache() -> torch.Tensor:
         shape = (num_blocks, BLOCK, kv_heads, dim)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--pool-mib", type=int, default=512, help="caches cycled per case")
+    parser.add_argument("--pool-mib", type=int, default=1024, help="caches cycled per case")
     parser.add_argument(
         "--small-pages", action="store_true", help="caches in 4 KiB pages, not huge pages"
     )

@@ -52,6 +52,25 @@ inline vf16 dot(const vf16* qv, const T* k) {
   return acc;
 }
 
+// A hint to bring the line at p into L2 (an asm statement: GCC drops __builtin_prefetch from
+// loops that do nothing else).
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// Prefetch one token's D values (its KV head's) at p: a single thread keeps only as many
+// cache misses in flight as its reorder window holds loads, fewer than memory needs to stream,
+// and the hardware prefetchers know nothing of block tables (nor cross a page).
+template <int D, typename T>
+inline void prefetch_token(const T* p) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t line = 0; line < int64_t(D * sizeof(T)); line += 64) prefetch_l2(bytes + line);
+}
+
 // Keys of a row are scored in ranges of whole blocks, about this many keys each: a range's
 // softmax is kept apart (its maximum, the sum of its exponentials and its weighted values) and
 // a row's ranges are merged in order, in float32. Ranges depend on the row's length and the
@@ -107,8 +126,22 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
       for (int64_t b = c; b < c_end; ++b) {
         const int64_t t0 = b * bs - begin, n = std::min(bs, end - b * bs);
         const T* kb = keys + table[b] * bs * stride + (h / per_kv) * D;
+        // The first head of a KV head fetches a chunk ahead: the next chunk's keys, after the
+        // last the first chunk's values. (A block's tokens past the range's end are in the cache
+        // all the same.)
+        const T* ahead = nullptr;
+        if (h % per_kv == 0) {
+          const int64_t next = b + chunk, wrapped = next - (last - first);
+          if (next < last) {
+            ahead = keys + table[next] * bs * stride + (h / per_kv) * D;
+          } else if (wrapped < last) {
+            ahead = values + table[wrapped] * bs * stride + (h / per_kv) * D;
+          }
+        }
         int64_t i = 0;
         for (; i + 16 <= n; i += 16) {
+          if (ahead != nullptr)
+            for (int r = 0; r < 16; ++r) prefetch_token<D>(ahead + (i + r) * stride);
           vf16 a[16];
           for (int r = 0; r < 16; ++r) a[r] = dot<J>(qh, kb + (i + r) * stride);
           const vf16 tile = sum16(a);
@@ -145,6 +178,10 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
       for (int64_t b = c; b < c_end; ++b) {
         const int64_t t0 = b * bs - begin, n = std::min(bs, end - b * bs);
         const T* vb = values + table[b] * bs * stride + (h / per_kv) * D;
+        if (h % per_kv == 0 && b + chunk < last) {  // the next chunk's values
+          const T* ahead = values + table[b + chunk] * bs * stride + (h / per_kv) * D;
+          for (int64_t i = 0; i < n; ++i) prefetch_token<D>(ahead + i * stride);
+        }
         for (int64_t i = 0; i < n; ++i) {
           const vf16 p = splat(sh[t0 + i]);
           vf16 vv[J];
