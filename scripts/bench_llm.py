@@ -34,7 +34,11 @@ that over mstar's TPOT. A step can also be bound by arithmetic instead: `flop ms
 floating-point work over the rate measured for a large matrix product, same threads. The
 roofline floor is the larger of the two (a step can go no faster than either allows), and
 `% roofline` is it over mstar's TPOT: on one thread the tiny model's step at c = 16 is
-bound by arithmetic, not by bandwidth, so `% floor` alone cannot reach 100 %.
+bound by arithmetic, not by bandwidth, so `% floor` alone cannot reach 100 %. Attention's
+part of the step: `KV ms` is the floor of its keys and values alone (every layer's, each
+read once, over the same bandwidth) and `KV share` their share of the step's bytes; with long
+prompts they are most of the floor (`scripts/bench_decode_attention.py` times the kernel
+alone against it).
 
 Rounds (`--rounds R`): the whole sweep is measured R times, every side at every point in
 each round (side after side within a point), and the table gives each figure's median over
@@ -84,6 +88,7 @@ from mstar.baselines.llm import (
     VllmPeer,
     add_floors,
     decode_step_cost,
+    kv_cache_bytes,
 )
 from mstar.bench import (
     BenchRequest,
@@ -120,7 +125,7 @@ TINY_CONFIG = {
     "num_hidden_layers": 4,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 16384,  # room for --prompt-len 8192 and its new tokens
     "bos_token_id": None,
     "eos_token_id": None,
     "pad_token_id": None,
@@ -324,6 +329,7 @@ async def bench_model(
             "ratio": ours.output_tokens_per_s / theirs.output_tokens_per_s,
             "failed": ours.num_failed + theirs.num_failed,
             "step_bytes": step_bytes,
+            "kv_bytes": kv_cache_bytes(model.hf_config, element_size, conc, context),
             "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
         }
         if det_engine is not None:
@@ -449,7 +455,9 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
     columns += ["vllm tok/s", "TPOT ms"] if has_peer else []
     columns += ["det TPOT ms", "det ÷ TPOT"] if has_det else []
     columns += (
-        ["÷hf"] + (["÷vllm"] if has_peer else []) + ["floor ms", "% floor", "flop ms", "% roofline"]
+        ["÷hf"]
+        + (["÷vllm"] if has_peer else [])
+        + ["floor ms", "% floor", "flop ms", "% roofline", "KV ms", "KV share"]
     )
     for col in columns:
         table.add_column(col, justify="right")
@@ -480,6 +488,8 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
             f"{r['floor_pct']:.0f}%",
             f"{r['flop_ms']:.2f}",
             f"{r['roofline_pct']:.0f}%",
+            f"{r.get('kv_floor_ms', float('nan')):.2f}",
+            f"{r.get('kv_share_pct', float('nan')):.0f}%",
         ]
         table.add_row(*cells)
     console.print(table)

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from mstar.baselines.llm import PeerStartError, VllmPeer, add_floors, decode_step_cost
+from mstar.baselines.llm import (
+    PeerStartError,
+    VllmPeer,
+    add_floors,
+    decode_step_cost,
+    kv_cache_bytes,
+)
 
 # A Llama of hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 512, vocab 32000.
 TINY_CONFIG = {
@@ -86,3 +92,15 @@ async def test_a_peer_that_exits_while_loading_says_so(tmp_path: Path) -> None:
     missing = VllmPeer(tmp_path / "none", dead, {}, threads=1, log=tmp_path / "peer.log")
     with pytest.raises(PeerStartError, match="no interpreter"):
         await missing.start()
+
+
+def test_attentions_part_is_its_keys_and_values_over_the_bandwidth() -> None:
+    config = dict(TINY_CONFIG)
+    kv = kv_cache_bytes(config, 2, 16, 1536)
+    assert kv == 16 * 1536 * 4 * 2 * 4 * 32 * 2  # rows x keys x layers x (K, V) x heads x dim
+    total, _ = decode_step_cost(config, 2, 16, 1536)
+    row = {"step_bytes": total, "kv_bytes": kv, "flop_ms": 0.1, "mstar_tpot_ms": 20.0}
+    add_floors(row, 1e10)
+    assert row["kv_floor_ms"] == pytest.approx(kv / 1e7)
+    assert row["kv_share_pct"] == pytest.approx(100 * kv / total)
+    assert 0 < row["kv_share_pct"] < 100

@@ -196,6 +196,94 @@ def test_kernel_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyp
         isa_kernels.decode_attention(q.transpose(0, 1), k_cache, k_cache, tables, lens, 1.0)
 
 
+def _forked_tables(lens: list[int], kv_heads: int, dim: int, block_size: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """Caches and tables as forks and truncation leave them: row 1 shares row 0's first half
+    of blocks then goes its own way, row 2 is row 0 cut short (its table runs on past its
+    length into blocks it must not read), the rest have blocks of their own; every table is
+    padded with blocks of other rows. Return the caches, tables, lengths and each row's keys
+    and values in order `[kv_heads, len, dim]`."""
+    gen = torch.Generator().manual_seed(len(lens) + dim)
+    per_row = [-(-n // block_size) for n in lens]
+    width = max(per_row)
+    num_blocks = sum(per_row) + 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.tensor(free[:width] * len(lens)).view(len(lens), width)  # padding
+    for r, count in enumerate(per_row):
+        if r == 1:
+            shared = per_row[0] // 2
+            tables[1, :shared] = tables[0, :shared]
+            tables[1, shared:count] = torch.tensor([free.pop() for _ in range(count - shared)])
+        elif r == 2:
+            tables[2] = tables[0]
+        else:
+            tables[r, :count] = torch.tensor([free.pop() for _ in range(count)])
+    rows = []
+    for r, n in enumerate(lens):
+        blocks = tables[r, : per_row[r]]
+        keys = k_cache[blocks].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+        values = v_cache[blocks].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+        rows.append((keys.float(), values.float()))
+    return k_cache, v_cache, tables.contiguous(), torch.tensor(lens), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(8, 4, 32, 16), (9, 3, 64, 16), (4, 1, 128, 32), (4, 2, 16, 8)],
+)
+def test_long_rows_split_into_ranges_equal_the_reference(
+    isa_kernels, dtype, heads, kv_heads, dim, block_size
+) -> None:  # type: ignore[no-untyped-def]
+    """Rows longer than a range (256 keys) are scored range by range, on several threads, and
+    their ranges merged: ragged lengths up to 8k, forked and truncated tables; the result
+    does not depend on the threads or on the rows beside a row."""
+    lens = [3000, 8192, 1000, 1, 256, 257, 511, 4099]
+    k_cache, v_cache, tables, lengths, rows = _forked_tables(lens, kv_heads, dim, block_size, dtype)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    scale = dim**-0.5
+    expected = _reference(q, rows, kv_heads, scale)
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results[n] = isa_kernels.decode_attention(q, k_cache, v_cache, tables, lengths, scale)
+        alone = isa_kernels.decode_attention(
+            q[1:2].contiguous(), k_cache, v_cache, tables[1:2].contiguous(), lengths[1:2], scale
+        )
+    finally:
+        torch.set_num_threads(threads)
+    out = results[1]
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:  # float32 arithmetic, rounded once to bfloat16
+        torch.testing.assert_close(out, expected.to(dtype), rtol=1.6e-2, atol=1e-2)
+    for n in (2, 3):  # ranges and their merge are the same however the work is spread
+        torch.testing.assert_close(results[n], out, rtol=0, atol=0)
+    torch.testing.assert_close(alone, out[1:2], rtol=0, atol=0)
+
+
+def test_a_dominant_key_in_a_late_range_takes_all_the_weight(isa_kernels) -> None:  # type: ignore[no-untyped-def]
+    """Merging ranges whose maxima lie far apart: the earlier ranges' weights underflow to
+    nothing, no NaN, exactly the one value."""
+    k_cache = torch.zeros(64, 16, 1, 16)
+    v_cache = torch.randn(64, 16, 1, 16, generator=torch.Generator().manual_seed(3))
+    k_cache[50, 7, 0] = 1.0  # key 807 of the row below, in its fourth range
+    tables = torch.arange(64).view(1, 64)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = isa_kernels.decode_attention(
+                torch.full((1, 2, 16), 1e3), k_cache, v_cache, tables, torch.tensor([1000]), 1.0
+            )
+            assert torch.equal(out, v_cache[50, 7, 0].expand(1, 2, 16))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     ("dtype", "dim", "heads", "kv_heads", "block_size"),
     [

@@ -78,6 +78,7 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
         )
         assert row["roofline_ms"] == max(row["floor_ms"], row["flop_ms"])
         assert row["roofline_pct"] >= row["floor_pct"]
+        assert row["kv_floor_ms"] < row["floor_ms"] and 0 < row["kv_share_pct"] < 100
         assert "vllm_tokens_per_s" not in row
     assert (tmp_path / "bench_llm_tiny_float32.json").exists()
 

@@ -5,8 +5,9 @@
 - `VllmPeer`: vLLM's CPU build in a subprocess of its own environment, streaming each
   engine step's tokens back over JSON lines.
 - `decode_step_cost` and `add_floors`: the fastest a decode step can go, bound by the bytes it
-  must read (every weight it multiplies, every cached key and value) over the measured memory
-  bandwidth, or by its arithmetic over the measured FLOP rate (`mstar.bench.machine`).
+  must read (every weight it multiplies, every cached key and value: `kv_cache_bytes`) over
+  the measured memory bandwidth, or by its arithmetic over the measured FLOP rate
+  (`mstar.bench.machine`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ import torch
 
 from mstar.baselines.streaming import QueueStreamer
 
-__all__ = ["PeerStartError", "TransformersBatches", "VllmPeer", "add_floors", "decode_step_cost"]
+__all__ = [
+    "PeerStartError",
+    "TransformersBatches",
+    "VllmPeer",
+    "add_floors",
+    "decode_step_cost",
+    "kv_cache_bytes",
+]
 
 
 class PeerStartError(RuntimeError):
@@ -211,34 +219,56 @@ class VllmPeer:
             await self._reader
 
 
+def _heads(config: dict[str, Any]) -> tuple[int, int, int]:
+    """Return the query heads, KV heads and head size of a Llama-style config."""
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return heads, kv_heads, int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+
+
+def kv_cache_bytes(
+    config: dict[str, Any], element_size: int, concurrency: int, context: float
+) -> float:
+    """Return the bytes of cached keys and values a decode step of `concurrency` sequences at
+    `context` tokens reads: every layer's keys and values of every sequence, once (attention's
+    part of `decode_step_cost`'s bytes)."""
+    _, kv_heads, head_dim = _heads(config)
+    layers = int(config["num_hidden_layers"])
+    return concurrency * context * layers * 2 * kv_heads * head_dim * element_size
+
+
 def decode_step_cost(
     config: dict[str, Any], element_size: int, concurrency: int, context: float
 ) -> tuple[float, float]:
     """Return the bytes a decode step of `concurrency` sequences must read and its FLOPs.
 
     Bytes: every weight the step multiplies (layers, norms, head) once, the embedding rows
-    of its tokens, and each sequence's cached keys and values at `context` tokens.
+    of its tokens, and each sequence's cached keys and values at `context` tokens
+    (`kv_cache_bytes`).
     """
     hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
     layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    heads, kv_heads, head_dim = _heads(config)
     products = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner  # per layer
     weights = layers * (products + 2 * hidden) + hidden + vocab * hidden + concurrency * hidden
-    kv = concurrency * context * layers * 2 * kv_heads * head_dim
     flops = (
         2 * concurrency * (layers * products + vocab * hidden)
         + 4 * concurrency * context * heads * head_dim * layers
     )
-    return (weights + kv) * element_size, flops
+    kv = kv_cache_bytes(config, element_size, concurrency, context)
+    return weights * element_size + kv, flops
 
 
 def add_floors(row: dict[str, Any], bandwidth_bytes_per_s: float) -> None:
     """Add a point's bandwidth floor, its roofline floor (the larger of that and the arithmetic
-    floor: a step can go no faster than either allows) and mstar's TPOT as a % of each."""
+    floor: a step can go no faster than either allows) and mstar's TPOT as a % of each; with
+    the row's `kv_bytes`, attention's part of the bandwidth floor (`kv_floor_ms`) and its
+    share of the step's bytes (`kv_share_pct`)."""
     row["bandwidth_bytes_per_s"] = bandwidth_bytes_per_s
     row["floor_ms"] = row["step_bytes"] / bandwidth_bytes_per_s * 1e3
     row["floor_pct"] = 100 * row["floor_ms"] / row["mstar_tpot_ms"]
     row["roofline_ms"] = max(row["floor_ms"], row["flop_ms"])
     row["roofline_pct"] = 100 * row["roofline_ms"] / row["mstar_tpot_ms"]
+    if "kv_bytes" in row:  # attention's part: its keys and values over the same bandwidth
+        row["kv_floor_ms"] = row["kv_bytes"] / bandwidth_bytes_per_s * 1e3
+        row["kv_share_pct"] = 100 * row["kv_bytes"] / row["step_bytes"]

@@ -1,9 +1,13 @@
 // decode_attention: one query token per sequence against its keys and values read in place
 // from the paged cache [blocks, block_size, kv_heads, head_dim] through its block table.
-// Each (sequence, KV head) is one work item: for every query head of the KV head's group,
-// scores over 16-key tiles (one horizontal-add tree per tile), an exact softmax, then the
-// weighted sum of values, all accumulated in float32. float32 and bfloat16 caches are read
-// as they are stored (bfloat16 widened on load), so a bfloat16 cache moves half the bytes.
+// A row's keys are taken in ranges of kRangeKeys (whole blocks); a work item is one range of
+// one row, its KV heads together (or one KV head each when there are few ranges for the
+// threads): for every query head, scores over 16-key tiles (one horizontal-add tree per tile),
+// an exact softmax over the range, then the weighted sum of values, all in float32, each key
+// and value read once for all query heads of its KV head. A row of one range is written out
+// directly; a longer row's ranges (their maxima, sums and weighted values) are merged after,
+// so one long sequence's decode spreads over every thread. float32 and bfloat16 caches are
+// read as they are stored (bfloat16 widened on load), so a bfloat16 cache moves half the bytes.
 
 #pragma once
 
@@ -48,25 +52,57 @@ inline vf16 dot(const vf16* qv, const T* k) {
   return acc;
 }
 
-struct Geometry {
-  int64_t block_size, token_stride, len;
-};
+// A hint to bring the line at p into L2 (an asm statement: GCC drops __builtin_prefetch from
+// loops that do nothing else).
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// Prefetch one token's D values (its KV head's) at p: a single thread keeps only as many
+// cache misses in flight as its reorder window holds loads, fewer than memory needs to stream,
+// and the hardware prefetchers know nothing of block tables (nor cross a page).
+template <int D, typename T>
+inline void prefetch_token(const T* p) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t line = 0; line < int64_t(D * sizeof(T)); line += 64) prefetch_l2(bytes + line);
+}
+
+// Keys of a row are scored in ranges of whole blocks, about this many keys each: a range's
+// softmax is kept apart (its maximum, the sum of its exponentials and its weighted values) and
+// a row's ranges are merged in order, in float32. Ranges depend on the row's length and the
+// block size alone, so a row gives the same result whatever rows are beside it and however
+// many threads run, while one long row's ranges spread over every thread.
+constexpr int64_t kRangeKeys = 256;
 
 // Blocks of keys scored (or summed) for every query head of an item before moving on: their
 // keys or values stay in L1 across the item's heads.
 constexpr int64_t kChunkKeys = 64;
 
+// Where an item reads: a row's keys [begin, end) (begin on a block's start), in blocks of
+// block_size tokens token_stride elements apart.
+struct Geometry {
+  int64_t block_size, token_stride, begin, end;
+};
+
 // `group` query heads (rows of q, contiguous; `per_kv` of them to each KV head, the first
-// reading `keys` and `values`, the next KV head's D further) against one sequence's keys and
-// values; J = head_dim / 16. A row's KV heads go together, block by block: a block's tokens
-// are read whole (all heads side by side) instead of a slice per head, far apart. `s` holds
-// group x padded scores, `work` 3 x group x J vectors, `inv` group floats.
+// reading `keys` and `values`, the next KV head's D further) against keys [g.begin, g.end) of
+// one sequence; J = head_dim / 16. A row's KV heads go together, block by block: a block's
+// tokens are read whole (all heads side by side) instead of a slice per head, far apart. With
+// `stats` null, the normalised output goes to `out`; otherwise the range's softmax: each head's
+// maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
+// vectors, in load_row's arrangement). `s` holds group x padded scores, `work` 3 x group x J
+// vectors, `totals` 2 x group floats.
 template <int J, typename T>
 void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, const T* values, const int64_t* table,
-                  const Geometry& g, float scale, T* out, float* s, vf16* work, float* inv) {
+                  const Geometry& g, float scale, T* out, float* stats, vf16* sums, float* s, vf16* work,
+                  float* totals) {
   constexpr int D = 16 * J;
-  const int64_t len = g.len, bs = g.block_size, stride = g.token_stride;
-  const int64_t padded = (len + 15) / 16 * 16, num_blocks = (len + bs - 1) / bs;
+  const int64_t bs = g.block_size, stride = g.token_stride, begin = g.begin, end = g.end;
+  const int64_t padded = (end - begin + 15) / 16 * 16, first = begin / bs, last = (end + bs - 1) / bs;
   const int64_t chunk = std::max<int64_t>(1, kChunkKeys / bs);
   const float lowest = -std::numeric_limits<float>::infinity();
   vf16* qv = work;                      // [group][J] scaled queries
@@ -79,19 +115,33 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
       acc[h * J + j] = vf16{};
     }
     maxima[h] = splat(lowest);
-    for (int64_t t = len; t < padded; ++t) s[h * padded + t] = lowest;
+    for (int64_t t = end - begin; t < padded; ++t) s[h * padded + t] = lowest;
   }
-  for (int64_t c = 0; c < num_blocks; c += chunk) {
-    const int64_t c_end = std::min(num_blocks, c + chunk);
+  for (int64_t c = first; c < last; c += chunk) {
+    const int64_t c_end = std::min(last, c + chunk);
     for (int64_t h = 0; h < group; ++h) {
       const vf16* qh = qv + h * J;
       float* sh = s + h * padded;
       vf16 tiles_max = maxima[h];
       for (int64_t b = c; b < c_end; ++b) {
-        const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+        const int64_t t0 = b * bs - begin, n = std::min(bs, end - b * bs);
         const T* kb = keys + table[b] * bs * stride + (h / per_kv) * D;
+        // The first head of a KV head fetches a chunk ahead: the next chunk's keys, after the
+        // last the first chunk's values. (A block's tokens past the range's end are in the cache
+        // all the same.)
+        const T* ahead = nullptr;
+        if (h % per_kv == 0) {
+          const int64_t next = b + chunk, wrapped = next - (last - first);
+          if (next < last) {
+            ahead = keys + table[next] * bs * stride + (h / per_kv) * D;
+          } else if (wrapped < last) {
+            ahead = values + table[wrapped] * bs * stride + (h / per_kv) * D;
+          }
+        }
         int64_t i = 0;
         for (; i + 16 <= n; i += 16) {
+          if (ahead != nullptr)
+            for (int r = 0; r < 16; ++r) prefetch_token<D>(ahead + (i + r) * stride);
           vf16 a[16];
           for (int r = 0; r < 16; ++r) a[r] = dot<J>(qh, kb + (i + r) * stride);
           const vf16 tile = sum16(a);
@@ -116,17 +166,22 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
       store16(sh + t, p);
       total += p;
     }
-    inv[h] = 1.f / hsum(total);
+    totals[2 * h] = m;
+    totals[2 * h + 1] = hsum(total);
   }
-  for (int64_t c = 0; c < num_blocks; c += chunk) {
-    const int64_t c_end = std::min(num_blocks, c + chunk);
+  for (int64_t c = first; c < last; c += chunk) {
+    const int64_t c_end = std::min(last, c + chunk);
     for (int64_t h = 0; h < group; ++h) {
       const float* sh = s + h * padded;
       vf16 a[J];
       for (int j = 0; j < J; ++j) a[j] = acc[h * J + j];
       for (int64_t b = c; b < c_end; ++b) {
-        const int64_t t0 = b * bs, n = std::min(bs, len - t0);
+        const int64_t t0 = b * bs - begin, n = std::min(bs, end - b * bs);
         const T* vb = values + table[b] * bs * stride + (h / per_kv) * D;
+        if (h % per_kv == 0 && b + chunk < last) {  // the next chunk's values
+          const T* ahead = values + table[b + chunk] * bs * stride + (h / per_kv) * D;
+          for (int64_t i = 0; i < n; ++i) prefetch_token<D>(ahead + i * stride);
+        }
         for (int64_t i = 0; i < n; ++i) {
           const vf16 p = splat(sh[t0 + i]);
           vf16 vv[J];
@@ -137,7 +192,31 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
       for (int j = 0; j < J; ++j) acc[h * J + j] = a[j];
     }
   }
-  for (int64_t h = 0; h < group; ++h) store_row<J>(acc + h * J, inv[h], out + h * D);
+  for (int64_t h = 0; h < group; ++h) {
+    if (stats == nullptr) {
+      store_row<J>(acc + h * J, 1.f / totals[2 * h + 1], out + h * D);
+    } else {
+      stats[2 * h] = totals[2 * h];  // the maximum, then the sum of exponentials
+      stats[2 * h + 1] = totals[2 * h + 1];
+      for (int j = 0; j < J; ++j) sums[h * J + j] = acc[h * J + j];
+    }
+  }
+}
+
+// One query head's result from its row's `ranges` partial softmaxes (stats and sums `heads`
+// apart, in key order): each range's share rescaled to the largest maximum, summed in order.
+template <int J, typename T>
+void merge_ranges(const float* stats, const vf16* sums, int64_t ranges, int64_t heads, T* out) {
+  float m = stats[0];
+  for (int64_t i = 1; i < ranges; ++i) m = std::max(m, stats[2 * i * heads]);
+  vf16 acc[J] = {};
+  float total = 0.f;
+  for (int64_t i = 0; i < ranges; ++i) {
+    const float w = exp_scalar(stats[2 * i * heads] - m);
+    total += w * stats[2 * i * heads + 1];
+    for (int j = 0; j < J; ++j) acc[j] += w * sums[i * heads * J + j];
+  }
+  store_row<J>(acc, 1.f / total, out);
 }
 
 template <int J, typename T>
@@ -153,20 +232,46 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t longest = rows ? *std::max_element(lp, lp + rows) : 0;
-  // A work item is a row's KV heads together; with fewer rows than threads, one KV head each.
-  const int64_t split = rows < at::get_num_threads() ? kv_heads : 1, per_item = kv_heads / split;
+  // A unit is one range of a row (kRangeKeys, whole blocks); units[r] is row r's first, and
+  // partial[r] where its ranges' softmaxes go (-1: one range, written out directly).
+  const int64_t range_keys = std::max<int64_t>(1, kRangeKeys / block_size) * block_size;
+  std::vector<int64_t> units(rows + 1, 0), partial(rows, -1);
+  int64_t partials = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = (lp[r] + range_keys - 1) / range_keys;
+    units[r + 1] = units[r] + n;
+    if (n > 1) partial[r] = std::exchange(partials, partials + n);
+  }
+  // A work item is a unit's KV heads together; with fewer units than two per thread, one KV
+  // head each (the split changes no sum: heads are computed apart either way).
+  const int64_t split = units[rows] < 2 * at::get_num_threads() ? kv_heads : 1, per_item = kv_heads / split;
   const int64_t item_heads = per_item * group;
-  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(item_heads * ((longest + 15) / 16 * 16));
+  std::vector<float> stats(partials * heads * 2);
+  std::vector<vf16> sums(partials * heads * J);
+  at::parallel_for(0, units[rows] * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(item_heads * ((range_keys + 15) / 16 * 16));
     std::vector<vf16> work(3 * item_heads * J);
-    std::vector<float> inv(item_heads);
+    std::vector<float> totals(2 * item_heads);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / split, h = (item % split) * per_item;
-      const Geometry geometry{block_size, token_stride, lp[row]};
+      const int64_t unit = item / split, h = (item % split) * per_item;
+      const int64_t row = std::upper_bound(units.begin(), units.end(), unit) - units.begin() - 1;
+      const int64_t range = unit - units[row], from = range * range_keys;
+      const Geometry geometry{block_size, token_stride, from, std::min(lp[row], from + range_keys)};
+      const int64_t slot = (partial[row] + range) * heads + h * group;  // its heads' partials
       attend_group<J>(qp + row * q_stride + h * group * D, item_heads, group, kp + h * D, vp + h * D,
                       tp + row * max_blocks, geometry, float(scale), op + (row * heads + h * group) * D,
-                      scores.data(), work.data(), inv.data());
+                      partial[row] < 0 ? nullptr : stats.data() + 2 * slot,
+                      partial[row] < 0 ? nullptr : sums.data() + J * slot, scores.data(), work.data(), totals.data());
+    }
+  });
+  if (partials == 0) return;
+  at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {  // a few vectors each
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / heads, h = i % heads;
+      if (partial[row] < 0) continue;
+      const int64_t slot = partial[row] * heads + h;
+      merge_ranges<J>(stats.data() + 2 * slot, sums.data() + J * slot, units[row + 1] - units[row], heads,
+                      op + i * D);
     }
   });
 }

@@ -25,6 +25,7 @@
 #include <limits>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
