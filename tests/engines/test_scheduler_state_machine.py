@@ -7,6 +7,7 @@ was aborted), no block leaks, and every walk's tokens equal running that request
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from hypothesis.stateful import (
 )
 
 from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams, SequenceStatus
+from mstar.errors import RequestNotFoundError
 
 from .conftest import make_tiny_llama
 
@@ -193,6 +195,10 @@ class EngineMachine(RuleBasedStateMachine):
         if parent.num_tokens + params.max_tokens > self.engine.max_model_len:
             return
         child_id = self._new_id()
+        if not parent.block_table:  # evicted while paused: nothing to share until it runs again
+            with pytest.raises(RequestNotFoundError, match="holds no cache"):
+                self.engine.fork(parent_id, child_id, keep_alive=False)
+            return
         self.engine.fork(parent_id, child_id, keep_alive=False)
         self.engine.resume(child_id, [], params)
         # A fork continues from all of the parent's tokens as if they were its prompt.
