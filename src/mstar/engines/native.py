@@ -31,11 +31,13 @@ _log = structlog.get_logger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "cpu_kernels.cpp"
 """The one translation unit; it includes the headers beside it (`sources`)."""
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
-"""``-fopenmp``: ATen's `at::parallel_for` is inline code around ``#pragma omp parallel``, which a
-compiler without it ignores: the kernels' loops over rows, heads and key ranges then ran on one
-thread whatever torch's thread count (decode attention over 8,192 keys took the same 0.66 ms on
-one thread and two; with it, 0.32 ms on two). Threads split the work, never a row's sums."""
+CFLAGS = ("-O3", "-march=native")
+"""No ``-fopenmp``, on purpose for now: ATen's `at::parallel_for` is inline code around
+``#pragma omp parallel``, which a compiler without it ignores, so the kernels' loops run on the
+calling thread whatever torch's thread count. Built with it, long work gains (decode attention
+over 8,192 keys: 0.66 -> 0.32 ms on two threads) but a small model's decode step loses more to
+forking and joining teams (tiny Llama TPOT on two threads 1.50 -> 1.98 ms): the kernels' grain
+sizes must first keep small work on one thread."""
 
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
@@ -116,7 +118,6 @@ def _build(cflags: tuple[str, ...] = CFLAGS) -> ModuleType:
             name=name,
             sources=[str(source)],
             extra_cflags=list(cflags),
-            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
 
@@ -127,7 +128,7 @@ def build_for(march: str) -> ModuleType:
     The vector paths a machine without this one's instruction sets takes, so they can be run
     and checked here (on a CPU that has what ``march`` assumes). Raises what the build raises.
     """
-    return _build(("-O3", f"-march={march}", "-fopenmp"))
+    return _build(("-O3", f"-march={march}"))
 
 
 def cpu_kernels() -> ModuleType | None:
