@@ -130,7 +130,11 @@ def dead_pid() -> int:
 def test_sweep_removes_files_of_dead_owners_only() -> None:
     dead = dead_pid()
     assert not is_pid_alive(dead)
-    stale = [SHM_DIR / f"mstar-{dead}-00aa11", runtime_dir() / f"mstar-{dead}-00bb22.sock"]
+    stale = [
+        SHM_DIR / f"mstar-{dead}-00aa11",
+        SHM_DIR / f"mstar-{dead}-00ee55.1",  # a tensor-parallel group's channel of node 1
+        runtime_dir() / f"mstar-{dead}-00bb22.sock",
+    ]
     live = [SHM_DIR / f"mstar-{os.getpid()}-00cc33"]
     unrelated = SHM_DIR / f"not-mstar-{dead}-00dd44"
     for path in [*stale, *live, unrelated]:

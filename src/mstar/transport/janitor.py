@@ -27,7 +27,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_OWNED = re.compile(r"^mstar-(\d+)-[0-9a-f]+(?:\.sock)?$")
+# a socket file (.sock), a tensor-parallel group's channel (one per node: .0, .1, ...)
+_OWNED = re.compile(r"^mstar-(\d+)-[0-9a-f]+(?:\.sock|\.\d+)?$")
 
 
 def runtime_dir() -> Path:
