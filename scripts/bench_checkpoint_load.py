@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -277,16 +276,6 @@ def _make_qwen3_omni(args: argparse.Namespace) -> None:
     )
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def print_configuration(
     args: argparse.Namespace, spec: Any, config: dict[str, Any], checkpoint: int
 ) -> None:
@@ -296,8 +285,10 @@ def print_configuration(
     print(f"model       {spec.factory}  {dict(spec.kwargs)}")
     print(f"dtype       files {files_dtype}; load {args.dtype or 'the model default'}")
     print(f"nodes       {','.join(args.nodes) if args.nodes else 'all'}")
+    from mstar.bench.runner import cpu_model
+
     print(
-        f"machine     {_cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, "
+        f"machine     {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, "
         f"{args.threads} threads"
     )
     print(f"weights     {_mib(checkpoint)} of tensors in the safetensors files")

@@ -27,28 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from mstar.bench.machine import measure_bandwidth
+from mstar.bench.machine import best_seconds, measure_bandwidth
 from mstar.engines.kv_cache import advise_huge_pages
 from mstar.engines.native import cpu_kernels
 
 BLOCK = 16
 LAYOUTS = {"tiny": (8, 4, 32), "smollm2": (9, 3, 64)}  # heads, kv_heads, head_dim
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run_case(
@@ -105,8 +94,8 @@ def run_case(
 
         return run
 
-    native_s = _best(cycle(native), repeats) / copies
-    torch_s = _best(cycle(reference), max(1, repeats // 2)) / copies
+    native_s = best_seconds(cycle(native), repeats) / copies
+    torch_s = best_seconds(cycle(reference), max(1, repeats // 2)) / copies
     got, want = native(*caches[0]), reference(*caches[0])
     return {
         "layout": f"{layout} {heads}/{kv_heads}x{dim}",

@@ -29,7 +29,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import secrets
 import socket
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mstar.bench.runner import cpu_model
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 
 TP2 = "node_groups:\n  - {node_names: [llm], ranks: [0, 1], tensor_parallel: 2}\n"
@@ -51,16 +51,6 @@ QWEN3_TP1 = "node_groups:\n  - {node_names: [thinker], ranks: [0]}\n" + _QWEN3_R
     "RANK", "1"
 )
 PROMPT = [1, 504, 3458, 314, 253, 1345, 282, 28, 2191, 30, 378, 2303, 314, 5457, 30, 198]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 async def _wave(
@@ -211,7 +201,7 @@ def main() -> None:
     print(
         f"bench_tp: SmolLM2-135M {args.dtype}, decode {args.new_tokens} tokens after a "
         f"{len(PROMPT)}-token prompt, c = {concurrency}, best of {args.rounds} rounds; every rank "
-        f"a worker process of one torch thread; CPU {_cpu_name()} ({os.cpu_count()} cores)"
+        f"a worker process of one torch thread; CPU {cpu_model()} ({os.cpu_count()} cores)"
     )
     tp1 = asyncio.run(_serve(spec, TP1, concurrency, args.new_tokens, args.rounds, {}))
     tp2 = asyncio.run(_serve(spec, TP2, concurrency, args.new_tokens, args.rounds, {}))
@@ -277,7 +267,7 @@ def main() -> None:
     print(f"target: TP=2 >= 1.4x TP=1 tokens/s at c = {first}: {target:.2f}x ({verdict})")
     if args.json is not None:
         result = {
-            "config": vars(args) | {"json": str(args.json), "cpu": _cpu_name()},
+            "config": vars(args) | {"json": str(args.json), "cpu": cpu_model()},
             "rows": rows,
             "weights_bytes": {"whole": full, "ranks": shards},
             "qwen3_omni_small_thinker": thinker,

@@ -36,6 +36,7 @@ from mstar.bench.targets import Target, as_target
 from mstar.errors import BenchConfigError
 
 __all__ = [
+    "cpu_model",
     "RATIO_METRICS",
     "BenchResult",
     "PointResult",
@@ -193,7 +194,7 @@ def collect_environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "numpy": numpy.__version__,
         "httpx": httpx.__version__,
@@ -212,7 +213,8 @@ def collect_environment() -> dict[str, Any]:
     return env
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """Return the CPU's model name (``/proc/cpuinfo``), what benchmark figures are named by."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
