@@ -293,7 +293,9 @@ def test_a_dominant_key_in_a_late_range_takes_all_the_weight(isa_kernels) -> Non
         (torch.float32, 128, 8, 2, 16),
         (torch.float32, 256, 2, 1, 8),
         (torch.bfloat16, 32, 8, 4, 16),
+        (torch.bfloat16, 64, 9, 3, 4),
         (torch.bfloat16, 128, 4, 4, 16),
+        (torch.bfloat16, 256, 2, 1, 32),
     ],
 )
 def test_prefill_attention_equals_the_reference_for_every_mask(
@@ -390,6 +392,63 @@ def test_engines_decode_through_the_kernel_as_through_gathers(kernels, dtype: to
                 native[name][:same], gathered[name][:same], rtol=0.05, atol=0.1
             )
         assert compared >= len(native) * 8
+
+
+class _CountingKernels:
+    """The kernels, counting the rows `prefill_attention` attends."""
+
+    def __init__(self, kernels) -> None:  # type: ignore[no-untyped-def]
+        self._kernels = kernels
+        self.prefill_rows = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._kernels, name)
+
+    def prefill_attention(self, q, *args):  # type: ignore[no-untyped-def]
+        self.prefill_rows += q.shape[0]
+        return self._kernels.prefill_attention(q, *args)
+
+
+def test_bfloat16_prompts_attend_on_amx_as_through_torch(kernels) -> None:  # type: ignore[no-untyped-def]
+    """bfloat16 on a CPU with AMX: every writing prefill chunk, whole causal prompts included,
+    goes through the native kernel; tokens and logits match torch's attention (to the first
+    near-tie, as in the decode test above)."""
+    probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    if not kernels.prefill_uses_amx(probe):
+        pytest.skip("no AMX here: bfloat16 prompts stay on torch's attention")
+    assert not kernels.prefill_uses_amx(probe.float())
+    assert not kernels.prefill_uses_amx(torch.zeros(1, 1, 16, dtype=torch.bfloat16))
+    model = make_tiny_llama(
+        dtype=torch.bfloat16, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2
+    )
+
+    def run(native: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], int]:
+        engine = KVCacheEngine(
+            model, KVCacheEngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=16)
+        )
+        backend = TorchPagedAttention(decode_staging=False, native=native)
+        counting = _CountingKernels(backend._kernels) if native else None
+        backend._kernels = counting  # type: ignore[assignment]
+        engine.runner.backend = backend
+        engine.runner.ctx.backend = backend
+        engine.return_logits = True
+        tokens, logits = run_join_leave_schedule(engine)
+        rows = counting.prefill_rows if counting is not None else 0
+        return tokens, {k: torch.stack(v) for k, v in logits.items()}, rows
+
+    (native_tokens, native_logits, rows), (torch_tokens, torch_logits, _) = run(True), run(False)
+    prompt_rows = sum(5 + ord(name) % 7 for name in "abcdef")
+    # every prompt row in each of the 2 layers, not only the masked chunks
+    assert rows == 2 * prompt_rows
+    compared = 0
+    for name in native_logits:
+        a, b = native_tokens[name], torch_tokens[name]
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
+        compared += same
+        torch.testing.assert_close(
+            native_logits[name][:same], torch_logits[name][:same], rtol=0.05, atol=0.1
+        )
+    assert compared >= len(native_logits) * 8
 
 
 def test_native_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,10 +28,12 @@ number of threads. Read-only chunks keep the
 torch paths above (each chunk attends over its own keys, however the step is made up).
 Nothing is staged.
 
-Native prefill (CPU, float32): the writing chunks that need a mask (a prompt's later chunk
-after chunked prefill, block-causal frames, bidirectional chunks over a context) attend in one
-`prefill_attention` call over the paged cache, tile by tile (see `csrc/prefill.h`): no mask
-is built and no key gathered.
+Native prefill (CPU): the writing chunks attend in one `prefill_attention` call over the paged
+cache, tile by tile (see `csrc/prefill.h`): no mask is built and no key gathered. In float32,
+the chunks that need a mask (a prompt's later chunk after chunked prefill, block-causal
+frames, bidirectional chunks over a context; a whole causal prompt is as fast through torch's
+causal attention); in bfloat16 on a CPU with AMX (`prefill_uses_amx`), every writing chunk,
+whole causal prompts included (its products are tile products there).
 
 Native decode (CPU, on by default): where mstar's native kernels are built
 (`mstar.engines.native`), decode rows in float32 or bfloat16 with a head size of 16, 32, 64,
@@ -331,6 +333,29 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _NATIVE_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
+_NativeChunks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""Prefill chunks as `prefill_attention` takes them: their rows (in the step), block tables,
+each row's table and each row's key count."""
+
+
+def _native_chunks(chunks: list[_Chunk], block_size: int, device: torch.device) -> _NativeChunks:
+    """Return `chunks` as `prefill_attention` takes them (see `_NativeChunks`)."""
+    width = max(-(-int(c.row_limits.max()) // block_size) for c in chunks)
+    tables = np.zeros((len(chunks), width), dtype=np.int64)
+    for n, chunk in enumerate(chunks):
+        table = chunk.table[:width]
+        tables[n, : len(table)] = table
+    rows = np.concatenate([np.arange(c.start, c.end) for c in chunks])
+    seqs = np.concatenate([np.full(c.end - c.start, n) for n, c in enumerate(chunks)])
+    lens = np.concatenate([c.row_limits for c in chunks])
+    return (
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(tables),
+        torch.from_numpy(seqs.astype(np.int64)),
+        torch.from_numpy(lens),
+    )
+
+
 def _fits_native(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the native decode kernel takes these queries over this cache (`cpu_kernels.cpp`)."""
     return (
@@ -383,10 +408,10 @@ class TorchPagedAttention:
             native = True
         # Deterministic rows of the step: their indices, block tables and key counts.
         self._rows: torch.Tensor | None = None
-        # The step's writing prefill chunks for the native kernel: rows, tables, each row's
-        # sequence (its table) and key count.
-        self._native_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-        self._native_prefill = None
+        # The step's writing prefill chunks for the native kernel (rows, tables, each row's
+        # sequence (its table) and key count): those that need a mask, and all of them.
+        self._native_prefill: _NativeChunks | None = None
+        self._native_writing: _NativeChunks | None = None
         self.workspace: torch.Tensor | None = None  # no kernel scratch to share
         self._kernels = cpu_kernels() if native and self.device.type == "cpu" else None
         self._native_tables: torch.Tensor | None = None  # [decode rows, blocks] of the step
@@ -544,31 +569,25 @@ class TorchPagedAttention:
         self._plan_chunks(metadata, set(writing))
 
     def _plan_native_prefill(self, block_size: int) -> None:
-        """Gather the masked writing chunks' rows, tables and key counts for one
-        `prefill_attention` call (their keys are in the cache once the step's are written).
+        """Gather the writing chunks' rows, tables and key counts for one `prefill_attention`
+        call (their keys are in the cache once the step's are written): those that need a
+        mask, and all of them.
 
-        Only chunks that need a mask, in float32 (checked in `forward`): there the kernel ran
-        1.2-2x faster than torch's attention with a mask (a prompt's later chunk, block-causal
-        frames); a whole causal prompt ran as fast through torch's causal attention, and
-        bfloat16 faster (its products on the matrix unit).
+        `forward` takes the first in float32: there the kernel ran 1.2-2x faster than torch's
+        attention with a mask (a prompt's later chunk, block-causal frames) and a whole causal
+        prompt as fast through torch's causal attention. It takes all of them in bfloat16 on
+        AMX (`prefill_uses_amx`), where the kernel's products are tile products.
         """
-        self._native_prefill = None
-        chunks = [c for c in self._prefills if not c.is_read_only and not c.is_plain_causal]
-        if self._kernels is None or self.deterministic or not chunks:
+        self._native_prefill = self._native_writing = None
+        writing = [c for c in self._prefills if not c.is_read_only]
+        if self._kernels is None or self.deterministic or not writing:
             return
-        width = max(-(-int(c.row_limits.max()) // block_size) for c in chunks)
-        tables = np.zeros((len(chunks), width), dtype=np.int64)
-        for n, chunk in enumerate(chunks):
-            table = chunk.table[:width]
-            tables[n, : len(table)] = table
-        rows = np.concatenate([np.arange(c.start, c.end) for c in chunks])
-        seqs = np.concatenate([np.full(c.end - c.start, n) for n, c in enumerate(chunks)])
-        lens = np.concatenate([c.row_limits for c in chunks])
-        self._native_prefill = (
-            torch.from_numpy(rows).to(self.device),
-            torch.from_numpy(tables),
-            torch.from_numpy(seqs.astype(np.int64)),
-            torch.from_numpy(lens),
+        masked = [c for c in writing if not c.is_plain_causal]
+        self._native_prefill = _native_chunks(masked, block_size, self.device) if masked else None
+        self._native_writing = (
+            self._native_prefill
+            if len(masked) == len(writing)
+            else _native_chunks(writing, block_size, self.device)
         )
 
     def _plan_chunks(self, metadata: AttentionMetadata, skip: set[int]) -> None:
@@ -685,20 +704,26 @@ class TorchPagedAttention:
         rows = self._decode_rows
         if rows is not None:
             out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale)
-        native = self._native_prefill
-        if native is not None and q.dtype == torch.float32 and _fits_native(q, k_cache):
-            # The writing chunks in one call, keys read in place (see the module notes).
+        # The writing chunks in one call, keys read in place (see the module notes): those
+        # that need a mask, or on AMX all of them.
+        native, every_writing = None, False
+        if self._native_writing is not None and _fits_native(q, k_cache):
+            assert self._kernels is not None
+            if q.dtype == torch.bfloat16 and self._kernels.prefill_uses_amx(q):
+                native, every_writing = self._native_writing, True
+            elif q.dtype == torch.float32:
+                native = self._native_prefill
+        if native is not None:
             assert self._kernels is not None
             rows, tables, seqs, lens = native
             out[rows] = self._kernels.prefill_attention(
                 q.index_select(0, rows), k_cache, v_cache, tables, seqs, lens, scale
             )
-        else:
-            native = None
         size = k_cache.shape[1]
         for chunk in self._prefills:
-            if native is not None and not chunk.is_read_only and not chunk.is_plain_causal:
-                continue
+            if native is not None and not chunk.is_read_only:
+                if every_writing or not chunk.is_plain_causal:
+                    continue
             start, end = chunk.start, chunk.end
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
             slots = chunk.key_slots(size, self.device)

@@ -52,6 +52,37 @@ inline vf16 dot(const vf16* qv, const T* k) {
   return acc;
 }
 
+// Whether bfloat16 scores are dot products of the stored bits (AVX-512 BF16: 32 products a
+// instruction, each exact in float32, summed in pairs), with no key widened: the query's
+// bits are kept as they are, the scale applied to the scores.
+template <int J, typename T>
+constexpr bool kDotsOfBits =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, uint16_t> && J % 2 == 0;
+#else
+    false;
+#endif
+
+#if defined(__AVX512BF16__)
+// q's bits (J / 2 vectors of 32 bfloat16, stored as vf16) against a key's.
+template <int J>
+inline vf16 dot_bits(const vf16* q, const uint16_t* k) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int j = 0; j < J / 2; ++j)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)q[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+  return (vf16)acc;
+}
+#endif
+
+// One score: the scaled dot product of a query (as attend_group holds it) and a key.
+template <int J, typename T>
+inline vf16 score(const vf16* q, const T* k) {
+#if defined(__AVX512BF16__)
+  if constexpr (kDotsOfBits<J, T>) return dot_bits<J>(q, k);
+#endif
+  return dot<J>(q, k);
+}
+
 // A hint to bring the line at p into L2 (an asm statement: GCC drops __builtin_prefetch from
 // loops that do nothing else).
 inline void prefetch_l2(const void* p) {
@@ -108,12 +139,16 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
   vf16* qv = work;                      // [group][J] scaled queries
   vf16* acc = work + group * J;         // [group][J] weighted values
   vf16* maxima = work + 2 * group * J;  // [group] per-lane maxima of the scores
+  // Scores are scaled with the query, or after the dot products of bits (kDotsOfBits).
+  const float score_scale = kDotsOfBits<J, T> ? scale : 1.f;
   for (int64_t h = 0; h < group; ++h) {
-    load_row<J>(q + h * D, qv + h * J);
-    for (int j = 0; j < J; ++j) {
-      qv[h * J + j] *= scale;
-      acc[h * J + j] = vf16{};
+    if constexpr (kDotsOfBits<J, T>) {
+      std::memcpy(qv + h * J, q + h * D, D * sizeof(T));  // the first J / 2 vectors
+    } else {
+      load_row<J>(q + h * D, qv + h * J);
+      for (int j = 0; j < J; ++j) qv[h * J + j] *= scale;
     }
+    for (int j = 0; j < J; ++j) acc[h * J + j] = vf16{};
     maxima[h] = splat(lowest);
     for (int64_t t = end - begin; t < padded; ++t) s[h * padded + t] = lowest;
   }
@@ -143,13 +178,13 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
           if (ahead != nullptr)
             for (int r = 0; r < 16; ++r) prefetch_token<D>(ahead + (i + r) * stride);
           vf16 a[16];
-          for (int r = 0; r < 16; ++r) a[r] = dot<J>(qh, kb + (i + r) * stride);
-          const vf16 tile = sum16(a);
+          for (int r = 0; r < 16; ++r) a[r] = score<J>(qh, kb + (i + r) * stride);
+          const vf16 tile = sum16(a) * score_scale;
           store16(sh + t0 + i, tile);
           tiles_max = select(tiles_max > tile, tiles_max, tile);
         }
         for (; i < n; ++i) {
-          const float x = hsum(dot<J>(qh, kb + i * stride));
+          const float x = hsum(score<J>(qh, kb + i * stride)) * score_scale;
           sh[t0 + i] = x;
           tiles_max = select(tiles_max > x, tiles_max, splat(x));  // hmax reads every lane
         }

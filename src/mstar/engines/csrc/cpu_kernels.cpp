@@ -4,6 +4,7 @@
 //   simd.h          the 16-lane vectors (one AVX-512 register, or two AVX2 halves), exp, sums
 //   attention.h     decode_attention over the paged KV cache
 //   prefill.h       prefill_attention: prefill chunks' rows over the paged cache, in tiles
+//                   (bfloat16 on AMX where the CPU has it)
 //   norms.h         rms_norm, add_rms_norm, rotary, silu_mul with torch's roundings
 //   products.h      tiled products (float32, AVX-512 BF16, AMX) and the greedy head's argmax
 //   collectives.h   ShmGroup: a tensor-parallel group's all-reduce, all-gather and commands
@@ -25,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (see the source).", release());
   m.def("prefill_attention", &prefill_attention, "Prefill attention over a paged KV cache (see the source).",
         release());
+  m.def("prefill_uses_amx", &prefill_uses_amx, "Whether prefill_attention takes such queries on AMX (see the source).");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (see the source).", release());
   m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).", release());
   m.def("rotary", &rotary, "Rotary embedding of heads (see the source).", release());
