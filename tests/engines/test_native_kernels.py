@@ -443,7 +443,9 @@ def test_bfloat16_prompts_attend_on_amx_as_through_torch(kernels) -> None:  # ty
     compared = 0
     for name in native_logits:
         a, b = native_tokens[name], torch_tokens[name]
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
+        same = (
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
+        )
         compared += same
         torch.testing.assert_close(
             native_logits[name][:same], torch_logits[name][:same], rtol=0.05, atol=0.1

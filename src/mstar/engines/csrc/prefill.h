@@ -150,14 +150,15 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
 #if defined(MSTAR_AMX)
 // The bfloat16 tile on AMX (head_dim a multiple of 32): scores and weighted values are tile
 // products, transposed so that each lane is one query vector (a row's query head) and the
-// softmax needs no horizontal step. Per chunk of 32 keys: the keys' tiles are read in place
-// from the cache (gathered where 16 keys span blocks), the values transposed once for the
-// whole tile; then for each 16 query vectors, scores^T [32 keys][16] = K Q^T, the online
-// softmax lane by lane in float32, the probabilities rounded to bfloat16 (as flash attention
-// rounds them) and the chunk's weighted values^T [head_dim][16] = V^T P^T added to the running
-// sums. A query vector's result depends on its own row alone (each lane computed apart, chunks
-// from the sequence's first key), whatever rows share its tile.
-constexpr int64_t kAmxChunk = 32;
+// softmax needs no horizontal step. Per chunk of 64 keys: the keys' tiles are read in place
+// from the cache (gathered where 16 keys span blocks); then for each 16 query vectors,
+// scores^T [64 keys][16] = K Q^T, the online softmax lane by lane in float32 (base 2), the
+// probabilities rounded to bfloat16 (as flash attention rounds them) and the chunk's weighted
+// values^T [head_dim][16] = V^T P^T added to the running sums. Values are transposed once per
+// sequence and KV head (`SequenceValues`), for all of its tiles. A query vector's result
+// depends on its own row alone (each lane computed apart, chunks from the sequence's first
+// key), whatever rows share its tile.
+constexpr int64_t kAmxChunk = 64;
 
 // 2^y for finite y <= 0, for the AMX tile's softmax (its probabilities are rounded to
 // bfloat16): 2^round(y) times a degree-6 Taylor polynomial of 2^f, |f| <= 1/2 (relative error
@@ -170,9 +171,16 @@ inline __m512 exp2_softmax(__m512 y) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Tiles 0-1: scores of 16 keys each; 2-3: those keys (16 x 32 features); 4: queries^T (16
-// feature pairs x 16 vectors x 2); 5: weighted values^T (16 features x 16 vectors); 6: values^T
-// (16 features x 32 keys); 7: probabilities^T (16 key pairs x 16 vectors x 2).
+// A sequence's values transposed for the tiles: per KV head [head_dim][padded keys] bfloat16,
+// zero past the keys its rows see (a zero weight times an unwritten value could be NaN).
+struct SequenceValues {
+  int64_t padded = 0;  // keys per row, a multiple of kAmxChunk
+  std::vector<uint16_t> data;
+};
+
+// Tiles 0-3: scores of 16 keys each; 4, 6: keys (16 x 32 features), then values^T (16 features
+// x 32 keys); 5: queries^T (16 feature pairs x 16 vectors x 2), then probabilities^T of keys
+// 0-31 (16 key pairs x 16 vectors x 2); 7: those of keys 32-63; 0 again: weighted values^T.
 inline void configure_prefill_tiles() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
@@ -184,32 +192,30 @@ inline void configure_prefill_tiles() {
 
 template <int J>
 void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_t group, const uint16_t* keys,
-                      const uint16_t* values, int64_t block_size, int64_t token_stride, const int64_t* table,
-                      const int64_t* lens, const PrefillTile& tile, float scale, uint16_t* out,
-                      std::vector<float>& work) {
+                      const SequenceValues& seq_values, int64_t block_size, int64_t token_stride,
+                      const int64_t* table, const int64_t* lens, const PrefillTile& tile, float scale,
+                      uint16_t* out, std::vector<float>& work) {
   constexpr int D = 16 * J, S = D / 32;  // S: 32-feature steps of a score product
+  constexpr int64_t C = kAmxChunk;
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   const int64_t nv = tile.rows * group, subtiles = (nv + 15) / 16;
   int64_t longest = 0;
   for (int64_t i = 0; i < tile.rows; ++i) longest = std::max(longest, lens[tile.row0 + i]);
-  // Per 16 vectors: queries^T [S][16][32] bf16 (as floats' room: 8 floats a row), weighted
-  // values^T [D][16], maxima, totals, visible keys; per chunk: values^T [D][32] bf16, keys
-  // gathered [2][16][D] bf16; scores [32][16]; probabilities^T [16][32] bf16; a product [16][16].
+  // Per 16 vectors: queries^T [S][16 pairs][16] (32-bit pairs), weighted values^T [D][16],
+  // maxima, totals, visible keys. Per chunk: keys gathered [C][D] bf16, scores [C][16],
+  // probabilities^T [C / 2][32] bf16, a product [16][16].
   const int64_t per_sub = S * 16 * 16 + D * 16 + 3 * 16;
-  work.resize(size_t(subtiles * per_sub + D * 16 + D * 16 + 32 * 16 + 16 * 16 + 16 * 16) + 16);
+  work.resize(size_t(subtiles * per_sub + C * D / 2 + C * 16 + C * 16 + 16 * 16) + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t(63));
   float* chunk_area = base + subtiles * per_sub;
-  uint16_t* vt = reinterpret_cast<uint16_t*>(chunk_area);               // [D][32]
-  uint16_t* kg = reinterpret_cast<uint16_t*>(chunk_area + D * 16);      // [32][D]
-  float* scores = chunk_area + 2 * D * 16;                              // [32][16]
-  uint16_t* pt = reinterpret_cast<uint16_t*>(scores + 32 * 16);         // [16][32]
-  float* product = scores + 32 * 16 + 16 * 16;                          // [16][16]
-  const vf16 lanes = lane_indices();
+  uint16_t* kg = reinterpret_cast<uint16_t*>(chunk_area);  // [C][D]
+  float* scores = chunk_area + C * D / 2;                   // [C][16]
+  uint16_t* pt = reinterpret_cast<uint16_t*>(scores + C * 16);  // [C / 2][32]
+  float* product = scores + C * 16 + C * 16 / 2 * 2;            // [16][16]
   for (int64_t sub = 0; sub < subtiles; ++sub) {
     float* state = base + sub * per_sub;
-    uint32_t* qt = reinterpret_cast<uint32_t*>(state);  // [S][16 pairs][16 vectors]
+    uint32_t* qt = reinterpret_cast<uint32_t*>(state);
     float* acc = state + S * 16 * 16;
-    float* seen = acc + D * 16 + 2 * 16;
     std::fill(acc, acc + D * 16, 0.f);
     for (int n = 0; n < 16; ++n) {
       // Padding vectors repeat the tile's last one (finite scores); never written out.
@@ -219,23 +225,27 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
       std::memcpy(words, src, sizeof words);
       for (int s = 0; s < S; ++s)
         for (int r = 0; r < 16; ++r) qt[(s * 16 + r) * 16 + n] = words[16 * s + r];
-      seen[n] = float(lens[tile.row0 + i]);
-      acc[D * 16 + n] = kNone;  // maxima
-      acc[D * 16 + 16 + n] = 0.f;  // totals
+      acc[D * 16 + n] = kNone;                          // maxima
+      acc[D * 16 + 16 + n] = 0.f;                       // totals
+      acc[D * 16 + 32 + n] = float(lens[tile.row0 + i]);  // keys seen
     }
   }
   configure_prefill_tiles();
   const float log2_scale = scale * 1.4426950408889634f;
-  const int64_t key_bytes = token_stride * 2;
-  for (int64_t t0 = 0; t0 < longest; t0 += kAmxChunk) {
-    const int64_t nk = std::min<int64_t>(kAmxChunk, longest - t0);
+  const int64_t key_bytes = token_stride * 2, vt_bytes = seq_values.padded * 2;
+  const uint16_t* vt = seq_values.data.data() + tile.kv_head * D * seq_values.padded;
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t0 = 0; t0 < longest; t0 += C) {
     // Keys: in place where 16 lie in one block and all are the sequence's; else gathered.
-    const uint16_t* key_tiles[2];
-    for (int h = 0; h < 2; ++h) {
+    const uint16_t* key_tiles[4];
+    int64_t key_strides[4];
+    for (int h = 0; h < 4; ++h) {
       const int64_t first = t0 + 16 * h;
       if (block_size % 16 == 0 && first + 16 <= longest) {
         key_tiles[h] = keys + (table[first / block_size] * block_size + first % block_size) * token_stride +
                        tile.kv_head * D;
+        key_strides[h] = key_bytes;
         continue;
       }
       uint16_t* dst = kg + 16 * h * D;
@@ -249,19 +259,7 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
         }
       }
       key_tiles[h] = dst;
-    }
-    const int64_t tile_stride[2] = {key_tiles[0] == kg ? int64_t(D * 2) : key_bytes,
-                                    key_tiles[1] == kg + 16 * D ? int64_t(D * 2) : key_bytes};
-    // Values^T [D][32 keys], zero past the sequence's keys (a zero weight times an unwritten
-    // value could be NaN).
-    for (int64_t k = 0; k < kAmxChunk; ++k) {
-      if (k < nk) {
-        const int64_t t = t0 + k, slot = table[t / block_size] * block_size + t % block_size;
-        const uint16_t* vp = values + slot * token_stride + tile.kv_head * D;
-        for (int d = 0; d < D; ++d) vt[d * 32 + k] = vp[d];
-      } else {
-        for (int d = 0; d < D; ++d) vt[d * 32 + k] = 0;
-      }
+      key_strides[h] = D * 2;
     }
     for (int64_t sub = 0; sub < subtiles; ++sub) {
       float* state = base + sub * per_sub;
@@ -270,23 +268,39 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
       float* maxima = acc + D * 16;
       float* totals = maxima + 16;
       const vf16 limit = load16(totals + 16) - float(t0);  // keys of this chunk each vector sees
-      if (!any(limit > 0.f)) continue;  // a causal tile's earlier rows: nothing here
+      if (!any(limit > 0.f)) continue;                     // a causal tile's earlier rows: none here
+      const int quarters = any(limit > 32.f) ? 4 : 2;      // keys 32-63 unseen by all: not scored
       _tile_zero(0);
       _tile_zero(1);
+      if (quarters == 4) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int s = 0; s < S; ++s) {
-        _tile_loadd(2, key_tiles[0] + 32 * s, tile_stride[0]);
-        _tile_loadd(3, key_tiles[1] + 32 * s, tile_stride[1]);
-        _tile_loadd(4, qt + s * 16 * 16, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
+        _tile_loadd(5, qt + s * 16 * 16, 64);
+        _tile_loadd(4, key_tiles[0] + 32 * s, key_strides[0]);
+        _tile_loadd(6, key_tiles[1] + 32 * s, key_strides[1]);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 6, 5);
+        if (quarters == 4) {
+          _tile_loadd(4, key_tiles[2] + 32 * s, key_strides[2]);
+          _tile_loadd(6, key_tiles[3] + 32 * s, key_strides[3]);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_dpbf16ps(3, 6, 5);
+        }
       }
       _tile_stored(0, scores, 64);
       _tile_stored(1, scores + 16 * 16, 64);
+      if (quarters == 4) {
+        _tile_stored(2, scores + 32 * 16, 64);
+        _tile_stored(3, scores + 48 * 16, 64);
+      }
+      const int64_t keys_here = 16 * quarters;
       // Scores in base 2 (scale times log2 e): exponentials are powers of two. The chunk's
       // maximum first (keys hidden from a vector left out), then each key's exponential.
-      const bool masked = any(limit < float(kAmxChunk));
+      const bool masked = any(limit < float(keys_here));
       vf16 top = splat(kNone);
-      for (int k = 0; k < kAmxChunk; ++k) {
+      for (int k = 0; k < keys_here; ++k) {
         const vf16 x = masked ? select(limit > float(k), load16(scores + 16 * k), splat(kNone)) : load16(scores + 16 * k);
         top = select(top > x, top, x);
       }
@@ -296,7 +310,7 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
       const vf16 correction = (vf16)exp2_softmax(_mm512_max_ps((__m512)(old - m), _mm512_set1_ps(-150.f)));
       vf16 total = load16(totals) * correction;
       const __m512 scale2 = _mm512_set1_ps(log2_scale), shift = (__m512)(-m);
-      for (int k = 0; k < kAmxChunk; k += 2) {
+      for (int k = 0; k < keys_here; k += 2) {
         vf16 p0 = (vf16)exp2_softmax(_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k), scale2, shift));
         vf16 p1 = (vf16)exp2_softmax(_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k + 16), scale2, shift));
         if (masked) {
@@ -305,20 +319,22 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
         }
         total += p0 + p1;
         // Key pair (k, k + 1) interleaved per vector: the tile's pair layout.
-        const __m512i pair = _mm512_permutexvar_epi16(
-            _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-                             19, 3, 18, 2, 17, 1, 16, 0),
-            (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
         _mm512_store_si512(pt + 16 * k, pair);
       }
       store16(maxima, m);
       store16(totals, total);
-      _tile_loadd(7, pt, 64);
+      _tile_loadd(5, pt, 64);
+      if (quarters == 4) _tile_loadd(7, pt + 16 * 32, 64);
       for (int j = 0; j < J; ++j) {
-        _tile_zero(5);
-        _tile_loadd(6, vt + 16 * j * 32, 64);
-        _tile_dpbf16ps(5, 6, 7);
-        _tile_stored(5, product, 64);
+        _tile_zero(0);
+        _tile_loadd(4, vt + 16 * j * seq_values.padded + t0, vt_bytes);
+        _tile_dpbf16ps(0, 4, 5);
+        if (quarters == 4) {
+          _tile_loadd(6, vt + 16 * j * seq_values.padded + t0 + 32, vt_bytes);
+          _tile_dpbf16ps(0, 6, 7);
+        }
+        _tile_stored(0, product, 64);
         for (int d = 0; d < 16; ++d) {
           float* a = acc + (16 * j + d) * 16;
           store16(a, load16(a) * correction + load16(product + 16 * d));
@@ -335,6 +351,21 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
     const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int d = 0; d < D; ++d) store(acc[d * 16 + n] * inv, dst + d);
   }
+}
+
+// Each sequence's values transposed (see SequenceValues): its first `longest[seq]` keys.
+SequenceValues transposed_values(const uint16_t* values, int64_t block_size, int64_t kv_heads, int64_t D,
+                                 const int64_t* table, int64_t longest) {
+  SequenceValues sv;
+  sv.padded = (longest + kAmxChunk - 1) / kAmxChunk * kAmxChunk;
+  sv.data.assign(size_t(kv_heads * D * sv.padded), 0);
+  const int64_t token_stride = kv_heads * D;
+  for (int64_t t = 0; t < longest; ++t) {
+    const uint16_t* vp = values + (table[t / block_size] * block_size + t % block_size) * token_stride;
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t d = 0; d < D; ++d) sv.data[(g * D + d) * sv.padded + t] = vp[g * D + d];
+  }
+  return sv;
 }
 #endif
 
@@ -373,6 +404,22 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const bool amx = prefill_uses_amx(q);
+#if defined(MSTAR_AMX)
+  // AMX: each sequence's values transposed once, for all of its tiles.
+  std::vector<SequenceValues> seq_values;
+  if constexpr (std::is_same_v<T, uint16_t> && J % 2 == 0) {
+    if (amx) {
+      std::vector<int64_t> longest(tables.size(0), 0);
+      for (int64_t r = 0; r < rows; ++r) longest[seq[r]] = std::max(longest[seq[r]], lp[r]);
+      seq_values.resize(longest.size());
+      at::parallel_for(0, int64_t(longest.size()), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t s = begin; s < end; ++s)
+          if (longest[s] > 0)
+            seq_values[s] = transposed_values(vp, block_size, kv_heads, 16 * J, tp + s * max_blocks, longest[s]);
+      });
+    }
+  }
+#endif
   at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
     for (int64_t i = begin; i < end; ++i) {
@@ -380,7 +427,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 #if defined(MSTAR_AMX)
       if constexpr (std::is_same_v<T, uint16_t> && J % 2 == 0) {
         if (amx) {
-          prefill_tile_amx<J>(qp, q.stride(0), heads, group, kp, vp, block_size, token_stride,
+          prefill_tile_amx<J>(qp, q.stride(0), heads, group, kp, seq_values[tile.seq], block_size, token_stride,
                               tp + tile.seq * max_blocks, lp, tile, float(scale), op, work);
           continue;
         }
