@@ -721,9 +721,9 @@ class TorchPagedAttention:
             )
         size = k_cache.shape[1]
         for chunk in self._prefills:
-            if native is not None and not chunk.is_read_only:
-                if every_writing or not chunk.is_plain_causal:
-                    continue
+            taken = not chunk.is_read_only and (every_writing or not chunk.is_plain_causal)
+            if native is not None and taken:
+                continue
             start, end = chunk.start, chunk.end
             qs = q[start:end].transpose(0, 1).unsqueeze(0)
             slots = chunk.key_slots(size, self.device)
