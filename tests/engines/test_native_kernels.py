@@ -638,6 +638,22 @@ def test_tiled_linear_is_the_product_rounded_once(
             torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-4)
 
 
+def test_tiled_linear_of_many_rows_adds_as_a_few_rows_do(isa_kernels) -> None:  # type: ignore[no-untyped-def]
+    """bfloat16, 200 rows by 1,536 features: on AMX in blocks of 32 rows, rows and weights a
+    stripe at a time. Each row's outputs are the same bits as in a product of fewer rows (the
+    same tile products, added in the same order) and within rounding of the exact product."""
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(80, 1536, generator=gen).bfloat16()
+    b = torch.randn(80, generator=gen).bfloat16()
+    tiles = isa_kernels.pack_linear(weight)
+    x = torch.randn(200, 1536, generator=gen).bfloat16()
+    got = isa_kernels.linear(x, tiles, b)
+    exact = F.linear(x.double(), weight.double(), b.double())
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
+    for rows in (4, 17, 33):
+        assert torch.equal(isa_kernels.linear(x[-rows:], tiles, b), got[-rows:])
+
+
 def test_tiled_linear_refuses_bad_input(isa_kernels) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="multiple of 16"):
         isa_kernels.pack_linear(torch.randn(20, 8))

@@ -196,6 +196,43 @@ void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const 
   }
 }
 
+// 32 rows (two row tiles) of x by `nt` (1 or 2) adjacent weight tiles, for many rows: each
+// weight tile loaded serves both row tiles (half the weight traffic of 16-row blocks). Tiles
+// 0-3: sums (row tile r, weight tile n at 2r + n); 4-5: the rows' 32 features; 6-7: weights.
+// A row's sums add the same tile products in the same order as linear_amx_block's.
+void linear_amx_block32(int nt, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
+                        const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t second = 16 * K, x_bytes = x_stride * 2;
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, x + k, x_bytes);
+    _tile_loadd(6, w + 16 * k, 64);
+    _tile_loadd(5, x + 16 * x_stride + k, x_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (nt > 1) {
+      _tile_loadd(7, w + 16 * k + second, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[4][16][16];
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  _tile_stored(2, sums[2], 64);
+  _tile_stored(3, sums[3], 64);
+  for (int n = 0; n < nt; ++n) {
+    const __m512 b = bias16(bias, n);
+    for (int r = 0; r < 32; ++r) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[2 * (r / 16) + n][r % 16]), b));
+      std::memcpy(y + r * y_stride + 16 * n, &rounded, sizeof rounded);
+    }
+  }
+}
+
 constexpr int64_t kAmxTileGroup = 2;
 // Below 4 rows the tile products lose to AVX-512 BF16's (1.3-1.5x slower at 1 row; level at 2-3).
 constexpr int64_t kAmxMinRows = 4;
@@ -219,7 +256,25 @@ void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_
   if (tokens) std::fill(tokens, tokens + rows, std::numeric_limits<int64_t>::max());
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<RowMax> best(tokens ? rows : 0);
-    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    int64_t m0 = 0;
+    if (!tokens && rows >= 32) {  // many rows: in blocks of 32, the rest below
+      // Rows and weight groups a few at a time (about 512 and 256 KiB): both stay in L2 while
+      // the other passes.
+      const int64_t span = std::max<int64_t>(1, (256 << 10) / (kAmxTileGroup * 16 * K * 2));
+      const int64_t stripe = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);
+      const int64_t whole = rows / 32 * 32;
+      configure_tiles(16);
+      for (int64_t r0 = 0; r0 < whole; r0 += stripe)
+        for (int64_t g0 = begin; g0 < end; g0 += span)
+          for (m0 = r0; m0 < std::min(whole, r0 + stripe); m0 += 32)
+            for (int64_t g = g0; g < std::min(end, g0 + span); ++g) {
+              const int64_t t = g * kAmxTileGroup;
+              linear_amx_block32(int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride,
+                                 w + t * 16 * K, K, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t, N);
+            }
+      m0 = whole;
+    }
+    for (; m0 < rows; m0 += 16) {
       const int m = int(std::min<int64_t>(16, rows - m0));
       configure_tiles(m);
       for (int64_t g = begin; g < end; ++g) {
