@@ -283,7 +283,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t item_heads = per_item * group;
   std::vector<float> stats(partials * heads * 2);
   std::vector<vf16> sums(partials * heads * J);
-  at::parallel_for(0, units[rows] * split, 1, [&](int64_t begin, int64_t end) {
+  int64_t keys = 0;
+  for (int64_t r = 0; r < rows; ++r) keys += lp[r];
+  const int64_t item_bytes = 2 * keys / units[rows] * per_item * D * int64_t(sizeof(T));  // its keys and values
+  at::parallel_for(0, units[rows] * split, grain_for(item_bytes), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(item_heads * ((range_keys + 15) / 16 * 16));
     std::vector<vf16> work(3 * item_heads * J);
     std::vector<float> totals(2 * item_heads);
@@ -300,7 +303,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   });
   if (partials == 0) return;
-  at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {  // a few vectors each
+  const int64_t merge_bytes = 8 * J * 64 * partials / std::max<int64_t>(1, rows);  // a row's ranges, per head
+  at::parallel_for(0, rows * heads, grain_for(merge_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / heads, h = i % heads;
       if (partial[row] < 0) continue;

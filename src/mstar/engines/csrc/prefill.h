@@ -412,7 +412,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       std::vector<int64_t> longest(tables.size(0), 0);
       for (int64_t r = 0; r < rows; ++r) longest[seq[r]] = std::max(longest[seq[r]], lp[r]);
       seq_values.resize(longest.size());
-      at::parallel_for(0, int64_t(longest.size()), 1, [&](int64_t begin, int64_t end) {
+      const int64_t seq_bytes = 4 * (*std::max_element(longest.begin(), longest.end())) * kv_heads * 16 * J;
+      at::parallel_for(0, int64_t(longest.size()), grain_for(seq_bytes), [&](int64_t begin, int64_t end) {
         for (int64_t s = begin; s < end; ++s)
           if (longest[s] > 0)
             seq_values[s] = transposed_values(vp, block_size, kv_heads, 16 * J, tp + s * max_blocks, longest[s]);
@@ -420,7 +421,11 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
   }
 #endif
-  at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+  // A tile's cost: its rows' query heads against the keys they see, as bytes of products.
+  int64_t pairs = 0;
+  for (int64_t r = 0; r < rows; ++r) pairs += lp[r];
+  const int64_t tile_bytes = pairs * kv_heads * group * 16 * J / std::max<int64_t>(1, int64_t(tiles.size())) / 4;
+  at::parallel_for(0, int64_t(tiles.size()), grain_for(tile_bytes), [&](int64_t begin, int64_t end) {
     std::vector<float> work;
     for (int64_t i = begin; i < end; ++i) {
       const PrefillTile& tile = tiles[i];

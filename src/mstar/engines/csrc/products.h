@@ -254,7 +254,9 @@ void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_
   std::vector<float> top(tokens ? rows : 0, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> first_nan(tokens ? rows : 0, -1);
   if (tokens) std::fill(tokens, tokens + rows, std::numeric_limits<int64_t>::max());
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  // A group's weights, and its products (a tile product of 16 rows costs about a weight load)
+  const int64_t group_bytes = kAmxTileGroup * 16 * K * 2 * (1 + rows / 16);
+  at::parallel_for(0, groups, grain_for(group_bytes), [&](int64_t begin, int64_t end) {
     std::vector<RowMax> best(tokens ? rows : 0);
     int64_t m0 = 0;
     if (!tokens && rows >= 32) {  // many rows: in blocks of 32, the rest below
@@ -313,7 +315,9 @@ void linear_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t
                  Tile&& tile) {
   const int64_t tiles = N / 16, per_tile = 16 * K, groups = (tiles + kTileGroup - 1) / kTileGroup;
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  // A group's weights, and its products (a vector product of 4 rows costs about a weight load)
+  const int64_t group_bytes = kTileGroup * per_tile * int64_t(sizeof(T)) * (1 + rows / 4);
+  at::parallel_for(0, groups, grain_for(group_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
       for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
@@ -467,7 +471,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   by_dtype(x, "argmax_rows", [&](auto tag) {
     using T = decltype(tag);
     const T* base = reinterpret_cast<const T*>(x.data_ptr());
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_for(n * int64_t(sizeof(T))), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* p = base + r * stride;
         // Per lane: its largest value and the first index holding it (a strict > keeps the

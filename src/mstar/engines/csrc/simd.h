@@ -353,6 +353,16 @@ struct alignas(64) TileConfig {
 };
 #endif
 
+// The grain of at::parallel_for for units of about `unit_bytes` of memory each (their weights,
+// keys and values, counted with what their arithmetic costs): a thread takes at least
+// kParallelBytes of work, so small work (a small model's decode step) stays on the calling
+// thread instead of paying for a team of threads it cannot use.
+constexpr int64_t kParallelBytes = int64_t(1) << 22;
+
+inline int64_t grain_for(int64_t unit_bytes) {
+  return std::max<int64_t>(1, kParallelBytes / std::max<int64_t>(1, unit_bytes));
+}
+
 template <typename F>
 void by_dtype(const at::Tensor& t, const char* op, F&& f) {
   if (t.scalar_type() == at::kFloat) {
