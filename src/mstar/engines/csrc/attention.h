@@ -7,7 +7,8 @@
 // and value read once for all query heads of its KV head. A row of one range is written out
 // directly; a longer row's ranges (their maxima, sums and weighted values) are merged after,
 // so one long sequence's decode spreads over every thread. float32 and bfloat16 caches are
-// read as they are stored (bfloat16 widened on load), so a bfloat16 cache moves half the bytes.
+// read as they are stored, so a bfloat16 cache moves half the bytes: its keys scored as they
+// are (AVX-512 BF16 dot products of the stored bits) or widened on load, its values widened.
 
 #pragma once
 
