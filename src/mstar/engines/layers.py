@@ -89,9 +89,12 @@ __all__ = [
     "WeightSlice",
     "attention_slices",
     "column_parallel",
+    "gather_vocab_parallel",
+    "head_counts",
     "row_parallel",
     "shard_module_",
     "slice_weight",
+    "vocab_parallel_embedding",
 ]
 
 # Weight layouts for `x @ W.T`.
@@ -621,6 +624,40 @@ def shard_module_(module: nn.Module, slices: dict[str, WeightSlice]) -> None:
             owner.out_features, owner.in_features = owner.weight.shape
         elif isinstance(owner, nn.Embedding):
             owner.num_embeddings = owner.weight.shape[0]
+
+
+def head_counts(q_proj: nn.Linear, k_proj: nn.Linear, head_dim: int) -> tuple[int, int]:
+    """Return the query and KV heads ``(num_heads, num_kv_heads)`` that ``q_proj`` and ``k_proj``
+    project to: after `shard_module_`, a rank's own."""
+    return q_proj.out_features // head_dim, k_proj.out_features // head_dim
+
+
+def vocab_parallel_embedding(
+    embed: nn.Embedding, ids: torch.Tensor, vocab_start: int, vocab_stop: int
+) -> torch.Tensor:
+    """Return a vocabulary-parallel rank's embedding rows of ``ids``: the rows of its ids
+    ``[vocab_start, vocab_stop)``, zeros for the other ranks' ids.
+
+    Not yet summed over the group: `TensorShard.all_reduce_` adds the ranks' rows up, and each
+    row is then one rank's, exactly.
+    """
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= vocab_stop - vocab_start)
+    x = embed(local.clamp(0, vocab_stop - vocab_start - 1))
+    return x.masked_fill_(outside.unsqueeze(1), 0)
+
+
+def gather_vocab_parallel(
+    logits: torch.Tensor, shard: TensorShard | None, vocab_size: int
+) -> torch.Tensor:
+    """Return every id's logits ``[rows, vocab_size]`` from a vocabulary-parallel rank's
+    ``[rows, its vocabulary rows]``, gathered over its group (``logits`` as they are without a
+    shard or a group)."""
+    if shard is None or shard.group is None:
+        return logits
+    parts = shard.group.all_gather(logits.contiguous())  # [world, rows, vocab rows]
+    full = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
+    return full[:, :vocab_size]
 
 
 class GatedMLP(nn.Module):

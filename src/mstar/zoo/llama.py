@@ -37,8 +37,11 @@ from mstar.engines.layers import (
     apply_rotary_signed,
     attention_slices,
     deterministic_products,
+    gather_vocab_parallel,
+    head_counts,
     shard_module_,
     signed_sin,
+    vocab_parallel_embedding,
 )
 from mstar.engines.native import cpu_kernels
 from mstar.engines.parallel import ShmGroup, TensorShard, current_shard
@@ -319,8 +322,7 @@ class LlamaCausalLM(nn.Module):
         self.vocab_start, self.vocab_stop, _ = shard.vocab_range(self.config.vocab_size)
         for layer in self.decoder_layers:
             attn = layer.self_attn
-            attn.num_heads = attn.q_proj.out_features // attn.head_dim
-            attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            attn.num_heads, attn.num_kv_heads = head_counts(attn.q_proj, attn.k_proj, attn.head_dim)
             attn.shard = layer.mlp.shard = shard
 
     @property
@@ -370,10 +372,9 @@ class LlamaCausalLM(nn.Module):
         """The embedding rows of ``input_ids`` (a shard: its ids' rows, summed over the group)."""
         if self.shard is None:
             return cast(torch.Tensor, self.model.embed_tokens(input_ids))
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
-        x = self.model.embed_tokens(local.clamp(0, self.vocab_stop - self.vocab_start - 1))
-        return self.shard.all_reduce_(x.masked_fill_(outside.unsqueeze(1), 0))
+        embed = self.model.embed_tokens
+        x = vocab_parallel_embedding(embed, input_ids, self.vocab_start, self.vocab_stop)
+        return self.shard.all_reduce_(x)
 
     def _decode_stack(self) -> Any:
         """The native decode step (`cpu_kernels.cpp`'s `DecodeStack`), or None where it cannot run.
@@ -475,15 +476,7 @@ class LlamaCausalLM(nn.Module):
                     logits[index, start:end] = self._head_slice(start, end)(part)
                 else:
                     logits[index, start:end] = F.linear(part, weight[start:end])
-        return self._gather_logits(logits)
-
-    def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
-        """A shard's logits `[rows, its rows of the vocabulary]` -> every id's, gathered."""
-        if self.shard is None or self.shard.group is None:
-            return local
-        parts = self.shard.group.all_gather(local.contiguous())  # [world, rows, vocab rows]
-        rows = local.shape[0]
-        return parts.permute(1, 0, 2).reshape(rows, -1)[:, : self.config.vocab_size]
+        return gather_vocab_parallel(logits, self.shard, self.config.vocab_size)
 
     def _head_slice(self, start: int, end: int) -> FusedLinear:
         """The head's rows `[start, end)` as a deterministic product, made once per range."""
@@ -538,7 +531,7 @@ class LlamaCausalLM(nn.Module):
                 self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
             )
             logits = F.linear(hidden, weight)
-        return self._gather_logits(logits)
+        return gather_vocab_parallel(logits, self.shard, self.config.vocab_size)
 
 
 def load_llama(

@@ -46,7 +46,10 @@ from mstar.engines.layers import (
     WeightSlice,
     apply_rotary,
     attention_slices,
+    gather_vocab_parallel,
+    head_counts,
     shard_module_,
+    vocab_parallel_embedding,
 )
 from mstar.engines.parallel import TensorShard
 from mstar.zoo.bagel.config import LLMConfig
@@ -369,8 +372,7 @@ class Qwen2MoTForCausalLM(nn.Module):
         self.vocab_start, self.vocab_stop, _ = shard.vocab_range(self.config.vocab_size)
         for layer in self.decoder_layers:
             attn = layer.self_attn
-            attn.num_heads = attn.q_proj.out_features // attn.head_dim
-            attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            attn.num_heads, attn.num_kv_heads = head_counts(attn.q_proj, attn.k_proj, attn.head_dim)
             layer.shard = shard
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -379,10 +381,7 @@ class Qwen2MoTForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         if self.shard is None:
             return cast(torch.Tensor, embed(token_ids))
-        local = token_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
-        x = embed(local.clamp(0, self.vocab_stop - self.vocab_start - 1))
-        return x.masked_fill_(outside.unsqueeze(1), 0)
+        return vocab_parallel_embedding(embed, token_ids, self.vocab_start, self.vocab_stop)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum a shard's partial rows over its group (the rows themselves when whole)."""
@@ -392,11 +391,7 @@ class Qwen2MoTForCausalLM(nn.Module):
         """Return every id's logits of ``hidden`` (a shard's rows of the head gathered over its
         group)."""
         logits = cast(torch.Tensor, self.lm_head(hidden))
-        if self.shard is None or self.shard.group is None:
-            return logits
-        parts = self.shard.group.all_gather(logits.contiguous())  # [world, rows, vocab rows]
-        full = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
-        return full[:, : self.config.vocab_size]
+        return gather_vocab_parallel(logits, self.shard, self.config.vocab_size)
 
 
 class TimestepEmbedder(nn.Module):

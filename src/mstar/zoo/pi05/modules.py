@@ -72,7 +72,9 @@ from mstar.engines.layers import (
     WeightSlice,
     apply_rotary,
     attention_slices,
+    head_counts,
     shard_module_,
+    vocab_parallel_embedding,
 )
 from mstar.engines.parallel import TensorShard, tensor_payload
 from mstar.zoo.pi05.config import GemmaConfig, Pi05Config
@@ -379,11 +381,7 @@ class Pi05Weights(nn.Module):
             for layer in stack.blocks:
                 attn = layer.self_attn
                 head_dim = attn.shape[2]
-                attn.shape = (
-                    attn.q_proj.out_features // head_dim,
-                    attn.k_proj.out_features // head_dim,
-                    head_dim,
-                )
+                attn.shape = (*head_counts(attn.q_proj, attn.k_proj, head_dim), head_dim)
                 attn.shard = layer.mlp.shard = shard
 
     def to_precision(self, dtype: torch.dtype) -> Pi05Weights:
@@ -501,10 +499,8 @@ class Pi05Weights(nn.Module):
         the group: each row is one rank's, exactly)."""
         if self.shard is None:
             return cast(torch.Tensor, embed(ids))
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_stop - self.vocab_start)
-        x = embed(local.clamp(0, self.vocab_stop - self.vocab_start - 1))
-        return self.shard.all_reduce_(x.masked_fill_(outside.unsqueeze(1), 0))
+        x = vocab_parallel_embedding(embed, ids, self.vocab_start, self.vocab_stop)
+        return self.shard.all_reduce_(x)
 
     def condition(self, times: torch.Tensor) -> torch.Tensor:
         """Return the adaptive norms' conditioning ``[rows, expert width]`` for flow times

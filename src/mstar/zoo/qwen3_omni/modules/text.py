@@ -38,6 +38,8 @@ from mstar.engines.layers import (
     WeightSlice,
     apply_rotary,
     attention_slices,
+    gather_vocab_parallel,
+    head_counts,
     shard_module_,
 )
 from mstar.engines.parallel import TensorShard, mirrored, tensor_payload
@@ -230,8 +232,7 @@ class MoEDecoder(nn.Module):
         self.shard = shard
         for layer in cast(list[MoEDecoderLayer], list(self.model.layers)):
             attn = layer.self_attn
-            attn.num_heads = attn.q_proj.out_features // attn.head_dim
-            attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            attn.num_heads, attn.num_kv_heads = head_counts(attn.q_proj, attn.k_proj, attn.head_dim)
             attn.shard = shard
             cast(Any, layer.mlp).shard = shard
 
@@ -348,8 +349,5 @@ class MoEDecoder(nn.Module):
         """Project (the first ``hidden`` columns of) hidden states to vocabulary logits (a
         shard's rows gathered over its group)."""
         logits = cast(torch.Tensor, self.head(hidden[:, : self.config.hidden_size]))
-        if self.shard is None or self.shard.group is None or not self.shard_head:
-            return logits
-        parts = self.shard.group.all_gather(logits.contiguous())  # [world, rows, vocab rows]
-        full = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
-        return full[:, : self.config.vocab_size]
+        shard = self.shard if self.shard_head else None  # an unsharded head's logits are whole
+        return gather_vocab_parallel(logits, shard, self.config.vocab_size)
