@@ -178,18 +178,10 @@ struct SequenceValues {
   std::vector<uint16_t> data;
 };
 
-// Tiles 0-3: scores of 16 keys each; 4, 6: keys (16 x 32 features), then values^T (16 features
-// x 32 keys); 5: queries^T (16 feature pairs x 16 vectors x 2), then probabilities^T of keys
-// 0-31 (16 key pairs x 16 vectors x 2); 7: those of keys 32-63; 0 again: weighted values^T.
-inline void configure_prefill_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
+// Its tiles (configure_tiles(16)): 0-3: scores of 16 keys each; 4, 6: keys (16 x 32 features),
+// then values^T (16 features x 32 keys); 5: queries^T (16 feature pairs x 16 vectors x 2), then
+// probabilities^T of keys 0-31 (16 key pairs x 16 vectors x 2); 7: those of keys 32-63; 0
+// again: weighted values^T.
 template <int J>
 void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_t group, const uint16_t* keys,
                       const SequenceValues& seq_values, int64_t block_size, int64_t token_stride,
@@ -230,7 +222,7 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
       acc[D * 16 + 32 + n] = float(lens[tile.row0 + i]);  // keys seen
     }
   }
-  configure_prefill_tiles();
+  configure_tiles(16);
   const float log2_scale = scale * 1.4426950408889634f;
   const int64_t key_bytes = token_stride * 2, vt_bytes = seq_values.padded * 2;
   const uint16_t* vt = seq_values.data.data() + tile.kv_head * D * seq_values.padded;

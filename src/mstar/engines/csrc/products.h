@@ -111,21 +111,6 @@ __attribute__((noinline)) void linear_tile_bf16(const float* x, int64_t x_stride
 #endif
 
 #if defined(MSTAR_AMX)
-
-// Tiles 0-1: the float32 sums of M rows by two adjacent weight tiles; 2-3: M rows of the
-// input, 32 features each (two feature blocks in flight); 4-7: weights, 16 feature pairs by
-// 16 outputs by 2 (pack_linear's bfloat16 layout is the tile's own, so each weight tile is
-// 1 KB read as stored), two per feature block. Loads of the next block overlap the products
-// of this one: with one input tile, each load waited for the products before it (3x slower).
-void configure_tiles(int m) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = t < 4 ? m : 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 // A row's first maximum over the rounded outputs seen so far, per lane (linear_argmax on
 // AMX keeps one per row instead of writing the outputs): a strict > keeps the first index.
 struct RowMax {
@@ -151,6 +136,12 @@ struct RowMax {
 // M rows (the configured count, <= 16) of x by `nt` (1 or 2) adjacent weight tiles; K a multiple of 32.
 // The outputs go to y, or (with `best`) into each row's running maximum, `col` being the first
 // tile's first output.
+// Its tiles (configure_tiles(m)): 0-1: the float32 sums of M rows by two adjacent weight
+// tiles; 2-3: M rows of the input, 32 features each (two feature blocks in flight); 4-7:
+// weights, 16 feature pairs by 16 outputs by 2 (pack_linear's bfloat16 layout is the tile's
+// own, so each weight tile is 1 KB read as stored), two per feature block. Loads of the next
+// block overlap the products of this one: with one input tile, each load waited for the
+// products before it (3x slower).
 void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
                       const uint16_t* bias, uint16_t* y, int64_t y_stride, RowMax* best, int32_t col) {
   _tile_zero(0);

@@ -351,6 +351,16 @@ struct alignas(64) TileConfig {
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Every tile 64 bytes wide; tiles 0-3 of m rows, 4-7 of 16 (the products' and prefill's).
+void configure_tiles(int m) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t < 4 ? m : 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
 #endif
 
 // The grain of at::parallel_for for units of about `unit_bytes` of memory each (their weights,
