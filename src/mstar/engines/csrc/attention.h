@@ -2,13 +2,15 @@
 // from the paged cache [blocks, block_size, kv_heads, head_dim] through its block table.
 // A row's keys are taken in ranges of kRangeKeys (whole blocks); a work item is one range of
 // one row, its KV heads together (or one KV head each when there are few ranges for the
-// threads): for every query head, scores over 16-key tiles (one horizontal-add tree per tile),
-// an exact softmax over the range, then the weighted sum of values, all in float32, each key
-// and value read once for all query heads of its KV head. A row of one range is written out
-// directly; a longer row's ranges (their maxima, sums and weighted values) are merged after,
-// so one long sequence's decode spreads over every thread. float32 and bfloat16 caches are
-// read as they are stored, so a bfloat16 cache moves half the bytes: its keys scored as they
-// are (AVX-512 BF16 dot products of the stored bits) or widened on load, its values widened.
+// threads), computed in one pass over 16-key tiles: a tile's keys scored for every query head
+// of their KV head (one horizontal-add tree per head), its exponentials taken against a
+// running maximum (online softmax), its values weighed for all those heads at once, all in
+// float32, each key and value read once, while the tiles ahead (and the next item's first)
+// are fetched. A row of one range is written out directly; a longer row's ranges (their
+// maxima, sums and weighted values) are merged after, so one long sequence's decode spreads
+// over every thread. float32 and bfloat16 caches are read as they are stored, so a bfloat16
+// cache moves half the bytes: its keys scored as they are (AVX-512 BF16 dot products of the
+// stored bits) or widened on load, its values widened.
 
 #pragma once
 
@@ -110,39 +112,127 @@ inline void prefetch_token(const T* p) {
 // many threads run, while one long row's ranges spread over every thread.
 constexpr int64_t kRangeKeys = 256;
 
-// Blocks of keys scored (or summed) for every query head of an item before moving on: their
-// keys or values stay in L1 across the item's heads.
-constexpr int64_t kChunkKeys = 64;
+// How far ahead of the tile being computed its keys and values are fetched (in keys): one
+// tile's worth of prefetches per tile computed, so memory streams while the core computes.
+constexpr int64_t kAheadKeys = 32;
 
-// Where an item reads: a row's keys [begin, end) (begin on a block's start), in blocks of
-// block_size tokens token_stride elements apart.
+// How far (in natural log) a score may pass the running maximum before it is raised.
+constexpr float kSlack = 8.f;
+
+// Where an item reads: a row's keys [begin, end) in blocks of block_size tokens token_stride
+// elements apart, through its block table; `head` the first KV head's offset (elements).
 struct Geometry {
   int64_t block_size, token_stride, begin, end;
+  const int64_t* table;
+  int64_t head;
+
+  // The offset of key t of the row (its first KV head's first element).
+  int64_t offset(int64_t t) const { return table[t / block_size] * block_size * token_stride + t % block_size * token_stride + head; }
 };
 
-// `group` query heads (rows of q, contiguous; `per_kv` of them to each KV head, the first
-// reading `keys` and `values`, the next KV head's D further) against keys [g.begin, g.end) of
-// one sequence; J = head_dim / 16. A row's KV heads go together, block by block: a block's
-// tokens are read whole (all heads side by side) instead of a slice per head, far apart. With
-// `stats` null, the normalised output goes to `out`; otherwise the range's softmax: each head's
-// maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
-// vectors, in load_row's arrangement). `s` holds group x padded scores, `work` 3 x group x J
-// vectors, `totals` 2 x group floats.
+// Prefetch the keys and values of `kv` KV heads for up to 16 keys from `from` on: in this
+// item's range, then (past its end) in the next item's, so the next item starts warm.
+template <int D, typename T>
+void prefetch_ahead(const T* keys, const T* values, const Geometry& g, const Geometry* next, int64_t from,
+                    int64_t kv) {
+  const Geometry* at = &g;
+  if (from >= g.end) {
+    if (next == nullptr) return;
+    from = next->begin + (from - g.end);
+    at = next;
+  }
+  const int64_t stop = std::min(at->end, from + 16);
+  for (int64_t t = from; t < stop; ++t) {
+    const int64_t o = at->offset(t);
+    for (int64_t h = 0; h < kv; ++h) {
+      prefetch_token<D>(keys + o + h * D);
+      prefetch_token<D>(values + o + h * D);
+    }
+  }
+}
+
+// Weighted values of one tile for G query heads of a KV head: acc[g] += sum over its n keys of
+// p[g][t] * value t. Each value is loaded (and widened) once for the G heads; every U-th key
+// goes to its own set of sums, so U x G x J multiply-adds are independent.
+template <int J, int G, typename T>
+inline void weigh_values(const T* values, const int64_t* offsets, int64_t n, const float* p, vf16* acc) {
+  constexpr int U = G * J >= 8 ? 1 : 2;
+  vf16 a[U][G][J] = {};
+  int64_t t = 0;
+  for (; t + U <= n; t += U)
+    for (int u = 0; u < U; ++u) {
+      vf16 vv[J];
+      load_row<J>(values + offsets[t + u], vv);
+      for (int g = 0; g < G; ++g) {
+        const vf16 w = broadcast(p + 16 * g + t + u);
+        for (int j = 0; j < J; ++j) a[u][g][j] += w * vv[j];
+      }
+    }
+  for (; t < n; ++t) {
+    vf16 vv[J];
+    load_row<J>(values + offsets[t], vv);
+    for (int g = 0; g < G; ++g) {
+      const vf16 w = broadcast(p + 16 * g + t);
+      for (int j = 0; j < J; ++j) a[0][g][j] += w * vv[j];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j) {
+      vf16 sum = a[0][g][j];
+      for (int u = 1; u < U; ++u) sum += a[u][g][j];
+      acc[g * J + j] += sum;
+    }
+}
+
+// The heads a weigh_values call takes together: up to 4, and at most 16 accumulators.
+template <int J>
+constexpr int kWeighHeads = std::max(1, std::min(4, 16 / J));
+
 template <int J, typename T>
-void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, const T* values, const int64_t* table,
-                  const Geometry& g, float scale, T* out, float* stats, vf16* sums, float* s, vf16* work,
-                  float* totals) {
+void weigh_heads(const T* values, const int64_t* offsets, int64_t n, const float* p, vf16* acc, int64_t heads) {
+  for (int64_t g = 0; g < heads;) {
+    const int64_t take = std::min<int64_t>(kWeighHeads<J>, heads - g);
+    const float* pg = p + 16 * g;
+    vf16* ag = acc + g * J;
+    switch (take) {
+      case 4:
+        if constexpr (kWeighHeads<J> >= 4) weigh_values<J, 4>(values, offsets, n, pg, ag);
+        break;
+      case 3:
+        if constexpr (kWeighHeads<J> >= 3) weigh_values<J, 3>(values, offsets, n, pg, ag);
+        break;
+      case 2:
+        if constexpr (kWeighHeads<J> >= 2) weigh_values<J, 2>(values, offsets, n, pg, ag);
+        break;
+      default: weigh_values<J, 1>(values, offsets, n, pg, ag);
+    }
+    g += take;
+  }
+}
+
+// `kv` KV heads' query heads (rows of q, contiguous, `per_kv` to each KV head, the first KV
+// head's `keys` and `values` at g.head, the next D further) against keys [g.begin, g.end) of
+// one sequence; J = head_dim / 16. One pass over the keys in tiles of 16: a tile's 16 keys are
+// scored for every query head of a KV head (a horizontal-add tree per head), its exponentials
+// taken against the running maximum (the head's sums rescaled when the maximum grows), and its
+// values weighed for all those heads at once, while the tiles ahead are fetched. With `stats`
+// null, the normalised output goes to `out`; otherwise the range's softmax: each head's
+// maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
+// vectors, in load_row's arrangement). `work` holds (2 J + 2) x kv x per_kv + per_kv vectors.
+template <int J, typename T>
+void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T* values, const Geometry& g,
+                  const Geometry* next, float scale, T* out, float* stats, vf16* sums, vf16* work) {
   constexpr int D = 16 * J;
-  const int64_t bs = g.block_size, stride = g.token_stride, begin = g.begin, end = g.end;
-  const int64_t padded = (end - begin + 15) / 16 * 16, first = begin / bs, last = (end + bs - 1) / bs;
-  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / bs);
+  const int64_t heads = kv * per_kv, begin = g.begin, end = g.end;
   const float lowest = -std::numeric_limits<float>::infinity();
-  vf16* qv = work;                      // [group][J] scaled queries
-  vf16* acc = work + group * J;         // [group][J] weighted values
-  vf16* maxima = work + 2 * group * J;  // [group] per-lane maxima of the scores
+  vf16* qv = work;                       // [heads][J] queries (scaled, or their bits)
+  vf16* acc = work + heads * J;          // [heads][J] weighted values
+  vf16* totals = work + 2 * heads * J;   // [heads] lane sums of the exponentials
+  float* maxima = reinterpret_cast<float*>(work + (2 * J + 1) * heads);  // [heads] running maxima
+  float* p = reinterpret_cast<float*>(work + (2 * J + 2) * heads);       // [per_kv][16] a tile's weights
   // Scores are scaled with the query, or after the dot products of bits (kDotsOfBits).
   const float score_scale = kDotsOfBits<J, T> ? scale : 1.f;
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     if constexpr (kDotsOfBits<J, T>) {
       std::memcpy(qv + h * J, q + h * D, D * sizeof(T));  // the first J / 2 vectors
     } else {
@@ -150,90 +240,52 @@ void attend_group(const T* q, int64_t group, int64_t per_kv, const T* keys, cons
       for (int j = 0; j < J; ++j) qv[h * J + j] *= scale;
     }
     for (int j = 0; j < J; ++j) acc[h * J + j] = vf16{};
-    maxima[h] = splat(lowest);
-    for (int64_t t = end - begin; t < padded; ++t) s[h * padded + t] = lowest;
+    totals[h] = vf16{};
+    maxima[h] = lowest;
   }
-  for (int64_t c = first; c < last; c += chunk) {
-    const int64_t c_end = std::min(last, c + chunk);
-    for (int64_t h = 0; h < group; ++h) {
-      const vf16* qh = qv + h * J;
-      float* sh = s + h * padded;
-      vf16 tiles_max = maxima[h];
-      for (int64_t b = c; b < c_end; ++b) {
-        const int64_t t0 = b * bs - begin, n = std::min(bs, end - b * bs);
-        const T* kb = keys + table[b] * bs * stride + (h / per_kv) * D;
-        // The first head of a KV head fetches a chunk ahead: the next chunk's keys, after the
-        // last the first chunk's values. (A block's tokens past the range's end are in the cache
-        // all the same.)
-        const T* ahead = nullptr;
-        if (h % per_kv == 0) {
-          const int64_t next = b + chunk, wrapped = next - (last - first);
-          if (next < last) {
-            ahead = keys + table[next] * bs * stride + (h / per_kv) * D;
-          } else if (wrapped < last) {
-            ahead = values + table[wrapped] * bs * stride + (h / per_kv) * D;
-          }
+  for (int64_t t = begin; t < begin + kAheadKeys; t += 16) prefetch_ahead<D>(keys, values, g, nullptr, t, kv);
+  int64_t offsets[16];
+  for (int64_t t0 = begin; t0 < end; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, end - t0);
+    for (int64_t i = 0; i < 16; ++i) offsets[i] = g.offset(t0 + std::min(i, n - 1));  // past n: repeats
+    prefetch_ahead<D>(keys, values, g, next, t0 + kAheadKeys, kv);
+    for (int64_t k = 0; k < kv; ++k) {
+      const T* kk = keys + k * D;
+      for (int64_t e = 0; e < per_kv; ++e) {
+        const int64_t h = k * per_kv + e;
+        vf16 a[16];
+        for (int r = 0; r < 16; ++r) a[r] = score<J>(qv + h * J, kk + offsets[r]);
+        vf16 tile = sum16(a) * score_scale;
+        if (n < 16) {  // the range's last tile: keys past its end weigh nothing
+          float lanes[16];
+          store16(lanes, tile);
+          std::fill(lanes + n, lanes + 16, lowest);
+          tile = load16(lanes);
         }
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-          if (ahead != nullptr)
-            for (int r = 0; r < 16; ++r) prefetch_token<D>(ahead + (i + r) * stride);
-          vf16 a[16];
-          for (int r = 0; r < 16; ++r) a[r] = score<J>(qh, kb + (i + r) * stride);
-          const vf16 tile = sum16(a) * score_scale;
-          store16(sh + t0 + i, tile);
-          tiles_max = select(tiles_max > tile, tiles_max, tile);
+        // Exponentials are taken against a running maximum that is raised only when a score
+        // passes it by kSlack: no horizontal maximum (a long chain) on most tiles, and weights
+        // of at most e^kSlack. Raising it rescales what is summed so far.
+        if (any_above(tile, maxima[h] + kSlack)) {
+          const float m = std::max(maxima[h], hmax(tile));
+          const float c = exp_scalar(maxima[h] - m);
+          for (int j = 0; j < J; ++j) acc[h * J + j] *= c;
+          totals[h] *= c;
+          maxima[h] = m;
         }
-        for (; i < n; ++i) {
-          const float x = hsum(score<J>(qh, kb + i * stride)) * score_scale;
-          sh[t0 + i] = x;
-          tiles_max = select(tiles_max > x, tiles_max, splat(x));  // hmax reads every lane
-        }
+        const vf16 w = exp_or_zero(tile - maxima[h]);
+        totals[h] += w;
+        store16(p + 16 * e, w);
       }
-      maxima[h] = tiles_max;
+      weigh_heads<J>(values + k * D, offsets, n, p, acc + k * per_kv * J, per_kv);
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* sh = s + h * padded;
-    const float m = hmax(maxima[h]);
-    vf16 total = {};
-    for (int64_t t = 0; t < padded; t += 16) {
-      const vf16 p = exp_nonpositive(load16(sh + t) - m);
-      store16(sh + t, p);
-      total += p;
-    }
-    totals[2 * h] = m;
-    totals[2 * h + 1] = hsum(total);
-  }
-  for (int64_t c = first; c < last; c += chunk) {
-    const int64_t c_end = std::min(last, c + chunk);
-    for (int64_t h = 0; h < group; ++h) {
-      const float* sh = s + h * padded;
-      vf16 a[J];
-      for (int j = 0; j < J; ++j) a[j] = acc[h * J + j];
-      for (int64_t b = c; b < c_end; ++b) {
-        const int64_t t0 = b * bs - begin, n = std::min(bs, end - b * bs);
-        const T* vb = values + table[b] * bs * stride + (h / per_kv) * D;
-        if (h % per_kv == 0 && b + chunk < last) {  // the next chunk's values
-          const T* ahead = values + table[b + chunk] * bs * stride + (h / per_kv) * D;
-          for (int64_t i = 0; i < n; ++i) prefetch_token<D>(ahead + i * stride);
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          const vf16 p = splat(sh[t0 + i]);
-          vf16 vv[J];
-          load_row<J>(vb + i * stride, vv);
-          for (int j = 0; j < J; ++j) a[j] += p * vv[j];
-        }
-      }
-      for (int j = 0; j < J; ++j) acc[h * J + j] = a[j];
-    }
-  }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float total = hsum(totals[h]);
     if (stats == nullptr) {
-      store_row<J>(acc + h * J, 1.f / totals[2 * h + 1], out + h * D);
+      store_row<J>(acc + h * J, 1.f / total, out + h * D);
     } else {
-      stats[2 * h] = totals[2 * h];  // the maximum, then the sum of exponentials
-      stats[2 * h + 1] = totals[2 * h + 1];
+      stats[2 * h] = maxima[h];  // the maximum, then the sum of exponentials
+      stats[2 * h + 1] = total;
       for (int j = 0; j < J; ++j) sums[h * J + j] = acc[h * J + j];
     }
   }
@@ -287,20 +339,26 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lp[r];
   const int64_t item_bytes = 2 * keys / units[rows] * per_item * D * int64_t(sizeof(T));  // its keys and values
+  // Where item i reads (its row, range and KV heads), for it and for the prefetch of the next.
+  const auto geometry = [&](int64_t item, int64_t& row, int64_t& range) {
+    const int64_t unit = item / split, h = (item % split) * per_item;
+    row = std::upper_bound(units.begin(), units.end(), unit) - units.begin() - 1;
+    range = unit - units[row];
+    const int64_t from = range * range_keys;
+    return Geometry{block_size, token_stride, from, std::min(lp[row], from + range_keys), tp + row * max_blocks,
+                    h * D};
+  };
   at::parallel_for(0, units[rows] * split, grain_for(item_bytes), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(item_heads * ((range_keys + 15) / 16 * 16));
-    std::vector<vf16> work(3 * item_heads * J);
-    std::vector<float> totals(2 * item_heads);
+    std::vector<vf16> work((3 + 2 * J) * item_heads + group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t unit = item / split, h = (item % split) * per_item;
-      const int64_t row = std::upper_bound(units.begin(), units.end(), unit) - units.begin() - 1;
-      const int64_t range = unit - units[row], from = range * range_keys;
-      const Geometry geometry{block_size, token_stride, from, std::min(lp[row], from + range_keys)};
-      const int64_t slot = (partial[row] + range) * heads + h * group;  // its heads' partials
-      attend_group<J>(qp + row * q_stride + h * group * D, item_heads, group, kp + h * D, vp + h * D,
-                      tp + row * max_blocks, geometry, float(scale), op + (row * heads + h * group) * D,
-                      partial[row] < 0 ? nullptr : stats.data() + 2 * slot,
-                      partial[row] < 0 ? nullptr : sums.data() + J * slot, scores.data(), work.data(), totals.data());
+      int64_t row, range, next_row, next_range;
+      const Geometry here = geometry(item, row, range);
+      const Geometry next = item + 1 < end ? geometry(item + 1, next_row, next_range) : here;
+      const int64_t h = here.head / D * group;  // the item's first query head
+      const int64_t slot = (partial[row] + range) * heads + h;  // its heads' partials
+      attend_range<J>(qp + row * q_stride + h * D, per_item, group, kp, vp, here, item + 1 < end ? &next : nullptr,
+                      float(scale), op + (row * heads + h) * D, partial[row] < 0 ? nullptr : stats.data() + 2 * slot,
+                      partial[row] < 0 ? nullptr : sums.data() + J * slot, work.data());
     }
   });
   if (partials == 0) return;

@@ -110,7 +110,7 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
         const float m = std::max(maxima[v], top);
         vf16 total = vf16{};
         for (int c = 0; c < C; ++c) {
-          const vf16 e = exp_nonpositive(s[p][c] - m);
+          const vf16 e = exp_or_zero(s[p][c] - m);
           store16(pv + 16 * c, e);
           total += e;
         }

@@ -9,7 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -242,6 +242,15 @@ inline float round_to(float v) {
 
 inline vf16 splat(float x) { return vf16{} + x; }
 
+// *p in every lane, loaded as such (a broadcast load, no shuffle).
+inline vf16 broadcast(const float* p) {
+#if defined(__AVX512F__)
+  return (vf16)_mm512_set1_ps(*p);
+#else
+  return splat(*p);
+#endif
+}
+
 inline float hsum(vf16 v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
@@ -252,6 +261,15 @@ inline bool any(vi16 mask) {
   uint64_t words[8];
   std::memcpy(words, &mask, sizeof words);
   return (words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] | words[7]) != 0;
+}
+
+// Whether any lane of v is above x.
+inline bool any_above(vf16 v, float x) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_GT_OQ) != 0;
+#else
+  return any(v > x);
+#endif
 }
 
 inline float hmax(vf16 v) {
@@ -294,8 +312,9 @@ inline vf16 exp16(vf16 x) {
   return exp_polynomial(r) * bitcast<vf16>((convert<vi16>(n) + 127) << 23);
 }
 
-// exp for x <= 0 (softmax arguments); x below -87 gives 0.
-inline vf16 exp_nonpositive(vf16 x) { return select(x < -87.0f, vf16{}, exp16(x)); }
+// exp of softmax arguments (x <= 88: scores less a maximum, which they may pass a little);
+// x below -87 gives 0.
+inline vf16 exp_or_zero(vf16 x) { return select(x < -87.0f, vf16{}, exp16(x)); }
 
 // The 16 sums of 16 vectors, lane i holding the sum of a[i]: a tree of pairwise shuffles.
 #if defined(__AVX512F__)
