@@ -409,18 +409,18 @@ class _CountingKernels:
         return self._kernels.prefill_attention(q, *args)
 
 
-def test_bfloat16_prompts_attend_on_amx_as_through_torch(kernels) -> None:  # type: ignore[no-untyped-def]
-    """bfloat16 on a CPU with AMX: every writing prefill chunk, whole causal prompts included,
-    goes through the native kernel; tokens and logits match torch's attention (to the first
-    near-tie, as in the decode test above)."""
-    probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
-    if not kernels.prefill_uses_amx(probe):
-        pytest.skip("no AMX here: bfloat16 prompts stay on torch's attention")
-    assert not kernels.prefill_uses_amx(probe.float())
-    assert not kernels.prefill_uses_amx(torch.zeros(1, 1, 16, dtype=torch.bfloat16))
-    model = make_tiny_llama(
-        dtype=torch.bfloat16, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2
-    )
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_attend_through_the_kernel_as_through_torch(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """float32, and bfloat16 on a CPU with AMX: every writing prefill chunk, whole causal
+    prompts included, goes through the native kernel; tokens and logits match torch's
+    attention (to the first near-tie, as in the decode test above)."""
+    if dtype == torch.bfloat16:
+        probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+        if not kernels.prefill_uses_amx(probe):
+            pytest.skip("no AMX here: bfloat16 prompts stay on torch's attention")
+        assert not kernels.prefill_uses_amx(probe.float())
+        assert not kernels.prefill_uses_amx(torch.zeros(1, 1, 16, dtype=torch.bfloat16))
+    model = make_tiny_llama(dtype=dtype, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2)
 
     def run(native: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], int]:
         engine = KVCacheEngine(
@@ -447,8 +447,12 @@ def test_bfloat16_prompts_attend_on_amx_as_through_torch(kernels) -> None:  # ty
             next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
         )
         compared += same
+        tolerance = 1e-4 if dtype == torch.float32 else 0.05
         torch.testing.assert_close(
-            native_logits[name][:same], torch_logits[name][:same], rtol=0.05, atol=0.1
+            native_logits[name][:same],
+            torch_logits[name][:same],
+            rtol=tolerance,
+            atol=2 * tolerance,
         )
     assert compared >= len(native_logits) * 8
 

@@ -29,11 +29,11 @@ torch paths above (each chunk attends over its own keys, however the step is mad
 Nothing is staged.
 
 Native prefill (CPU): the writing chunks attend in one `prefill_attention` call over the paged
-cache, tile by tile (see `csrc/prefill.h`): no mask is built and no key gathered. In float32,
-the chunks that need a mask (a prompt's later chunk after chunked prefill, block-causal
-frames, bidirectional chunks over a context; a whole causal prompt is as fast through torch's
-causal attention); in bfloat16 on a CPU with AMX (`prefill_uses_amx`), every writing chunk,
-whole causal prompts included (its products are tile products there).
+cache, tile by tile (see `csrc/prefill.h`): no mask is built and no key gathered. Every
+writing chunk (whole causal prompts, a prompt's later chunks after chunked prefill,
+block-causal frames, bidirectional chunks over a context) in float32, and in bfloat16 on a
+CPU with AMX (`prefill_uses_amx`: its products are tile products there); bfloat16 elsewhere
+keeps torch's attention.
 
 Native decode (CPU, on by default): where mstar's native kernels are built
 (`mstar.engines.native`), decode rows in float32 or bfloat16 with a head size of 16, 32, 64,
@@ -409,8 +409,7 @@ class TorchPagedAttention:
         # Deterministic rows of the step: their indices, block tables and key counts.
         self._rows: torch.Tensor | None = None
         # The step's writing prefill chunks for the native kernel (rows, tables, each row's
-        # sequence (its table) and key count): those that need a mask, and all of them.
-        self._native_prefill: _NativeChunks | None = None
+        # sequence (its table) and key count).
         self._native_writing: _NativeChunks | None = None
         self.workspace: torch.Tensor | None = None  # no kernel scratch to share
         self._kernels = cpu_kernels() if native and self.device.type == "cpu" else None
@@ -570,25 +569,16 @@ class TorchPagedAttention:
 
     def _plan_native_prefill(self, block_size: int) -> None:
         """Gather the writing chunks' rows, tables and key counts for one `prefill_attention`
-        call (their keys are in the cache once the step's are written): those that need a
-        mask, and all of them.
+        call (their keys are in the cache once the step's are written).
 
-        `forward` takes the first in float32: there the kernel ran 1.2-2x faster than torch's
-        attention with a mask (a prompt's later chunk, block-causal frames) and a whole causal
-        prompt as fast through torch's causal attention. It takes all of them in bfloat16 on
-        AMX (`prefill_uses_amx`), where the kernel's products are tile products.
+        `forward` takes them in float32 (where the kernel ran 1.0-1.7x faster than torch's
+        causal attention on one thread and 1.1-2.6x with a mask) and in bfloat16 on AMX
+        (`prefill_uses_amx`), where the kernel's products are tile products.
         """
-        self._native_prefill = self._native_writing = None
+        self._native_writing = None
         writing = [c for c in self._prefills if not c.is_read_only]
-        if self._kernels is None or self.deterministic or not writing:
-            return
-        masked = [c for c in writing if not c.is_plain_causal]
-        self._native_prefill = _native_chunks(masked, block_size, self.device) if masked else None
-        self._native_writing = (
-            self._native_prefill
-            if len(masked) == len(writing)
-            else _native_chunks(writing, block_size, self.device)
-        )
+        if self._kernels is not None and not self.deterministic and writing:
+            self._native_writing = _native_chunks(writing, block_size, self.device)
 
     def _plan_chunks(self, metadata: AttentionMetadata, skip: set[int]) -> None:
         """Plan the prefill chunks of the sequences not in `skip`."""
@@ -704,15 +694,12 @@ class TorchPagedAttention:
         rows = self._decode_rows
         if rows is not None:
             out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, scale)
-        # The writing chunks in one call, keys read in place (see the module notes): those
-        # that need a mask, or on AMX all of them.
-        native, every_writing = None, False
+        # The writing chunks in one call, keys read in place (see the module notes).
+        native = None
         if self._native_writing is not None and _fits_native(q, k_cache):
             assert self._kernels is not None
-            if q.dtype == torch.bfloat16 and self._kernels.prefill_uses_amx(q):
-                native, every_writing = self._native_writing, True
-            elif q.dtype == torch.float32:
-                native = self._native_prefill
+            if q.dtype == torch.float32 or self._kernels.prefill_uses_amx(q):
+                native = self._native_writing
         if native is not None:
             assert self._kernels is not None
             rows, tables, seqs, lens = native
@@ -721,8 +708,7 @@ class TorchPagedAttention:
             )
         size = k_cache.shape[1]
         for chunk in self._prefills:
-            taken = not chunk.is_read_only and (every_writing or not chunk.is_plain_causal)
-            if native is not None and taken:
+            if native is not None and not chunk.is_read_only:
                 continue
             start, end = chunk.start, chunk.end
             qs = q[start:end].transpose(0, 1).unsqueeze(0)

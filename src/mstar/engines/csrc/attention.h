@@ -116,9 +116,6 @@ constexpr int64_t kRangeKeys = 256;
 // tile's worth of prefetches per tile computed, so memory streams while the core computes.
 constexpr int64_t kAheadKeys = 32;
 
-// How far (in natural log) a score may pass the running maximum before it is raised.
-constexpr float kSlack = 8.f;
-
 // Where an item reads: a row's keys [begin, end) in blocks of block_size tokens token_stride
 // elements apart, through its block table; `head` the first KV head's offset (elements).
 struct Geometry {

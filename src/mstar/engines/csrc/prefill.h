@@ -47,24 +47,24 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
   const int64_t padded = (nv + kAlign - 1) / kAlign * kAlign;
   int64_t longest = 0;
   for (int64_t i = 0; i < tile.rows; ++i) longest = std::max(longest, lens[tile.row0 + i]);
-  // queries [padded][D], sums [padded][D], probabilities [padded][kChunk], maxima, totals,
-  // each vector's visible keys, the chunk's keys transposed [D][kChunk]
-  work.resize(size_t(padded * (2 * D + kChunk + 3) + D * kChunk));
+  // queries [padded][D], sums [padded][D], probabilities [padded][kChunk], maxima, totals
+  // [padded][16] (lane sums), each vector's visible keys, the chunk's keys transposed [D][kChunk]
+  work.resize(size_t(padded * (2 * D + kChunk + 18) + D * kChunk));
   float* qs = work.data();
   float* acc = qs + padded * D;
   float* probs = acc + padded * D;
   float* maxima = probs + padded * kChunk;
   float* totals = maxima + padded;
-  float* seen = totals + padded;
+  float* seen = totals + 16 * padded;
   float* kt = seen + padded;
   for (int64_t v = 0; v < padded; ++v) {
     const int64_t i = std::min(v / group, tile.rows - 1), hh = v % group;
     const T* src = q + (tile.row0 + i) * q_stride + (tile.kv_head * group + hh) * D;
     widen(src, qs + v * D, D);
-    for (int d = 0; d < D; ++d) qs[v * D + d] *= scale;
+    for (int d = 0; d < D; ++d) qs[v * D + d] *= scale * 1.4426950408889634f;  // scores in base 2
     std::fill(acc + v * D, acc + (v + 1) * D, 0.f);
     maxima[v] = kNone;
-    totals[v] = 0.f;
+    std::fill(totals + 16 * v, totals + 16 * (v + 1), 0.f);
     seen[v] = v < nv ? float(lens[tile.row0 + i]) : 0.f;  // padding vectors see nothing
   }
   std::vector<const T*> value_rows(kChunk);
@@ -100,27 +100,32 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
         const float visible = seen[v] - float(t0);  // keys of this chunk the vector sees
         if (visible < float(kChunk))
           for (int c = 0; c < C; ++c) s[p][c] = select(lanes + float(16 * c) < visible, s[p][c], splat(kNone));
-        vf16 top4 = s[p][0];
-        for (int c = 1; c < C; ++c) top4 = max16(top4, s[p][c]);
-        const float top = hmax(top4);
-        if (top == kNone) {  // the vector sees none of these keys
+        // The maximum is raised only where a score passes it by kSlack (then what is summed so
+        // far is rescaled to it): most chunks take no horizontal maximum.
+        bool above = false;
+        for (int c = 0; c < C; ++c) above |= any_above(s[p][c], maxima[v] + kSlack);
+        if (above) {
+          vf16 top4 = s[p][0];
+          for (int c = 1; c < C; ++c) top4 = max16(top4, s[p][c]);
+          const float m = std::max(maxima[v], hmax(top4));
+          if (maxima[v] != kNone) {
+            const float correction = exp_scalar((maxima[v] - m) * 0.6931471805599453f);
+            store16(totals + 16 * v, load16(totals + 16 * v) * correction);
+            for (int j = 0; j < J; ++j) store16(acc + v * D + 16 * j, load16(acc + v * D + 16 * j) * correction);
+          }
+          maxima[v] = m;
+        }
+        if (maxima[v] == kNone) {  // the vector has seen no key yet
           for (int c = 0; c < C; ++c) store16(pv + 16 * c, vf16{});
           continue;
         }
-        const float m = std::max(maxima[v], top);
-        vf16 total = vf16{};
+        vf16 total = load16(totals + 16 * v);
         for (int c = 0; c < C; ++c) {
-          const vf16 e = exp_or_zero(s[p][c] - m);
+          const vf16 e = exp2_or_zero(s[p][c] - maxima[v]);
           store16(pv + 16 * c, e);
           total += e;
         }
-        if (maxima[v] != kNone && maxima[v] != m) {
-          const float correction = exp_scalar(maxima[v] - m);
-          totals[v] *= correction;
-          for (int j = 0; j < J; ++j) store16(acc + v * D + 16 * j, load16(acc + v * D + 16 * j) * correction);
-        }
-        totals[v] += hsum(total);
-        maxima[v] = m;
+        store16(totals + 16 * v, total);
       }
     }
     for (int64_t v0 = 0; v0 < padded; v0 += V) {
@@ -142,7 +147,8 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t i = v / group, hh = v % group;
     T* dst = out + ((tile.row0 + i) * heads + tile.kv_head * group + hh) * D;
-    const float inv = totals[v] > 0.f ? 1.f / totals[v] : 0.f;
+    const float total = hsum(load16(totals + 16 * v));
+    const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int d = 0; d < D; ++d) store(acc[v * D + d] * inv, dst + d);
   }
 }
@@ -159,17 +165,6 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
 // depends on its own row alone (each lane computed apart, chunks from the sequence's first
 // key), whatever rows share its tile.
 constexpr int64_t kAmxChunk = 64;
-
-// 2^y for finite y <= 0, for the AMX tile's softmax (its probabilities are rounded to
-// bfloat16): 2^round(y) times a degree-6 Taylor polynomial of 2^f, |f| <= 1/2 (relative error
-// below 2e-7); 0 below 2^-149.
-inline __m512 exp2_softmax(__m512 y) {
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.6931471805599453f));  // e^(f ln 2)
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
 
 // A sequence's values transposed for the tiles: per KV head [head_dim][padded keys] bfloat16,
 // zero past the keys its rows see (a zero weight times an unwritten value could be NaN).
@@ -299,12 +294,12 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
       const vf16 old = load16(maxima);
       top *= log2_scale;
       const vf16 m = select(old > top, old, top);
-      const vf16 correction = (vf16)exp2_softmax(_mm512_max_ps((__m512)(old - m), _mm512_set1_ps(-150.f)));
+      const vf16 correction = exp2_or_zero(old - m);
       vf16 total = load16(totals) * correction;
       const __m512 scale2 = _mm512_set1_ps(log2_scale), shift = (__m512)(-m);
       for (int k = 0; k < keys_here; k += 2) {
-        vf16 p0 = (vf16)exp2_softmax(_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k), scale2, shift));
-        vf16 p1 = (vf16)exp2_softmax(_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k + 16), scale2, shift));
+        vf16 p0 = exp2_or_zero((vf16)_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k), scale2, shift));
+        vf16 p1 = exp2_or_zero((vf16)_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k + 16), scale2, shift));
         if (masked) {
           p0 = select(limit > float(k), p0, vf16{});
           p1 = select(limit > float(k + 1), p1, vf16{});
@@ -414,10 +409,13 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
 #endif
   // A tile's cost: its rows' query heads against the keys they see, as bytes of products.
-  int64_t pairs = 0;
-  for (int64_t r = 0; r < rows; ++r) pairs += lp[r];
-  const int64_t tile_bytes = pairs * kv_heads * group * 16 * J / std::max<int64_t>(1, int64_t(tiles.size())) / 4;
-  at::parallel_for(0, int64_t(tiles.size()), grain_for(tile_bytes), [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> costs(tiles.size());
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    int64_t seen = 0;
+    for (int64_t r = tiles[i].row0; r < tiles[i].row0 + tiles[i].rows; ++r) seen += lp[r];
+    costs[i] = seen * group * 16 * J / 4;
+  }
+  parallel_by_cost(costs, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
     for (int64_t i = begin; i < end; ++i) {
       const PrefillTile& tile = tiles[i];

@@ -316,6 +316,35 @@ inline vf16 exp16(vf16 x) {
 // x below -87 gives 0.
 inline vf16 exp_or_zero(vf16 x) { return select(x < -87.0f, vf16{}, exp16(x)); }
 
+// How far a score may pass the running maximum of an online softmax before the maximum is
+// raised (in the scores' units, natural or base 2): most tiles then need no horizontal
+// maximum, a long chain of dependent steps, and their weights stay below e^8 (or 2^8).
+constexpr float kSlack = 8.f;
+
+#if defined(__AVX512F__)
+// 2^y for finite -126 <= y <= 127: 2^round(y) times a degree-6 Taylor polynomial of 2^f,
+// |f| <= 1/2 (relative error below 2e-7).
+inline vf16 exp2_finite(vf16 y) {
+  const __m512 n = _mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps((__m512)y, n), _mm512_set1_ps(0.6931471805599453f));  // e^(f ln 2)
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return (vf16)_mm512_scalef_ps(p, n);
+}
+#endif
+
+// 2^y for softmax arguments in base 2 (y <= 127: scores less a maximum they may pass a
+// little); y below -126, -inf and NaN give 0. (Never a subnormal: producing one, or
+// underflowing to zero, costs a microcode assist of a hundred cycles and more on x86.)
+inline vf16 exp2_or_zero(vf16 y) {
+#if defined(__AVX512F__)
+  const auto normal = y > -126.f;
+  return select(normal, exp2_finite(select(normal, y, splat(-126.f))), vf16{});
+#else
+  return exp_or_zero(y * 0.6931471805599453f);
+#endif
+}
+
 // The 16 sums of 16 vectors, lane i holding the sum of a[i]: a tree of pairwise shuffles.
 #if defined(__AVX512F__)
 inline vf16 sum16(const vf16* a) {
@@ -390,6 +419,30 @@ constexpr int64_t kParallelBytes = int64_t(1) << 22;
 
 inline int64_t grain_for(int64_t unit_bytes) {
   return std::max<int64_t>(1, kParallelBytes / std::max<int64_t>(1, unit_bytes));
+}
+
+// Run fn(begin, end) over items [0, costs.size()) split among the threads into contiguous runs
+// of about equal cost (costs in the units of grain_for), not equal counts: a causal prompt's
+// later tiles see more keys than its first. Work under kParallelBytes a thread stays on the
+// calling thread.
+template <typename F>
+void parallel_by_cost(const std::vector<int64_t>& costs, F&& fn) {
+  const int64_t n = int64_t(costs.size());
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  const int64_t parts = std::min<int64_t>({int64_t(at::get_num_threads()), n, std::max<int64_t>(1, prefix[n] / kParallelBytes)});
+  if (parts <= 1) {
+    if (n > 0) fn(int64_t(0), n);
+    return;
+  }
+  // Part p's first item: the first whose cost starts at or after p / parts of the total.
+  std::vector<int64_t> starts(parts + 1, n);
+  for (int64_t p = 0; p < parts; ++p)
+    starts[p] = std::lower_bound(prefix.begin(), prefix.end() - 1, prefix[n] * p / parts) - prefix.begin();
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      if (starts[p] < starts[p + 1]) fn(starts[p], starts[p + 1]);
+  });
 }
 
 template <typename F>
