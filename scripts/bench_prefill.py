@@ -5,8 +5,9 @@ For each case (a mask kind, a dtype, a head layout) the same query rows attend o
 keys: `native` is `prefill_attention` reading the keys in place through a block table (what
 the engine runs for float32 chunks, and for bfloat16 ones on a CPU with AMX); `torch` is what
 it runs otherwise (and ran for float32 causal prompts before): the keys gathered from their
-blocks, then `F.scaled_dot_product_attention` with `is_causal` or a boolean mask. Reported: the best of `--repeats` times of each and the ratio
-torch / native (above 1: the kernel is faster), and the largest difference between them.
+blocks, then `F.scaled_dot_product_attention` with `is_causal` or a boolean mask. Reported:
+the best of `--repeats` times of each and the ratio torch / native (above 1: the kernel is
+faster), and the largest difference between them.
 
 Cases: `causal` (a whole prompt), `continuation` (the last chunk of a prompt split by chunked
 prefill: its rows see the cached prefix), `frames` (block-causal: each row sees its frame
