@@ -212,7 +212,8 @@ void weigh_heads(const T* values, const int64_t* offsets, int64_t n, const float
 // one sequence; J = head_dim / 16. One pass over the keys in tiles of 16: a tile's 16 keys are
 // scored for every query head of a KV head (a horizontal-add tree per head), its exponentials
 // taken against the running maximum (the head's sums rescaled when the maximum grows), and its
-// values weighed for all those heads at once, while the tiles ahead are fetched. With `stats`
+// values weighed for all those heads at once, while the tiles ahead are fetched (the first
+// kAheadKeys the caller fetches, or the item before this one did). With `stats`
 // null, the normalised output goes to `out`; otherwise the range's softmax: each head's
 // maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
 // vectors, in load_row's arrangement). `work` holds (2 J + 2) x kv x per_kv + per_kv vectors.
@@ -240,7 +241,6 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
     totals[h] = vf16{};
     maxima[h] = lowest;
   }
-  for (int64_t t = begin; t < begin + kAheadKeys; t += 16) prefetch_ahead<D>(keys, values, g, nullptr, t, kv);
   int64_t offsets[16];
   for (int64_t t0 = begin; t0 < end; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, end - t0);
@@ -336,26 +336,34 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lp[r];
   const int64_t item_bytes = 2 * keys / units[rows] * per_item * D * int64_t(sizeof(T));  // its keys and values
-  // Where item i reads (its row, range and KV heads), for it and for the prefetch of the next.
-  const auto geometry = [&](int64_t item, int64_t& row, int64_t& range) {
-    const int64_t unit = item / split, h = (item % split) * per_item;
-    row = std::upper_bound(units.begin(), units.end(), unit) - units.begin() - 1;
-    range = unit - units[row];
-    const int64_t from = range * range_keys;
-    return Geometry{block_size, token_stride, from, std::min(lp[row], from + range_keys), tp + row * max_blocks,
-                    h * D};
+  // Item i: its row, range (of the row's) and first KV head, and where it reads.
+  struct Item {
+    int64_t row, range, kv_head;
+    Geometry where;
+  };
+  const auto item_at = [&](int64_t item) {
+    const int64_t unit = item / split;
+    const int64_t row = std::upper_bound(units.begin(), units.end(), unit) - units.begin() - 1;
+    const int64_t range = unit - units[row], from = range * range_keys, kv_head = (item % split) * per_item;
+    return Item{row, range, kv_head,
+                Geometry{block_size, token_stride, from, std::min(lp[row], from + range_keys), tp + row * max_blocks,
+                         kv_head * D}};
   };
   at::parallel_for(0, units[rows] * split, grain_for(item_bytes), [&](int64_t begin, int64_t end) {
-    std::vector<vf16> work((3 + 2 * J) * item_heads + group);
+    std::vector<vf16> work((2 * J + 2) * item_heads + group);
+    // The first item's first tiles; each item fetches the next one's while it ends.
+    Item it = item_at(begin);
+    for (int64_t t = it.where.begin; t < it.where.begin + kAheadKeys; t += 16)
+      prefetch_ahead<D>(kp, vp, it.where, nullptr, t, per_item);
     for (int64_t item = begin; item < end; ++item) {
-      int64_t row, range, next_row, next_range;
-      const Geometry here = geometry(item, row, range);
-      const Geometry next = item + 1 < end ? geometry(item + 1, next_row, next_range) : here;
-      const int64_t h = here.head / D * group;  // the item's first query head
-      const int64_t slot = (partial[row] + range) * heads + h;  // its heads' partials
-      attend_range<J>(qp + row * q_stride + h * D, per_item, group, kp, vp, here, item + 1 < end ? &next : nullptr,
-                      float(scale), op + (row * heads + h) * D, partial[row] < 0 ? nullptr : stats.data() + 2 * slot,
-                      partial[row] < 0 ? nullptr : sums.data() + J * slot, work.data());
+      const Item next = item + 1 < end ? item_at(item + 1) : it;
+      const int64_t h = it.kv_head * group;                        // the item's first query head
+      const int64_t slot = (partial[it.row] + it.range) * heads + h;  // its heads' partials
+      const bool whole = partial[it.row] < 0;
+      attend_range<J>(qp + it.row * q_stride + h * D, per_item, group, kp, vp, it.where,
+                      item + 1 < end ? &next.where : nullptr, float(scale), op + (it.row * heads + h) * D,
+                      whole ? nullptr : stats.data() + 2 * slot, whole ? nullptr : sums.data() + J * slot, work.data());
+      it = next;
     }
   });
   if (partials == 0) return;

@@ -61,7 +61,7 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
     const int64_t i = std::min(v / group, tile.rows - 1), hh = v % group;
     const T* src = q + (tile.row0 + i) * q_stride + (tile.kv_head * group + hh) * D;
     widen(src, qs + v * D, D);
-    for (int d = 0; d < D; ++d) qs[v * D + d] *= scale * 1.4426950408889634f;  // scores in base 2
+    for (int d = 0; d < D; ++d) qs[v * D + d] *= scale * kLog2e;  // scores in base 2
     std::fill(acc + v * D, acc + (v + 1) * D, 0.f);
     maxima[v] = kNone;
     std::fill(totals + 16 * v, totals + 16 * (v + 1), 0.f);
@@ -109,7 +109,7 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
           for (int c = 1; c < C; ++c) top4 = max16(top4, s[p][c]);
           const float m = std::max(maxima[v], hmax(top4));
           if (maxima[v] != kNone) {
-            const float correction = exp_scalar((maxima[v] - m) * 0.6931471805599453f);
+            const float correction = exp_scalar((maxima[v] - m) * kLn2);
             store16(totals + 16 * v, load16(totals + 16 * v) * correction);
             for (int j = 0; j < J; ++j) store16(acc + v * D + 16 * j, load16(acc + v * D + 16 * j) * correction);
           }
@@ -218,7 +218,7 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
     }
   }
   configure_tiles(16);
-  const float log2_scale = scale * 1.4426950408889634f;
+  const float log2_scale = scale * kLog2e;
   const int64_t key_bytes = token_stride * 2, vt_bytes = seq_values.padded * 2;
   const uint16_t* vt = seq_values.data.data() + tile.kv_head * D * seq_values.padded;
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,

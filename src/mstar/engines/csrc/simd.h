@@ -316,6 +316,8 @@ inline vf16 exp16(vf16 x) {
 // x below -87 gives 0.
 inline vf16 exp_or_zero(vf16 x) { return select(x < -87.0f, vf16{}, exp16(x)); }
 
+constexpr float kLn2 = 0.6931471805599453f, kLog2e = 1.4426950408889634f;
+
 // How far a score may pass the running maximum of an online softmax before the maximum is
 // raised (in the scores' units, natural or base 2): most tiles then need no horizontal
 // maximum, a long chain of dependent steps, and their weights stay below e^8 (or 2^8).
@@ -326,7 +328,7 @@ constexpr float kSlack = 8.f;
 // |f| <= 1/2 (relative error below 2e-7).
 inline vf16 exp2_finite(vf16 y) {
   const __m512 n = _mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps((__m512)y, n), _mm512_set1_ps(0.6931471805599453f));  // e^(f ln 2)
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps((__m512)y, n), _mm512_set1_ps(kLn2));  // e^(f ln 2)
   __m512 p = _mm512_set1_ps(1.f / 720);
   for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return (vf16)_mm512_scalef_ps(p, n);
@@ -341,7 +343,7 @@ inline vf16 exp2_or_zero(vf16 y) {
   const auto normal = y > -126.f;
   return select(normal, exp2_finite(select(normal, y, splat(-126.f))), vf16{});
 #else
-  return exp_or_zero(y * 0.6931471805599453f);
+  return exp_or_zero(y * kLn2);
 #endif
 }
 
