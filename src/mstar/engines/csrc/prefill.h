@@ -176,7 +176,7 @@ struct SequenceValues {
 // Its tiles (configure_tiles(16)): 0-3: scores of 16 keys each; 4, 6: keys (16 x 32 features),
 // then values^T (16 features x 32 keys); 5: queries^T (16 feature pairs x 16 vectors x 2), then
 // probabilities^T of keys 0-31 (16 key pairs x 16 vectors x 2); 7: those of keys 32-63; 0
-// again: weighted values^T.
+// again: the running sums of weighted values^T, loaded, added to and stored back.
 template <int J>
 void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_t group, const uint16_t* keys,
                       const SequenceValues& seq_values, int64_t block_size, int64_t token_stride,
@@ -190,15 +190,14 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
   for (int64_t i = 0; i < tile.rows; ++i) longest = std::max(longest, lens[tile.row0 + i]);
   // Per 16 vectors: queries^T [S][16 pairs][16] (32-bit pairs), weighted values^T [D][16],
   // maxima, totals, visible keys. Per chunk: keys gathered [C][D] bf16, scores [C][16],
-  // probabilities^T [C / 2][32] bf16, a product [16][16].
+  // probabilities^T [C / 2][32] bf16.
   const int64_t per_sub = S * 16 * 16 + D * 16 + 3 * 16;
-  work.resize(size_t(subtiles * per_sub + C * D / 2 + C * 16 + C * 16 + 16 * 16) + 16);
+  work.resize(size_t(subtiles * per_sub + C * D / 2 + C * 16 + C * 16) + 16);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(work.data()) + 63) & ~uintptr_t(63));
   float* chunk_area = base + subtiles * per_sub;
   uint16_t* kg = reinterpret_cast<uint16_t*>(chunk_area);  // [C][D]
   float* scores = chunk_area + C * D / 2;                   // [C][16]
   uint16_t* pt = reinterpret_cast<uint16_t*>(scores + C * 16);  // [C / 2][32]
-  float* product = scores + C * 16 + C * 16 / 2 * 2;            // [16][16]
   for (int64_t sub = 0; sub < subtiles; ++sub) {
     float* state = base + sub * per_sub;
     uint32_t* qt = reinterpret_cast<uint32_t*>(state);
@@ -218,6 +217,7 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
     }
   }
   configure_tiles(16);
+  before_tile_loads();  // the queries^T just written
   const float log2_scale = scale * kLog2e;
   const int64_t key_bytes = token_stride * 2, vt_bytes = seq_values.padded * 2;
   const uint16_t* vt = seq_values.data.data() + tile.kv_head * D * seq_values.padded;
@@ -257,6 +257,7 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
       const vf16 limit = load16(totals + 16) - float(t0);  // keys of this chunk each vector sees
       if (!any(limit > 0.f)) continue;                     // a causal tile's earlier rows: none here
       const int quarters = any(limit > 32.f) ? 4 : 2;      // keys 32-63 unseen by all: not scored
+      before_tile_loads();  // keys gathered, sums rescaled, probabilities of the last chunk
       _tile_zero(0);
       _tile_zero(1);
       if (quarters == 4) {
@@ -283,49 +284,76 @@ void prefill_tile_amx(const uint16_t* q, int64_t q_stride, int64_t heads, int64_
         _tile_stored(3, scores + 48 * 16, 64);
       }
       const int64_t keys_here = 16 * quarters;
-      // Scores in base 2 (scale times log2 e): exponentials are powers of two. The chunk's
-      // maximum first (keys hidden from a vector left out), then each key's exponential.
+      // Scores in base 2 (scale times log2 e): exponentials are powers of two, taken against
+      // each vector's running maximum. The maximum is raised only where a visible score passes
+      // it by kSlack (as in prefill_tile): then the chunk's maximum is taken, the exponentials
+      // taken again against it and what was summed rescaled. Most chunks take one pass over
+      // their scores, and their weighted values add to the sums in the tile unit.
       const bool masked = any(limit < float(keys_here));
-      vf16 top = splat(kNone);
-      for (int k = 0; k < keys_here; ++k) {
-        const vf16 x = masked ? select(limit > float(k), load16(scores + 16 * k), splat(kNone)) : load16(scores + 16 * k);
-        top = select(top > x, top, x);
-      }
       const vf16 old = load16(maxima);
-      top *= log2_scale;
-      const vf16 m = select(old > top, old, top);
-      const vf16 correction = exp2_or_zero(old - m);
-      vf16 total = load16(totals) * correction;
-      const __m512 scale2 = _mm512_set1_ps(log2_scale), shift = (__m512)(-m);
-      for (int k = 0; k < keys_here; k += 2) {
-        vf16 p0 = exp2_or_zero((vf16)_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k), scale2, shift));
-        vf16 p1 = exp2_or_zero((vf16)_mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k + 16), scale2, shift));
-        if (masked) {
-          p0 = select(limit > float(k), p0, vf16{});
-          p1 = select(limit > float(k + 1), p1, vf16{});
+      const __m512 scale2 = _mm512_set1_ps(log2_scale);
+      vf16 chunk_total{};
+      // The chunk's probabilities against maxima m (pairs interleaved, the tile's layout);
+      // returns whether a visible score passed its maximum by more than kSlack.
+      auto weigh = [&](vf16 m) {
+        const __m512 shift = (__m512)(-m);
+        __mmask16 over = 0;
+        chunk_total = vf16{};
+        for (int k = 0; k < keys_here; k += 2) {
+          const __m512 x0 = _mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k), scale2, shift);
+          const __m512 x1 = _mm512_fmadd_ps(_mm512_load_ps(scores + 16 * k + 16), scale2, shift);
+          vf16 p0 = exp2_or_zero((vf16)x0), p1 = exp2_or_zero((vf16)x1);
+          __mmask16 seen0 = 0xffff, seen1 = 0xffff;
+          if (masked) {
+            seen0 = _mm512_cmp_ps_mask((__m512)limit, _mm512_set1_ps(float(k)), _CMP_GT_OQ);
+            seen1 = _mm512_cmp_ps_mask((__m512)limit, _mm512_set1_ps(float(k + 1)), _CMP_GT_OQ);
+            p0 = (vf16)_mm512_maskz_mov_ps(seen0, (__m512)p0);
+            p1 = (vf16)_mm512_maskz_mov_ps(seen1, (__m512)p1);
+          }
+          over |= _mm512_mask_cmp_ps_mask(seen0, x0, _mm512_set1_ps(kSlack), _CMP_GT_OQ) |
+                  _mm512_mask_cmp_ps_mask(seen1, x1, _mm512_set1_ps(kSlack), _CMP_GT_OQ);
+          chunk_total += p0 + p1;
+          // Key pair (k, k + 1) interleaved per vector: the tile's pair layout.
+          const __m512i pair =
+              _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+          _mm512_store_si512(pt + 16 * k, pair);
         }
-        total += p0 + p1;
-        // Key pair (k, k + 1) interleaved per vector: the tile's pair layout.
-        const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
-        _mm512_store_si512(pt + 16 * k, pair);
+        return over != 0;
+      };
+      vf16 m = old;
+      // A vector's first keys (its maximum still -inf) always raise it: no first try.
+      const bool raised = any(old == splat(kNone)) || weigh(old);
+      if (raised) {
+        vf16 top = splat(kNone);
+        for (int k = 0; k < keys_here; ++k) {
+          vf16 x = load16(scores + 16 * k);
+          if (masked) x = select(limit > float(k), x, splat(kNone));
+          top = max16(top, x);
+        }
+        top *= log2_scale;
+        m = select(old > top, old, top);
+        weigh(m);
+        // Every vector sees a key by now (rows see key 0 first): the maxima are finite.
+        const vf16 correction = exp2_or_zero(old - m);
+        store16(totals, load16(totals) * correction + chunk_total);
+        store16(maxima, m);
+        for (int64_t i = 0; i < D * 16; i += 16) store16(acc + i, load16(acc + i) * correction);
+      } else {
+        store16(totals, load16(totals) + chunk_total);
       }
-      store16(maxima, m);
-      store16(totals, total);
+      before_tile_loads();  // the probabilities and rescaled sums just written
       _tile_loadd(5, pt, 64);
       if (quarters == 4) _tile_loadd(7, pt + 16 * 32, 64);
       for (int j = 0; j < J; ++j) {
-        _tile_zero(0);
+        float* sums = acc + 16 * j * 16;  // features 16 j .. 16 j + 15, a row per feature
+        _tile_loadd(0, sums, 64);
         _tile_loadd(4, vt + 16 * j * seq_values.padded + t0, vt_bytes);
         _tile_dpbf16ps(0, 4, 5);
         if (quarters == 4) {
           _tile_loadd(6, vt + 16 * j * seq_values.padded + t0 + 32, vt_bytes);
           _tile_dpbf16ps(0, 6, 7);
         }
-        _tile_stored(0, product, 64);
-        for (int d = 0; d < 16; ++d) {
-          float* a = acc + (16 * j + d) * 16;
-          store16(a, load16(a) * correction + load16(product + 16 * d));
-        }
+        _tile_stored(0, sums, 64);
       }
     }
   }
@@ -347,10 +375,19 @@ SequenceValues transposed_values(const uint16_t* values, int64_t block_size, int
   sv.padded = (longest + kAmxChunk - 1) / kAmxChunk * kAmxChunk;
   sv.data.assign(size_t(kv_heads * D * sv.padded), 0);
   const int64_t token_stride = kv_heads * D;
-  for (int64_t t = 0; t < longest; ++t) {
-    const uint16_t* vp = values + (table[t / block_size] * block_size + t % block_size) * token_stride;
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int64_t d = 0; d < D; ++d) sv.data[(g * D + d) * sv.padded + t] = vp[g * D + d];
+  // 16 keys at a time: each row of the result written 32 bytes at once (a key at a time wrote
+  // a 2-byte piece into every row: a store per row's cache line, for every key).
+  const uint16_t* rows[16];
+  for (int64_t t0 = 0; t0 < longest; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, longest - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      rows[i] = values + (table[t / block_size] * block_size + t % block_size) * token_stride;
+    }
+    for (int64_t c = 0; c < token_stride; ++c) {  // c: KV head g's feature d at g * D + d
+      uint16_t* dst = sv.data.data() + c * sv.padded + t0;
+      for (int64_t i = 0; i < n; ++i) dst[i] = rows[i][c];
+    }
   }
   return sv;
 }
@@ -463,14 +500,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = row_seqs.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
+  std::vector<int64_t> longest(tables.size(0), 0);  // the keys each sequence's rows see at most
   for (int64_t r = 0; r < lens.numel(); ++r) {
     TORCH_CHECK(sp[r] >= 0 && sp[r] < tables.size(0), "prefill_attention: row ", r, " names sequence ", sp[r]);
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= tables.size(1) * block_size, "prefill_attention: row ", r, "'s length ",
                 lp[r], " is outside its table");
-    for (int64_t b = 0; b < (lp[r] + block_size - 1) / block_size; ++b) {
-      const int64_t block = tp[sp[r] * tables.size(1) + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "prefill_attention: row ", r, " names block ", block, " of ",
-                  num_blocks);
+    longest[sp[r]] = std::max(longest[sp[r]], lp[r]);
+  }
+  for (int64_t s = 0; s < tables.size(0); ++s) {
+    for (int64_t b = 0; b < (longest[s] + block_size - 1) / block_size; ++b) {
+      const int64_t block = tp[s * tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "prefill_attention: sequence ", s, " names block ", block,
+                  " of ", num_blocks);
     }
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());

@@ -402,6 +402,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's _tile_loadd does not tell the compiler that it reads memory, so stores before it may
+// be moved past it: call this between writing a buffer and loading it into a tile.
+inline void before_tile_loads() { asm volatile("" ::: "memory"); }
+
 // Every tile 64 bytes wide; tiles 0-3 of m rows, 4-7 of 16 (the products' and prefill's).
 void configure_tiles(int m) {
   TileConfig config;
