@@ -866,3 +866,24 @@ def test_a_build_killed_midway_leaves_no_lock_that_stops_the_next(kernels) -> No
     thread.join(timeout=90)  # loading the cached build takes milliseconds; the bug waits forever
     assert done and done[0].__name__ == kernels.__name__
     assert not (build_dir / "lock").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_rows_where_index_copy_does(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(6)
+    k_cache = torch.zeros(8, 4, 2, 16, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(5, 3, 2, 16, generator=gen).to(dtype)  # k and v as strided rows of one tensor
+    k, v = kv[:, 0], kv[:, 2]
+    slots = torch.tensor([31, 0, 5, 6, 17])
+    kernels.write_kv(k_cache, v_cache, slots, k, v)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k.view(-1, 2, 16).index_copy_(0, slots, k)
+    want_v.view(-1, 2, 16).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot 32 is outside the cache"):
+        kernels.write_kv(k_cache, v_cache, torch.tensor([0, 32, 1, 2, 3]), k, v)
+    with pytest.raises(RuntimeError, match="keys and values"):
+        kernels.write_kv(k_cache, v_cache, slots, k.float().double(), v)
+    with pytest.raises(RuntimeError, match="slots"):
+        kernels.write_kv(k_cache, v_cache, slots[:4], k, v)

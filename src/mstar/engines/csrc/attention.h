@@ -435,3 +435,44 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   return out;
 }
+
+namespace {
+
+// The step's keys and values written to their cache slots: k, v [rows, kv_heads, head_dim]
+// (rows may be strided; heads and head_dim contiguous), the caches' dtype; slots [rows] int64
+// (block * block_size + offset). `caller` names the op in errors.
+void write_slots(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+                 const at::Tensor& v, const char* caller) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              caller, ": contiguous CPU caches [blocks, block_size, kv_heads, dim] of one dtype expected");
+  const int64_t rows = k.size(0), token = k_cache.size(2) * k_cache.size(3);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == rows && t->size(1) * t->size(2) == token &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2) && t->scalar_type() == k_cache.scalar_type(),
+                caller, ": keys and values [rows, kv_heads, dim] of the caches' shape and dtype expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows, caller,
+              ": slots [rows] int64 expected");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), token_bytes = token * k_cache.element_size();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, caller, ": row ", r, "'s slot ", sp[r], " is outside the cache");
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(kc + sp[r] * token_bytes, kp + r * k_row, token_bytes);
+    std::memcpy(vc + sp[r] * token_bytes, vp + r * v_row, token_bytes);
+  }
+}
+
+}  // namespace
+
+// write_slots, as write_kv names itself in errors.
+void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  write_slots(k_cache, v_cache, slots, k, v, "write_kv");
+}

@@ -2,7 +2,7 @@
 // unit over:
 //
 //   simd.h          the 16-lane vectors (one AVX-512 register, or two AVX2 halves), exp, sums
-//   attention.h     decode_attention over the paged KV cache
+//   attention.h     decode_attention over the paged KV cache; write_kv into it
 //   prefill.h       prefill_attention: prefill chunks' rows over the paged cache, in tiles
 //                   (bfloat16 on AMX where the CPU has it)
 //   norms.h         rms_norm, add_rms_norm, rotary, silu_mul with torch's roundings
@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (see the source).", release());
   m.def("prefill_attention", &prefill_attention, "Prefill attention over a paged KV cache (see the source).",
         release());
+  m.def("write_kv", &write_kv, "Keys and values written to their cache slots (see the source).", py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"), release());
   m.def("prefill_uses_amx", &prefill_uses_amx, "Whether prefill_attention takes such queries on AMX (see the source).");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (see the source).", release());
   m.def("add_rms_norm", &add_rms_norm, "The residual add and RMSNorm of rows (see the source).", release());

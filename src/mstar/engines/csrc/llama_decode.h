@@ -47,9 +47,6 @@ std::vector<at::Tensor> decode_layer_in(const at::Tensor& x, const c10::optional
                   v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == x.scalar_type(),
               "decode_layer: contiguous caches [blocks, block_size, kv_heads, dim] of x's dtype expected");
   const int64_t rows = x.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
-              "decode_layer: slots [rows] int64 expected");
   at::Tensor h;
   at::Tensor residual = x;
   if (delta.has_value()) {
@@ -65,18 +62,7 @@ std::vector<at::Tensor> decode_layer_in(const at::Tensor& x, const c10::optional
   const at::Tensor qk = ::rotary(qkv.narrow(1, 0, (heads + kv_heads) * dim).view({rows, heads + kv_heads, dim}),
                                cos, sin);
   const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t token_bytes = kv_heads * dim * x.element_size();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(qk.data_ptr()) + heads * dim * x.element_size();
-  const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t k_row = qk.stride(0) * x.element_size(), v_row = v.stride(0) * x.element_size();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "decode_layer: row ", r, "'s slot ", sp[r], " is outside the cache");
-    std::memcpy(kc + sp[r] * token_bytes, kp + r * k_row, token_bytes);
-    std::memcpy(vc + sp[r] * token_bytes, vp + r * v_row, token_bytes);
-  }
+  write_slots(k_cache, v_cache, slots, qk.narrow(1, heads, kv_heads), v.view({rows, kv_heads, dim}), "decode_layer");
   // Invariant (deterministic serving): the prefill kernel, as the step's prefill rows take it.
   const at::Tensor attended =
       invariant ? ::prefill_attention(qk.narrow(1, 0, heads), k_cache, v_cache, tables,

@@ -16,22 +16,36 @@ template <typename T>
 void rms_norm_rows(const T* x, const T* delta, const T* w, float eps, int64_t rows, int64_t n, int64_t x_stride,
                    int64_t delta_stride, T* sum, T* y) {
   std::vector<float> row(n);
+  const int64_t body = n / 16 * 16;  // 16 lanes at a time, then one by one
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
-    float squares = 0.f;
     if (delta != nullptr) {
       const T* dr = delta + r * delta_stride;
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = 0; i < body; i += 16) {
+        const vf16 v = round16<T>(load16(xr + i) + load16(dr + i));
+        store16(row.data() + i, v);
+        store16(sum + r * n + i, v);
+      }
+      for (int64_t i = body; i < n; ++i) {
         row[i] = round_to<T>(load(xr[i]) + load(dr[i]));
         store(row[i], sum + r * n + i);
       }
     } else {
-      for (int64_t i = 0; i < n; ++i) row[i] = load(xr[i]);
+      for (int64_t i = 0; i < body; i += 16) store16(row.data() + i, load16(xr + i));
+      for (int64_t i = body; i < n; ++i) row[i] = load(xr[i]);
     }
-    for (int64_t i = 0; i < n; ++i) squares += row[i] * row[i];
+    vf16 lanes{};
+    for (int64_t i = 0; i < body; i += 16) {
+      const vf16 v = load16(row.data() + i);
+      lanes += v * v;
+    }
+    float squares = hsum(lanes);
+    for (int64_t i = body; i < n; ++i) squares += row[i] * row[i];
     const float inv = 1.f / std::sqrt(squares / float(n) + eps);
     T* yr = y + r * n;
-    for (int64_t i = 0; i < n; ++i) store(round_to<T>(row[i] * inv) * load(w[i]), yr + i);
+    for (int64_t i = 0; i < body; i += 16)
+      store16(yr + i, round16<T>(load16(row.data() + i) * inv) * load16(w + i));
+    for (int64_t i = body; i < n; ++i) store(round_to<T>(row[i] * inv) * load(w[i]), yr + i);
   }
 }
 
@@ -54,6 +68,14 @@ __attribute__((optimize("fp-contract=off"))) void rotary_rows(const T* x, const 
     for (int64_t h = 0; h < heads; ++h) {
       const T* xr = x + t * x_stride + h * dim;
       T* o = out + (t * heads + h) * dim;
+      if (half % 16 == 0) {  // 16 lanes at a time, each within one half
+        for (int64_t i = 0; i < dim; i += 16) {
+          const vf16 a = round16<T>(load16(xr + i) * load16(c + i));
+          const vf16 b = round16<T>(load16(xr + (i < half ? i + half : i - half)) * load16(sn + i));
+          store16(o + i, a + b);
+        }
+        continue;
+      }
       for (int64_t i = 0; i < dim; ++i) {
         const float a = round_to<T>(load(xr[i]) * load(c[i]));
         const float b = round_to<T>(load(xr[i < half ? i + half : i - half]) * load(sn[i]));
