@@ -300,22 +300,29 @@ void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_
 #endif
 
 // Rows in blocks of up to kRowBlock (as even as they come: 16 rows in 6 + 5 + 5, not 6 + 6 + 4),
-// tiles in groups of kTileGroup (a group's weights stay in L1 across the blocks).
+// tiles in groups of kTileGroup (a group's weights stay in L1 across the blocks of a stripe).
 template <typename X, typename T, typename Tile>
 void linear_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t N, int64_t K, const T* bias, T* y,
                  Tile&& tile) {
   const int64_t tiles = N / 16, per_tile = 16 * K, groups = (tiles + kTileGroup - 1) / kTileGroup;
-  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   // A group's weights, and its products (a vector product of 4 rows costs about a weight load)
   const int64_t group_bytes = kTileGroup * per_tile * int64_t(sizeof(T)) * (1 + rows / 4);
+  // Rows and weight groups a few at a time (about 256 KiB of each): both stay in L2 while the
+  // other passes (a prompt's rows, read whole for each group, came from memory every time).
+  const int64_t span = std::max<int64_t>(1, (256 << 10) / (kTileGroup * per_tile * int64_t(sizeof(T))));
+  const int64_t stripe = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(X))) / kRowBlock) * kRowBlock;
   at::parallel_for(0, groups, grain_for(group_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
-      for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
-        const int64_t m = (rows - m0) / (blocks - b);
-        tile(m, nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
-        m0 += m;
-      }
+    for (int64_t r0 = 0; r0 < rows; r0 += stripe) {
+      const int64_t r1 = std::min(rows, r0 + stripe), blocks = (r1 - r0 + kRowBlock - 1) / kRowBlock;
+      for (int64_t g0 = begin; g0 < end; g0 += span)
+        for (int64_t g = g0; g < std::min(end, g0 + span); ++g) {
+          const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
+          for (int64_t b = 0, m0 = r0; b < blocks; ++b) {
+            const int64_t m = (r1 - m0) / (blocks - b);
+            tile(m, nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
+            m0 += m;
+          }
+        }
     }
   });
 }
