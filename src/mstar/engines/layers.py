@@ -717,6 +717,20 @@ class GatedMLP(nn.Module):
         group (the whole output when not sharded)."""
         if self.gate_up is None or self.down is None:
             return cast(torch.Tensor, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        fused = self.gate_up
+        if (
+            self.act is F.silu
+            and fused.layout == TILED
+            and fused.bias is None
+            and not fused.deterministic
+            and fused.out_features == 16 * fused.weight.shape[0]
+            and fused.out_features % 32 == 0
+            and x.dim() == 2
+            and x.stride(-1) == 1
+        ):
+            # The gate/up product and silu_mul in one pass: the product's outputs are never
+            # written whole (the same values, rounding for rounding)
+            return self.down(fused._kernels.linear_silu_mul(x, fused.weight))
         gate_up = self.gate_up(x)
         kernels = _native_for(gate_up) if self.act is F.silu and gate_up.dim() == 2 else None
         if kernels is not None:  # one pass, the same roundings

@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("screen"), py::arg("weight"), py::arg("dw_max"), py::arg("accum"), py::arg("sum_max"),
         py::arg("safety"), py::arg("unit"), py::arg("max_candidates"), py::arg("invariant") = false, release());
   m.def("argmax_rows", &argmax_rows, "Each row's first maximum (see the source).", release());
+  m.def("linear_silu_mul", &linear_silu_mul, "silu_mul(linear(x, gate/up tiles)) in one pass (see the source).",
+        release());
   m.def("pack_linear", &pack_linear, "Tile a weight [out, in] for linear (see the source).", release());
   m.def("linear", &linear, "x @ W.T + b over tiled weights (see the source).", py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none(), py::arg("invariant") = false, release());

@@ -85,9 +85,9 @@ __attribute__((optimize("fp-contract=off"))) void rotary_rows(const T* x, const 
   }
 }
 
-// [tokens, 2 x inner] -> [tokens, inner]: round(round(silu(gate)) * up).
+// [tokens, 2 x inner] -> [tokens, inner] (rows out_stride apart): round(round(silu(gate)) * up).
 template <typename T>
-void silu_mul_rows(const T* x, int64_t tokens, int64_t inner, int64_t x_stride, T* out) {
+void silu_mul_rows(const T* x, int64_t tokens, int64_t inner, int64_t x_stride, T* out, int64_t out_stride) {
   for (int64_t t = 0; t < tokens; ++t) {
     const T* gate = x + t * x_stride;
     const T* up = gate + inner;
@@ -95,12 +95,12 @@ void silu_mul_rows(const T* x, int64_t tokens, int64_t inner, int64_t x_stride, 
     for (; i + 16 <= inner; i += 16) {
       const vf16 g = load16(gate + i);
       const vf16 act = round16<T>(g / (1.f + exp16(g * -1.f)));
-      store16(out + t * inner + i, act * load16(up + i));
+      store16(out + t * out_stride + i, act * load16(up + i));
     }
     for (; i < inner; ++i) {
       const float g = load(gate[i]);
       const float act = round_to<T>(g / (1.f + exp_scalar(-g)));
-      store(act * load(up[i]), out + t * inner + i);
+      store(act * load(up[i]), out + t * out_stride + i);
     }
   }
 }
@@ -173,7 +173,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   by_dtype(x, "silu_mul", [&](auto tag) {
     using T = decltype(tag);
     silu_mul_rows<T>(reinterpret_cast<const T*>(x.data_ptr()), x.size(0), inner, x.stride(0),
-                     reinterpret_cast<T*>(out.data_ptr()));
+                     reinterpret_cast<T*>(out.data_ptr()), inner);
   });
   return out;
 }

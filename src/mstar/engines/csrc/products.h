@@ -143,10 +143,11 @@ struct RowMax {
 // block overlap the products of this one: with one input tile, each load waited for the
 // products before it (3x slower).
 void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
-                      const uint16_t* bias, uint16_t* y, int64_t y_stride, RowMax* best, int32_t col) {
+                      const uint16_t* bias, uint16_t* y, int64_t y_stride, RowMax* best, int32_t col,
+                      int64_t second = 0) {
   _tile_zero(0);
   _tile_zero(1);
-  const int64_t second = 16 * K;  // the second weight tile
+  if (second == 0) second = 16 * K;  // the second weight tile: by default the next one
   const int64_t x_bytes = x_stride * 2;
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
@@ -192,12 +193,13 @@ void linear_amx_block(int m, int nt, const uint16_t* x, int64_t x_stride, const 
 // 0-3: sums (row tile r, weight tile n at 2r + n); 4-5: the rows' 32 features; 6-7: weights.
 // A row's sums add the same tile products in the same order as linear_amx_block's.
 void linear_amx_block32(int nt, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
-                        const uint16_t* bias, uint16_t* y, int64_t y_stride) {
+                        const uint16_t* bias, uint16_t* y, int64_t y_stride, int64_t second = 0) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t second = 16 * K, x_bytes = x_stride * 2;
+  if (second == 0) second = 16 * K;  // the second weight tile: by default the next one
+  const int64_t x_bytes = x_stride * 2;
   for (int64_t k = 0; k < K; k += 32) {
     _tile_loadd(4, x + k, x_bytes);
     _tile_loadd(6, w + 16 * k, 64);
@@ -612,6 +614,126 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
               [&](int64_t mb, int64_t nt, const auto* xr, const u16* wt, const u16* bt, u16* yr) {
                 by_block<TileBF16>(mb, nt, xr, x_stride, wt, 16 * K, K, bt, yr, N);
               });
+  return y;
+}
+
+namespace {
+
+// The gated products of linear_silu_mul: pair t is gate tile t and up tile pairs + t of a
+// [gate; up] weight (2 x pairs tiles). Each block's gate and up outputs go to a small buffer
+// (as linear rounds them) and from there through silu_mul_rows to out [rows, 16 x pairs]:
+// the [rows, 2 x inner] product is never written whole, nor read back.
+template <typename X, typename T>
+void gated_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t pairs, int64_t K, T* out) {
+  const int64_t per_tile = 16 * K, inner = 16 * pairs;
+  const int64_t pair_bytes = 2 * per_tile * int64_t(sizeof(T)) * (1 + rows / 4);
+  const int64_t span = std::max<int64_t>(1, (256 << 10) / (2 * per_tile * int64_t(sizeof(T))));
+  const int64_t stripe = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(X))) / kRowBlock) * kRowBlock;
+  at::parallel_for(0, pairs, grain_for(pair_bytes), [&](int64_t begin, int64_t end) {
+    alignas(64) T both[kRowBlock * 32];  // a block's gate (lanes 0-15) and up (16-31) outputs
+    for (int64_t r0 = 0; r0 < rows; r0 += stripe) {
+      const int64_t r1 = std::min(rows, r0 + stripe), blocks = (r1 - r0 + kRowBlock - 1) / kRowBlock;
+      for (int64_t p0 = begin; p0 < end; p0 += span)
+        for (int64_t p = p0; p < std::min(end, p0 + span); ++p) {
+          const T* gate = w + p * per_tile;
+          for (int64_t b = 0, m0 = r0; b < blocks; ++b) {
+            const int64_t m = (r1 - m0) / (blocks - b);
+            const X* xr = x + m0 * x_stride;
+            if constexpr (std::is_same_v<T, float>) {
+              if constexpr (kTileGroup > 1) {
+                by_block<TileF32>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
+              } else {
+                by_block<TileF32>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
+                by_block<TileF32>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16,
+                                  int64_t(32));
+              }
+            } else {
+              if constexpr (kTileGroup > 1) {
+                by_block<TileBF16>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
+              } else {
+                by_block<TileBF16>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
+                by_block<TileBF16>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16,
+                                   int64_t(32));
+              }
+            }
+            silu_mul_rows<T>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
+            m0 += m;
+          }
+        }
+    }
+  });
+}
+
+#if defined(MSTAR_AMX)
+// gated_rows on AMX: blocks of 32 rows (then 16) by a gate tile and its up tile.
+void gated_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* w, int64_t pairs, int64_t K,
+               uint16_t* out) {
+  const int64_t per_tile = 16 * K, inner = 16 * pairs, second = pairs * per_tile;
+  const int64_t pair_bytes = 2 * per_tile * 2 * (1 + rows / 16);
+  at::parallel_for(0, pairs, grain_for(pair_bytes), [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t both[32 * 32];
+    int64_t m0 = 0;
+    if (rows >= 32) {  // as linear_amx: rows and pairs a few at a time, both kept in L2
+      const int64_t span = std::max<int64_t>(1, (256 << 10) / (2 * per_tile * 2));
+      const int64_t stripe = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);
+      const int64_t whole = rows / 32 * 32;
+      configure_tiles(16);
+      for (int64_t r0 = 0; r0 < whole; r0 += stripe)
+        for (int64_t p0 = begin; p0 < end; p0 += span)
+          for (m0 = r0; m0 < std::min(whole, r0 + stripe); m0 += 32)
+            for (int64_t p = p0; p < std::min(end, p0 + span); ++p) {
+              linear_amx_block32(2, x + m0 * x_stride, x_stride, w + p * per_tile, K, nullptr, both, 32, second);
+              silu_mul_rows<uint16_t>(both, 32, 16, 32, out + m0 * inner + 16 * p, inner);
+            }
+      m0 = whole;
+    }
+    for (; m0 < rows; m0 += 16) {
+      const int m = int(std::min<int64_t>(16, rows - m0));
+      configure_tiles(m);
+      for (int64_t p = begin; p < end; ++p) {
+        linear_amx_block(m, 2, x + m0 * x_stride, x_stride, w + p * per_tile, K, nullptr, both, 32, nullptr, 0,
+                         second);
+        silu_mul_rows<uint16_t>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+// silu_mul(linear(x, packed)) without the product's [rows, 2 x inner] outputs: packed is a
+// [gate; up] weight [2 x inner, in] tiled by pack_linear (inner a multiple of 16), no bias.
+// The same values as the two calls, rounding for rounding.
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed) {
+  [[maybe_unused]] const auto [N, K, b] = check_tiled(x, packed, c10::nullopt);
+  TORCH_CHECK(N % 32 == 0, "linear_silu_mul: gate and up of 16 x n outputs each expected, got ", N, " outputs");
+  const int64_t pairs = N / 32, xs = x.stride(0);
+  auto y = at::empty({x.size(0), N / 2}, x.options());
+  if (packed.dim() == 3) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "linear_silu_mul: float32 tiles need float32 input");
+    gated_rows(x.data_ptr<float>(), x.size(0), xs, packed.data_ptr<float>(), pairs, K, y.data_ptr<float>());
+    return y;
+  }
+  using u16 = uint16_t;
+  const u16* w = reinterpret_cast<const u16*>(packed.data_ptr());
+  u16* out = reinterpret_cast<u16*>(y.data_ptr());
+#if defined(MSTAR_AMX)
+  if (amx_takes(x.size(0), K)) {
+    gated_amx(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, w, pairs, K, out);
+    return y;
+  }
+#endif
+#if defined(__AVX512BF16__)
+  gated_rows(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, w, pairs, K, out);
+#else
+  std::vector<float> wide(x.size(0) * K);  // x widened once, as linear does
+  const u16* bits = reinterpret_cast<const u16*>(x.data_ptr());
+  for (int64_t r = 0; r < x.size(0); ++r)
+    for (int64_t k = 0; k < K; ++k) wide[r * K + k] = load(bits[r * xs + k]);
+  gated_rows(wide.data(), x.size(0), K, w, pairs, K, out);
+#endif
   return y;
 }
 
