@@ -1,9 +1,10 @@
 // prefill_attention: the query rows of prefill chunks against their sequences' keys and values,
 // read in place from the paged cache [blocks, block_size, kv_heads, head_dim] through block
 // tables. A work item is a tile of up to kTileRows consecutive rows of one sequence and one KV
-// head: each block of 16 keys is read once for the tile (its keys transposed to [dim][16 keys],
-// its values [16 keys][dim]) and serves every row of the tile and every query head of the KV
-// head, so a prompt's keys are read once per tile instead of once per row. Softmax is online
+// head: each chunk of keys is read once for the tile (its keys transposed to [dim][keys] once
+// per sequence for all of its tiles, its values read in place) and serves every row of the tile
+// and every query head of the KV head, so a prompt's keys are read once per tile instead of
+// once per row. Softmax is online
 // (a running maximum, sum and weighted values per row, rescaled as keys arrive), in float32.
 // Each row sees its first lens[row] keys: its position + 1 (causal), or a block-causal or full
 // mask's limit. float32 and bfloat16 caches are read at their width.
@@ -34,12 +35,44 @@ struct PrefillTile {
   int64_t row0, rows, seq, kv_head;
 };
 
+// A sequence's keys transposed and widened to float32 for prefill_tile, once for all of its
+// tiles: per KV head and chunk of kChunk keys [head_dim][kChunk] (a chunk's keys one block),
+// zero past the keys its rows see.
+struct SequenceKeys {
+  int64_t chunks = 0;
+  std::vector<float> data;  // [kv_heads][chunks][head_dim][kChunk]
+};
+
+// Its first `longest` keys, 16 at a time (each row of a chunk written 64 bytes at once).
+template <typename T>
+SequenceKeys transposed_keys(const T* keys, int64_t block_size, int64_t kv_heads, int64_t D, const int64_t* table,
+                             int64_t longest) {
+  SequenceKeys sk;
+  sk.chunks = (longest + kChunk - 1) / kChunk;
+  sk.data.assign(size_t(kv_heads * sk.chunks * D * kChunk), 0.f);
+  const int64_t token_stride = kv_heads * D;
+  const T* rows[16];
+  for (int64_t t0 = 0; t0 < longest; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, longest - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      rows[i] = keys + (table[t / block_size] * block_size + t % block_size) * token_stride;
+    }
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      float* chunk = sk.data.data() + ((g * sk.chunks + t0 / kChunk) * D) * kChunk + t0 % kChunk;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t i = 0; i < n; ++i) chunk[d * kChunk + i] = load(rows[i][g * D + d]);
+    }
+  }
+  return sk;
+}
+
 // One tile: rows [row0, row0 + rows) of q (the query heads of kv_head), against the keys of
-// its sequence (`table`). `work` holds the tile's buffers.
+// its sequence (`table`; its keys transposed in `seq_keys`). `work` holds the tile's buffers.
 template <int J, typename T>
-void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, const T* keys, const T* values,
-                  int64_t block_size, int64_t token_stride, const int64_t* table, const int64_t* lens,
-                  const PrefillTile& tile, float scale, T* out, std::vector<float>& work) {
+void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, const SequenceKeys& seq_keys,
+                  const T* values, int64_t block_size, int64_t token_stride, const int64_t* table,
+                  const int64_t* lens, const PrefillTile& tile, float scale, T* out, std::vector<float>& work) {
   constexpr int D = 16 * J, C = kChunk / 16, S = kScoreVectors, V = kValueVectors<J>;
   constexpr int64_t kAlign = S > V ? S : V;
   constexpr float kNone = -std::numeric_limits<float>::infinity();
@@ -48,15 +81,15 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
   int64_t longest = 0;
   for (int64_t i = 0; i < tile.rows; ++i) longest = std::max(longest, lens[tile.row0 + i]);
   // queries [padded][D], sums [padded][D], probabilities [padded][kChunk], maxima, totals
-  // [padded][16] (lane sums), each vector's visible keys, the chunk's keys transposed [D][kChunk]
-  work.resize(size_t(padded * (2 * D + kChunk + 18) + D * kChunk));
+  // [padded][16] (lane sums), each vector's visible keys
+  work.resize(size_t(padded * (2 * D + kChunk + 18)));
   float* qs = work.data();
   float* acc = qs + padded * D;
   float* probs = acc + padded * D;
   float* maxima = probs + padded * kChunk;
   float* totals = maxima + padded;
   float* seen = totals + 16 * padded;
-  float* kt = seen + padded;
+  const float* head_keys = seq_keys.data.data() + tile.kv_head * seq_keys.chunks * D * kChunk;
   for (int64_t v = 0; v < padded; ++v) {
     const int64_t i = std::min(v / group, tile.rows - 1), hh = v % group;
     const T* src = q + (tile.row0 + i) * q_stride + (tile.kv_head * group + hh) * D;
@@ -71,16 +104,10 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
   const vf16 lanes = lane_indices();
   for (int64_t t0 = 0; t0 < longest; t0 += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, longest - t0);
-    for (int64_t k = 0; k < kChunk; ++k) {
-      if (k < nk) {
-        const int64_t t = t0 + k;
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* kp = keys + slot * token_stride + tile.kv_head * D;
-        for (int d = 0; d < D; ++d) kt[d * kChunk + k] = load(kp[d]);
-        value_rows[k] = values + slot * token_stride + tile.kv_head * D;
-      } else {
-        for (int d = 0; d < D; ++d) kt[d * kChunk + k] = 0.f;
-      }
+    const float* kt = head_keys + t0 * D;  // the chunk's keys [D][kChunk]
+    for (int64_t k = 0; k < nk; ++k) {
+      const int64_t t = t0 + k;
+      value_rows[k] = values + (table[t / block_size] * block_size + t % block_size) * token_stride + tile.kv_head * D;
     }
     for (int64_t v0 = 0; v0 < padded; v0 += S) {
       vf16 s[S][C];
@@ -427,24 +454,28 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const bool amx = prefill_uses_amx(q);
+  const bool amx = prefill_uses_amx(q) && std::is_same_v<T, uint16_t> && J % 2 == 0;
+  // Each sequence's keys (AMX: values) transposed once, for all of its tiles.
+  std::vector<int64_t> longest(tables.size(0), 0);
+  for (int64_t r = 0; r < rows; ++r) longest[seq[r]] = std::max(longest[seq[r]], lp[r]);
+  const int64_t seq_bytes = 4 * (*std::max_element(longest.begin(), longest.end())) * kv_heads * 16 * J;
+  std::vector<SequenceKeys> seq_keys(amx ? 0 : longest.size());
 #if defined(MSTAR_AMX)
-  // AMX: each sequence's values transposed once, for all of its tiles.
-  std::vector<SequenceValues> seq_values;
-  if constexpr (std::is_same_v<T, uint16_t> && J % 2 == 0) {
-    if (amx) {
-      std::vector<int64_t> longest(tables.size(0), 0);
-      for (int64_t r = 0; r < rows; ++r) longest[seq[r]] = std::max(longest[seq[r]], lp[r]);
-      seq_values.resize(longest.size());
-      const int64_t seq_bytes = 4 * (*std::max_element(longest.begin(), longest.end())) * kv_heads * 16 * J;
-      at::parallel_for(0, int64_t(longest.size()), grain_for(seq_bytes), [&](int64_t begin, int64_t end) {
-        for (int64_t s = begin; s < end; ++s)
-          if (longest[s] > 0)
-            seq_values[s] = transposed_values(vp, block_size, kv_heads, 16 * J, tp + s * max_blocks, longest[s]);
-      });
-    }
-  }
+  std::vector<SequenceValues> seq_values(amx ? longest.size() : 0);
 #endif
+  at::parallel_for(0, int64_t(longest.size()), grain_for(seq_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      if (longest[s] == 0) continue;
+      if (!amx) {
+        seq_keys[s] = transposed_keys(kp, block_size, kv_heads, 16 * J, tp + s * max_blocks, longest[s]);
+        continue;
+      }
+#if defined(MSTAR_AMX)
+      if constexpr (std::is_same_v<T, uint16_t>)
+        seq_values[s] = transposed_values(vp, block_size, kv_heads, 16 * J, tp + s * max_blocks, longest[s]);
+#endif
+    }
+  });
   // A tile's cost: its rows' query heads against the keys they see, as bytes of products.
   std::vector<int64_t> costs(tiles.size());
   for (size_t i = 0; i < tiles.size(); ++i) {
@@ -465,8 +496,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         }
       }
 #endif
-      prefill_tile<J>(qp, q.stride(0), heads, group, kp, vp, block_size, token_stride, tp + tile.seq * max_blocks,
-                      lp, tile, float(scale), op, work);
+      prefill_tile<J>(qp, q.stride(0), heads, group, seq_keys[tile.seq], vp, block_size, token_stride,
+                      tp + tile.seq * max_blocks, lp, tile, float(scale), op, work);
     }
   });
 }
