@@ -5,8 +5,9 @@
 // per sequence for all of its tiles, its values read in place) and serves every row of the tile
 // and every query head of the KV head, so a prompt's keys are read once per tile instead of
 // once per row. Softmax is online (a running maximum, sum and weighted values per row, rescaled
-// as keys arrive), in float32. Each row sees its first lens[row] keys: its position + 1 (causal), or a block-causal or full
-// mask's limit. float32 and bfloat16 caches are read at their width.
+// as keys arrive), in float32. Each row sees its first lens[row] keys: its position + 1
+// (causal), or a block-causal or full mask's limit. float32 and bfloat16 caches are read at
+// their width.
 
 #pragma once
 
