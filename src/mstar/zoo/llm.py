@@ -108,7 +108,9 @@ def history_turn(inputs: Mapping[str, Any], is_first: bool, **extra: Any) -> KVT
     tokens left to generate and whether the last one was a stop token follow from it, on any rank.
     """
     params: SamplingParams = inputs["params"]
-    history = [int(t) for t in inputs["history"]]
+    raw = inputs["history"]
+    # One call for a tensor (iterating it made a tensor per token: milliseconds per prompt)
+    history = raw.tolist() if isinstance(raw, torch.Tensor) else [int(t) for t in raw]
     prompt_len = params.prompt_len if params.prompt_len is not None else len(history)
     generated = len(history) - prompt_len
     left = params.max_tokens - generated
