@@ -35,6 +35,16 @@ struct PrefillTile {
   int64_t row0, rows, seq, kv_head;
 };
 
+// The rows of tokens t0 .. t0 + n - 1 (n <= 16) of a sequence in a paged cache (`table`).
+template <typename T>
+void token_rows(const T* cache, int64_t block_size, int64_t token_stride, const int64_t* table, int64_t t0,
+                int64_t n, const T** rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    rows[i] = cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
+  }
+}
+
 // A sequence's keys transposed and widened to float32 for prefill_tile, once for all of its
 // tiles: per KV head and chunk of kChunk keys [head_dim][kChunk] (a chunk's keys one block),
 // zero past the keys its rows see.
@@ -54,10 +64,7 @@ SequenceKeys transposed_keys(const T* keys, int64_t block_size, int64_t kv_heads
   const T* rows[16];
   for (int64_t t0 = 0; t0 < longest; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, longest - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i;
-      rows[i] = keys + (table[t / block_size] * block_size + t % block_size) * token_stride;
-    }
+    token_rows(keys, block_size, token_stride, table, t0, n, rows);
     for (int64_t g = 0; g < kv_heads; ++g) {
       float* chunk = sk.data.data() + ((g * sk.chunks + t0 / kChunk) * D) * kChunk + t0 % kChunk;
       for (int64_t d = 0; d < D; ++d)
@@ -407,10 +414,7 @@ SequenceValues transposed_values(const uint16_t* values, int64_t block_size, int
   const uint16_t* rows[16];
   for (int64_t t0 = 0; t0 < longest; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, longest - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i;
-      rows[i] = values + (table[t / block_size] * block_size + t % block_size) * token_stride;
-    }
+    token_rows(values, block_size, token_stride, table, t0, n, rows);
     for (int64_t c = 0; c < token_stride; ++c) {  // c: KV head g's feature d at g * D + d
       uint16_t* dst = sv.data.data() + c * sv.padded + t0;
       for (int64_t i = 0; i < n; ++i) dst[i] = rows[i][c];

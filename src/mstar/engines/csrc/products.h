@@ -237,6 +237,32 @@ bool amx_takes(int64_t rows, int64_t K, bool invariant = false) {
   return (invariant || rows >= kAmxMinRows) && K % 32 == 0 && amx_permitted();
 }
 
+// The order of AMX products over rows and weight groups [begin, end) of `group_bytes` each:
+// with `many` (a block of 32 rows at m0 by group g) and 32 rows or more, rows and groups a few
+// at a time (about 512 and 256 KiB: both stay in L2 while the other passes); the rest (or all,
+// without `many`) in blocks of up to 16 rows, `few(m, m0, g)`.
+template <typename Many, typename Few>
+void amx_blocks(int64_t rows, int64_t begin, int64_t end, int64_t K, int64_t group_bytes, const Many* many,
+                const Few& few) {
+  int64_t m0 = 0;
+  if (many != nullptr && rows >= 32) {
+    const int64_t span = std::max<int64_t>(1, (256 << 10) / group_bytes);
+    const int64_t stripe = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);
+    const int64_t whole = rows / 32 * 32;
+    configure_tiles(16);
+    for (int64_t r0 = 0; r0 < whole; r0 += stripe)
+      for (int64_t g0 = begin; g0 < end; g0 += span)
+        for (m0 = r0; m0 < std::min(whole, r0 + stripe); m0 += 32)
+          for (int64_t g = g0; g < std::min(end, g0 + span); ++g) (*many)(m0, g);
+    m0 = whole;
+  }
+  for (; m0 < rows; m0 += 16) {
+    const int m = int(std::min<int64_t>(16, rows - m0));
+    configure_tiles(m);
+    for (int64_t g = begin; g < end; ++g) few(m, m0, g);
+  }
+}
+
 // linear's bfloat16 product on AMX: rows in blocks of 16, weight tiles in pairs. With
 // `tokens`, each row's first maximum goes there instead of the outputs to y (linear_argmax):
 // the threads' maxima are merged (a larger value, or an equal one at a smaller index, wins).
@@ -251,34 +277,19 @@ void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_
   const int64_t group_bytes = kAmxTileGroup * 16 * K * 2 * (1 + rows / 16);
   at::parallel_for(0, groups, grain_for(group_bytes), [&](int64_t begin, int64_t end) {
     std::vector<RowMax> best(tokens ? rows : 0);
-    int64_t m0 = 0;
-    if (!tokens && rows >= 32) {  // many rows: in blocks of 32, the rest below
-      // Rows and weight groups a few at a time (about 512 and 256 KiB): both stay in L2 while
-      // the other passes.
-      const int64_t span = std::max<int64_t>(1, (256 << 10) / (kAmxTileGroup * 16 * K * 2));
-      const int64_t stripe = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);
-      const int64_t whole = rows / 32 * 32;
-      configure_tiles(16);
-      for (int64_t r0 = 0; r0 < whole; r0 += stripe)
-        for (int64_t g0 = begin; g0 < end; g0 += span)
-          for (m0 = r0; m0 < std::min(whole, r0 + stripe); m0 += 32)
-            for (int64_t g = g0; g < std::min(end, g0 + span); ++g) {
-              const int64_t t = g * kAmxTileGroup;
-              linear_amx_block32(int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride,
-                                 w + t * 16 * K, K, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t, N);
-            }
-      m0 = whole;
-    }
-    for (; m0 < rows; m0 += 16) {
-      const int m = int(std::min<int64_t>(16, rows - m0));
-      configure_tiles(m);
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t t = g * kAmxTileGroup;
-        linear_amx_block(m, int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride, w + t * 16 * K, K,
-                         bias ? bias + 16 * t : nullptr, tokens ? nullptr : y + m0 * N + 16 * t, N,
-                         tokens ? best.data() + m0 : nullptr, int32_t(16 * t));
-      }
-    }
+    const auto many = [&](int64_t m0, int64_t g) {  // many rows: in blocks of 32, the rest below
+      const int64_t t = g * kAmxTileGroup;
+      linear_amx_block32(int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride, w + t * 16 * K, K,
+                         bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t, N);
+    };
+    amx_blocks(rows, begin, end, K, kAmxTileGroup * 16 * K * 2, tokens ? nullptr : &many,
+               [&](int m, int64_t m0, int64_t g) {
+                 const int64_t t = g * kAmxTileGroup;
+                 linear_amx_block(m, int(std::min(kAmxTileGroup, tiles - t)), x + m0 * x_stride, x_stride,
+                                  w + t * 16 * K, K, bias ? bias + 16 * t : nullptr,
+                                  tokens ? nullptr : y + m0 * N + 16 * t, N, tokens ? best.data() + m0 : nullptr,
+                                  int32_t(16 * t));
+               });
     _tile_release();
     if (!tokens) return;
     std::lock_guard<std::mutex> lock(merging);
@@ -625,6 +636,7 @@ namespace {
 // the [rows, 2 x inner] product is never written whole, nor read back.
 template <typename X, typename T>
 void gated_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t pairs, int64_t K, T* out) {
+  using Tile = std::conditional_t<std::is_same_v<T, float>, TileF32, TileBF16>;
   const int64_t per_tile = 16 * K, inner = 16 * pairs;
   const int64_t pair_bytes = 2 * per_tile * int64_t(sizeof(T)) * (1 + rows / 4);
   const int64_t span = std::max<int64_t>(1, (256 << 10) / (2 * per_tile * int64_t(sizeof(T))));
@@ -639,22 +651,12 @@ void gated_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t 
           for (int64_t b = 0, m0 = r0; b < blocks; ++b) {
             const int64_t m = (r1 - m0) / (blocks - b);
             const X* xr = x + m0 * x_stride;
-            if constexpr (std::is_same_v<T, float>) {
-              if constexpr (kTileGroup > 1) {
-                by_block<TileF32>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
-              } else {
-                by_block<TileF32>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
-                by_block<TileF32>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16,
-                                  int64_t(32));
-              }
+            if constexpr (kTileGroup > 1) {  // gate and up as a group of two tiles
+              by_block<Tile>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
             } else {
-              if constexpr (kTileGroup > 1) {
-                by_block<TileBF16>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
-              } else {
-                by_block<TileBF16>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
-                by_block<TileBF16>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16,
-                                   int64_t(32));
-              }
+              by_block<Tile>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
+              by_block<Tile>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16,
+                             int64_t(32));
             }
             silu_mul_rows<T>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
             m0 += m;
@@ -672,30 +674,14 @@ void gated_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t
   const int64_t pair_bytes = 2 * per_tile * 2 * (1 + rows / 16);
   at::parallel_for(0, pairs, grain_for(pair_bytes), [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t both[32 * 32];
-    int64_t m0 = 0;
-    if (rows >= 32) {  // as linear_amx: rows and pairs a few at a time, both kept in L2
-      const int64_t span = std::max<int64_t>(1, (256 << 10) / (2 * per_tile * 2));
-      const int64_t stripe = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);
-      const int64_t whole = rows / 32 * 32;
-      configure_tiles(16);
-      for (int64_t r0 = 0; r0 < whole; r0 += stripe)
-        for (int64_t p0 = begin; p0 < end; p0 += span)
-          for (m0 = r0; m0 < std::min(whole, r0 + stripe); m0 += 32)
-            for (int64_t p = p0; p < std::min(end, p0 + span); ++p) {
-              linear_amx_block32(2, x + m0 * x_stride, x_stride, w + p * per_tile, K, nullptr, both, 32, second);
-              silu_mul_rows<uint16_t>(both, 32, 16, 32, out + m0 * inner + 16 * p, inner);
-            }
-      m0 = whole;
-    }
-    for (; m0 < rows; m0 += 16) {
-      const int m = int(std::min<int64_t>(16, rows - m0));
-      configure_tiles(m);
-      for (int64_t p = begin; p < end; ++p) {
-        linear_amx_block(m, 2, x + m0 * x_stride, x_stride, w + p * per_tile, K, nullptr, both, 32, nullptr, 0,
-                         second);
-        silu_mul_rows<uint16_t>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
-      }
-    }
+    const auto many = [&](int64_t m0, int64_t p) {
+      linear_amx_block32(2, x + m0 * x_stride, x_stride, w + p * per_tile, K, nullptr, both, 32, second);
+      silu_mul_rows<uint16_t>(both, 32, 16, 32, out + m0 * inner + 16 * p, inner);
+    };
+    amx_blocks(rows, begin, end, K, 2 * per_tile * 2, &many, [&](int m, int64_t m0, int64_t p) {
+      linear_amx_block(m, 2, x + m0 * x_stride, x_stride, w + p * per_tile, K, nullptr, both, 32, nullptr, 0, second);
+      silu_mul_rows<uint16_t>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
+    });
     _tile_release();
   });
 }
