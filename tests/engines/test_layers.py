@@ -21,6 +21,7 @@ from mstar.engines.layers import (
     can_pack,
     choose_layout,
 )
+from mstar.engines.native import cpu_kernels
 
 LAYOUTS = [OUT_IN, IN_OUT, PACKED, TILED]
 
@@ -150,3 +151,28 @@ def test_gated_mlp_is_the_gated_block_before_and_after_fusing(
 def test_gated_mlp_names_the_activations_it_knows() -> None:
     with pytest.raises(ValueError, match="activation must be one of"):
         GatedMLP(4, 8, activation="relu")
+
+
+@pytest.mark.parametrize("forced_layout", LAYOUTS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_mlp_in_one_pass_gives_the_two_step_values(
+    forced_layout: str, dtype: torch.dtype
+) -> None:
+    """Tiled silu weights take linear_silu_mul (the gate/up outputs never written whole), bit
+    for bit the product then silu_mul; other layouts decline it and take the two steps."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels are not built here")
+    torch.manual_seed(2)
+    mlp = GatedMLP(64, 48).to(dtype)
+    mlp.fuse()
+    assert mlp.gate_up is not None and mlp.down is not None
+    x = torch.randn(37, 64).to(dtype)
+    with torch.no_grad():
+        gated = mlp.gate_up.silu_mul(x)
+        assert (gated is not None) == (forced_layout == TILED)
+        two_steps = kernels.silu_mul(mlp.gate_up(x))
+        if gated is not None:
+            assert torch.equal(gated, two_steps)
+        assert torch.equal(mlp(x), mlp.down(two_steps))
+        assert mlp.gate_up.silu_mul(x.t().contiguous().t()) is None  # strided features: declined

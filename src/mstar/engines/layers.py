@@ -384,6 +384,27 @@ class FusedLinear:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Return `silu(gate) * up` for this `[gate; up]` product of `x` `[rows, in]` in one
+        native pass, or None where the kernel does not take it (not tiled, a bias, a padded
+        tile, deterministic serving, halves not of whole tiles).
+
+        The product's `[rows, 2 x inner]` outputs are never written whole: each block of them
+        goes through silu_mul from a small buffer. The values are the product's, then
+        silu_mul's, rounding for rounding.
+        """
+        if (
+            self.layout != TILED
+            or self.bias is not None
+            or self.deterministic
+            or self.out_features != 16 * self.weight.shape[0]
+            or self.out_features % 32 != 0
+            or x.dim() != 2
+            or x.stride(-1) != 1
+        ):
+            return None
+        return cast(torch.Tensor, self._kernels.linear_silu_mul(x, self.weight))
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Return each row's first maximum of `self(x)` for `x` `[rows, in]` (a greedy head's
         choice).
@@ -717,20 +738,10 @@ class GatedMLP(nn.Module):
         group (the whole output when not sharded)."""
         if self.gate_up is None or self.down is None:
             return cast(torch.Tensor, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
-        fused = self.gate_up
-        if (
-            self.act is F.silu
-            and fused.layout == TILED
-            and fused.bias is None
-            and not fused.deterministic
-            and fused.out_features == 16 * fused.weight.shape[0]
-            and fused.out_features % 32 == 0
-            and x.dim() == 2
-            and x.stride(-1) == 1
-        ):
-            # The gate/up product and silu_mul in one pass: the product's outputs are never
-            # written whole (the same values, rounding for rounding)
-            return self.down(fused._kernels.linear_silu_mul(x, fused.weight))
+        if self.act is F.silu:
+            gated = self.gate_up.silu_mul(x)
+            if gated is not None:
+                return self.down(gated)
         gate_up = self.gate_up(x)
         kernels = _native_for(gate_up) if self.act is F.silu and gate_up.dim() == 2 else None
         if kernels is not None:  # one pass, the same roundings
