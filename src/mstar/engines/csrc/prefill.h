@@ -35,7 +35,7 @@ struct PrefillTile {
   int64_t row0, rows, seq, kv_head;
 };
 
-// The rows of tokens t0 .. t0 + n - 1 (n <= 16) of a sequence in a paged cache (`table`).
+// The rows of tokens t0 .. t0 + n - 1 of a sequence in a paged cache (`table`).
 template <typename T>
 void token_rows(const T* cache, int64_t block_size, int64_t token_stride, const int64_t* table, int64_t t0,
                 int64_t n, const T** rows) {
@@ -112,10 +112,7 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
   for (int64_t t0 = 0; t0 < longest; t0 += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, longest - t0);
     const float* kt = head_keys + t0 * D;  // the chunk's keys [D][kChunk]
-    for (int64_t k = 0; k < nk; ++k) {
-      const int64_t t = t0 + k;
-      value_rows[k] = values + (table[t / block_size] * block_size + t % block_size) * token_stride + tile.kv_head * D;
-    }
+    token_rows(values + tile.kv_head * D, block_size, token_stride, table, t0, nk, value_rows.data());
     for (int64_t v0 = 0; v0 < padded; v0 += S) {
       vf16 s[S][C];
       for (int p = 0; p < S; ++p)
@@ -441,7 +438,7 @@ namespace {
 template <int J, typename T>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& tables, const at::Tensor& row_seqs, const at::Tensor& lens,
-                            double scale, at::Tensor& out) {
+                            const std::vector<int64_t>& longest, double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t block_size = k_cache.size(1), token_stride = kv_heads * 16 * J, max_blocks = tables.size(1);
   const int64_t* seq = row_seqs.data_ptr<int64_t>();
@@ -459,9 +456,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const bool amx = prefill_uses_amx(q) && std::is_same_v<T, uint16_t> && J % 2 == 0;
-  // Each sequence's keys (AMX: values) transposed once, for all of its tiles.
-  std::vector<int64_t> longest(tables.size(0), 0);
-  for (int64_t r = 0; r < rows; ++r) longest[seq[r]] = std::max(longest[seq[r]], lp[r]);
+  // Each sequence's keys (AMX: values) transposed once, for all of its tiles: the first
+  // `longest[seq]` (the most its rows see).
   const int64_t seq_bytes = 4 * (*std::max_element(longest.begin(), longest.end())) * kv_heads * 16 * J;
   std::vector<SequenceKeys> seq_keys(amx ? 0 : longest.size());
 #if defined(MSTAR_AMX)
@@ -553,11 +549,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   by_dtype(q, "prefill_attention", [&](auto zero) {
     using T = decltype(zero);
     switch (q.size(2)) {
-      case 16: return prefill_attention_impl<1, T>(q, k_cache, v_cache, tables, row_seqs, lens, scale, out);
-      case 32: return prefill_attention_impl<2, T>(q, k_cache, v_cache, tables, row_seqs, lens, scale, out);
-      case 64: return prefill_attention_impl<4, T>(q, k_cache, v_cache, tables, row_seqs, lens, scale, out);
-      case 128: return prefill_attention_impl<8, T>(q, k_cache, v_cache, tables, row_seqs, lens, scale, out);
-      case 256: return prefill_attention_impl<16, T>(q, k_cache, v_cache, tables, row_seqs, lens, scale, out);
+      case 16: return prefill_attention_impl<1, T>(q, k_cache, v_cache, tables, row_seqs, lens, longest, scale, out);
+      case 32: return prefill_attention_impl<2, T>(q, k_cache, v_cache, tables, row_seqs, lens, longest, scale, out);
+      case 64: return prefill_attention_impl<4, T>(q, k_cache, v_cache, tables, row_seqs, lens, longest, scale, out);
+      case 128: return prefill_attention_impl<8, T>(q, k_cache, v_cache, tables, row_seqs, lens, longest, scale, out);
+      case 256: return prefill_attention_impl<16, T>(q, k_cache, v_cache, tables, row_seqs, lens, longest, scale, out);
       default: TORCH_CHECK(false, "prefill_attention: head_dim must be 16, 32, 64, 128 or 256, got ", q.size(2));
     }
   });

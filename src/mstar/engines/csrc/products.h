@@ -312,32 +312,49 @@ void linear_amx(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_
 }
 #endif
 
-// Rows in blocks of up to kRowBlock (as even as they come: 16 rows in 6 + 5 + 5, not 6 + 6 + 4),
-// tiles in groups of kTileGroup (a group's weights stay in L1 across the blocks of a stripe).
+// Rows in blocks of up to kRowBlock (as even as they come: 16 rows in 6 + 5 + 5, not 6 + 6 + 4)
+// by weight groups [0, groups) of `group_bytes` each (a group's weights stay in L1 across the
+// blocks of a stripe): `block(m, m0, g)` for each. Rows and groups a few at a time (about
+// 256 KiB of each): both stay in L2 while the other passes (a prompt's rows, read whole for
+// each group, came from memory every time). Groups spread over threads.
+template <typename Block>
+void row_blocks(int64_t rows, int64_t row_bytes, int64_t groups, int64_t group_bytes, const Block& block) {
+  const int64_t span = std::max<int64_t>(1, (256 << 10) / group_bytes);
+  const int64_t stripe = std::max<int64_t>(1, (256 << 10) / row_bytes / kRowBlock) * kRowBlock;
+  // A group's weights, and its products (a vector product of 4 rows costs about a weight load)
+  at::parallel_for(0, groups, grain_for(group_bytes * (1 + rows / 4)), [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += stripe) {
+      const int64_t r1 = std::min(rows, r0 + stripe), blocks = (r1 - r0 + kRowBlock - 1) / kRowBlock;
+      for (int64_t g0 = begin; g0 < end; g0 += span)
+        for (int64_t g = g0; g < std::min(end, g0 + span); ++g)
+          for (int64_t b = 0, m0 = r0; b < blocks; ++b) {
+            const int64_t m = (r1 - m0) / (blocks - b);
+            block(m, m0, g);
+            m0 += m;
+          }
+    }
+  });
+}
+
+// linear's rows by tiles in groups of kTileGroup (see row_blocks).
 template <typename X, typename T, typename Tile>
 void linear_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t N, int64_t K, const T* bias, T* y,
                  Tile&& tile) {
   const int64_t tiles = N / 16, per_tile = 16 * K, groups = (tiles + kTileGroup - 1) / kTileGroup;
-  // A group's weights, and its products (a vector product of 4 rows costs about a weight load)
-  const int64_t group_bytes = kTileGroup * per_tile * int64_t(sizeof(T)) * (1 + rows / 4);
-  // Rows and weight groups a few at a time (about 256 KiB of each): both stay in L2 while the
-  // other passes (a prompt's rows, read whole for each group, came from memory every time).
-  const int64_t span = std::max<int64_t>(1, (256 << 10) / (kTileGroup * per_tile * int64_t(sizeof(T))));
-  const int64_t stripe = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(X))) / kRowBlock) * kRowBlock;
-  at::parallel_for(0, groups, grain_for(group_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += stripe) {
-      const int64_t r1 = std::min(rows, r0 + stripe), blocks = (r1 - r0 + kRowBlock - 1) / kRowBlock;
-      for (int64_t g0 = begin; g0 < end; g0 += span)
-        for (int64_t g = g0; g < std::min(end, g0 + span); ++g) {
-          const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
-          for (int64_t b = 0, m0 = r0; b < blocks; ++b) {
-            const int64_t m = (r1 - m0) / (blocks - b);
-            tile(m, nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
-            m0 += m;
-          }
-        }
-    }
-  });
+  row_blocks(rows, K * int64_t(sizeof(X)), groups, kTileGroup * per_tile * int64_t(sizeof(T)),
+             [&](int64_t m, int64_t m0, int64_t g) {
+               const int64_t t = g * kTileGroup, nt = std::min(kTileGroup, tiles - t);
+               tile(m, nt, x + m0 * x_stride, w + t * per_tile, bias ? bias + 16 * t : nullptr, y + m0 * N + 16 * t);
+             });
+}
+
+// bfloat16 rows widened to float32 once, for tiles that broadcast float32 inputs (without
+// AVX-512 BF16): [rows, K] contiguous.
+inline std::vector<float> widened_rows(const uint16_t* bits, int64_t rows, int64_t stride, int64_t K) {
+  std::vector<float> wide(rows * K);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) wide[r * K + k] = load(bits[r * stride + k]);
+  return wide;
 }
 
 // Calls Fn::template run<M, NT>(args...) for a runtime M in [1, kRowBlock] and NT in [1, kTileGroup].
@@ -613,11 +630,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   const u16* xp = reinterpret_cast<const u16*>(x.data_ptr());
   const int64_t x_stride = xs;
 #else
-  // x widened once: the tiles then broadcast float32 inputs.
-  std::vector<float> wide(x.size(0) * K);
-  const u16* bits = reinterpret_cast<const u16*>(x.data_ptr());
-  for (int64_t r = 0; r < x.size(0); ++r)
-    for (int64_t k = 0; k < K; ++k) wide[r * K + k] = load(bits[r * xs + k]);
+  const std::vector<float> wide = widened_rows(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, K);
   const float* xp = wide.data();
   const int64_t x_stride = K;
 #endif
@@ -638,31 +651,18 @@ template <typename X, typename T>
 void gated_rows(const X* x, int64_t rows, int64_t x_stride, const T* w, int64_t pairs, int64_t K, T* out) {
   using Tile = std::conditional_t<std::is_same_v<T, float>, TileF32, TileBF16>;
   const int64_t per_tile = 16 * K, inner = 16 * pairs;
-  const int64_t pair_bytes = 2 * per_tile * int64_t(sizeof(T)) * (1 + rows / 4);
-  const int64_t span = std::max<int64_t>(1, (256 << 10) / (2 * per_tile * int64_t(sizeof(T))));
-  const int64_t stripe = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(X))) / kRowBlock) * kRowBlock;
-  at::parallel_for(0, pairs, grain_for(pair_bytes), [&](int64_t begin, int64_t end) {
-    alignas(64) T both[kRowBlock * 32];  // a block's gate (lanes 0-15) and up (16-31) outputs
-    for (int64_t r0 = 0; r0 < rows; r0 += stripe) {
-      const int64_t r1 = std::min(rows, r0 + stripe), blocks = (r1 - r0 + kRowBlock - 1) / kRowBlock;
-      for (int64_t p0 = begin; p0 < end; p0 += span)
-        for (int64_t p = p0; p < std::min(end, p0 + span); ++p) {
-          const T* gate = w + p * per_tile;
-          for (int64_t b = 0, m0 = r0; b < blocks; ++b) {
-            const int64_t m = (r1 - m0) / (blocks - b);
-            const X* xr = x + m0 * x_stride;
-            if constexpr (kTileGroup > 1) {  // gate and up as a group of two tiles
-              by_block<Tile>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
-            } else {
-              by_block<Tile>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
-              by_block<Tile>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16,
-                             int64_t(32));
-            }
-            silu_mul_rows<T>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
-            m0 += m;
-          }
-        }
+  row_blocks(rows, K * int64_t(sizeof(X)), pairs, 2 * per_tile * int64_t(sizeof(T)), [&](int64_t m, int64_t m0,
+                                                                                          int64_t p) {
+    alignas(64) T both[kRowBlock * 32];  // the block's gate (lanes 0-15) and up (16-31) outputs
+    const X* xr = x + m0 * x_stride;
+    const T* gate = w + p * per_tile;
+    if constexpr (kTileGroup > 1) {  // gate and up as a group of two tiles
+      by_block<Tile>(m, 2, xr, x_stride, gate, pairs * per_tile, K, nullptr, both, int64_t(32));
+    } else {
+      by_block<Tile>(m, 1, xr, x_stride, gate, per_tile, K, nullptr, both, int64_t(32));
+      by_block<Tile>(m, 1, xr, x_stride, gate + pairs * per_tile, per_tile, K, nullptr, both + 16, int64_t(32));
     }
+    silu_mul_rows<T>(both, m, 16, 32, out + m0 * inner + 16 * p, inner);
   });
 }
 
@@ -714,10 +714,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed) {
 #if defined(__AVX512BF16__)
   gated_rows(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, w, pairs, K, out);
 #else
-  std::vector<float> wide(x.size(0) * K);  // x widened once, as linear does
-  const u16* bits = reinterpret_cast<const u16*>(x.data_ptr());
-  for (int64_t r = 0; r < x.size(0); ++r)
-    for (int64_t k = 0; k < K; ++k) wide[r * K + k] = load(bits[r * xs + k]);
+  const std::vector<float> wide = widened_rows(reinterpret_cast<const u16*>(x.data_ptr()), x.size(0), xs, K);
   gated_rows(wide.data(), x.size(0), K, w, pairs, K, out);
 #endif
   return y;
