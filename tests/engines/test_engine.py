@@ -14,6 +14,7 @@ from mstar.engines import (
     SamplingParams,
     Sequence,
 )
+from mstar.engines.scheduler import SchedulerOutput
 from mstar.errors import (
     DuplicateRequestError,
     InvalidSamplingParamsError,
@@ -213,6 +214,37 @@ def test_chunk_cuts_respect_mask_segments() -> None:
     assert blocky.max_chunk(8) == 6 and blocky.max_chunk(13) == 12 and blocky.max_chunk(4) == 6
     blocky.num_computed_tokens = 18
     assert blocky.max_chunk(1) == 2 and blocky.kv_limit(18) == 20
+
+
+def test_prompts_are_not_cut_to_fill_a_step_that_holds_other_prompts(
+    tiny_llama: LlamaCausalLM,
+) -> None:
+    """A prompt that fits a step of its own starts whole in the next step instead of being
+    cut beside another prompt (which would only delay both first tokens); a prompt longer
+    than a step is still cut, and decode rows do not hold a prompt back."""
+    prompts = {"a": [1] * 12, "b": [2] * 12, "c": [3] * 3, "long": [4] * 40}
+    engine = _engine(tiny_llama, max_num_batched_tokens=16)
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, SamplingParams.greedy(4))
+    chunks: list[list[tuple[str, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        step = schedule()
+        chunks.append([(s.seq.request_id, s.num_tokens) for s in step.scheduled])
+        return step
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    got = _drain(engine)
+    assert chunks[:3] == [
+        [("a", 12)],  # b would be cut to 4 beside a: it waits, and c behind it
+        [("a", 1), ("b", 12), ("c", 3)],
+        [("a", 1), ("b", 1), ("c", 1), ("long", 13)],  # beside decode rows only: cut
+    ]
+    for name, prompt in prompts.items():
+        alone = _engine(tiny_llama, max_num_batched_tokens=16)
+        alone.add_request(name, prompt, SamplingParams.greedy(4))
+        assert got[name] == _drain(alone)[name]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama: LlamaCausalLM) -> None:

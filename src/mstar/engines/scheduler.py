@@ -154,10 +154,16 @@ class BatchScheduler:
             scheduled_ids.add(id(seq))
             budget -= num_tokens
         # Admit waiting sequences (new or preempted) while there is room.
+        prompt_work = any(s.num_tokens > 1 for s in out.scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             bm.allocate_cached_prefix(seq)
             num_tokens = seq.max_chunk(budget)
+            if prompt_work and num_tokens < seq.max_chunk(self.max_num_batched_tokens):
+                # A step's time grows with its tokens: a cut first chunk beside other prompt
+                # work would only delay their first tokens; next step takes it whole.
+                bm.free(seq)
+                break
             while not self._fits(seq, num_tokens) and not self.running and self._has_evictable():
                 # Nothing runs, so only idle paused sequences can give blocks back.
                 self._evict_paused(out)
@@ -172,6 +178,7 @@ class BatchScheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= num_tokens
+            prompt_work = prompt_work or num_tokens > 1
         return out
 
     def _make_room(
