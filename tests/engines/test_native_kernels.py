@@ -122,6 +122,7 @@ def _reference(q: torch.Tensor, rows, kv_heads: int, scale: float) -> torch.Tens
         (8, 1, 128, 32),
         (2, 2, 256, 16),
         (16, 2, 64, 4),
+        (12, 6, 64, 16),  # KV heads scored four at a time (AMX): a group of four, then two
     ],
 )
 def test_kernel_equals_attention_over_the_gathered_keys(

@@ -9,8 +9,8 @@
 // are fetched. A row of one range is written out directly; a longer row's ranges (their
 // maxima, sums and weighted values) are merged after, so one long sequence's decode spreads
 // over every thread. float32 and bfloat16 caches are read as they are stored, so a bfloat16
-// cache moves half the bytes: its keys scored as they are (AVX-512 BF16 dot products of the
-// stored bits) or widened on load, its values widened.
+// cache moves half the bytes: its keys scored as they are (AMX tile products or AVX-512 BF16
+// dot products of the stored bits) or widened on load, its values widened.
 
 #pragma once
 
@@ -86,6 +86,66 @@ inline vf16 score(const vf16* q, const T* k) {
   return dot<J>(q, k);
 }
 
+#if defined(MSTAR_AMX)
+// Scores of 16 keys lying `stride` bytes apart (one block's) for the query heads of `count` <= 4
+// KV heads, D elements apart from `first`, into tiles 0 to count - 1 (each [16 keys][16 heads]):
+// one tile product per 32 features of a KV head's keys (tiles 4, 6) by its heads' queries^T
+// (tiles 5, 7; qt: per KV head J / 2 steps of [16 feature pairs][16 heads], the queries' bits),
+// where AVX-512 BF16 takes a dot product and a horizontal sum per key and head. The products
+// run while the caller's vector code works on the tiles before (see store_score_tiles).
+template <int J>
+inline void score_tiles_amx(const uint16_t* first, int64_t stride, const uint32_t* qt, int64_t count) {
+  constexpr int D = 16 * J, Q = 256 * (J / 2);  // Q: one KV head's queries^T
+  _tile_zero(0);
+  if (count > 1) _tile_zero(1);
+  if (count > 2) _tile_zero(2);
+  if (count > 3) _tile_zero(3);
+  for (int s = 0; s < J / 2; ++s) {
+    const uint16_t* k = first + 32 * s;
+    const uint32_t* w = qt + 256 * s;
+    _tile_loadd(4, k, stride);
+    _tile_loadd(5, w, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (count > 1) {
+      _tile_loadd(6, k + D, stride);
+      _tile_loadd(7, w + Q, 64);
+      _tile_dpbf16ps(1, 6, 7);
+    }
+    if (count > 2) {
+      _tile_loadd(4, k + 2 * D, stride);
+      _tile_loadd(5, w + 2 * Q, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (count > 3) {
+      _tile_loadd(6, k + 3 * D, stride);
+      _tile_loadd(7, w + 3 * Q, 64);
+      _tile_dpbf16ps(3, 6, 7);
+    }
+  }
+}
+
+// Tiles 0 to count - 1 to scores [count][16 keys][16 heads].
+inline void store_score_tiles(float* scores, int64_t count) {
+  _tile_stored(0, scores, 64);
+  if (count > 1) _tile_stored(1, scores + 256, 64);
+  if (count > 2) _tile_stored(2, scores + 512, 64);
+  if (count > 3) _tile_stored(3, scores + 768, 64);
+}
+
+// Head e's scores of 16 keys from a stored [16 keys][16 heads] tile.
+inline vf16 head_scores(const float* tile, int64_t e) {
+  const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  return (vf16)_mm512_i32gather_ps(rows, tile + e, 4);
+}
+
+// Whether decode_attention scores bfloat16 keys in tile products: 16 keys of a tile must lie in
+// one block (tiles start at multiples of 16 keys), and a KV head serve at most 16 query heads.
+template <int J, typename T>
+bool decode_tiles_amx(int64_t block_size, int64_t group) {
+  return std::is_same_v<T, uint16_t> && J % 2 == 0 && block_size % 16 == 0 && group <= 16 && amx_permitted();
+}
+#endif
+
 // A hint to bring the line at p into L2 (an asm statement: GCC drops __builtin_prefetch from
 // loops that do nothing else).
 inline void prefetch_l2(const void* p) {
@@ -125,26 +185,43 @@ struct Geometry {
 
   // The offset of key t of the row (its first KV head's first element).
   int64_t offset(int64_t t) const { return table[t / block_size] * block_size * token_stride + t % block_size * token_stride + head; }
+
+  // The offsets of keys [t, t + n) of the row (their first KV head's first element), 0 < n <= 16,
+  // to out[0, 16): past n, the last one repeated. One division for the run, not one a key.
+  void offsets(int64_t t, int64_t n, int64_t* out) const {
+    int64_t block = t / block_size, within = t % block_size;
+    int64_t base = offset(t) - within * token_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = base + within * token_stride;
+      if (++within == block_size && i + 1 < n) {
+        within = 0;
+        base = table[++block] * block_size * token_stride + head;
+      }
+    }
+    for (int64_t i = n; i < 16; ++i) out[i] = out[n - 1];
+  }
 };
 
-// Prefetch the keys and values of `kv` KV heads for up to 16 keys from `from` on: in this
-// item's range, then (past its end) in the next item's, so the next item starts warm.
+// Prefetch the keys and values of KV head `head` (of the item's) for up to 16 keys from `from`
+// on: in this item's range, then (past its end) in the next item's, so the next item starts
+// warm. A tile fetches ahead one KV head at a time, between its heads' arithmetic: a burst of
+// every head's prefetches at once stalls the core while they wait for line fill buffers.
 template <int D, typename T>
 void prefetch_ahead(const T* keys, const T* values, const Geometry& g, const Geometry* next, int64_t from,
-                    int64_t kv) {
+                    int64_t head) {
   const Geometry* at = &g;
   if (from >= g.end) {
     if (next == nullptr) return;
     from = next->begin + (from - g.end);
     at = next;
   }
-  const int64_t stop = std::min(at->end, from + 16);
-  for (int64_t t = from; t < stop; ++t) {
-    const int64_t o = at->offset(t);
-    for (int64_t h = 0; h < kv; ++h) {
-      prefetch_token<D>(keys + o + h * D);
-      prefetch_token<D>(values + o + h * D);
-    }
+  const int64_t n = std::min<int64_t>(16, at->end - from);
+  if (n <= 0) return;
+  int64_t offsets[16];
+  at->offsets(from, n, offsets);
+  for (int64_t i = 0; i < n; ++i) {
+    prefetch_token<D>(keys + offsets[i] + head * D);
+    prefetch_token<D>(values + offsets[i] + head * D);
   }
 }
 
@@ -210,16 +287,22 @@ void weigh_heads(const T* values, const int64_t* offsets, int64_t n, const float
 // `kv` KV heads' query heads (rows of q, contiguous, `per_kv` to each KV head, the first KV
 // head's `keys` and `values` at g.head, the next D further) against keys [g.begin, g.end) of
 // one sequence; J = head_dim / 16. One pass over the keys in tiles of 16: a tile's 16 keys are
-// scored for every query head of a KV head (a horizontal-add tree per head), its exponentials
+// scored for every query head of a KV head (a horizontal-add tree per head, or with `amx`
+// (decode_tiles_amx) a tile product for up to four KV heads, issued one step ahead), its exponentials
 // taken against the running maximum (the head's sums rescaled when the maximum grows), and its
 // values weighed for all those heads at once, while the tiles ahead are fetched (the first
 // kAheadKeys the caller fetches, or the item before this one did). With `stats`
 // null, the normalised output goes to `out`; otherwise the range's softmax: each head's
 // maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
-// vectors, in load_row's arrangement). `work` holds (2 J + 2) x kv x per_kv + per_kv vectors.
+// vectors, in load_row's arrangement). `work` holds work_vectors<J>(kv, per_kv) vectors.
+template <int J>
+constexpr int64_t work_vectors(int64_t kv, int64_t per_kv) {
+  return (2 * J + 2) * kv * per_kv + per_kv + 64 + kv * 16 * (J / 2);
+}
+
 template <int J, typename T>
 void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T* values, const Geometry& g,
-                  const Geometry* next, float scale, T* out, float* stats, vf16* sums, vf16* work) {
+                  const Geometry* next, float scale, T* out, float* stats, vf16* sums, vf16* work, bool amx) {
   constexpr int D = 16 * J;
   const int64_t heads = kv * per_kv, begin = g.begin, end = g.end;
   const float lowest = -std::numeric_limits<float>::infinity();
@@ -228,6 +311,8 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
   vf16* totals = work + 2 * heads * J;   // [heads] lane sums of the exponentials
   float* maxima = reinterpret_cast<float*>(work + (2 * J + 1) * heads);  // [heads] running maxima
   float* p = reinterpret_cast<float*>(work + (2 * J + 2) * heads);       // [per_kv][16] a tile's weights
+  float* scores = p + 16 * per_kv;                                        // [4][16][16] (amx)
+  uint32_t* qt = reinterpret_cast<uint32_t*>(scores + 1024);              // [kv][J / 2][16][16] (amx)
   // Scores are scaled with the query, or after the dot products of bits (kDotsOfBits).
   const float score_scale = kDotsOfBits<J, T> ? scale : 1.f;
   for (int64_t h = 0; h < heads; ++h) {
@@ -241,18 +326,57 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
     totals[h] = vf16{};
     maxima[h] = lowest;
   }
+#if defined(MSTAR_AMX)
+  if constexpr (kDotsOfBits<J, T>) {
+    if (amx) {
+      // Each KV head's queries^T in pairs of features: qt[k][s][r][e] holds features 32 s + 2 r
+      // and the next of head e (zero past per_kv).
+      std::fill(qt, qt + kv * 256 * (J / 2), 0u);
+      for (int64_t h = 0; h < heads; ++h) {
+        uint32_t words[D / 2];
+        std::memcpy(words, q + h * D, sizeof words);
+        uint32_t* dst = qt + h / per_kv * 256 * (J / 2) + h % per_kv;
+        for (int i = 0; i < D / 2; ++i) dst[i / 16 * 256 + i % 16 * 16] = words[i];
+      }
+      configure_tiles(16);
+      before_tile_loads();
+      score_tiles_amx<J>(keys + g.offset(begin), g.token_stride * 2, qt, std::min<int64_t>(4, kv));
+    }
+  }
+#endif
   int64_t offsets[16];
   for (int64_t t0 = begin; t0 < end; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, end - t0);
-    for (int64_t i = 0; i < 16; ++i) offsets[i] = g.offset(t0 + std::min(i, n - 1));  // past n: repeats
-    prefetch_ahead<D>(keys, values, g, next, t0 + kAheadKeys, kv);
+    g.offsets(t0, n, offsets);  // past n: repeats
     for (int64_t k = 0; k < kv; ++k) {
+      prefetch_ahead<D>(keys, values, g, next, t0 + kAheadKeys, k);
       const T* kk = keys + k * D;
+#if defined(MSTAR_AMX)
+      if constexpr (kDotsOfBits<J, T>) {
+        if (amx && k % 4 == 0) {
+          // These KV heads' scores (their products issued before), then the next four's
+          // products issued, to run while this tile's exponentials and values are computed.
+          store_score_tiles(scores, std::min<int64_t>(4, kv - k));
+          const int64_t tn = k + 4 < kv ? t0 : t0 + 16, kn = k + 4 < kv ? k + 4 : 0;
+          if (tn < end)
+            score_tiles_amx<J>(keys + g.offset(tn) + kn * D, g.token_stride * 2, qt + kn * 256 * (J / 2),
+                               std::min<int64_t>(4, kv - kn));
+        }
+      }
+#endif
       for (int64_t e = 0; e < per_kv; ++e) {
         const int64_t h = k * per_kv + e;
-        vf16 a[16];
-        for (int r = 0; r < 16; ++r) a[r] = score<J>(qv + h * J, kk + offsets[r]);
-        vf16 tile = sum16(a) * score_scale;
+        vf16 tile;
+#if defined(MSTAR_AMX)
+        if (kDotsOfBits<J, T> && amx) {
+          tile = head_scores(scores + k % 4 * 256, e) * score_scale;
+        } else
+#endif
+        {
+          vf16 a[16];
+          for (int r = 0; r < 16; ++r) a[r] = score<J>(qv + h * J, kk + offsets[r]);
+          tile = sum16(a) * score_scale;
+        }
         if (n < 16) {  // the range's last tile: keys past its end weigh nothing
           float lanes[16];
           store16(lanes, tile);
@@ -330,7 +454,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   // A work item is a unit's KV heads together; with fewer units than two per thread, one KV
   // head each (the split changes no sum: heads are computed apart either way).
   const int64_t split = units[rows] < 2 * at::get_num_threads() ? kv_heads : 1, per_item = kv_heads / split;
-  const int64_t item_heads = per_item * group;
+#if defined(MSTAR_AMX)
+  const bool amx = decode_tiles_amx<J, T>(block_size, group);
+#else
+  const bool amx = false;
+#endif
   std::vector<float> stats(partials * heads * 2);
   std::vector<vf16> sums(partials * heads * J);
   int64_t keys = 0;
@@ -350,11 +478,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
                          kv_head * D}};
   };
   at::parallel_for(0, units[rows] * split, grain_for(item_bytes), [&](int64_t begin, int64_t end) {
-    std::vector<vf16> work((2 * J + 2) * item_heads + group);
+    std::vector<vf16> work(work_vectors<J>(per_item, group));
     // The first item's first tiles; each item fetches the next one's while it ends.
     Item it = item_at(begin);
     for (int64_t t = it.where.begin; t < it.where.begin + kAheadKeys; t += 16)
-      prefetch_ahead<D>(kp, vp, it.where, nullptr, t, per_item);
+      for (int64_t h = 0; h < per_item; ++h) prefetch_ahead<D>(kp, vp, it.where, nullptr, t, h);
     for (int64_t item = begin; item < end; ++item) {
       const Item next = item + 1 < end ? item_at(item + 1) : it;
       const int64_t h = it.kv_head * group;                        // the item's first query head
@@ -362,7 +490,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const bool whole = partial[it.row] < 0;
       attend_range<J>(qp + it.row * q_stride + h * D, per_item, group, kp, vp, it.where,
                       item + 1 < end ? &next.where : nullptr, float(scale), op + (it.row * heads + h) * D,
-                      whole ? nullptr : stats.data() + 2 * slot, whole ? nullptr : sums.data() + J * slot, work.data());
+                      whole ? nullptr : stats.data() + 2 * slot, whole ? nullptr : sums.data() + J * slot, work.data(),
+                      amx);
       it = next;
     }
   });
