@@ -176,6 +176,33 @@ constexpr int64_t kRangeKeys = 256;
 // tile's worth of prefetches per tile computed, so memory streams while the core computes.
 constexpr int64_t kAheadKeys = 32;
 
+// The offsets (elements) of a row's tokens [t, t + n) in a paged cache of `token_stride`
+// elements a token, through its block table, plus `head`: one division for the run, not one a
+// token.
+inline void token_offsets(const int64_t* table, int64_t block_size, int64_t token_stride, int64_t head, int64_t t,
+                          int64_t n, int64_t* out) {
+  int64_t block = t / block_size, within = t % block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = (table[block] * block_size + within) * token_stride + head;
+    if (++within == block_size) {
+      within = 0;
+      ++block;
+    }
+  }
+}
+
+// The rows of a row's tokens t0 .. t0 + n - 1 in a paged cache (`table`), token_stride apart.
+template <typename T>
+void token_rows(const T* cache, int64_t block_size, int64_t token_stride, const int64_t* table, int64_t t0,
+                int64_t n, const T** rows) {
+  int64_t offsets[16];
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i);
+    token_offsets(table, block_size, token_stride, 0, t0 + i, m, offsets);
+    for (int64_t j = 0; j < m; ++j) rows[i + j] = cache + offsets[j];
+  }
+}
+
 // Where an item reads: a row's keys [begin, end) in blocks of block_size tokens token_stride
 // elements apart, through its block table; `head` the first KV head's offset (elements).
 struct Geometry {
@@ -187,38 +214,34 @@ struct Geometry {
   int64_t offset(int64_t t) const { return table[t / block_size] * block_size * token_stride + t % block_size * token_stride + head; }
 
   // The offsets of keys [t, t + n) of the row (their first KV head's first element), 0 < n <= 16,
-  // to out[0, 16): past n, the last one repeated. One division for the run, not one a key.
+  // to out[0, 16): past n, the last one repeated.
   void offsets(int64_t t, int64_t n, int64_t* out) const {
-    int64_t block = t / block_size, within = t % block_size;
-    int64_t base = offset(t) - within * token_stride;
-    for (int64_t i = 0; i < n; ++i) {
-      out[i] = base + within * token_stride;
-      if (++within == block_size && i + 1 < n) {
-        within = 0;
-        base = table[++block] * block_size * token_stride + head;
-      }
-    }
+    token_offsets(table, block_size, token_stride, head, t, n, out);
     for (int64_t i = n; i < 16; ++i) out[i] = out[n - 1];
   }
 };
 
-// Prefetch the keys and values of KV head `head` (of the item's) for up to 16 keys from `from`
-// on: in this item's range, then (past its end) in the next item's, so the next item starts
-// warm. A tile fetches ahead one KV head at a time, between its heads' arithmetic: a burst of
-// every head's prefetches at once stalls the core while they wait for line fill buffers.
-template <int D, typename T>
-void prefetch_ahead(const T* keys, const T* values, const Geometry& g, const Geometry* next, int64_t from,
-                    int64_t head) {
+// The offsets (as Geometry::offsets) of up to 16 keys from `from` on, to fetch ahead: in this
+// item's range, then (past its end) in the next item's, so the next item starts warm. Returns
+// how many (0: none).
+inline int64_t ahead_offsets(const Geometry& g, const Geometry* next, int64_t from, int64_t* out) {
   const Geometry* at = &g;
   if (from >= g.end) {
-    if (next == nullptr) return;
+    if (next == nullptr) return 0;
     from = next->begin + (from - g.end);
     at = next;
   }
   const int64_t n = std::min<int64_t>(16, at->end - from);
-  if (n <= 0) return;
-  int64_t offsets[16];
-  at->offsets(from, n, offsets);
+  if (n <= 0) return 0;
+  at->offsets(from, n, out);
+  return n;
+}
+
+// Prefetch KV head `head`'s keys and values of the n keys at `offsets`. A tile fetches ahead
+// one KV head at a time, between its heads' arithmetic: a burst of every head's prefetches at
+// once stalls the core while they wait for line fill buffers.
+template <int D, typename T>
+inline void prefetch_head(const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t head) {
   for (int64_t i = 0; i < n; ++i) {
     prefetch_token<D>(keys + offsets[i] + head * D);
     prefetch_token<D>(values + offsets[i] + head * D);
@@ -344,12 +367,13 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
     }
   }
 #endif
-  int64_t offsets[16];
+  int64_t offsets[16], ahead[16];
   for (int64_t t0 = begin; t0 < end; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, end - t0);
     g.offsets(t0, n, offsets);  // past n: repeats
+    const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
     for (int64_t k = 0; k < kv; ++k) {
-      prefetch_ahead<D>(keys, values, g, next, t0 + kAheadKeys, k);
+      prefetch_head<D>(keys, values, ahead, fetching, k);
       const T* kk = keys + k * D;
 #if defined(MSTAR_AMX)
       if constexpr (kDotsOfBits<J, T>) {
@@ -481,8 +505,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     std::vector<vf16> work(work_vectors<J>(per_item, group));
     // The first item's first tiles; each item fetches the next one's while it ends.
     Item it = item_at(begin);
-    for (int64_t t = it.where.begin; t < it.where.begin + kAheadKeys; t += 16)
-      for (int64_t h = 0; h < per_item; ++h) prefetch_ahead<D>(kp, vp, it.where, nullptr, t, h);
+    for (int64_t t = it.where.begin; t < it.where.begin + kAheadKeys; t += 16) {
+      int64_t ahead[16];
+      const int64_t n = ahead_offsets(it.where, nullptr, t, ahead);
+      for (int64_t h = 0; h < per_item; ++h) prefetch_head<D>(kp, vp, ahead, n, h);
+    }
     for (int64_t item = begin; item < end; ++item) {
       const Item next = item + 1 < end ? item_at(item + 1) : it;
       const int64_t h = it.kv_head * group;                        // the item's first query head

@@ -11,6 +11,7 @@
 
 #pragma once
 
+#include "attention.h"  // token_rows
 #include "simd.h"
 
 namespace {
@@ -34,16 +35,6 @@ inline vf16 max16(vf16 a, vf16 b) { return select(a > b, a, b); }
 struct PrefillTile {
   int64_t row0, rows, seq, kv_head;
 };
-
-// The rows of tokens t0 .. t0 + n - 1 of a sequence in a paged cache (`table`).
-template <typename T>
-void token_rows(const T* cache, int64_t block_size, int64_t token_stride, const int64_t* table, int64_t t0,
-                int64_t n, const T** rows) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = t0 + i;
-    rows[i] = cache + (table[t / block_size] * block_size + t % block_size) * token_stride;
-  }
-}
 
 // A sequence's keys transposed and widened to float32 for prefill_tile, once for all of its
 // tiles: per KV head and chunk of kChunk keys [head_dim][kChunk] (a chunk's keys one block),
