@@ -27,7 +27,7 @@ from mstar.zoo import resolve_model
 from mstar.zoo.toy import ToyModel, ToyPlan, make_toy_inputs, prepare_toy_images
 from tests.multinode.conftest import LocalCluster, ray
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]
 
 SEED = 3
 # The LM partition on node A streams its tokens to the vocoder on a node_b node; the image

@@ -23,7 +23,7 @@ import pytest
 from mstar.runtime.ray_launcher import LOOPBACK_ENV
 from tests.multinode.conftest import LOOPBACK, LocalCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]
 
 ACROSS = """
 model: orpheus

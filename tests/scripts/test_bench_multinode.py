@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_multinode.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time (scripts/test.sh runs two workers)
 def test_the_quick_run_reports_every_figure(tmp_path: Path) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray on loopback
     done = subprocess.run(
