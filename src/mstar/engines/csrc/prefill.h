@@ -18,11 +18,25 @@ namespace {
 
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kChunk = 64;  // keys per softmax update: four vectors of 16 scores
-constexpr int kScoreVectors = 4;  // query vectors scored per pass over a chunk's keys
 
-// Query vectors given weighted values per pass (their sums stay in registers).
+// Register blocks of prefill_tile's two products, each sum a vf16 held in registers: scores of
+// kScoreVectors query vectors x kScoreKeys vectors of 16 keys, and weighted values of
+// kValueVectors<J> query vectors x kValueParts<J> vectors of 16 features. With 32 vector
+// registers (AVX-512) 16 sums each, with 16 (AVX2: a vf16 is two) 4 sums each: AVX2 with the
+// AVX-512 blocks spilled its sums to the stack at every product (1.5x slower than torch).
+#if defined(__AVX512F__)
+constexpr int kScoreVectors = 4, kScoreKeys = 4;
 template <int J>
 constexpr int kValueVectors = J <= 2 ? 8 : 16 / J;
+template <int J>
+constexpr int kValueParts = J;
+#else
+constexpr int kScoreVectors = 2, kScoreKeys = 2;
+template <int J>
+constexpr int kValueVectors = 4;
+template <int J>
+constexpr int kValueParts = 1;
+#endif
 
 // Widen n values to float32.
 template <typename T>
@@ -71,15 +85,17 @@ template <int J, typename T>
 void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, const SequenceKeys& seq_keys,
                   const T* values, int64_t block_size, int64_t token_stride, const int64_t* table,
                   const int64_t* lens, const PrefillTile& tile, float scale, T* out, std::vector<float>& work) {
-  constexpr int D = 16 * J, C = kChunk / 16, S = kScoreVectors, V = kValueVectors<J>;
+  constexpr int D = 16 * J, C = kChunk / 16, S = kScoreVectors, CS = kScoreKeys, V = kValueVectors<J>,
+                JV = kValueParts<J>;
+  static_assert(C % CS == 0 && J % JV == 0, "register blocks must divide the chunk and the head");
   constexpr int64_t kAlign = S > V ? S : V;
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   const int64_t nv = tile.rows * group;  // query vectors: row i's head hh is vector i * group + hh
   const int64_t padded = (nv + kAlign - 1) / kAlign * kAlign;
   int64_t longest = 0;
   for (int64_t i = 0; i < tile.rows; ++i) longest = std::max(longest, lens[tile.row0 + i]);
-  // queries [padded][D], sums [padded][D], probabilities [padded][kChunk], maxima, totals
-  // [padded][16] (lane sums), each vector's visible keys
+  // queries [padded][D], sums [padded][D], scores then probabilities [padded][kChunk], maxima,
+  // totals [padded][16] (lane sums), each vector's visible keys
   work.resize(size_t(padded * (2 * D + kChunk + 18)));
   float* qs = work.data();
   float* acc = qs + padded * D;
@@ -104,67 +120,72 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
     const int64_t nk = std::min<int64_t>(kChunk, longest - t0);
     const float* kt = head_keys + t0 * D;  // the chunk's keys [D][kChunk]
     token_rows(values + tile.kv_head * D, block_size, token_stride, table, t0, nk, value_rows.data());
-    for (int64_t v0 = 0; v0 < padded; v0 += S) {
-      vf16 s[S][C];
-      for (int p = 0; p < S; ++p)
-        for (int c = 0; c < C; ++c) s[p][c] = vf16{};
-      for (int d = 0; d < D; ++d) {
-        vf16 kd[C];
-        for (int c = 0; c < C; ++c) kd[c] = load16(kt + d * kChunk + 16 * c);
-        for (int p = 0; p < S; ++p) {
-          const float qd = qs[(v0 + p) * D + d];
-          for (int c = 0; c < C; ++c) s[p][c] += qd * kd[c];
-        }
-      }
-      for (int p = 0; p < S; ++p) {
-        const int64_t v = v0 + p;
-        float* pv = probs + v * kChunk;
-        const float visible = seen[v] - float(t0);  // keys of this chunk the vector sees
-        if (visible < float(kChunk))
-          for (int c = 0; c < C; ++c) s[p][c] = select(lanes + float(16 * c) < visible, s[p][c], splat(kNone));
-        // The maximum is raised only where a score passes it by kSlack (then what is summed so
-        // far is rescaled to it): most chunks take no horizontal maximum.
-        bool above = false;
-        for (int c = 0; c < C; ++c) above |= any_above(s[p][c], maxima[v] + kSlack);
-        if (above) {
-          vf16 top4 = s[p][0];
-          for (int c = 1; c < C; ++c) top4 = max16(top4, s[p][c]);
-          const float m = std::max(maxima[v], hmax(top4));
-          if (maxima[v] != kNone) {
-            const float correction = exp_scalar((maxima[v] - m) * kLn2);
-            store16(totals + 16 * v, load16(totals + 16 * v) * correction);
-            for (int j = 0; j < J; ++j) store16(acc + v * D + 16 * j, load16(acc + v * D + 16 * j) * correction);
+    for (int64_t v0 = 0; v0 < padded; v0 += S)
+      for (int c0 = 0; c0 < C; c0 += CS) {
+        vf16 s[S][CS];
+        for (int p = 0; p < S; ++p)
+          for (int c = 0; c < CS; ++c) s[p][c] = vf16{};
+        for (int d = 0; d < D; ++d) {
+          vf16 kd[CS];
+          for (int c = 0; c < CS; ++c) kd[c] = load16(kt + d * kChunk + 16 * (c0 + c));
+          for (int p = 0; p < S; ++p) {
+            const float qd = qs[(v0 + p) * D + d];
+            for (int c = 0; c < CS; ++c) s[p][c] += qd * kd[c];
           }
-          maxima[v] = m;
         }
-        if (maxima[v] == kNone) {  // the vector has seen no key yet
-          for (int c = 0; c < C; ++c) store16(pv + 16 * c, vf16{});
-          continue;
-        }
-        vf16 total = load16(totals + 16 * v);
-        for (int c = 0; c < C; ++c) {
-          const vf16 e = exp2_or_zero(s[p][c] - maxima[v]);
-          store16(pv + 16 * c, e);
-          total += e;
-        }
-        store16(totals + 16 * v, total);
+        for (int p = 0; p < S; ++p)
+          for (int c = 0; c < CS; ++c) store16(probs + (v0 + p) * kChunk + 16 * (c0 + c), s[p][c]);
       }
-    }
-    for (int64_t v0 = 0; v0 < padded; v0 += V) {
-      vf16 a[V][J];
-      for (int p = 0; p < V; ++p)
-        for (int j = 0; j < J; ++j) a[p][j] = load16(acc + (v0 + p) * D + 16 * j);
-      for (int64_t k = 0; k < nk; ++k) {
-        vf16 vv[J];
-        for (int j = 0; j < J; ++j) vv[j] = load16(value_rows[k] + 16 * j);
-        for (int p = 0; p < V; ++p) {
-          const float w = probs[(v0 + p) * kChunk + k];
-          for (int j = 0; j < J; ++j) a[p][j] += w * vv[j];
+    for (int64_t v = 0; v < padded; ++v) {
+      float* pv = probs + v * kChunk;
+      vf16 s[C];
+      for (int c = 0; c < C; ++c) s[c] = load16(pv + 16 * c);
+      const float visible = seen[v] - float(t0);  // keys of this chunk the vector sees
+      if (visible < float(kChunk))
+        for (int c = 0; c < C; ++c) s[c] = select(lanes + float(16 * c) < visible, s[c], splat(kNone));
+      // The maximum is raised only where a score passes it by kSlack (then what is summed so
+      // far is rescaled to it): most chunks take no horizontal maximum.
+      bool above = false;
+      for (int c = 0; c < C; ++c) above |= any_above(s[c], maxima[v] + kSlack);
+      if (above) {
+        vf16 top4 = s[0];
+        for (int c = 1; c < C; ++c) top4 = max16(top4, s[c]);
+        const float m = std::max(maxima[v], hmax(top4));
+        if (maxima[v] != kNone) {
+          const float correction = exp_scalar((maxima[v] - m) * kLn2);
+          store16(totals + 16 * v, load16(totals + 16 * v) * correction);
+          for (int j = 0; j < J; ++j) store16(acc + v * D + 16 * j, load16(acc + v * D + 16 * j) * correction);
         }
+        maxima[v] = m;
       }
-      for (int p = 0; p < V; ++p)
-        for (int j = 0; j < J; ++j) store16(acc + (v0 + p) * D + 16 * j, a[p][j]);
+      if (maxima[v] == kNone) {  // the vector has seen no key yet
+        for (int c = 0; c < C; ++c) store16(pv + 16 * c, vf16{});
+        continue;
+      }
+      vf16 total = load16(totals + 16 * v);
+      for (int c = 0; c < C; ++c) {
+        const vf16 e = exp2_or_zero(s[c] - maxima[v]);
+        store16(pv + 16 * c, e);
+        total += e;
+      }
+      store16(totals + 16 * v, total);
     }
+    for (int64_t v0 = 0; v0 < padded; v0 += V)
+      for (int j0 = 0; j0 < J; j0 += JV) {
+        vf16 a[V][JV];
+        for (int p = 0; p < V; ++p)
+          for (int j = 0; j < JV; ++j) a[p][j] = load16(acc + (v0 + p) * D + 16 * (j0 + j));
+        for (int64_t k = 0; k < nk; ++k) {
+          vf16 vv[JV];
+          for (int j = 0; j < JV; ++j) vv[j] = load16(value_rows[k] + 16 * (j0 + j));
+          for (int p = 0; p < V; ++p) {
+            const float w = probs[(v0 + p) * kChunk + k];
+            for (int j = 0; j < JV; ++j) a[p][j] += w * vv[j];
+          }
+        }
+        for (int p = 0; p < V; ++p)
+          for (int j = 0; j < JV; ++j) store16(acc + (v0 + p) * D + 16 * (j0 + j), a[p][j]);
+      }
   }
   for (int64_t v = 0; v < nv; ++v) {
     const int64_t i = v / group, hh = v % group;
