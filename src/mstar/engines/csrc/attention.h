@@ -86,6 +86,29 @@ inline vf16 score(const vf16* q, const T* k) {
   return dot<J>(q, k);
 }
 
+// The scores of the 16 keys at `offsets` from k, lane r key r's: their dot products, then one
+// horizontal-add tree. Where a vf16 is two AVX2 halves, eight keys at a time (each key's
+// halves added first): sixteen keys' products would fill every register twice over.
+template <int J, typename T>
+inline vf16 scores16(const vf16* q, const T* k, const int64_t* offsets) {
+#if defined(__AVX512F__)
+  vf16 a[16];
+  for (int r = 0; r < 16; ++r) a[r] = score<J>(q, k + offsets[r]);
+  return sum16(a);
+#else
+  vf8 sums[2];
+  for (int half = 0; half < 2; ++half) {
+    vf8 a[8];
+    for (int r = 0; r < 8; ++r) {
+      const vf16 s = score<J>(q, k + offsets[8 * half + r]);
+      a[r] = s.lo + s.hi;
+    }
+    sums[half] = sum8(a);
+  }
+  return {sums[0], sums[1]};
+#endif
+}
+
 #if defined(MSTAR_AMX)
 // Scores of 16 keys lying `stride` bytes apart (one block's) for the query heads of `count` <= 4
 // KV heads, D elements apart from `first`, into tiles 0 to count - 1 (each [16 keys][16 heads]):
@@ -253,7 +276,7 @@ inline void prefetch_head(const T* keys, const T* values, const int64_t* offsets
 // goes to its own set of sums, so U x G x J multiply-adds are independent.
 template <int J, int G, typename T>
 inline void weigh_values(const T* values, const int64_t* offsets, int64_t n, const float* p, vf16* acc) {
-  constexpr int U = G * J >= 8 ? 1 : 2;
+  constexpr int U = 2 * G * J <= kBlockSums && G * J < 8 ? 2 : 1;
   vf16 a[U][G][J] = {};
   int64_t t = 0;
   for (; t + U <= n; t += U)
@@ -281,9 +304,9 @@ inline void weigh_values(const T* values, const int64_t* offsets, int64_t n, con
     }
 }
 
-// The heads a weigh_values call takes together: up to 4, and at most 16 accumulators.
+// The heads a weigh_values call takes together: up to 4, and at most kBlockSums accumulators.
 template <int J>
-constexpr int kWeighHeads = std::max(1, std::min(4, 16 / J));
+constexpr int kWeighHeads = std::max(1, std::min(4, kBlockSums / J));
 
 template <int J, typename T>
 void weigh_heads(const T* values, const int64_t* offsets, int64_t n, const float* p, vf16* acc, int64_t heads) {
@@ -397,9 +420,7 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
         } else
 #endif
         {
-          vf16 a[16];
-          for (int r = 0; r < 16; ++r) a[r] = score<J>(qv + h * J, kk + offsets[r]);
-          tile = sum16(a) * score_scale;
+          tile = scores16<J>(qv + h * J, kk, offsets) * score_scale;
         }
         if (n < 16) {  // the range's last tile: keys past its end weigh nothing
           float lanes[16];

@@ -242,6 +242,15 @@ inline float round_to(float v) {
 
 inline vf16 splat(float x) { return vf16{} + x; }
 
+// How many vf16 sums a kernel's register block may hold beside its operands: 16 of the 32
+// AVX-512 registers; 6 vf16 (12 of the 16 registers) where a vf16 is two AVX2 halves. A block
+// past this spills its sums to the stack at every multiply-add.
+#if defined(__AVX512F__)
+constexpr int kBlockSums = 16;
+#else
+constexpr int kBlockSums = 6;
+#endif
+
 // *p in every lane, loaded as such (a broadcast load, no shuffle).
 inline vf16 broadcast(const float* p) {
 #if defined(__AVX512F__)
