@@ -96,6 +96,35 @@ def test_layout_choice_is_cached_per_shape_and_rows() -> None:
     assert layers._LAYOUT_CHOICES[(24, 40, torch.float32, (64,))] == wide
 
 
+def test_layouts_far_slower_than_the_fastest_are_not_timed_further(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each product costs its layout's seconds on a clock the test keeps: the fastest layout is
+    chosen, timed in full at every row count, and one over `_HOPELESS` times slower gets its
+    warm-up and one timed product, then no more."""
+    costs = {OUT_IN: 10.0, IN_OUT: 9.0, PACKED: 1.5, TILED: 1.0}
+    clock = [0.0]
+    calls: dict[str, int] = dict.fromkeys(costs, 0)
+
+    def product(self: FusedLinear, x: torch.Tensor) -> torch.Tensor:
+        calls[self.layout] += 1
+        clock[0] += costs[self.layout]
+        return x
+
+    monkeypatch.setattr(FusedLinear, "__call__", product)
+    monkeypatch.setattr(layers.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(layers, "_evict_caches", lambda: None)
+    monkeypatch.setattr(layers, "_LAYOUT_CHOICES", {})
+    weight = torch.randn(32, 24)
+    tiled = layers._tiles(weight) is not None
+    if not tiled and not can_pack(weight):
+        pytest.skip("neither the native kernels nor oneDNN's packing here")
+    assert choose_layout(weight, (1, 16)) == (TILED if tiled else PACKED)
+    if tiled:
+        assert calls[TILED] == 2 * 6  # a warm-up and five timed products at each row count
+    assert calls[OUT_IN] == calls[IN_OUT] == 2  # a warm-up and one timed product
+
+
 def test_apply_rotary_turns_half_split_pairs() -> None:
     x = torch.randn(3, 8)
     angles = torch.rand(3, 4)
