@@ -267,12 +267,11 @@ def choose_layout(weight: torch.Tensor, rows: tuple[int, ...] = DECODE_ROWS) -> 
                     fused(x)
                     best = min(best, time.perf_counter() - start)
                     if best > _HOPELESS * fastest:
+                        del totals[layout]
                         break
-                if best > _HOPELESS * fastest:
-                    del totals[layout]
-                    continue
-                fastest = min(fastest, best)
-                totals[layout] += best
+                else:
+                    fastest = min(fastest, best)
+                    totals[layout] += best
     choice = min(totals, key=lambda layout: totals[layout])
     _LAYOUT_CHOICES[key] = choice
     return choice

@@ -393,12 +393,6 @@ inline vf8 sum8(const vf8* a) {
   return __builtin_shufflevector(c[0], c[1], 0, 4, 2, 6, 8, 12, 10, 14) +
          __builtin_shufflevector(c[0], c[1], 1, 5, 3, 7, 9, 13, 11, 15);
 }
-
-inline vf16 sum16(const vf16* a) {
-  vf8 halves[16];
-  for (int r = 0; r < 16; ++r) halves[r] = a[r].lo + a[r].hi;
-  return {sum8(halves), sum8(halves + 8)};
-}
 #endif
 
 #if defined(MSTAR_AMX)
