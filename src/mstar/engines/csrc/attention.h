@@ -86,26 +86,30 @@ inline vf16 score(const vf16* q, const T* k) {
   return dot<J>(q, k);
 }
 
-// The scores of the 16 keys at `offsets` from k, lane r key r's: their dot products, then one
-// horizontal-add tree. Where a vf16 is two AVX2 halves, eight keys at a time (each key's
-// halves added first): sixteen keys' products would fill every register twice over.
-template <int J, typename T>
-inline vf16 scores16(const vf16* q, const T* k, const int64_t* offsets) {
+// A key's products with a query before the horizontal add: the vf16 of products with AVX-512;
+// elsewhere its two AVX2 halves added (sixteen keys' vf16 would fill every register twice over).
 #if defined(__AVX512F__)
-  vf16 a[16];
-  for (int r = 0; r < 16; ++r) a[r] = score<J>(q, k + offsets[r]);
+using Partial = vf16;
+#else
+using Partial = vf8;
+#endif
+
+template <int J, typename T>
+inline Partial partial_score(const vf16* q, const T* k) {
+  const vf16 s = score<J>(q, k);
+#if defined(__AVX512F__)
+  return s;
+#else
+  return s.lo + s.hi;
+#endif
+}
+
+// The scores of 16 keys from their partial_scores, lane r key r's: one horizontal-add tree.
+inline vf16 sum_partials(const Partial* a) {
+#if defined(__AVX512F__)
   return sum16(a);
 #else
-  vf8 sums[2];
-  for (int half = 0; half < 2; ++half) {
-    vf8 a[8];
-    for (int r = 0; r < 8; ++r) {
-      const vf16 s = score<J>(q, k + offsets[8 * half + r]);
-      a[r] = s.lo + s.hi;
-    }
-    sums[half] = sum8(a);
-  }
-  return {sums[0], sums[1]};
+  return {sum8(a), sum8(a + 8)};
 #endif
 }
 
@@ -199,6 +203,16 @@ constexpr int64_t kRangeKeys = 256;
 // tile's worth of prefetches per tile computed, so memory streams while the core computes.
 constexpr int64_t kAheadKeys = 32;
 
+// A tile's keys are taken in runs of this many (see attend_range), chosen by measurement: on
+// AVX2 (Zen 3) one float32 key, two bfloat16 keys (runs of 4 read 10-20 % slower, 16 up to 35 %
+// slower); with AVX-512 (measured on Xeon only as a whole tile) the whole tile.
+template <typename T>
+#if defined(__AVX512F__)
+constexpr int64_t kRunKeys = 16;
+#else
+constexpr int64_t kRunKeys = 4 / int64_t(sizeof(T));
+#endif
+
 // The offsets (elements) of a row's tokens [t, t + n) in a paged cache of `token_stride`
 // elements a token, through its block table, plus `head`: one division for the run, not one a
 // token.
@@ -271,6 +285,17 @@ inline void prefetch_head(const T* keys, const T* values, const int64_t* offsets
   }
 }
 
+// Prefetch the n rows at `offsets` from `base`, each `bytes` long, line by line in memory
+// order (a row is a token's KV heads side by side): fetches in order are what the core's own
+// prefetchers follow, where a head at a time (every eighth pair of lines) they do not.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* offsets, int64_t n, int64_t bytes) {
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + offsets[i]);
+    for (int64_t line = 0; line < bytes; line += 64) prefetch_l2(row + line);
+  }
+}
+
 // Weighted values of one tile for G query heads of a KV head: acc[g] += sum over its n keys of
 // p[g][t] * value t. Each value is loaded (and widened) once for the G heads; every U-th key
 // goes to its own set of sums, so U x G x J multiply-adds are independent.
@@ -333,17 +358,18 @@ void weigh_heads(const T* values, const int64_t* offsets, int64_t n, const float
 // `kv` KV heads' query heads (rows of q, contiguous, `per_kv` to each KV head, the first KV
 // head's `keys` and `values` at g.head, the next D further) against keys [g.begin, g.end) of
 // one sequence; J = head_dim / 16. One pass over the keys in tiles of 16: a tile's 16 keys are
-// scored for every query head of a KV head (a horizontal-add tree per head, or with `amx`
-// (decode_tiles_amx) a tile product for up to four KV heads, issued one step ahead), its exponentials
-// taken against the running maximum (the head's sums rescaled when the maximum grows), and its
-// values weighed for all those heads at once, while the tiles ahead are fetched (the first
-// kAheadKeys the caller fetches, or the item before this one did). With `stats`
+// scored for every query head (products a run of kRunKeys keys at a time, then a horizontal-add
+// tree per head; or with `amx` (decode_tiles_amx) a tile product for up to four KV heads, issued
+// one step ahead), its exponentials taken against the running maximum (the head's sums
+// rescaled when the maximum grows), and its values weighed for every head, while the tiles
+// ahead are fetched (the first kAheadKeys the caller fetches, or the item before this one
+// did). With `stats`
 // null, the normalised output goes to `out`; otherwise the range's softmax: each head's
 // maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
 // vectors, in load_row's arrangement). `work` holds work_vectors<J>(kv, per_kv) vectors.
 template <int J>
 constexpr int64_t work_vectors(int64_t kv, int64_t per_kv) {
-  return (2 * J + 2) * kv * per_kv + per_kv + 64 + kv * 16 * (J / 2);
+  return (2 * J + 3) * kv * per_kv + std::max(64 + kv * 16 * (J / 2), 16 * kv * per_kv);
 }
 
 template <int J, typename T>
@@ -356,8 +382,8 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
   vf16* acc = work + heads * J;          // [heads][J] weighted values
   vf16* totals = work + 2 * heads * J;   // [heads] lane sums of the exponentials
   float* maxima = reinterpret_cast<float*>(work + (2 * J + 1) * heads);  // [heads] running maxima
-  float* p = reinterpret_cast<float*>(work + (2 * J + 2) * heads);       // [per_kv][16] a tile's weights
-  float* scores = p + 16 * per_kv;                                        // [4][16][16] (amx)
+  float* p = reinterpret_cast<float*>(work + (2 * J + 2) * heads);       // [heads][16] a tile's weights
+  float* scores = p + 16 * heads;                                         // [4][16][16] (amx)
   uint32_t* qt = reinterpret_cast<uint32_t*>(scores + 1024);              // [kv][J / 2][16][16] (amx)
   // Scores are scaled with the query, or after the dot products of bits (kDotsOfBits).
   const float score_scale = kDotsOfBits<J, T> ? scale : 1.f;
@@ -390,17 +416,40 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
     }
   }
 #endif
+  // Head h's 16 scores of a tile (its keys past the range's end weigh nothing) to their
+  // exponentials at p_h, against a running maximum that is raised only when a score passes it
+  // by kSlack: no horizontal maximum (a long chain) on most tiles, and weights of at most
+  // e^kSlack. Raising it rescales what is summed so far.
+  const auto weigh_scores = [&](int64_t h, vf16 tile, int64_t n, float* p_h) {
+    if (n < 16) {
+      float lanes[16];
+      store16(lanes, tile);
+      std::fill(lanes + n, lanes + 16, lowest);
+      tile = load16(lanes);
+    }
+    if (any_above(tile, maxima[h] + kSlack)) {
+      const float m = std::max(maxima[h], hmax(tile));
+      const float c = exp_scalar(maxima[h] - m);
+      for (int j = 0; j < J; ++j) acc[h * J + j] *= c;
+      totals[h] *= c;
+      maxima[h] = m;
+    }
+    const vf16 w = exp_or_zero(tile - maxima[h]);
+    totals[h] += w;
+    store16(p_h, w);
+  };
   int64_t offsets[16], ahead[16];
-  for (int64_t t0 = begin; t0 < end; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, end - t0);
-    g.offsets(t0, n, offsets);  // past n: repeats
-    const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
-    for (int64_t k = 0; k < kv; ++k) {
-      prefetch_head<D>(keys, values, ahead, fetching, k);
-      const T* kk = keys + k * D;
+  bool on_tiles = false;  // whether the range went through the AMX loop
 #if defined(MSTAR_AMX)
-      if constexpr (kDotsOfBits<J, T>) {
-        if (amx && k % 4 == 0) {
+  if constexpr (kDotsOfBits<J, T>) {
+    on_tiles = amx;
+    for (int64_t t0 = begin; on_tiles && t0 < end; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, end - t0);
+      g.offsets(t0, n, offsets);  // past n: repeats
+      const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
+      for (int64_t k = 0; k < kv; ++k) {
+        prefetch_head<D>(keys, values, ahead, fetching, k);
+        if (k % 4 == 0) {
           // These KV heads' scores (their products issued before), then the next four's
           // products issued, to run while this tile's exponentials and values are computed.
           store_score_tiles(scores, std::min<int64_t>(4, kv - k));
@@ -409,40 +458,45 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
             score_tiles_amx<J>(keys + g.offset(tn) + kn * D, g.token_stride * 2, qt + kn * 256 * (J / 2),
                                std::min<int64_t>(4, kv - kn));
         }
+        for (int64_t e = 0; e < per_kv; ++e)
+          weigh_scores(k * per_kv + e, head_scores(scores + k % 4 * 256, e) * score_scale, n, p + 16 * e);
+        weigh_heads<J>(values + k * D, offsets, n, p, acc + k * per_kv * J, per_kv);
       }
+    }
+  }
 #endif
-      for (int64_t e = 0; e < per_kv; ++e) {
-        const int64_t h = k * per_kv + e;
-        vf16 tile;
-#if defined(MSTAR_AMX)
-        if (kDotsOfBits<J, T> && amx) {
-          tile = head_scores(scores + k % 4 * 256, e) * score_scale;
-        } else
-#endif
-        {
-          tile = scores16<J>(qv + h * J, kk, offsets) * score_scale;
+  if (!on_tiles) {
+    // In memory order: a tile's keys a run (kRunKeys) at a time, each scored for every query
+    // head of the item (its KV heads lie side by side in a token's row), then its values a run
+    // at a time for every head, while the rows of the tile ahead are fetched, a run's share
+    // with each run. The core's prefetchers follow reads in memory order; a KV head at a time
+    // through 16 keys they did not (bfloat16 and float32 read 20-35 % slower on Zen 3).
+    constexpr int64_t run = kRunKeys<T>;
+    Partial* parts = reinterpret_cast<Partial*>(p + 16 * heads);  // [heads][16]
+    const int64_t row_bytes = kv * D * int64_t(sizeof(T));
+    for (int64_t t0 = begin; t0 < end; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, end - t0);
+      g.offsets(t0, n, offsets);  // past n: repeats
+      const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
+      const auto fetch = [&](const T* base, int64_t r0) {
+        const int64_t from = fetching * r0 / 16;
+        prefetch_rows(base, ahead + from, fetching * (r0 + run) / 16 - from, row_bytes);
+      };
+      for (int64_t r0 = 0; r0 < 16; r0 += run) {
+        fetch(keys, r0);
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* kk = keys + h / per_kv * D;
+          for (int64_t r = r0; r < r0 + run; ++r) parts[16 * h + r] = partial_score<J>(qv + h * J, kk + offsets[r]);
         }
-        if (n < 16) {  // the range's last tile: keys past its end weigh nothing
-          float lanes[16];
-          store16(lanes, tile);
-          std::fill(lanes + n, lanes + 16, lowest);
-          tile = load16(lanes);
-        }
-        // Exponentials are taken against a running maximum that is raised only when a score
-        // passes it by kSlack: no horizontal maximum (a long chain) on most tiles, and weights
-        // of at most e^kSlack. Raising it rescales what is summed so far.
-        if (any_above(tile, maxima[h] + kSlack)) {
-          const float m = std::max(maxima[h], hmax(tile));
-          const float c = exp_scalar(maxima[h] - m);
-          for (int j = 0; j < J; ++j) acc[h * J + j] *= c;
-          totals[h] *= c;
-          maxima[h] = m;
-        }
-        const vf16 w = exp_or_zero(tile - maxima[h]);
-        totals[h] += w;
-        store16(p + 16 * e, w);
       }
-      weigh_heads<J>(values + k * D, offsets, n, p, acc + k * per_kv * J, per_kv);
+      for (int64_t h = 0; h < heads; ++h) weigh_scores(h, sum_partials(parts + 16 * h) * score_scale, n, p + 16 * h);
+      for (int64_t r0 = 0; r0 < 16; r0 += run) {
+        fetch(values, r0);
+        if (r0 < n)
+          for (int64_t k = 0; k < kv; ++k)
+            weigh_heads<J>(values + k * D, offsets + r0, std::min(run, n - r0), p + 16 * k * per_kv + r0,
+                           acc + k * per_kv * J, per_kv);
+      }
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -529,7 +583,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t t = it.where.begin; t < it.where.begin + kAheadKeys; t += 16) {
       int64_t ahead[16];
       const int64_t n = ahead_offsets(it.where, nullptr, t, ahead);
-      for (int64_t h = 0; h < per_item; ++h) prefetch_head<D>(kp, vp, ahead, n, h);
+      prefetch_rows(kp, ahead, n, per_item * D * int64_t(sizeof(T)));
+      prefetch_rows(vp, ahead, n, per_item * D * int64_t(sizeof(T)));
     }
     for (int64_t item = begin; item < end; ++item) {
       const Item next = item + 1 < end ? item_at(item + 1) : it;
