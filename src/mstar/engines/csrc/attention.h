@@ -46,15 +46,6 @@ inline void store_row(const vf16* row, float scale, T* out) {
   for (int d = 0; d < 16 * J; ++d) store(values[d] * scale, out + d);
 }
 
-template <int J, typename T>
-inline vf16 dot(const vf16* qv, const T* k) {
-  vf16 kv[J];
-  load_row<J>(k, kv);
-  vf16 acc = qv[0] * kv[0];
-  for (int j = 1; j < J; ++j) acc += qv[j] * kv[j];
-  return acc;
-}
-
 // Whether bfloat16 scores are dot products of the stored bits (AVX-512 BF16: 32 products a
 // instruction, each exact in float32, summed in pairs), with no key widened: the query's
 // bits are kept as they are, the scale applied to the scores.
@@ -77,17 +68,11 @@ inline vf16 dot_bits(const vf16* q, const uint16_t* k) {
 }
 #endif
 
-// One score: the scaled dot product of a query (as attend_group holds it) and a key.
-template <int J, typename T>
-inline vf16 score(const vf16* q, const T* k) {
-#if defined(__AVX512BF16__)
-  if constexpr (kDotsOfBits<J, T>) return dot_bits<J>(q, k);
-#endif
-  return dot<J>(q, k);
-}
-
-// A key's products with a query before the horizontal add: the vf16 of products with AVX-512;
-// elsewhere its two AVX2 halves added (sixteen keys' vf16 would fill every register twice over).
+// A key's products with the per_kv queries of its KV head (q: J vectors each, as attend_range
+// holds them) before the horizontal add, to out[0], out[16], ...: the vf16 of products with
+// AVX-512, elsewhere its two AVX2 halves added (sixteen keys' vf16 would fill every register
+// twice over). The key is loaded (and widened) once for all its queries; with kDotsOfBits
+// its stored bits are multiplied as they are.
 #if defined(__AVX512F__)
 using Partial = vf16;
 #else
@@ -95,16 +80,28 @@ using Partial = vf8;
 #endif
 
 template <int J, typename T>
-inline Partial partial_score(const vf16* q, const T* k) {
-  const vf16 s = score<J>(q, k);
-#if defined(__AVX512F__)
-  return s;
-#else
-  return s.lo + s.hi;
+inline void partial_scores(const vf16* q, const T* k, int64_t per_kv, Partial* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (kDotsOfBits<J, T>) {
+    for (int64_t e = 0; e < per_kv; ++e) out[16 * e] = dot_bits<J>(q + e * J, k);
+    return;
+  }
 #endif
+  vf16 kv[J];
+  load_row<J>(k, kv);
+  for (int64_t e = 0; e < per_kv; ++e) {
+    const vf16* qe = q + e * J;
+    vf16 s = qe[0] * kv[0];
+    for (int j = 1; j < J; ++j) s += qe[j] * kv[j];
+#if defined(__AVX512F__)
+    out[16 * e] = s;
+#else
+    out[16 * e] = s.lo + s.hi;
+#endif
+  }
 }
 
-// The scores of 16 keys from their partial_scores, lane r key r's: one horizontal-add tree.
+// The scores of 16 keys from their partial_scores (16 apart), lane r key r's: one horizontal-add tree.
 inline vf16 sum_partials(const Partial* a) {
 #if defined(__AVX512F__)
   return sum16(a);
@@ -484,10 +481,9 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
       };
       for (int64_t r0 = 0; r0 < 16; r0 += run) {
         fetch(keys, r0);
-        for (int64_t h = 0; h < heads; ++h) {
-          const T* kk = keys + h / per_kv * D;
-          for (int64_t r = r0; r < r0 + run; ++r) parts[16 * h + r] = partial_score<J>(qv + h * J, kk + offsets[r]);
-        }
+        for (int64_t k = 0; k < kv; ++k)
+          for (int64_t r = r0; r < r0 + run; ++r)
+            partial_scores<J>(qv + k * per_kv * J, keys + k * D + offsets[r], per_kv, parts + 16 * k * per_kv + r);
       }
       for (int64_t h = 0; h < heads; ++h) weigh_scores(h, sum_partials(parts + 16 * h) * score_scale, n, p + 16 * h);
       for (int64_t r0 = 0; r0 < 16; r0 += run) {
