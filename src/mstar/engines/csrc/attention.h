@@ -200,15 +200,11 @@ constexpr int64_t kRangeKeys = 256;
 // tile's worth of prefetches per tile computed, so memory streams while the core computes.
 constexpr int64_t kAheadKeys = 32;
 
-// A tile's keys are taken in runs of this many (see attend_range), chosen by measurement: on
-// AVX2 (Zen 3) one float32 key, two bfloat16 keys (runs of 4 read 10-20 % slower, 16 up to 35 %
-// slower); with AVX-512 (measured on Xeon only as a whole tile) the whole tile.
+// Without AVX-512 a tile's keys are taken in runs of this many (see attend_range), chosen by
+// measurement on Zen 3: one float32 key, two bfloat16 keys (runs of four read 10-20 % slower,
+// a KV head at a time through the tile up to 35 % slower).
 template <typename T>
-#if defined(__AVX512F__)
-constexpr int64_t kRunKeys = 16;
-#else
 constexpr int64_t kRunKeys = 4 / int64_t(sizeof(T));
-#endif
 
 // The offsets (elements) of a row's tokens [t, t + n) in a paged cache of `token_stride`
 // elements a token, through its block table, plus `head`: one division for the run, not one a
@@ -436,17 +432,19 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
     store16(p_h, w);
   };
   int64_t offsets[16], ahead[16];
-  bool on_tiles = false;  // whether the range went through the AMX loop
+#if defined(__AVX512F__)
+  // A KV head at a time through a tile: its query heads' scores (a tile of AMX products, or 16
+  // keys' partial_scores in registers and one horizontal-add tree a head), their exponentials,
+  // then its values, while that KV head's keys and values of the tile ahead are fetched.
+  for (int64_t t0 = begin; t0 < end; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, end - t0);
+    g.offsets(t0, n, offsets);  // past n: repeats
+    const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
+    for (int64_t k = 0; k < kv; ++k) {
+      prefetch_head<D>(keys, values, ahead, fetching, k);
 #if defined(MSTAR_AMX)
-  if constexpr (kDotsOfBits<J, T>) {
-    on_tiles = amx;
-    for (int64_t t0 = begin; on_tiles && t0 < end; t0 += 16) {
-      const int64_t n = std::min<int64_t>(16, end - t0);
-      g.offsets(t0, n, offsets);  // past n: repeats
-      const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
-      for (int64_t k = 0; k < kv; ++k) {
-        prefetch_head<D>(keys, values, ahead, fetching, k);
-        if (k % 4 == 0) {
+      if constexpr (kDotsOfBits<J, T>) {
+        if (amx && k % 4 == 0) {
           // These KV heads' scores (their products issued before), then the next four's
           // products issued, to run while this tile's exponentials and values are computed.
           store_score_tiles(scores, std::min<int64_t>(4, kv - k));
@@ -455,46 +453,59 @@ void attend_range(const T* q, int64_t kv, int64_t per_kv, const T* keys, const T
             score_tiles_amx<J>(keys + g.offset(tn) + kn * D, g.token_stride * 2, qt + kn * 256 * (J / 2),
                                std::min<int64_t>(4, kv - kn));
         }
-        for (int64_t e = 0; e < per_kv; ++e)
-          weigh_scores(k * per_kv + e, head_scores(scores + k % 4 * 256, e) * score_scale, n, p + 16 * e);
-        weigh_heads<J>(values + k * D, offsets, n, p, acc + k * per_kv * J, per_kv);
       }
+#endif
+      for (int64_t e = 0; e < per_kv; ++e) {
+        const int64_t h = k * per_kv + e;
+        vf16 tile;
+#if defined(MSTAR_AMX)
+        if (kDotsOfBits<J, T> && amx) {
+          tile = head_scores(scores + k % 4 * 256, e);
+        } else
+#endif
+        {
+          Partial a[16];
+          for (int r = 0; r < 16; ++r) partial_scores<J>(qv + h * J, keys + k * D + offsets[r], 1, a + r);
+          tile = sum_partials(a);
+        }
+        weigh_scores(h, tile * score_scale, n, p + 16 * e);
+      }
+      weigh_heads<J>(values + k * D, offsets, n, p, acc + k * per_kv * J, per_kv);
+    }
+  }
+#else
+  // In memory order: a tile's keys a run (kRunKeys) at a time, each scored for every query
+  // head of the item (its KV heads lie side by side in a token's row), then its values a run
+  // at a time for every head, while the rows of the tile ahead are fetched, a run's share
+  // with each run: the core's prefetchers follow reads in memory order, not a KV head's
+  // strided ones.
+  constexpr int64_t run = kRunKeys<T>;
+  Partial* parts = reinterpret_cast<Partial*>(p + 16 * heads);  // [heads][16]
+  const int64_t row_bytes = kv * D * int64_t(sizeof(T));
+  for (int64_t t0 = begin; t0 < end; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, end - t0);
+    g.offsets(t0, n, offsets);  // past n: repeats
+    const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
+    const auto fetch = [&](const T* base, int64_t r0) {
+      const int64_t from = fetching * r0 / 16;
+      prefetch_rows(base, ahead + from, fetching * (r0 + run) / 16 - from, row_bytes);
+    };
+    for (int64_t r0 = 0; r0 < 16; r0 += run) {
+      fetch(keys, r0);
+      for (int64_t k = 0; k < kv; ++k)
+        for (int64_t r = r0; r < r0 + run; ++r)
+          partial_scores<J>(qv + k * per_kv * J, keys + k * D + offsets[r], per_kv, parts + 16 * k * per_kv + r);
+    }
+    for (int64_t h = 0; h < heads; ++h) weigh_scores(h, sum_partials(parts + 16 * h) * score_scale, n, p + 16 * h);
+    for (int64_t r0 = 0; r0 < 16; r0 += run) {
+      fetch(values, r0);
+      if (r0 < n)
+        for (int64_t k = 0; k < kv; ++k)
+          weigh_heads<J>(values + k * D, offsets + r0, std::min(run, n - r0), p + 16 * k * per_kv + r0,
+                         acc + k * per_kv * J, per_kv);
     }
   }
 #endif
-  if (!on_tiles) {
-    // In memory order: a tile's keys a run (kRunKeys) at a time, each scored for every query
-    // head of the item (its KV heads lie side by side in a token's row), then its values a run
-    // at a time for every head, while the rows of the tile ahead are fetched, a run's share
-    // with each run. The core's prefetchers follow reads in memory order; a KV head at a time
-    // through 16 keys they did not (bfloat16 and float32 read 20-35 % slower on Zen 3).
-    constexpr int64_t run = kRunKeys<T>;
-    Partial* parts = reinterpret_cast<Partial*>(p + 16 * heads);  // [heads][16]
-    const int64_t row_bytes = kv * D * int64_t(sizeof(T));
-    for (int64_t t0 = begin; t0 < end; t0 += 16) {
-      const int64_t n = std::min<int64_t>(16, end - t0);
-      g.offsets(t0, n, offsets);  // past n: repeats
-      const int64_t fetching = ahead_offsets(g, next, t0 + kAheadKeys, ahead);
-      const auto fetch = [&](const T* base, int64_t r0) {
-        const int64_t from = fetching * r0 / 16;
-        prefetch_rows(base, ahead + from, fetching * (r0 + run) / 16 - from, row_bytes);
-      };
-      for (int64_t r0 = 0; r0 < 16; r0 += run) {
-        fetch(keys, r0);
-        for (int64_t k = 0; k < kv; ++k)
-          for (int64_t r = r0; r < r0 + run; ++r)
-            partial_scores<J>(qv + k * per_kv * J, keys + k * D + offsets[r], per_kv, parts + 16 * k * per_kv + r);
-      }
-      for (int64_t h = 0; h < heads; ++h) weigh_scores(h, sum_partials(parts + 16 * h) * score_scale, n, p + 16 * h);
-      for (int64_t r0 = 0; r0 < 16; r0 += run) {
-        fetch(values, r0);
-        if (r0 < n)
-          for (int64_t k = 0; k < kv; ++k)
-            weigh_heads<J>(values + k * D, offsets + r0, std::min(run, n - r0), p + 16 * k * per_kv + r0,
-                           acc + k * per_kv * J, per_kv);
-      }
-    }
-  }
   for (int64_t h = 0; h < heads; ++h) {
     const float total = hsum(totals[h]);
     if (stats == nullptr) {
