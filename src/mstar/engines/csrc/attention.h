@@ -280,8 +280,8 @@ inline void prefetch_head(const T* keys, const T* values, const int64_t* offsets
 }
 
 // Prefetch the n rows at `offsets` from `base`, each `bytes` long, line by line in memory
-// order (a row is a token's KV heads side by side): fetches in order are what the core's own
-// prefetchers follow, where a head at a time (every eighth pair of lines) they do not.
+// order (a row is a token's KV heads side by side): the core's own prefetchers follow reads in
+// that order, not a KV head's lines strided through a tile.
 template <typename T>
 inline void prefetch_rows(const T* base, const int64_t* offsets, int64_t n, int64_t bytes) {
   for (int64_t i = 0; i < n; ++i) {
