@@ -204,8 +204,10 @@ constexpr int64_t kAheadKeys = 32;
 // Without AVX-512 a tile's keys are taken in runs of this many (see attend_range), chosen by
 // measurement on Zen 3: one float32 key, two bfloat16 keys (runs of four read 10-20 % slower,
 // a KV head at a time through the tile up to 35 % slower).
+#if !defined(__AVX512F__)
 template <typename T>
 constexpr int64_t kRunKeys = 4 / int64_t(sizeof(T));
+#endif
 
 // The offsets (elements) of a row's tokens [t, t + n) in a paged cache of `token_stride`
 // elements a token, through its block table, plus `head`: one division for the run, not one a
@@ -352,13 +354,13 @@ void weigh_heads(const T* values, const int64_t* offsets, int64_t n, const float
 // `kv` KV heads' query heads (rows of q, contiguous, `per_kv` to each KV head, the first KV
 // head's `keys` and `values` at g.head, the next D further) against keys [g.begin, g.end) of
 // one sequence; J = head_dim / 16. One pass over the keys in tiles of 16: a tile's 16 keys are
-// scored for every query head (products a run of kRunKeys keys at a time, then a horizontal-add
-// tree per head; or with `amx` (decode_tiles_amx) a tile product for up to four KV heads, issued
-// one step ahead), its exponentials taken against the running maximum (the head's sums
-// rescaled when the maximum grows), and its values weighed for every head, while the tiles
-// ahead are fetched (the first kAheadKeys the caller fetches, or the item before this one
-// did). With `stats`
-// null, the normalised output goes to `out`; otherwise the range's softmax: each head's
+// scored for every query head (the products a KV head through the tile with AVX-512, a run of
+// kRunKeys keys for every head without it, then a horizontal-add tree per head; or with `amx`
+// (decode_tiles_amx) a tile product for up to four KV heads, issued one step ahead), its
+// exponentials taken against the running maximum (the head's sums rescaled when the maximum
+// grows), and its values weighed for every head, while the tiles ahead are fetched (the first
+// kAheadKeys the caller fetches, or the item before this one did). With `stats` null, the
+// normalised output goes to `out`; otherwise the range's softmax: each head's
 // maximum and sum of exponentials to stats (2 floats) and its weighted values to sums (J
 // vectors, in load_row's arrangement). `work` holds work_vectors<J>(kv, per_kv) vectors.
 template <int J>
