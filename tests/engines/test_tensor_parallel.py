@@ -19,6 +19,7 @@ from mstar.engines.parallel import (
     ShmGroup,
     TensorParallelError,
     TensorParallelFollower,
+    TensorParallelRankLostError,
     TensorShard,
     sharded,
 )
@@ -115,6 +116,7 @@ def test_a_stopped_group_fails_the_waits_of_every_rank(shm_path: Path) -> None:
     waiter.join(30)
     assert not waiter.is_alive()
     assert "stopped" in str(failure[0])
+    assert not isinstance(failure[0], TensorParallelRankLostError)  # no rank is gone
     with pytest.raises(TensorParallelError, match="stopped"):
         follower.all_reduce_(torch.ones(4))
 
@@ -125,7 +127,7 @@ def _join_and_die(path: str) -> None:
 
 
 def test_a_rank_whose_process_died_fails_the_collective(shm_path: Path) -> None:
-    leader = ShmGroup(shm_path, 0, 2, timeout_s=120)
+    leader = ShmGroup(shm_path, 0, 2, ranks=(4, 7), timeout_s=120)
     child = multiprocessing.get_context("spawn").Process(
         target=_join_and_die, args=(str(shm_path),)
     )
@@ -134,8 +136,9 @@ def test_a_rank_whose_process_died_fails_the_collective(shm_path: Path) -> None:
     leader.all_reduce_(x)
     assert torch.equal(x, torch.full((4,), 2.0))
     child.join(60)
-    with pytest.raises(TensorParallelError, match=r"rank 1 .* is gone"):
+    with pytest.raises(TensorParallelRankLostError, match=r"rank 1 .* is gone") as lost:
         leader.all_reduce_(torch.ones(4))
+    assert lost.value.rank == 7  # the worker rank of the group's rank 1
 
 
 # -- a sharded Llama ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from mstar import (
     RequestStalledError,
     batched,
 )
+from mstar.engines.parallel import TensorParallelRankLostError
 from mstar.errors import DuplicateRequestError, RequestAbortedError, WorkerUnavailableError
 from mstar.runtime import AsyncEngine, EngineConfig, ModelSpec, Placement, Request
 from mstar.runtime.conductor import WorkerLost
@@ -192,6 +193,47 @@ async def test_a_rank_that_does_not_come_back_fails_its_waiting_walks() -> None:
         back(engine, 1)
         outputs = await asyncio.wait_for(engine.run(Request("speech", {"text": "hello there"})), 30)
         assert any(o.modality == "audio" for o in outputs)
+        await wait_until_idle(engine)
+
+
+class LosesARankOfItsGroup(NoopLoopModel):
+    """``b`` fails as a tensor-parallel collective does when it finds a rank's process gone."""
+
+    lost: int | None = None
+
+    def submodule(self, node: str, device: torch.device) -> Any:
+        inner = super().submodule(node, device)
+        if node != "b":
+            return inner
+
+        def b(batch: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+            if self.lost is not None:
+                message = "ShmGroup: rank 1 (pid 4242) is gone"
+                raise TensorParallelRankLostError(message, rank=self.lost)
+            return inner(batch)  # type: ignore[no-any-return]
+
+        return b
+
+
+async def test_a_rank_a_collective_finds_gone_fails_the_request_as_its_loss_does() -> None:
+    """The group's collective notices the death before the watchdog: the request fails as the
+    watchdog's notice fails it (the same error, retryable), not as a node's error."""
+    model = LosesARankOfItsGroup(steps=5)
+    config = EngineConfig(offload_steps=False)
+    async with await AsyncEngine.start(model, Placement.from_yaml(TWO_RANKS), config) as engine:
+        assert engine.conductor is not None
+        model.lost = 1
+        with pytest.raises(WorkerUnavailableError, match="the worker of rank 1 died") as lost:
+            await asyncio.wait_for(engine.run(Request("loop", {})), 10)
+        assert lost.value.rank == 1 and lost.value.retry_after_s >= 1
+        await wait_until_idle(engine)
+        # The watchdog's notice that follows finds nothing of it; new requests fail fast.
+        engine.conductor.tell(WorkerLost(1, restart_estimate_s=30.0))
+        with pytest.raises(WorkerUnavailableError, match="rank 1 is down"):
+            await asyncio.wait_for(engine.run(Request("loop", {})), 10)
+        model.lost = None
+        back(engine, 1)
+        assert [o.data for o in await asyncio.wait_for(engine.run(Request("loop", {})), 10)] == [5]
         await wait_until_idle(engine)
 
 

@@ -48,7 +48,7 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -72,6 +72,7 @@ __all__ = [
     "TensorParallelFollower",
     "TensorParallelGroup",
     "TensorParallelLeader",
+    "TensorParallelRankLostError",
     "TensorShard",
     "current_shard",
     "mirrored",
@@ -94,6 +95,14 @@ TIMEOUT_S = 300.0
 
 class TensorParallelError(MStarError):
     """A tensor-parallel group cannot run: a rank is gone, stopped, or the layout cannot split."""
+
+
+class TensorParallelRankLostError(TensorParallelError):
+    """A rank of the group is gone (its process exited); ``rank`` is its worker rank."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class TensorParallelGroup(Protocol):
@@ -137,7 +146,9 @@ class ShmGroup:
     """A `TensorParallelGroup` over a shared-memory file every rank maps (one machine).
 
     ``path`` (under /dev/shm) is created by whichever rank comes first; every rank of the
-    group must name the same one, and a group that restarts takes a fresh file.
+    group must name the same one, and a group that restarts takes a fresh file. ``ranks`` are
+    the members' worker ranks (default ``0 .. world - 1``): a call that finds one's process
+    gone raises `TensorParallelRankLostError` naming it.
     """
 
     def __init__(
@@ -146,6 +157,7 @@ class ShmGroup:
         rank: int,
         world: int,
         *,
+        ranks: Sequence[int] | None = None,
         slot_bytes: int = SLOT_BYTES,
         command_bytes: int = COMMAND_BYTES,
         timeout_s: float = TIMEOUT_S,
@@ -156,6 +168,9 @@ class ShmGroup:
                 "shared-memory tensor parallelism needs mstar's native kernels (a C++ compiler)"
             )
         self.path = Path(path)
+        self.ranks = tuple(range(world) if ranks is None else ranks)
+        if len(self.ranks) != world:
+            raise TensorParallelError(f"{world} ranks in the group, {len(self.ranks)} named")
         size = kernels.ShmGroup.region_bytes(world, slot_bytes, command_bytes)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -203,12 +218,15 @@ class ShmGroup:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
-    @staticmethod
-    def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
         except RuntimeError as exc:
-            raise TensorParallelError(str(exc).splitlines()[0]) from None
+            message = str(exc).splitlines()[0]
+            lost = int(self.native.lost)
+            if lost >= 0:
+                raise TensorParallelRankLostError(message, rank=self.ranks[lost]) from None
+            raise TensorParallelError(message) from None
 
 
 class GlooGroup:

@@ -196,7 +196,9 @@ class Conductor(Actor):
                 message.request_id, message.walk_seq, message.rank, from_slots(message.persisted)
             )
         elif isinstance(message, WalkFailedMsg):
-            commands = core.walk_failed(message.request_id, message.walk_seq, _error_of(message))
+            commands = core.walk_failed(
+                message.request_id, message.walk_seq, self._walk_error(message)
+            )
         elif isinstance(message, Submit):
             request_id = message.request.request_id
             if request_id in self.queues:
@@ -306,13 +308,25 @@ class Conductor(Actor):
         asyncio.get_running_loop().call_later(
             self.restart_wait_s, self._expire, RankWaitExpired(rank, epoch)
         )
+        return self.core.worker_lost(rank, self._died_error(rank))
+
+    def _died_error(self, rank: int) -> WorkerUnavailableError:
         retry = self._retry_after_s(rank)
-        error = WorkerUnavailableError(
+        return WorkerUnavailableError(
             f"the worker of rank {rank} died; it is being restarted (retry in {retry} s)",
             rank=rank,
             retry_after_s=retry,
         )
-        return self.core.worker_lost(rank, error)
+
+    def _walk_error(self, message: WalkFailedMsg) -> Exception:
+        """Return the error a failed walk fails its request with.
+
+        A walk failed by a rank's death (its tensor-parallel group's collective noticed it)
+        fails the request as the watchdog's notice of that death does, whichever comes first.
+        """
+        if message.lost_rank >= 0:
+            return self._died_error(message.lost_rank)
+        return _error_of(message)
 
     def _retry_after_s(self, rank: int) -> int:
         """Return the whole seconds until the rank's restart should be done (at least 1)."""

@@ -134,6 +134,7 @@ class WalkFailedMsg(WireMessage):
     node: str = ""
     walk: str = ""
     cause: str = ""  # the class name of the node's own error
+    lost_rank: int = -1  # the rank whose death failed it (`WorkerUnavailableError`), or -1
 
 
 class EmittedMsg(WireMessage):

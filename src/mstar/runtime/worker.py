@@ -8,7 +8,7 @@ from typing import Any
 
 from mstar.actors import Actor, ActorRef, ActorSystem
 from mstar.engines.parallel import TensorParallelFollower
-from mstar.errors import MStarError, WalkExecutionError
+from mstar.errors import MStarError, WalkExecutionError, WorkerUnavailableError
 from mstar.graph import Emission, ModelGraph
 from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.messages import (
@@ -138,6 +138,10 @@ class Worker(Actor):
             kind = type(error).__name__
             msg = WalkFailedMsg(
                 request_id, walk_seq, rank, kind, error.reason, error.node, error.walk, error.cause
+            )
+        elif isinstance(error, WorkerUnavailableError) and error.rank is not None:
+            msg = WalkFailedMsg(
+                request_id, walk_seq, rank, type(error).__name__, str(error), lost_rank=error.rank
             )
         else:
             msg = WalkFailedMsg(

@@ -32,6 +32,7 @@ from mstar.engines.parallel import (
     TensorParallelError,
     TensorParallelFollower,
     TensorParallelGroup,
+    TensorParallelRankLostError,
     TensorShard,
     sharded,
     supports_tensor_parallel,
@@ -39,7 +40,12 @@ from mstar.engines.parallel import (
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_loop import StepExecutor
 from mstar.engines.step_times import WalkStepTimes
-from mstar.errors import KVCacheCapacityError, MStarError, PlacementError
+from mstar.errors import (
+    KVCacheCapacityError,
+    MStarError,
+    PlacementError,
+    WorkerUnavailableError,
+)
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import EngineType, Model, supports_shared_engines
@@ -441,7 +447,8 @@ class WorkerCore:
                         index, world, store=role.store, prefix=role.channel, device=device
                     )
                 else:
-                    group = ShmGroup(SHM_DIR / f"{role.channel}.{i}", index, world)
+                    path = SHM_DIR / f"{role.channel}.{i}"
+                    group = ShmGroup(path, index, world, ranks=role.ranks)
                 self._shards[node] = (group, TensorShard(index, world, group), role.source)
 
     def _follower_failed(self, error: BaseException) -> None:
@@ -566,7 +573,7 @@ class WorkerCore:
             raise
         except Exception as exc:
             self._forget(key)
-            self.outbox.walk_failed(request_id, walk_seq, self.rank, exc)
+            self.outbox.walk_failed(request_id, walk_seq, self.rank, _rank_lost(exc) or exc)
             return
         self._forget(key)
         self.outbox.walk_done(request_id, walk_seq, self.rank, persisted)
@@ -574,3 +581,21 @@ class WorkerCore:
     def _forget(self, key: _RunKey) -> None:
         self.runners.pop(key, None)
         self.tasks.pop(key, None)
+
+
+def _rank_lost(error: BaseException) -> WorkerUnavailableError | None:
+    """Return the error of the lost rank a walk's failure comes from, if it does.
+
+    A rank of a tensor-parallel group that dies is noticed by its conductor's watchdog and by
+    the group's next collective, in either order; the request fails the same way both times.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, TensorParallelRankLostError):
+            return WorkerUnavailableError(
+                f"the worker of rank {cause.rank} died ({cause})", rank=cause.rank
+            )
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None

@@ -67,6 +67,8 @@ class ShmGroup {
   }
 
   int64_t rank() const { return rank_; }
+  // The rank found gone (its process exited) by the last call that failed; -1 while none is.
+  int64_t lost() const { return lost_; }
   int64_t world() const { return world_; }
 
   // Sum `x` over the ranks, in place (every rank gets the same bits): float32, float64, and
@@ -240,6 +242,7 @@ class ShmGroup {
       // An idle follower waits as long as it takes; only the leader's death ends the wait.
       const auto pid = *reinterpret_cast<int64_t*>(rank_line(0));
       if (pid != getpid() && pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        lost_ = 0;
         TORCH_CHECK(false, "ShmGroup: the leader (rank 0, pid ", pid, ") is gone");
       }
     }
@@ -250,6 +253,7 @@ class ShmGroup {
     if (is_broken()) TORCH_CHECK(false, "ShmGroup: the group was stopped");
     const auto pid = *reinterpret_cast<int64_t*>(rank_line(peer));
     if (pid > 0 && pid != getpid() && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      lost_ = peer;
       TORCH_CHECK(false, "ShmGroup: rank ", peer, " (pid ", pid, ") is gone");
     }
     TORCH_CHECK(waited_s < timeout_s_, "ShmGroup: rank ", peer, " did not answer within ", timeout_s_, " s");
@@ -260,4 +264,5 @@ class ShmGroup {
   int64_t rank_, world_, slot_, command_bytes_;
   double timeout_s_;
   uint32_t seq_ = 0, command_seq_ = 0;
+  int64_t lost_ = -1;
 };

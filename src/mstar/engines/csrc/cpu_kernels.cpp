@@ -55,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("region_bytes", &ShmGroup::region_bytes)
       .def_property_readonly("rank", &ShmGroup::rank)
       .def_property_readonly("world", &ShmGroup::world)
+      .def_property_readonly("lost", &ShmGroup::lost)
       .def("all_reduce_", &ShmGroup::all_reduce_, release())
       .def("all_gather", &ShmGroup::all_gather, release())
       .def("send", &ShmGroup::send, release())
