@@ -4,6 +4,7 @@ included), their errors, and engines and layers that run through them."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import threading
 from pathlib import Path
@@ -412,18 +413,16 @@ class _CountingKernels:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompts_attend_through_the_kernel_as_through_torch(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    """float32, and bfloat16 on a CPU with AMX: every writing prefill chunk, whole causal
-    prompts included, goes through the native kernel; tokens and logits match torch's
-    attention (to the first near-tie, as in the decode test above)."""
-    if dtype == torch.bfloat16:
-        probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
-        if not kernels.prefill_uses_amx(probe):
-            pytest.skip("no AMX here: bfloat16 prompts stay on torch's attention")
-        assert not kernels.prefill_uses_amx(probe.float())
-        assert not kernels.prefill_uses_amx(torch.zeros(1, 1, 16, dtype=torch.bfloat16))
+    """float32 and bfloat16 (tile products on AMX, widened elsewhere): every writing prefill
+    chunk, whole causal prompts included, goes through the native kernel; tokens and logits
+    match torch's attention (to the first near-tie, as in the decode test above)."""
+    assert not kernels.prefill_uses_amx(torch.zeros(1, 1, 32))
+    assert not kernels.prefill_uses_amx(torch.zeros(1, 1, 16, dtype=torch.bfloat16))
     model = make_tiny_llama(dtype=dtype, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2)
 
-    def run(native: bool) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], int]:
+    def run(
+        model: torch.nn.Module, native: bool
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], int]:
         engine = KVCacheEngine(
             model, KVCacheEngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=16)
         )
@@ -437,25 +436,42 @@ def test_prompts_attend_through_the_kernel_as_through_torch(kernels, dtype: torc
         rows = counting.prefill_rows if counting is not None else 0
         return tokens, {k: torch.stack(v) for k, v in logits.items()}, rows
 
-    (native_tokens, native_logits, rows), (torch_tokens, torch_logits, _) = run(True), run(False)
+    (native_tokens, native_logits, rows), (torch_tokens, torch_logits, _) = (
+        run(model, True),
+        run(model, False),
+    )
     prompt_rows = sum(5 + ord(name) % 7 for name in "abcdef")
     # every prompt row in each of the 2 layers, not only the masked chunks
     assert rows == 2 * prompt_rows
-    compared = 0
-    for name in native_logits:
-        a, b = native_tokens[name], torch_tokens[name]
-        same = (
-            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1) + 1
-        )
-        compared += same
-        tolerance = 1e-4 if dtype == torch.float32 else 0.05
-        torch.testing.assert_close(
-            native_logits[name][:same],
-            torch_logits[name][:same],
-            rtol=tolerance,
-            atol=2 * tolerance,
-        )
-    assert compared >= len(native_logits) * 8
+
+    # Each request's steps up to the first token two runs differ on (a near-tie), that one
+    # included (the logits of a step follow the same tokens in both).
+    def agreeing(a: list[int], b: list[int]) -> int:
+        differ = (i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        return next(differ, len(a) - 1) + 1
+
+    agreed = {name: agreeing(a, torch_tokens[name]) for name, a in native_tokens.items()}
+    assert sum(agreed.values()) >= len(native_logits) * 8
+    if dtype == torch.float32:
+        for name, same in agreed.items():
+            torch.testing.assert_close(
+                native_logits[name][:same], torch_logits[name][:same], rtol=1e-4, atol=2e-4
+            )
+        return
+    # bfloat16: the two attentions round differently, and each lies further from float32's
+    # logits than from the other's; each is held to float32's (the same weights, torch's
+    # attention) over the steps all three agree on: the kernel's mean error at most 1.1x torch's.
+    ref_tokens, ref_logits, _ = run(copy.deepcopy(model).float(), False)
+    errors = {"native": 0.0, "torch": 0.0}
+    count = 0
+    for name, same in agreed.items():
+        steps = min(same, agreeing(native_tokens[name], ref_tokens[name]))
+        want = ref_logits[name][:steps]
+        errors["native"] += float((native_logits[name][:steps] - want).abs().sum())
+        errors["torch"] += float((torch_logits[name][:steps] - want).abs().sum())
+        count += want.numel()
+    assert count >= 6 * 4 * 64  # most steps compared
+    assert errors["native"] / count <= 1.1 * errors["torch"] / count, errors
 
 
 def test_native_kernels_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

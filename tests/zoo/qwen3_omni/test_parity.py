@@ -372,8 +372,9 @@ def test_talker_codes_match_with_an_image_in_the_user_turn(
 def test_bfloat16_computes_what_transformers_computes_in_bfloat16(
     checkpoint: Path, ours: Qwen3OmniWeights, reference: Any, config: Qwen3OmniConfig
 ) -> None:
-    """In the checkpoint's bfloat16 (as transformers runs it): the thinker's logits equal
-    transformers' bfloat16 logits, and every product is within bfloat16 tolerance of float32."""
+    """In the checkpoint's bfloat16 (as transformers runs it): the thinker's logits lie within
+    bfloat16 rounding of transformers' bfloat16 logits and no further from float32's, and every
+    product is within bfloat16 tolerance of float32."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeForConditionalGeneration,
     )
@@ -389,8 +390,12 @@ def test_bfloat16_computes_what_transformers_computes_in_bfloat16(
     with torch.no_grad():
         theirs = reference16.thinker(input_ids=torch.tensor([prompt])).logits[0, -1]
     scale = float(full.abs().max())
-    # measured: equal
-    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=2e-3 * scale)
+    # The native prefill attention rounds once, after a float32 softmax; torch's bfloat16
+    # attention rounds on the way (measured: 0.8 % apart, ours 0.17 % from float32 on average
+    # against transformers' 0.23 %; without the native kernels, equal).
+    torch.testing.assert_close(got.float(), theirs.float(), rtol=0, atol=1.5e-2 * scale)
+    ours_error = float((got.float() - full).abs().mean())
+    assert ours_error <= 1.25 * float((theirs.float() - full).abs().mean())
     assert 1e-4 * scale < float((got.float() - full).abs().max()) < 3e-2 * scale  # measured: 0.9 %
     # The audio encoder and Code2Wav, against float32 (transformers' bfloat16 Code2Wav: 3.8 %).
     _, _, tokens = _audio_prompt(ours, config, frames=130)

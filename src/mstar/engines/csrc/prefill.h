@@ -114,12 +114,24 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
     std::fill(totals + 16 * v, totals + 16 * (v + 1), 0.f);
     seen[v] = v < nv ? float(lens[tile.row0 + i]) : 0.f;  // padding vectors see nothing
   }
-  std::vector<const T*> value_rows(kChunk);
+  // The chunk's values, read in place (float32) or widened once for all the tile's query
+  // vectors (bfloat16: widened at each product, they took 1.35x float32's time on Zen 3).
+  const T* value_rows[kChunk];
+  const float* chunk_values[kChunk];
+  std::vector<float> wide(std::is_same_v<T, float> ? 0 : kChunk * D);
   const vf16 lanes = lane_indices();
   for (int64_t t0 = 0; t0 < longest; t0 += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, longest - t0);
     const float* kt = head_keys + t0 * D;  // the chunk's keys [D][kChunk]
-    token_rows(values + tile.kv_head * D, block_size, token_stride, table, t0, nk, value_rows.data());
+    token_rows(values + tile.kv_head * D, block_size, token_stride, table, t0, nk, value_rows);
+    for (int64_t k = 0; k < nk; ++k) {
+      if constexpr (std::is_same_v<T, float>) {
+        chunk_values[k] = value_rows[k];
+      } else {
+        for (int j = 0; j < J; ++j) store16(wide.data() + k * D + 16 * j, load16(value_rows[k] + 16 * j));
+        chunk_values[k] = wide.data() + k * D;
+      }
+    }
     for (int64_t v0 = 0; v0 < padded; v0 += S)
       for (int c0 = 0; c0 < C; c0 += CS) {
         vf16 s[S][CS];
@@ -177,7 +189,7 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
           for (int j = 0; j < JV; ++j) a[p][j] = load16(acc + (v0 + p) * D + 16 * (j0 + j));
         for (int64_t k = 0; k < nk; ++k) {
           vf16 vv[JV];
-          for (int j = 0; j < JV; ++j) vv[j] = load16(value_rows[k] + 16 * (j0 + j));
+          for (int j = 0; j < JV; ++j) vv[j] = load16(chunk_values[k] + 16 * (j0 + j));
           for (int p = 0; p < V; ++p) {
             const float w = probs[(v0 + p) * kChunk + k];
             for (int j = 0; j < JV; ++j) a[p][j] += w * vv[j];
