@@ -40,6 +40,13 @@ read once, over the same bandwidth) and `KV share` their share of the step's byt
 prompts they are most of the floor (`scripts/bench_decode_attention.py` times the kernel
 alone against it).
 
+A wave's TPOT also carries the prefill chunks of its later prompts (a request decodes while
+the others' prompts are prefilled), so with long prompts `% floor` says little about decode
+itself. The engine counts its decode-only steps apart, by rows (`PhaseTimes`): `dec ms` is
+the mean of mstar's steps of c decode rows over the round (prepare to sampled tokens), and
+`% dec floor` the bandwidth floor of such a step (its weights and the keys and values its rows
+attended, at their mean context) over it.
+
 Rounds (`--rounds R`): the whole sweep is measured R times, every side at every point in
 each round (side after side within a point), and the table gives each figure's median over
 the rounds; a ratio is the median of the rounds' own ratios, with its range in brackets. On
@@ -55,7 +62,8 @@ the default one as `mstar-det`; the table gives its TPOT and the ratio to the de
 Targets: at concurrency 16, at least 1.5x transformers' throughput (issue #4); with the
 peer, at least 1.3x vLLM's throughput at every concurrency and 80 % of the roofline floor
 at concurrency 16 (issue #21); with `--deterministic`, a TPOT at most 1.3x the default's at
-concurrency 16 (issue #35).
+concurrency 16 (issue #35); with prompts of 1,536 tokens or more, decode-only steps at 60 %
+of the bandwidth floor at concurrency 16 (issue #38).
 
     python scripts/bench_llm.py                      # the default sweep
     python scripts/bench_llm.py --models tiny --concurrency 1,16 --new-tokens 64
@@ -112,6 +120,8 @@ TARGET_CONCURRENCY = 16
 PEER_TARGET_RATIO = 1.3  # mstar / vLLM throughput, at every concurrency
 FLOOR_TARGET_PCT = 80.0  # of the roofline floor (bandwidth or arithmetic), at TARGET_CONCURRENCY
 DETERMINISTIC_TARGET_RATIO = 1.3  # deterministic TPOT / default TPOT, at TARGET_CONCURRENCY
+LONG_PROMPT = 1536  # from this many prompt tokens, decode is bound by its keys and values
+DECODE_FLOOR_TARGET_PCT = 60.0  # of the bandwidth floor, decode-only steps at long prompts
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = REPO / "scripts" / "vllm_peer.py"
@@ -306,8 +316,9 @@ async def bench_model(
     rounds: list[list[dict[str, Any]]] = []
     load = OfflineWaves(tuple(levels), num_waves=args.waves)
 
-    def point_row(result: Any, conc: int) -> dict[str, Any]:
-        """Return one round's summary row of the point at concurrency `conc`."""
+    def point_row(result: Any, conc: int, decode: dict[int, list[float]]) -> dict[str, Any]:
+        """Return one round's summary row of the point at concurrency `conc` (`decode`: the
+        round's decode-only steps by rows, `decode_counters`)."""
         ours = result.result("mstar", float(conc)).summary
         theirs = result.result("transformers", float(conc)).summary
         key = f"{load.kind}-{conc}"
@@ -331,7 +342,16 @@ async def bench_model(
             "step_bytes": step_bytes,
             "kv_bytes": kv_cache_bytes(model.hf_config, element_size, conc, context),
             "flop_ms": step_flops / machine[f"{dtype_name}_flop_per_s"] * 1e3,
+            "prompt_len": args.prompt_len,
         }
+        steps, seconds, keys = decode.get(conc, (0.0, 0.0, 0.0))
+        if steps > 0:  # its decode-only steps of c rows, at the context their rows attended
+            attended = keys / (steps * conc)
+            row["decode_step_ms"] = seconds / steps * 1e3
+            row["decode_step_bytes"] = decode_step_cost(
+                model.hf_config, element_size, conc, attended
+            )[0]
+            row["decode_context"] = attended
         if det_engine is not None:
             det = result.result("mstar-det", float(conc)).summary
             det_tpot_ms = det.tpot_s.mean * 1e3 if det.tpot_s else float("nan")
@@ -370,6 +390,7 @@ async def bench_model(
             machine["bandwidth_bytes_per_s"] = max(
                 machine["bandwidth_bytes_per_s"], measure_bandwidth()
             )
+            before = await decode_counters(engine)
             result = await run_benchmark(
                 targets,
                 requests,
@@ -383,7 +404,12 @@ async def bench_model(
             print_table(result, console)
             write_json(result, args.out / f"bench_llm_{label}{suffix}.json")
             plot_png(result, args.out / f"bench_llm_{label}{suffix}.png")
-            rounds.append([point_row(result, conc) for conc in levels])
+            after = await decode_counters(engine)
+            decode = {
+                rows: [a - b for a, b in zip(counts, before.get(rows, [0.0] * 3), strict=True)]
+                for rows, counts in after.items()
+            }
+            rounds.append([point_row(result, conc, decode) for conc in levels])
     finally:
         await engine.shutdown()
         if det_engine is not None:
@@ -392,6 +418,20 @@ async def bench_model(
         if peer is not None:
             await peer.close()
     return [combine_rounds([points[i] for points in rounds]) for i in range(len(levels))]
+
+
+async def decode_counters(engine: AsyncEngine) -> dict[int, list[float]]:
+    """Return the engine's decode-only steps so far by rows: [steps, seconds, keys attended],
+    summed over its ranks and nodes (`PhaseTimes`' ``decode<n>_*`` counters)."""
+    counts: dict[int, list[float]] = {}
+    for nodes in (await engine.stats()).values():
+        for values in nodes.values():
+            for key, value in values.items():
+                rows, _, field = key.removeprefix("decode").partition("_")
+                if key.startswith("decode") and rows.isdigit():
+                    slot = ("steps", "seconds", "keys").index(field)
+                    counts.setdefault(int(rows), [0.0] * 3)[slot] += value
+    return counts
 
 
 # Figures of a point that combine as a median over rounds (ratios: the median of each round's
@@ -411,6 +451,7 @@ _MEDIAN_FIELDS = (
     "det_tokens_per_s",
     "det_tpot_ms",
     "det_tpot_ratio",
+    "decode_step_ms",
 )
 
 
@@ -458,6 +499,7 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
         ["÷hf"]
         + (["÷vllm"] if has_peer else [])
         + ["floor ms", "% floor", "flop ms", "% roofline", "KV ms", "KV share"]
+        + ["dec ms", "% dec floor"]
     )
     for col in columns:
         table.add_column(col, justify="right")
@@ -490,6 +532,8 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
             f"{r['roofline_pct']:.0f}%",
             f"{r.get('kv_floor_ms', float('nan')):.2f}",
             f"{r.get('kv_share_pct', float('nan')):.0f}%",
+            f"{r.get('decode_step_ms', float('nan')):.2f}",
+            f"{r.get('decode_floor_pct', float('nan')):.0f}%",
         ]
         table.add_row(*cells)
     console.print(table)
@@ -512,6 +556,17 @@ def report(rows: list[dict[str, Any]], console: Console) -> bool:
                 r["det_tpot_ratio"] <= DETERMINISTIC_TARGET_RATIO and r["failed"] == 0,
                 f"{where}: deterministic TPOT <= {DETERMINISTIC_TARGET_RATIO}x the default's -> "
                 f"{r['det_tpot_ratio']:.2f}x",
+            )
+        if (
+            r["concurrency"] == TARGET_CONCURRENCY
+            and r["prompt_len"] >= LONG_PROMPT
+            and "decode_floor_pct" in r
+        ):
+            check(
+                r["decode_floor_pct"] >= DECODE_FLOOR_TARGET_PCT,
+                f"{where}: decode steps >= {DECODE_FLOOR_TARGET_PCT:.0f}% of the bandwidth floor "
+                f"-> {r['decode_floor_pct']:.0f}% ({r['decode_step_ms']:.2f} ms a step at "
+                f"{r['decode_context']:.0f} keys a row)",
             )
         if "vllm_ratio" in r:
             check(

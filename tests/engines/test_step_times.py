@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
+from mstar.engines import KVCacheEngine, KVCacheEngineConfig, SamplingParams
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_times import STEP_TIME_BUCKETS, WalkStepTimes
+
+from .conftest import make_tiny_llama
 
 
 def test_a_mixed_step_counts_under_every_walk_present() -> None:
@@ -35,6 +38,28 @@ def test_bounds_are_inclusive_and_the_last_bucket_takes_the_rest() -> None:
     times.record(STEP_TIME_BUCKETS[-1] * 2, ["w"])
     counts = times.by_walk["w"].bucket_counts
     assert counts[3] == 1 and counts[-1] == 1 and sum(counts) == 2
+
+
+def test_decode_only_steps_are_counted_by_rows_with_the_keys_they_attend() -> None:
+    """Two prompts (5 and 9 tokens) prefill in one step, then decode three more tokens each in
+    two-row steps; a third, alone later, decodes in one-row steps. Prefill steps count apart."""
+    engine = KVCacheEngine(
+        make_tiny_llama(), KVCacheEngineConfig(block_size=4, num_blocks=32, max_num_seqs=4)
+    )
+    engine.add_request("a", list(range(1, 6)), SamplingParams.greedy(4))
+    engine.add_request("b", list(range(1, 10)), SamplingParams.greedy(4))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.runner.phases.snapshot()
+    # each decode step's rows attend their context: a (5 tokens) 6, 7, 8; b (9) 10, 11, 12
+    assert (stats["decode2_steps"], stats["decode2_keys"]) == (3, 6 + 7 + 8 + 10 + 11 + 12)
+    assert stats["decode2_seconds"] > 0 and "decode1_steps" not in stats
+    engine.add_request("c", list(range(1, 4)), SamplingParams.greedy(3))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.runner.phases.snapshot()
+    assert (stats["decode1_steps"], stats["decode1_keys"]) == (2, 4 + 5)
+    assert stats["decode2_steps"] == 3
 
 
 class Echo:

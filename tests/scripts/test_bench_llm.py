@@ -78,6 +78,13 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
         )
         assert row["roofline_ms"] == max(row["floor_ms"], row["flop_ms"])
         assert row["roofline_pct"] >= row["floor_pct"]
+        # Its decode-only steps of c rows: each row attends its prompt and the tokens after
+        # (8 + 1 to 8 + 3 keys), more bytes than a step at no context.
+        assert row["decode_step_ms"] > 0 and 9 <= row["decode_context"] <= 11
+        no_context = bench.decode_step_cost(bench.TINY_CONFIG, 4, row["concurrency"], 0)[0]
+        assert row["decode_step_bytes"] > no_context
+        floor_ms = row["decode_step_bytes"] / row["bandwidth_bytes_per_s"] * 1e3
+        assert row["decode_floor_pct"] == pytest.approx(100 * floor_ms / row["decode_step_ms"])
         assert row["kv_floor_ms"] < row["floor_ms"] and 0 < row["kv_share_pct"] < 100
         assert "vllm_tokens_per_s" not in row
     assert (tmp_path / "bench_llm_tiny_float32.json").exists()

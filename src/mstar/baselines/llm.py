@@ -263,7 +263,9 @@ def add_floors(row: dict[str, Any], bandwidth_bytes_per_s: float) -> None:
     """Add a point's bandwidth floor, its roofline floor (the larger of that and the arithmetic
     floor: a step can go no faster than either allows) and mstar's TPOT as a % of each; with
     the row's `kv_bytes`, attention's part of the bandwidth floor (`kv_floor_ms`) and its
-    share of the step's bytes (`kv_share_pct`)."""
+    share of the step's bytes (`kv_share_pct`); with its `decode_step_ms` (the engine's
+    decode-only steps) and `decode_step_bytes`, the floor as a % of those steps
+    (`decode_floor_pct`)."""
     row["bandwidth_bytes_per_s"] = bandwidth_bytes_per_s
     row["floor_ms"] = row["step_bytes"] / bandwidth_bytes_per_s * 1e3
     row["floor_pct"] = 100 * row["floor_ms"] / row["mstar_tpot_ms"]
@@ -272,3 +274,6 @@ def add_floors(row: dict[str, Any], bandwidth_bytes_per_s: float) -> None:
     if "kv_bytes" in row:  # attention's part: its keys and values over the same bandwidth
         row["kv_floor_ms"] = row["kv_bytes"] / bandwidth_bytes_per_s * 1e3
         row["kv_share_pct"] = 100 * row["kv_bytes"] / row["step_bytes"]
+    if "decode_step_ms" in row:  # the engine's decode-only steps at the point's concurrency
+        floor_ms = row["decode_step_bytes"] / bandwidth_bytes_per_s * 1e3
+        row["decode_floor_pct"] = 100 * floor_ms / row["decode_step_ms"]

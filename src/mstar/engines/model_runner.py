@@ -317,7 +317,11 @@ class ModelRunner:
         if not batch.sample_seqs:
             return StepResult([], None, returned)
         result = self._sample(batch, hidden, return_logits)
-        phases.add("logits", time.perf_counter() - t2)
+        t3 = time.perf_counter()
+        phases.add("logits", t3 - t2)
+        if all(s.num_tokens == 1 and s.start > 0 for s in out.scheduled):
+            keys = sum(s.start + 1 for s in out.scheduled)
+            phases.add_decode(len(out.scheduled), keys, t3 - t0)
         result.hidden = returned
         return result
 

@@ -100,17 +100,38 @@ class PhaseTimes:
 
     Kept by the engine itself (a `perf_counter` pair per phase per step), so benchmarks
     and metrics read where a step's time goes without patching engine methods.
+
+    Steps that only decode (one token a sequence, none of a prompt) are counted apart too, by
+    their number of rows: how many, their seconds from prepare to the sampled tokens, and the
+    keys their rows attended. A benchmark's decode steps at c rows, next to the bytes they
+    must read, give how near decode runs to the memory bandwidth, whatever prefill chunks
+    the same requests' other steps carried.
     """
 
-    __slots__ = ("seconds",)
+    __slots__ = ("decode", "seconds")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.decode: dict[int, list[float]] = {}  # rows: [steps, seconds, keys]
 
     def add(self, phase: str, seconds: float) -> None:
         """Add `seconds` to `phase`."""
         self.seconds[phase] += seconds
 
+    def add_decode(self, rows: int, keys: int, seconds: float) -> None:
+        """Count a decode-only step of `rows` rows whose rows attended `keys` keys in all."""
+        counts = self.decode.setdefault(rows, [0.0, 0.0, 0.0])
+        counts[0] += 1
+        counts[1] += seconds
+        counts[2] += keys
+
     def snapshot(self) -> dict[str, float]:
-        """Return ``{"phase_<name>_seconds": total}`` for every phase."""
-        return {f"phase_{name}_seconds": value for name, value in self.seconds.items()}
+        """Return ``{"phase_<name>_seconds": total}`` for every phase, and for the decode-only
+        steps of each row count n ``decode<n>_steps``, ``decode<n>_seconds`` and
+        ``decode<n>_keys``."""
+        out = {f"phase_{name}_seconds": value for name, value in self.seconds.items()}
+        for rows, (steps, seconds, keys) in sorted(self.decode.items()):
+            out[f"decode{rows}_steps"] = steps
+            out[f"decode{rows}_seconds"] = seconds
+            out[f"decode{rows}_keys"] = keys
+        return out
