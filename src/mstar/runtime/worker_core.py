@@ -40,12 +40,7 @@ from mstar.engines.parallel import (
 from mstar.engines.stateless import StatelessEngine, StatelessEngineConfig
 from mstar.engines.step_loop import StepExecutor
 from mstar.engines.step_times import WalkStepTimes
-from mstar.errors import (
-    KVCacheCapacityError,
-    MStarError,
-    PlacementError,
-    WorkerUnavailableError,
-)
+from mstar.errors import KVCacheCapacityError, MStarError, PlacementError, WorkerUnavailableError
 from mstar.graph import Emission, ModelGraph, StreamingGraphEdge
 from mstar.runtime.conductor_core import StartWalk
 from mstar.runtime.model import EngineType, Model, supports_shared_engines

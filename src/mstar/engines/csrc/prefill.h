@@ -115,7 +115,7 @@ void prefill_tile(const T* q, int64_t q_stride, int64_t heads, int64_t group, co
     seen[v] = v < nv ? float(lens[tile.row0 + i]) : 0.f;  // padding vectors see nothing
   }
   // The chunk's values, read in place (float32) or widened once for all the tile's query
-  // vectors (bfloat16: widened at each product, they took 1.35x float32's time on Zen 3).
+  // vectors (bfloat16: widened at each product, they took 1.3x float32's time on Zen 3).
   const T* value_rows[kChunk];
   const float* chunk_values[kChunk];
   std::vector<float> wide(std::is_same_v<T, float> ? 0 : kChunk * D);
