@@ -3,11 +3,10 @@ scaled-dot-product attention over the same keys, side by side in one run.
 
 For each case (a mask kind, a dtype, a head layout) the same query rows attend over the same
 keys: `native` is `prefill_attention` reading the keys in place through a block table (what
-the engine runs for float32 chunks, and for bfloat16 ones on a CPU with AMX); `torch` is what
-it runs otherwise (and ran for float32 causal prompts before): the keys gathered from their
-blocks, then `F.scaled_dot_product_attention` with `is_causal` or a boolean mask. Reported:
-the best of `--repeats` times of each and the ratio torch / native (above 1: the kernel is
-faster), and the largest difference between them.
+the engine runs for float32 and bfloat16 chunks); `torch` is what it runs without the native
+kernels: the keys gathered from their blocks, then `F.scaled_dot_product_attention` with
+`is_causal` or a boolean mask. Reported: the best of `--repeats` times of each and the ratio
+torch / native (above 1: the kernel is faster), and the largest difference between them.
 
 Cases: `causal` (a whole prompt), `continuation` (the last chunk of a prompt split by chunked
 prefill: its rows see the cached prefix), `frames` (block-causal: each row sees its frame

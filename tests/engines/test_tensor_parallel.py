@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -117,6 +118,7 @@ def test_a_stopped_group_fails_the_waits_of_every_rank(shm_path: Path) -> None:
     assert not waiter.is_alive()
     assert "stopped" in str(failure[0])
     assert not isinstance(failure[0], TensorParallelRankLostError)  # no rank is gone
+    assert follower.rank_lost(failure[0]) is None
     with pytest.raises(TensorParallelError, match="stopped"):
         follower.all_reduce_(torch.ones(4))
 
@@ -139,6 +141,10 @@ def test_a_rank_whose_process_died_fails_the_collective(shm_path: Path) -> None:
     with pytest.raises(TensorParallelRankLostError, match=r"rank 1 .* is gone") as lost:
         leader.all_reduce_(torch.ones(4))
     assert lost.value.rank == 7  # the worker rank of the group's rank 1
+    # What a native call that sums over the group itself (a decode step) raised, as the loss.
+    gone = "ShmGroup: rank 1 (pid 1) is gone"
+    again = leader.rank_lost(RuntimeError(gone + "\nException raised from check_alive"))
+    assert again is not None and again.rank == 7 and str(again) == gone
 
 
 # -- a sharded Llama ---------------------------------------------------------------------------
@@ -333,3 +339,51 @@ def test_a_step_that_fails_on_the_leader_fails_the_group_not_silently(
     follower._thread.join(30)  # type: ignore[union-attr]
     assert not follower.is_running and len(failures) == 1
     assert "stopped" in str(failures[0])
+
+
+def _follow_then_die_in_decode(path: str, checkpoint: str) -> None:
+    """Rank 1 of a group: follows the leader's steps, and its process exits inside its second
+    step, the first decode step (the step's command taken, its sums not reached)."""
+    group = ShmGroup(path, 1, 2)
+    with sharded(TensorShard(1, 2, group)):
+        model = load_llama(Path(checkpoint))
+    forward = model.forward
+    steps: list[int] = []
+
+    def dying(input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+        steps.append(input_ids.shape[0])
+        if len(steps) == 2:  # the prompt's step, then the first decode step's
+            os._exit(0)
+        return forward(input_ids, positions, ctx)
+
+    model.forward = dying  # type: ignore[method-assign]
+    follower = TensorParallelFollower("llm", model, group, "cpu")
+    follower.start()
+    follower._thread.join()  # type: ignore[union-attr]
+
+
+def test_a_rank_that_dies_inside_a_decode_step_is_named(checkpoint: Path, shm_path: Path) -> None:
+    """A rank's process gone in the middle of a decode step: the leader's step fails as that
+    rank's loss (its worker rank), whether a collective called from Python noticed (head size
+    8: the layers one by one) or the native decode step's own sums (head size 16)."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=_follow_then_die_in_decode, args=(str(shm_path), str(checkpoint))
+    )
+    child.start()
+    reaper = threading.Thread(target=child.join)  # reaps it once it exits, as a supervisor does
+    reaper.start()
+    group = ShmGroup(shm_path, 0, 2, ranks=(2, 5), timeout_s=120)
+    with sharded(TensorShard(0, 2, group)):
+        model = load_llama(checkpoint)
+    engine = KVCacheEngine(
+        model, KVCacheEngineConfig(num_blocks=32, block_size=4), tensor_parallel=group
+    )
+    engine.add_request("r", PROMPTS[0], SamplingParams.greedy(4))
+    engine.step()  # the prompt: both ranks
+    with pytest.raises(TensorParallelRankLostError, match=r"rank 1 .* is gone") as lost:
+        engine.step()
+    assert lost.value.rank == 5
+    native = model.decoder_layers[0].self_attn.head_dim >= 16  # the native step's head sizes
+    assert isinstance(lost.value.__cause__, RuntimeError) == native  # the native call's error
+    reaper.join(60)
+    assert child.exitcode == 0

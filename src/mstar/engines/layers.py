@@ -236,17 +236,16 @@ def choose_layout(weight: torch.Tensor, rows: tuple[int, ...] = DECODE_ROWS) -> 
     key = (in_features, out_features, weight.dtype, rows)
     if key in _LAYOUT_CHOICES:
         return _LAYOUT_CHOICES[key]
-    candidates = {OUT_IN: FusedLinear(weight, None, layout=OUT_IN)}
-    candidates[IN_OUT] = FusedLinear(_stored(weight, IN_OUT), None, layout=IN_OUT)
+    candidates = {layout: FusedLinear.in_layout(weight, layout) for layout in (OUT_IN, IN_OUT)}
     if can_pack(weight):
         try:
-            packed = FusedLinear(_stored(weight, PACKED), None, layout=PACKED)
+            packed = FusedLinear.in_layout(weight, PACKED)
             packed(torch.zeros(1, in_features, dtype=weight.dtype))
             candidates[PACKED] = packed
         except RuntimeError:
             pass  # a build without oneDNN's linear kernels
     if _tiles(weight) is not None:
-        candidates[TILED] = FusedLinear(_stored(weight, TILED), None, layout=TILED)
+        candidates[TILED] = FusedLinear.in_layout(weight, TILED)
     # The native and oneDNN layouts first: a layout whose first timed product (after a warm-up)
     # takes over _HOPELESS times the fastest so far is dropped untimed further. (torch's
     # bfloat16 product without AVX-512 is a scalar loop: five products of a 49,152-row tied
@@ -350,6 +349,12 @@ class FusedLinear:
                     lin.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
                 start += size
         return cls(weight, bias, layout=layout)
+
+    @classmethod
+    def in_layout(cls, weight: torch.Tensor, layout: str) -> FusedLinear:
+        """Return the product by `weight` `[out, in]` (no bias) stored in `layout`, whatever
+        the timing would choose (`choose_layout` times each; benchmarks compare them)."""
+        return cls(_stored(weight, layout), None, layout=layout, out_features=weight.shape[0])
 
     @classmethod
     def shared(cls, weight: torch.Tensor, *, rows: tuple[int, ...] = DECODE_ROWS) -> FusedLinear:

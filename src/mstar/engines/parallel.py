@@ -218,15 +218,20 @@ class ShmGroup:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
+    def rank_lost(self, error: BaseException) -> TensorParallelRankLostError | None:
+        """Return a native call's `error` as the loss of the member whose process this group's
+        collectives found gone, or None when they found none (a decode step that sums over the
+        group inside its own native call asks this of its failures)."""
+        lost = int(self.native.lost)
+        if lost < 0:
+            return None
+        return TensorParallelRankLostError(str(error).splitlines()[0], rank=self.ranks[lost])
+
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
         except RuntimeError as exc:
-            message = str(exc).splitlines()[0]
-            lost = int(self.native.lost)
-            if lost >= 0:
-                raise TensorParallelRankLostError(message, rank=self.ranks[lost]) from None
-            raise TensorParallelError(message) from None
+            raise self.rank_lost(exc) or TensorParallelError(str(exc).splitlines()[0]) from None
 
 
 class GlooGroup:
