@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_assistant.py"
+from tests.scripts import load_script
+
 TARGETS = ("mstar", "pipeline")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -19,12 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_assistant", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_assistant"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_assistant")
 
 
 def test_arguments_are_validated(bench: ModuleType) -> None:

@@ -3,28 +3,21 @@ figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from rich.console import Console
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_bagel.py"
+from tests.scripts import load_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_bagel", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_bagel"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_bagel")
 
 
 def test_arguments(bench: ModuleType) -> None:

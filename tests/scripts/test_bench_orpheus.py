@@ -3,25 +3,18 @@ complete."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_orpheus.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_orpheus", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_orpheus"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_orpheus")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from mstar.engines.native import cpu_kernels
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_prefill.py"
+from tests.scripts import load_script
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="needs the native CPU kernels")
 def test_a_tiny_run_times_every_case_and_the_outputs_agree(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_prefill")
     rows = bench.main(["--keys", "300", "--repeats", "1", "--layouts", "4/2x16,2/2x64"])
     assert {(r["case"], r["dtype"]) for r in rows} == {
         (case, dtype)

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from mstar.engines.native import cpu_kernels
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_products.py"
+from tests.scripts import load_script
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="needs the native CPU kernels")
 def test_a_tiny_run_times_every_layout_and_the_products_agree(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    spec = importlib.util.spec_from_file_location("bench_products", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_products")
     rows = bench.main(["--shapes", "40x64,16x32", "--rows", "1,7", "--repeats", "1"])
     assert [(r["out"], r["in"], r["dtype"], r["rows"]) for r in rows] == [
         (o, i, dtype, n)

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def chaos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("chaos")
 
 
 def test_arguments_are_validated(chaos: ModuleType) -> None:

@@ -293,14 +293,20 @@ class ModelRunner:
 
         A tensor-parallel leader whose step raises closes its group: the ranks may be out of
         step (a collective one ran and the other did not), and no step of the group is safe
-        after that (its ranks restart as a unit).
+        after that (its ranks restart as a unit). A native call's error where the group's sums
+        inside it found a rank's process gone (a decode step in one call) is raised as that
+        rank's loss, as the group's own collectives raise it.
         """
         if self.tensor_parallel is None:
             return self._execute(out, return_logits)
         try:
             return self._execute(out, return_logits)
-        except BaseException:
+        except BaseException as exc:
+            group = self.tensor_parallel.group
+            lost = group.rank_lost(exc) if isinstance(exc, RuntimeError) else None
             self.tensor_parallel.abort()
+            if lost is not None:
+                raise lost from exc
             raise
 
     def _execute(self, out: SchedulerOutput, return_logits: bool) -> StepResult:

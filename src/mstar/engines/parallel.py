@@ -141,6 +141,11 @@ class TensorParallelGroup(Protocol):
         """Stop: the other ranks' waits fail from now on."""
         ...
 
+    def rank_lost(self, error: BaseException) -> TensorParallelRankLostError | None:
+        """Return a native call's `error` as the loss of the rank whose process the group's
+        collectives found gone, or None where they found none (or cannot tell)."""
+        ...
+
 
 class ShmGroup:
     """A `TensorParallelGroup` over a shared-memory file every rank maps (one machine).
@@ -220,8 +225,9 @@ class ShmGroup:
 
     def rank_lost(self, error: BaseException) -> TensorParallelRankLostError | None:
         """Return a native call's `error` as the loss of the member whose process this group's
-        collectives found gone, or None when they found none (a decode step that sums over the
-        group inside its own native call asks this of its failures)."""
+        collectives found gone, or None when they found none (its own collectives raise it
+        themselves; a native call that sums over the group inside, as a decode step does, is
+        asked about by the leader's step, `ModelRunner.execute`)."""
         lost = int(self.native.lost)
         if lost < 0:
             return None
@@ -324,6 +330,10 @@ class GlooGroup:
     def close(self) -> None:
         """Nothing to do: the process group lives until the process exits (a follower's thread
         may still wait in a broadcast, which destroying the group under it would crash)."""
+
+    def rank_lost(self, error: BaseException) -> None:
+        """Return None: gloo's and NCCL's errors do not say which peer is gone."""
+        return None
 
 
 def _byte_tensor(data: bytes) -> torch.Tensor:

@@ -356,15 +356,9 @@ class LlamaCausalLM(nn.Module):
                 slots, tables, lens = plan
                 # layer i's are kv_caches[i]
                 caches = [cache for pair in ctx.kv_caches for cache in pair]
-                try:
-                    out = stack.forward(input_ids, positions, caches, slots, tables, lens)
-                except RuntimeError as exc:  # its sums over the group found a rank gone?
-                    group = self.shard.group if self.shard is not None else None
-                    lost = group.rank_lost(exc) if isinstance(group, ShmGroup) else None
-                    if lost is None:
-                        raise
-                    raise lost from exc
-                return cast(torch.Tensor, out)
+                return cast(
+                    torch.Tensor, stack.forward(input_ids, positions, caches, slots, tables, lens)
+                )
         x = self._embed(input_ids)
         # The step's rotary tables, once for every layer (the sine signed: see
         # `apply_rotary_signed`).

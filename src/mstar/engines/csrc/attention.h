@@ -7,11 +7,12 @@
 // running maximum (online softmax), its values weighed for all those heads at once, all in
 // float32, each key and value read once, while the tiles ahead (and the next item's first)
 // are fetched. Without AVX-512 a tile is read in memory order instead, a token's KV heads
-// together (see attend_range): the core's prefetchers follow that order. A row of one range is written out directly; a longer row's ranges (their
-// maxima, sums and weighted values) are merged after, so one long sequence's decode spreads
-// over every thread. float32 and bfloat16 caches are read as they are stored, so a bfloat16
-// cache moves half the bytes: its keys scored as they are (AMX tile products or AVX-512 BF16
-// dot products of the stored bits) or widened on load, its values widened.
+// together (see attend_range): the core's prefetchers follow that order. A row of one range
+// is written out directly; a longer row's ranges (their maxima, sums and weighted values) are
+// merged after, so one long sequence's decode spreads over every thread. float32 and bfloat16
+// caches are read as they are stored, so a bfloat16 cache moves half the bytes: its keys
+// scored as they are (AMX tile products or AVX-512 BF16 dot products of the stored bits) or
+// widened on load, its values widened.
 
 #pragma once
 
