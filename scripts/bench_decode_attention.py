@@ -2,14 +2,22 @@
 
 A decode step's attention must read every cached key and value of its rows once: for `rows`
 sequences of `keys` tokens, `rows x keys x kv_heads x head_dim x 2` elements at the cache's
-width. `native` is `decode_attention` reading them in place through shuffled block tables
-(what the engine runs for decode rows); `torch` is the engine's path without the kernel: the
+width. `native` is `decode_attention` reading them in place through block tables (what the
+engine runs for decode rows); `torch` is the engine's path without the kernel: the
 rows' blocks gathered (`index_select`), then `F.scaled_dot_product_attention` with each KV
 head's query heads folded into the query axis. Reported per case: the bytes of keys and values
 a call reads, the best of `--repeats` times of each side, the native kernel's achieved GB/s and
 its % of the memory bandwidth measured in the same run with the same threads
 (`mstar.bench.machine.measure_bandwidth`, best of the run), the ratio torch / native (above 1:
 the kernel is faster), and the largest difference between them.
+
+Block tables (`--tables`): `shuffled` gives each row blocks from all over the cache, as a
+long-running engine's tables become once requests have come and gone; `ordered` gives each row
+consecutive blocks, as a fresh engine's prefills take them. Block sizes (`--block-sizes`): the
+engine's default is 16 tokens; vLLM's CPU backend takes 128. A row's blocks are runs of
+`block x kv_heads x head_dim` elements that a core reads in order: the longer the run, the
+more of it the core's own prefetchers stream, and the nearer one thread comes to the
+bandwidth it reaches over one long array.
 
 The caches of a case are allocated `--pool-mib` deep and cycled through call by call, as a
 model's layers are: a case whose keys fit in the CPU's caches would otherwise be timed from
@@ -21,11 +29,14 @@ Layouts: `tiny` (bench_llm's tiny Llama: 8 query heads, 4 KV heads, head_dim 32)
 
     python scripts/bench_decode_attention.py                  # one thread
     python scripts/bench_decode_attention.py --threads 2 --keys 8192 --rows 1
+    python scripts/bench_decode_attention.py --keys 1600 --rows 16 --layouts tiny \
+        --block-sizes 16,128 --tables shuffled,ordered
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import Callable
 
@@ -36,7 +47,6 @@ from mstar.bench.machine import best_seconds, measure_bandwidth
 from mstar.engines.kv_cache import advise_huge_pages
 from mstar.engines.native import cpu_kernels
 
-BLOCK = 16
 LAYOUTS = {"tiny": (8, 4, 32), "smollm2": (9, 3, 64)}  # heads, kv_heads, head_dim
 
 
@@ -48,28 +58,35 @@ def run_case(
     repeats: int,
     pool_bytes: int,
     huge_pages: bool = True,
+    block: int = 16,
+    tables_kind: str = "shuffled",
 ) -> dict[str, object]:
     """Time one case both ways; return its row."""
     kernels = cpu_kernels()
     assert kernels is not None, "the native kernels did not build"
     heads, kv_heads, dim = LAYOUTS[layout]
     gen = torch.Generator().manual_seed(0)
-    per_row = -(-keys // BLOCK)
+    per_row = -(-keys // block)
     num_blocks = rows * per_row
     element = torch.empty(0, dtype=dtype).element_size()
     kv_bytes = 2 * rows * keys * kv_heads * dim * element  # what one call must read
-    cache_bytes = 2 * num_blocks * BLOCK * kv_heads * dim * element
+    cache_bytes = 2 * num_blocks * block * kv_heads * dim * element
     copies = max(1, min(4096, pool_bytes // cache_bytes))
 
     def cache() -> torch.Tensor:
-        shape = (num_blocks, BLOCK, kv_heads, dim)
+        shape = (num_blocks, block, kv_heads, dim)
         out = torch.empty(shape, dtype=dtype)
         if huge_pages:  # as the engine allocates its cache (advised before it is touched)
             advise_huge_pages(out)
         return out.copy_(torch.randn(shape, generator=gen))
 
     caches = [(cache(), cache()) for _ in range(copies)]
-    tables = torch.randperm(num_blocks, generator=gen).view(rows, per_row).contiguous()
+    order = (
+        torch.randperm(num_blocks, generator=gen)
+        if tables_kind == "shuffled"
+        else torch.arange(num_blocks)
+    )
+    tables = order.view(rows, per_row).contiguous()
     lens = torch.full((rows,), keys, dtype=torch.long)
     q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
     scale = dim**-0.5
@@ -79,7 +96,7 @@ def run_case(
         return kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
     def reference(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        shape = (rows, per_row * BLOCK, kv_heads, dim)
+        shape = (rows, per_row * block, kv_heads, dim)
         ks = k_cache.index_select(0, flat).view(shape)[:, :keys].transpose(1, 2)
         vs = v_cache.index_select(0, flat).view(shape)[:, :keys].transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -100,6 +117,8 @@ def run_case(
     return {
         "layout": f"{layout} {heads}/{kv_heads}x{dim}",
         "dtype": str(dtype).removeprefix("torch."),
+        "block": block,
+        "tables": tables_kind,
         "rows": rows,
         "keys": keys,
         "kv_mb": kv_bytes / 1e6,
@@ -118,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--rows", default="1,4,16", help="decode rows per call")
     parser.add_argument("--layouts", default="tiny,smollm2", help=", ".join(LAYOUTS))
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--block-sizes", default="16", help="tokens per cache block")
+    parser.add_argument("--tables", default="shuffled", help="shuffled, ordered (or both)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pool-mib", type=int, default=1024, help="caches cycled per case")
@@ -132,30 +153,45 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     rows = []
     for layout in args.layouts.split(","):
         for dtype_name in args.dtypes.split(","):
-            for keys in map(int, args.keys.split(",")):
-                for count in map(int, args.rows.split(",")):
-                    dtype = getattr(torch, dtype_name)
-                    pool = args.pool_mib << 20
-                    rows.append(
-                        run_case(
-                            layout, dtype, keys, count, args.repeats, pool, not args.small_pages
-                        )
+            for keys, count, block, kind in itertools.product(
+                map(int, args.keys.split(",")),
+                map(int, args.rows.split(",")),
+                map(int, args.block_sizes.split(",")),
+                args.tables.split(","),
+            ):
+                if kind not in ("shuffled", "ordered"):
+                    raise SystemExit(f"--tables: shuffled or ordered, not {kind!r}")
+                dtype = getattr(torch, dtype_name)
+                pool = args.pool_mib << 20
+                rows.append(
+                    run_case(
+                        layout,
+                        dtype,
+                        keys,
+                        count,
+                        args.repeats,
+                        pool,
+                        not args.small_pages,
+                        block,
+                        kind,
                     )
-                    # The machine's bandwidth drifts: the fastest it showed is the strictest.
-                    bandwidth = max(bandwidth, measure_bandwidth())
+                )
+                # The machine's bandwidth drifts: the fastest it showed is the strictest.
+                bandwidth = max(bandwidth, measure_bandwidth())
     print(
         f"\nmemory bandwidth (best of the run, {torch.get_num_threads()} torch threads): "
         f"{bandwidth / 1e9:.1f} GB/s"
     )
     print(
-        "\n| layout | dtype | rows | keys | K+V MB | native ms | GB/s | % bandwidth | torch ms "
-        "| torch / native | max diff |"
+        "\n| layout | dtype | block | tables | rows | keys | K+V MB | native ms | GB/s "
+        "| % bandwidth | torch ms | torch / native | max diff |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         r["bandwidth_pct"] = 100 * float(r["gb_s"]) * 1e9 / bandwidth  # type: ignore[arg-type]
         print(
-            f"| {r['layout']} | {r['dtype']} | {r['rows']} | {r['keys']} | {r['kv_mb']:.1f} | "
+            f"| {r['layout']} | {r['dtype']} | {r['block']} | {r['tables']} | {r['rows']} | "
+            f"{r['keys']} | {r['kv_mb']:.1f} | "
             f"{r['native_ms']:.3f} | {r['gb_s']:.1f} | {r['bandwidth_pct']:.0f}% | "
             f"{r['torch_ms']:.3f} | {r['ratio']:.2f}x | {r['max_diff']:.1e} |"
         )

@@ -53,6 +53,10 @@ the rounds; a ratio is the median of the rounds' own ratios, with its range in b
 a shared machine whose speed drifts by tens of percent within minutes, a single round
 compares sides measured under different conditions; the rounds show how far that goes.
 
+mstar's KV cache takes blocks of `--block-size` tokens (16, the engine's default); vLLM's CPU
+backend takes its own default, 128. Longer blocks are longer runs of memory read in order by
+decode attention (`scripts/bench_decode_attention.py --block-sizes` times the kernel alone).
+
 Models: `tiny` (Llama, hidden 256, 4 layers, 8 heads / 4 KV heads, intermediate 512,
 vocab 32000, random weights) and `smollm2` (SmolLM2-135M-Instruct, real weights).
 With `--deterministic`, a second mstar engine serving deterministically
@@ -192,7 +196,7 @@ async def bench_model(
     small_cpu = device.type == "cpu" and not args.full and name == "smollm2"
     levels = args.smollm2_concurrency if small_cpu else args.concurrency
     new_tokens = args.smollm2_new_tokens if small_cpu else args.new_tokens
-    block = 16
+    block = args.block_size
     per_seq_blocks = -(-(args.prompt_len + new_tokens) // block)
     kv = {
         "block_size": block,
@@ -329,6 +333,7 @@ async def bench_model(
             "dtype": dtype_name,
             "concurrency": conc,
             "new_tokens": new_tokens,
+            "block_size": block,
             "mstar_tokens_per_s": ours.output_tokens_per_s,
             "mstar_tpot_ms": tpot_ms,
             "mstar_ttft_ms": ours.ttft_s.p50 * 1e3 if ours.ttft_s else float("nan"),
@@ -626,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    parser.add_argument("--block-size", type=int, default=16, help="mstar's KV block size (tokens)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
         "--peer",

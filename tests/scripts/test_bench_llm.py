@@ -54,14 +54,16 @@ def test_tiny_run_reports_throughput_ratio_and_floor(bench: ModuleType, tmp_path
             "8",
             "--waves",
             "1",
+            "--block-size",
+            "4",
             "--out",
             str(tmp_path),
         ]
     )
     rows = json.loads((tmp_path / "bench_llm_summary.json").read_text())
-    assert [(r["model"], r["dtype"], r["concurrency"]) for r in rows] == [
-        ("tiny", "float32", 1),
-        ("tiny", "float32", 2),
+    assert [(r["model"], r["dtype"], r["concurrency"], r["block_size"]) for r in rows] == [
+        ("tiny", "float32", 1, 4),
+        ("tiny", "float32", 2, 4),
     ]
     for row in rows:
         assert row["failed"] == 0 and row["mstar_tokens_per_s"] > 0 and row["ratio"] > 0
