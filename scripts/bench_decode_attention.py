@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    for kind in args.tables.split(","):
+        if kind not in ("shuffled", "ordered"):
+            raise SystemExit(f"--tables: shuffled or ordered, not {kind!r}")
     torch.set_num_threads(args.threads)
     print("bench_decode_attention", json.dumps({k: str(v) for k, v in vars(args).items()}))
     bandwidth = measure_bandwidth()
@@ -159,8 +162,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 map(int, args.block_sizes.split(",")),
                 args.tables.split(","),
             ):
-                if kind not in ("shuffled", "ordered"):
-                    raise SystemExit(f"--tables: shuffled or ordered, not {kind!r}")
                 dtype = getattr(torch, dtype_name)
                 pool = args.pool_mib << 20
                 rows.append(
