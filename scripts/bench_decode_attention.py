@@ -154,31 +154,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     print("bench_decode_attention", json.dumps({k: str(v) for k, v in vars(args).items()}))
     bandwidth = measure_bandwidth()
     rows = []
-    for layout in args.layouts.split(","):
-        for dtype_name in args.dtypes.split(","):
-            for keys, count, block, kind in itertools.product(
-                map(int, args.keys.split(",")),
-                map(int, args.rows.split(",")),
-                map(int, args.block_sizes.split(",")),
-                args.tables.split(","),
-            ):
-                dtype = getattr(torch, dtype_name)
-                pool = args.pool_mib << 20
-                rows.append(
-                    run_case(
-                        layout,
-                        dtype,
-                        keys,
-                        count,
-                        args.repeats,
-                        pool,
-                        not args.small_pages,
-                        block,
-                        kind,
-                    )
-                )
-                # The machine's bandwidth drifts: the fastest it showed is the strictest.
-                bandwidth = max(bandwidth, measure_bandwidth())
+    cases = itertools.product(
+        args.layouts.split(","),
+        [getattr(torch, name) for name in args.dtypes.split(",")],
+        map(int, args.keys.split(",")),
+        map(int, args.rows.split(",")),
+        map(int, args.block_sizes.split(",")),
+        args.tables.split(","),
+    )
+    pool, huge = args.pool_mib << 20, not args.small_pages
+    for layout, dtype, keys, count, block, kind in cases:
+        rows.append(run_case(layout, dtype, keys, count, args.repeats, pool, huge, block, kind))
+        # The machine's bandwidth drifts: the fastest it showed is the strictest.
+        bandwidth = max(bandwidth, measure_bandwidth())
     print(
         f"\nmemory bandwidth (best of the run, {torch.get_num_threads()} torch threads): "
         f"{bandwidth / 1e9:.1f} GB/s"
